@@ -1,1 +1,43 @@
-//! placeholder
+//! The JNF container: one file (`model.jnf`) holding a model's tensors, laid out for streaming.
+//!
+//! Every expert's gate, up and down matrices form one contiguous *extent*; the experts of a layer
+//! sit next to each other in id order; every extent starts at a 4096-byte-aligned offset and is
+//! zero-padded to a multiple of 4096, so that one O_DIRECT read fetches exactly one expert.
+//! Non-expert tensors live in their own region, each also 4096-aligned. The bytes are the source
+//! checkpoint's bytes, unchanged: this crate has no notion of converting a value.
+//!
+//! docs/FORMAT.md specifies the layout byte by byte. This crate is the only place its rules live:
+//! [`Header::parse`] validates a header completely (size cap, bounds, overlaps, alignment, checked
+//! shape arithmetic, expert packing and order) and [`LayoutPlan`] is the only way to produce one.
+//! It must never accept a header it could not have written, and never read tensor data it was not
+//! asked for.
+
+mod error;
+mod header;
+mod layout;
+mod reader;
+
+pub use error::JnfError;
+pub use header::{
+    Dtype, ExpertExtent, ExpertMatrix, Header, MatrixRole, SourceRef, TensorEntry, MAX_HEADER_LEN,
+};
+pub use layout::{LayoutPlan, MatrixSpec, TensorSpec};
+pub use reader::JnfFile;
+
+/// The eight bytes every JNF file starts with.
+pub const MAGIC: [u8; 8] = *b"TARFAJNF";
+/// Format version written by this crate. A reader accepts the same major version and any minor
+/// version up to its own (minor versions only ever add optional header fields).
+pub const FORMAT_MAJOR: u16 = 1;
+pub const FORMAT_MINOR: u16 = 0;
+/// Alignment (and padding unit) of every tensor and extent: one page, the O_DIRECT unit.
+pub const ALIGN: u64 = 4096;
+/// Bytes before the header JSON: magic, major, minor, reserved u32, header length u64.
+pub const PREAMBLE_LEN: u64 = 24;
+/// The file name of the container inside a bundle directory.
+pub const CONTAINER_FILE: &str = "model.jnf";
+
+/// Round `n` up to a multiple of [`ALIGN`], or `None` on overflow.
+pub fn align_up(n: u64) -> Option<u64> {
+    n.checked_add(ALIGN - 1).map(|v| v / ALIGN * ALIGN)
+}

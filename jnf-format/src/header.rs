@@ -1,0 +1,616 @@
+//! The JNF header: schema, full validation, and encoding.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{align_up, JnfError, ALIGN, FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE_LEN};
+
+/// Largest header JSON a reader accepts. A Qwen3-235B-A22B bundle (94 layers x 128 experts)
+/// needs about 8 MB; the cap keeps a hostile length from allocating gigabytes.
+pub const MAX_HEADER_LEN: u64 = 64 << 20;
+
+/// Element types a JNF file may carry. Only floating-point types exist here: quantized and
+/// integer dtypes are refused by name ([`JnfError::RefusedDtype`]), never representable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    BF16,
+    F16,
+    F32,
+    F64,
+}
+
+impl Dtype {
+    pub fn size(self) -> u64 {
+        match self {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            Dtype::F64 => 8,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::BF16 => "BF16",
+            Dtype::F16 => "F16",
+            Dtype::F32 => "F32",
+            Dtype::F64 => "F64",
+        }
+    }
+
+    /// Parse a safetensors-style dtype name. `Err(true)` means a known but refused dtype,
+    /// `Err(false)` an unknown one.
+    pub fn parse(s: &str) -> Result<Dtype, bool> {
+        match s {
+            "BF16" => Ok(Dtype::BF16),
+            "F16" => Ok(Dtype::F16),
+            "F32" => Ok(Dtype::F32),
+            "F64" => Ok(Dtype::F64),
+            "F8_E4M3" | "F8_E5M2" | "F8_E8M0" | "F6_E2M3" | "F6_E3M2" | "F4" | "I4" | "U4"
+            | "I8" | "U8" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64" | "BOOL" | "C64" => {
+                Err(true)
+            }
+            _ => Err(false),
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a tensor's bytes came from: the source shard file and the absolute byte offset in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceRef {
+    pub shard: String,
+    pub offset: u64,
+}
+
+/// A non-expert tensor: absolute `offset` in the file, 4096-aligned; `length` excludes padding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorEntry {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub offset: u64,
+    pub length: u64,
+    pub source: Option<SourceRef>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MatrixRole {
+    Gate,
+    Up,
+    Down,
+}
+
+impl MatrixRole {
+    pub const ORDER: [MatrixRole; 3] = [MatrixRole::Gate, MatrixRole::Up, MatrixRole::Down];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MatrixRole::Gate => "gate",
+            MatrixRole::Up => "up",
+            MatrixRole::Down => "down",
+        }
+    }
+}
+
+/// One matrix of an expert; `offset` is relative to the start of its extent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertMatrix {
+    pub role: MatrixRole,
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub offset: u64,
+    pub length: u64,
+    pub source: Option<SourceRef>,
+}
+
+/// One expert: gate, up and down packed back to back from a 4096-aligned `offset`;
+/// `length` is their total, `padded_length` the aligned size the extent occupies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertExtent {
+    pub layer: u32,
+    pub expert: u32,
+    pub prefix: String,
+    pub offset: u64,
+    pub length: u64,
+    pub padded_length: u64,
+    pub matrices: [ExpertMatrix; 3],
+}
+
+impl ExpertExtent {
+    pub fn matrix(&self, role: MatrixRole) -> &ExpertMatrix {
+        &self.matrices[role as usize]
+    }
+}
+
+/// A validated header. Construct it with [`Header::parse`] or [`crate::LayoutPlan::finish`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    pub major: u16,
+    pub minor: u16,
+    pub file_size: u64,
+    pub data_start: u64,
+    pub tensors: Vec<TensorEntry>,
+    pub experts: Vec<ExpertExtent>,
+    pub metadata: BTreeMap<String, String>,
+    tensor_index: HashMap<String, usize>,
+    expert_index: HashMap<(u32, u32), usize>,
+}
+
+// ---- wire schema (strings for dtypes so that unknown ones get their own error) ----
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHeader {
+    alignment: u64,
+    file_size: u64,
+    data_start: u64,
+    tensors: Vec<RawTensor>,
+    experts: Vec<RawExpert>,
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTensor {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    offset: u64,
+    length: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    source: Option<SourceRef>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMatrix {
+    role: MatrixRole,
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    offset: u64,
+    length: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    source: Option<SourceRef>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExpert {
+    layer: u32,
+    expert: u32,
+    prefix: String,
+    offset: u64,
+    length: u64,
+    padded_length: u64,
+    matrices: Vec<RawMatrix>,
+}
+
+fn dtype_of(name: &str, s: &str) -> Result<Dtype, JnfError> {
+    Dtype::parse(s).map_err(|refused| {
+        if refused {
+            JnfError::RefusedDtype {
+                name: name.into(),
+                dtype: s.into(),
+            }
+        } else {
+            JnfError::UnknownDtype {
+                name: name.into(),
+                dtype: s.into(),
+            }
+        }
+    })
+}
+
+/// Byte length implied by shape and dtype, with checked arithmetic.
+pub(crate) fn shape_bytes(name: &str, shape: &[u64], dtype: Dtype) -> Result<u64, JnfError> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| JnfError::ShapeOverflow {
+            name: name.into(),
+            shape: shape.to_vec(),
+        })
+}
+
+fn check_name(name: &str) -> Result<(), JnfError> {
+    if name.is_empty() || name.chars().any(|c| c.is_control()) {
+        return Err(JnfError::InvalidName(name.into()));
+    }
+    Ok(())
+}
+
+/// Parsed preamble: (major, minor, header_len).
+pub(crate) fn parse_preamble(p: &[u8], file_size: u64) -> Result<(u16, u16, u64), JnfError> {
+    if (p.len() as u64) < PREAMBLE_LEN || file_size < PREAMBLE_LEN {
+        return Err(JnfError::TooShort {
+            size: file_size.min(p.len() as u64),
+        });
+    }
+    if p[0..8] != MAGIC {
+        return Err(JnfError::BadMagic);
+    }
+    let major = u16::from_le_bytes([p[8], p[9]]);
+    let minor = u16::from_le_bytes([p[10], p[11]]);
+    if major != FORMAT_MAJOR || minor > FORMAT_MINOR {
+        return Err(JnfError::UnsupportedVersion {
+            major,
+            minor,
+            max_minor: FORMAT_MINOR,
+        });
+    }
+    let reserved = u32::from_le_bytes([p[12], p[13], p[14], p[15]]);
+    if reserved != 0 {
+        return Err(JnfError::ReservedNonZero(reserved));
+    }
+    let len = u64::from_le_bytes(p[16..24].try_into().expect("8 bytes"));
+    if len > MAX_HEADER_LEN {
+        return Err(JnfError::HeaderTooLarge {
+            len,
+            cap: MAX_HEADER_LEN,
+        });
+    }
+    if PREAMBLE_LEN + len > file_size {
+        return Err(JnfError::HeaderBeyondFile { len, file_size });
+    }
+    Ok((major, minor, len))
+}
+
+impl Header {
+    /// Parse and fully validate a header. `buf` holds the file's first bytes (at least the
+    /// preamble and the header JSON); `file_size` is the real size of the file.
+    pub fn parse(buf: &[u8], file_size: u64) -> Result<Header, JnfError> {
+        let (major, minor, len) = parse_preamble(buf, file_size)?;
+        let end = (PREAMBLE_LEN + len) as usize;
+        if buf.len() < end {
+            return Err(JnfError::HeaderBeyondFile {
+                len,
+                file_size: buf.len() as u64,
+            });
+        }
+        let text = std::str::from_utf8(&buf[PREAMBLE_LEN as usize..end])
+            .map_err(|_| JnfError::HeaderNotUtf8)?;
+        let raw: RawHeader =
+            serde_json::from_str(text).map_err(|e| JnfError::HeaderJson(e.to_string()))?;
+        let header = Header::from_raw(raw, major, minor)?;
+        let expected_start = align_up(PREAMBLE_LEN + len).ok_or(JnfError::HeaderTooLarge {
+            len,
+            cap: MAX_HEADER_LEN,
+        })?;
+        if header.data_start != expected_start {
+            return Err(JnfError::DataStartMismatch {
+                expected: expected_start,
+                actual: header.data_start,
+            });
+        }
+        header.validate(file_size)?;
+        Ok(header)
+    }
+
+    fn from_raw(raw: RawHeader, major: u16, minor: u16) -> Result<Header, JnfError> {
+        if raw.alignment != ALIGN {
+            return Err(JnfError::UnsupportedAlignment(raw.alignment));
+        }
+        let mut tensors = Vec::with_capacity(raw.tensors.len());
+        for t in raw.tensors {
+            let dtype = dtype_of(&t.name, &t.dtype)?;
+            tensors.push(TensorEntry {
+                name: t.name,
+                dtype,
+                shape: t.shape,
+                offset: t.offset,
+                length: t.length,
+                source: t.source,
+            });
+        }
+        let mut experts = Vec::with_capacity(raw.experts.len());
+        for e in raw.experts {
+            if e.matrices.len() != 3 {
+                return Err(JnfError::ExpertRoles { prefix: e.prefix });
+            }
+            let mut ms = Vec::with_capacity(3);
+            for m in e.matrices {
+                let dtype = dtype_of(&m.name, &m.dtype)?;
+                ms.push(ExpertMatrix {
+                    role: m.role,
+                    name: m.name,
+                    dtype,
+                    shape: m.shape,
+                    offset: m.offset,
+                    length: m.length,
+                    source: m.source,
+                });
+            }
+            let matrices: [ExpertMatrix; 3] = ms.try_into().expect("three matrices");
+            experts.push(ExpertExtent {
+                layer: e.layer,
+                expert: e.expert,
+                prefix: e.prefix,
+                offset: e.offset,
+                length: e.length,
+                padded_length: e.padded_length,
+                matrices,
+            });
+        }
+        Ok(Header::assemble(
+            major,
+            minor,
+            raw.file_size,
+            raw.data_start,
+            tensors,
+            experts,
+            raw.metadata,
+        ))
+    }
+
+    pub(crate) fn assemble(
+        major: u16,
+        minor: u16,
+        file_size: u64,
+        data_start: u64,
+        tensors: Vec<TensorEntry>,
+        experts: Vec<ExpertExtent>,
+        metadata: BTreeMap<String, String>,
+    ) -> Header {
+        let tensor_index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        let expert_index = experts
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ((e.layer, e.expert), i))
+            .collect();
+        Header {
+            major,
+            minor,
+            file_size,
+            data_start,
+            tensors,
+            experts,
+            metadata,
+            tensor_index,
+            expert_index,
+        }
+    }
+
+    /// Every structural rule of docs/FORMAT.md, against a file of `file_size` bytes.
+    pub fn validate(&self, file_size: u64) -> Result<(), JnfError> {
+        if self.file_size != file_size {
+            return Err(JnfError::FileSizeMismatch {
+                expected: self.file_size,
+                actual: file_size,
+            });
+        }
+        let mut names = HashSet::new();
+        let mut seen = |n: &str| -> Result<(), JnfError> {
+            check_name(n)?;
+            if !names.insert(n.to_string()) {
+                return Err(JnfError::DuplicateName(n.into()));
+            }
+            Ok(())
+        };
+        // (start, padded end, name) of every region, for the overlap sweep.
+        let mut regions: Vec<(u64, u64, &str)> = Vec::new();
+        let bounds = |name: &str, offset: u64, span: u64| -> Result<u64, JnfError> {
+            if offset % ALIGN != 0 {
+                return Err(JnfError::Misaligned {
+                    name: name.into(),
+                    offset,
+                });
+            }
+            if offset < self.data_start {
+                return Err(JnfError::InsideHeader {
+                    name: name.into(),
+                    offset,
+                    data_start: self.data_start,
+                });
+            }
+            let oob = || JnfError::OutOfBounds {
+                name: name.into(),
+                offset,
+                length: span,
+                file_size,
+            };
+            let end = offset.checked_add(span).ok_or_else(oob)?;
+            if end > file_size {
+                return Err(oob());
+            }
+            Ok(end)
+        };
+
+        for t in &self.tensors {
+            seen(&t.name)?;
+            let expected = shape_bytes(&t.name, &t.shape, t.dtype)?;
+            if expected != t.length {
+                return Err(JnfError::LengthMismatch {
+                    name: t.name.clone(),
+                    expected,
+                    actual: t.length,
+                });
+            }
+            let padded = align_up(t.length).ok_or_else(|| JnfError::OutOfBounds {
+                name: t.name.clone(),
+                offset: t.offset,
+                length: t.length,
+                file_size,
+            })?;
+            let end = bounds(&t.name, t.offset, padded)?;
+            regions.push((t.offset, end, &t.name));
+        }
+
+        let mut prev: Option<&ExpertExtent> = None;
+        for e in &self.experts {
+            seen(&e.prefix)?;
+            let mut sum = 0u64;
+            for (m, role) in e.matrices.iter().zip(MatrixRole::ORDER) {
+                seen(&m.name)?;
+                if m.role != role {
+                    return Err(JnfError::ExpertRoles {
+                        prefix: e.prefix.clone(),
+                    });
+                }
+                if m.dtype != Dtype::BF16 {
+                    return Err(JnfError::ExpertNotBf16 {
+                        name: m.name.clone(),
+                        dtype: m.dtype.to_string(),
+                    });
+                }
+                let expected = shape_bytes(&m.name, &m.shape, m.dtype)?;
+                if expected != m.length {
+                    return Err(JnfError::LengthMismatch {
+                        name: m.name.clone(),
+                        expected,
+                        actual: m.length,
+                    });
+                }
+                if m.offset != sum {
+                    return Err(JnfError::ExpertNotPacked {
+                        prefix: e.prefix.clone(),
+                        name: m.name.clone(),
+                        offset: m.offset,
+                        expected: sum,
+                    });
+                }
+                sum = sum
+                    .checked_add(m.length)
+                    .ok_or_else(|| JnfError::ShapeOverflow {
+                        name: m.name.clone(),
+                        shape: m.shape.clone(),
+                    })?;
+            }
+            let padded_ok = align_up(sum) == Some(e.padded_length);
+            if e.length != sum || !padded_ok {
+                return Err(JnfError::ExpertLength {
+                    prefix: e.prefix.clone(),
+                    length: e.length,
+                    padded: e.padded_length,
+                    sum,
+                });
+            }
+            let end = bounds(&e.prefix, e.offset, e.padded_length)?;
+            if let Some(p) = prev {
+                let in_order = (p.layer, p.expert) < (e.layer, e.expert) && p.offset < e.offset;
+                // The experts of one layer are physically adjacent, in id order.
+                let adjacent = p.layer != e.layer || p.offset + p.padded_length == e.offset;
+                if !in_order || !adjacent {
+                    return Err(JnfError::ExpertOrder {
+                        prefix: e.prefix.clone(),
+                    });
+                }
+            }
+            prev = Some(e);
+            regions.push((e.offset, end, &e.prefix));
+        }
+
+        regions.sort_unstable();
+        for w in regions.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(JnfError::Overlap {
+                    first: w[0].2.into(),
+                    second: w[1].2.into(),
+                });
+            }
+        }
+        // Nothing may follow the last region: the file ends exactly where the layout says.
+        let last_end = regions.last().map_or(self.data_start, |r| r.1);
+        if last_end != file_size {
+            return Err(JnfError::FileSizeMismatch {
+                expected: last_end,
+                actual: file_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// The whole header as written to disk: preamble, JSON, zero padding up to `data_start`.
+    pub fn encode(&self) -> Vec<u8> {
+        let json = self.to_json();
+        let mut out = Vec::with_capacity(self.data_start as usize);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&self.major.to_le_bytes());
+        out.extend_from_slice(&self.minor.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+        out.extend_from_slice(json.as_bytes());
+        out.resize(self.data_start as usize, 0);
+        out
+    }
+
+    pub(crate) fn to_json(&self) -> String {
+        let raw = RawHeader {
+            alignment: ALIGN,
+            file_size: self.file_size,
+            data_start: self.data_start,
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| RawTensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype.to_string(),
+                    shape: t.shape.clone(),
+                    offset: t.offset,
+                    length: t.length,
+                    source: t.source.clone(),
+                })
+                .collect(),
+            experts: self
+                .experts
+                .iter()
+                .map(|e| RawExpert {
+                    layer: e.layer,
+                    expert: e.expert,
+                    prefix: e.prefix.clone(),
+                    offset: e.offset,
+                    length: e.length,
+                    padded_length: e.padded_length,
+                    matrices: e
+                        .matrices
+                        .iter()
+                        .map(|m| RawMatrix {
+                            role: m.role,
+                            name: m.name.clone(),
+                            dtype: m.dtype.to_string(),
+                            shape: m.shape.clone(),
+                            offset: m.offset,
+                            length: m.length,
+                            source: m.source.clone(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+            metadata: self.metadata.clone(),
+        };
+        serde_json::to_string(&raw).expect("header serialises")
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    pub fn expert(&self, layer: u32, expert: u32) -> Option<&ExpertExtent> {
+        self.expert_index
+            .get(&(layer, expert))
+            .map(|&i| &self.experts[i])
+    }
+
+    /// Number of experts per layer, by layer (layers without experts are absent).
+    pub fn experts_per_layer(&self) -> BTreeMap<u32, u32> {
+        let mut m = BTreeMap::new();
+        for e in &self.experts {
+            *m.entry(e.layer).or_insert(0) += 1;
+        }
+        m
+    }
+}

@@ -1,0 +1,154 @@
+//! Planning a JNF layout: the only way to build a [`Header`].
+//!
+//! Non-expert tensors come first (in the order added), then the expert extents sorted by
+//! (layer, expert). Offsets are absolute, so the header's own length decides where data starts;
+//! [`LayoutPlan::finish`] iterates until the two agree.
+
+use std::collections::BTreeMap;
+
+use crate::header::shape_bytes;
+use crate::{
+    align_up, Dtype, ExpertExtent, ExpertMatrix, Header, JnfError, MatrixRole, SourceRef,
+    TensorEntry, FORMAT_MAJOR, FORMAT_MINOR, PREAMBLE_LEN,
+};
+
+/// A non-expert tensor to place.
+#[derive(Debug, Clone)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub source: Option<SourceRef>,
+}
+
+/// One matrix of an expert to place.
+#[derive(Debug, Clone)]
+pub struct MatrixSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub source: Option<SourceRef>,
+}
+
+#[derive(Debug, Default)]
+pub struct LayoutPlan {
+    tensors: Vec<TensorSpec>,
+    experts: BTreeMap<(u32, u32), (String, [MatrixSpec; 3])>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl LayoutPlan {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn add_tensor(&mut self, spec: TensorSpec) {
+        self.tensors.push(spec);
+    }
+
+    /// Add an expert; `matrices` are gate, up, down in that order.
+    pub fn add_expert(
+        &mut self,
+        layer: u32,
+        expert: u32,
+        prefix: String,
+        matrices: [MatrixSpec; 3],
+    ) {
+        self.experts.insert((layer, expert), (prefix, matrices));
+    }
+
+    pub fn set_metadata(&mut self, key: &str, value: &str) {
+        self.metadata.insert(key.into(), value.into());
+    }
+
+    /// Assign offsets and return the validated header.
+    pub fn finish(self) -> Result<Header, JnfError> {
+        let mut data_start = crate::ALIGN;
+        loop {
+            let header = self.place(data_start)?;
+            let json_len = header.to_json().len() as u64;
+            let needed = align_up(PREAMBLE_LEN + json_len).ok_or(JnfError::HeaderTooLarge {
+                len: json_len,
+                cap: crate::MAX_HEADER_LEN,
+            })?;
+            if json_len > crate::MAX_HEADER_LEN {
+                return Err(JnfError::HeaderTooLarge {
+                    len: json_len,
+                    cap: crate::MAX_HEADER_LEN,
+                });
+            }
+            if needed == data_start {
+                header.validate(header.file_size)?;
+                return Ok(header);
+            }
+            // Offsets only grow with data_start, so the JSON only grows: this converges.
+            data_start = needed.max(data_start);
+        }
+    }
+
+    fn place(&self, data_start: u64) -> Result<Header, JnfError> {
+        let overflow = |name: &str| JnfError::OutOfBounds {
+            name: name.into(),
+            offset: 0,
+            length: 0,
+            file_size: u64::MAX,
+        };
+        let mut cursor = data_start;
+        let mut tensors = Vec::with_capacity(self.tensors.len());
+        for t in &self.tensors {
+            let length = shape_bytes(&t.name, &t.shape, t.dtype)?;
+            tensors.push(TensorEntry {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: cursor,
+                length,
+                source: t.source.clone(),
+            });
+            cursor = cursor
+                .checked_add(length)
+                .and_then(align_up)
+                .ok_or_else(|| overflow(&t.name))?;
+        }
+        let mut experts = Vec::with_capacity(self.experts.len());
+        for (&(layer, expert), (prefix, specs)) in &self.experts {
+            let mut inner = 0u64;
+            let mut ms = Vec::with_capacity(3);
+            for (spec, role) in specs.iter().zip(MatrixRole::ORDER) {
+                let length = shape_bytes(&spec.name, &spec.shape, spec.dtype)?;
+                ms.push(ExpertMatrix {
+                    role,
+                    name: spec.name.clone(),
+                    dtype: spec.dtype,
+                    shape: spec.shape.clone(),
+                    offset: inner,
+                    length,
+                    source: spec.source.clone(),
+                });
+                inner = inner
+                    .checked_add(length)
+                    .ok_or_else(|| overflow(&spec.name))?;
+            }
+            let padded = align_up(inner).ok_or_else(|| overflow(prefix))?;
+            experts.push(ExpertExtent {
+                layer,
+                expert,
+                prefix: prefix.clone(),
+                offset: cursor,
+                length: inner,
+                padded_length: padded,
+                matrices: ms.try_into().expect("three matrices"),
+            });
+            cursor = cursor.checked_add(padded).ok_or_else(|| overflow(prefix))?;
+        }
+        Ok(Header::assemble(
+            FORMAT_MAJOR,
+            FORMAT_MINOR,
+            cursor,
+            data_start,
+            tensors,
+            experts,
+            self.metadata.clone(),
+        ))
+    }
+}

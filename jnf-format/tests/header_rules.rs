@@ -1,0 +1,481 @@
+//! Every rule of the JNF header, broken one at a time by a crafted file.
+
+use jnf_format::*;
+use serde_json::{json, Value};
+
+fn mat(name: &str, shape: &[u64]) -> MatrixSpec {
+    MatrixSpec {
+        name: name.into(),
+        dtype: Dtype::BF16,
+        shape: shape.to_vec(),
+        source: None,
+    }
+}
+
+/// A small valid layout: two non-expert tensors and two layers of three experts.
+fn sample_plan() -> LayoutPlan {
+    let mut plan = LayoutPlan::new();
+    plan.add_tensor(TensorSpec {
+        name: "model.embed_tokens.weight".into(),
+        dtype: Dtype::BF16,
+        shape: vec![16, 8],
+        source: Some(SourceRef {
+            shard: "model-00001-of-00002.safetensors".into(),
+            offset: 1000,
+        }),
+    });
+    plan.add_tensor(TensorSpec {
+        name: "model.norm.weight".into(),
+        dtype: Dtype::F32,
+        shape: vec![8],
+        source: None,
+    });
+    for l in 0..2 {
+        for e in 0..3 {
+            let p = format!("model.layers.{l}.mlp.experts.{e}");
+            plan.add_expert(
+                l,
+                e,
+                p.clone(),
+                [
+                    mat(&format!("{p}.gate_proj.weight"), &[6, 8]),
+                    mat(&format!("{p}.up_proj.weight"), &[6, 8]),
+                    mat(&format!("{p}.down_proj.weight"), &[8, 6]),
+                ],
+            );
+        }
+    }
+    plan
+}
+
+fn header_json(h: &Header) -> Value {
+    let bytes = h.encode();
+    let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    serde_json::from_slice(&bytes[24..24 + len]).unwrap()
+}
+
+/// Encode `v` as a file: preamble, JSON, zero padding to `data_start`, zeros up to `file_size`.
+/// `data_start` is recomputed unless `keep_start`.
+fn file_from(mut v: Value, keep_start: bool) -> Vec<u8> {
+    if !keep_start {
+        // data_start's own digits can change the JSON length: iterate to a fixed point.
+        loop {
+            let len = serde_json::to_vec(&v).unwrap().len() as u64;
+            let start = align_up(24 + len).unwrap();
+            if v["data_start"] == json!(start) {
+                break;
+            }
+            v["data_start"] = json!(start);
+        }
+    }
+    let text = serde_json::to_vec(&v).unwrap();
+    let mut out = Vec::new();
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    let start = v["data_start"].as_u64().unwrap() as usize;
+    let size = v["file_size"].as_u64().unwrap_or(0) as usize;
+    out.resize(start.max(out.len()), 0);
+    out.resize(size.max(out.len()), 0);
+    out
+}
+
+fn parse(bytes: &[u8]) -> Result<Header, JnfError> {
+    Header::parse(bytes, bytes.len() as u64)
+}
+
+/// Shift every absolute offset by `delta` (to keep a mutated header self-consistent).
+fn valid_value() -> Value {
+    header_json(&sample_plan().finish().unwrap())
+}
+
+#[test]
+fn valid_layout_round_trips() {
+    let h = sample_plan().finish().unwrap();
+    let mut bytes = h.encode();
+    bytes.resize(h.file_size as usize, 0);
+    let back = parse(&bytes).unwrap();
+    assert_eq!(back, h);
+    assert_eq!(h.data_start, 4096);
+    // Non-expert tensors first, then experts in (layer, expert) order, adjacent, aligned.
+    assert_eq!(h.tensors[0].offset, 4096);
+    assert_eq!(h.tensors[1].offset, 8192);
+    assert_eq!(h.experts[0].offset, 12288);
+    for w in h.experts.windows(2) {
+        assert_eq!(w[0].offset + w[0].padded_length, w[1].offset);
+    }
+    let e = h.expert(1, 2).unwrap();
+    assert_eq!(e.prefix, "model.layers.1.mlp.experts.2");
+    assert_eq!(e.length, 3 * 96);
+    assert_eq!(e.matrix(MatrixRole::Up).offset, 96);
+    assert_eq!(e.matrix(MatrixRole::Down).offset, 192);
+    assert_eq!(h.file_size, 12288 + 6 * 4096);
+}
+
+#[test]
+fn large_header_pushes_data_start() {
+    let mut plan = LayoutPlan::new();
+    for i in 0..400 {
+        plan.add_tensor(TensorSpec {
+            name: format!("model.layers.{i}.a_rather_long_tensor_name_to_grow_the_header.weight"),
+            dtype: Dtype::BF16,
+            shape: vec![2],
+            source: None,
+        });
+    }
+    let h = plan.finish().unwrap();
+    assert!(h.data_start > 4096);
+    assert_eq!(h.data_start % 4096, 0);
+    let mut bytes = h.encode();
+    bytes.resize(h.file_size as usize, 0);
+    assert_eq!(parse(&bytes).unwrap(), h);
+}
+
+#[test]
+fn too_short() {
+    assert_eq!(parse(b"TARFA"), Err(JnfError::TooShort { size: 5 }));
+}
+
+#[test]
+fn bad_magic() {
+    let mut b = file_from(valid_value(), false);
+    b[0] = b'X';
+    assert_eq!(parse(&b), Err(JnfError::BadMagic));
+}
+
+#[test]
+fn unsupported_versions() {
+    let mut b = file_from(valid_value(), false);
+    b[8] = 2;
+    assert!(matches!(
+        parse(&b),
+        Err(JnfError::UnsupportedVersion { major: 2, .. })
+    ));
+    let mut b = file_from(valid_value(), false);
+    b[10] = 1;
+    assert!(matches!(
+        parse(&b),
+        Err(JnfError::UnsupportedVersion {
+            major: 1,
+            minor: 1,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn reserved_must_be_zero() {
+    let mut b = file_from(valid_value(), false);
+    b[12] = 1;
+    assert_eq!(parse(&b), Err(JnfError::ReservedNonZero(1)));
+}
+
+#[test]
+fn header_length_over_cap_or_past_end() {
+    let mut b = file_from(valid_value(), false);
+    b[16..24].copy_from_slice(&(MAX_HEADER_LEN + 1).to_le_bytes());
+    assert!(matches!(parse(&b), Err(JnfError::HeaderTooLarge { .. })));
+    let mut b = file_from(valid_value(), false);
+    let n = b.len() as u64;
+    b[16..24].copy_from_slice(&n.to_le_bytes());
+    assert!(matches!(parse(&b), Err(JnfError::HeaderBeyondFile { .. })));
+}
+
+#[test]
+fn header_not_utf8_or_not_json() {
+    let mut b = file_from(valid_value(), false);
+    b[24] = 0xff;
+    assert_eq!(parse(&b), Err(JnfError::HeaderNotUtf8));
+    let mut b = file_from(valid_value(), false);
+    b[24] = b'[';
+    assert!(matches!(parse(&b), Err(JnfError::HeaderJson(_))));
+}
+
+#[test]
+fn unknown_field_is_refused() {
+    let mut v = valid_value();
+    v["surprise"] = json!(1);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::HeaderJson(_))
+    ));
+}
+
+#[test]
+fn truncated_or_extended_file() {
+    let b = file_from(valid_value(), false);
+    let short = &b[..b.len() - 4096];
+    assert!(matches!(
+        parse(short),
+        Err(JnfError::FileSizeMismatch { .. })
+    ));
+    let mut long = b.clone();
+    long.extend_from_slice(&[0u8; 10]);
+    assert!(matches!(
+        parse(&long),
+        Err(JnfError::FileSizeMismatch { .. })
+    ));
+}
+
+#[test]
+fn trailing_region_after_last_extent() {
+    let mut v = valid_value();
+    let fs = v["file_size"].as_u64().unwrap();
+    v["file_size"] = json!(fs + 4096);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::FileSizeMismatch { .. })
+    ));
+}
+
+#[test]
+fn data_start_must_follow_header() {
+    let mut v = valid_value();
+    v["data_start"] = json!(8192);
+    assert!(matches!(
+        parse(&file_from(v, true)),
+        Err(JnfError::DataStartMismatch {
+            expected: 4096,
+            actual: 8192
+        })
+    ));
+}
+
+#[test]
+fn alignment_must_be_4096() {
+    let mut v = valid_value();
+    v["alignment"] = json!(512);
+    assert_eq!(
+        parse(&file_from(v, false)),
+        Err(JnfError::UnsupportedAlignment(512))
+    );
+}
+
+#[test]
+fn duplicate_names() {
+    let mut v = valid_value();
+    v["tensors"][1]["name"] = v["tensors"][0]["name"].clone();
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::DuplicateName(_))
+    ));
+    let mut v = valid_value();
+    v["experts"][1]["matrices"][0]["name"] = v["tensors"][0]["name"].clone();
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::DuplicateName(_))
+    ));
+}
+
+#[test]
+fn invalid_names() {
+    let mut v = valid_value();
+    v["tensors"][0]["name"] = json!("");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::InvalidName(_))
+    ));
+    let mut v = valid_value();
+    v["tensors"][0]["name"] = json!("a\nb");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::InvalidName(_))
+    ));
+}
+
+#[test]
+fn unknown_and_refused_dtypes() {
+    let mut v = valid_value();
+    v["tensors"][0]["dtype"] = json!("Q4_K");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::UnknownDtype { .. })
+    ));
+    let mut v = valid_value();
+    v["tensors"][0]["dtype"] = json!("F8_E4M3");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::RefusedDtype { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][0]["matrices"][2]["dtype"] = json!("I8");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::RefusedDtype { .. })
+    ));
+}
+
+#[test]
+fn expert_must_be_bf16() {
+    let mut v = valid_value();
+    // F16 has the same size, so only the dtype rule can catch it.
+    v["experts"][0]["matrices"][1]["dtype"] = json!("F16");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertNotBf16 { .. })
+    ));
+}
+
+#[test]
+fn shape_overflow() {
+    let mut v = valid_value();
+    v["tensors"][0]["shape"] = json!([u64::MAX / 2, 3]);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ShapeOverflow { .. })
+    ));
+}
+
+#[test]
+fn length_must_equal_shape_times_dtype() {
+    let mut v = valid_value();
+    v["tensors"][0]["length"] = json!(255);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::LengthMismatch { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][0]["matrices"][0]["shape"] = json!([6, 9]);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::LengthMismatch { .. })
+    ));
+}
+
+#[test]
+fn misaligned_offsets() {
+    let mut v = valid_value();
+    v["tensors"][1]["offset"] = json!(8192 + 16);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::Misaligned { offset: 8208, .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][2]["offset"] = json!(v["experts"][2]["offset"].as_u64().unwrap() + 8);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::Misaligned { .. })
+    ));
+}
+
+#[test]
+fn offsets_inside_header() {
+    let mut v = valid_value();
+    v["tensors"][0]["offset"] = json!(0);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::InsideHeader { .. })
+    ));
+}
+
+#[test]
+fn out_of_bounds_offsets() {
+    let mut v = valid_value();
+    let fs = v["file_size"].as_u64().unwrap();
+    v["tensors"][1]["offset"] = json!(fs);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::OutOfBounds { .. })
+    ));
+    let mut v = valid_value();
+    v["tensors"][1]["offset"] = json!(u64::MAX - 4095);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::OutOfBounds { .. })
+    ));
+}
+
+#[test]
+fn overlapping_regions() {
+    let mut v = valid_value();
+    v["tensors"][1]["offset"] = v["tensors"][0]["offset"].clone();
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::Overlap { .. })
+    ));
+    let mut v = valid_value();
+    v["tensors"][1]["offset"] = v["experts"][3]["offset"].clone();
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::Overlap { .. })
+    ));
+}
+
+#[test]
+fn expert_matrices_roles_and_packing() {
+    let mut v = valid_value();
+    v["experts"][0]["matrices"][0]["role"] = json!("up");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertRoles { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][0]["matrices"].as_array_mut().unwrap().pop();
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertRoles { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][0]["matrices"][1]["offset"] = json!(100);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertNotPacked { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][0]["length"] = json!(300);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertLength { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][0]["padded_length"] = json!(8192);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertLength { .. })
+    ));
+}
+
+#[test]
+fn experts_out_of_order_or_not_adjacent() {
+    let mut v = valid_value();
+    let a = v["experts"][0]["expert"].clone();
+    v["experts"][0]["expert"] = v["experts"][1]["expert"].clone();
+    v["experts"][1]["expert"] = a;
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertOrder { .. })
+    ));
+    // Same layer, a gap of one page between two experts.
+    let mut v = valid_value();
+    for i in 1..6 {
+        let o = v["experts"][i]["offset"].as_u64().unwrap();
+        v["experts"][i]["offset"] = json!(o + 4096);
+    }
+    let fs = v["file_size"].as_u64().unwrap();
+    v["file_size"] = json!(fs + 4096);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertOrder { .. })
+    ));
+}
+
+#[test]
+fn garbage_never_panics() {
+    // A cheap deterministic mutation loop; the fuzz target does this properly.
+    let base = file_from(valid_value(), false);
+    let mut state = 0x9e3779b97f4a7c15u64;
+    for _ in 0..3000 {
+        let mut b = base.clone();
+        for _ in 0..4 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let i = (state % 1200) as usize % b.len();
+            b[i] = (state >> 32) as u8;
+        }
+        let _ = parse(&b);
+    }
+}
