@@ -404,7 +404,7 @@ impl Header {
         // (start, padded end, name) of every region, for the overlap sweep.
         let mut regions: Vec<(u64, u64, &str)> = Vec::new();
         let bounds = |name: &str, offset: u64, span: u64| -> Result<u64, JnfError> {
-            if offset % ALIGN != 0 {
+            if !offset.is_multiple_of(ALIGN) {
                 return Err(JnfError::Misaligned {
                     name: name.into(),
                     offset,
