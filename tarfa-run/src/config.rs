@@ -1,0 +1,690 @@
+//! Parsing a Hugging Face `config.json` of an MoE decoder into a validated [`MoeConfig`].
+//!
+//! The family (from `model_type`) says which keys hold what (see [`crate::model::Family`]); this
+//! module reads them, applies transformers' defaults, and checks every value the forward relies
+//! on. Each failed check is its own error variant naming the key. This module must never guess:
+//! a feature the runtime does not implement (rope scaling, sliding windows, another activation)
+//! is an error, not a silent approximation.
+
+use serde_json::{Map, Value};
+
+use crate::model::{family_by_model_type, Family, Flag, FAMILIES};
+
+/// A config.json that cannot be run.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    /// The text is not JSON.
+    #[error("config.json is not valid JSON: {0}")]
+    Json(String),
+    /// The JSON is not an object.
+    #[error("config.json is not a JSON object")]
+    NotAnObject,
+    /// A required key is absent (or null).
+    #[error("config key `{key}` is missing")]
+    Missing { key: &'static str },
+    /// A key holds the wrong JSON type.
+    #[error("config key `{key}` must be {expected}, found {found}")]
+    WrongType {
+        key: &'static str,
+        expected: &'static str,
+        found: String,
+    },
+    /// A key holds a value outside what the model can be.
+    #[error("config key `{key}` = {value} is out of range: {why}")]
+    OutOfRange {
+        key: &'static str,
+        value: String,
+        why: &'static str,
+    },
+    /// `model_type` names no family this build implements.
+    #[error("model_type `{0}` is not a supported MoE family (supported: {1})")]
+    UnsupportedFamily(String, String),
+    /// A key asks for a feature the runtime does not implement.
+    #[error("config key `{key}` = {value} is not supported: {why}")]
+    Unsupported {
+        key: &'static str,
+        value: String,
+        why: &'static str,
+    },
+    /// `num_attention_heads` is not a multiple of `num_key_value_heads`.
+    #[error("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")]
+    HeadsNotMultipleOfKvHeads { heads: usize, kv_heads: usize },
+    /// `num_experts_per_tok` exceeds the number of experts.
+    #[error("num_experts_per_tok {top_k} exceeds the number of experts {experts}")]
+    TopKExceedsExperts { top_k: usize, experts: usize },
+    /// A layer listed in `mlp_only_layers` does not exist.
+    #[error("mlp_only_layers names layer {layer}, but num_hidden_layers is {layers}")]
+    MlpOnlyLayerOutOfRange { layer: usize, layers: usize },
+}
+
+/// The validated, family-resolved configuration of an MoE decoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// The family (from `model_type`).
+    pub family: &'static Family,
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// `hidden_size` (H).
+    pub hidden_size: usize,
+    /// `num_hidden_layers`.
+    pub num_layers: usize,
+    /// `num_attention_heads` (Hq).
+    pub num_heads: usize,
+    /// `num_key_value_heads` (Hkv; defaults to Hq).
+    pub num_kv_heads: usize,
+    /// `head_dim` (D; defaults to H / Hq).
+    pub head_dim: usize,
+    /// Number of routed experts (E).
+    pub num_experts: usize,
+    /// `num_experts_per_tok` (k).
+    pub top_k: usize,
+    /// Expert intermediate width (I).
+    pub expert_width: usize,
+    /// Dense-MLP width for dense layers (families that have them).
+    pub dense_width: Option<usize>,
+    /// Shared-expert width (Qwen2-MoE).
+    pub shared_expert_width: Option<usize>,
+    /// Whether the selected top-k probabilities are renormalised.
+    pub renormalize_topk: bool,
+    /// `decoder_sparse_step` (default 1).
+    pub decoder_sparse_step: usize,
+    /// `mlp_only_layers` (default empty).
+    pub mlp_only_layers: Vec<usize>,
+    /// `tie_word_embeddings` (default false).
+    pub tie_word_embeddings: bool,
+    /// `rms_norm_eps` as written (the forward uses `f32(eps)`).
+    pub rms_norm_eps: f64,
+    /// `max_position_embeddings`.
+    pub max_position_embeddings: usize,
+    /// `rope_parameters.rope_theta` or top-level `rope_theta`.
+    pub rope_theta: f64,
+    /// Biases on q, k, v.
+    pub qkv_bias: bool,
+    /// Bias on o.
+    pub o_bias: bool,
+    /// `eos_token_id` (int or list; empty when null). Ids outside the vocabulary are kept here
+    /// and can never be generated.
+    pub eos_token_ids: Vec<u64>,
+}
+
+/// Typed access to one config object; every getter names its key in errors.
+struct Reader<'a> {
+    obj: &'a Map<String, Value>,
+}
+
+fn type_name(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("bool {b}"),
+        Value::Number(n) => format!("number {n}"),
+        Value::String(s) => format!("string {s:?}"),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
+}
+
+impl<'a> Reader<'a> {
+    fn get(&self, key: &'static str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize_opt(&self, key: &'static str) -> Result<Option<usize>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| ConfigError::WrongType {
+                    key,
+                    expected: "a non-negative integer",
+                    found: type_name(v),
+                }),
+        }
+    }
+
+    fn usize_req(&self, key: &'static str) -> Result<usize, ConfigError> {
+        self.usize_opt(key)?.ok_or(ConfigError::Missing { key })
+    }
+
+    /// A required positive integer.
+    fn positive(&self, key: &'static str) -> Result<usize, ConfigError> {
+        let n = self.usize_req(key)?;
+        if n == 0 {
+            return Err(ConfigError::OutOfRange {
+                key,
+                value: "0".into(),
+                why: "must be at least 1",
+            });
+        }
+        Ok(n)
+    }
+
+    fn f64_opt(&self, key: &'static str) -> Result<Option<f64>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| ConfigError::WrongType {
+                key,
+                expected: "a number",
+                found: type_name(v),
+            }),
+        }
+    }
+
+    fn bool_opt(&self, key: &'static str) -> Result<Option<bool>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| ConfigError::WrongType {
+                key,
+                expected: "true or false",
+                found: type_name(v),
+            }),
+        }
+    }
+
+    fn str_opt(&self, key: &'static str) -> Result<Option<&'a str>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| ConfigError::WrongType {
+                key,
+                expected: "a string",
+                found: type_name(v),
+            }),
+        }
+    }
+
+    fn flag(&self, flag: Flag) -> Result<bool, ConfigError> {
+        match flag {
+            Flag::Fixed(b) => Ok(b),
+            Flag::Config(key, default) => Ok(self.bool_opt(key)?.unwrap_or(default)),
+        }
+    }
+}
+
+impl MoeConfig {
+    /// Parses and validates the text of a `config.json`.
+    pub fn from_json_str(text: &str) -> Result<MoeConfig, ConfigError> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
+        let obj = value.as_object().ok_or(ConfigError::NotAnObject)?;
+        MoeConfig::from_json_object(obj)
+    }
+
+    /// Parses and validates a config already decoded as a JSON object.
+    pub fn from_json_object(obj: &Map<String, Value>) -> Result<MoeConfig, ConfigError> {
+        let r = Reader { obj };
+        let model_type = r
+            .str_opt("model_type")?
+            .ok_or(ConfigError::Missing { key: "model_type" })?;
+        let family = family_by_model_type(model_type).ok_or_else(|| {
+            let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type).collect();
+            ConfigError::UnsupportedFamily(model_type.to_string(), known.join(", "))
+        })?;
+
+        let vocab_size = r.positive("vocab_size")?;
+        let hidden_size = r.positive("hidden_size")?;
+        let num_layers = r.positive("num_hidden_layers")?;
+        let num_heads = r.positive("num_attention_heads")?;
+        let num_kv_heads = r.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
+        if num_kv_heads == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "num_key_value_heads",
+                value: "0".into(),
+                why: "must be at least 1",
+            });
+        }
+        if num_heads % num_kv_heads != 0 {
+            return Err(ConfigError::HeadsNotMultipleOfKvHeads {
+                heads: num_heads,
+                kv_heads: num_kv_heads,
+            });
+        }
+        let head_dim = match r.usize_opt("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_heads != 0 {
+                    return Err(ConfigError::OutOfRange {
+                        key: "head_dim",
+                        value: "absent".into(),
+                        why: "hidden_size is not a multiple of num_attention_heads",
+                    });
+                }
+                hidden_size / num_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "head_dim",
+                value: head_dim.to_string(),
+                why: "must be even and at least 2 for rotary embeddings",
+            });
+        }
+
+        let mut num_experts = None;
+        for &key in family.num_experts_keys {
+            if let Some(n) = r.usize_opt(key)? {
+                num_experts = Some((key, n));
+                break;
+            }
+        }
+        let (experts_key, num_experts) = num_experts.ok_or(ConfigError::Missing {
+            key: family.num_experts_keys[0],
+        })?;
+        if num_experts == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: experts_key,
+                value: "0".into(),
+                why: "an MoE model needs at least one expert",
+            });
+        }
+        let top_k = r.positive("num_experts_per_tok")?;
+        if top_k > num_experts {
+            return Err(ConfigError::TopKExceedsExperts {
+                top_k,
+                experts: num_experts,
+            });
+        }
+        let expert_width = r.positive(family.expert_width_key)?;
+        let dense_width = match family.dense_width_key {
+            Some(key) => r.usize_opt(key)?,
+            None => None,
+        };
+        let shared_expert_width = match family.shared_expert {
+            Some(keys) => Some(r.positive(keys.width_key)?),
+            None => None,
+        };
+
+        let decoder_sparse_step = r.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+        if decoder_sparse_step == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "decoder_sparse_step",
+                value: "0".into(),
+                why: "must be at least 1",
+            });
+        }
+        let mlp_only_layers = match r.get("mlp_only_layers") {
+            None => Vec::new(),
+            Some(Value::Array(items)) => {
+                let mut out = Vec::with_capacity(items.len());
+                for v in items {
+                    let l = v
+                        .as_u64()
+                        .and_then(|n| usize::try_from(n).ok())
+                        .ok_or_else(|| ConfigError::WrongType {
+                            key: "mlp_only_layers",
+                            expected: "a list of layer indices",
+                            found: type_name(v),
+                        })?;
+                    if l >= num_layers {
+                        return Err(ConfigError::MlpOnlyLayerOutOfRange {
+                            layer: l,
+                            layers: num_layers,
+                        });
+                    }
+                    out.push(l);
+                }
+                out
+            }
+            Some(v) => {
+                return Err(ConfigError::WrongType {
+                    key: "mlp_only_layers",
+                    expected: "a list of layer indices",
+                    found: type_name(v),
+                })
+            }
+        };
+
+        let tie_word_embeddings = r.bool_opt("tie_word_embeddings")?.unwrap_or(false);
+        let rms_norm_eps = r.f64_opt("rms_norm_eps")?.ok_or(ConfigError::Missing {
+            key: "rms_norm_eps",
+        })?;
+        if !(rms_norm_eps.is_finite() && rms_norm_eps >= 0.0) {
+            return Err(ConfigError::OutOfRange {
+                key: "rms_norm_eps",
+                value: rms_norm_eps.to_string(),
+                why: "must be finite and non-negative",
+            });
+        }
+        let max_position_embeddings = r.positive("max_position_embeddings")?;
+
+        // rope: transformers 5 nests it in rope_parameters; older configs have rope_theta and
+        // rope_scaling at the top level.
+        let (rope_theta, rope_type) = match r.get("rope_parameters") {
+            Some(Value::Object(rp)) => {
+                let rr = Reader { obj: rp };
+                let theta = match rr.f64_opt("rope_theta")? {
+                    Some(t) => t,
+                    None => r.f64_opt("rope_theta")?.ok_or(ConfigError::Missing {
+                        key: "rope_parameters.rope_theta",
+                    })?,
+                };
+                let rope_type = rr.str_opt("rope_type")?.unwrap_or("default").to_string();
+                (theta, rope_type)
+            }
+            Some(v) => {
+                return Err(ConfigError::WrongType {
+                    key: "rope_parameters",
+                    expected: "an object",
+                    found: type_name(v),
+                })
+            }
+            None => {
+                let theta = r
+                    .f64_opt("rope_theta")?
+                    .ok_or(ConfigError::Missing { key: "rope_theta" })?;
+                let rope_type = match r.get("rope_scaling") {
+                    None => "default".to_string(),
+                    Some(Value::Object(rs)) => {
+                        let rr = Reader { obj: rs };
+                        match rr.str_opt("rope_type")? {
+                            Some(t) => t.to_string(),
+                            None => rr.str_opt("type")?.unwrap_or("default").to_string(),
+                        }
+                    }
+                    Some(v) => {
+                        return Err(ConfigError::WrongType {
+                            key: "rope_scaling",
+                            expected: "an object or null",
+                            found: type_name(v),
+                        })
+                    }
+                };
+                (theta, rope_type)
+            }
+        };
+        if !(rope_theta.is_finite() && rope_theta > 1.0) {
+            return Err(ConfigError::OutOfRange {
+                key: "rope_theta",
+                value: rope_theta.to_string(),
+                why: "must be finite and greater than 1",
+            });
+        }
+        if rope_type != "default" {
+            return Err(ConfigError::Unsupported {
+                key: "rope_type",
+                value: rope_type,
+                why: "only the default rotary embedding is implemented",
+            });
+        }
+
+        if let Some(act) = r.str_opt("hidden_act")? {
+            if act != "silu" {
+                return Err(ConfigError::Unsupported {
+                    key: "hidden_act",
+                    value: act.to_string(),
+                    why: "only silu (SwiGLU) experts are implemented",
+                });
+            }
+        }
+        // Qwen configs gate the window with use_sliding_window; Mixtral applies sliding_window
+        // whenever it is set.
+        let window_flag = r.bool_opt("use_sliding_window")?;
+        let window = r.usize_opt("sliding_window")?.filter(|&w| w != 0);
+        if window_flag == Some(true) || (window_flag.is_none() && window.is_some()) {
+            return Err(ConfigError::Unsupported {
+                key: "sliding_window",
+                value: format!("{window:?}"),
+                why: "sliding-window attention is not implemented",
+            });
+        }
+        if let Some(v) = r.get("clip_qkv") {
+            return Err(ConfigError::Unsupported {
+                key: "clip_qkv",
+                value: v.to_string(),
+                why: "clipping q/k/v is not implemented",
+            });
+        }
+
+        let eos_token_ids = match r.get("eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().ok_or_else(|| ConfigError::WrongType {
+                        key: "eos_token_id",
+                        expected: "an integer or a list of integers",
+                        found: type_name(v),
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            Some(v) => vec![v.as_u64().ok_or_else(|| ConfigError::WrongType {
+                key: "eos_token_id",
+                expected: "an integer or a list of integers",
+                found: type_name(v),
+            })?],
+        };
+
+        let cfg = MoeConfig {
+            family,
+            vocab_size,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_experts,
+            top_k,
+            expert_width,
+            dense_width,
+            shared_expert_width,
+            renormalize_topk: r.flag(family.renormalize_topk)?,
+            decoder_sparse_step,
+            mlp_only_layers,
+            tie_word_embeddings,
+            rms_norm_eps,
+            max_position_embeddings,
+            rope_theta,
+            qkv_bias: r.flag(family.qkv_bias)?,
+            o_bias: r.flag(family.o_bias)?,
+            eos_token_ids,
+        };
+        // A family with dense layers needs their width whenever one is dense.
+        let spec = crate::model::ArchSpec::new(&cfg);
+        if spec.layers.contains(&crate::model::MlpKind::Dense) && cfg.dense_width.is_none() {
+            return Err(ConfigError::Missing {
+                key: "intermediate_size",
+            });
+        }
+        Ok(cfg)
+    }
+
+    /// `f32(rms_norm_eps)`, the value the forward adds.
+    pub fn eps_f32(&self) -> f32 {
+        self.rms_norm_eps as f32
+    }
+
+    /// EOS ids that are inside the vocabulary (olmoe-a names one outside it: such ids can never
+    /// be produced and are ignored).
+    pub fn eos_in_vocab(&self) -> Vec<u32> {
+        self.eos_token_ids
+            .iter()
+            .filter(|&&id| id < self.vocab_size as u64)
+            .map(|&id| id as u32)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Value {
+        serde_json::json!({
+            "model_type": "qwen3_moe",
+            "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 32,
+            "num_experts_per_tok": 8, "norm_topk_prob": true, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "tie_word_embeddings": false, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "eos_token_id": null, "hidden_act": "silu"
+        })
+    }
+
+    fn parse(v: &Value) -> Result<MoeConfig, ConfigError> {
+        MoeConfig::from_json_object(v.as_object().unwrap())
+    }
+
+    fn with(mut v: Value, key: &str, x: Value) -> Value {
+        v.as_object_mut().unwrap().insert(key.into(), x);
+        v
+    }
+
+    fn without(mut v: Value, key: &str) -> Value {
+        v.as_object_mut().unwrap().remove(key);
+        v
+    }
+
+    #[test]
+    fn parses_the_fixture_style_config() {
+        let c = parse(&base()).unwrap();
+        assert_eq!(c.family.model_type, "qwen3_moe");
+        assert_eq!((c.num_experts, c.top_k, c.expert_width), (32, 8, 64));
+        assert_eq!(c.head_dim, 32);
+        assert!(c.renormalize_topk);
+        assert_eq!(c.rope_theta, 1e6);
+        assert!(c.eos_token_ids.is_empty());
+        assert!(!c.qkv_bias);
+    }
+
+    #[test]
+    fn accepts_the_alternative_spellings() {
+        let v = without(base(), "num_local_experts");
+        let v = with(v, "num_experts", 16.into());
+        let v = without(v, "rope_parameters");
+        let v = with(v, "rope_theta", 10000.0.into());
+        let v = without(v, "head_dim");
+        let v = with(v, "eos_token_id", serde_json::json!([5, 7]));
+        let c = parse(&v).unwrap();
+        assert_eq!(c.num_experts, 16);
+        assert_eq!(c.rope_theta, 1e4);
+        assert_eq!(c.head_dim, 32);
+        assert_eq!(c.eos_token_ids, vec![5, 7]);
+        let c = parse(&with(base(), "eos_token_id", 3.into())).unwrap();
+        assert_eq!(c.eos_token_ids, vec![3]);
+    }
+
+    #[test]
+    fn each_failed_check_names_its_key() {
+        assert_eq!(
+            parse(&without(base(), "hidden_size")),
+            Err(ConfigError::Missing { key: "hidden_size" })
+        );
+        assert!(matches!(
+            parse(&with(base(), "vocab_size", "x".into())),
+            Err(ConfigError::WrongType {
+                key: "vocab_size",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(base(), "num_hidden_layers", 0.into())),
+            Err(ConfigError::OutOfRange {
+                key: "num_hidden_layers",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(base(), "model_type", "llama".into())),
+            Err(ConfigError::UnsupportedFamily(..))
+        ));
+        assert_eq!(
+            parse(&with(base(), "num_key_value_heads", 3.into())),
+            Err(ConfigError::HeadsNotMultipleOfKvHeads {
+                heads: 4,
+                kv_heads: 3
+            })
+        );
+        assert_eq!(
+            parse(&with(base(), "num_experts_per_tok", 33.into())),
+            Err(ConfigError::TopKExceedsExperts {
+                top_k: 33,
+                experts: 32
+            })
+        );
+        assert_eq!(
+            parse(&with(base(), "mlp_only_layers", serde_json::json!([4]))),
+            Err(ConfigError::MlpOnlyLayerOutOfRange {
+                layer: 4,
+                layers: 4
+            })
+        );
+        assert!(matches!(
+            parse(&with(
+                base(),
+                "rope_parameters",
+                serde_json::json!({"rope_theta": 1e6, "rope_type": "yarn"})
+            )),
+            Err(ConfigError::Unsupported {
+                key: "rope_type",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(base(), "hidden_act", "gelu".into())),
+            Err(ConfigError::Unsupported {
+                key: "hidden_act",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(base(), "use_sliding_window", true.into())),
+            Err(ConfigError::Unsupported {
+                key: "sliding_window",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(base(), "head_dim", 31.into())),
+            Err(ConfigError::OutOfRange {
+                key: "head_dim",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(base(), "eos_token_id", "x".into())),
+            Err(ConfigError::WrongType {
+                key: "eos_token_id",
+                ..
+            })
+        ));
+        assert_eq!(
+            parse(&without(base(), "num_local_experts")),
+            Err(ConfigError::Missing {
+                key: "num_local_experts"
+            })
+        );
+        assert!(matches!(
+            MoeConfig::from_json_str("{"),
+            Err(ConfigError::Json(_))
+        ));
+        assert_eq!(
+            MoeConfig::from_json_str("[]"),
+            Err(ConfigError::NotAnObject)
+        );
+    }
+
+    #[test]
+    fn dense_layer_rule_follows_transformers() {
+        let v = with(base(), "mlp_only_layers", serde_json::json!([0]));
+        let v = with(v, "decoder_sparse_step", 2.into());
+        let c = parse(&v).unwrap();
+        let spec = crate::model::ArchSpec::new(&c);
+        use crate::model::MlpKind::{Dense, Moe};
+        // layer 0: mlp_only; 1: (1+1)%2==0 -> MoE; 2: 3%2 != 0 -> dense; 3: MoE
+        assert_eq!(spec.layers, vec![Dense, Moe, Dense, Moe]);
+        assert_eq!(spec.moe_index(3), Some(1));
+        assert_eq!(spec.moe_index(2), None);
+    }
+
+    #[test]
+    fn every_fixture_config_parses() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/oracle");
+        for name in ["qwen3moe-a", "qwen3moe-code"] {
+            let text = std::fs::read_to_string(format!("{root}/{name}/config.json")).unwrap();
+            let c = MoeConfig::from_json_str(&text).unwrap();
+            assert_eq!(c.family.model_type, "qwen3_moe");
+        }
+    }
+}

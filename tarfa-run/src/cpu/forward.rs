@@ -1,0 +1,577 @@
+//! The forward pass itself (docs/EXACTNESS.md section 6). Each function is one step of the
+//! contract and states the shapes it works on. `T` is the number of tokens in the step, `H`
+//! hidden, `D` head_dim, `Hq`/`Hkv` query/KV heads, `E` experts, `k` top-k, `I` expert width.
+//!
+//! Parallelism is only ever over independent outputs: matrix rows (in `run_jobs`), attention
+//! (token, head) pairs. Per-token elementwise work runs on the calling thread.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::resident::{DenseMlp, LayerMlp, Matrix, MoeResident};
+use super::{
+    CpuModel, FinalHidden, ForwardOptions, ForwardOutput, KvCache, LogitRows, RouterRecord,
+    StepStats,
+};
+use crate::model::QkNorm;
+use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use crate::numerics::matvec::{transpose_rows, Activation};
+use crate::numerics::reduce::weighted_row_sum;
+use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, run_jobs, Kernel, MatJob, MatrixRef};
+use crate::weights::{ExpertWeights, WeightError};
+use crate::RunError;
+
+/// RMSNorm over `x` with weight `w` (step 2): `ss = dot(x, x)`, `m = ss / f32(n)`,
+/// `r = rsqrt(m + eps)`, `y_i = w_i * (x_i * r)`.
+pub(crate) fn rms_norm(kernel: Kernel, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss = kernel.dot_f32(x, x);
+    let m = ss / x.len() as f32;
+    let r = rsqrt(m + eps);
+    x.iter().zip(w).map(|(&xi, &wi)| wi * (xi * r)).collect()
+}
+
+/// In-place RMSNorm of each `width`-wide segment of `x`.
+fn rms_norm_segments(kernel: Kernel, x: &mut [f32], w: &[f32], eps: f32, width: usize) {
+    for seg in x.chunks_exact_mut(width) {
+        let y = rms_norm(kernel, seg, w, eps);
+        seg.copy_from_slice(&y);
+    }
+}
+
+/// Softmax over `l` (section 2 and step 3): `m = max`, `e_i = exp(l_i - m)`,
+/// `S = canonical_sum(e)`, `p_i = e_i / S`.
+pub(crate) fn softmax(kernel: Kernel, l: &[f32]) -> Vec<f32> {
+    let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = kernel.with_fma(|| l.iter().map(|&x| exp(x - m)).collect());
+    let s = kernel.sum(&e);
+    e.iter().map(|&x| x / s).collect()
+}
+
+fn add_bias(x: &mut [f32], b: &Option<Vec<f32>>) {
+    if let Some(b) = b {
+        for (xi, &bi) in x.iter_mut().zip(b) {
+            *xi += bi;
+        }
+    }
+}
+
+/// Applies `w` to every activation; returns one output vector per activation.
+fn apply(kernel: Kernel, w: &Matrix, xs: &[Activation]) -> Vec<Vec<f32>> {
+    apply_many(kernel, &[w], xs).pop().unwrap_or_default()
+}
+
+/// Applies several matrices to the same activations in one parallel region; returns
+/// `[matrix][token] -> vector`.
+fn apply_many(kernel: Kernel, ws: &[&Matrix], xs: &[Activation]) -> Vec<Vec<Vec<f32>>> {
+    let m = xs.len();
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; w.rows * m]).collect();
+    let jobs = ws
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(w, out)| MatJob {
+            w: w.as_ref(),
+            xs: xs.iter().collect(),
+            out,
+        })
+        .collect();
+    run_jobs(kernel, jobs);
+    ws.iter()
+        .zip(&outs)
+        .map(|(w, out)| transpose_rows(out, w.rows, m))
+        .collect()
+}
+
+/// `a_i = silu(g_i) * u_i` (step 4).
+fn swiglu(kernel: Kernel, g: &[f32], u: &[f32]) -> Vec<f32> {
+    kernel.with_fma(|| g.iter().zip(u).map(|(&gi, &ui)| silu(gi) * ui).collect())
+}
+
+/// The whole step: embeddings, layers, final norm and lm_head.
+pub(crate) fn forward(
+    model: &CpuModel,
+    kernel: Kernel,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    opts: &ForwardOptions,
+) -> Result<ForwardOutput, RunError> {
+    let cfg = &model.cfg;
+    if tokens.is_empty() {
+        return Err(RunError::EmptyStep);
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(RunError::TokenOutOfRange {
+            token: bad,
+            vocab: cfg.vocab_size,
+        });
+    }
+    let pos0 = cache.len();
+    let end = pos0 + tokens.len();
+    if end > cache.max_len() {
+        return Err(RunError::ContextFull {
+            needed: end,
+            max: cache.max_len(),
+        });
+    }
+    cache.ensure_rope(end)?;
+
+    let mut stats = StepStats::default();
+    let mut router = Vec::new();
+    let w = &model.weights;
+
+    // Step 1, embedding: h_t = widen(embed[token_t]), [T][H]
+    let mut h: Vec<Vec<f32>> = tokens
+        .iter()
+        .map(|&t| w.embed.row_f32(t as usize))
+        .collect();
+    stats.weight_bytes += (tokens.len() * cfg.hidden_size) as u64 * element_bytes(&w.embed);
+
+    for (l, layer) in w.layers.iter().enumerate() {
+        attention_block(model, kernel, l, &mut h, cache, pos0, &mut stats);
+        match &layer.mlp {
+            LayerMlp::Dense(mlp) => {
+                let xs = normed_activations(kernel, &h, &layer.post_attention_norm, cfg.eps_f32());
+                let y = dense_mlp(kernel, mlp, &xs, &mut stats);
+                add_rows(&mut h, &y);
+            }
+            LayerMlp::Moe(moe) => {
+                let trace = opts.trace_router.then_some(&mut router);
+                moe_block(model, kernel, l, moe, &mut h, pos0, trace, &mut stats)?;
+            }
+        }
+    }
+    cache.commit(tokens.len());
+
+    // Step 5, final: hn = RMSNorm(h), logits = W_lm hn, for the requested rows.
+    let rows: Vec<usize> = match opts.logits {
+        LogitRows::Last => vec![tokens.len() - 1],
+        LogitRows::All => (0..tokens.len()).collect(),
+    };
+    let hn: Vec<Activation> = rows
+        .iter()
+        .map(|&t| {
+            let mut y = rms_norm(kernel, &h[t], &w.final_norm, cfg.eps_f32());
+            if opts.final_hidden == FinalHidden::InvalidBf16BeforeLmHead {
+                for v in y.iter_mut() {
+                    *v = bf16_to_f32(f32_to_bf16_rne(*v));
+                }
+            }
+            Activation::new(kernel, y)
+        })
+        .collect();
+    let logits = apply(kernel, &w.lm_head, &hn);
+    stats.weight_bytes += w.lm_head.as_ref().bytes();
+    Ok(ForwardOutput {
+        logits,
+        router,
+        stats,
+    })
+}
+
+fn element_bytes(m: &Matrix) -> u64 {
+    match m.as_ref() {
+        MatrixRef::Bf16 { .. } => 2,
+        MatrixRef::F32 { .. } => 4,
+    }
+}
+
+/// `RMSNorm(h_t)` of every token, prepared for the kernels.
+fn normed_activations(kernel: Kernel, h: &[Vec<f32>], w: &[f32], eps: f32) -> Vec<Activation> {
+    h.iter()
+        .map(|ht| Activation::new(kernel, rms_norm(kernel, ht, w, eps)))
+        .collect()
+}
+
+/// `h_t = h_t + y_t` elementwise.
+fn add_rows(h: &mut [Vec<f32>], y: &[Vec<f32>]) {
+    for (ht, yt) in h.iter_mut().zip(y) {
+        for (a, &b) in ht.iter_mut().zip(yt) {
+            *a += b;
+        }
+    }
+}
+
+/// Step 3, attention of layer `l` for tokens at positions `pos0..pos0+T`; appends their keys and
+/// values to the cache and adds the output projection to `h`.
+fn attention_block(
+    model: &CpuModel,
+    kernel: Kernel,
+    l: usize,
+    h: &mut [Vec<f32>],
+    cache: &mut KvCache,
+    pos0: usize,
+    stats: &mut StepStats,
+) {
+    let cfg = &model.cfg;
+    let aw = &model.weights.layers[l].attention;
+    let eps = cfg.eps_f32();
+    let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+
+    // xn_t = RMSNorm(h_t); q_t [Hq*D], k_t, v_t [Hkv*D] (each row a canonical dot, then + bias)
+    let xs = normed_activations(kernel, h, &model.weights.layers[l].input_norm, eps);
+    let mut qkv = apply_many(kernel, &[&aw.q, &aw.k, &aw.v], &xs);
+    stats.weight_bytes += aw.q.as_ref().bytes() + aw.k.as_ref().bytes() + aw.v.as_ref().bytes();
+    let mut v_all = qkv.pop().unwrap_or_default();
+    let mut k_all = qkv.pop().unwrap_or_default();
+    let mut q_all = qkv.pop().unwrap_or_default();
+
+    for t in 0..h.len() {
+        let (q, k, v) = (&mut q_all[t], &mut k_all[t], &mut v_all[t]);
+        add_bias(q, &aw.q_bias);
+        add_bias(k, &aw.k_bias);
+        add_bias(v, &aw.v_bias);
+        // q/k norm: per head over D (Qwen3) or over the whole projection (OLMoE)
+        match (model.spec.qk_norm, &aw.q_norm, &aw.k_norm) {
+            (QkNorm::PerHead, Some(qn), Some(kn)) => {
+                rms_norm_segments(kernel, q, qn, eps, d);
+                rms_norm_segments(kernel, k, kn, eps, d);
+            }
+            (QkNorm::WholeProjection, Some(qn), Some(kn)) => {
+                rms_norm_segments(kernel, q, qn, eps, hq * d);
+                rms_norm_segments(kernel, k, kn, eps, hkv * d);
+            }
+            _ => {}
+        }
+        // RoPE at the token's position, on every head
+        let pos = pos0 + t;
+        for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
+            cache.rope.apply(pos, head);
+        }
+        for kh in 0..hkv {
+            cache.push(l, kh, &k[kh * d..(kh + 1) * d], &v[kh * d..(kh + 1) * d]);
+        }
+    }
+
+    // scale = round_f32(1 / sqrt(D)) computed in f64
+    let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+    let group = hq / hkv;
+    let t_count = h.len();
+    let mut o_all = vec![0.0f32; t_count * hq * d];
+    let cache_ref: &KvCache = cache;
+    // one task per (token, query head): independent outputs
+    o_all
+        .par_chunks_mut(d)
+        .enumerate()
+        .for_each_init(Vec::new, |scratch, (i, o)| {
+            let (t, qh) = (i / hq, i % hq);
+            let q = &q_all[t][qh * d..(qh + 1) * d];
+            let (keys, values) = cache_ref.head(l, qh / group);
+            let n = pos0 + t + 1; // causal: positions 0..=pos0+t
+            let s: Vec<f32> = (0..n)
+                .map(|j| kernel.dot_f32(q, &keys[j * d..(j + 1) * d]) * scale)
+                .collect();
+            let p = softmax(kernel, &s);
+            weighted_row_sum(kernel, &p, &values[..n * d], o, scratch);
+        });
+
+    // h_t = h_t + (W_o o_t (+ b_o))
+    let os: Vec<Activation> = o_all
+        .chunks_exact(hq * d)
+        .map(|o| Activation::new(kernel, o.to_vec()))
+        .collect();
+    let mut y = apply(kernel, &aw.o, &os);
+    stats.weight_bytes += aw.o.as_ref().bytes();
+    for yt in y.iter_mut() {
+        add_bias(yt, &aw.o_bias);
+    }
+    add_rows(h, &y);
+}
+
+/// Dense SwiGLU MLP: `W_down(silu(W_gate x) * W_up x)` for every activation.
+fn dense_mlp(
+    kernel: Kernel,
+    mlp: &DenseMlp,
+    xs: &[Activation],
+    stats: &mut StepStats,
+) -> Vec<Vec<f32>> {
+    let mut gu = apply_many(kernel, &[&mlp.gate, &mlp.up], xs);
+    let u = gu.pop().unwrap_or_default();
+    let g = gu.pop().unwrap_or_default();
+    let a: Vec<Activation> = g
+        .iter()
+        .zip(&u)
+        .map(|(g, u)| Activation::new(kernel, swiglu(kernel, g, u)))
+        .collect();
+    stats.weight_bytes +=
+        mlp.gate.as_ref().bytes() + mlp.up.as_ref().bytes() + mlp.down.as_ref().bytes();
+    apply(kernel, &mlp.down, &a)
+}
+
+/// The router's choice for one token (section 2).
+struct Route {
+    /// (expert, probability, weight) in selection order.
+    chosen: Vec<(usize, f32, f32)>,
+    kth: f32,
+    next: Option<f32>,
+}
+
+/// Softmax over all experts, top-k (ties to the lower id), optional renormalisation.
+fn route(kernel: Kernel, logits: &[f32], k: usize, renormalize: bool) -> Route {
+    let p = softmax(kernel, logits);
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    // descending probability, lower index first among equals (a stable, total order)
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    let selected = &order[..k];
+    let probs: Vec<f32> = selected.iter().map(|&e| p[e]).collect();
+    let weights = if renormalize {
+        let s = kernel.sum(&probs);
+        probs.iter().map(|&x| x / s).collect()
+    } else {
+        probs.clone()
+    };
+    Route {
+        chosen: selected
+            .iter()
+            .zip(probs.iter().zip(&weights))
+            .map(|(&e, (&pr, &w))| (e, pr, w))
+            .collect(),
+        kth: p[order[k - 1]],
+        next: order.get(k).map(|&e| p[e]),
+    }
+}
+
+fn check_expert(
+    e: &ExpertWeights,
+    layer: usize,
+    expert: usize,
+    h: usize,
+    i: usize,
+) -> Result<(), WeightError> {
+    for (m, rows, cols, what) in [
+        (&e.gate, i, h, "gate"),
+        (&e.up, i, h, "up"),
+        (&e.down, h, i, "down"),
+    ] {
+        if m.rows != rows || m.cols != cols || m.data.len() != rows * cols {
+            return Err(WeightError::ShapeMismatch {
+                name: format!("layer {layer} expert {expert} {what}"),
+                expected: vec![rows, cols],
+                found: vec![m.rows, m.cols],
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Step 4, the MoE block of layer `l`: route every token, fetch the needed experts once, apply
+/// each expert to all its tokens, mix per token in ascending expert id, add to `h`.
+#[allow(clippy::too_many_arguments)]
+fn moe_block(
+    model: &CpuModel,
+    kernel: Kernel,
+    l: usize,
+    moe: &MoeResident,
+    h: &mut [Vec<f32>],
+    pos0: usize,
+    trace: Option<&mut Vec<RouterRecord>>,
+    stats: &mut StepStats,
+) -> Result<(), RunError> {
+    let cfg = &model.cfg;
+    let layer = &model.weights.layers[l];
+    let xs = normed_activations(kernel, h, &layer.post_attention_norm, cfg.eps_f32());
+
+    // router logits [T][E], then per-token routes
+    let logits = apply(kernel, &moe.router, &xs);
+    stats.weight_bytes += moe.router.as_ref().bytes();
+    let routes: Vec<Route> = logits
+        .iter()
+        .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
+        .collect();
+    if let Some(trace) = trace {
+        let moe_layer = model.spec.moe_index(l).unwrap_or(0);
+        for (t, r) in routes.iter().enumerate() {
+            trace.push(RouterRecord {
+                layer: l,
+                moe_layer,
+                position: pos0 + t,
+                experts: r.chosen.iter().map(|c| c.0 as u32).collect(),
+                probs: r.chosen.iter().map(|c| c.1).collect(),
+                weights: r.chosen.iter().map(|c| c.2).collect(),
+                kth_prob: r.kth,
+                next_prob: r.next,
+            });
+        }
+    }
+
+    // expert -> [(token, weight)], experts in ascending id (BTreeMap order)
+    let mut assignment: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+    for (t, r) in routes.iter().enumerate() {
+        for &(e, _, w) in &r.chosen {
+            assignment.entry(e).or_default().push((t, w));
+        }
+    }
+    let ids: Vec<usize> = assignment.keys().copied().collect();
+    let experts: Vec<Arc<ExpertWeights>> = model.source.experts(l, &ids)?;
+    if experts.len() != ids.len() {
+        return Err(RunError::SourceContract(format!(
+            "experts() returned {} experts for {} ids",
+            experts.len(),
+            ids.len()
+        )));
+    }
+    for (ew, &e) in experts.iter().zip(&ids) {
+        check_expert(ew, l, e, cfg.hidden_size, cfg.expert_width)?;
+        stats.weight_bytes += ew.bytes();
+    }
+    stats.experts_fetched += ids.len() as u64;
+
+    // Stage 1: gate and up of every needed expert over its tokens (and the shared expert's
+    // gate, up and sigmoid gate over all tokens), one parallel region.
+    let token_lists: Vec<&Vec<(usize, f32)>> = assignment.values().collect();
+    let mut gate_out: Vec<Vec<f32>> = token_lists
+        .iter()
+        .map(|tl| vec![0.0; cfg.expert_width * tl.len()])
+        .collect();
+    let mut up_out: Vec<Vec<f32>> = gate_out.clone();
+    let t_count = h.len();
+    let (mut sh_g, mut sh_u, mut sh_s) = match &moe.shared {
+        Some((mlp, _)) => (
+            vec![0.0; mlp.gate.rows * t_count],
+            vec![0.0; mlp.up.rows * t_count],
+            vec![0.0; t_count],
+        ),
+        None => (Vec::new(), Vec::new(), Vec::new()),
+    };
+    {
+        let mut jobs = Vec::new();
+        for (((ew, tl), g), u) in experts
+            .iter()
+            .zip(&token_lists)
+            .zip(gate_out.iter_mut())
+            .zip(up_out.iter_mut())
+        {
+            let tx: Vec<&Activation> = tl.iter().map(|&(t, _)| &xs[t]).collect();
+            jobs.push(MatJob {
+                w: bf16_ref(&ew.gate),
+                xs: tx.clone(),
+                out: g,
+            });
+            jobs.push(MatJob {
+                w: bf16_ref(&ew.up),
+                xs: tx,
+                out: u,
+            });
+        }
+        if let Some((mlp, sg)) = &moe.shared {
+            let all: Vec<&Activation> = xs.iter().collect();
+            jobs.push(MatJob {
+                w: mlp.gate.as_ref(),
+                xs: all.clone(),
+                out: &mut sh_g,
+            });
+            jobs.push(MatJob {
+                w: mlp.up.as_ref(),
+                xs: all.clone(),
+                out: &mut sh_u,
+            });
+            jobs.push(MatJob {
+                w: sg.as_ref(),
+                xs: all,
+                out: &mut sh_s,
+            });
+            stats.weight_bytes +=
+                mlp.gate.as_ref().bytes() + mlp.up.as_ref().bytes() + sg.as_ref().bytes();
+        }
+        run_jobs(kernel, jobs);
+    }
+
+    // a = silu(g) * u per (expert, token)
+    let acts: Vec<Vec<Activation>> = token_lists
+        .iter()
+        .zip(gate_out.iter().zip(&up_out))
+        .map(|(tl, (g, u))| {
+            let (g, u) = (
+                transpose_rows(g, cfg.expert_width, tl.len()),
+                transpose_rows(u, cfg.expert_width, tl.len()),
+            );
+            g.iter()
+                .zip(&u)
+                .map(|(g, u)| Activation::new(kernel, swiglu(kernel, g, u)))
+                .collect()
+        })
+        .collect();
+    let shared_acts: Vec<Activation> = match &moe.shared {
+        Some((mlp, _)) => {
+            let g = transpose_rows(&sh_g, mlp.gate.rows, t_count);
+            let u = transpose_rows(&sh_u, mlp.up.rows, t_count);
+            g.iter()
+                .zip(&u)
+                .map(|(g, u)| Activation::new(kernel, swiglu(kernel, g, u)))
+                .collect()
+        }
+        None => Vec::new(),
+    };
+
+    // Stage 2: down projections, one parallel region.
+    let mut down_out: Vec<Vec<f32>> = token_lists
+        .iter()
+        .map(|tl| vec![0.0; cfg.hidden_size * tl.len()])
+        .collect();
+    let mut sh_y = vec![
+        0.0;
+        if moe.shared.is_some() {
+            cfg.hidden_size * t_count
+        } else {
+            0
+        }
+    ];
+    {
+        let mut jobs = Vec::new();
+        for ((ew, a), y) in experts.iter().zip(&acts).zip(down_out.iter_mut()) {
+            jobs.push(MatJob {
+                w: bf16_ref(&ew.down),
+                xs: a.iter().collect(),
+                out: y,
+            });
+        }
+        if let Some((mlp, _)) = &moe.shared {
+            jobs.push(MatJob {
+                w: mlp.down.as_ref(),
+                xs: shared_acts.iter().collect(),
+                out: &mut sh_y,
+            });
+            stats.weight_bytes += mlp.down.as_ref().bytes();
+        }
+        run_jobs(kernel, jobs);
+    }
+
+    // Mix: acc = +0; for the token's experts in ascending id: acc = acc + (w_e * y_e); then the
+    // shared expert: acc = acc + sigmoid(s) * y_shared; h = h + acc.
+    let ys: Vec<Vec<Vec<f32>>> = token_lists
+        .iter()
+        .zip(&down_out)
+        .map(|(tl, y)| transpose_rows(y, cfg.hidden_size, tl.len()))
+        .collect();
+    let shared_y = transpose_rows(
+        &sh_y,
+        cfg.hidden_size,
+        if moe.shared.is_some() { t_count } else { 0 },
+    );
+    let mut acc = vec![vec![0.0f32; cfg.hidden_size]; t_count];
+    for ((tl, y), _) in token_lists.iter().zip(&ys).zip(&ids) {
+        for (j, &(t, w)) in tl.iter().enumerate() {
+            for (a, &v) in acc[t].iter_mut().zip(&y[j]) {
+                *a += w * v;
+            }
+        }
+    }
+    if moe.shared.is_some() {
+        for t in 0..t_count {
+            let gate = sigmoid(sh_s[t]);
+            for (a, &v) in acc[t].iter_mut().zip(&shared_y[t]) {
+                *a += gate * v;
+            }
+        }
+    }
+    add_rows(h, &acc);
+    Ok(())
+}
+
+fn bf16_ref(m: &crate::weights::Bf16Matrix) -> MatrixRef<'_> {
+    MatrixRef::Bf16 {
+        rows: m.rows,
+        cols: m.cols,
+        data: &m.data,
+    }
+}

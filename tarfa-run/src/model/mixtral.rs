@@ -1,0 +1,31 @@
+//! Mixtral, following transformers' `modeling_mixtral.py`
+//! (<https://github.com/huggingface/transformers/blob/main/src/transformers/models/mixtral/modeling_mixtral.py>):
+//! no biases, no q/k norm, every layer MoE, a softmax router whose top-k is always renormalised,
+//! experts named `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down).
+//!
+//! This file only describes the family; it must never contain arithmetic.
+
+use super::{DenseLayerRule, Family, Flag, QkNorm, TensorNames};
+
+/// The Mixtral family.
+pub static MIXTRAL: Family = Family {
+    model_type: "mixtral",
+    architecture: "MixtralForCausalLM",
+    reference: "https://github.com/huggingface/transformers/blob/main/src/transformers/models/mixtral/modeling_mixtral.py",
+    expert_width_key: "intermediate_size",
+    num_experts_keys: &["num_local_experts", "num_experts"],
+    dense_width_key: None,
+    dense_layers: DenseLayerRule::None,
+    renormalize_topk: Flag::Fixed(true),
+    qk_norm: QkNorm::None,
+    qkv_bias: Flag::Fixed(false),
+    o_bias: Flag::Fixed(false),
+    shared_expert: None,
+    names: TensorNames {
+        router: "model.layers.{l}.block_sparse_moe.gate.weight",
+        expert_gate: "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
+        expert_up: "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
+        expert_down: "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
+        ..TensorNames::HF_DEFAULT
+    },
+};

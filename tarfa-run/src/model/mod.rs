@@ -1,0 +1,252 @@
+//! A family-agnostic description of MoE decoders: which norms, biases, router rule, shared
+//! expert and tensor names a family uses. A family is one small file holding one [`Family`]
+//! value; [`ArchSpec`] is that description resolved against a parsed config (which layers are
+//! dense, whether top-k is renormalised, ...). The CPU forward (and later the GPU one) reads only
+//! the `ArchSpec`, never a family name.
+//!
+//! This module must never hold weights or compute anything; it only describes.
+
+pub mod mixtral;
+pub mod olmoe;
+pub mod qwen2_moe;
+pub mod qwen3_moe;
+
+use crate::config::MoeConfig;
+
+/// Every family this build knows, looked up by the config's `model_type`.
+pub const FAMILIES: &[&Family] = &[
+    &qwen3_moe::QWEN3_MOE,
+    &qwen2_moe::QWEN2_MOE,
+    &mixtral::MIXTRAL,
+    &olmoe::OLMOE,
+];
+
+/// The family whose `model_type` is `model_type`.
+pub fn family_by_model_type(model_type: &str) -> Option<&'static Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.model_type == model_type)
+}
+
+/// Where q/k RMSNorm is applied after the projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// No q/k norm (Mixtral, Qwen2-MoE).
+    None,
+    /// One RMSNorm of width head_dim applied to every head (Qwen3-MoE).
+    PerHead,
+    /// One RMSNorm over the whole projection, Hq*D for q and Hkv*D for k (OLMoE).
+    WholeProjection,
+}
+
+/// A boolean that a family fixes or reads from its config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flag {
+    /// Always this value.
+    Fixed(bool),
+    /// The config key, and the value when it is absent.
+    Config(&'static str, bool),
+}
+
+/// Which layers use a dense MLP instead of the MoE block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DenseLayerRule {
+    /// Every layer is MoE (Mixtral, OLMoE).
+    None,
+    /// transformers' Qwen rule: layer `l` is dense when `l` is in `mlp_only_layers` or
+    /// `(l + 1) % decoder_sparse_step != 0` (or there are no experts).
+    QwenSparseStep,
+}
+
+/// The family's shared expert, if any (Qwen2-MoE): a dense MLP added to the routed mix, scaled by
+/// `sigmoid(dot(w_shared_gate, xn))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpertKeys {
+    /// Config key of the shared expert's width.
+    pub width_key: &'static str,
+}
+
+/// Tensor names with `{l}` for the layer index and `{e}` for the expert index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorNames {
+    pub embed: &'static str,
+    pub final_norm: &'static str,
+    /// Absent from the checkpoint when embeddings are tied.
+    pub lm_head: &'static str,
+    pub input_norm: &'static str,
+    pub post_attention_norm: &'static str,
+    pub q_proj: &'static str,
+    pub k_proj: &'static str,
+    pub v_proj: &'static str,
+    pub o_proj: &'static str,
+    pub q_bias: &'static str,
+    pub k_bias: &'static str,
+    pub v_bias: &'static str,
+    pub o_bias: &'static str,
+    pub q_norm: &'static str,
+    pub k_norm: &'static str,
+    pub router: &'static str,
+    pub expert_gate: &'static str,
+    pub expert_up: &'static str,
+    pub expert_down: &'static str,
+    pub shared_gate_proj: &'static str,
+    pub shared_up_proj: &'static str,
+    pub shared_down_proj: &'static str,
+    pub shared_expert_gate: &'static str,
+    pub dense_gate: &'static str,
+    pub dense_up: &'static str,
+    pub dense_down: &'static str,
+}
+
+impl TensorNames {
+    /// The Hugging Face Llama-style layout most MoE families share; a family overrides the
+    /// fields that differ.
+    pub const HF_DEFAULT: TensorNames = TensorNames {
+        embed: "model.embed_tokens.weight",
+        final_norm: "model.norm.weight",
+        lm_head: "lm_head.weight",
+        input_norm: "model.layers.{l}.input_layernorm.weight",
+        post_attention_norm: "model.layers.{l}.post_attention_layernorm.weight",
+        q_proj: "model.layers.{l}.self_attn.q_proj.weight",
+        k_proj: "model.layers.{l}.self_attn.k_proj.weight",
+        v_proj: "model.layers.{l}.self_attn.v_proj.weight",
+        o_proj: "model.layers.{l}.self_attn.o_proj.weight",
+        q_bias: "model.layers.{l}.self_attn.q_proj.bias",
+        k_bias: "model.layers.{l}.self_attn.k_proj.bias",
+        v_bias: "model.layers.{l}.self_attn.v_proj.bias",
+        o_bias: "model.layers.{l}.self_attn.o_proj.bias",
+        q_norm: "model.layers.{l}.self_attn.q_norm.weight",
+        k_norm: "model.layers.{l}.self_attn.k_norm.weight",
+        router: "model.layers.{l}.mlp.gate.weight",
+        expert_gate: "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+        expert_up: "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+        expert_down: "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
+        shared_gate_proj: "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
+        shared_up_proj: "model.layers.{l}.mlp.shared_expert.up_proj.weight",
+        shared_down_proj: "model.layers.{l}.mlp.shared_expert.down_proj.weight",
+        shared_expert_gate: "model.layers.{l}.mlp.shared_expert_gate.weight",
+        dense_gate: "model.layers.{l}.mlp.gate_proj.weight",
+        dense_up: "model.layers.{l}.mlp.up_proj.weight",
+        dense_down: "model.layers.{l}.mlp.down_proj.weight",
+    };
+}
+
+/// Substitutes `{l}` (and `{e}`) in a name pattern.
+pub fn layer_name(pattern: &str, layer: usize) -> String {
+    pattern.replace("{l}", &layer.to_string())
+}
+
+/// Substitutes `{l}` and `{e}` in an expert tensor name pattern.
+pub fn expert_name(pattern: &str, layer: usize, expert: usize) -> String {
+    pattern
+        .replace("{l}", &layer.to_string())
+        .replace("{e}", &expert.to_string())
+}
+
+/// What distinguishes one MoE family from another. One `static` per family file.
+#[derive(Debug, PartialEq)]
+pub struct Family {
+    /// The config's `model_type`.
+    pub model_type: &'static str,
+    /// The transformers class it follows (for messages).
+    pub architecture: &'static str,
+    /// The transformers source the family file follows.
+    pub reference: &'static str,
+    /// Config key holding the expert intermediate width.
+    pub expert_width_key: &'static str,
+    /// Config key holding the number of experts (first present wins).
+    pub num_experts_keys: &'static [&'static str],
+    /// Config key holding the dense MLP width for dense layers, when the family has them.
+    pub dense_width_key: Option<&'static str>,
+    /// Which layers are dense.
+    pub dense_layers: DenseLayerRule,
+    /// Whether the selected top-k probabilities are renormalised to sum to 1.
+    pub renormalize_topk: Flag,
+    /// q/k norm placement.
+    pub qk_norm: QkNorm,
+    /// Biases on the q, k, v projections.
+    pub qkv_bias: Flag,
+    /// Bias on the o projection.
+    pub o_bias: Flag,
+    /// The shared expert, if the family has one.
+    pub shared_expert: Option<SharedExpertKeys>,
+    /// Tensor names.
+    pub names: TensorNames,
+}
+
+/// What a layer's MLP is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpKind {
+    /// A dense SwiGLU MLP of the config's dense width.
+    Dense,
+    /// The routed expert block.
+    Moe,
+}
+
+/// A family resolved against one config: everything the forward needs to know about structure.
+#[derive(Clone, Debug)]
+pub struct ArchSpec {
+    /// The family.
+    pub family: &'static Family,
+    /// Per layer: dense or MoE.
+    pub layers: Vec<MlpKind>,
+    /// Renormalise the top-k probabilities.
+    pub renormalize_topk: bool,
+    /// q/k/v biases present.
+    pub qkv_bias: bool,
+    /// o bias present.
+    pub o_bias: bool,
+    /// q/k norm placement.
+    pub qk_norm: QkNorm,
+    /// A shared expert with a sigmoid gate is present.
+    pub shared_expert: bool,
+    /// Tensor names.
+    pub names: TensorNames,
+}
+
+impl ArchSpec {
+    /// Resolves `cfg.family` against `cfg`.
+    pub fn new(cfg: &MoeConfig) -> ArchSpec {
+        let family = cfg.family;
+        let layers = (0..cfg.num_layers)
+            .map(|l| match family.dense_layers {
+                DenseLayerRule::None => MlpKind::Moe,
+                DenseLayerRule::QwenSparseStep => {
+                    let sparse = !cfg.mlp_only_layers.contains(&l)
+                        && cfg.num_experts > 0
+                        && (l + 1) % cfg.decoder_sparse_step == 0;
+                    if sparse {
+                        MlpKind::Moe
+                    } else {
+                        MlpKind::Dense
+                    }
+                }
+            })
+            .collect();
+        ArchSpec {
+            family,
+            layers,
+            renormalize_topk: cfg.renormalize_topk,
+            qkv_bias: cfg.qkv_bias,
+            o_bias: cfg.o_bias,
+            qk_norm: family.qk_norm,
+            shared_expert: family.shared_expert.is_some(),
+            names: family.names,
+        }
+    }
+
+    /// Index of layer `l` among MoE layers (dense layers are not counted), as transformers
+    /// numbers its router outputs.
+    pub fn moe_index(&self, layer: usize) -> Option<usize> {
+        if self.layers.get(layer) != Some(&MlpKind::Moe) {
+            return None;
+        }
+        Some(
+            self.layers[..layer]
+                .iter()
+                .filter(|k| **k == MlpKind::Moe)
+                .count(),
+        )
+    }
+}

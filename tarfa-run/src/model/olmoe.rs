@@ -1,0 +1,26 @@
+//! OLMoE, following transformers' `modeling_olmoe.py`
+//! (<https://github.com/huggingface/transformers/blob/main/src/transformers/models/olmoe/modeling_olmoe.py>):
+//! q/k RMSNorm over the whole projection (width Hq*D and Hkv*D) before RoPE, biases only with
+//! `attention_bias`, every layer MoE, top-k renormalised only when `norm_topk_prob`.
+//! (`clip_qkv` is rejected by the config parser: it is not implemented.)
+//!
+//! This file only describes the family; it must never contain arithmetic.
+
+use super::{DenseLayerRule, Family, Flag, QkNorm, TensorNames};
+
+/// The OLMoE family.
+pub static OLMOE: Family = Family {
+    model_type: "olmoe",
+    architecture: "OlmoeForCausalLM",
+    reference: "https://github.com/huggingface/transformers/blob/main/src/transformers/models/olmoe/modeling_olmoe.py",
+    expert_width_key: "intermediate_size",
+    num_experts_keys: &["num_experts", "num_local_experts"],
+    dense_width_key: None,
+    dense_layers: DenseLayerRule::None,
+    renormalize_topk: Flag::Config("norm_topk_prob", false),
+    qk_norm: QkNorm::WholeProjection,
+    qkv_bias: Flag::Config("attention_bias", false),
+    o_bias: Flag::Config("attention_bias", false),
+    shared_expert: None,
+    names: TensorNames::HF_DEFAULT,
+};

@@ -1,0 +1,967 @@
+//! The canonical reduction (docs/EXACTNESS.md section 4): dot products and sums over 256 virtual
+//! lanes and a fixed tree, with a scalar reference and SIMD paths that return the same bits.
+//!
+//! Lane `v` accumulates terms `n = v, v+256, ...` in increasing `n`, starting at +0.0; then
+//! `a[v] += a[v+h]` for `h = 128, 64, ..., 1`; the result is `a[0]`. The SIMD paths hold the lanes
+//! in registers (a permutation of them, see [`PreparedVec`]) and perform exactly the same
+//! additions in the same order; the scalar reference is the contract written out literally.
+//!
+//! Tails: the SIMD paths load the last partial 256-chunk zero-padded, i.e. they perform
+//! `fma(+0, +0, a[v]) = a[v] + 0` on lanes past the end. That equals skipping them, because a lane
+//! accumulator is never -0.0: it starts at +0.0, `+0 + (+-0) = +0`, and an exact cancellation
+//! rounds to +0. (For the same reason the canonical result is never -0.0.)
+//!
+//! This module must never reassociate, split one reduction across threads, or take a different
+//! order for speed: every output is a pure function of its inputs.
+
+use std::sync::OnceLock;
+
+/// Number of virtual lanes of the canonical reduction.
+pub const LANES: usize = 256;
+
+/// Widens a BF16 value (its raw bits) to f32 exactly.
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Rounds an f32 to the nearest BF16 (ties to even), as its raw bits. NaN stays NaN. Used only by
+/// the deliberately inexact validation arm and by tests; exact mode never re-quantises.
+pub fn f32_to_bf16_rne(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x40;
+    }
+    let round = 0x7FFF + ((b >> 16) & 1);
+    ((b + round) >> 16) as u16
+}
+
+/// The instruction-set path a [`Kernel`] computes with. All give identical bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimdPath {
+    /// Plain Rust, one lane at a time: the reference.
+    Scalar,
+    /// x86-64 AVX2 + FMA (256-bit registers).
+    Avx2,
+    /// x86-64 AVX-512F (512-bit registers).
+    Avx512,
+}
+
+impl SimdPath {
+    /// The name used by `TARFA_SIMD` and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdPath::Scalar => "scalar",
+            SimdPath::Avx2 => "avx2",
+            SimdPath::Avx512 => "avx512",
+        }
+    }
+
+    /// Parses a `TARFA_SIMD` value.
+    pub fn parse(s: &str) -> Option<SimdPath> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "scalar" => Some(SimdPath::Scalar),
+            "avx2" => Some(SimdPath::Avx2),
+            "avx512" | "avx-512" => Some(SimdPath::Avx512),
+            _ => None,
+        }
+    }
+
+    /// Whether this processor can run the path.
+    pub fn is_available(self) -> bool {
+        match self {
+            SimdPath::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// Why a requested SIMD path cannot be used.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KernelError {
+    /// The processor lacks the instructions the path needs.
+    #[error("SIMD path {0} is not supported by this processor")]
+    Unavailable(&'static str),
+    /// `TARFA_SIMD` holds something other than scalar, avx2 or avx512.
+    #[error("TARFA_SIMD={0:?} is not one of scalar, avx2, avx512")]
+    BadEnvValue(String),
+}
+
+/// A handle to the reduction kernels of one SIMD path; it exists only for a path this processor
+/// supports, which is what makes the `unsafe` SIMD calls below sound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernel {
+    path: SimdPath,
+}
+
+impl Kernel {
+    /// The scalar reference path (always available).
+    pub fn scalar() -> Kernel {
+        Kernel {
+            path: SimdPath::Scalar,
+        }
+    }
+
+    /// The given path, if this processor supports it.
+    pub fn new(path: SimdPath) -> Result<Kernel, KernelError> {
+        if path.is_available() {
+            Ok(Kernel { path })
+        } else {
+            Err(KernelError::Unavailable(path.name()))
+        }
+    }
+
+    /// The fastest available path, unless the `TARFA_SIMD` environment variable names another
+    /// (`scalar`, `avx2`, `avx512`). Read once per process.
+    pub fn from_env() -> Result<Kernel, KernelError> {
+        static CHOSEN: OnceLock<Result<Kernel, KernelError>> = OnceLock::new();
+        CHOSEN
+            .get_or_init(|| match std::env::var("TARFA_SIMD") {
+                Ok(v) if !v.trim().is_empty() => match SimdPath::parse(&v) {
+                    Some(p) => Kernel::new(p),
+                    None => Err(KernelError::BadEnvValue(v)),
+                },
+                _ => Ok(Kernel::best()),
+            })
+            .clone()
+    }
+
+    /// The fastest path this processor supports, ignoring the environment.
+    pub fn best() -> Kernel {
+        for p in [SimdPath::Avx512, SimdPath::Avx2] {
+            if let Ok(k) = Kernel::new(p) {
+                return k;
+            }
+        }
+        Kernel::scalar()
+    }
+
+    /// Every path this processor supports (for tests that compare them).
+    pub fn all_available() -> Vec<Kernel> {
+        [SimdPath::Scalar, SimdPath::Avx2, SimdPath::Avx512]
+            .into_iter()
+            .filter_map(|p| Kernel::new(p).ok())
+            .collect()
+    }
+
+    /// The path this kernel runs.
+    pub fn path(self) -> SimdPath {
+        self.path
+    }
+
+    /// Runs `f` inside a function compiled with FMA enabled when the path has it, so that the
+    /// `mul_add` of elementwise loops becomes one instruction (and may be vectorised) instead of a
+    /// call. The bits are the same either way: `mul_add` is one correctly rounded fma on every
+    /// path; this only changes the speed.
+    #[inline]
+    pub fn with_fma<R>(self, f: impl FnOnce() -> R) -> R {
+        match self.path {
+            SimdPath::Scalar => f(),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a Kernel with a SIMD path exists only if the processor supports it.
+            SimdPath::Avx2 => unsafe { x86::call_avx2(f) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => unsafe { x86::call_avx512(f) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => f(),
+        }
+    }
+
+    /// Canonical `dot(a, b)` of two f32 vectors.
+    ///
+    /// # Panics
+    /// If the lengths differ (a bug in the caller, never a property of the input data).
+    pub fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len(), "dot_f32 length mismatch");
+        match self.path {
+            SimdPath::Scalar => dot_f32_reference(a, b),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the path's features were detected when the Kernel was made.
+            SimdPath::Avx2 => unsafe { x86::avx2::dot_f32(a, b) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => unsafe { x86::avx512::dot_f32(a, b) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => dot_f32_reference(a, b),
+        }
+    }
+
+    /// Canonical `sum(t)`.
+    pub fn sum(self, t: &[f32]) -> f32 {
+        match self.path {
+            SimdPath::Scalar => sum_reference(t),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdPath::Avx2 => unsafe { x86::avx2::sum(t) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => unsafe { x86::avx512::sum(t) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => sum_reference(t),
+        }
+    }
+
+    /// Lays out an activation vector for [`Kernel::dot_bf16`]: zero-padded to a multiple of 256
+    /// and permuted the way this path's registers hold the lanes.
+    pub fn prepare(self, x: &[f32]) -> PreparedVec {
+        let mut data = Vec::new();
+        self.prepare_into(x, &mut data);
+        PreparedVec {
+            path: self.path,
+            len: x.len(),
+            data,
+        }
+    }
+
+    fn prepare_into(self, x: &[f32], out: &mut Vec<f32>) {
+        let padded = x.len().div_ceil(LANES) * LANES;
+        out.clear();
+        out.resize(padded, 0.0);
+        // Within each group of G consecutive elements, the SIMD paths widen BF16 pairs with one
+        // shift (even elements) and one mask (odd elements), so their registers hold the even
+        // elements of a group, then the odd ones. The activation is permuted the same way, once.
+        let group = match self.path {
+            SimdPath::Scalar => {
+                out[..x.len()].copy_from_slice(x);
+                return;
+            }
+            SimdPath::Avx2 => 16,
+            SimdPath::Avx512 => 32,
+        };
+        let half = group / 2;
+        for (n, &v) in x.iter().enumerate() {
+            let (g, i) = (n / group, n % group);
+            let slot = if i % 2 == 0 { i / 2 } else { half + i / 2 };
+            out[g * group + slot] = v;
+        }
+    }
+
+    /// Canonical `dot(widen(w), x)` for a BF16 row `w` (raw bits) and a prepared activation.
+    ///
+    /// # Panics
+    /// If `x` was prepared by another path or for another length (a caller bug).
+    #[inline]
+    pub fn dot_bf16(self, w: &[u16], x: &PreparedVec) -> f32 {
+        assert!(
+            x.path == self.path && x.len == w.len(),
+            "dot_bf16: activation prepared for another path or length"
+        );
+        match self.path {
+            SimdPath::Scalar => dot_bf16_reference(w, &x.data[..x.len]),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; x.data is padded to a multiple of 256 covering w.
+            SimdPath::Avx2 => unsafe { x86::avx2::dot_bf16(w, &x.data) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => unsafe { x86::avx512::dot_bf16(w, &x.data) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => dot_bf16_reference(w, &x.data[..x.len]),
+        }
+    }
+
+    /// Canonical dots of consecutive rows of a row-major BF16 matrix with `k` columns against one
+    /// prepared activation: `out[i] = dot(rows[i*k..(i+1)*k], x)`. The caller's loop over rows
+    /// lives inside the SIMD function, so the per-row dispatch costs nothing.
+    pub fn dot_bf16_rows(self, rows: &[u16], k: usize, x: &PreparedVec, out: &mut [f32]) {
+        assert!(
+            x.path == self.path && x.len == k && rows.len() == k * out.len(),
+            "dot_bf16_rows: shape mismatch"
+        );
+        match self.path {
+            SimdPath::Scalar => {
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(k.max(1))) {
+                    *o = dot_bf16_reference(row, &x.data[..k]);
+                }
+                if k == 0 {
+                    out.fill(0.0);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdPath::Avx2 => unsafe { x86::avx2::dot_bf16_rows(rows, k, &x.data, out) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => unsafe { x86::avx512::dot_bf16_rows(rows, k, &x.data, out) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!(),
+        }
+    }
+}
+
+/// An activation vector laid out for one path's BF16 dot products (see [`Kernel::prepare`]).
+#[derive(Clone, Debug)]
+pub struct PreparedVec {
+    path: SimdPath,
+    len: usize,
+    data: Vec<f32>,
+}
+
+impl PreparedVec {
+    /// The length of the original vector.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the original vector was empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The fixed tree over 256 lanes: `a[v] += a[v+h]` for `h = 128, ..., 1`; returns `a[0]`.
+#[inline]
+pub fn tree_reduce(a: &mut [f32; LANES]) -> f32 {
+    let mut h = LANES / 2;
+    while h >= 1 {
+        for v in 0..h {
+            a[v] += a[v + h];
+        }
+        h /= 2;
+    }
+    a[0]
+}
+
+/// The contract's dot product written out literally (the reference every path must equal).
+pub fn dot_f32_reference(w: &[f32], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len());
+    let mut a = [0.0f32; LANES];
+    for (n, (&wn, &xn)) in w.iter().zip(x).enumerate() {
+        a[n % LANES] = wn.mul_add(xn, a[n % LANES]);
+    }
+    tree_reduce(&mut a)
+}
+
+/// The contract's BF16-row dot product written out literally.
+pub fn dot_bf16_reference(w: &[u16], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len());
+    let mut a = [0.0f32; LANES];
+    for (n, (&wn, &xn)) in w.iter().zip(x).enumerate() {
+        a[n % LANES] = bf16_to_f32(wn).mul_add(xn, a[n % LANES]);
+    }
+    tree_reduce(&mut a)
+}
+
+/// The contract's sum written out literally.
+pub fn sum_reference(t: &[f32]) -> f32 {
+    let mut a = [0.0f32; LANES];
+    for (n, &tn) in t.iter().enumerate() {
+        a[n % LANES] += tn;
+    }
+    tree_reduce(&mut a)
+}
+
+/// The pruned form the contract allows when `N < 256`: lanes `v >= N` are never touched, each
+/// used lane starts from its first product (no `+0.0` start), the tree skips pairs whose upper
+/// lane is unused, and `+0.0` is added at the end. Kept to test that the pruning rule reproduces
+/// the full tree.
+pub fn dot_f32_pruned(w: &[f32], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len());
+    let n = w.len();
+    if n >= LANES {
+        return dot_f32_reference(w, x);
+    }
+    if n == 0 {
+        return 0.0;
+    }
+    let mut a: Vec<f32> = w.iter().zip(x).map(|(&a, &b)| a * b).collect();
+    let mut h = LANES / 2;
+    while h >= 1 {
+        for v in 0..h {
+            if v + h < n {
+                a[v] += a[v + h];
+            }
+        }
+        h /= 2;
+    }
+    a[0] + 0.0
+}
+
+/// Canonical reductions with the lanes running over positions and the terms being whole vectors:
+/// `out[d] = canonical dot over t of (p[t], rows[t][d])` for every `d`, computed for all `d` at
+/// once. This is the attention output `o = sum_t p_t v_t` (contract section 6, step 3).
+///
+/// `rows` is `p.len()` rows of `out.len()` values, row-major. `scratch` is reused between calls.
+pub fn weighted_row_sum(
+    kernel: Kernel,
+    p: &[f32],
+    rows: &[f32],
+    out: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
+    let d = out.len();
+    let t = p.len();
+    assert_eq!(rows.len(), t * d, "weighted_row_sum shape mismatch");
+    let used = t.min(LANES);
+    scratch.clear();
+    scratch.resize(used * d, 0.0);
+    kernel.with_fma(|| {
+        // lane v accumulates the rows t = v, v+256, ... in increasing t
+        for (ti, (&pt, row)) in p.iter().zip(rows.chunks_exact(d.max(1))).enumerate() {
+            let lane = &mut scratch[(ti % LANES) * d..(ti % LANES + 1) * d];
+            for (a, &v) in lane.iter_mut().zip(row) {
+                *a = pt.mul_add(v, *a);
+            }
+        }
+        // the tree; lanes >= `used` hold +0.0 and are pruned (see the module doc)
+        let mut h = LANES / 2;
+        while h >= 1 {
+            for v in 0..h {
+                if v + h < used {
+                    let (lo, hi) = scratch.split_at_mut((v + h) * d);
+                    for (a, &b) in lo[v * d..(v + 1) * d].iter_mut().zip(&hi[..d]) {
+                        *a += b;
+                    }
+                }
+            }
+            h /= 2;
+        }
+    });
+    if used == 0 {
+        out.fill(0.0);
+    } else {
+        for (o, &a) in out.iter_mut().zip(&scratch[..d]) {
+            *o = a + 0.0;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The SIMD paths. Each keeps the 256 lanes in registers laid out so that every tree level
+    //! is a whole-register add or the standard in-register halving, which is exactly the
+    //! contract's pairing `a[v] + a[v+h]`.
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn call_avx2<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn call_avx512<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    pub mod avx512 {
+        //! 16 zmm accumulators = 256 lanes. For f32 inputs register j holds lanes 16j..16j+15.
+        //! For BF16 rows, the 32 elements of group g (lanes 32g..32g+31) are widened as
+        //! even elements (shift) into register 2g and odd elements (mask) into register 2g+1;
+        //! the activation is prepared in that order.
+        use super::super::LANES;
+        use std::arch::x86_64::*;
+
+        /// Tree levels h = 8, 4, 2, 1 inside one register whose slot i holds lane i.
+        #[inline(always)]
+        unsafe fn halve_in_register(r: __m512) -> __m256 {
+            // h = 8: slots 0..7 += slots 8..15
+            let lo = _mm512_castps512_ps256(r);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1));
+            _mm256_add_ps(lo, hi)
+        }
+
+        /// h = 4, 2, 1 on the 8 slots of a ymm (slot i = lane i); returns lane 0.
+        #[inline(always)]
+        unsafe fn finish_ymm(r: __m256) -> f32 {
+            let x = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+            let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+            let x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 0b01));
+            _mm_cvtss_f32(x)
+        }
+
+        /// The tree over 16 registers in the contiguous layout (register j = lanes 16j..).
+        #[inline(always)]
+        unsafe fn tree_contiguous(mut a: [__m512; 16]) -> f32 {
+            for h in [8usize, 4, 2, 1] {
+                for j in 0..h {
+                    a[j] = _mm512_add_ps(a[j], a[j + h]);
+                }
+            }
+            finish_ymm(halve_in_register(a[0]))
+        }
+
+        /// The tree over 16 registers in the BF16 layout (register 2g+p = parity p of group g).
+        #[inline(always)]
+        unsafe fn tree_bf16(mut a: [__m512; 16]) -> f32 {
+            // h = 128, 64, 32: group g += group g + h/32 (both parities)
+            for hg in [4usize, 2, 1] {
+                for g in 0..hg {
+                    a[2 * g] = _mm512_add_ps(a[2 * g], a[2 * (g + hg)]);
+                    a[2 * g + 1] = _mm512_add_ps(a[2 * g + 1], a[2 * (g + hg) + 1]);
+                }
+            }
+            // lanes 0..31: even register slot i = lane 2i, odd register slot i = lane 2i+1.
+            // h = 16, 8, 4, 2 pair slot i with slot i+8, i+4, i+2, i+1 within each register.
+            let ev = halve_in_register(a[0]);
+            let od = halve_in_register(a[1]);
+            let ev = _mm_add_ps(_mm256_castps256_ps128(ev), _mm256_extractf128_ps(ev, 1));
+            let od = _mm_add_ps(_mm256_castps256_ps128(od), _mm256_extractf128_ps(od, 1));
+            let ev = _mm_add_ps(ev, _mm_movehl_ps(ev, ev));
+            let od = _mm_add_ps(od, _mm_movehl_ps(od, od));
+            let ev = _mm_add_ss(ev, _mm_shuffle_ps(ev, ev, 0b01));
+            let od = _mm_add_ss(od, _mm_shuffle_ps(od, od, 0b01));
+            // h = 1: lane 0 + lane 1
+            _mm_cvtss_f32(_mm_add_ss(ev, od))
+        }
+
+        #[inline(always)]
+        unsafe fn bf16_chunk(acc: &mut [__m512; 16], w: *const u16, x: *const f32) {
+            let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            for g in 0..8 {
+                let raw = _mm512_loadu_si512(w.add(32 * g) as *const _);
+                let ev = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                let od = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
+                let xe = _mm512_loadu_ps(x.add(32 * g));
+                let xo = _mm512_loadu_ps(x.add(32 * g + 16));
+                acc[2 * g] = _mm512_fmadd_ps(ev, xe, acc[2 * g]);
+                acc[2 * g + 1] = _mm512_fmadd_ps(od, xo, acc[2 * g + 1]);
+            }
+        }
+
+        /// One row; `x` is prepared (permuted, padded to a multiple of 256 covering the row).
+        #[inline(always)]
+        unsafe fn dot_bf16_row(w: &[u16], x: &[f32]) -> f32 {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            let full = w.len() / LANES;
+            for c in 0..full {
+                bf16_chunk(
+                    &mut acc,
+                    w.as_ptr().add(c * LANES),
+                    x.as_ptr().add(c * LANES),
+                );
+            }
+            let rest = w.len() - full * LANES;
+            if rest > 0 {
+                let mut buf = [0u16; LANES];
+                buf[..rest].copy_from_slice(&w[full * LANES..]);
+                bf16_chunk(&mut acc, buf.as_ptr(), x.as_ptr().add(full * LANES));
+            }
+            tree_bf16(acc)
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+            debug_assert!(x.len() >= w.len().div_ceil(LANES) * LANES);
+            dot_bf16_row(w, x)
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn dot_bf16_rows(rows: &[u16], k: usize, x: &[f32], out: &mut [f32]) {
+            debug_assert!(x.len() >= k.div_ceil(LANES) * LANES);
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dot_bf16_row(&rows[i * k..(i + 1) * k], x);
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn f32_chunk(acc: &mut [__m512; 16], a: *const f32, b: *const f32) {
+            for j in 0..16 {
+                let va = _mm512_loadu_ps(a.add(16 * j));
+                let vb = _mm512_loadu_ps(b.add(16 * j));
+                acc[j] = _mm512_fmadd_ps(va, vb, acc[j]);
+            }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            let full = a.len() / LANES;
+            for c in 0..full {
+                f32_chunk(
+                    &mut acc,
+                    a.as_ptr().add(c * LANES),
+                    b.as_ptr().add(c * LANES),
+                );
+            }
+            let rest = a.len() - full * LANES;
+            if rest > 0 {
+                let mut ba = [0f32; LANES];
+                let mut bb = [0f32; LANES];
+                ba[..rest].copy_from_slice(&a[full * LANES..]);
+                bb[..rest].copy_from_slice(&b[full * LANES..]);
+                f32_chunk(&mut acc, ba.as_ptr(), bb.as_ptr());
+            }
+            tree_contiguous(acc)
+        }
+
+        #[inline(always)]
+        unsafe fn sum_chunk(acc: &mut [__m512; 16], t: *const f32) {
+            for j in 0..16 {
+                acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(t.add(16 * j)));
+            }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn sum(t: &[f32]) -> f32 {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            let full = t.len() / LANES;
+            for c in 0..full {
+                sum_chunk(&mut acc, t.as_ptr().add(c * LANES));
+            }
+            let rest = t.len() - full * LANES;
+            if rest > 0 {
+                let mut bt = [0f32; LANES];
+                bt[..rest].copy_from_slice(&t[full * LANES..]);
+                sum_chunk(&mut acc, bt.as_ptr());
+            }
+            tree_contiguous(acc)
+        }
+    }
+
+    pub mod avx2 {
+        //! 256 lanes are 32 ymm registers, more than AVX2 has (16). The row is therefore walked
+        //! in 4 passes; pass q owns the lane blocks [32q, 32q+32) and [32q+128, 32q+160) (8
+        //! accumulators) and ends with the tree's first level (h = 128) between them, which is
+        //! the same addition the full tree makes. Each lane still accumulates its terms in
+        //! increasing n. For BF16 rows the 16 elements of a group are widened into an even and
+        //! an odd register (as in the AVX-512 path, with groups of 16).
+        use super::super::LANES;
+        use std::arch::x86_64::*;
+
+        /// Loads the 4 registers of 32-lane block `b` of chunk `c` (BF16 layout) and
+        /// fma-accumulates.
+        #[inline(always)]
+        unsafe fn bf16_block(acc: &mut [__m256; 4], w: *const u16, x: *const f32) {
+            let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            for g in 0..2 {
+                let raw = _mm256_loadu_si256(w.add(16 * g) as *const __m256i);
+                let ev = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                let od = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                let xe = _mm256_loadu_ps(x.add(16 * g));
+                let xo = _mm256_loadu_ps(x.add(16 * g + 8));
+                acc[2 * g] = _mm256_fmadd_ps(ev, xe, acc[2 * g]);
+                acc[2 * g + 1] = _mm256_fmadd_ps(od, xo, acc[2 * g + 1]);
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn f32_block(acc: &mut [__m256; 4], a: *const f32, b: *const f32) {
+            for j in 0..4 {
+                let va = _mm256_loadu_ps(a.add(8 * j));
+                let vb = _mm256_loadu_ps(b.add(8 * j));
+                acc[j] = _mm256_fmadd_ps(va, vb, acc[j]);
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn sum_block(acc: &mut [__m256; 4], t: *const f32) {
+            for j in 0..4 {
+                acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(t.add(8 * j)));
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn add4(a: [__m256; 4], b: [__m256; 4]) -> [__m256; 4] {
+            [
+                _mm256_add_ps(a[0], b[0]),
+                _mm256_add_ps(a[1], b[1]),
+                _mm256_add_ps(a[2], b[2]),
+                _mm256_add_ps(a[3], b[3]),
+            ]
+        }
+
+        /// h = 4, 2, 1 within one register whose slot i holds lane i (of the remaining lanes).
+        #[inline(always)]
+        unsafe fn halve3(r: __m256) -> __m128 {
+            let x = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+            let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+            _mm_add_ss(x, _mm_shuffle_ps(x, x, 0b01))
+        }
+
+        /// Runs the 4 passes with `block(acc, chunk_offset + lane_offset)` and the tree levels
+        /// h = 128, 64, 32; returns the 4 registers holding lanes 0..31 (block 0's layout).
+        #[inline(always)]
+        unsafe fn passes(
+            n_chunks: usize,
+            mut block: impl FnMut(&mut [__m256; 4], usize),
+        ) -> [__m256; 4] {
+            let mut r = [[_mm256_setzero_ps(); 4]; 4];
+            for (q, rq) in r.iter_mut().enumerate() {
+                let mut lo = [_mm256_setzero_ps(); 4];
+                let mut hi = [_mm256_setzero_ps(); 4];
+                for c in 0..n_chunks {
+                    block(&mut lo, c * LANES + 32 * q);
+                    block(&mut hi, c * LANES + 32 * q + 128);
+                }
+                *rq = add4(lo, hi); // h = 128
+            }
+            let r0 = add4(r[0], r[2]); // h = 64
+            let r1 = add4(r[1], r[3]);
+            add4(r0, r1) // h = 32
+        }
+
+        /// Rest of the tree for the contiguous layout: register j holds lanes 8j..8j+7.
+        #[inline(always)]
+        unsafe fn finish_contiguous(r: [__m256; 4]) -> f32 {
+            let a = _mm256_add_ps(r[0], r[2]); // h = 16
+            let b = _mm256_add_ps(r[1], r[3]);
+            let a = _mm256_add_ps(a, b); // h = 8
+            _mm_cvtss_f32(halve3(a))
+        }
+
+        /// Rest of the tree for the BF16 layout: registers [ev g0, od g0, ev g1, od g1].
+        #[inline(always)]
+        unsafe fn finish_bf16(r: [__m256; 4]) -> f32 {
+            let ev = _mm256_add_ps(r[0], r[2]); // h = 16: group 0 += group 1
+            let od = _mm256_add_ps(r[1], r[3]);
+            // slot i = lane 2i (even) / 2i+1 (odd): h = 8, 4, 2 are in-register halvings
+            let ev = halve3(ev);
+            let od = halve3(od);
+            _mm_cvtss_f32(_mm_add_ss(ev, od)) // h = 1
+        }
+
+        #[inline(always)]
+        unsafe fn dot_bf16_row(w: &[u16], x: &[f32]) -> f32 {
+            let full = w.len() / LANES;
+            let rest = w.len() - full * LANES;
+            let mut buf = [0u16; LANES];
+            let n_chunks = if rest > 0 {
+                buf[..rest].copy_from_slice(&w[full * LANES..]);
+                full + 1
+            } else {
+                full
+            };
+            let wp = w.as_ptr();
+            let bp = buf.as_ptr();
+            let xp = x.as_ptr();
+            let r = passes(n_chunks, |acc, off| {
+                let c = off / LANES;
+                let src = if c < full {
+                    wp.add(off)
+                } else {
+                    bp.add(off - c * LANES)
+                };
+                bf16_block(acc, src, xp.add(off));
+            });
+            finish_bf16(r)
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+            debug_assert!(x.len() >= w.len().div_ceil(LANES) * LANES);
+            dot_bf16_row(w, x)
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn dot_bf16_rows(rows: &[u16], k: usize, x: &[f32], out: &mut [f32]) {
+            debug_assert!(x.len() >= k.div_ceil(LANES) * LANES);
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dot_bf16_row(&rows[i * k..(i + 1) * k], x);
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+            let full = a.len() / LANES;
+            let rest = a.len() - full * LANES;
+            let mut ba = [0f32; LANES];
+            let mut bb = [0f32; LANES];
+            ba[..rest].copy_from_slice(&a[full * LANES..]);
+            bb[..rest].copy_from_slice(&b[full * LANES..]);
+            let n_chunks = full + usize::from(rest > 0);
+            let (ap, bp) = (a.as_ptr(), b.as_ptr());
+            let (tap, tbp) = (ba.as_ptr(), bb.as_ptr());
+            let r = passes(n_chunks, |acc, off| {
+                let c = off / LANES;
+                if c < full {
+                    f32_block(acc, ap.add(off), bp.add(off));
+                } else {
+                    f32_block(acc, tap.add(off - c * LANES), tbp.add(off - c * LANES));
+                }
+            });
+            finish_contiguous(r)
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn sum(t: &[f32]) -> f32 {
+            let full = t.len() / LANES;
+            let rest = t.len() - full * LANES;
+            let mut bt = [0f32; LANES];
+            bt[..rest].copy_from_slice(&t[full * LANES..]);
+            let n_chunks = full + usize::from(rest > 0);
+            let (tp, btp) = (t.as_ptr(), bt.as_ptr());
+            let r = passes(n_chunks, |acc, off| {
+                let c = off / LANES;
+                if c < full {
+                    sum_block(acc, tp.add(off));
+                } else {
+                    sum_block(acc, btp.add(off - c * LANES));
+                }
+            });
+            finish_contiguous(r)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            // splitmix64
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        /// Values of mixed signs and magnitudes, with some exact zeros of both signs.
+        fn f32(&mut self) -> f32 {
+            let r = self.next();
+            match r % 16 {
+                0 => 0.0,
+                1 => -0.0,
+                _ => {
+                    let m = ((r >> 8) % 20_000) as f32 / 1000.0 - 10.0;
+                    let e = ((r >> 40) % 12) as i32 - 6;
+                    m * 2f32.powi(e)
+                }
+            }
+        }
+        fn bf16(&mut self) -> u16 {
+            f32_to_bf16_rne(self.f32())
+        }
+    }
+
+    fn lengths() -> Vec<usize> {
+        let mut v: Vec<usize> = (0..=300).collect();
+        v.extend([383, 511, 512, 513, 768, 1000, 2048, 2049, 4097]);
+        v
+    }
+
+    #[test]
+    fn every_path_matches_the_reference_bitwise() {
+        let mut rng = Rng(7);
+        let kernels = Kernel::all_available();
+        assert!(kernels.contains(&Kernel::scalar()));
+        for n in lengths() {
+            for _rep in 0..3 {
+                let a: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+                let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+                let w: Vec<u16> = (0..n).map(|_| rng.bf16()).collect();
+                let d_ref = dot_f32_reference(&a, &b);
+                let s_ref = sum_reference(&a);
+                let bf_ref = dot_bf16_reference(&w, &b);
+                for &k in &kernels {
+                    assert_eq!(
+                        k.dot_f32(&a, &b).to_bits(),
+                        d_ref.to_bits(),
+                        "dot_f32 {k:?} n={n}"
+                    );
+                    assert_eq!(k.sum(&a).to_bits(), s_ref.to_bits(), "sum {k:?} n={n}");
+                    let xp = k.prepare(&b);
+                    assert_eq!(
+                        k.dot_bf16(&w, &xp).to_bits(),
+                        bf_ref.to_bits(),
+                        "bf16 {k:?} n={n}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_entry_point_matches_single_rows() {
+        let mut rng = Rng(11);
+        for k_len in [1usize, 64, 255, 256, 257, 768] {
+            let rows = 5;
+            let w: Vec<u16> = (0..rows * k_len).map(|_| rng.bf16()).collect();
+            let x: Vec<f32> = (0..k_len).map(|_| rng.f32()).collect();
+            for k in Kernel::all_available() {
+                let xp = k.prepare(&x);
+                let mut out = vec![0.0; rows];
+                k.dot_bf16_rows(&w, k_len, &xp, &mut out);
+                for r in 0..rows {
+                    let want = dot_bf16_reference(&w[r * k_len..(r + 1) * k_len], &x);
+                    assert_eq!(out[r].to_bits(), want.to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pruning_rule_reproduces_the_full_tree() {
+        let mut rng = Rng(3);
+        for n in 0..256 {
+            for _ in 0..20 {
+                let a: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+                let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+                assert_eq!(
+                    dot_f32_pruned(&a, &b).to_bits(),
+                    dot_f32_reference(&a, &b).to_bits()
+                );
+            }
+            // all terms -0.0: the pruned tree would give -0.0 without its final +0.0
+            let a = vec![-0.0f32; n];
+            let b = vec![1.0f32; n];
+            assert_eq!(dot_f32_pruned(&a, &b).to_bits(), 0.0f32.to_bits());
+            assert_eq!(dot_f32_reference(&a, &b).to_bits(), 0.0f32.to_bits());
+        }
+    }
+
+    #[test]
+    fn negative_zero_inputs_give_positive_zero_on_every_path() {
+        for n in [1usize, 7, 255, 256, 257, 600] {
+            let neg = vec![-0.0f32; n];
+            let one = vec![1.0f32; n];
+            let wneg = vec![0x8000u16; n];
+            for k in Kernel::all_available() {
+                assert_eq!(k.dot_f32(&neg, &one).to_bits(), 0, "{k:?} {n}");
+                assert_eq!(k.sum(&neg).to_bits(), 0, "{k:?} {n}");
+                assert_eq!(
+                    k.dot_bf16(&wneg, &k.prepare(&one)).to_bits(),
+                    0,
+                    "{k:?} {n}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn order_is_the_canonical_one_not_sequential() {
+        // 1e8 + 1 - 1e8 with terms in lanes that the tree combines late: a check that the
+        // implementation is not a plain sequential sum (which would give a different answer).
+        let mut t = vec![0.0f32; 300];
+        t[0] = 1.0e8;
+        t[1] = 1.0;
+        t[256] = -1.0e8;
+        // lanes: a[0] = 1e8 + -1e8 = 0, a[1] = 1 -> result 1; sequential gives 0
+        for k in Kernel::all_available() {
+            assert_eq!(k.sum(&t), 1.0);
+        }
+        let seq: f32 = t.iter().sum();
+        assert_eq!(seq, 0.0);
+    }
+
+    #[test]
+    fn weighted_row_sum_is_a_canonical_dot_per_column() {
+        let mut rng = Rng(5);
+        for t in [1usize, 3, 100, 255, 256, 257, 600] {
+            let d = 24;
+            let p: Vec<f32> = (0..t).map(|_| rng.f32()).collect();
+            let rows: Vec<f32> = (0..t * d).map(|_| rng.f32()).collect();
+            for k in Kernel::all_available() {
+                let mut out = vec![0.0; d];
+                let mut scratch = Vec::new();
+                weighted_row_sum(k, &p, &rows, &mut out, &mut scratch);
+                for c in 0..d {
+                    let col: Vec<f32> = (0..t).map(|i| rows[i * d + c]).collect();
+                    assert_eq!(out[c].to_bits(), dot_f32_reference(&p, &col).to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        assert_eq!(f32_to_bf16_rne(1.0), 0x3F80);
+        assert_eq!(f32_to_bf16_rne(f32::from_bits(0x3F80_8000)), 0x3F80); // tie -> even
+        assert_eq!(f32_to_bf16_rne(f32::from_bits(0x3F81_8000)), 0x3F82); // tie -> even
+        assert_eq!(f32_to_bf16_rne(f32::from_bits(0x3F80_8001)), 0x3F81);
+        assert_eq!(bf16_to_f32(0x3F80), 1.0);
+    }
+}

@@ -1,0 +1,127 @@
+//! Loads a Hugging Face checkpoint directory (`*.safetensors` shards) into an
+//! [`InMemorySource`], splitting expert tensors out by the family's name patterns.
+//!
+//! Files are read into owned buffers and every tensor is copied out of them; nothing is
+//! memory-mapped. There is no manifest here to verify against: this source is for tests and
+//! development on Hub checkpoints, never for running a bundle.
+
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors};
+
+use super::{Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData, WeightError};
+use crate::config::MoeConfig;
+use crate::model::{expert_name, ArchSpec, MlpKind};
+
+/// Reads every `*.safetensors` file in `dir` (sorted by name) and sorts its tensors into
+/// non-expert tensors and the experts of `spec`'s MoE layers.
+pub fn load_safetensors_dir(
+    dir: &Path,
+    cfg: &MoeConfig,
+    spec: &ArchSpec,
+) -> Result<InMemorySource, WeightError> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| WeightError::Io {
+            path: dir.display().to_string(),
+            source: e,
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        // reference.safetensors next to a checkpoint holds oracle outputs, not weights
+        .filter(|p| p.file_name().is_some_and(|n| n != "reference.safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(WeightError::NoFiles(dir.display().to_string()));
+    }
+
+    let mut all: std::collections::HashMap<String, HostTensor> = Default::default();
+    for path in &files {
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| WeightError::Io {
+            path: shown.clone(),
+            source: e,
+        })?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightError::Safetensors {
+            path: shown.clone(),
+            msg: e.to_string(),
+        })?;
+        for (name, view) in st.tensors() {
+            let raw = view.data();
+            let data = match view.dtype() {
+                Dtype::BF16 => TensorData::Bf16(
+                    raw.chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect(),
+                ),
+                Dtype::F32 => TensorData::F32(
+                    raw.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                ),
+                other => {
+                    return Err(WeightError::UnsupportedDtype {
+                        name,
+                        dtype: format!("{other:?}"),
+                    })
+                }
+            };
+            let t = HostTensor::new(&name, view.shape().to_vec(), data)?;
+            if all.insert(name.clone(), t).is_some() {
+                return Err(WeightError::Duplicate(name));
+            }
+        }
+    }
+
+    let mut source = InMemorySource::new();
+    let names = &spec.names;
+    let (h, i) = (cfg.hidden_size, cfg.expert_width);
+    for (layer, kind) in spec.layers.iter().enumerate() {
+        if *kind != MlpKind::Moe {
+            continue;
+        }
+        for e in 0..cfg.num_experts {
+            let mut take = |pattern: &str, rows: usize, cols: usize| {
+                let name = expert_name(pattern, layer, e);
+                let t = all
+                    .remove(&name)
+                    .ok_or_else(|| WeightError::MissingExpert {
+                        layer,
+                        expert: e,
+                        name: name.clone(),
+                    })?;
+                expert_matrix(&name, t, rows, cols)
+            };
+            let gate = take(names.expert_gate, i, h)?;
+            let up = take(names.expert_up, i, h)?;
+            let down = take(names.expert_down, h, i)?;
+            source.insert_expert(layer, e, ExpertWeights { gate, up, down });
+        }
+    }
+    for (name, t) in all {
+        source.insert_tensor(name, t);
+    }
+    Ok(source)
+}
+
+fn expert_matrix(
+    name: &str,
+    t: HostTensor,
+    rows: usize,
+    cols: usize,
+) -> Result<Bf16Matrix, WeightError> {
+    if t.shape != [rows, cols] {
+        return Err(WeightError::ShapeMismatch {
+            name: name.to_string(),
+            expected: vec![rows, cols],
+            found: t.shape,
+        });
+    }
+    match t.data {
+        TensorData::Bf16(data) => Ok(Bf16Matrix { rows, cols, data }),
+        TensorData::F32(_) => Err(WeightError::ExpertNotBf16 {
+            name: name.to_string(),
+            dtype: "F32".into(),
+        }),
+    }
+}
