@@ -24,7 +24,10 @@ fn check_against_oracle(name: &str) {
             ..Default::default()
         };
         let g = greedy(&eng, &mut cache, &r.prompt, r.greedy.len(), &opts).unwrap();
-        assert_eq!(g.tokens, r.greedy, "{name} prompt {i}: greedy tokens differ");
+        assert_eq!(
+            g.tokens, r.greedy,
+            "{name} prompt {i}: greedy tokens differ"
+        );
         assert_eq!(g.step_logits.len(), r.step_logits.len());
         for (j, (got, want)) in g.step_logits.iter().zip(&r.step_logits).enumerate() {
             let e = rel_err(got, want);
@@ -35,7 +38,10 @@ fn check_against_oracle(name: &str) {
         for (t, (got, want)) in g.prefill.logits.iter().zip(&r.prefill_logits).enumerate() {
             let e = rel_err(got, want);
             worst = worst.max(e);
-            assert!(e <= TOL, "{name} prompt {i} prefill position {t}: rel err {e:e}");
+            assert!(
+                e <= TOL,
+                "{name} prompt {i} prefill position {t}: rel err {e:e}"
+            );
         }
         // router: the top-k set per MoE layer per prompt position
         for rec in &g.prefill.router {

@@ -79,7 +79,11 @@ pub fn load_fixture_from(dir: &Path, name: &str) -> Fixture {
 
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let names: HashMap<String, ()> = st.names().into_iter().map(|n| (n.to_string(), ())).collect();
+    let names: HashMap<String, ()> = st
+        .names()
+        .into_iter()
+        .map(|n| (n.to_string(), ()))
+        .collect();
     let mut prompts = Vec::new();
     for i in 0.. {
         if !names.contains_key(&format!("prompt.{i}")) {
