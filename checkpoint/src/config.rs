@@ -1,0 +1,216 @@
+//! `config.json`: the few fields that decide how the tensors must be named and shaped.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::CheckpointError;
+
+/// The model families Tarfa runs. Each fixes the expert tensor naming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ModelFamily {
+    /// `model_type: "qwen3_moe"`.
+    Qwen3Moe,
+    /// `model_type: "qwen2_moe"` (routed experts plus one shared expert, `mlp.shared_expert.*`).
+    Qwen2Moe,
+    /// `model_type: "mixtral"`.
+    Mixtral,
+    /// `model_type: "olmoe"`.
+    Olmoe,
+}
+
+impl ModelFamily {
+    /// The `model_type` string of this family.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            ModelFamily::Qwen3Moe => "qwen3_moe",
+            ModelFamily::Qwen2Moe => "qwen2_moe",
+            ModelFamily::Mixtral => "mixtral",
+            ModelFamily::Olmoe => "olmoe",
+        }
+    }
+
+    /// The family of a `model_type` string.
+    pub fn from_model_type(s: &str) -> Option<ModelFamily> {
+        [ModelFamily::Qwen3Moe, ModelFamily::Qwen2Moe, ModelFamily::Mixtral, ModelFamily::Olmoe]
+            .into_iter()
+            .find(|f| f.model_type() == s)
+    }
+
+    /// How this family names its expert matrices.
+    pub fn naming(self) -> crate::ExpertNaming {
+        match self {
+            ModelFamily::Mixtral => crate::ExpertNaming::Mixtral,
+            _ => crate::ExpertNaming::QwenStyle,
+        }
+    }
+
+    /// Whether the config's `decoder_sparse_step` and `mlp_only_layers` can make layers dense
+    /// (as transformers' Qwen2-MoE and Qwen3-MoE read them; Mixtral and OLMoE have none).
+    fn has_dense_layers(self) -> bool {
+        matches!(self, ModelFamily::Qwen3Moe | ModelFamily::Qwen2Moe)
+    }
+}
+
+/// What Tarfa needs from `config.json`, checked; the whole document is kept in `raw`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfigSummary {
+    /// `model_type`, e.g. `"qwen3_moe"`.
+    pub model_type: String,
+    pub family: ModelFamily,
+    /// `architectures`, e.g. `["Qwen3MoeForCausalLM"]` (empty when absent).
+    pub architectures: Vec<String>,
+    pub num_hidden_layers: u32,
+    /// `num_experts` or `num_local_experts` (whichever is present; equal when both are).
+    pub num_experts: u32,
+    pub num_experts_per_tok: u32,
+    pub hidden_size: u64,
+    /// The layers that have experts, ascending. For Qwen2/Qwen3-MoE: layer `l` is sparse unless
+    /// it is in `mlp_only_layers` or `(l + 1) % decoder_sparse_step != 0`, as in transformers;
+    /// for Mixtral and OLMoE every layer.
+    pub moe_layers: Vec<u32>,
+    /// The whole `config.json`.
+    pub raw: Value,
+}
+
+impl ModelConfigSummary {
+    /// Whether layer `layer` has experts.
+    pub fn is_moe_layer(&self, layer: u32) -> bool {
+        self.moe_layers.binary_search(&layer).is_ok()
+    }
+
+    /// Parses and checks a `config.json` document. `file` names it in errors.
+    pub fn parse(file: &Path, text: &str) -> Result<ModelConfigSummary, CheckpointError> {
+        let f = || PathBuf::from(file);
+        match crate::json::first_duplicate_key(text) {
+            Err(e) => return Err(CheckpointError::ConfigInvalidJson { file: f(), message: e.to_string() }),
+            Ok(Some(path)) => {
+                return Err(CheckpointError::DuplicateJsonKey { file: f(), key_path: crate::json::render_path(&path) })
+            }
+            Ok(None) => {}
+        }
+        let raw: Value = serde_json::from_str(text)
+            .map_err(|e| CheckpointError::ConfigInvalidJson { file: f(), message: e.to_string() })?;
+        let Some(obj) = raw.as_object() else {
+            return Err(CheckpointError::ConfigInvalidJson { file: f(), message: "the top level is not an object".into() });
+        };
+        let c = Fields { file, obj };
+
+        for key in ["quantization_config", "compression_config"] {
+            if let Some(q) = c.get(key) {
+                let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown method").to_owned();
+                return Err(CheckpointError::QuantizedConfig { file: f(), key, method });
+            }
+        }
+
+        let model_type = c.string("model_type")?.ok_or_else(|| c.missing("model_type"))?;
+        let family = ModelFamily::from_model_type(&model_type)
+            .ok_or_else(|| CheckpointError::UnsupportedModelType { file: f(), model_type: model_type.clone() })?;
+        let architectures = match c.get("architectures") {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| a.iter().map(|s| s.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| c.wrong_type("architectures", "an array of strings"))?,
+        };
+
+        let num_hidden_layers = c.required_u32("num_hidden_layers")?;
+        c.positive("num_hidden_layers", num_hidden_layers.into())?;
+        let (count_field, count) = match (c.uint("num_experts")?, c.uint("num_local_experts")?) {
+            (None, None) => return Err(CheckpointError::ConfigMissingExpertCount { file: f() }),
+            (Some(a), Some(b)) if a != b => {
+                return Err(CheckpointError::ConfigConflictingExpertCount { file: f(), num_experts: a, num_local_experts: b })
+            }
+            (Some(n), _) => ("num_experts", n),
+            (None, Some(n)) => ("num_local_experts", n),
+        };
+        let num_experts = c.fits_u32(count_field, count)?;
+        c.positive(count_field, count)?;
+        let num_experts_per_tok = c.required_u32("num_experts_per_tok")?;
+        c.positive("num_experts_per_tok", num_experts_per_tok.into())?;
+        if num_experts_per_tok > num_experts {
+            return Err(c.out_of_range("num_experts_per_tok", num_experts_per_tok.into(), "more than the number of experts"));
+        }
+        let hidden_size = c.uint("hidden_size")?.ok_or_else(|| c.missing("hidden_size"))?;
+        c.positive("hidden_size", hidden_size)?;
+
+        let moe_layers = if family.has_dense_layers() {
+            let step = match c.uint("decoder_sparse_step")? {
+                None => 1,
+                Some(s) => c.fits_u32("decoder_sparse_step", s)?,
+            };
+            c.positive("decoder_sparse_step", step.into())?;
+            let dense = match c.get("mlp_only_layers") {
+                None => Vec::new(),
+                Some(v) => v
+                    .as_array()
+                    .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+                    .ok_or_else(|| c.wrong_type("mlp_only_layers", "an array of unsigned integers"))?,
+            };
+            if let Some(&bad) = dense.iter().find(|&&l| l >= u64::from(num_hidden_layers)) {
+                return Err(c.out_of_range("mlp_only_layers", bad, "names a layer past num_hidden_layers"));
+            }
+            (0..num_hidden_layers)
+                .filter(|&l| !dense.contains(&u64::from(l)) && (l as u64 + 1) % u64::from(step) == 0)
+                .collect()
+        } else {
+            (0..num_hidden_layers).collect()
+        };
+
+        Ok(ModelConfigSummary {
+            model_type,
+            family,
+            architectures,
+            num_hidden_layers,
+            num_experts,
+            num_experts_per_tok,
+            hidden_size,
+            moe_layers,
+            raw,
+        })
+    }
+}
+
+/// Typed access to the config object; `null` counts as absent, as transformers treats it.
+struct Fields<'a> {
+    file: &'a Path,
+    obj: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+    fn missing(&self, field: &'static str) -> CheckpointError {
+        CheckpointError::ConfigMissingField { file: self.file.into(), field }
+    }
+    fn wrong_type(&self, field: &'static str, expected: &'static str) -> CheckpointError {
+        CheckpointError::ConfigWrongType { file: self.file.into(), field, expected }
+    }
+    fn out_of_range(&self, field: &'static str, value: u64, reason: &'static str) -> CheckpointError {
+        CheckpointError::ConfigValueOutOfRange { file: self.file.into(), field, value: value.to_string(), reason }
+    }
+    fn string(&self, field: &'static str) -> Result<Option<String>, CheckpointError> {
+        self.get(field)
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| self.wrong_type(field, "a string")))
+            .transpose()
+    }
+    fn uint(&self, field: &'static str) -> Result<Option<u64>, CheckpointError> {
+        self.get(field)
+            .map(|v| v.as_u64().ok_or_else(|| self.wrong_type(field, "an unsigned integer")))
+            .transpose()
+    }
+    fn fits_u32(&self, field: &'static str, v: u64) -> Result<u32, CheckpointError> {
+        u32::try_from(v).map_err(|_| self.out_of_range(field, v, "does not fit in 32 bits"))
+    }
+    fn required_u32(&self, field: &'static str) -> Result<u32, CheckpointError> {
+        let v = self.uint(field)?.ok_or_else(|| self.missing(field))?;
+        self.fits_u32(field, v)
+    }
+    fn positive(&self, field: &'static str, v: u64) -> Result<(), CheckpointError> {
+        if v == 0 {
+            return Err(self.out_of_range(field, 0, "must be at least 1"));
+        }
+        Ok(())
+    }
+}
