@@ -252,7 +252,7 @@ impl MoeConfig {
                 hidden_size / num_heads
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(ConfigError::OutOfRange {
                 key: "head_dim",
                 value: head_dim.to_string(),

@@ -11,6 +11,9 @@ use tarfa_run::generate::greedy;
 use tarfa_run::numerics::{Kernel, SimdPath};
 use tarfa_run::RunError;
 
+/// (prefill logit bits, greedy tokens, step logit bits) of one run.
+type RunBits = (Vec<Vec<u32>>, Vec<u32>, Vec<Vec<u32>>);
+
 fn all_rows() -> ForwardOptions {
     ForwardOptions {
         logits: LogitRows::All,
@@ -55,7 +58,7 @@ fn threads_and_simd_paths_give_identical_bits() {
     let code = load_fixture("qwen3moe-code");
     for (fx, prompt_idx, steps) in [(&f, 3, 8), (&code, 1, 8)] {
         let p = &fx.prompts[prompt_idx].prompt;
-        let mut reference: Option<(Vec<Vec<u32>>, Vec<u32>, Vec<Vec<u32>>)> = None;
+        let mut reference: Option<RunBits> = None;
         let kernels = Kernel::all_available();
         assert!(kernels.iter().any(|k| k.path() == SimdPath::Scalar));
         for kernel in kernels {

@@ -430,6 +430,7 @@ pub fn weighted_row_sum(
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // register indices mirror the lane layout
 mod x86 {
     //! The SIMD paths. Each keeps the 256 lanes in registers laid out so that every tree level
     //! is a whole-register add or the standard in-register halving, which is exactly the

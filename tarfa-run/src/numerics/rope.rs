@@ -36,7 +36,7 @@ pub struct RopeTable {
 impl RopeTable {
     /// `base` is the config's rope_theta (as an f64), `head_dim` is D.
     pub fn new(base: f64, head_dim: usize) -> Result<RopeTable, RopeError> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(RopeError::BadHeadDim(head_dim));
         }
         if !(base.is_finite() && base > 1.0) {
@@ -165,13 +165,10 @@ mod tests {
             RopeTable::new(1e6, 7).unwrap_err(),
             RopeError::BadHeadDim(7)
         );
-        assert_eq!(
-            RopeTable::new(f64::NAN, 8)
-                .unwrap_err()
-                .to_string()
-                .contains("rope_theta"),
-            true
-        );
+        assert!(RopeTable::new(f64::NAN, 8)
+            .unwrap_err()
+            .to_string()
+            .contains("rope_theta"));
         let mut t = RopeTable::new(1e4, 8).unwrap();
         assert_eq!(
             t.ensure(MAX_POSITIONS + 1),
