@@ -32,9 +32,14 @@ impl ModelFamily {
 
     /// The family of a `model_type` string.
     pub fn from_model_type(s: &str) -> Option<ModelFamily> {
-        [ModelFamily::Qwen3Moe, ModelFamily::Qwen2Moe, ModelFamily::Mixtral, ModelFamily::Olmoe]
-            .into_iter()
-            .find(|f| f.model_type() == s)
+        [
+            ModelFamily::Qwen3Moe,
+            ModelFamily::Qwen2Moe,
+            ModelFamily::Mixtral,
+            ModelFamily::Olmoe,
+        ]
+        .into_iter()
+        .find(|f| f.model_type() == s)
     }
 
     /// How this family names its expert matrices.
@@ -83,34 +88,66 @@ impl ModelConfigSummary {
     pub fn parse(file: &Path, text: &str) -> Result<ModelConfigSummary, CheckpointError> {
         let f = || PathBuf::from(file);
         match crate::json::first_duplicate_key(text) {
-            Err(e) => return Err(CheckpointError::ConfigInvalidJson { file: f(), message: e.to_string() }),
+            Err(e) => {
+                return Err(CheckpointError::ConfigInvalidJson {
+                    file: f(),
+                    message: e.to_string(),
+                })
+            }
             Ok(Some(path)) => {
-                return Err(CheckpointError::DuplicateJsonKey { file: f(), key_path: crate::json::render_path(&path) })
+                return Err(CheckpointError::DuplicateJsonKey {
+                    file: f(),
+                    key_path: crate::json::render_path(&path),
+                })
             }
             Ok(None) => {}
         }
-        let raw: Value = serde_json::from_str(text)
-            .map_err(|e| CheckpointError::ConfigInvalidJson { file: f(), message: e.to_string() })?;
+        let raw: Value =
+            serde_json::from_str(text).map_err(|e| CheckpointError::ConfigInvalidJson {
+                file: f(),
+                message: e.to_string(),
+            })?;
         let Some(obj) = raw.as_object() else {
-            return Err(CheckpointError::ConfigInvalidJson { file: f(), message: "the top level is not an object".into() });
+            return Err(CheckpointError::ConfigInvalidJson {
+                file: f(),
+                message: "the top level is not an object".into(),
+            });
         };
         let c = Fields { file, obj };
 
         for key in ["quantization_config", "compression_config"] {
             if let Some(q) = c.get(key) {
-                let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown method").to_owned();
-                return Err(CheckpointError::QuantizedConfig { file: f(), key, method });
+                let method = q
+                    .get("quant_method")
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown method")
+                    .to_owned();
+                return Err(CheckpointError::QuantizedConfig {
+                    file: f(),
+                    key,
+                    method,
+                });
             }
         }
 
-        let model_type = c.string("model_type")?.ok_or_else(|| c.missing("model_type"))?;
-        let family = ModelFamily::from_model_type(&model_type)
-            .ok_or_else(|| CheckpointError::UnsupportedModelType { file: f(), model_type: model_type.clone() })?;
+        let model_type = c
+            .string("model_type")?
+            .ok_or_else(|| c.missing("model_type"))?;
+        let family = ModelFamily::from_model_type(&model_type).ok_or_else(|| {
+            CheckpointError::UnsupportedModelType {
+                file: f(),
+                model_type: model_type.clone(),
+            }
+        })?;
         let architectures = match c.get("architectures") {
             None => Vec::new(),
             Some(v) => v
                 .as_array()
-                .and_then(|a| a.iter().map(|s| s.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>())
+                .and_then(|a| {
+                    a.iter()
+                        .map(|s| s.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()
+                })
                 .ok_or_else(|| c.wrong_type("architectures", "an array of strings"))?,
         };
 
@@ -119,7 +156,11 @@ impl ModelConfigSummary {
         let (count_field, count) = match (c.uint("num_experts")?, c.uint("num_local_experts")?) {
             (None, None) => return Err(CheckpointError::ConfigMissingExpertCount { file: f() }),
             (Some(a), Some(b)) if a != b => {
-                return Err(CheckpointError::ConfigConflictingExpertCount { file: f(), num_experts: a, num_local_experts: b })
+                return Err(CheckpointError::ConfigConflictingExpertCount {
+                    file: f(),
+                    num_experts: a,
+                    num_local_experts: b,
+                })
             }
             (Some(n), _) => ("num_experts", n),
             (None, Some(n)) => ("num_local_experts", n),
@@ -129,9 +170,15 @@ impl ModelConfigSummary {
         let num_experts_per_tok = c.required_u32("num_experts_per_tok")?;
         c.positive("num_experts_per_tok", num_experts_per_tok.into())?;
         if num_experts_per_tok > num_experts {
-            return Err(c.out_of_range("num_experts_per_tok", num_experts_per_tok.into(), "more than the number of experts"));
+            return Err(c.out_of_range(
+                "num_experts_per_tok",
+                num_experts_per_tok.into(),
+                "more than the number of experts",
+            ));
         }
-        let hidden_size = c.uint("hidden_size")?.ok_or_else(|| c.missing("hidden_size"))?;
+        let hidden_size = c
+            .uint("hidden_size")?
+            .ok_or_else(|| c.missing("hidden_size"))?;
         c.positive("hidden_size", hidden_size)?;
 
         let moe_layers = if family.has_dense_layers() {
@@ -145,13 +192,22 @@ impl ModelConfigSummary {
                 Some(v) => v
                     .as_array()
                     .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-                    .ok_or_else(|| c.wrong_type("mlp_only_layers", "an array of unsigned integers"))?,
+                    .ok_or_else(|| {
+                        c.wrong_type("mlp_only_layers", "an array of unsigned integers")
+                    })?,
             };
             if let Some(&bad) = dense.iter().find(|&&l| l >= u64::from(num_hidden_layers)) {
-                return Err(c.out_of_range("mlp_only_layers", bad, "names a layer past num_hidden_layers"));
+                return Err(c.out_of_range(
+                    "mlp_only_layers",
+                    bad,
+                    "names a layer past num_hidden_layers",
+                ));
             }
             (0..num_hidden_layers)
-                .filter(|&l| !dense.contains(&u64::from(l)) && (l as u64 + 1) % u64::from(step) == 0)
+                .filter(|&l| {
+                    !dense.contains(&u64::from(l))
+                        && (u64::from(l) + 1).is_multiple_of(u64::from(step))
+                })
                 .collect()
         } else {
             (0..num_hidden_layers).collect()
@@ -182,22 +238,46 @@ impl Fields<'_> {
         self.obj.get(key).filter(|v| !v.is_null())
     }
     fn missing(&self, field: &'static str) -> CheckpointError {
-        CheckpointError::ConfigMissingField { file: self.file.into(), field }
+        CheckpointError::ConfigMissingField {
+            file: self.file.into(),
+            field,
+        }
     }
     fn wrong_type(&self, field: &'static str, expected: &'static str) -> CheckpointError {
-        CheckpointError::ConfigWrongType { file: self.file.into(), field, expected }
+        CheckpointError::ConfigWrongType {
+            file: self.file.into(),
+            field,
+            expected,
+        }
     }
-    fn out_of_range(&self, field: &'static str, value: u64, reason: &'static str) -> CheckpointError {
-        CheckpointError::ConfigValueOutOfRange { file: self.file.into(), field, value: value.to_string(), reason }
+    fn out_of_range(
+        &self,
+        field: &'static str,
+        value: u64,
+        reason: &'static str,
+    ) -> CheckpointError {
+        CheckpointError::ConfigValueOutOfRange {
+            file: self.file.into(),
+            field,
+            value: value.to_string(),
+            reason,
+        }
     }
     fn string(&self, field: &'static str) -> Result<Option<String>, CheckpointError> {
         self.get(field)
-            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| self.wrong_type(field, "a string")))
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| self.wrong_type(field, "a string"))
+            })
             .transpose()
     }
     fn uint(&self, field: &'static str) -> Result<Option<u64>, CheckpointError> {
         self.get(field)
-            .map(|v| v.as_u64().ok_or_else(|| self.wrong_type(field, "an unsigned integer")))
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| self.wrong_type(field, "an unsigned integer"))
+            })
             .transpose()
     }
     fn fits_u32(&self, field: &'static str, v: u64) -> Result<u32, CheckpointError> {

@@ -60,7 +60,11 @@ pub enum CheckpointError {
     SourceDir { file: PathBuf, source: io::Error },
     /// An operating-system call on a file failed (open, read, metadata).
     #[error("{}: {op} failed: {source}", .file.display())]
-    Io { file: PathBuf, op: &'static str, source: io::Error },
+    Io {
+        file: PathBuf,
+        op: &'static str,
+        source: io::Error,
+    },
     /// Neither `model.safetensors` nor `model.safetensors.index.json` exists.
     #[error("{}: neither model.safetensors nor model.safetensors.index.json exists", .file.display())]
     NoWeights { file: PathBuf },
@@ -69,7 +73,11 @@ pub enum CheckpointError {
     AmbiguousWeights { file: PathBuf },
     /// A file name in the index is not a plain relative path inside the source directory.
     #[error("{}: shard name {name:?} is refused: {problem}", .file.display())]
-    UnsafeName { file: PathBuf, name: String, problem: NameProblem },
+    UnsafeName {
+        file: PathBuf,
+        name: String,
+        problem: NameProblem,
+    },
     /// A file resolves (through symbolic links) outside the source directory, and not into the
     /// `blobs/` folder of the Hugging Face cache repository the directory is a snapshot of.
     #[error("{}: resolves to {} outside the source directory", .file.display(), .target.display())]
@@ -80,13 +88,22 @@ pub enum CheckpointError {
     HubBlobBadName { file: PathBuf, blob: String },
     /// A Hub cache blob's content does not hash to the blob's name (corrupt or altered download).
     #[error("{}: Hub blob {blob} does not match its content ({algorithm} is {actual})", .file.display())]
-    HubBlobMismatch { file: PathBuf, blob: String, algorithm: &'static str, actual: String },
+    HubBlobMismatch {
+        file: PathBuf,
+        blob: String,
+        algorithm: &'static str,
+        actual: String,
+    },
     /// A file that must be a regular file is a directory, FIFO, device or socket.
     #[error("{}: not a regular file", .file.display())]
     NotAFile { file: PathBuf },
     /// A JSON side file (config, index) is larger than [`MAX_JSON_LEN`](crate::MAX_JSON_LEN).
     #[error("{}: {size} bytes is over the {limit}-byte cap for a JSON file", .file.display())]
-    JsonTooLarge { file: PathBuf, size: u64, limit: u64 },
+    JsonTooLarge {
+        file: PathBuf,
+        size: u64,
+        limit: u64,
+    },
     /// A JSON object (in the config, the index, or inside a safetensors header) repeats a key.
     #[error("{}: duplicate JSON key at {key_path}", .file.display())]
     DuplicateJsonKey { file: PathBuf, key_path: String },
@@ -106,19 +123,36 @@ pub enum CheckpointError {
     ConfigMissingExpertCount { file: PathBuf },
     /// A field has the wrong JSON type.
     #[error("{}: field {field:?} must be {expected}", .file.display())]
-    ConfigWrongType { file: PathBuf, field: &'static str, expected: &'static str },
+    ConfigWrongType {
+        file: PathBuf,
+        field: &'static str,
+        expected: &'static str,
+    },
     /// `num_experts` and `num_local_experts` are both present and disagree.
     #[error("{}: num_experts = {num_experts} and num_local_experts = {num_local_experts} disagree", .file.display())]
-    ConfigConflictingExpertCount { file: PathBuf, num_experts: u64, num_local_experts: u64 },
+    ConfigConflictingExpertCount {
+        file: PathBuf,
+        num_experts: u64,
+        num_local_experts: u64,
+    },
     /// A field has a value that no valid model has (zero layers, top-k above the expert count...).
     #[error("{}: field {field:?} = {value} is out of range: {reason}", .file.display())]
-    ConfigValueOutOfRange { file: PathBuf, field: &'static str, value: String, reason: &'static str },
+    ConfigValueOutOfRange {
+        file: PathBuf,
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
     /// `model_type` names an architecture Tarfa does not run.
     #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral and olmoe)", .file.display())]
     UnsupportedModelType { file: PathBuf, model_type: String },
     /// The config declares a `quantization_config` (or `compression_config`): a quantized release.
     #[error("{}: declares a {key} ({method:?}); Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display())]
-    QuantizedConfig { file: PathBuf, key: &'static str, method: String },
+    QuantizedConfig {
+        file: PathBuf,
+        key: &'static str,
+        method: String,
+    },
 
     // ---- model.safetensors.index.json --------------------------------------------------------
     /// The index is not UTF-8 JSON of the form `{"metadata": {...}, "weight_map": {name: file}}`.
@@ -132,13 +166,25 @@ pub enum CheckpointError {
     IndexMissingShard { file: PathBuf, shard: String },
     /// The index lists a tensor that no shard contains.
     #[error("{}: weight_map puts tensor {tensor:?} in {shard:?}, but no shard contains it", .file.display())]
-    IndexTensorAbsent { file: PathBuf, tensor: String, shard: String },
+    IndexTensorAbsent {
+        file: PathBuf,
+        tensor: String,
+        shard: String,
+    },
     /// Two shards contain a tensor of the same name.
     #[error("{}: tensor {tensor:?} is also in {}", .file.display(), .other.display())]
-    TensorInTwoShards { file: PathBuf, tensor: String, other: PathBuf },
+    TensorInTwoShards {
+        file: PathBuf,
+        tensor: String,
+        other: PathBuf,
+    },
     /// A shard contains a tensor that the index assigns to another shard.
     #[error("{}: contains tensor {tensor:?}, which the index assigns to {listed:?}", .file.display())]
-    TensorInWrongShard { file: PathBuf, tensor: String, listed: String },
+    TensorInWrongShard {
+        file: PathBuf,
+        tensor: String,
+        listed: String,
+    },
     /// A shard contains a tensor that the index does not list.
     #[error("{}: contains tensor {tensor:?}, which the index does not list", .file.display())]
     UnlistedTensor { file: PathBuf, tensor: String },
@@ -152,7 +198,11 @@ pub enum CheckpointError {
     HeaderTooLarge { file: PathBuf, header_len: u64 },
     /// The header runs past the end of the file (truncated file or garbage length).
     #[error("{}: header length {header_len} runs past the end of the {file_len}-byte file", .file.display())]
-    HeaderPastEnd { file: PathBuf, header_len: u64, file_len: u64 },
+    HeaderPastEnd {
+        file: PathBuf,
+        header_len: u64,
+        file_len: u64,
+    },
     /// The header is not UTF-8.
     #[error("{}: header is not UTF-8 (invalid byte at {valid_up_to})", .file.display())]
     HeaderNotUtf8 { file: PathBuf, valid_up_to: usize },
@@ -167,31 +217,68 @@ pub enum CheckpointError {
     InvalidMetadata { file: PathBuf, message: String },
     /// A tensor entry is not `{"dtype": str, "shape": [uint...], "data_offsets": [uint, uint]}`.
     #[error("{}: tensor {tensor:?} has an invalid entry: {message}", .file.display())]
-    InvalidTensorEntry { file: PathBuf, tensor: String, message: String },
+    InvalidTensorEntry {
+        file: PathBuf,
+        tensor: String,
+        message: String,
+    },
     /// A tensor's dtype is not one safetensors defines.
     #[error("{}: tensor {tensor:?} has unknown dtype {dtype:?}", .file.display())]
-    UnknownDtype { file: PathBuf, tensor: String, dtype: String },
+    UnknownDtype {
+        file: PathBuf,
+        tensor: String,
+        dtype: String,
+    },
     /// A tensor's element count (or bit count) overflows 64 bits.
     #[error("{}: tensor {tensor:?} has shape {shape:?}, whose size overflows", .file.display())]
-    ShapeOverflow { file: PathBuf, tensor: String, shape: Vec<u64> },
+    ShapeOverflow {
+        file: PathBuf,
+        tensor: String,
+        shape: Vec<u64>,
+    },
     /// A sub-byte dtype's tensor does not fill a whole number of bytes.
     #[error("{}: tensor {tensor:?} does not fill a whole number of bytes", .file.display())]
     MisalignedSubByte { file: PathBuf, tensor: String },
     /// A tensor's `data_offsets` end before they begin.
     #[error("{}: tensor {tensor:?} has data_offsets [{begin}, {end}], which end before they begin", .file.display())]
-    OffsetsReversed { file: PathBuf, tensor: String, begin: u64, end: u64 },
+    OffsetsReversed {
+        file: PathBuf,
+        tensor: String,
+        begin: u64,
+        end: u64,
+    },
     /// A tensor's byte length is not its element count times its dtype size.
     #[error("{}: tensor {tensor:?} spans {actual} bytes but its shape and dtype need {expected}", .file.display())]
-    LengthMismatch { file: PathBuf, tensor: String, expected: u64, actual: u64 },
+    LengthMismatch {
+        file: PathBuf,
+        tensor: String,
+        expected: u64,
+        actual: u64,
+    },
     /// The data section has unclaimed bytes before a tensor (tensors must be contiguous from 0).
     #[error("{}: gap in the data before tensor {tensor:?} (starts at {begin}, previous data ends at {expected})", .file.display())]
-    DataGap { file: PathBuf, tensor: String, expected: u64, begin: u64 },
+    DataGap {
+        file: PathBuf,
+        tensor: String,
+        expected: u64,
+        begin: u64,
+    },
     /// Two tensors' byte ranges overlap.
     #[error("{}: tensor {tensor:?} starts at {begin}, inside the previous tensor's bytes (which end at {expected})", .file.display())]
-    DataOverlap { file: PathBuf, tensor: String, expected: u64, begin: u64 },
+    DataOverlap {
+        file: PathBuf,
+        tensor: String,
+        expected: u64,
+        begin: u64,
+    },
     /// A tensor's bytes run past the end of the file (truncated file).
     #[error("{}: tensor {tensor:?} ends at data byte {end}, past the {data_len}-byte data section (truncated?)", .file.display())]
-    DataOutOfBounds { file: PathBuf, tensor: String, end: u64, data_len: u64 },
+    DataOutOfBounds {
+        file: PathBuf,
+        tensor: String,
+        end: u64,
+        data_len: u64,
+    },
     /// Bytes follow the last tensor.
     #[error("{}: {extra} trailing bytes after the last tensor", .file.display())]
     TrailingBytes { file: PathBuf, extra: u64 },
@@ -203,13 +290,25 @@ pub enum CheckpointError {
     QuantizationCompanion { file: PathBuf, tensor: String },
     /// A tensor has a quantized dtype (F8_*, F6_*, F4, I8, U8).
     #[error("{}: tensor {tensor:?} is {dtype:?}, a quantized type; Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display())]
-    QuantizedTensor { file: PathBuf, tensor: String, dtype: crate::Dtype },
+    QuantizedTensor {
+        file: PathBuf,
+        tensor: String,
+        dtype: crate::Dtype,
+    },
     /// A tensor has a dtype that is neither float nor quantized (BOOL, integers, complex).
     #[error("{}: tensor {tensor:?} is {dtype:?}; weights must be BF16, F16, F32 or F64", .file.display())]
-    UnsupportedDtype { file: PathBuf, tensor: String, dtype: crate::Dtype },
+    UnsupportedDtype {
+        file: PathBuf,
+        tensor: String,
+        dtype: crate::Dtype,
+    },
     /// An expert matrix is a float type other than BF16.
     #[error("{}: expert weights are {dtype:?} (tensor {tensor:?}); Tarfa only accepts BF16 experts and never converts them", .file.display())]
-    ExpertNotBf16 { file: PathBuf, tensor: String, dtype: crate::Dtype },
+    ExpertNotBf16 {
+        file: PathBuf,
+        tensor: String,
+        dtype: crate::Dtype,
+    },
 
     // ---- experts -----------------------------------------------------------------------------------
     /// No tensor is an expert matrix of the config's naming scheme.
@@ -219,38 +318,83 @@ pub enum CheckpointError {
     /// (an extra matrix, a bias, a fused `gate_up_proj`, non-canonical ids like `07`, or the
     /// other family's naming).
     #[error("{}: tensor {tensor:?} is not an expert matrix of the form {expected:?}", .file.display())]
-    UnexpectedExpertTensor { file: PathBuf, tensor: String, expected: String },
+    UnexpectedExpertTensor {
+        file: PathBuf,
+        tensor: String,
+        expected: String,
+    },
     /// An expert tensor's layer index is not below `num_hidden_layers`.
     #[error("{}: tensor {tensor:?} is in layer {layer}, but the config has {num_layers} layers", .file.display())]
-    ExpertLayerOutOfRange { file: PathBuf, tensor: String, layer: u32, num_layers: u32 },
+    ExpertLayerOutOfRange {
+        file: PathBuf,
+        tensor: String,
+        layer: u32,
+        num_layers: u32,
+    },
     /// An expert tensor's expert index is not below the config's expert count.
     #[error("{}: tensor {tensor:?} is expert {expert}, but the config has {num_experts} experts", .file.display())]
-    ExpertIdOutOfRange { file: PathBuf, tensor: String, expert: u32, num_experts: u32 },
+    ExpertIdOutOfRange {
+        file: PathBuf,
+        tensor: String,
+        expert: u32,
+        num_experts: u32,
+    },
     /// An expert tensor is in a layer the config makes dense (`mlp_only_layers`,
     /// `decoder_sparse_step`).
     #[error("{}: tensor {tensor:?} is an expert in layer {layer}, which the config makes a dense layer", .file.display())]
-    ExpertsInDenseLayer { file: PathBuf, tensor: String, layer: u32 },
+    ExpertsInDenseLayer {
+        file: PathBuf,
+        tensor: String,
+        layer: u32,
+    },
     /// A Mixture-of-Experts layer lacks one of its experts entirely.
     #[error("{}: layer {layer} has no tensors for expert {expert}", .file.display())]
-    MissingExpert { file: PathBuf, layer: u32, expert: u32 },
+    MissingExpert {
+        file: PathBuf,
+        layer: u32,
+        expert: u32,
+    },
     /// An expert lacks one of its gate, up and down matrices.
     #[error("{}: expert {expert} of layer {layer} has no {tensor:?}", .file.display())]
-    ExpertMissingMatrix { file: PathBuf, layer: u32, expert: u32, tensor: String },
+    ExpertMissingMatrix {
+        file: PathBuf,
+        layer: u32,
+        expert: u32,
+        tensor: String,
+    },
     /// An expert matrix's shape is not 2-D, disagrees with its sibling matrices (gate and up are
     /// `[intermediate, hidden]`, down is `[hidden, intermediate]`), or with `hidden_size`.
     #[error("{}: tensor {tensor:?} has shape {shape:?}, expected {expected:?}", .file.display())]
-    ExpertMatrixShape { file: PathBuf, tensor: String, shape: Vec<u64>, expected: Vec<u64> },
+    ExpertMatrixShape {
+        file: PathBuf,
+        tensor: String,
+        shape: Vec<u64>,
+        expected: Vec<u64>,
+    },
     /// An expert's matrices have other shapes than the layer's first expert's.
     #[error("{}: tensor {tensor:?} has shape {shape:?}, but {reference:?} of the same layer has {expected:?}", .file.display())]
-    ExpertShapeMismatch { file: PathBuf, tensor: String, shape: Vec<u64>, expected: Vec<u64>, reference: String },
+    ExpertShapeMismatch {
+        file: PathBuf,
+        tensor: String,
+        shape: Vec<u64>,
+        expected: Vec<u64>,
+        reference: String,
+    },
 
     // ---- reading after open ---------------------------------------------------------------------
     /// No tensor of that name is in the checkpoint.
     #[error("{}: no tensor named {tensor:?}", .file.display())]
     UnknownTensor { file: PathBuf, tensor: String },
+    /// No shard has that index.
+    #[error("{}: no shard #{shard}", .file.display())]
+    UnknownShard { file: PathBuf, shard: usize },
     /// A shard's size changed after it was opened and validated.
     #[error("{}: was {expected} bytes when opened, is {actual} now", .file.display())]
-    ShardChanged { file: PathBuf, expected: u64, actual: u64 },
+    ShardChanged {
+        file: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
 }
 
 impl CheckpointError {
@@ -317,6 +461,7 @@ impl CheckpointError {
             | ExpertMatrixShape { file, .. }
             | ExpertShapeMismatch { file, .. }
             | UnknownTensor { file, .. }
+            | UnknownShard { file, .. }
             | ShardChanged { file, .. } => file,
         }
     }

@@ -60,13 +60,20 @@ impl ExpertNaming {
 
     /// The full tensor name of one matrix of one expert.
     pub fn tensor_name(self, layer: u32, expert: u32, matrix: ExpertMatrix) -> String {
-        format!("{}.{}.weight", self.expert_prefix(layer, expert), self.matrix_names()[matrix as usize])
+        format!(
+            "{}.{}.weight",
+            self.expert_prefix(layer, expert),
+            self.matrix_names()[matrix as usize]
+        )
     }
 
     /// The expected form, for error messages.
     pub fn pattern(self) -> String {
         let [g, u, d] = self.matrix_names();
-        format!("model.layers.<L>.{}.<E>.{{{g},{u},{d}}}.weight", self.experts_module())
+        format!(
+            "model.layers.<L>.{}.<E>.{{{g},{u},{d}}}.weight",
+            self.experts_module()
+        )
     }
 
     /// Parses an expert matrix name into (layer, expert, matrix). Ids must be canonical decimal
@@ -74,11 +81,17 @@ impl ExpertNaming {
     pub fn parse(self, name: &str) -> Option<(u32, u32, ExpertMatrix)> {
         let rest = name.strip_prefix("model.layers.")?;
         let (layer, rest) = rest.split_once('.')?;
-        let rest = rest.strip_prefix(self.experts_module())?.strip_prefix('.')?;
+        let rest = rest
+            .strip_prefix(self.experts_module())?
+            .strip_prefix('.')?;
         let (expert, rest) = rest.split_once('.')?;
         let matrix = rest.strip_suffix(".weight")?;
         let m = self.matrix_names().iter().position(|&n| n == matrix)?;
-        Some((canonical_u32(layer)?, canonical_u32(expert)?, ExpertMatrix::ALL[m]))
+        Some((
+            canonical_u32(layer)?,
+            canonical_u32(expert)?,
+            ExpertMatrix::ALL[m],
+        ))
     }
 }
 
@@ -142,9 +155,25 @@ pub(crate) struct ExpertTable {
 /// `scales`, `g_idx`; FP8 `weight_scale_inv`, `input_scale`; compressed-tensors `weight_packed`,
 /// `weight_zero_point`; bitsandbytes `absmax`, `quant_map`, `quant_state`, `SCB`).
 const QUANT_SEGMENTS: &[&str] = &[
-    "qweight", "qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale",
-    "weight_zero_point", "weight_packed", "weight_global_scale", "input_global_scale", "weight_shape",
-    "weight_g_idx", "absmax", "nested_absmax", "quant_map", "nested_quant_map", "quant_state", "SCB",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "weight_scale",
+    "weight_scale_inv",
+    "input_scale",
+    "weight_zero_point",
+    "weight_packed",
+    "weight_global_scale",
+    "input_global_scale",
+    "weight_shape",
+    "weight_g_idx",
+    "absmax",
+    "nested_absmax",
+    "quant_map",
+    "nested_quant_map",
+    "quant_state",
+    "SCB",
     "weight_format",
 ];
 
@@ -187,13 +216,24 @@ pub(crate) fn check_dtypes(
     for (name, t) in tensors {
         let file = || shard_file(t.shard);
         if is_quant_companion(name) {
-            return Err(CheckpointError::QuantizationCompanion { file: file(), tensor: name.clone() });
+            return Err(CheckpointError::QuantizationCompanion {
+                file: file(),
+                tensor: name.clone(),
+            });
         }
         if is_quantized(t.dtype) {
-            return Err(CheckpointError::QuantizedTensor { file: file(), tensor: name.clone(), dtype: t.dtype });
+            return Err(CheckpointError::QuantizedTensor {
+                file: file(),
+                tensor: name.clone(),
+                dtype: t.dtype,
+            });
         }
         if !is_float(t.dtype) {
-            return Err(CheckpointError::UnsupportedDtype { file: file(), tensor: name.clone(), dtype: t.dtype });
+            return Err(CheckpointError::UnsupportedDtype {
+                file: file(),
+                tensor: name.clone(),
+                dtype: t.dtype,
+            });
         }
     }
     Ok(())
@@ -218,7 +258,11 @@ pub(crate) fn classify(
         }
         let file = || shard_file(t.shard);
         let Some((layer, expert, matrix)) = naming.parse(name) else {
-            return Err(CheckpointError::UnexpectedExpertTensor { file: file(), tensor: name.clone(), expected: naming.pattern() });
+            return Err(CheckpointError::UnexpectedExpertTensor {
+                file: file(),
+                tensor: name.clone(),
+                expected: naming.pattern(),
+            });
         };
         if layer >= config.num_hidden_layers {
             return Err(CheckpointError::ExpertLayerOutOfRange {
@@ -237,7 +281,11 @@ pub(crate) fn classify(
             });
         }
         if !config.is_moe_layer(layer) {
-            return Err(CheckpointError::ExpertsInDenseLayer { file: file(), tensor: name.clone(), layer });
+            return Err(CheckpointError::ExpertsInDenseLayer {
+                file: file(),
+                tensor: name.clone(),
+                layer,
+            });
         }
         // Canonical ids make each (layer, expert, matrix) one name, so a slot is filled once.
         slots.entry((layer, expert)).or_default()[matrix as usize] = Some(name);
@@ -253,7 +301,11 @@ pub(crate) fn classify(
     for &layer in &config.moe_layers {
         for expert in 0..config.num_experts {
             let Some(found) = slots.get(&(layer, expert)) else {
-                return Err(CheckpointError::MissingExpert { file: weights_file.into(), layer, expert });
+                return Err(CheckpointError::MissingExpert {
+                    file: weights_file.into(),
+                    layer,
+                    expert,
+                });
             };
             let mut names: [String; 3] = Default::default();
             for m in ExpertMatrix::ALL {
@@ -271,7 +323,12 @@ pub(crate) fn classify(
             }
             experts.insert(
                 (layer, expert),
-                ExpertSource { layer, expert, prefix: naming.expert_prefix(layer, expert), tensors: names },
+                ExpertSource {
+                    layer,
+                    expert,
+                    prefix: naming.expert_prefix(layer, expert),
+                    tensors: names,
+                },
             );
         }
     }
@@ -280,7 +337,11 @@ pub(crate) fn classify(
         for name in &e.tensors {
             let t = &tensors[name];
             if t.dtype != Dtype::BF16 {
-                return Err(CheckpointError::ExpertNotBf16 { file: shard_file(t.shard), tensor: name.clone(), dtype: t.dtype });
+                return Err(CheckpointError::ExpertNotBf16 {
+                    file: shard_file(t.shard),
+                    tensor: name.clone(),
+                    dtype: t.dtype,
+                });
             }
         }
     }
@@ -288,7 +349,10 @@ pub(crate) fn classify(
     let mut dims: BTreeMap<u32, (ExpertDims, &str)> = BTreeMap::new();
     for e in experts.values() {
         let gate = &tensors[e.tensor(ExpertMatrix::Gate)];
-        let own = ExpertDims { intermediate: gate.shape.first().copied().unwrap_or(0), hidden: config.hidden_size };
+        let own = ExpertDims {
+            intermediate: gate.shape.first().copied().unwrap_or(0),
+            hidden: config.hidden_size,
+        };
         // Each matrix against its siblings and hidden_size (gate's first dimension sets the width).
         for m in ExpertMatrix::ALL {
             let t = &tensors[e.tensor(m)];
@@ -303,7 +367,9 @@ pub(crate) fn classify(
             }
         }
         // Then the expert against the layer's first expert.
-        let (layer_dims, reference) = *dims.entry(e.layer).or_insert((own, e.tensor(ExpertMatrix::Gate)));
+        let (layer_dims, reference) = *dims
+            .entry(e.layer)
+            .or_insert((own, e.tensor(ExpertMatrix::Gate)));
         if own != layer_dims {
             let t = &tensors[e.tensor(ExpertMatrix::Gate)];
             return Err(CheckpointError::ExpertShapeMismatch {
@@ -317,7 +383,11 @@ pub(crate) fn classify(
     }
 
     let dims = dims.into_iter().map(|(l, (d, _))| (l, d)).collect();
-    Ok(ExpertTable { experts, dims, non_expert })
+    Ok(ExpertTable {
+        experts,
+        dims,
+        non_expert,
+    })
 }
 
 #[cfg(test)]
@@ -327,17 +397,41 @@ mod tests {
     #[test]
     fn parse_names() {
         let q = ExpertNaming::QwenStyle;
-        assert_eq!(q.parse("model.layers.3.mlp.experts.17.up_proj.weight"), Some((3, 17, ExpertMatrix::Up)));
-        assert_eq!(q.parse("model.layers.03.mlp.experts.17.up_proj.weight"), None);
-        assert_eq!(q.parse("model.layers.3.mlp.experts.+7.up_proj.weight"), None);
-        assert_eq!(q.parse("model.layers.3.mlp.experts.4294967296.up_proj.weight"), None);
+        assert_eq!(
+            q.parse("model.layers.3.mlp.experts.17.up_proj.weight"),
+            Some((3, 17, ExpertMatrix::Up))
+        );
+        assert_eq!(
+            q.parse("model.layers.03.mlp.experts.17.up_proj.weight"),
+            None
+        );
+        assert_eq!(
+            q.parse("model.layers.3.mlp.experts.+7.up_proj.weight"),
+            None
+        );
+        assert_eq!(
+            q.parse("model.layers.3.mlp.experts.4294967296.up_proj.weight"),
+            None
+        );
         assert_eq!(q.parse("model.layers.3.mlp.experts.gate_up_proj"), None);
         assert_eq!(q.parse("model.layers.3.mlp.experts.1.up_proj.bias"), None);
-        assert_eq!(q.parse("model.layers.3.block_sparse_moe.experts.1.w1.weight"), None);
+        assert_eq!(
+            q.parse("model.layers.3.block_sparse_moe.experts.1.w1.weight"),
+            None
+        );
         let m = ExpertNaming::Mixtral;
-        assert_eq!(m.parse("model.layers.0.block_sparse_moe.experts.7.w3.weight"), Some((0, 7, ExpertMatrix::Up)));
-        assert_eq!(m.parse("model.layers.0.block_sparse_moe.experts.7.w2.weight"), Some((0, 7, ExpertMatrix::Down)));
-        assert_eq!(m.tensor_name(1, 2, ExpertMatrix::Gate), "model.layers.1.block_sparse_moe.experts.2.w1.weight");
+        assert_eq!(
+            m.parse("model.layers.0.block_sparse_moe.experts.7.w3.weight"),
+            Some((0, 7, ExpertMatrix::Up))
+        );
+        assert_eq!(
+            m.parse("model.layers.0.block_sparse_moe.experts.7.w2.weight"),
+            Some((0, 7, ExpertMatrix::Down))
+        );
+        assert_eq!(
+            m.tensor_name(1, 2, ExpertMatrix::Gate),
+            "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+        );
         for l in [0u32, 9, 10, 4_000_000_000] {
             for mat in ExpertMatrix::ALL {
                 assert_eq!(q.parse(&q.tensor_name(l, 5, mat)), Some((l, 5, mat)));
@@ -347,11 +441,23 @@ mod tests {
 
     #[test]
     fn companions() {
-        assert!(is_quant_companion("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"));
-        assert!(is_quant_companion("model.layers.0.mlp.experts.0.gate_proj.qweight"));
-        assert!(is_quant_companion("model.layers.0.mlp.experts.0.gate_proj.weight.quant_state.bitsandbytes__nf4"));
-        assert!(is_quant_companion("model.layers.0.mlp.experts.gate_up_proj_blocks"));
-        assert!(!is_quant_companion("model.layers.0.mlp.shared_expert_gate.weight"));
-        assert!(!is_quant_companion("model.layers.0.self_attn.q_norm.weight"));
+        assert!(is_quant_companion(
+            "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"
+        ));
+        assert!(is_quant_companion(
+            "model.layers.0.mlp.experts.0.gate_proj.qweight"
+        ));
+        assert!(is_quant_companion(
+            "model.layers.0.mlp.experts.0.gate_proj.weight.quant_state.bitsandbytes__nf4"
+        ));
+        assert!(is_quant_companion(
+            "model.layers.0.mlp.experts.gate_up_proj_blocks"
+        ));
+        assert!(!is_quant_companion(
+            "model.layers.0.mlp.shared_expert_gate.weight"
+        ));
+        assert!(!is_quant_companion(
+            "model.layers.0.self_attn.q_norm.weight"
+        ));
     }
 }

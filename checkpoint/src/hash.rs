@@ -52,7 +52,10 @@ pub(crate) fn git_blob_sha1_handle(file: &File) -> io::Result<[u8; 20]> {
     h.update(format!("blob {len}\0").as_bytes());
     let read = stream(file, |chunk| h.update(chunk))?;
     if read != len {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file changed size while being hashed"));
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "file changed size while being hashed",
+        ));
     }
     Ok(h.finalize().into())
 }
@@ -101,7 +104,10 @@ mod tests {
         );
         // `printf 'hello\n' | git hash-object --stdin`
         let f = File::open(&p).unwrap();
-        assert_eq!(to_hex(&git_blob_sha1_handle(&f).unwrap()), "ce013625030ba8dba906f756967f9e9ca394464a");
+        assert_eq!(
+            to_hex(&git_blob_sha1_handle(&f).unwrap()),
+            "ce013625030ba8dba906f756967f9e9ca394464a"
+        );
         let empty = dir.join("empty");
         std::fs::write(&empty, b"").unwrap();
         assert_eq!(
@@ -117,7 +123,9 @@ mod tests {
     fn large_file_crosses_buffer_boundary() {
         let dir = crate::tests::scratch_dir("hash-large");
         let p = dir.join("big");
-        let data: Vec<u8> = (0..(HASH_BUF * 2 + 12345)).map(|i| (i * 31 % 251) as u8).collect();
+        let data: Vec<u8> = (0..(HASH_BUF * 2 + 12345))
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
         std::fs::write(&p, &data).unwrap();
         let expect: [u8; 32] = Sha256::digest(&data).into();
         assert_eq!(sha256_file(&p).unwrap(), expect);

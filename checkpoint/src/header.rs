@@ -73,20 +73,34 @@ impl SafetensorsHeader {
 }
 
 fn io(file: &Path, source: std::io::Error) -> CheckpointError {
-    CheckpointError::Io { file: file.to_path_buf(), op: "reading the safetensors header", source }
+    CheckpointError::Io {
+        file: file.to_path_buf(),
+        op: "reading the safetensors header",
+        source,
+    }
 }
 
 /// Checks the 8-byte length prefix against the cap and the file length; returns `n`.
 fn check_prefix(file: &Path, prefix: Option<&[u8]>, file_len: u64) -> Result<u64, CheckpointError> {
     let Some(prefix) = prefix.and_then(|p| <[u8; 8]>::try_from(p).ok()) else {
-        return Err(CheckpointError::FileTooSmall { file: file.into(), len: file_len });
+        return Err(CheckpointError::FileTooSmall {
+            file: file.into(),
+            len: file_len,
+        });
     };
     let header_len = u64::from_le_bytes(prefix);
     if header_len > MAX_HEADER_LEN {
-        return Err(CheckpointError::HeaderTooLarge { file: file.into(), header_len });
+        return Err(CheckpointError::HeaderTooLarge {
+            file: file.into(),
+            header_len,
+        });
     }
     if header_len > file_len - 8 {
-        return Err(CheckpointError::HeaderPastEnd { file: file.into(), header_len, file_len });
+        return Err(CheckpointError::HeaderPastEnd {
+            file: file.into(),
+            header_len,
+            file_len,
+        });
     }
     Ok(header_len)
 }
@@ -98,56 +112,109 @@ struct RawEntry {
     data_offsets: (u64, u64),
 }
 
-fn parse(file: &Path, header_len: u64, header: &[u8], file_len: u64) -> Result<SafetensorsHeader, CheckpointError> {
+fn parse(
+    file: &Path,
+    header_len: u64,
+    header: &[u8],
+    file_len: u64,
+) -> Result<SafetensorsHeader, CheckpointError> {
     let f = || PathBuf::from(file);
-    let text = std::str::from_utf8(header)
-        .map_err(|e| CheckpointError::HeaderNotUtf8 { file: f(), valid_up_to: e.valid_up_to() })?;
+    let text = std::str::from_utf8(header).map_err(|e| CheckpointError::HeaderNotUtf8 {
+        file: f(),
+        valid_up_to: e.valid_up_to(),
+    })?;
     match first_duplicate_key(text) {
-        Err(e) => return Err(CheckpointError::HeaderInvalidJson { file: f(), message: e.to_string() }),
+        Err(e) => {
+            return Err(CheckpointError::HeaderInvalidJson {
+                file: f(),
+                message: e.to_string(),
+            })
+        }
         Ok(Some(path)) if path.len() == 1 && path[0] != "__metadata__" => {
-            return Err(CheckpointError::DuplicateTensor { file: f(), tensor: path[0].clone() })
+            return Err(CheckpointError::DuplicateTensor {
+                file: f(),
+                tensor: path[0].clone(),
+            })
         }
         Ok(Some(path)) => {
-            return Err(CheckpointError::DuplicateJsonKey { file: f(), key_path: render_path(&path) })
+            return Err(CheckpointError::DuplicateJsonKey {
+                file: f(),
+                key_path: render_path(&path),
+            })
         }
         Ok(None) => {}
     }
-    let entries: serde_json::Map<String, Value> = serde_json::from_str(text)
-        .map_err(|e| CheckpointError::HeaderInvalidJson { file: f(), message: e.to_string() })?;
+    let entries: serde_json::Map<String, Value> =
+        serde_json::from_str(text).map_err(|e| CheckpointError::HeaderInvalidJson {
+            file: f(),
+            message: e.to_string(),
+        })?;
 
     let mut metadata = None;
     let mut tensors = Vec::with_capacity(entries.len());
     for (name, value) in entries {
         if name == "__metadata__" {
             // `null` is accepted as "no metadata", like the safetensors crate does.
-            metadata = serde_json::from_value::<Option<BTreeMap<String, String>>>(value)
-                .map_err(|e| CheckpointError::InvalidMetadata { file: f(), message: e.to_string() })?;
+            metadata =
+                serde_json::from_value::<Option<BTreeMap<String, String>>>(value).map_err(|e| {
+                    CheckpointError::InvalidMetadata {
+                        file: f(),
+                        message: e.to_string(),
+                    }
+                })?;
             continue;
         }
-        let raw: RawEntry = serde_json::from_value(value).map_err(|e| CheckpointError::InvalidTensorEntry {
+        let raw: RawEntry =
+            serde_json::from_value(value).map_err(|e| CheckpointError::InvalidTensorEntry {
+                file: f(),
+                tensor: name.clone(),
+                message: e.to_string(),
+            })?;
+        let dtype = parse_dtype(&raw.dtype).ok_or_else(|| CheckpointError::UnknownDtype {
             file: f(),
             tensor: name.clone(),
-            message: e.to_string(),
+            dtype: raw.dtype.clone(),
         })?;
-        let dtype = parse_dtype(&raw.dtype)
-            .ok_or_else(|| CheckpointError::UnknownDtype { file: f(), tensor: name.clone(), dtype: raw.dtype.clone() })?;
         let bits = raw
             .shape
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .and_then(|n| n.checked_mul(dtype.bitsize() as u64))
-            .ok_or_else(|| CheckpointError::ShapeOverflow { file: f(), tensor: name.clone(), shape: raw.shape.clone() })?;
-        if bits % 8 != 0 {
-            return Err(CheckpointError::MisalignedSubByte { file: f(), tensor: name });
+            .ok_or_else(|| CheckpointError::ShapeOverflow {
+                file: f(),
+                tensor: name.clone(),
+                shape: raw.shape.clone(),
+            })?;
+        if !bits.is_multiple_of(8) {
+            return Err(CheckpointError::MisalignedSubByte {
+                file: f(),
+                tensor: name,
+            });
         }
         let (begin, end) = raw.data_offsets;
         if end < begin {
-            return Err(CheckpointError::OffsetsReversed { file: f(), tensor: name, begin, end });
+            return Err(CheckpointError::OffsetsReversed {
+                file: f(),
+                tensor: name,
+                begin,
+                end,
+            });
         }
         if end - begin != bits / 8 {
-            return Err(CheckpointError::LengthMismatch { file: f(), tensor: name, expected: bits / 8, actual: end - begin });
+            return Err(CheckpointError::LengthMismatch {
+                file: f(),
+                tensor: name,
+                expected: bits / 8,
+                actual: end - begin,
+            });
         }
-        tensors.push(HeaderTensor { name, dtype, shape: raw.shape, begin, end });
+        tensors.push(HeaderTensor {
+            name,
+            dtype,
+            shape: raw.shape,
+            begin,
+            end,
+        });
     }
 
     // Ties (zero-length tensors at one offset) are ordered by name so the order is deterministic.
@@ -155,22 +222,44 @@ fn parse(file: &Path, header_len: u64, header: &[u8], file_len: u64) -> Result<S
     let mut covered = 0u64;
     for t in &tensors {
         if t.begin > covered {
-            return Err(CheckpointError::DataGap { file: f(), tensor: t.name.clone(), expected: covered, begin: t.begin });
+            return Err(CheckpointError::DataGap {
+                file: f(),
+                tensor: t.name.clone(),
+                expected: covered,
+                begin: t.begin,
+            });
         }
         if t.begin < covered {
-            return Err(CheckpointError::DataOverlap { file: f(), tensor: t.name.clone(), expected: covered, begin: t.begin });
+            return Err(CheckpointError::DataOverlap {
+                file: f(),
+                tensor: t.name.clone(),
+                expected: covered,
+                begin: t.begin,
+            });
         }
         covered = t.end;
     }
     let data_len = file_len - 8 - header_len;
     if covered > data_len {
         let last = tensors.last().map(|t| t.name.clone()).unwrap_or_default();
-        return Err(CheckpointError::DataOutOfBounds { file: f(), tensor: last, end: covered, data_len });
+        return Err(CheckpointError::DataOutOfBounds {
+            file: f(),
+            tensor: last,
+            end: covered,
+            data_len,
+        });
     }
     if covered < data_len {
-        return Err(CheckpointError::TrailingBytes { file: f(), extra: data_len - covered });
+        return Err(CheckpointError::TrailingBytes {
+            file: f(),
+            extra: data_len - covered,
+        });
     }
-    Ok(SafetensorsHeader { header_len, metadata, tensors })
+    Ok(SafetensorsHeader {
+        header_len,
+        metadata,
+        tensors,
+    })
 }
 
 /// The safetensors dtype named `s` (its exact spelling in headers, e.g. `"BF16"`), if any.

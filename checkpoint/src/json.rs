@@ -19,7 +19,10 @@ pub(crate) type KeyPath = Vec<String>;
 /// keys are distinct, or the parse error when `text` is not JSON (serde_json's recursion limit
 /// applies, so hostile nesting is an error, not a stack overflow).
 pub(crate) fn first_duplicate_key(text: &str) -> Result<Option<KeyPath>, serde_json::Error> {
-    let state = Walk { path: RefCell::new(Vec::new()), found: RefCell::new(None) };
+    let state = Walk {
+        path: RefCell::new(Vec::new()),
+        found: RefCell::new(None),
+    };
     let mut de = serde_json::Deserializer::from_str(text);
     let walked = (&state).deserialize(&mut de).and_then(|()| de.end());
     if let Some(path) = state.found.into_inner() {
@@ -121,25 +124,34 @@ mod tests {
 
     #[test]
     fn distinct_keys_pass() {
-        assert_eq!(first_duplicate_key(r#"{"a":1,"b":{"a":2},"c":[{"a":1},{"a":2}]}"#).unwrap(), None);
+        assert_eq!(
+            first_duplicate_key(r#"{"a":1,"b":{"a":2},"c":[{"a":1},{"a":2}]}"#).unwrap(),
+            None
+        );
     }
 
     #[test]
     fn top_level_duplicate() {
-        let p = first_duplicate_key(r#"{"a":1,"b":2,"a":1}"#).unwrap().unwrap();
+        let p = first_duplicate_key(r#"{"a":1,"b":2,"a":1}"#)
+            .unwrap()
+            .unwrap();
         assert_eq!(p, vec!["a".to_string()]);
     }
 
     #[test]
     fn nested_duplicate_in_array() {
-        let p = first_duplicate_key(r#"{"x":[{"k":1},{"k":1,"k":2}]}"#).unwrap().unwrap();
+        let p = first_duplicate_key(r#"{"x":[{"k":1},{"k":1,"k":2}]}"#)
+            .unwrap()
+            .unwrap();
         assert_eq!(p, vec!["x".to_string(), "[1]".to_string(), "k".to_string()]);
         assert_eq!(render_path(&p), r#""x"[1]."k""#);
     }
 
     #[test]
     fn escaped_keys_compare_after_unescaping() {
-        let p = first_duplicate_key(r#"{"a":1,"\u0061":2}"#).unwrap().unwrap();
+        let p = first_duplicate_key(r#"{"a":1,"\u0061":2}"#)
+            .unwrap()
+            .unwrap();
         assert_eq!(p, vec!["a".to_string()]);
     }
 

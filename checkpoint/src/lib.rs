@@ -13,7 +13,7 @@
 //!
 //! # What [`open`] checks
 //!
-//! - **Paths** ([`paths`](crate::HubBlob)): every file resolves inside the canonical source
+//! - **Paths**: every file resolves inside the canonical source
 //!   directory, except that a Hub cache snapshot (`models--o--n/snapshots/<rev>/`) may link into
 //!   its repository's `blobs/`, whose blob names are then checked against the content (SHA-256
 //!   for 64 hex digits, git blob SHA-1 for 40). Index file names are plain relative paths.
@@ -103,7 +103,9 @@ pub struct OpenOptions {
 
 impl Default for OpenOptions {
     fn default() -> Self {
-        OpenOptions { verify_hub_blobs: true }
+        OpenOptions {
+            verify_hub_blobs: true,
+        }
     }
 }
 
@@ -198,21 +200,44 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     let verify = options.verify_hub_blobs;
 
     let (config_file, config_bytes) =
-        read_json_file(&root, CONFIG_FILE, verify)?.ok_or_else(|| CheckpointError::ConfigMissing { file: CONFIG_FILE.into() })?;
-    let config_text = std::str::from_utf8(&config_bytes)
-        .map_err(|e| CheckpointError::ConfigInvalidJson { file: CONFIG_FILE.into(), message: e.to_string() })?;
+        read_json_file(&root, CONFIG_FILE, verify)?.ok_or_else(|| {
+            CheckpointError::ConfigMissing {
+                file: CONFIG_FILE.into(),
+            }
+        })?;
+    let config_text =
+        std::str::from_utf8(&config_bytes).map_err(|e| CheckpointError::ConfigInvalidJson {
+            file: CONFIG_FILE.into(),
+            message: e.to_string(),
+        })?;
     let config = ModelConfigSummary::parse(Path::new(CONFIG_FILE), config_text)?;
     let naming = config.family.naming();
 
     let single = root.resolve(SINGLE_FILE)?;
     let has_index = root.resolve(INDEX_FILE)?.is_some();
     let (index, index_metadata, weight_map, shard_names) = match (single, has_index) {
-        (Some(_), true) => return Err(CheckpointError::AmbiguousWeights { file: src_dir.into() }),
-        (None, false) => return Err(CheckpointError::NoWeights { file: src_dir.into() }),
-        (Some(_), false) => (None, serde_json::Value::Null, None, vec![SINGLE_FILE.to_owned()]),
+        (Some(_), true) => {
+            return Err(CheckpointError::AmbiguousWeights {
+                file: src_dir.into(),
+            })
+        }
+        (None, false) => {
+            return Err(CheckpointError::NoWeights {
+                file: src_dir.into(),
+            })
+        }
+        (Some(_), false) => (
+            None,
+            serde_json::Value::Null,
+            None,
+            vec![SINGLE_FILE.to_owned()],
+        ),
         (None, true) => {
-            let (file, bytes) = read_json_file(&root, INDEX_FILE, verify)?
-                .ok_or_else(|| CheckpointError::NoWeights { file: src_dir.into() })?;
+            let (file, bytes) = read_json_file(&root, INDEX_FILE, verify)?.ok_or_else(|| {
+                CheckpointError::NoWeights {
+                    file: src_dir.into(),
+                }
+            })?;
             let index = parse_index(&bytes)?;
             let names: BTreeSet<&String> = index.weight_map.values().collect();
             let names: Vec<String> = names.into_iter().cloned().collect();
@@ -231,23 +256,35 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     let mut opened = Vec::with_capacity(shard_names.len());
     for name in &shard_names {
         let Some(resolved) = root.resolve(name)? else {
-            return Err(CheckpointError::IndexMissingShard { file: INDEX_FILE.into(), shard: name.clone() });
+            return Err(match weight_map {
+                Some(_) => CheckpointError::IndexMissingShard {
+                    file: INDEX_FILE.into(),
+                    shard: name.clone(),
+                },
+                // model.safetensors vanished since it was looked up a moment ago.
+                None => CheckpointError::NoWeights {
+                    file: src_dir.into(),
+                },
+            });
         };
         let (handle, size) = open_regular(name, &resolved.path)?;
         opened.push((name, resolved, handle, size));
     }
     let sha256s: Vec<Option<[u8; 32]>> = opened
         .par_iter()
-        .map(|(name, resolved, handle, _)| match (&resolved.hub_blob, verify) {
-            (Some(blob), true) => blob.verify_handle(Path::new(name.as_str()), handle),
-            _ => Ok(None),
-        })
+        .map(
+            |(name, resolved, handle, _)| match (&resolved.hub_blob, verify) {
+                (Some(blob), true) => blob.verify_handle(Path::new(name.as_str()), handle),
+                _ => Ok(None),
+            },
+        )
         .collect::<Result<_, _>>()?;
 
     let mut shards = Vec::with_capacity(opened.len());
     let mut handles = Vec::with_capacity(opened.len());
     let mut tensors: BTreeMap<String, SourceTensor> = BTreeMap::new();
-    for (i, ((name, resolved, handle, size), sha256)) in opened.into_iter().zip(sha256s).enumerate() {
+    for (i, ((name, resolved, handle, size), sha256)) in opened.into_iter().zip(sha256s).enumerate()
+    {
         let header = SafetensorsHeader::read(Path::new(name.as_str()), &handle, size)?;
         let data_start = header.data_start();
         for t in header.tensors {
@@ -258,7 +295,13 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
                     other: name.as_str().into(),
                 });
             }
-            let entry = SourceTensor { dtype: t.dtype, shape: t.shape, shard: i, offset: data_start + t.begin, len: t.end - t.begin };
+            let entry = SourceTensor {
+                dtype: t.dtype,
+                shape: t.shape,
+                shard: i,
+                offset: data_start + t.begin,
+                len: t.end - t.begin,
+            };
             tensors.insert(t.name, entry);
         }
         shards.push(Shard {
@@ -277,7 +320,12 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     if let Some(weight_map) = &weight_map {
         for (name, t) in &tensors {
             match weight_map.get(name) {
-                None => return Err(CheckpointError::UnlistedTensor { file: shard_file(t.shard), tensor: name.clone() }),
+                None => {
+                    return Err(CheckpointError::UnlistedTensor {
+                        file: shard_file(t.shard),
+                        tensor: name.clone(),
+                    })
+                }
                 Some(listed) if *listed != shard_names[t.shard] => {
                     return Err(CheckpointError::TensorInWrongShard {
                         file: shard_file(t.shard),
@@ -290,23 +338,38 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
         }
         for (name, shard) in weight_map {
             if !tensors.contains_key(name) {
-                return Err(CheckpointError::IndexTensorAbsent { file: INDEX_FILE.into(), tensor: name.clone(), shard: shard.clone() });
+                return Err(CheckpointError::IndexTensorAbsent {
+                    file: INDEX_FILE.into(),
+                    tensor: name.clone(),
+                    shard: shard.clone(),
+                });
             }
         }
     }
 
-    let weights_file = Path::new(if index.is_some() { INDEX_FILE } else { SINGLE_FILE });
+    let weights_file = Path::new(if index.is_some() {
+        INDEX_FILE
+    } else {
+        SINGLE_FILE
+    });
     experts::check_dtypes(&tensors, &shard_file)?;
     let table = experts::classify(&config, naming, &tensors, weights_file, &shard_file)?;
 
     let mut extra_files = vec![config_file];
     for name in &EXTRA_FILES[1..] {
-        let Some(resolved) = root.resolve(name)? else { continue };
+        let Some(resolved) = root.resolve(name)? else {
+            continue;
+        };
         let (handle, size) = open_regular(name, &resolved.path)?;
         if let (Some(blob), true) = (&resolved.hub_blob, verify) {
             blob.verify_handle(Path::new(name), &handle)?;
         }
-        extra_files.push(SourceFile { name: (*name).to_owned(), path: resolved.path, size, hub_blob: resolved.hub_blob });
+        extra_files.push(SourceFile {
+            name: (*name).to_owned(),
+            path: resolved.path,
+            size,
+            hub_blob: resolved.hub_blob,
+        });
     }
 
     Ok(Checkpoint {
@@ -350,7 +413,10 @@ impl Checkpoint {
         let len = usize::try_from(t.len).map_err(|_| CheckpointError::Io {
             file: shard.name.as_str().into(),
             op: "reading a tensor",
-            source: io::Error::new(io::ErrorKind::OutOfMemory, "tensor larger than the address space"),
+            source: io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                "tensor larger than the address space",
+            ),
         })?;
         buf.clear();
         buf.resize(len, 0);
@@ -368,9 +434,14 @@ impl Checkpoint {
     /// (SIGBUS). Use [`read_tensor_bytes`](Self::read_tensor_bytes) where that matters; never
     /// compute from a mapping whose bytes were not hashed after mapping.
     pub fn map_shard(&self, shard: usize) -> Result<ShardMap, CheckpointError> {
-        let (info, handle) = self.shards.get(shard).zip(self.handles.get(shard)).ok_or_else(|| {
-            CheckpointError::UnknownTensor { file: self.weights_file().into(), tensor: format!("<shard #{shard}>") }
-        })?;
+        let (info, handle) = self
+            .shards
+            .get(shard)
+            .zip(self.handles.get(shard))
+            .ok_or_else(|| CheckpointError::UnknownShard {
+                file: self.weights_file().into(),
+                shard,
+            })?;
         self.check_unchanged(info, handle)?;
         // SAFETY: the map is read-only and its length was just checked against the validated
         // size; the remaining hazard (concurrent truncation) is documented above.
@@ -380,7 +451,11 @@ impl Checkpoint {
             source,
         })?;
         if map.len() as u64 != info.size {
-            return Err(CheckpointError::ShardChanged { file: info.name.as_str().into(), expected: info.size, actual: map.len() as u64 });
+            return Err(CheckpointError::ShardChanged {
+                file: info.name.as_str().into(),
+                expected: info.size,
+                actual: map.len() as u64,
+            });
         }
         Ok(ShardMap { shard, map })
     }
@@ -418,7 +493,10 @@ impl Checkpoint {
     }
 
     fn locate(&self, name: &str) -> Result<(&SourceTensor, &Shard, &File), CheckpointError> {
-        let unknown = || CheckpointError::UnknownTensor { file: self.weights_file().into(), tensor: name.to_owned() };
+        let unknown = || CheckpointError::UnknownTensor {
+            file: self.weights_file().into(),
+            tensor: name.to_owned(),
+        };
         let t = self.tensors.get(name).ok_or_else(unknown)?;
         let shard = self.shards.get(t.shard).ok_or_else(unknown)?;
         let handle = self.handles.get(t.shard).ok_or_else(unknown)?;
@@ -428,10 +506,18 @@ impl Checkpoint {
     fn check_unchanged(&self, shard: &Shard, handle: &File) -> Result<(), CheckpointError> {
         let actual = handle
             .metadata()
-            .map_err(|source| CheckpointError::Io { file: shard.name.as_str().into(), op: "stat", source })?
+            .map_err(|source| CheckpointError::Io {
+                file: shard.name.as_str().into(),
+                op: "stat",
+                source,
+            })?
             .len();
         if actual != shard.size {
-            return Err(CheckpointError::ShardChanged { file: shard.name.as_str().into(), expected: shard.size, actual });
+            return Err(CheckpointError::ShardChanged {
+                file: shard.name.as_str().into(),
+                expected: shard.size,
+                actual,
+            });
         }
         Ok(())
     }
@@ -477,15 +563,24 @@ struct RawIndex {
 }
 
 fn parse_index(bytes: &[u8]) -> Result<RawIndex, CheckpointError> {
-    let invalid = |message: String| CheckpointError::IndexInvalidJson { file: INDEX_FILE.into(), message };
+    let invalid = |message: String| CheckpointError::IndexInvalidJson {
+        file: INDEX_FILE.into(),
+        message,
+    };
     let text = std::str::from_utf8(bytes).map_err(|e| invalid(e.to_string()))?;
     match json::first_duplicate_key(text) {
         Err(e) => return Err(invalid(e.to_string())),
         Ok(Some(path)) if path.len() == 2 && path[0] == "weight_map" => {
-            return Err(CheckpointError::IndexDuplicateTensor { file: INDEX_FILE.into(), tensor: path[1].clone() })
+            return Err(CheckpointError::IndexDuplicateTensor {
+                file: INDEX_FILE.into(),
+                tensor: path[1].clone(),
+            })
         }
         Ok(Some(path)) => {
-            return Err(CheckpointError::DuplicateJsonKey { file: INDEX_FILE.into(), key_path: json::render_path(&path) })
+            return Err(CheckpointError::DuplicateJsonKey {
+                file: INDEX_FILE.into(),
+                key_path: json::render_path(&path),
+            })
         }
         Ok(None) => {}
     }
@@ -499,30 +594,53 @@ fn read_json_file(
     name: &str,
     verify: bool,
 ) -> Result<Option<(SourceFile, Vec<u8>)>, CheckpointError> {
-    let Some(resolved) = root.resolve(name)? else { return Ok(None) };
+    let Some(resolved) = root.resolve(name)? else {
+        return Ok(None);
+    };
     let (handle, size) = open_regular(name, &resolved.path)?;
     if size > MAX_JSON_LEN {
-        return Err(CheckpointError::JsonTooLarge { file: name.into(), size, limit: MAX_JSON_LEN });
+        return Err(CheckpointError::JsonTooLarge {
+            file: name.into(),
+            size,
+            limit: MAX_JSON_LEN,
+        });
     }
     let mut bytes = Vec::with_capacity(size as usize);
     (&handle)
         .take(MAX_JSON_LEN + 1)
         .read_to_end(&mut bytes)
-        .map_err(|source| CheckpointError::Io { file: name.into(), op: "reading", source })?;
+        .map_err(|source| CheckpointError::Io {
+            file: name.into(),
+            op: "reading",
+            source,
+        })?;
     if bytes.len() as u64 > MAX_JSON_LEN {
-        return Err(CheckpointError::JsonTooLarge { file: name.into(), size: bytes.len() as u64, limit: MAX_JSON_LEN });
+        return Err(CheckpointError::JsonTooLarge {
+            file: name.into(),
+            size: bytes.len() as u64,
+            limit: MAX_JSON_LEN,
+        });
     }
     if let (Some(blob), true) = (&resolved.hub_blob, verify) {
         blob.verify_bytes(Path::new(name), &bytes)?;
     }
-    let file = SourceFile { name: name.to_owned(), path: resolved.path, size: bytes.len() as u64, hub_blob: resolved.hub_blob };
+    let file = SourceFile {
+        name: name.to_owned(),
+        path: resolved.path,
+        size: bytes.len() as u64,
+        hub_blob: resolved.hub_blob,
+    };
     Ok(Some((file, bytes)))
 }
 
 /// Opens a resolved path, refusing anything but a regular file (checked before opening, so a
 /// FIFO cannot block the open, and again on the handle).
 fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError> {
-    let io_err = |op, source| CheckpointError::Io { file: name.into(), op, source };
+    let io_err = |op, source| CheckpointError::Io {
+        file: name.into(),
+        op,
+        source,
+    };
     if !fs::metadata(path).map_err(|e| io_err("stat", e))?.is_file() {
         return Err(CheckpointError::NotAFile { file: name.into() });
     }
@@ -550,7 +668,12 @@ pub(crate) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<us
 pub(crate) fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
     while !buf.is_empty() {
         match read_at(file, buf, offset) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file ended early")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "file ended early",
+                ))
+            }
             Ok(n) => {
                 buf = &mut buf[n..];
                 offset += n as u64;

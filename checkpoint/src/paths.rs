@@ -49,7 +49,9 @@ impl HubBlob {
     }
 
     fn from_name(name: &str) -> Option<HubBlob> {
-        let hex = name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        let hex = name
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
         match name.len() {
             64 if hex => Some(HubBlob::Sha256(name.to_owned())),
             40 if hex => Some(HubBlob::GitSha1(name.to_owned())),
@@ -59,14 +61,24 @@ impl HubBlob {
 
     /// Hashes the content behind `handle` and compares it with the blob's name. Returns the
     /// content's SHA-256 when that is what was computed. `file` names the file in errors.
-    pub(crate) fn verify_handle(&self, file: &Path, handle: &fs::File) -> Result<Option<[u8; 32]>, CheckpointError> {
-        let io_err = |source| CheckpointError::Io { file: file.into(), op: "hashing the Hub blob", source };
+    pub(crate) fn verify_handle(
+        &self,
+        file: &Path,
+        handle: &fs::File,
+    ) -> Result<Option<[u8; 32]>, CheckpointError> {
+        let io_err = |source| CheckpointError::Io {
+            file: file.into(),
+            op: "hashing the Hub blob",
+            source,
+        };
         match self {
             HubBlob::Sha256(_) => {
                 let h = sha256_handle(handle).map_err(io_err)?;
                 self.compare(file, &h).map(|()| Some(h))
             }
-            HubBlob::GitSha1(_) => self.compare(file, &git_blob_sha1_handle(handle).map_err(io_err)?).map(|()| None),
+            HubBlob::GitSha1(_) => self
+                .compare(file, &git_blob_sha1_handle(handle).map_err(io_err)?)
+                .map(|()| None),
         }
     }
 
@@ -87,7 +99,12 @@ impl HubBlob {
             HubBlob::Sha256(_) => "SHA-256",
             HubBlob::GitSha1(_) => "git blob SHA-1",
         };
-        Err(CheckpointError::HubBlobMismatch { file: file.into(), blob: self.name().to_owned(), algorithm, actual })
+        Err(CheckpointError::HubBlobMismatch {
+            file: file.into(),
+            blob: self.name().to_owned(),
+            algorithm,
+            actual,
+        })
     }
 }
 
@@ -107,10 +124,16 @@ pub(crate) struct Resolved {
 
 impl SourceRoot {
     pub fn new(src_dir: &Path) -> Result<SourceRoot, CheckpointError> {
-        let err = |source| CheckpointError::SourceDir { file: src_dir.into(), source };
+        let err = |source| CheckpointError::SourceDir {
+            file: src_dir.into(),
+            source,
+        };
         let root = fs::canonicalize(src_dir).map_err(err)?;
         if !fs::metadata(&root).map_err(err)?.is_dir() {
-            return Err(err(io::Error::new(io::ErrorKind::NotADirectory, "not a directory")));
+            return Err(err(io::Error::new(
+                io::ErrorKind::NotADirectory,
+                "not a directory",
+            )));
         }
         let hub_blobs = root
             .parent()
@@ -127,21 +150,42 @@ impl SourceRoot {
         let path = match fs::canonicalize(&joined) {
             Ok(p) => p,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(CheckpointError::Io { file: name.into(), op: "resolving the path", source }),
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    file: name.into(),
+                    op: "resolving the path",
+                    source,
+                })
+            }
         };
         if path.starts_with(&self.root) {
-            return Ok(Some(Resolved { path, hub_blob: None }));
+            return Ok(Some(Resolved {
+                path,
+                hub_blob: None,
+            }));
         }
         if let (Some(blobs), Some(parent)) = (&self.hub_blobs, path.parent()) {
             if parent == blobs {
-                let blob = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let blob = path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
                 let Some(hub_blob) = HubBlob::from_name(&blob) else {
-                    return Err(CheckpointError::HubBlobBadName { file: name.into(), blob });
+                    return Err(CheckpointError::HubBlobBadName {
+                        file: name.into(),
+                        blob,
+                    });
                 };
-                return Ok(Some(Resolved { path, hub_blob: Some(hub_blob) }));
+                return Ok(Some(Resolved {
+                    path,
+                    hub_blob: Some(hub_blob),
+                }));
             }
         }
-        Err(CheckpointError::SymlinkEscape { file: name.into(), target: path })
+        Err(CheckpointError::SymlinkEscape {
+            file: name.into(),
+            target: path,
+        })
     }
 }
 
@@ -171,7 +215,10 @@ pub(crate) fn check_name(name: &str, shard: bool) -> Result<(), NameProblem> {
         }
     }
     // Belt and braces: the split above must agree with std's own view of the path.
-    if !Path::new(name).components().all(|c| matches!(c, Component::Normal(_))) {
+    if !Path::new(name)
+        .components()
+        .all(|c| matches!(c, Component::Normal(_)))
+    {
         return Err(NameProblem::NotNormal);
     }
     if shard && !name.ends_with(".safetensors") {
@@ -189,22 +236,52 @@ mod tests {
         assert_eq!(check_name("model-00001-of-00002.safetensors", true), Ok(()));
         assert_eq!(check_name("sub/model.safetensors", true), Ok(()));
         assert_eq!(check_name("", true), Err(NameProblem::Empty));
-        assert_eq!(check_name("/etc/passwd.safetensors", true), Err(NameProblem::Absolute));
-        assert_eq!(check_name("../x.safetensors", true), Err(NameProblem::ParentDir));
-        assert_eq!(check_name("a/../../x.safetensors", true), Err(NameProblem::ParentDir));
-        assert_eq!(check_name("./x.safetensors", true), Err(NameProblem::NotNormal));
-        assert_eq!(check_name("a//x.safetensors", true), Err(NameProblem::NotNormal));
-        assert_eq!(check_name("..\\x.safetensors", true), Err(NameProblem::Backslash));
+        assert_eq!(
+            check_name("/etc/passwd.safetensors", true),
+            Err(NameProblem::Absolute)
+        );
+        assert_eq!(
+            check_name("../x.safetensors", true),
+            Err(NameProblem::ParentDir)
+        );
+        assert_eq!(
+            check_name("a/../../x.safetensors", true),
+            Err(NameProblem::ParentDir)
+        );
+        assert_eq!(
+            check_name("./x.safetensors", true),
+            Err(NameProblem::NotNormal)
+        );
+        assert_eq!(
+            check_name("a//x.safetensors", true),
+            Err(NameProblem::NotNormal)
+        );
+        assert_eq!(
+            check_name("..\\x.safetensors", true),
+            Err(NameProblem::Backslash)
+        );
         assert_eq!(check_name("x\0.safetensors", true), Err(NameProblem::Nul));
-        assert_eq!(check_name("x\n.safetensors", true), Err(NameProblem::ControlChar));
-        assert_eq!(check_name("config.json", true), Err(NameProblem::NotSafetensors));
+        assert_eq!(
+            check_name("x\n.safetensors", true),
+            Err(NameProblem::ControlChar)
+        );
+        assert_eq!(
+            check_name("config.json", true),
+            Err(NameProblem::NotSafetensors)
+        );
         assert_eq!(check_name("config.json", false), Ok(()));
     }
 
     #[test]
     fn blob_names() {
-        assert_eq!(HubBlob::from_name(&"a".repeat(64)), Some(HubBlob::Sha256("a".repeat(64))));
-        assert_eq!(HubBlob::from_name(&"0".repeat(40)), Some(HubBlob::GitSha1("0".repeat(40))));
+        assert_eq!(
+            HubBlob::from_name(&"a".repeat(64)),
+            Some(HubBlob::Sha256("a".repeat(64)))
+        );
+        assert_eq!(
+            HubBlob::from_name(&"0".repeat(40)),
+            Some(HubBlob::GitSha1("0".repeat(40)))
+        );
         assert_eq!(HubBlob::from_name(&"A".repeat(64)), None);
         assert_eq!(HubBlob::from_name(&"g".repeat(40)), None);
         assert_eq!(HubBlob::from_name("passwd"), None);

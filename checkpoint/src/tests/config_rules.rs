@@ -32,15 +32,23 @@ fn config_missing() {
 
 #[test]
 fn config_not_json() {
-    assert_variant!(with_config_text(b"model_type: qwen3_moe"), E::ConfigInvalidJson { .. });
+    assert_variant!(
+        with_config_text(b"model_type: qwen3_moe"),
+        E::ConfigInvalidJson { .. }
+    );
     assert_variant!(with_config_text(b""), E::ConfigInvalidJson { .. });
     assert_variant!(with_config_text(b"[1,2]"), E::ConfigInvalidJson { .. });
-    assert_variant!(with_config_text(b"{\"model_type\": \"\xff\"}"), E::ConfigInvalidJson { .. });
+    assert_variant!(
+        with_config_text(b"{\"model_type\": \"\xff\"}"),
+        E::ConfigInvalidJson { .. }
+    );
 }
 
 #[test]
 fn config_duplicate_key() {
-    let e = with_config_text(br#"{"model_type":"qwen3_moe","num_hidden_layers":2,"num_hidden_layers":40}"#);
+    let e = with_config_text(
+        br#"{"model_type":"qwen3_moe","num_hidden_layers":2,"num_hidden_layers":40}"#,
+    );
     assert_variant!(e, E::DuplicateJsonKey { ref key_path, .. } if key_path == r#""num_hidden_layers""#);
     let e = with_config_text(br#"{"rope_parameters":{"rope_theta":1,"rope_theta":2}}"#);
     assert_variant!(e, E::DuplicateJsonKey { .. });
@@ -48,7 +56,12 @@ fn config_duplicate_key() {
 
 #[test]
 fn config_missing_fields() {
-    for field in ["model_type", "num_hidden_layers", "num_experts_per_tok", "hidden_size"] {
+    for field in [
+        "model_type",
+        "num_hidden_layers",
+        "num_experts_per_tok",
+        "hidden_size",
+    ] {
         let e = with_config(|t| {
             t.unset(field);
         });
@@ -72,7 +85,8 @@ fn config_missing_expert_count() {
 #[test]
 fn either_expert_count_key_is_accepted() {
     let mut t = Tiny::qwen3();
-    t.unset("num_local_experts").set("num_experts", json!(EXPERTS));
+    t.unset("num_local_experts")
+        .set("num_experts", json!(EXPERTS));
     assert_eq!(opens(&t.write()).config.num_experts, EXPERTS);
     t.set("num_local_experts", json!(EXPERTS));
     assert_eq!(opens(&t.write()).config.num_experts, EXPERTS);
@@ -85,7 +99,14 @@ fn config_conflicting_expert_count() {
     let e = with_config(|t| {
         t.set("num_experts", json!(8));
     });
-    assert_variant!(e, E::ConfigConflictingExpertCount { num_experts: 8, num_local_experts: 4, .. });
+    assert_variant!(
+        e,
+        E::ConfigConflictingExpertCount {
+            num_experts: 8,
+            num_local_experts: 4,
+            ..
+        }
+    );
 }
 
 #[test]
@@ -144,35 +165,53 @@ fn unsupported_model_type() {
 #[test]
 fn quantized_config() {
     let e = with_config(|t| {
-        t.set("quantization_config", json!({"quant_method": "fp8", "weight_block_size": [128, 128]}));
+        t.set(
+            "quantization_config",
+            json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+        );
     });
     let e = assert_variant!(e, E::QuantizedConfig { ref method, .. } if method == "fp8");
     assert!(e.to_string().contains("never re-quantises"), "{e}");
     let e = with_config(|t| {
         t.set("compression_config", json!({}));
     });
-    assert_variant!(e, E::QuantizedConfig { key: "compression_config", .. });
+    assert_variant!(
+        e,
+        E::QuantizedConfig {
+            key: "compression_config",
+            ..
+        }
+    );
 }
 
 #[test]
 fn dense_layers_follow_mlp_only_layers_and_sparse_step() {
     // Layer 0 dense (mlp_only_layers), with a dense MLP and no experts.
     let mut t = Tiny::qwen3();
-    t.tensors.retain(|s| !s.name.starts_with("model.layers.0.mlp.experts."));
+    t.tensors
+        .retain(|s| !s.name.starts_with("model.layers.0.mlp.experts."));
     for m in ["gate_proj", "up_proj", "down_proj"] {
-        t.add(&format!("model.layers.0.mlp.{m}.weight"), "BF16", &[HIDDEN, HIDDEN]);
+        t.add(
+            &format!("model.layers.0.mlp.{m}.weight"),
+            "BF16",
+            &[HIDDEN, HIDDEN],
+        );
     }
     t.set("mlp_only_layers", json!([0]));
     let c = opens(&t.write());
     assert_eq!(c.config.moe_layers, vec![1]);
     assert_eq!(c.experts.len(), EXPERTS as usize);
-    assert!(c.non_expert.contains(&"model.layers.0.mlp.down_proj.weight".to_owned()));
+    assert!(c
+        .non_expert
+        .contains(&"model.layers.0.mlp.down_proj.weight".to_owned()));
     // decoder_sparse_step = 2: layer 1 is sparse ((1 + 1) % 2 == 0), layer 0 dense.
-    t.unset("mlp_only_layers").set("decoder_sparse_step", json!(2));
+    t.unset("mlp_only_layers")
+        .set("decoder_sparse_step", json!(2));
     assert_eq!(opens(&t.write()).config.moe_layers, vec![1]);
     // Mixtral ignores both keys: every layer is sparse.
     let mut m = Tiny::mixtral();
-    m.set("mlp_only_layers", json!([0])).set("decoder_sparse_step", json!(2));
+    m.set("mlp_only_layers", json!([0]))
+        .set("decoder_sparse_step", json!(2));
     assert_eq!(opens(&m.write()).config.moe_layers, vec![0, 1]);
 }
 
@@ -183,7 +222,10 @@ fn config_is_kept_whole() {
     assert_eq!(c.config.model_type, "olmoe");
     assert_eq!(c.config.architectures, vec!["OlmoeForCausalLM".to_owned()]);
     assert_eq!(c.config.raw["vocab_size"], json!(16));
-    assert_eq!((c.config.num_experts_per_tok, c.config.hidden_size), (2, HIDDEN));
+    assert_eq!(
+        (c.config.num_experts_per_tok, c.config.hidden_size),
+        (2, HIDDEN)
+    );
 }
 
 #[test]

@@ -24,25 +24,42 @@ fn no_expert_tensors() {
 
 #[test]
 fn unexpected_expert_tensors() {
-    let cases: Vec<Box<dyn Fn(&mut Tiny)>> = vec![
+    type Edit = Box<dyn Fn(&mut Tiny)>;
+    let cases: Vec<Edit> = vec![
         // An extra tensor in an expert.
         Box::new(|t| {
             t.add("model.layers.0.mlp.experts.3.bias", "BF16", &[INTER]);
         }),
         Box::new(|t| {
-            t.add("model.layers.0.mlp.experts.3.gate_proj.bias", "BF16", &[INTER]);
+            t.add(
+                "model.layers.0.mlp.experts.3.gate_proj.bias",
+                "BF16",
+                &[INTER],
+            );
         }),
         // transformers' fused 3-D expert tensors.
         Box::new(|t| {
-            t.add("model.layers.0.mlp.experts.gate_up_proj", "BF16", &[EXPERTS as u64, HIDDEN, 2 * INTER]);
+            t.add(
+                "model.layers.0.mlp.experts.gate_up_proj",
+                "BF16",
+                &[EXPERTS as u64, HIDDEN, 2 * INTER],
+            );
         }),
         // A non-canonical id that would alias expert 3.
         Box::new(|t| {
-            t.add("model.layers.0.mlp.experts.03.gate_proj.weight", "BF16", &[INTER, HIDDEN]);
+            t.add(
+                "model.layers.0.mlp.experts.03.gate_proj.weight",
+                "BF16",
+                &[INTER, HIDDEN],
+            );
         }),
         // The other family's naming.
         Box::new(|t| {
-            t.add("model.layers.0.block_sparse_moe.experts.0.w1.weight", "BF16", &[INTER, HIDDEN]);
+            t.add(
+                "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                "BF16",
+                &[INTER, HIDDEN],
+            );
         }),
         // Experts outside `model.layers`.
         Box::new(|t| {
@@ -57,13 +74,27 @@ fn unexpected_expert_tensors() {
 #[test]
 fn expert_layer_out_of_range() {
     let e = fails_with(|t| t.add_expert(crate::ExpertNaming::QwenStyle, LAYERS, 0, INTER));
-    assert_variant!(e, E::ExpertLayerOutOfRange { layer: LAYERS, num_layers: LAYERS, .. });
+    assert_variant!(
+        e,
+        E::ExpertLayerOutOfRange {
+            layer: LAYERS,
+            num_layers: LAYERS,
+            ..
+        }
+    );
 }
 
 #[test]
 fn expert_id_out_of_range() {
     let e = fails_with(|t| t.add_expert(crate::ExpertNaming::QwenStyle, 1, EXPERTS, INTER));
-    assert_variant!(e, E::ExpertIdOutOfRange { expert: EXPERTS, num_experts: EXPERTS, .. });
+    assert_variant!(
+        e,
+        E::ExpertIdOutOfRange {
+            expert: EXPERTS,
+            num_experts: EXPERTS,
+            ..
+        }
+    );
 }
 
 #[test]
@@ -81,11 +112,28 @@ fn missing_expert() {
             t.remove(&qwen_expert(1, 2, m));
         }
     });
-    let e = assert_variant!(e, E::MissingExpert { layer: 1, expert: 2, .. });
+    let e = assert_variant!(
+        e,
+        E::MissingExpert {
+            layer: 1,
+            expert: 2,
+            ..
+        }
+    );
     assert_eq!(e.file(), Path::new(crate::INDEX_FILE));
     // A sparse layer with no experts at all.
-    let e = fails_with(|t| t.tensors.retain(|s| !s.name.starts_with("model.layers.0.mlp.experts.")));
-    assert_variant!(e, E::MissingExpert { layer: 0, expert: 0, .. });
+    let e = fails_with(|t| {
+        t.tensors
+            .retain(|s| !s.name.starts_with("model.layers.0.mlp.experts."))
+    });
+    assert_variant!(
+        e,
+        E::MissingExpert {
+            layer: 0,
+            expert: 0,
+            ..
+        }
+    );
 }
 
 #[test]
@@ -106,12 +154,12 @@ fn expert_missing_a_matrix() {
 #[test]
 fn expert_matrix_shapes_within_an_expert() {
     let cases: Vec<(ExpertMatrixArg, Vec<u64>)> = vec![
-        (Gate, vec![INTER, HIDDEN, 1]),             // 3-D
-        (Up, vec![INTER * HIDDEN]),                 // 1-D
-        (Up, vec![INTER + 1, HIDDEN]),              // up differs from gate
-        (Down, vec![INTER, HIDDEN]),                // down not transposed
-        (Down, vec![HIDDEN, INTER + 1]),            // down's width differs
-        (Gate, vec![0, HIDDEN]),                    // zero width (then up and down disagree too)
+        (Gate, vec![INTER, HIDDEN, 1]),  // 3-D
+        (Up, vec![INTER * HIDDEN]),      // 1-D
+        (Up, vec![INTER + 1, HIDDEN]),   // up differs from gate
+        (Down, vec![INTER, HIDDEN]),     // down not transposed
+        (Down, vec![HIDDEN, INTER + 1]), // down's width differs
+        (Gate, vec![0, HIDDEN]),         // zero width (then up and down disagree too)
     ];
     for (m, shape) in cases {
         let e = fails_with(|t| {
@@ -131,14 +179,16 @@ type ExpertMatrixArg = crate::ExpertMatrix;
 #[test]
 fn expert_shapes_across_a_layer() {
     let e = fails_with(|t| {
-        t.tensors.retain(|s| !s.name.starts_with("model.layers.1.mlp.experts.2."));
+        t.tensors
+            .retain(|s| !s.name.starts_with("model.layers.1.mlp.experts.2."));
         t.add_expert(crate::ExpertNaming::QwenStyle, 1, 2, INTER * 2);
     });
     let e = assert_variant!(e, E::ExpertShapeMismatch { ref reference, .. } if *reference == qwen_expert(1, 0, Gate));
     assert!(e.to_string().contains("experts.2.gate_proj"), "{e}");
     // Different widths in different layers are fine.
     let mut t = Tiny::qwen3();
-    t.tensors.retain(|s| !s.name.starts_with("model.layers.1.mlp.experts."));
+    t.tensors
+        .retain(|s| !s.name.starts_with("model.layers.1.mlp.experts."));
     for e in 0..EXPERTS {
         t.add_expert(crate::ExpertNaming::QwenStyle, 1, e, INTER * 2);
     }
@@ -154,14 +204,25 @@ fn quantized_expert_weights_are_refused() {
         let e = fails_with(|t| {
             t.retype(&qwen_expert(0, 1, Down), dtype);
         });
-        let e = assert_variant!(e, E::QuantizedTensor { dtype: d, .. } if format!("{d:?}") == dtype);
-        assert!(e.to_string().contains("Tarfa only accepts BF16 checkpoints and never re-quantises"), "{e}");
+        let e =
+            assert_variant!(e, E::QuantizedTensor { dtype: d, .. } if format!("{d:?}") == dtype);
+        assert!(
+            e.to_string()
+                .contains("Tarfa only accepts BF16 checkpoints and never re-quantises"),
+            "{e}"
+        );
     }
     // F4 packs two values per byte.
     let e = fails_with(|t| {
         t.retype(&qwen_expert(0, 1, Down), "F4");
     });
-    assert_variant!(e, E::QuantizedTensor { dtype: Dtype::F4, .. });
+    assert_variant!(
+        e,
+        E::QuantizedTensor {
+            dtype: Dtype::F4,
+            ..
+        }
+    );
 }
 
 #[test]
@@ -209,14 +270,19 @@ fn float_expert_weights_other_than_bf16_are_refused() {
             t.retype(&qwen_expert(1, 3, Up), dtype);
         });
         let e = assert_variant!(e, E::ExpertNotBf16 { .. });
-        assert_eq!(e.file(), Path::new(&Tiny::qwen3().file_of(&qwen_expert(1, 3, Up))));
+        assert_eq!(
+            e.file(),
+            Path::new(&Tiny::qwen3().file_of(&qwen_expert(1, 3, Up)))
+        );
     }
 }
 
 #[test]
 fn float_non_expert_tensors_are_accepted_as_they_are() {
     let mut t = Tiny::qwen3();
-    t.retype("model.norm.weight", "F32").retype("lm_head.weight", "F16").retype("model.embed_tokens.weight", "F64");
+    t.retype("model.norm.weight", "F32")
+        .retype("lm_head.weight", "F16")
+        .retype("model.embed_tokens.weight", "F64");
     let c = opens(&t.write());
     assert_eq!(c.tensors["model.norm.weight"].dtype, Dtype::F32);
     assert_eq!(c.tensors["lm_head.weight"].dtype, Dtype::F16);

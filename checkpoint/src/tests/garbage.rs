@@ -33,19 +33,39 @@ fn differential(bytes: &[u8]) {
             let mut theirs: Vec<_> = meta
                 .tensors()
                 .into_iter()
-                .map(|(k, i)| (k, i.dtype, i.shape.iter().map(|&d| d as u64).collect::<Vec<_>>(), i.data_offsets))
+                .map(|(k, i)| {
+                    (
+                        k,
+                        i.dtype,
+                        i.shape.iter().map(|&d| d as u64).collect::<Vec<_>>(),
+                        i.data_offsets,
+                    )
+                })
                 .collect();
             theirs.sort_by(|a, b| (a.3, &a.0).cmp(&(b.3, &b.0)));
             let ours: Vec<_> = h
                 .tensors
                 .iter()
-                .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), (t.begin as usize, t.end as usize)))
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        t.dtype,
+                        t.shape.clone(),
+                        (t.begin as usize, t.end as usize),
+                    )
+                })
                 .collect();
             assert_eq!(ours, theirs);
         }
-        (Ok(_), Err(e)) => panic!("we accepted what safetensors refuses ({e:?}): {:?}", String::from_utf8_lossy(bytes)),
+        (Ok(_), Err(e)) => panic!(
+            "we accepted what safetensors refuses ({e:?}): {:?}",
+            String::from_utf8_lossy(bytes)
+        ),
         (Err(E::DuplicateTensor { .. } | E::DuplicateJsonKey { .. }), Ok(_)) => {}
-        (Err(e), Ok(_)) => panic!("we refused what safetensors accepts ({e}): {:?}", String::from_utf8_lossy(bytes)),
+        (Err(e), Ok(_)) => panic!(
+            "we refused what safetensors accepts ({e}): {:?}",
+            String::from_utf8_lossy(bytes)
+        ),
         (Err(e), Err(_)) => check_message(e),
     }
 }
@@ -68,9 +88,36 @@ fn random_bytes() {
 #[test]
 fn random_token_soup() {
     const TOKENS: &[&str] = &[
-        "{", "}", "[", "]", ":", ",", " ", "\"a\"", "\"b\"", "\"dtype\"", "\"shape\"", "\"data_offsets\"",
-        "\"BF16\"", "\"F4\"", "\"U8\"", "\"F64\"", "\"__metadata__\"", "0", "1", "2", "4", "8", "-1", "1.5",
-        "null", "true", "18446744073709551615", "18446744073709551616", "\"\\u0061\"", "\"\\n\"",
+        "{",
+        "}",
+        "[",
+        "]",
+        ":",
+        ",",
+        " ",
+        "\"a\"",
+        "\"b\"",
+        "\"dtype\"",
+        "\"shape\"",
+        "\"data_offsets\"",
+        "\"BF16\"",
+        "\"F4\"",
+        "\"U8\"",
+        "\"F64\"",
+        "\"__metadata__\"",
+        "0",
+        "1",
+        "2",
+        "4",
+        "8",
+        "-1",
+        "1.5",
+        "null",
+        "true",
+        "18446744073709551615",
+        "18446744073709551616",
+        "\"\\u0061\"",
+        "\"\\n\"",
     ];
     let mut rng = Rng(2);
     for _ in 0..30_000 {
@@ -93,7 +140,11 @@ fn small_valid_file() -> Vec<u8> {
     ];
     let specs: Vec<Spec> = specs
         .into_iter()
-        .map(|(n, d, s)| Spec { name: n.into(), dtype: d.into(), shape: s })
+        .map(|(n, d, s)| Spec {
+            name: n.into(),
+            dtype: d.into(),
+            shape: s,
+        })
         .collect();
     safetensors_bytes(&specs)
 }
@@ -116,7 +167,9 @@ fn mutated_valid_files() {
                 }
                 // Replace a digit in the header by another digit.
                 1 => {
-                    let digits: Vec<usize> = (8..header_end.min(m.len())).filter(|&i| m[i].is_ascii_digit()).collect();
+                    let digits: Vec<usize> = (8..header_end.min(m.len()))
+                        .filter(|&i| m[i].is_ascii_digit())
+                        .collect();
                     if !digits.is_empty() {
                         m[digits[rng.below(digits.len())]] = b'0' + rng.below(10) as u8;
                     }
@@ -127,7 +180,9 @@ fn mutated_valid_files() {
                 3 => m.extend((0..1 + rng.below(8)).map(|_| rng.next() as u8)),
                 // Nudge the length prefix.
                 4 if m.len() >= 8 => {
-                    let n = u64::from_le_bytes(m[..8].try_into().unwrap()).wrapping_add(rng.below(17) as u64).wrapping_sub(8);
+                    let n = u64::from_le_bytes(m[..8].try_into().unwrap())
+                        .wrapping_add(rng.below(17) as u64)
+                        .wrapping_sub(8);
                     m[..8].copy_from_slice(&n.to_le_bytes());
                 }
                 // Overwrite a header byte with a JSON-significant character.
@@ -175,7 +230,11 @@ fn garbage_side_files_through_open() {
     let index = std::fs::read(dir.join(crate::INDEX_FILE)).unwrap();
     let mut rng = Rng(5);
     for round in 0..400 {
-        let (name, base) = if round % 2 == 0 { ("config.json", &config) } else { (crate::INDEX_FILE, &index) };
+        let (name, base) = if round % 2 == 0 {
+            ("config.json", &config)
+        } else {
+            (crate::INDEX_FILE, &index)
+        };
         let mut m = base.clone();
         for _ in 0..1 + rng.below(3) {
             let i = rng.below(m.len());

@@ -37,7 +37,10 @@ fn valid_header_parses() {
     .unwrap();
     assert_eq!(h.tensors.len(), 2);
     assert_eq!(h.tensors[0].name, "a");
-    assert_eq!((h.tensors[1].begin, h.tensors[1].end, h.tensors[1].dtype), (4, 16, Dtype::BF16));
+    assert_eq!(
+        (h.tensors[1].begin, h.tensors[1].end, h.tensors[1].dtype),
+        (4, 16, Dtype::BF16)
+    );
     assert_eq!(h.metadata.unwrap()["format"], "pt");
 }
 
@@ -66,8 +69,14 @@ fn zero_length_tensors_tile_at_one_offset() {
 #[test]
 fn file_too_small() {
     assert_variant!(parse(b"").unwrap_err(), E::FileTooSmall { len: 0, .. });
-    assert_variant!(parse(&[2, 0, 0, 0, 0, 0, 0]).unwrap_err(), E::FileTooSmall { len: 7, .. });
-    assert_variant!(through_open(b"\x02\x00\x00"), E::FileTooSmall { len: 3, .. });
+    assert_variant!(
+        parse(&[2, 0, 0, 0, 0, 0, 0]).unwrap_err(),
+        E::FileTooSmall { len: 7, .. }
+    );
+    assert_variant!(
+        through_open(b"\x02\x00\x00"),
+        E::FileTooSmall { len: 3, .. }
+    );
 }
 
 #[test]
@@ -85,7 +94,14 @@ fn header_over_the_cap() {
 fn header_past_end_of_file() {
     let mut bytes = 1000u64.to_le_bytes().to_vec();
     bytes.extend_from_slice(b"{}");
-    assert_variant!(parse(&bytes).unwrap_err(), E::HeaderPastEnd { header_len: 1000, file_len: 10, .. });
+    assert_variant!(
+        parse(&bytes).unwrap_err(),
+        E::HeaderPastEnd {
+            header_len: 1000,
+            file_len: 10,
+            ..
+        }
+    );
     assert_variant!(through_open(&bytes), E::HeaderPastEnd { .. });
 }
 
@@ -94,7 +110,10 @@ fn truncated_file() {
     let full = safetensors_bytes(&Tiny::qwen3().tensors);
     let e = parse(&full[..full.len() - 1]).unwrap_err();
     assert_variant!(e, E::DataOutOfBounds { .. });
-    assert_variant!(through_open(&full[..full.len() - 100]), E::DataOutOfBounds { .. });
+    assert_variant!(
+        through_open(&full[..full.len() - 100]),
+        E::DataOutOfBounds { .. }
+    );
     // Cut inside the header.
     assert_variant!(parse(&full[..20]).unwrap_err(), E::HeaderPastEnd { .. });
 }
@@ -102,18 +121,34 @@ fn truncated_file() {
 #[test]
 fn header_not_utf8() {
     let bytes = raw_safetensors(b"{\"a\xff\":1}", &[]);
-    assert_variant!(parse(&bytes).unwrap_err(), E::HeaderNotUtf8 { valid_up_to: 3, .. });
+    assert_variant!(
+        parse(&bytes).unwrap_err(),
+        E::HeaderNotUtf8 { valid_up_to: 3, .. }
+    );
     assert_variant!(through_open(&bytes), E::HeaderNotUtf8 { .. });
 }
 
 #[test]
 fn header_invalid_json() {
-    for bad in ["", "{", "{\"a\":}", "[]", "null", "12", "{} {}", "{\"a\":1,}", "\"str\""] {
+    for bad in [
+        "",
+        "{",
+        "{\"a\":}",
+        "[]",
+        "null",
+        "12",
+        "{} {}",
+        "{\"a\":1,}",
+        "\"str\"",
+    ] {
         assert_variant!(hdr(bad, 0).unwrap_err(), E::HeaderInvalidJson { .. });
     }
     let deep = format!("{{\"a\":{}{}}}", "[".repeat(10_000), "]".repeat(10_000));
     assert_variant!(hdr(&deep, 0).unwrap_err(), E::HeaderInvalidJson { .. });
-    assert_variant!(through_open(&raw_safetensors("{nope}", &[])), E::HeaderInvalidJson { .. });
+    assert_variant!(
+        through_open(&raw_safetensors("{nope}", &[])),
+        E::HeaderInvalidJson { .. }
+    );
 }
 
 #[test]
@@ -121,7 +156,10 @@ fn duplicate_tensor_with_identical_ranges() {
     // The safetensors crate accepts this silently (the second entry wins).
     let h = r#"{"a":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]},"a":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}"#;
     assert_variant!(hdr(h, 2).unwrap_err(), E::DuplicateTensor { ref tensor, .. } if tensor == "a");
-    assert_variant!(through_open(&raw_safetensors(h, &[0, 0])), E::DuplicateTensor { .. });
+    assert_variant!(
+        through_open(&raw_safetensors(h, &[0, 0])),
+        E::DuplicateTensor { .. }
+    );
 }
 
 #[test]
@@ -143,9 +181,18 @@ fn duplicate_key_inside_an_entry_or_the_metadata() {
 
 #[test]
 fn invalid_metadata() {
-    assert_variant!(hdr(r#"{"__metadata__":{"k":1}}"#, 0).unwrap_err(), E::InvalidMetadata { .. });
-    assert_variant!(hdr(r#"{"__metadata__":["k"]}"#, 0).unwrap_err(), E::InvalidMetadata { .. });
-    assert_variant!(hdr(r#"{"__metadata__":"pt"}"#, 0).unwrap_err(), E::InvalidMetadata { .. });
+    assert_variant!(
+        hdr(r#"{"__metadata__":{"k":1}}"#, 0).unwrap_err(),
+        E::InvalidMetadata { .. }
+    );
+    assert_variant!(
+        hdr(r#"{"__metadata__":["k"]}"#, 0).unwrap_err(),
+        E::InvalidMetadata { .. }
+    );
+    assert_variant!(
+        hdr(r#"{"__metadata__":"pt"}"#, 0).unwrap_err(),
+        E::InvalidMetadata { .. }
+    );
 }
 
 #[test]
@@ -193,27 +240,59 @@ fn sub_byte_dtype_must_fill_whole_bytes() {
     let h = r#"{"t":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#;
     assert_variant!(hdr(h, 2).unwrap_err(), E::MisalignedSubByte { .. });
     // An even count is fine at the header level (the dtype policy refuses F4 later).
-    hdr(r#"{"t":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#, 2).unwrap();
+    hdr(
+        r#"{"t":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#,
+        2,
+    )
+    .unwrap();
 }
 
 #[test]
 fn offsets_reversed() {
     let h = r#"{"t":{"dtype":"BF16","shape":[1],"data_offsets":[2,0]}}"#;
-    assert_variant!(hdr(h, 2).unwrap_err(), E::OffsetsReversed { begin: 2, end: 0, .. });
+    assert_variant!(
+        hdr(h, 2).unwrap_err(),
+        E::OffsetsReversed {
+            begin: 2,
+            end: 0,
+            ..
+        }
+    );
 }
 
 #[test]
 fn length_not_shape_times_dtype() {
     let h = r#"{"t":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,6]}}"#;
-    assert_variant!(hdr(h, 6).unwrap_err(), E::LengthMismatch { expected: 8, actual: 6, .. });
+    assert_variant!(
+        hdr(h, 6).unwrap_err(),
+        E::LengthMismatch {
+            expected: 8,
+            actual: 6,
+            ..
+        }
+    );
     let h = r#"{"t":{"dtype":"F32","shape":[],"data_offsets":[0,2]}}"#;
-    assert_variant!(hdr(h, 2).unwrap_err(), E::LengthMismatch { expected: 4, actual: 2, .. });
+    assert_variant!(
+        hdr(h, 2).unwrap_err(),
+        E::LengthMismatch {
+            expected: 4,
+            actual: 2,
+            ..
+        }
+    );
 }
 
 #[test]
 fn gap_before_first_tensor_and_between_tensors() {
     let h = r#"{"t":{"dtype":"BF16","shape":[1],"data_offsets":[2,4]}}"#;
-    assert_variant!(hdr(h, 4).unwrap_err(), E::DataGap { expected: 0, begin: 2, .. });
+    assert_variant!(
+        hdr(h, 4).unwrap_err(),
+        E::DataGap {
+            expected: 0,
+            begin: 2,
+            ..
+        }
+    );
     let h = r#"{"a":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]},"b":{"dtype":"BF16","shape":[1],"data_offsets":[4,6]}}"#;
     assert_variant!(hdr(h, 6).unwrap_err(), E::DataGap { ref tensor, expected: 2, begin: 4, .. } if tensor == "b");
     // A far-away zero-length tensor is a gap too.
@@ -233,7 +312,14 @@ fn overlapping_tensors() {
 #[test]
 fn data_out_of_bounds() {
     let h = r#"{"a":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}}"#;
-    assert_variant!(hdr(h, 6).unwrap_err(), E::DataOutOfBounds { end: 8, data_len: 6, .. });
+    assert_variant!(
+        hdr(h, 6).unwrap_err(),
+        E::DataOutOfBounds {
+            end: 8,
+            data_len: 6,
+            ..
+        }
+    );
     let h = r#"{"a":{"dtype":"U8","shape":[1152921504606846976],"data_offsets":[0,1152921504606846976]}}"#;
     assert_variant!(hdr(h, 6).unwrap_err(), E::DataOutOfBounds { .. });
 }

@@ -24,7 +24,14 @@ const GATE_0_0: &str = "model.layers.0.mlp.experts.0.gate_proj.weight";
 #[test]
 fn index_invalid_json() {
     let t = Tiny::qwen3();
-    for text in ["", "{", "[]", r#"{"metadata":{}}"#, r#"{"weight_map":[]}"#, r#"{"weight_map":{"a":1}}"#] {
+    for text in [
+        "",
+        "{",
+        "[]",
+        r#"{"metadata":{}}"#,
+        r#"{"weight_map":[]}"#,
+        r#"{"weight_map":{"a":1}}"#,
+    ] {
         let e = with_index_text(&t, text);
         assert_variant!(e, E::IndexInvalidJson { ref file, .. } if file == Path::new(crate::INDEX_FILE));
     }
@@ -35,7 +42,10 @@ fn index_duplicate_tensor() {
     let t = Tiny::qwen3();
     let text = serde_json::to_string(&t.index()).unwrap();
     let first = format!("\"{GATE_0_0}\":\"{}\"", t.file_of(GATE_0_0));
-    let twice = text.replace(&first, &format!("{first},\"{GATE_0_0}\":\"{}\"", Tiny::shard_name(0, 3)));
+    let twice = text.replace(
+        &first,
+        &format!("{first},\"{GATE_0_0}\":\"{}\"", Tiny::shard_name(0, 3)),
+    );
     assert_ne!(text, twice);
     assert_variant!(with_index_text(&t, &twice), E::IndexDuplicateTensor { ref tensor, .. } if tensor == GATE_0_0);
     // A duplicate elsewhere is a generic duplicate key.
@@ -59,7 +69,10 @@ fn index_names_missing_shard() {
 fn index_lists_tensor_absent_from_every_shard() {
     let t = Tiny::qwen3();
     let e = with_index(&t, |m| {
-        m.insert("model.layers.0.ghost.weight".into(), json!(Tiny::shard_name(0, 3)));
+        m.insert(
+            "model.layers.0.ghost.weight".into(),
+            json!(Tiny::shard_name(0, 3)),
+        );
     });
     assert_variant!(e, E::IndexTensorAbsent { ref tensor, ref file, .. } if tensor == "model.layers.0.ghost.weight" && file == Path::new(crate::INDEX_FILE));
 }
@@ -69,14 +82,31 @@ fn tensor_in_two_shards() {
     let t = Tiny::qwen3();
     let dir = t.write();
     let home = t.file_of(GATE_0_0);
-    let other = (0..3).map(|i| Tiny::shard_name(i, 3)).find(|s| *s != home).unwrap();
+    let other = (0..3)
+        .map(|i| Tiny::shard_name(i, 3))
+        .find(|s| *s != home)
+        .unwrap();
     // Rewrite `other` with an extra copy of the tensor.
-    let mut specs: Vec<Spec> = t.tensors.iter().filter(|s| t.file_of(&s.name) == other).cloned().collect();
-    specs.push(t.tensors.iter().find(|s| s.name == GATE_0_0).unwrap().clone());
+    let mut specs: Vec<Spec> = t
+        .tensors
+        .iter()
+        .filter(|s| t.file_of(&s.name) == other)
+        .cloned()
+        .collect();
+    specs.push(
+        t.tensors
+            .iter()
+            .find(|s| s.name == GATE_0_0)
+            .unwrap()
+            .clone(),
+    );
     std::fs::write(dir.join(&other), safetensors_bytes(&specs)).unwrap();
     let e = fails(&dir);
     let e = assert_variant!(e, E::TensorInTwoShards { ref tensor, .. } if tensor == GATE_0_0);
-    assert!(e.to_string().contains(&home) && e.to_string().contains(&other), "{e}");
+    assert!(
+        e.to_string().contains(&home) && e.to_string().contains(&other),
+        "{e}"
+    );
 }
 
 #[test]
@@ -87,9 +117,18 @@ fn two_names_for_one_shard_file_are_two_shards() {
     std::os::unix::fs::symlink(Tiny::shard_name(0, 3), dir.join("alias.safetensors")).unwrap();
     let mut index = t.index();
     let map = index["weight_map"].as_object_mut().unwrap();
-    let k = map.iter().find(|(_, v)| *v == &json!(Tiny::shard_name(0, 3))).unwrap().0.clone();
+    let k = map
+        .iter()
+        .find(|(_, v)| *v == &json!(Tiny::shard_name(0, 3)))
+        .unwrap()
+        .0
+        .clone();
     map.insert(k, json!("alias.safetensors"));
-    std::fs::write(dir.join(crate::INDEX_FILE), serde_json::to_string(&index).unwrap()).unwrap();
+    std::fs::write(
+        dir.join(crate::INDEX_FILE),
+        serde_json::to_string(&index).unwrap(),
+    )
+    .unwrap();
     assert_variant!(fails(&dir), E::TensorInTwoShards { .. });
 }
 
@@ -97,7 +136,10 @@ fn two_names_for_one_shard_file_are_two_shards() {
 fn tensor_in_wrong_shard() {
     let t = Tiny::qwen3();
     let home = t.file_of(GATE_0_0);
-    let other = (0..3).map(|i| Tiny::shard_name(i, 3)).find(|s| *s != home).unwrap();
+    let other = (0..3)
+        .map(|i| Tiny::shard_name(i, 3))
+        .find(|s| *s != home)
+        .unwrap();
     let e = with_index(&t, |m| {
         m.insert(GATE_0_0.into(), json!(other));
     });
@@ -129,7 +171,10 @@ fn index_metadata_is_kept() {
     assert_eq!(c.index_metadata, json!({"total_size": 0}));
     assert_eq!(c.weights_file(), crate::INDEX_FILE);
     let names: Vec<&str> = c.shards.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(names, (0..3).map(|i| Tiny::shard_name(i, 3)).collect::<Vec<_>>());
+    assert_eq!(
+        names,
+        (0..3).map(|i| Tiny::shard_name(i, 3)).collect::<Vec<_>>()
+    );
 }
 
 #[test]

@@ -49,9 +49,15 @@ pub(crate) fn opens(dir: &Path) -> Checkpoint {
 
 pub(crate) fn check_message(e: &CheckpointError) {
     let msg = e.to_string();
-    assert!(!msg.contains('\n') && !msg.contains('\r'), "message is not one line: {msg:?}");
+    assert!(
+        !msg.contains('\n') && !msg.contains('\r'),
+        "message is not one line: {msg:?}"
+    );
     let file = e.file().display().to_string();
-    assert!(msg.starts_with(&format!("{file}: ")), "message does not start with the file {file:?}: {msg}");
+    assert!(
+        msg.starts_with(&format!("{file}: ")),
+        "message does not start with the file {file:?}: {msg}"
+    );
 }
 
 /// Asserts that `$e` is the given variant, printing it otherwise.
@@ -79,8 +85,17 @@ pub(crate) struct Spec {
 
 /// Deterministic content for a tensor: every byte depends on the name and position.
 pub(crate) fn content(name: &str, len: usize) -> Vec<u8> {
-    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    (0..len).map(|i| (seed.wrapping_add(i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8).collect()
+    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    (0..len)
+        .map(|i| {
+            (seed
+                .wrapping_add(i as u64)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                >> 56) as u8
+        })
+        .collect()
 }
 
 pub(crate) fn byte_len(dtype: &str, shape: &[u64]) -> usize {
@@ -107,10 +122,13 @@ pub(crate) fn safetensors_bytes(tensors: &[Spec]) -> Vec<u8> {
         let bytes = content(&t.name, byte_len(&t.dtype, &t.shape));
         let begin = data.len();
         data.extend_from_slice(&bytes);
-        header.insert(t.name.clone(), json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [begin, data.len()]}));
+        header.insert(
+            t.name.clone(),
+            json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [begin, data.len()]}),
+        );
     }
     let mut text = serde_json::to_string(&header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     raw_safetensors(&text, &data)
@@ -142,7 +160,11 @@ impl Tiny {
             "num_experts_per_tok": 2,
             "vocab_size": 16,
         });
-        let mut t = Tiny { config, tensors: Vec::new(), shards: Some(3) };
+        let mut t = Tiny {
+            config,
+            tensors: Vec::new(),
+            shards: Some(3),
+        };
         t.add("model.embed_tokens.weight", "BF16", &[16, HIDDEN]);
         t.add("model.norm.weight", "BF16", &[HIDDEN]);
         t.add("lm_head.weight", "BF16", &[16, HIDDEN]);
@@ -151,9 +173,21 @@ impl Tiny {
             crate::ExpertNaming::Mixtral => "block_sparse_moe.gate",
         };
         for l in 0..LAYERS {
-            t.add(&format!("model.layers.{l}.input_layernorm.weight"), "BF16", &[HIDDEN]);
-            t.add(&format!("model.layers.{l}.self_attn.q_proj.weight"), "BF16", &[HIDDEN, HIDDEN]);
-            t.add(&format!("model.layers.{l}.{router}.weight"), "BF16", &[EXPERTS as u64, HIDDEN]);
+            t.add(
+                &format!("model.layers.{l}.input_layernorm.weight"),
+                "BF16",
+                &[HIDDEN],
+            );
+            t.add(
+                &format!("model.layers.{l}.self_attn.q_proj.weight"),
+                "BF16",
+                &[HIDDEN, HIDDEN],
+            );
+            t.add(
+                &format!("model.layers.{l}.{router}.weight"),
+                "BF16",
+                &[EXPERTS as u64, HIDDEN],
+            );
             for e in 0..EXPERTS {
                 t.add_expert(naming, l, e, INTER);
             }
@@ -162,33 +196,73 @@ impl Tiny {
     }
 
     pub fn qwen3() -> Tiny {
-        Tiny::base("qwen3_moe", "Qwen3MoeForCausalLM", "num_local_experts", crate::ExpertNaming::QwenStyle)
+        Tiny::base(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "num_local_experts",
+            crate::ExpertNaming::QwenStyle,
+        )
     }
 
     pub fn mixtral() -> Tiny {
-        Tiny::base("mixtral", "MixtralForCausalLM", "num_local_experts", crate::ExpertNaming::Mixtral)
+        Tiny::base(
+            "mixtral",
+            "MixtralForCausalLM",
+            "num_local_experts",
+            crate::ExpertNaming::Mixtral,
+        )
     }
 
     pub fn olmoe() -> Tiny {
-        Tiny::base("olmoe", "OlmoeForCausalLM", "num_experts", crate::ExpertNaming::QwenStyle)
+        Tiny::base(
+            "olmoe",
+            "OlmoeForCausalLM",
+            "num_experts",
+            crate::ExpertNaming::QwenStyle,
+        )
     }
 
     pub fn qwen2() -> Tiny {
-        let mut t = Tiny::base("qwen2_moe", "Qwen2MoeForCausalLM", "num_experts", crate::ExpertNaming::QwenStyle);
+        let mut t = Tiny::base(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "num_experts",
+            crate::ExpertNaming::QwenStyle,
+        );
         for l in 0..LAYERS {
             for m in ["gate_proj", "up_proj"] {
-                t.add(&format!("model.layers.{l}.mlp.shared_expert.{m}.weight"), "BF16", &[16, HIDDEN]);
+                t.add(
+                    &format!("model.layers.{l}.mlp.shared_expert.{m}.weight"),
+                    "BF16",
+                    &[16, HIDDEN],
+                );
             }
-            t.add(&format!("model.layers.{l}.mlp.shared_expert.down_proj.weight"), "BF16", &[HIDDEN, 16]);
-            t.add(&format!("model.layers.{l}.mlp.shared_expert_gate.weight"), "BF16", &[1, HIDDEN]);
-            t.add(&format!("model.layers.{l}.self_attn.q_proj.bias"), "BF16", &[HIDDEN]);
+            t.add(
+                &format!("model.layers.{l}.mlp.shared_expert.down_proj.weight"),
+                "BF16",
+                &[HIDDEN, 16],
+            );
+            t.add(
+                &format!("model.layers.{l}.mlp.shared_expert_gate.weight"),
+                "BF16",
+                &[1, HIDDEN],
+            );
+            t.add(
+                &format!("model.layers.{l}.self_attn.q_proj.bias"),
+                "BF16",
+                &[HIDDEN],
+            );
         }
         t
     }
 
     pub fn add_expert(&mut self, naming: crate::ExpertNaming, layer: u32, expert: u32, inter: u64) {
         for m in crate::ExpertMatrix::ALL {
-            let shape = crate::ExpertDims { intermediate: inter, hidden: HIDDEN }.shape(m);
+            let shape = crate::ExpertDims {
+                intermediate: inter,
+                hidden: HIDDEN,
+            }
+            .shape(m);
             self.add(&naming.tensor_name(layer, expert, m), "BF16", &shape);
         }
     }
@@ -199,7 +273,10 @@ impl Tiny {
     }
 
     pub fn set(&mut self, key: &str, value: Value) -> &mut Tiny {
-        self.config.as_object_mut().unwrap().insert(key.into(), value);
+        self.config
+            .as_object_mut()
+            .unwrap()
+            .insert(key.into(), value);
         self
     }
 
@@ -209,7 +286,11 @@ impl Tiny {
     }
 
     pub fn add(&mut self, name: &str, dtype: &str, shape: &[u64]) -> &mut Tiny {
-        self.tensors.push(Spec { name: name.into(), dtype: dtype.into(), shape: shape.to_vec() });
+        self.tensors.push(Spec {
+            name: name.into(),
+            dtype: dtype.into(),
+            shape: shape.to_vec(),
+        });
         self
     }
 
@@ -221,7 +302,10 @@ impl Tiny {
     }
 
     fn spec_mut(&mut self, name: &str) -> &mut Spec {
-        self.tensors.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
+        self.tensors
+            .iter_mut()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"))
     }
 
     pub fn retype(&mut self, name: &str, dtype: &str) -> &mut Tiny {
@@ -241,7 +325,11 @@ impl Tiny {
 
     /// Which file a tensor is written to.
     pub fn file_of(&self, name: &str) -> String {
-        self.layout().into_iter().find(|(_, ts)| ts.iter().any(|t| t.name == name)).unwrap().0
+        self.layout()
+            .into_iter()
+            .find(|(_, ts)| ts.iter().any(|t| t.name == name))
+            .unwrap()
+            .0
     }
 
     fn layout(&self) -> Vec<(String, Vec<Spec>)> {
@@ -250,7 +338,9 @@ impl Tiny {
         match self.shards {
             None => vec![(crate::SINGLE_FILE.to_owned(), sorted)],
             Some(n) => {
-                let mut out: Vec<(String, Vec<Spec>)> = (0..n).map(|i| (Tiny::shard_name(i, n), Vec::new())).collect();
+                let mut out: Vec<(String, Vec<Spec>)> = (0..n)
+                    .map(|i| (Tiny::shard_name(i, n), Vec::new()))
+                    .collect();
                 for (i, t) in sorted.into_iter().enumerate() {
                     out[i % n].1.push(t);
                 }
@@ -278,12 +368,20 @@ impl Tiny {
     }
 
     pub fn write_into(&self, dir: &Path) {
-        std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&self.config).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&self.config).unwrap(),
+        )
+        .unwrap();
         for (file, ts) in self.layout() {
             std::fs::write(dir.join(file), safetensors_bytes(&ts)).unwrap();
         }
         if self.shards.is_some() {
-            std::fs::write(dir.join(crate::INDEX_FILE), serde_json::to_string_pretty(&self.index()).unwrap()).unwrap();
+            std::fs::write(
+                dir.join(crate::INDEX_FILE),
+                serde_json::to_string_pretty(&self.index()).unwrap(),
+            )
+            .unwrap();
         }
     }
 }
@@ -309,11 +407,20 @@ fn every_family_opens() {
             assert_eq!(c.config.moe_layers, vec![0, 1]);
             assert_eq!(c.config.num_experts, EXPERTS);
             for l in 0..LAYERS {
-                assert_eq!(c.expert_dims[&l], crate::ExpertDims { intermediate: INTER, hidden: HIDDEN });
+                assert_eq!(
+                    c.expert_dims[&l],
+                    crate::ExpertDims {
+                        intermediate: INTER,
+                        hidden: HIDDEN
+                    }
+                );
             }
             let e = &c.experts[&(1, 3)];
             assert_eq!(e.prefix, naming.expert_prefix(1, 3));
-            assert_eq!(e.tensor(crate::ExpertMatrix::Down), naming.tensor_name(1, 3, crate::ExpertMatrix::Down));
+            assert_eq!(
+                e.tensor(crate::ExpertMatrix::Down),
+                naming.tensor_name(1, 3, crate::ExpertMatrix::Down)
+            );
             assert_eq!(c.extra_files.len(), 1);
             assert_eq!(c.extra_files[0].name, "config.json");
             assert_eq!(c.index.is_some(), tiny.shards.is_some());
@@ -324,19 +431,40 @@ fn every_family_opens() {
 #[test]
 fn qwen2_shared_expert_is_non_expert() {
     let c = opens(&Tiny::qwen2().write());
-    assert!(c.non_expert.iter().any(|n| n == "model.layers.0.mlp.shared_expert.gate_proj.weight"));
-    assert!(c.non_expert.iter().any(|n| n == "model.layers.1.mlp.shared_expert_gate.weight"));
+    assert!(c
+        .non_expert
+        .iter()
+        .any(|n| n == "model.layers.0.mlp.shared_expert.gate_proj.weight"));
+    assert!(c
+        .non_expert
+        .iter()
+        .any(|n| n == "model.layers.1.mlp.shared_expert_gate.weight"));
 }
 
 #[test]
 fn extra_files_are_listed_in_order() {
     let dir = Tiny::qwen3().write();
-    for name in ["tokenizer.json", "generation_config.json", "chat_template.jinja"] {
+    for name in [
+        "tokenizer.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ] {
         std::fs::write(dir.join(name), b"{}").unwrap();
     }
     std::fs::write(dir.join("README.md"), b"ignored").unwrap();
     let c = opens(&dir);
     let names: Vec<&str> = c.extra_files.iter().map(|f| f.name.as_str()).collect();
-    assert_eq!(names, ["config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"]);
-    assert!(c.extra_files.iter().all(|f| f.path.starts_with(&c.root) && f.hub_blob.is_none()));
+    assert_eq!(
+        names,
+        [
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "chat_template.jinja"
+        ]
+    );
+    assert!(c
+        .extra_files
+        .iter()
+        .all(|f| f.path.starts_with(&c.root) && f.hub_blob.is_none()));
 }

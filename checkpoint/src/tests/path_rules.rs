@@ -17,13 +17,20 @@ fn rename_shard0_in_index(dir: &Path, t: &Tiny, name: &str) {
             *v = json!(name);
         }
     }
-    std::fs::write(dir.join(crate::INDEX_FILE), serde_json::to_string(&index).unwrap()).unwrap();
+    std::fs::write(
+        dir.join(crate::INDEX_FILE),
+        serde_json::to_string(&index).unwrap(),
+    )
+    .unwrap();
 }
 
 #[test]
 fn unsafe_shard_names() {
     let cases = [
-        ("../model-00001-of-00003.safetensors", NameProblem::ParentDir),
+        (
+            "../model-00001-of-00003.safetensors",
+            NameProblem::ParentDir,
+        ),
         ("sub/../../x.safetensors", NameProblem::ParentDir),
         ("/etc/model.safetensors", NameProblem::Absolute),
         ("..\\model.safetensors", NameProblem::Backslash),
@@ -48,7 +55,11 @@ fn shard_in_a_subdirectory_is_fine() {
     let t = Tiny::qwen3();
     let dir = t.write();
     std::fs::create_dir(dir.join("sub")).unwrap();
-    std::fs::rename(dir.join(Tiny::shard_name(0, 3)), dir.join("sub/first.safetensors")).unwrap();
+    std::fs::rename(
+        dir.join(Tiny::shard_name(0, 3)),
+        dir.join("sub/first.safetensors"),
+    )
+    .unwrap();
     rename_shard0_in_index(&dir, &t, "sub/first.safetensors");
     let c = opens(&dir);
     assert_eq!(c.shards[2].name, "sub/first.safetensors");
@@ -77,14 +88,28 @@ fn symlink_out_of_the_directory() {
     assert_eq!(e.file(), Path::new(&shard));
     // config.json, relative link.
     let dir = t.write();
-    std::fs::write(outside.join("config.json"), serde_json::to_string(&t.config).unwrap()).unwrap();
+    std::fs::write(
+        outside.join("config.json"),
+        serde_json::to_string(&t.config).unwrap(),
+    )
+    .unwrap();
     std::fs::remove_file(dir.join("config.json")).unwrap();
-    symlink(Path::new("..").join(outside.file_name().unwrap()).join("config.json"), dir.join("config.json")).unwrap();
+    symlink(
+        Path::new("..")
+            .join(outside.file_name().unwrap())
+            .join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
     assert_variant!(fails(&dir), E::SymlinkEscape { ref file, .. } if file == Path::new("config.json"));
     // A directory link on the way.
     let dir = t.write();
     symlink(&outside, dir.join("sub")).unwrap();
-    std::fs::copy(dir.join(Tiny::shard_name(0, 3)), outside.join("x.safetensors")).unwrap();
+    std::fs::copy(
+        dir.join(Tiny::shard_name(0, 3)),
+        outside.join("x.safetensors"),
+    )
+    .unwrap();
     rename_shard0_in_index(&dir, &t, "sub/x.safetensors");
     assert_variant!(fails(&dir), E::SymlinkEscape { .. });
     // An extra file.
@@ -176,7 +201,11 @@ fn hubify(t: &Tiny, extras: &[(&str, &[u8])]) -> Hub {
         let entry = entry.unwrap();
         let bytes = std::fs::read(entry.path()).unwrap();
         let name = entry.file_name().into_string().unwrap();
-        let hash = if name.ends_with(".safetensors") { to_hex(&sha256_bytes(&bytes)) } else { to_hex(&git_blob_sha1_bytes(&bytes)) };
+        let hash = if name.ends_with(".safetensors") {
+            to_hex(&sha256_bytes(&bytes))
+        } else {
+            to_hex(&git_blob_sha1_bytes(&bytes))
+        };
         std::fs::write(repo.join("blobs").join(&hash), &bytes).unwrap();
         symlink(format!("../../blobs/{hash}"), snapshot.join(&name)).unwrap();
     }
@@ -193,18 +222,29 @@ fn hub_snapshot_opens_and_records_blobs() {
         assert_eq!(s.hub_blob, Some(HubBlob::Sha256(expected.clone())));
         assert_eq!(s.hub_blob_sha256(), Some(expected.as_str()));
         assert_eq!(s.sha256.map(|h| to_hex(&h)), Some(expected));
-        assert!(s.path.starts_with(hub.repo.join("blobs").canonicalize().unwrap()));
+        assert!(s
+            .path
+            .starts_with(hub.repo.join("blobs").canonicalize().unwrap()));
     }
-    assert!(matches!(c.extra_files[0].hub_blob, Some(HubBlob::GitSha1(_))));
+    assert!(matches!(
+        c.extra_files[0].hub_blob,
+        Some(HubBlob::GitSha1(_))
+    ));
     assert_eq!(c.extra_files[1].name, "tokenizer.json");
-    assert!(matches!(c.index.as_ref().unwrap().hub_blob, Some(HubBlob::GitSha1(_))));
+    assert!(matches!(
+        c.index.as_ref().unwrap().hub_blob,
+        Some(HubBlob::GitSha1(_))
+    ));
     let hashes = c.shard_sha256s().unwrap();
     for (s, h) in c.shards.iter().zip(hashes) {
         assert_eq!(crate::sha256_file(&s.path).unwrap(), h);
     }
     // The tensors still read correctly through the links.
     let name = qwen_expert(1, 2, crate::ExpertMatrix::Down);
-    assert_eq!(c.read_tensor_bytes(&name).unwrap(), content(&name, (HIDDEN * INTER * 2) as usize));
+    assert_eq!(
+        c.read_tensor_bytes(&name).unwrap(),
+        content(&name, (HIDDEN * INTER * 2) as usize)
+    );
 }
 
 #[test]
@@ -214,11 +254,23 @@ fn hub_blob_content_mismatch() {
     let hub = hubify(&t, &[]);
     let shard = Tiny::shard_name(1, 3);
     hub.corrupt(&shard, |b| *b.last_mut().unwrap() ^= 1);
-    let e = assert_variant!(fails(&hub.snapshot), E::HubBlobMismatch { algorithm: "SHA-256", .. });
+    let e = assert_variant!(
+        fails(&hub.snapshot),
+        E::HubBlobMismatch {
+            algorithm: "SHA-256",
+            ..
+        }
+    );
     assert_eq!(e.file(), Path::new(&shard));
     // With verification off the names are still checked, the content is not, and hashing
     // the shards later catches it.
-    let c = crate::open_with(&hub.snapshot, &OpenOptions { verify_hub_blobs: false }).unwrap();
+    let c = crate::open_with(
+        &hub.snapshot,
+        &OpenOptions {
+            verify_hub_blobs: false,
+        },
+    )
+    .unwrap();
     assert!(c.shards.iter().all(|s| s.sha256.is_none()));
     let e = c.shard_sha256s().unwrap_err();
     let e = assert_variant!(e, E::HubBlobMismatch { ref file, .. } if file == Path::new(&shard));
@@ -263,7 +315,11 @@ fn hub_links_elsewhere_are_escapes() {
     std::fs::create_dir(&nested).unwrap();
     std::fs::rename(&blob, nested.join(blob.file_name().unwrap())).unwrap();
     std::fs::remove_file(hub.snapshot.join(&shard)).unwrap();
-    symlink(nested.join(blob.file_name().unwrap()), hub.snapshot.join(&shard)).unwrap();
+    symlink(
+        nested.join(blob.file_name().unwrap()),
+        hub.snapshot.join(&shard),
+    )
+    .unwrap();
     assert_variant!(fails(&hub.snapshot), E::SymlinkEscape { .. });
     // The same links from a directory that is not under `snapshots/`.
     let hub = hubify(&t, &[]);
