@@ -85,48 +85,104 @@ fn random_bytes() {
     }
 }
 
+/// Headers that are JSON and mostly well-formed, with random names (often repeated), dtypes
+/// (some unknown), shapes (some huge) and offsets (mostly near the right ones), so the deeper
+/// rules (gaps, overlaps, lengths, bounds, duplicates) are exercised, not just the JSON parser.
 #[test]
-fn random_token_soup() {
-    const TOKENS: &[&str] = &[
-        "{",
-        "}",
-        "[",
-        "]",
-        ":",
-        ",",
-        " ",
-        "\"a\"",
-        "\"b\"",
-        "\"dtype\"",
-        "\"shape\"",
-        "\"data_offsets\"",
-        "\"BF16\"",
-        "\"F4\"",
-        "\"U8\"",
-        "\"F64\"",
-        "\"__metadata__\"",
-        "0",
-        "1",
-        "2",
-        "4",
-        "8",
-        "-1",
-        "1.5",
-        "null",
-        "true",
-        "18446744073709551615",
-        "18446744073709551616",
-        "\"\\u0061\"",
-        "\"\\n\"",
+fn random_structured_headers() {
+    const NAMES: &[&str] = &["a", "b", "c", "a\\u0000", "__metadata__"];
+    const DTYPES: &[&str] = &[
+        "BF16", "F32", "U8", "F4", "F6_E2M3", "F64", "BOOL", "bf16", "Q4",
     ];
+    const DIMS: &[u64] = &[0, 1, 2, 3, 7, 4294967296, 18446744073709551615];
     let mut rng = Rng(2);
-    for _ in 0..30_000 {
-        let mut header = String::new();
-        for _ in 0..rng.below(40) {
-            header.push_str(TOKENS[rng.below(TOKENS.len())]);
+    let mut outcomes = std::collections::BTreeSet::new();
+    for _ in 0..40_000 {
+        let mut entries = Vec::new();
+        let mut offset = 0u64;
+        for _ in 0..rng.below(5) {
+            let name = NAMES[rng.below(NAMES.len())];
+            if name == "__metadata__" {
+                let v = ["{\"k\":\"v\"}", "null", "{\"k\":1}", "[]"][rng.below(4)];
+                entries.push(format!("\"{name}\":{v}"));
+                continue;
+            }
+            let dtype = DTYPES[rng.below(DTYPES.len())];
+            let shape: Vec<u64> = (0..rng.below(3))
+                .map(|_| {
+                    let pool = if rng.below(8) == 0 { DIMS.len() } else { 5 };
+                    DIMS[rng.below(pool)]
+                })
+                .collect();
+            let bits = crate::header::parse_dtype(dtype).map_or(16, |d| d.bitsize() as u64);
+            let len = shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .and_then(|n| n.checked_mul(bits))
+                .map_or(0, |b| b / 8);
+            let noise = |r: &mut Rng| {
+                if r.below(6) == 0 {
+                    r.below(5) as u64
+                } else {
+                    0
+                }
+            };
+            let begin = offset
+                .saturating_add(noise(&mut rng))
+                .saturating_sub(noise(&mut rng));
+            let end = begin
+                .saturating_add(len)
+                .saturating_add(noise(&mut rng))
+                .saturating_sub(noise(&mut rng));
+            offset = end;
+            let shape = shape
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            let field = [
+                format!("\"dtype\":\"{dtype}\""),
+                format!("\"shape\":[{shape}]"),
+                format!("\"data_offsets\":[{begin},{end}]"),
+            ];
+            let fields: Vec<&String> = field.iter().filter(|_| rng.below(30) != 0).collect();
+            let fields: Vec<&str> = fields.iter().map(|f| f.as_str()).collect();
+            entries.push(format!("\"{name}\":{{{}}}", fields.join(",")));
         }
-        let data: Vec<u8> = vec![0; rng.below(12)];
-        differential(&raw_safetensors(&header, &data));
+        let header = format!("{{{}}}", entries.join(","));
+        let data_len = (offset as usize).min(64) + if rng.below(6) == 0 { rng.below(3) } else { 0 };
+        let bytes = raw_safetensors(&header, &vec![0; data_len]);
+        differential(&bytes);
+        let outcome = match SafetensorsHeader::from_bytes(Path::new("m"), &bytes) {
+            Ok(_) => "Ok".to_owned(),
+            Err(e) => format!("{e:?}")
+                .split([' ', '{'])
+                .next()
+                .unwrap()
+                .to_owned(),
+        };
+        outcomes.insert(outcome);
+    }
+    // The generator must reach the deep rules, or this test proves little.
+    for rule in [
+        "Ok",
+        "DuplicateTensor",
+        "DataGap",
+        "DataOverlap",
+        "LengthMismatch",
+        "TrailingBytes",
+        "DataOutOfBounds",
+        "ShapeOverflow",
+        "MisalignedSubByte",
+        "UnknownDtype",
+        "InvalidMetadata",
+        "InvalidTensorEntry",
+        "OffsetsReversed",
+    ] {
+        assert!(
+            outcomes.contains(rule),
+            "never reached {rule}: {outcomes:?}"
+        );
     }
 }
 
