@@ -5,7 +5,7 @@
 //! ```no_run
 //! let ckpt = tarfa_checkpoint::open(std::path::Path::new("models/qwen3moe"))?;
 //! for ((layer, expert), src) in &ckpt.experts {
-//!     let gate: Vec<u8> = ckpt.read_tensor_bytes(&src.tensors[0])?;
+//!     let gate: Vec<u8> = ckpt.read_tensor_bytes(src.tensor(tarfa_checkpoint::ExpertMatrix::Gate))?;
 //!     # let _ = (layer, expert, gate);
 //! }
 //! # Ok::<(), tarfa_checkpoint::CheckpointError>(())
@@ -13,10 +13,11 @@
 //!
 //! # What [`open`] checks
 //!
-//! - **Paths**: every file resolves inside the canonical source
-//!   directory, except that a Hub cache snapshot (`models--o--n/snapshots/<rev>/`) may link into
-//!   its repository's `blobs/`, whose blob names are then checked against the content (SHA-256
-//!   for 64 hex digits, git blob SHA-1 for 40). Index file names are plain relative paths.
+//! - **Paths**: every file resolves inside the canonical source directory, except that a Hub
+//!   cache snapshot (`models--o--n/snapshots/<rev>/`) may link into its repository's `blobs/`,
+//!   whose blob names are then checked against the content (SHA-256 for 64 hex digits, git blob
+//!   SHA-1 for 40; see [`OpenOptions`]). Index file names are plain relative paths. Only regular
+//!   files are opened.
 //! - **config.json**: present, JSON without duplicate keys, a supported `model_type`, the layer,
 //!   expert, top-k and hidden sizes in range, no `quantization_config`.
 //! - **Weights**: exactly one of `model.safetensors` and `model.safetensors.index.json`; the
