@@ -1,0 +1,812 @@
+//! `tarfa-verify check`: every byte of a bundle against its manifest, and optionally against the
+//! source checkpoint it was converted from.
+//!
+//! The order of work: open the container (header fully validated) and the manifest; check the
+//! root digest; match header and manifest entry for entry; then one parallel pass over the data
+//! region in file order, each work item a tensor or an expert extent followed by its padding (so
+//! that every byte from the end of the header JSON to the end of the file is either hashed or
+//! checked to be zero); then the copied files and, with a source, every source shard's whole-file
+//! SHA-256.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use jnf_format::{Header, JnfFile, SourceRef, CONTAINER_FILE, PREAMBLE_LEN};
+use rayon::prelude::*;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tarfa_checkpoint::{Checkpoint, OpenOptions};
+use tarfa_manifest::hash::to_hex;
+use tarfa_manifest::{Manifest, MANIFEST_FILE};
+
+use crate::bundle::BundlePaths;
+use crate::{Failure, FailureKind, VerifyError};
+
+/// Bytes read per `pread`; also the size of each thread's two buffers.
+const CHUNK: usize = 4 << 20;
+
+#[derive(Debug, Clone, Default)]
+pub struct CheckOptions {
+    /// The source checkpoint directory, to prove bit identity against.
+    pub source: Option<PathBuf>,
+    /// Draw a progress bar on stderr (the caller decides: only when stderr is a terminal).
+    pub progress: bool,
+}
+
+/// The verdict. `failures` is in a stable order: structure, then data in file order, then
+/// copied files, then source shards.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CheckReport {
+    pub ok: bool,
+    pub failures: Vec<Failure>,
+    /// Bytes read and checked: the container's data region (hashed or checked to be zero), the
+    /// copied files and, with a source, the source tensors compared and the shards hashed.
+    pub checked_bytes: u64,
+    #[serde(skip)]
+    pub counts: Counts,
+}
+
+/// What was looked at, for the summary line.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counts {
+    pub tensors: usize,
+    pub experts: usize,
+    pub files: usize,
+    pub shards: usize,
+}
+
+/// Where a run of bundle bytes came from in the source: an index into the opened shards.
+#[derive(Debug, Clone, Copy)]
+struct SourceLoc {
+    shard: usize,
+    offset: u64,
+}
+
+/// One tensor, or one matrix of an extent: a run of bytes in the bundle.
+struct Segment<'a> {
+    name: &'a str,
+    len: u64,
+    source: Option<SourceLoc>,
+}
+
+/// A tensor or an extent, then its padding: `[offset, offset + length)` is hashed,
+/// `[offset + length, tail_end)` must be zero.
+struct Item<'a> {
+    name: &'a str,
+    offset: u64,
+    segments: Vec<Segment<'a>>,
+    tail_end: u64,
+    /// The manifest's (SHA-256, BLAKE3), when the manifest has the entry.
+    expected: Option<(&'a str, &'a str)>,
+}
+
+/// A source shard opened by us, at the path the checkpoint validated.
+struct OpenShard {
+    name: String,
+    file: File,
+    size: u64,
+}
+
+/// Check the bundle in `dir`. `Err` only for "not a bundle", a refused source, and I/O errors.
+pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, VerifyError> {
+    let paths = BundlePaths::locate(dir)?;
+    let mut failures = Vec::new();
+    let container = paths.open_container()?.map_err(|f| failures.push(f)).ok();
+    let manifest = paths.load_manifest()?.map_err(|f| failures.push(f)).ok();
+
+    if let Some(m) = &manifest {
+        if let Err(e) = m.check_root() {
+            failures.push(Failure::new(
+                MANIFEST_FILE,
+                FailureKind::RootDigest,
+                e.to_string(),
+            ));
+        }
+    }
+    if let (Some(c), Some(m)) = (&container, &manifest) {
+        compare_header_manifest(c.header(), m, &mut failures);
+    }
+
+    let source = match &opts.source {
+        Some(src) => Some(open_source(src)?),
+        None => None,
+    };
+    let shards = match &source {
+        Some(ck) => open_shards(ck)?,
+        None => Vec::new(),
+    };
+    if let (Some(ck), Some(c)) = (&source, &container) {
+        compare_tensor_sets(ck, c.header(), &mut failures);
+    }
+
+    let checked = AtomicU64::new(0);
+    let mut counts = Counts::default();
+    if let Some(c) = &container {
+        let h = c.header();
+        counts.tensors = h.tensors.len();
+        counts.experts = h.experts.len();
+        let items = plan_items(
+            h,
+            manifest.as_ref(),
+            source.as_ref(),
+            &shards,
+            &mut failures,
+        );
+        let header_tail = header_padding(c)?;
+        let total: u64 = items
+            .iter()
+            .map(|it| {
+                let src: u64 = it
+                    .segments
+                    .iter()
+                    .filter(|s| s.source.is_some())
+                    .map(|s| s.len)
+                    .sum();
+                it.tail_end - it.offset + src
+            })
+            .sum::<u64>()
+            + shards.iter().map(|s| s.size).sum::<u64>();
+        let bar = progress_bar(opts.progress, total);
+        if let Some(f) = check_zero(c.file(), CONTAINER_FILE, header_tail.0, header_tail.1)? {
+            failures.push(f);
+        }
+        checked.fetch_add(header_tail.1 - header_tail.0, Ordering::Relaxed);
+        let results: Vec<Result<Vec<Failure>, VerifyError>> = items
+            .par_iter()
+            .map_init(
+                || (vec![0u8; CHUNK], vec![0u8; CHUNK]),
+                |(buf, sbuf), item| check_item(c, &shards, item, buf, sbuf, &bar, &checked),
+            )
+            .collect();
+        for r in results {
+            failures.extend(r?);
+        }
+        if source.is_some() {
+            failures.extend(check_shards(&shards, manifest.as_ref(), &bar, &checked)?);
+        }
+        bar.finish_and_clear();
+    } else if source.is_some() {
+        let bar = progress_bar(false, 0);
+        failures.extend(check_shards(&shards, manifest.as_ref(), &bar, &checked)?);
+    }
+    if let Some(ck) = &source {
+        counts.shards = ck.shards.len();
+    }
+
+    if let Some(m) = &manifest {
+        counts.files = m.files.len();
+        failures.extend(check_files(&paths, m, &checked)?);
+    }
+
+    Ok(CheckReport {
+        ok: failures.is_empty(),
+        failures,
+        checked_bytes: checked.into_inner(),
+        counts,
+    })
+}
+
+fn progress_bar(enabled: bool, total: u64) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+    )
+    .expect("the template is valid");
+    bar.set_style(style);
+    bar
+}
+
+// ---- structure -------------------------------------------------------------------------------
+
+/// The header and the manifest describe the same tensors and experts, the same format version,
+/// and only source shards the manifest lists.
+fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
+    let mismatch = |name: &str, detail: String| {
+        Failure::new(name, FailureKind::HeaderManifestMismatch, detail)
+    };
+    let version = format!("{}.{}", h.major, h.minor);
+    if m.format_version != version {
+        out.push(mismatch(
+            MANIFEST_FILE,
+            format!(
+                "manifest says format_version {:?}, model.jnf is {version}",
+                m.format_version
+            ),
+        ));
+    }
+
+    let m_tensors: HashMap<&str, _> = m.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let m_experts: HashMap<&str, _> = m.experts.iter().map(|e| (e.name.as_str(), e)).collect();
+    let h_experts: HashSet<&str> = h.experts.iter().map(|e| e.prefix.as_str()).collect();
+    let shards: HashSet<&str> = m.shards.iter().map(|s| s.name.as_str()).collect();
+    let check_source = |name: &str, src: &Option<SourceRef>, out: &mut Vec<Failure>| {
+        if let Some(s) = src {
+            if !shards.contains(s.shard.as_str()) {
+                out.push(mismatch(
+                    name,
+                    format!(
+                        "model.jnf names source shard {:?}, which the manifest does not list",
+                        s.shard
+                    ),
+                ));
+            }
+        }
+    };
+
+    for t in &h.tensors {
+        check_source(&t.name, &t.source, out);
+        let Some(r) = m_tensors.get(t.name.as_str()) else {
+            let detail = if m_experts.contains_key(t.name.as_str()) {
+                "a tensor in model.jnf but an expert in the manifest"
+            } else {
+                "in model.jnf but not in the manifest"
+            };
+            out.push(Failure::new(
+                &t.name,
+                FailureKind::MissingInManifest,
+                detail,
+            ));
+            continue;
+        };
+        if r.dtype != t.dtype.as_str() || r.shape != t.shape || r.length != t.length {
+            out.push(mismatch(
+                &t.name,
+                format!(
+                    "model.jnf has {} {:?} ({} bytes), the manifest {} {:?} ({} bytes)",
+                    t.dtype, t.shape, t.length, r.dtype, r.shape, r.length
+                ),
+            ));
+        }
+    }
+    for e in &h.experts {
+        for mat in &e.matrices {
+            check_source(&mat.name, &mat.source, out);
+        }
+        let Some(r) = m_experts.get(e.prefix.as_str()) else {
+            out.push(Failure::new(
+                &e.prefix,
+                FailureKind::MissingInManifest,
+                "expert in model.jnf but not in the manifest",
+            ));
+            continue;
+        };
+        let mut why = Vec::new();
+        if (r.layer, r.expert) != (e.layer, e.expert) {
+            why.push(format!(
+                "model.jnf says layer {} expert {}, the manifest layer {} expert {}",
+                e.layer, e.expert, r.layer, r.expert
+            ));
+        }
+        if r.length != e.length {
+            why.push(format!(
+                "model.jnf says {} bytes, the manifest {}",
+                e.length, r.length
+            ));
+        }
+        let same_matrices = r.matrices.len() == 3
+            && r.matrices.iter().zip(&e.matrices).all(|(rm, hm)| {
+                rm.role == hm.role
+                    && rm.name == hm.name
+                    && rm.dtype == hm.dtype.as_str()
+                    && rm.shape == hm.shape
+                    && rm.offset == hm.offset
+                    && rm.length == hm.length
+            });
+        if !same_matrices {
+            why.push(
+                "its gate, up and down matrices differ (name, dtype, shape or placement)".into(),
+            );
+        }
+        if !why.is_empty() {
+            out.push(mismatch(&e.prefix, why.join("; ")));
+        }
+    }
+    for r in &m.tensors {
+        if h.tensor(&r.name).is_none() {
+            let detail = if h_experts.contains(r.name.as_str()) {
+                "a tensor in the manifest but an expert in model.jnf"
+            } else {
+                "in the manifest but not in model.jnf"
+            };
+            out.push(Failure::new(&r.name, FailureKind::MissingInBundle, detail));
+        }
+    }
+    for r in &m.experts {
+        if !h_experts.contains(r.name.as_str()) {
+            out.push(Failure::new(
+                &r.name,
+                FailureKind::MissingInBundle,
+                "expert in the manifest but not in model.jnf",
+            ));
+        }
+    }
+}
+
+/// The work list: every tensor and extent in file order, each with the padding after it.
+fn plan_items<'a>(
+    h: &'a Header,
+    m: Option<&'a Manifest>,
+    source: Option<&'a Checkpoint>,
+    shards: &[OpenShard],
+    failures: &mut Vec<Failure>,
+) -> Vec<Item<'a>> {
+    let m_tensors: HashMap<&str, _> = m
+        .map(|m| m.tensors.iter().map(|t| (t.name.as_str(), t)).collect())
+        .unwrap_or_default();
+    let m_experts: HashMap<&str, _> = m
+        .map(|m| m.experts.iter().map(|e| (e.name.as_str(), e)).collect())
+        .unwrap_or_default();
+    let shard_index: HashMap<&str, usize> = shards
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name.as_str(), i))
+        .collect();
+
+    // Where the source checkpoint has a tensor; a disagreement with the header's record (or with
+    // the tensor's dtype and shape) is a failure, and the bytes are then compared at the place
+    // the checkpoint says, which is the truth about the source.
+    let mut locate = |name: &'a str,
+                      dtype: &str,
+                      shape: &[u64],
+                      len: u64,
+                      recorded: &Option<SourceRef>|
+     -> Option<SourceLoc> {
+        let ck = source?;
+        let t = ck.tensors.get(name)?; // absence is reported by compare_tensor_sets
+        let shard_name = ck.shards.get(t.shard)?.name.as_str();
+        let loc = SourceLoc {
+            shard: *shard_index.get(shard_name)?,
+            offset: t.offset,
+        };
+        let here = format!("{shard_name:?} at {}", t.offset);
+        match recorded {
+            None => failures.push(Failure::new(
+                name,
+                FailureKind::SourceLocationMismatch,
+                format!("model.jnf records no source; the source has it in {here}"),
+            )),
+            Some(r) if r.shard != shard_name || r.offset != t.offset => {
+                failures.push(Failure::new(
+                    name,
+                    FailureKind::SourceLocationMismatch,
+                    format!(
+                        "model.jnf records {:?} at {}; the source has it in {here}",
+                        r.shard, r.offset
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+        let src_dtype = t.dtype.to_string();
+        if src_dtype != dtype || t.shape != shape || t.len != len {
+            failures.push(Failure::new(
+                name,
+                FailureKind::SourceLocationMismatch,
+                format!(
+                    "model.jnf has {dtype} {shape:?} ({len} bytes), the source {src_dtype} {:?} ({} bytes)",
+                    t.shape, t.len
+                ),
+            ));
+            return None;
+        }
+        Some(loc)
+    };
+
+    let mut items = Vec::with_capacity(h.tensors.len() + h.experts.len());
+    for t in &h.tensors {
+        items.push(Item {
+            name: &t.name,
+            offset: t.offset,
+            segments: vec![Segment {
+                name: &t.name,
+                len: t.length,
+                source: locate(&t.name, t.dtype.as_str(), &t.shape, t.length, &t.source),
+            }],
+            tail_end: 0,
+            expected: m_tensors
+                .get(t.name.as_str())
+                .map(|r| (r.sha256.as_str(), r.blake3.as_str())),
+        });
+    }
+    for e in &h.experts {
+        items.push(Item {
+            name: &e.prefix,
+            offset: e.offset,
+            segments: e
+                .matrices
+                .iter()
+                .map(|mat| Segment {
+                    name: &mat.name,
+                    len: mat.length,
+                    source: locate(
+                        &mat.name,
+                        mat.dtype.as_str(),
+                        &mat.shape,
+                        mat.length,
+                        &mat.source,
+                    ),
+                })
+                .collect(),
+            tail_end: 0,
+            expected: m_experts
+                .get(e.prefix.as_str())
+                .map(|r| (r.sha256.as_str(), r.blake3.as_str())),
+        });
+    }
+    // Each item's padding runs to the next item's start (or the end of the file): the validated
+    // header guarantees no overlap, so this covers every byte after the header exactly once.
+    items.sort_by_key(|it| it.offset);
+    let starts: Vec<u64> = items.iter().map(|it| it.offset).collect();
+    for (i, it) in items.iter_mut().enumerate() {
+        it.tail_end = starts.get(i + 1).copied().unwrap_or(h.file_size);
+    }
+    items
+}
+
+/// `[end of header JSON, first data byte)`: the header's zero padding.
+fn header_padding(c: &JnfFile) -> Result<(u64, u64), VerifyError> {
+    let mut pre = [0u8; PREAMBLE_LEN as usize];
+    c.file()
+        .read_exact_at(&mut pre, 0)
+        .map_err(|e| VerifyError::io(c.path(), "reading the preamble", e))?;
+    let json_len = u64::from_le_bytes(pre[16..24].try_into().expect("8 bytes"));
+    let h = c.header();
+    let first = h
+        .tensors
+        .iter()
+        .map(|t| t.offset)
+        .chain(h.experts.iter().map(|e| e.offset))
+        .min()
+        .unwrap_or(h.file_size);
+    // The validated header puts data_start after the JSON and every region after data_start.
+    Ok((PREAMBLE_LEN + json_len, first))
+}
+
+// ---- data ------------------------------------------------------------------------------------
+
+fn check_item(
+    c: &JnfFile,
+    shards: &[OpenShard],
+    item: &Item<'_>,
+    buf: &mut [u8],
+    sbuf: &mut [u8],
+    bar: &ProgressBar,
+    checked: &AtomicU64,
+) -> Result<Vec<Failure>, VerifyError> {
+    let mut failures = Vec::new();
+    let mut sha = Sha256::new();
+    let mut b3 = blake3::Hasher::new();
+    let mut pos = item.offset;
+    for seg in &item.segments {
+        let mut done = 0u64;
+        let mut first_diff = None;
+        while done < seg.len {
+            let n = (seg.len - done).min(CHUNK as u64) as usize;
+            let chunk = &mut buf[..n];
+            c.file()
+                .read_exact_at(chunk, pos + done)
+                .map_err(|e| VerifyError::io(c.path(), "reading", e))?;
+            sha.update(&*chunk);
+            b3.update(chunk);
+            let mut read = n as u64;
+            if let (Some(loc), None) = (seg.source, first_diff) {
+                let shard = &shards[loc.shard];
+                let src = &mut sbuf[..n];
+                shard
+                    .file
+                    .read_exact_at(src, loc.offset + done)
+                    .map_err(|e| VerifyError::io(&shard.name, "reading the source", e))?;
+                if let Some(i) = chunk.iter().zip(src.iter()).position(|(a, b)| a != b) {
+                    first_diff = Some(done + i as u64);
+                }
+                read += n as u64;
+            }
+            bar.inc(read);
+            checked.fetch_add(read, Ordering::Relaxed);
+            done += n as u64;
+        }
+        if let (Some(loc), Some(d)) = (seg.source, first_diff) {
+            failures.push(Failure::new(
+                seg.name,
+                FailureKind::SourceBytesDiffer,
+                format!(
+                    "byte {d} of the tensor differs from source shard {:?} (offset {})",
+                    shards[loc.shard].name,
+                    loc.offset + d
+                ),
+            ));
+        }
+        pos += seg.len;
+    }
+    if let Some(f) = check_zero(c.file(), item.name, pos, item.tail_end)? {
+        failures.push(f);
+    }
+    let padding = item.tail_end.saturating_sub(pos);
+    bar.inc(padding);
+    checked.fetch_add(padding, Ordering::Relaxed);
+
+    if let Some((want_sha, want_b3)) = item.expected {
+        let got_sha = to_hex(&sha.finalize());
+        if got_sha != want_sha {
+            failures.push(Failure::new(
+                item.name,
+                FailureKind::Sha256Mismatch,
+                format!("manifest {want_sha}, model.jnf {got_sha}"),
+            ));
+        }
+        let got_b3 = b3.finalize().to_hex().to_string();
+        if got_b3 != want_b3 {
+            failures.push(Failure::new(
+                item.name,
+                FailureKind::Blake3Mismatch,
+                format!("manifest {want_b3}, model.jnf {got_b3}"),
+            ));
+        }
+    }
+    Ok(failures)
+}
+
+/// `None` if `[from, to)` of the container is all zero, else a failure naming the first byte.
+fn check_zero(file: &File, name: &str, from: u64, to: u64) -> Result<Option<Failure>, VerifyError> {
+    let mut buf = vec![0u8; (to.saturating_sub(from)).min(CHUNK as u64) as usize];
+    let mut pos = from;
+    while pos < to {
+        let n = (to - pos).min(buf.len() as u64) as usize;
+        file.read_exact_at(&mut buf[..n], pos)
+            .map_err(|e| VerifyError::io(CONTAINER_FILE, "reading padding", e))?;
+        if let Some(i) = buf[..n].iter().position(|&b| b != 0) {
+            let at = pos + i as u64;
+            return Ok(Some(Failure::new(
+                name,
+                FailureKind::PaddingNotZero,
+                format!(
+                    "padding byte at model.jnf offset {at} is {:#04x} (padding runs {from}..{to})",
+                    buf[i]
+                ),
+            )));
+        }
+        pos += n as u64;
+    }
+    Ok(None)
+}
+
+// ---- copied files --------------------------------------------------------------------------
+
+/// Every listed file has the recorded size and SHA-256; nothing unlisted sits in the bundle.
+fn check_files(
+    paths: &BundlePaths,
+    m: &Manifest,
+    checked: &AtomicU64,
+) -> Result<Vec<Failure>, VerifyError> {
+    let mut failures = Vec::new();
+    for f in &m.files {
+        let path = paths.dir.join(&f.name);
+        let meta = match fs::metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                failures.push(Failure::new(
+                    &f.name,
+                    FailureKind::MissingInBundle,
+                    "listed in the manifest but not in the bundle",
+                ));
+                continue;
+            }
+            Err(e) => return Err(VerifyError::io(path, "stat", e)),
+        };
+        if !meta.is_file() {
+            failures.push(Failure::new(
+                &f.name,
+                FailureKind::NotARegularFile,
+                "listed in the manifest, but not a regular file",
+            ));
+            continue;
+        }
+        let file = File::open(&path).map_err(|e| VerifyError::io(&path, "open", e))?;
+        let (size, sha) = sha256_stream(&file).map_err(|e| VerifyError::io(&path, "reading", e))?;
+        checked.fetch_add(size, Ordering::Relaxed);
+        let sha = to_hex(&sha);
+        if size != f.size || sha != f.sha256 {
+            failures.push(Failure::new(
+                &f.name,
+                FailureKind::FileSha256Mismatch,
+                format!(
+                    "manifest {} ({} bytes), bundle {sha} ({size} bytes)",
+                    f.sha256, f.size
+                ),
+            ));
+        }
+    }
+    let listed: HashSet<&str> = m
+        .files
+        .iter()
+        .map(|f| f.name.as_str())
+        .chain([CONTAINER_FILE, MANIFEST_FILE])
+        .collect();
+    let entries =
+        fs::read_dir(&paths.dir).map_err(|e| VerifyError::io(&paths.dir, "listing", e))?;
+    let mut unlisted = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| VerifyError::io(&paths.dir, "listing", e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !listed.contains(name.as_str()) {
+            unlisted.push(name);
+        }
+    }
+    unlisted.sort();
+    failures.extend(unlisted.into_iter().map(|n| {
+        Failure::new(
+            n,
+            FailureKind::UnlistedFile,
+            "in the bundle directory but not listed in the manifest",
+        )
+    }));
+    Ok(failures)
+}
+
+/// (size, SHA-256) of everything `file` yields from its current position.
+fn sha256_stream(mut file: &File) -> io::Result<(u64, [u8; 32])> {
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                h.update(&buf[..n]);
+                size += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((size, h.finalize().into()))
+}
+
+// ---- the source checkpoint ----------------------------------------------------------------
+
+fn open_source(src: &Path) -> Result<Checkpoint, VerifyError> {
+    // Hub blobs are not hashed at open: every shard is hashed below and compared with the
+    // manifest, which reports a corrupt shard by name instead of refusing the source.
+    let opts = OpenOptions {
+        verify_hub_blobs: false,
+    };
+    tarfa_checkpoint::open_with(src, &opts).map_err(|e| VerifyError::from_checkpoint(src.into(), e))
+}
+
+/// Opens every shard at the path the checkpoint resolved and validated: the whole-file hash and
+/// the tensor comparisons then read the same open file.
+fn open_shards(ck: &Checkpoint) -> Result<Vec<OpenShard>, VerifyError> {
+    ck.shards
+        .iter()
+        .map(|s| {
+            let file = File::open(&s.path).map_err(|e| VerifyError::io(&s.path, "open", e))?;
+            let size = file
+                .metadata()
+                .map_err(|e| VerifyError::io(&s.path, "stat", e))?
+                .len();
+            Ok(OpenShard {
+                name: s.name.clone(),
+                file,
+                size,
+            })
+        })
+        .collect()
+}
+
+/// The source's tensors are exactly the bundle's tensors and expert matrices.
+fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
+    let bundle: HashSet<&str> = h
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .chain(
+            h.experts
+                .iter()
+                .flat_map(|e| e.matrices.iter().map(|m| m.name.as_str())),
+        )
+        .collect();
+    for name in ck.tensors.keys() {
+        if !bundle.contains(name.as_str()) {
+            out.push(Failure::new(
+                name,
+                FailureKind::MissingInBundle,
+                "in the source checkpoint but not in model.jnf",
+            ));
+        }
+    }
+    let mut extra: Vec<&str> = bundle
+        .into_iter()
+        .filter(|n| !ck.tensors.contains_key(*n))
+        .collect();
+    extra.sort_unstable();
+    out.extend(extra.into_iter().map(|n| {
+        Failure::new(
+            n,
+            FailureKind::MissingInSource,
+            "in model.jnf but not in the source checkpoint",
+        )
+    }));
+}
+
+/// Every source shard's size and whole-file SHA-256 against the manifest's shard records.
+fn check_shards(
+    shards: &[OpenShard],
+    m: Option<&Manifest>,
+    bar: &ProgressBar,
+    checked: &AtomicU64,
+) -> Result<Vec<Failure>, VerifyError> {
+    let records: BTreeMap<&str, _> = m
+        .map(|m| m.shards.iter().map(|s| (s.name.as_str(), s)).collect())
+        .unwrap_or_default();
+    let hashed: Vec<Result<(u64, [u8; 32]), VerifyError>> = shards
+        .par_iter()
+        .map(|s| {
+            let mut h = Sha256::new();
+            let mut buf = vec![0u8; CHUNK];
+            let mut pos = 0u64;
+            loop {
+                let n = s
+                    .file
+                    .read_at(&mut buf, pos)
+                    .map_err(|e| VerifyError::io(&s.name, "hashing the source shard", e))?;
+                if n == 0 {
+                    break;
+                }
+                h.update(&buf[..n]);
+                pos += n as u64;
+                bar.inc(n as u64);
+                checked.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Ok((pos, h.finalize().into()))
+        })
+        .collect();
+    let mut failures = Vec::new();
+    let Some(m) = m else {
+        return Ok(failures);
+    };
+    for (s, r) in shards.iter().zip(hashed) {
+        let (size, sha) = r?;
+        let Some(rec) = records.get(s.name.as_str()) else {
+            failures.push(Failure::new(
+                &s.name,
+                FailureKind::MissingInManifest,
+                "source shard not listed in the manifest",
+            ));
+            continue;
+        };
+        if size != rec.size {
+            failures.push(Failure::new(
+                &s.name,
+                FailureKind::ShardSizeMismatch,
+                format!("manifest {} bytes, source {size} bytes", rec.size),
+            ));
+        }
+        let sha = to_hex(&sha);
+        if sha != rec.sha256 {
+            failures.push(Failure::new(
+                &s.name,
+                FailureKind::ShardSha256Mismatch,
+                format!("manifest {}, source {sha}", rec.sha256),
+            ));
+        }
+    }
+    let present: HashSet<&str> = shards.iter().map(|s| s.name.as_str()).collect();
+    for rec in &m.shards {
+        if !present.contains(rec.name.as_str()) {
+            failures.push(Failure::new(
+                &rec.name,
+                FailureKind::MissingInSource,
+                "shard listed in the manifest but not in the source checkpoint",
+            ));
+        }
+    }
+    Ok(failures)
+}

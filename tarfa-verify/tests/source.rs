@@ -1,0 +1,160 @@
+//! `check --source` on the real fixture checkpoint, with a bundle built by the test helper (the
+//! converter's own round trip is in roundtrip.rs): bit identity with the source, failures named
+//! by tensor and shard.
+
+mod common;
+
+use std::fs;
+
+use common::*;
+
+#[test]
+fn a_faithful_bundle_passes_with_and_without_source() {
+    let s = Scratch::new("src-ok");
+    let b = s.join("bundle");
+    let (h, m) = bundle_from_checkpoint(FIXTURE_A.as_ref(), &b);
+    assert!(!h.experts.is_empty() && !m.shards.is_empty());
+    let (r, failures) = check_json(&b, None);
+    assert_eq!(r.code, 0, "{failures:?}");
+    let plain = r.json()["checked_bytes"].as_u64().unwrap();
+    let (r, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
+    assert_eq!(r.code, 0, "{failures:?}");
+    // With a source, every tensor byte is read once more from the source, and every shard whole.
+    let tensor_bytes: u64 = h.tensors.iter().map(|t| t.length).sum::<u64>()
+        + h.experts.iter().map(|e| e.length).sum::<u64>();
+    let shard_bytes: u64 = m.shards.iter().map(|s| s.size).sum();
+    assert_eq!(
+        r.json()["checked_bytes"].as_u64().unwrap(),
+        plain + tensor_bytes + shard_bytes
+    );
+}
+
+#[test]
+fn a_flipped_source_byte_names_the_tensor_and_the_shard() {
+    let s = Scratch::new("src-flip");
+    let b = s.join("bundle");
+    let src = s.join("src");
+    copy_dir(FIXTURE_A.as_ref(), &src);
+    let (h, _) = bundle_from_checkpoint(&src, &b);
+
+    // An expert matrix (down of layer 2, expert 5) and a non-expert tensor, in their shards.
+    let e = h.expert(2, 5).unwrap();
+    let down = &e.matrices[2];
+    let t = h.tensor("model.layers.1.self_attn.q_proj.weight").unwrap();
+    for (name, sref, delta) in [
+        (&down.name, down.source.clone().unwrap(), 17u64),
+        (&t.name, t.source.clone().unwrap(), 0),
+    ] {
+        flip_byte(&src.join(&sref.shard), sref.offset + delta);
+        let (r, failures) = check_json(&b, Some(&src));
+        assert_eq!(r.code, 1);
+        assert_eq!(
+            failures,
+            vec![
+                (name.clone(), "source-bytes-differ".to_string()),
+                (sref.shard.clone(), "shard-sha256-mismatch".to_string()),
+            ]
+        );
+        let detail = r.json()["failures"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(detail.contains(&sref.shard), "{detail}");
+        assert!(detail.contains(&format!("byte {delta} ")), "{detail}");
+        // The bundle itself is still intact.
+        assert_eq!(check_json(&b, None).0.code, 0);
+        flip_byte(&src.join(&sref.shard), sref.offset + delta);
+    }
+    assert_eq!(check_json(&b, Some(&src)).0.code, 0);
+}
+
+#[test]
+fn a_flipped_bundle_byte_with_source_names_the_expert_and_its_matrix() {
+    let s = Scratch::new("src-bundleflip");
+    let b = s.join("bundle");
+    let (h, _) = bundle_from_checkpoint(FIXTURE_A.as_ref(), &b);
+    let e = h.expert(3, 31).unwrap();
+    let up = &e.matrices[1];
+    flip_byte(&b.join("model.jnf"), e.offset + up.offset + 5);
+    let (_, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
+    assert_eq!(
+        failures,
+        vec![
+            (up.name.clone(), "source-bytes-differ".to_string()),
+            (e.prefix.clone(), "sha256-mismatch".to_string()),
+            (e.prefix.clone(), "blake3-mismatch".to_string()),
+        ]
+    );
+}
+
+#[test]
+fn the_source_must_hold_exactly_the_bundles_tensors_and_shards() {
+    let s = Scratch::new("src-sets");
+    let b = s.join("bundle");
+    let (_, m) = bundle_from_checkpoint(FIXTURE_A.as_ref(), &b);
+
+    // The manifest records a shard the source lacks, and misrecords another one's size.
+    let ghost = m.shards[0].clone();
+    edit_manifest(&b, true, |m| {
+        let mut extra = ghost.clone();
+        extra.name = "model-00099-of-00099.safetensors".into();
+        m.shards.push(extra);
+        m.shards[1].size += 1;
+    });
+    let (_, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
+    assert_eq!(
+        failures,
+        vec![
+            (m.shards[1].name.clone(), "shard-size-mismatch".to_string()),
+            (
+                "model-00099-of-00099.safetensors".to_string(),
+                "missing-in-source".to_string()
+            ),
+        ]
+    );
+}
+
+#[test]
+fn a_misrecorded_source_offset_is_named() {
+    let s = Scratch::new("src-offset");
+    let b = s.join("bundle");
+    bundle_from_checkpoint(FIXTURE_A.as_ref(), &b);
+    // Rewrite the header so that one tensor claims another place in its shard (same length,
+    // so the header JSON keeps its size and the layout stays valid).
+    let path = b.join("model.jnf");
+    let mut bytes = fs::read(&path).unwrap();
+    let h = read_header(&b);
+    let t = h.tensor("model.norm.weight").unwrap();
+    let src = t.source.clone().unwrap();
+    let old = format!(r#""offset":{}}}"#, src.offset);
+    let new = format!(r#""offset":{}}}"#, src.offset + 2);
+    assert_eq!(
+        old.len(),
+        new.len(),
+        "pick a tensor whose offset keeps its digit count"
+    );
+    let json_end = 24 + u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let text = String::from_utf8(bytes[24..json_end].to_vec()).unwrap();
+    let key = r#""name":"model.norm.weight""#;
+    let at = text.find(key).unwrap();
+    let rel = text[at..].find(&old).unwrap();
+    let patched = format!(
+        "{}{}{}",
+        &text[..at + rel],
+        new,
+        &text[at + rel + old.len()..]
+    );
+    bytes[24..json_end].copy_from_slice(patched.as_bytes());
+    fs::write(&path, bytes).unwrap();
+
+    let (_, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
+    assert_eq!(
+        failures,
+        vec![(
+            "model.norm.weight".to_string(),
+            "source-location-mismatch".to_string()
+        )]
+    );
+    // Without a source the record cannot be checked, and everything else is intact.
+    assert_eq!(check_json(&b, None).0.code, 0);
+}
