@@ -428,6 +428,28 @@ impl Checkpoint {
         })
     }
 
+    /// A tensor's bytes, read (not mapped) into `dst`, which must be exactly the tensor's length:
+    /// for callers that assemble several tensors into one buffer (an expert extent).
+    pub fn read_tensor_to(&self, name: &str, dst: &mut [u8]) -> Result<(), CheckpointError> {
+        let (t, shard, handle) = self.locate(name)?;
+        if dst.len() as u64 != t.len {
+            return Err(CheckpointError::Io {
+                file: shard.name.as_str().into(),
+                op: "reading a tensor",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "destination length differs from the tensor's",
+                ),
+            });
+        }
+        self.check_unchanged(shard, handle)?;
+        read_exact_at(handle, dst, t.offset).map_err(|source| CheckpointError::Io {
+            file: shard.name.as_str().into(),
+            op: "reading a tensor",
+            source,
+        })
+    }
+
     /// Memory-maps shard `shard` (an index into [`shards`](Self::shards)), read-only.
     ///
     /// A mapping is fast for bulk copies, but it is only as stable as the file: if another
@@ -465,32 +487,45 @@ impl Checkpoint {
     /// from the handles validated at open time. Hashes [`open`] already computed are reused; an
     /// LFS Hub blob whose content does not match its name is an error.
     pub fn shard_sha256s(&self) -> Result<Vec<[u8; 32]>, CheckpointError> {
-        self.shards
-            .par_iter()
-            .zip(self.handles.par_iter())
-            .map(|(shard, handle)| {
-                if let Some(h) = shard.sha256 {
-                    return Ok(h);
-                }
-                self.check_unchanged(shard, handle)?;
-                let h = hash::sha256_handle(handle).map_err(|source| CheckpointError::Io {
-                    file: shard.name.as_str().into(),
-                    op: "hashing",
-                    source,
-                })?;
-                if let Some(expected) = shard.hub_blob_sha256() {
-                    if to_hex(&h) != expected {
-                        return Err(CheckpointError::HubBlobMismatch {
-                            file: shard.name.as_str().into(),
-                            blob: expected.to_owned(),
-                            algorithm: "SHA-256",
-                            actual: to_hex(&h),
-                        });
-                    }
-                }
-                Ok(h)
-            })
+        (0..self.shards.len())
+            .into_par_iter()
+            .map(|i| self.shard_sha256(i))
             .collect()
+    }
+
+    /// The SHA-256 of shard `shard` (an index into [`shards`](Self::shards)), as
+    /// [`shard_sha256s`](Self::shard_sha256s) computes it, for callers that schedule the hashing
+    /// of each shard themselves.
+    pub fn shard_sha256(&self, shard: usize) -> Result<[u8; 32], CheckpointError> {
+        let unknown = || CheckpointError::UnknownShard {
+            file: self.weights_file().into(),
+            shard,
+        };
+        let (shard, handle) = self
+            .shards
+            .get(shard)
+            .zip(self.handles.get(shard))
+            .ok_or_else(unknown)?;
+        if let Some(h) = shard.sha256 {
+            return Ok(h);
+        }
+        self.check_unchanged(shard, handle)?;
+        let h = hash::sha256_handle(handle).map_err(|source| CheckpointError::Io {
+            file: shard.name.as_str().into(),
+            op: "hashing",
+            source,
+        })?;
+        if let Some(expected) = shard.hub_blob_sha256() {
+            if to_hex(&h) != expected {
+                return Err(CheckpointError::HubBlobMismatch {
+                    file: shard.name.as_str().into(),
+                    blob: expected.to_owned(),
+                    algorithm: "SHA-256",
+                    actual: to_hex(&h),
+                });
+            }
+        }
+        Ok(h)
     }
 
     fn locate(&self, name: &str) -> Result<(&SourceTensor, &Shard, &File), CheckpointError> {

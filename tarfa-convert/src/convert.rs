@@ -1,0 +1,153 @@
+//! A Hugging Face checkpoint, as `tarfa-checkpoint` validated it, into a bundle.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, SourceRef, TensorEntry, TensorSpec};
+use tarfa_checkpoint::{Checkpoint, ExpertMatrix};
+use tarfa_manifest::hash::to_hex;
+use tarfa_manifest::ShardRecord;
+
+use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
+use crate::ConvertError;
+
+#[derive(Debug, Clone, Default)]
+pub struct ConvertOptions {
+    /// Replace an existing bundle at the target.
+    pub force: bool,
+}
+
+pub fn converter_id() -> String {
+    format!("tarfa-convert {}", env!("CARGO_PKG_VERSION"))
+}
+
+fn jnf_dtype(d: tarfa_checkpoint::Dtype) -> Result<Dtype, ConvertError> {
+    // The checkpoint crate already refused everything but these; map defensively anyway.
+    use tarfa_checkpoint::Dtype as S;
+    Ok(match d {
+        S::BF16 => Dtype::BF16,
+        S::F16 => Dtype::F16,
+        S::F32 => Dtype::F32,
+        S::F64 => Dtype::F64,
+        other => {
+            return Err(ConvertError::Usage(format!(
+                "dtype {other:?} cannot be carried"
+            )))
+        }
+    })
+}
+
+/// Open, validate, lay out and write. Returns the summary of the written bundle.
+pub fn convert(
+    src: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+) -> Result<WriteSummary, ConvertError> {
+    let ckpt = tarfa_checkpoint::open(src)?;
+    let header = plan(&ckpt)?;
+    let mut files = Vec::new();
+    for f in &ckpt.extra_files {
+        let bytes = std::fs::read(&f.path).map_err(ConvertError::io(&f.path, "read"))?;
+        files.push(CopiedFile {
+            name: f.name.clone(),
+            bytes,
+        });
+    }
+    let mut source = BTreeMap::new();
+    source.insert("kind".to_string(), "hub".to_string());
+    source.insert("weights".to_string(), ckpt.weights_file().to_string());
+    source.insert(
+        "model_type".to_string(),
+        ckpt.config.family.model_type().to_string(),
+    );
+    let spec = BundleSpec {
+        header,
+        files,
+        source,
+        converter: converter_id(),
+    };
+    let src = CheckpointSource { ckpt: &ckpt };
+    write_bundle(out, opts.force, spec, &src)
+}
+
+/// The layout: non-expert tensors sorted by name, then experts by (layer, expert).
+fn plan(ckpt: &Checkpoint) -> Result<jnf_format::Header, ConvertError> {
+    let source_ref = |name: &str| {
+        let t = &ckpt.tensors[name];
+        SourceRef {
+            shard: ckpt.shards[t.shard].name.clone(),
+            offset: t.offset,
+        }
+    };
+    let mut layout = LayoutPlan::new();
+    for name in &ckpt.non_expert {
+        let t = &ckpt.tensors[name];
+        layout.add_tensor(TensorSpec {
+            name: name.clone(),
+            dtype: jnf_dtype(t.dtype)?,
+            shape: t.shape.clone(),
+            source: Some(source_ref(name)),
+        });
+    }
+    for (&(layer, expert), e) in &ckpt.experts {
+        let specs = ExpertMatrix::ALL.map(|m| {
+            let name = e.tensor(m);
+            let t = &ckpt.tensors[name];
+            MatrixSpec {
+                name: name.to_string(),
+                dtype: Dtype::BF16,
+                shape: t.shape.clone(),
+                source: Some(source_ref(name)),
+            }
+        });
+        layout.add_expert(layer, expert, e.prefix.clone(), specs);
+    }
+    layout.set_metadata("converter", &converter_id());
+    Ok(layout.finish()?)
+}
+
+/// Reads go through the handles the checkpoint validated (pread, not mmap: a source truncated
+/// underneath is an I/O error, not a SIGBUS). Every byte copied is hashed after the copy, and the
+/// bundle is verified from disk, so a concurrent change cannot slip through unnoticed.
+struct CheckpointSource<'a> {
+    ckpt: &'a Checkpoint,
+}
+
+impl CheckpointSource<'_> {
+    fn copy(&self, name: &str, dst: &mut [u8]) -> Result<(), ConvertError> {
+        Ok(self.ckpt.read_tensor_to(name, dst)?)
+    }
+}
+
+impl RegionSource for CheckpointSource<'_> {
+    fn fill_tensor(&self, t: &TensorEntry, dst: &mut [u8]) -> Result<(), ConvertError> {
+        self.copy(&t.name, dst)
+    }
+
+    fn fill_expert(&self, e: &ExpertExtent, dst: &mut [u8]) -> Result<(), ConvertError> {
+        for m in &e.matrices {
+            let range = m.offset as usize..(m.offset + m.length) as usize;
+            self.copy(&m.name, &mut dst[range])?;
+        }
+        Ok(())
+    }
+
+    fn shard_count(&self) -> usize {
+        self.ckpt.shards.len()
+    }
+
+    fn shard_size(&self, i: usize) -> u64 {
+        self.ckpt.shards[i].size
+    }
+
+    fn hash_shard(&self, i: usize) -> Result<ShardRecord, ConvertError> {
+        // Checks a Hub blob's content against its name, too.
+        let sha = self.ckpt.shard_sha256(i)?;
+        let shard = &self.ckpt.shards[i];
+        Ok(ShardRecord {
+            name: shard.name.clone(),
+            size: shard.size,
+            sha256: to_hex(&sha),
+        })
+    }
+}
