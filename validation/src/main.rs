@@ -1,1 +1,3 @@
-fn main() {}
+fn main() {
+    eprintln!("tarfa-validate: see validation/README.md");
+}
