@@ -60,7 +60,7 @@ CONFIGS = {
         vocab_size=300, hidden_size=72, intermediate_size=88, moe_intermediate_size=40,
         num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, head_dim=24,
         num_experts=12, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=1,
-        mlp_only_layers=[], tie_word_embeddings=True, rope_theta=10000.0,
+        mlp_only_layers=[], tie_word_embeddings=True, rope_theta=50000.0,
         initializer_range=0.06, **COMMON)),
 }
 
