@@ -18,7 +18,7 @@ use super::{
 use crate::model::QkNorm;
 use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
 use crate::numerics::matvec::{transpose_rows, Activation};
-use crate::numerics::reduce::weighted_row_sum;
+use crate::numerics::reduce::{fma_dispatch, weighted_row_sum};
 use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, run_jobs, Kernel, MatJob, MatrixRef};
 use crate::weights::{ExpertWeights, WeightError};
 use crate::RunError;
@@ -44,7 +44,7 @@ fn rms_norm_segments(kernel: Kernel, x: &mut [f32], w: &[f32], eps: f32, width: 
 /// `S = canonical_sum(e)`, `p_i = e_i / S`.
 pub(crate) fn softmax(kernel: Kernel, l: &[f32]) -> Vec<f32> {
     let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = kernel.with_fma(|| l.iter().map(|&x| exp(x - m)).collect());
+    let e: Vec<f32> = exp_shifted(kernel, l, m);
     let s = kernel.sum(&e);
     e.iter().map(|&x| x / s).collect()
 }
@@ -83,9 +83,18 @@ fn apply_many(kernel: Kernel, ws: &[&Matrix], xs: &[Activation]) -> Vec<Vec<Vec<
         .collect()
 }
 
+fma_dispatch! {
+/// `e_i = exp(l_i - m)`.
+fn exp_shifted(l: &[f32], m: f32) -> Vec<f32> {
+    l.iter().map(|&x| exp(x - m)).collect()
+}
+}
+
+fma_dispatch! {
 /// `a_i = silu(g_i) * u_i` (step 4).
-fn swiglu(kernel: Kernel, g: &[f32], u: &[f32]) -> Vec<f32> {
-    kernel.with_fma(|| g.iter().zip(u).map(|(&gi, &ui)| silu(gi) * ui).collect())
+fn swiglu(g: &[f32], u: &[f32]) -> Vec<f32> {
+    g.iter().zip(u).map(|(&gi, &ui)| silu(gi) * ui).collect()
+}
 }
 
 /// The whole step: embeddings, layers, final norm and lm_head.

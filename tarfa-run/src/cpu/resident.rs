@@ -134,7 +134,7 @@ fn vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>, We
     }
     Ok(match &t.data {
         TensorData::Bf16(d) => d.iter().map(|&b| bf16_to_f32(b)).collect(),
-        TensorData::F32(d) => d.clone(),
+        TensorData::F32(d) => d.to_vec(),
     })
 }
 

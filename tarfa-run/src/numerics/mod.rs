@@ -6,11 +6,13 @@
 //! path or batch composition. Nothing here may call libm, reassociate a reduction, or split one
 //! reduction across threads.
 
+pub mod aligned;
 pub mod detmath;
 pub mod matvec;
 pub mod reduce;
 pub mod rope;
 
+pub use aligned::AlignedVec;
 pub use matvec::{run_jobs, Activation, MatJob, MatrixRef};
 pub use reduce::{bf16_to_f32, f32_to_bf16_rne, Kernel, KernelError, PreparedVec, SimdPath};
 pub use rope::{RopeError, RopeTable};

@@ -16,6 +16,43 @@
 
 use std::sync::OnceLock;
 
+use super::aligned::AlignedVec;
+
+/// Defines `fn $name(kernel: Kernel, args...) -> R` that runs `$body` compiled with FMA and the
+/// path's vector width enabled (a copy per path), so that the `mul_add` of an elementwise loop is
+/// one instruction, possibly vectorised, instead of a call to the software `fmaf`. The bits are
+/// the same on every copy: `mul_add` is one correctly rounded fma everywhere; only speed differs.
+macro_rules! fma_dispatch {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block) => {
+        $(#[$meta])*
+        $vis fn $name(kernel: $crate::numerics::Kernel, $($arg: $ty),*) -> $ret {
+            #[inline(always)]
+            fn body($($arg: $ty),*) -> $ret $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) -> $ret {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn avx512($($arg: $ty),*) -> $ret {
+                body($($arg),*)
+            }
+            match kernel.path() {
+                $crate::numerics::SimdPath::Scalar => body($($arg),*),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: a Kernel with a SIMD path exists only where the processor has it.
+                $crate::numerics::SimdPath::Avx2 => unsafe { avx2($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                $crate::numerics::SimdPath::Avx512 => unsafe { avx512($($arg),*) },
+                #[cfg(not(target_arch = "x86_64"))]
+                _ => body($($arg),*),
+            }
+        }
+    };
+}
+pub(crate) use fma_dispatch;
+
 /// Number of virtual lanes of the canonical reduction.
 pub const LANES: usize = 256;
 
@@ -157,24 +194,6 @@ impl Kernel {
         self.path
     }
 
-    /// Runs `f` inside a function compiled with FMA enabled when the path has it, so that the
-    /// `mul_add` of elementwise loops becomes one instruction (and may be vectorised) instead of a
-    /// call. The bits are the same either way: `mul_add` is one correctly rounded fma on every
-    /// path; this only changes the speed.
-    #[inline]
-    pub fn with_fma<R>(self, f: impl FnOnce() -> R) -> R {
-        match self.path {
-            SimdPath::Scalar => f(),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a Kernel with a SIMD path exists only if the processor supports it.
-            SimdPath::Avx2 => unsafe { x86::call_avx2(f) },
-            #[cfg(target_arch = "x86_64")]
-            SimdPath::Avx512 => unsafe { x86::call_avx512(f) },
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => f(),
-        }
-    }
-
     /// Canonical `dot(a, b)` of two f32 vectors.
     ///
     /// # Panics
@@ -210,7 +229,8 @@ impl Kernel {
     /// Lays out an activation vector for [`Kernel::dot_bf16`]: zero-padded to a multiple of 256
     /// and permuted the way this path's registers hold the lanes.
     pub fn prepare(self, x: &[f32]) -> PreparedVec {
-        let mut data = Vec::new();
+        let padded = x.len().div_ceil(LANES) * LANES;
+        let mut data = AlignedVec::zeroed(padded);
         self.prepare_into(x, &mut data);
         PreparedVec {
             path: self.path,
@@ -219,10 +239,7 @@ impl Kernel {
         }
     }
 
-    fn prepare_into(self, x: &[f32], out: &mut Vec<f32>) {
-        let padded = x.len().div_ceil(LANES) * LANES;
-        out.clear();
-        out.resize(padded, 0.0);
+    fn prepare_into(self, x: &[f32], out: &mut [f32]) {
         // Within each group of G consecutive elements, the SIMD paths widen BF16 pairs with one
         // shift (even elements) and one mask (odd elements), so their registers hold the even
         // elements of a group, then the odd ones. The activation is permuted the same way, once.
@@ -297,7 +314,7 @@ impl Kernel {
 pub struct PreparedVec {
     path: SimdPath,
     len: usize,
-    data: Vec<f32>,
+    data: AlignedVec<f32>,
 }
 
 impl PreparedVec {
@@ -398,28 +415,7 @@ pub fn weighted_row_sum(
     let used = t.min(LANES);
     scratch.clear();
     scratch.resize(used * d, 0.0);
-    kernel.with_fma(|| {
-        // lane v accumulates the rows t = v, v+256, ... in increasing t
-        for (ti, (&pt, row)) in p.iter().zip(rows.chunks_exact(d.max(1))).enumerate() {
-            let lane = &mut scratch[(ti % LANES) * d..(ti % LANES + 1) * d];
-            for (a, &v) in lane.iter_mut().zip(row) {
-                *a = pt.mul_add(v, *a);
-            }
-        }
-        // the tree; lanes >= `used` hold +0.0 and are pruned (see the module doc)
-        let mut h = LANES / 2;
-        while h >= 1 {
-            for v in 0..h {
-                if v + h < used {
-                    let (lo, hi) = scratch.split_at_mut((v + h) * d);
-                    for (a, &b) in lo[v * d..(v + 1) * d].iter_mut().zip(&hi[..d]) {
-                        *a += b;
-                    }
-                }
-            }
-            h /= 2;
-        }
-    });
+    weighted_row_sum_lanes(kernel, p, rows, d, used, &mut scratch[..]);
     if used == 0 {
         out.fill(0.0);
     } else {
@@ -429,22 +425,38 @@ pub fn weighted_row_sum(
     }
 }
 
+fma_dispatch! {
+/// The lanes and tree of [`weighted_row_sum`].
+fn weighted_row_sum_lanes(p: &[f32], rows: &[f32], d: usize, used: usize, scratch: &mut [f32]) -> () {
+    // lane v accumulates the rows t = v, v+256, ... in increasing t
+    for (ti, (&pt, row)) in p.iter().zip(rows.chunks_exact(d.max(1))).enumerate() {
+        let lane = &mut scratch[(ti % LANES) * d..(ti % LANES + 1) * d];
+        for (a, &v) in lane.iter_mut().zip(row) {
+            *a = pt.mul_add(v, *a);
+        }
+    }
+    // the tree; lanes >= `used` hold +0.0 and are pruned (see the module doc)
+    let mut h = LANES / 2;
+    while h >= 1 {
+        for v in 0..h {
+            if v + h < used {
+                let (lo, hi) = scratch.split_at_mut((v + h) * d);
+                for (a, &b) in lo[v * d..(v + 1) * d].iter_mut().zip(&hi[..d]) {
+                    *a += b;
+                }
+            }
+        }
+        h /= 2;
+    }
+}
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // register indices mirror the lane layout
 mod x86 {
     //! The SIMD paths. Each keeps the 256 lanes in registers laid out so that every tree level
     //! is a whole-register add or the standard in-register halving, which is exactly the
     //! contract's pairing `a[v] + a[v+h]`.
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn call_avx2<R>(f: impl FnOnce() -> R) -> R {
-        f()
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn call_avx512<R>(f: impl FnOnce() -> R) -> R {
-        f()
-    }
 
     pub mod avx512 {
         //! 16 zmm accumulators = 256 lanes. For f32 inputs register j holds lanes 16j..16j+15.
@@ -671,26 +683,35 @@ mod x86 {
             _mm_add_ss(x, _mm_shuffle_ps(x, x, 0b01))
         }
 
-        /// Runs the 4 passes with `block(acc, chunk_offset + lane_offset)` and the tree levels
-        /// h = 128, 64, 32; returns the 4 registers holding lanes 0..31 (block 0's layout).
-        #[inline(always)]
-        unsafe fn passes(
-            n_chunks: usize,
-            mut block: impl FnMut(&mut [__m256; 4], usize),
-        ) -> [__m256; 4] {
-            let mut r = [[_mm256_setzero_ps(); 4]; 4];
-            for (q, rq) in r.iter_mut().enumerate() {
-                let mut lo = [_mm256_setzero_ps(); 4];
-                let mut hi = [_mm256_setzero_ps(); 4];
-                for c in 0..n_chunks {
-                    block(&mut lo, c * LANES + 32 * q);
-                    block(&mut hi, c * LANES + 32 * q + 128);
+        /// Runs the 4 passes, calling `$block(acc, offset)` for each 32-lane block at element
+        /// `offset`, then the tree levels h = 128, 64, 32; evaluates to the 4 registers holding
+        /// lanes 0..31 (block 0's layout). A macro rather than a function taking a closure: a
+        /// closure is compiled without the caller's target features, and the intrinsics in it
+        /// would become calls.
+        macro_rules! passes {
+            ($n_chunks:expr, |$acc:ident, $off:ident| $block:expr) => {{
+                let mut r = [[_mm256_setzero_ps(); 4]; 4];
+                for (q, rq) in r.iter_mut().enumerate() {
+                    let mut lo = [_mm256_setzero_ps(); 4];
+                    let mut hi = [_mm256_setzero_ps(); 4];
+                    for c in 0..$n_chunks {
+                        {
+                            let $acc = &mut lo;
+                            let $off = c * LANES + 32 * q;
+                            $block;
+                        }
+                        {
+                            let $acc = &mut hi;
+                            let $off = c * LANES + 32 * q + 128;
+                            $block;
+                        }
+                    }
+                    *rq = add4(lo, hi); // h = 128
                 }
-                *rq = add4(lo, hi); // h = 128
-            }
-            let r0 = add4(r[0], r[2]); // h = 64
-            let r1 = add4(r[1], r[3]);
-            add4(r0, r1) // h = 32
+                let r0 = add4(r[0], r[2]); // h = 64
+                let r1 = add4(r[1], r[3]);
+                add4(r0, r1) // h = 32
+            }};
         }
 
         /// Rest of the tree for the contiguous layout: register j holds lanes 8j..8j+7.
@@ -727,14 +748,14 @@ mod x86 {
             let wp = w.as_ptr();
             let bp = buf.as_ptr();
             let xp = x.as_ptr();
-            let r = passes(n_chunks, |acc, off| {
+            let r = passes!(n_chunks, |acc, off| {
                 let c = off / LANES;
                 let src = if c < full {
                     wp.add(off)
                 } else {
                     bp.add(off - c * LANES)
                 };
-                bf16_block(acc, src, xp.add(off));
+                bf16_block(acc, src, xp.add(off))
             });
             finish_bf16(r)
         }
@@ -764,12 +785,12 @@ mod x86 {
             let n_chunks = full + usize::from(rest > 0);
             let (ap, bp) = (a.as_ptr(), b.as_ptr());
             let (tap, tbp) = (ba.as_ptr(), bb.as_ptr());
-            let r = passes(n_chunks, |acc, off| {
+            let r = passes!(n_chunks, |acc, off| {
                 let c = off / LANES;
                 if c < full {
-                    f32_block(acc, ap.add(off), bp.add(off));
+                    f32_block(acc, ap.add(off), bp.add(off))
                 } else {
-                    f32_block(acc, tap.add(off - c * LANES), tbp.add(off - c * LANES));
+                    f32_block(acc, tap.add(off - c * LANES), tbp.add(off - c * LANES))
                 }
             });
             finish_contiguous(r)
@@ -783,12 +804,12 @@ mod x86 {
             bt[..rest].copy_from_slice(&t[full * LANES..]);
             let n_chunks = full + usize::from(rest > 0);
             let (tp, btp) = (t.as_ptr(), bt.as_ptr());
-            let r = passes(n_chunks, |acc, off| {
+            let r = passes!(n_chunks, |acc, off| {
                 let c = off / LANES;
                 if c < full {
-                    sum_block(acc, tp.add(off));
+                    sum_block(acc, tp.add(off))
                 } else {
-                    sum_block(acc, btp.add(off - c * LANES));
+                    sum_block(acc, btp.add(off - c * LANES))
                 }
             });
             finish_contiguous(r)

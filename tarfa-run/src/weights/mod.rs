@@ -12,6 +12,8 @@ pub mod safetensors_dir;
 
 use std::sync::Arc;
 
+use crate::numerics::AlignedVec;
+
 pub use memory::InMemorySource;
 pub use safetensors_dir::load_safetensors_dir;
 
@@ -28,9 +30,9 @@ pub enum DType {
 #[derive(Clone, Debug, PartialEq)]
 pub enum TensorData {
     /// Raw BF16 bits.
-    Bf16(Vec<u16>),
+    Bf16(AlignedVec<u16>),
     /// F32 values.
-    F32(Vec<f32>),
+    F32(AlignedVec<f32>),
 }
 
 impl TensorData {
@@ -73,7 +75,7 @@ pub struct Bf16Matrix {
     /// Columns (input length).
     pub cols: usize,
     /// `rows * cols` raw BF16 values.
-    pub data: Vec<u16>,
+    pub data: AlignedVec<u16>,
 }
 
 impl Bf16Matrix {

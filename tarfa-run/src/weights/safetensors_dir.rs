@@ -12,6 +12,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::{Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData, WeightError};
 use crate::config::MoeConfig;
 use crate::model::{expert_name, ArchSpec, MlpKind};
+use crate::numerics::AlignedVec;
 
 /// Reads every `*.safetensors` file in `dir` (sorted by name) and sorts its tensors into
 /// non-expert tensors and the experts of `spec`'s MoE layers.
@@ -49,16 +50,8 @@ pub fn load_safetensors_dir(
         for (name, view) in st.tensors() {
             let raw = view.data();
             let data = match view.dtype() {
-                Dtype::BF16 => TensorData::Bf16(
-                    raw.chunks_exact(2)
-                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                        .collect(),
-                ),
-                Dtype::F32 => TensorData::F32(
-                    raw.chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect(),
-                ),
+                Dtype::BF16 => TensorData::Bf16(AlignedVec::<u16>::from_le_bytes(raw)),
+                Dtype::F32 => TensorData::F32(AlignedVec::<f32>::from_le_bytes(raw)),
                 other => {
                     return Err(WeightError::UnsupportedDtype {
                         name,
