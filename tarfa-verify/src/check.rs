@@ -734,6 +734,38 @@ fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
             "in model.jnf but not in the source checkpoint",
         )
     }));
+
+    // The same tensors must also be the same experts: an expert of the source stored as plain
+    // tensors (or the reverse, or matrices regrouped) would still match name for name above.
+    for ((layer, expert), src) in &ck.experts {
+        let same = h.expert(*layer, *expert).is_some_and(|e| {
+            e.prefix == src.prefix
+                && e.matrices
+                    .iter()
+                    .zip(&src.tensors)
+                    .all(|(m, name)| &m.name == name)
+        });
+        if !same {
+            out.push(Failure::new(
+                &src.prefix,
+                FailureKind::MissingInBundle,
+                format!(
+                    "the source's expert (layer {layer}, expert {expert}: {}) is not an extent \
+                     of model.jnf with those gate, up and down matrices",
+                    src.tensors.join(", ")
+                ),
+            ));
+        }
+    }
+    for e in &h.experts {
+        if !ck.experts.contains_key(&(e.layer, e.expert)) {
+            out.push(Failure::new(
+                &e.prefix,
+                FailureKind::MissingInSource,
+                "an expert extent of model.jnf that is not an expert of the source checkpoint",
+            ));
+        }
+    }
 }
 
 /// Every source shard's size and whole-file SHA-256 against the manifest's shard records.

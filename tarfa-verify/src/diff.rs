@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use tarfa_manifest::{diff, Change, ChangeKind, LayerKey, Manifest, ManifestDiff};
+use tarfa_manifest::{diff, Change, ChangeKind, EntryKind, LayerKey, Manifest, ManifestDiff};
 
 use crate::bundle::load_manifest_arg;
 use crate::failure::one_line;
@@ -83,16 +83,29 @@ pub fn render_human(d: &ManifestDiff) -> String {
 
 fn describe_change(c: &Change) -> String {
     let kind = match c.kind {
-        tarfa_manifest::EntryKind::Tensor => "tensor",
-        tarfa_manifest::EntryKind::Expert => "expert",
-        tarfa_manifest::EntryKind::File => "file",
+        EntryKind::Tensor => "tensor",
+        EntryKind::Expert => "expert",
+        EntryKind::File => "file",
     };
     let what = match &c.change {
         ChangeKind::Bytes => "bytes".to_string(),
+        ChangeKind::Shape { from, to } if c.kind == EntryKind::Expert => {
+            format!("shape {} -> {}", expert_shape(from), expert_shape(to))
+        }
         ChangeKind::Shape { from, to } => format!("shape {from:?} -> {to:?}"),
         ChangeKind::Dtype { from, to } => format!("dtype {from} -> {to}"),
     };
     format!("{} ({kind}, {what})", one_line(&c.name))
+}
+
+/// An expert's comparable shape is its three matrices' shapes, each followed by a 0 (see
+/// `tarfa_manifest::diff`): shown as `gate [i, h] up [i, h] down [h, i]`.
+fn expert_shape(flat: &[u64]) -> String {
+    let groups: Vec<&[u64]> = flat.split(|&d| d == 0).collect();
+    match groups.as_slice() {
+        [g, u, d, []] => format!("gate {g:?} up {u:?} down {d:?}"),
+        _ => format!("{flat:?}"),
+    }
 }
 
 /// `{"changed": [...], "added": [...], "removed": [...], "unchanged": N}`.

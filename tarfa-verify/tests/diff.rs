@@ -203,3 +203,33 @@ fn a_closed_pipe_is_success() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn an_expert_shape_change_is_shown_per_matrix() {
+    let s = Scratch::new("expertshape");
+    write_synthetic(&s.join("a"), Synthetic::default());
+    write_synthetic(
+        &s.join("b"),
+        Synthetic {
+            inter: 4,
+            ..Synthetic::default()
+        },
+    );
+    let r = run(&[&"diff", &s.join("a"), &s.join("b")]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stdout.contains(
+            "changed  model.layers.0.mlp.experts.0 (expert, shape gate [8, 16] up [8, 16] \
+             down [16, 8] -> gate [4, 16] up [4, 16] down [16, 4])\n"
+        ),
+        "{}",
+        r.stdout
+    );
+    let v = run(&[&"diff", &s.join("a"), &s.join("b"), &"--json"]).json();
+    // Tensors are filled first from the same seed, so only the 8 experts differ, all by shape.
+    let changed = v["changed"].as_array().unwrap();
+    assert_eq!(changed.len(), 8);
+    assert!(changed
+        .iter()
+        .all(|c| c["kind"] == "expert" && c["change"] == "shape"));
+}

@@ -158,3 +158,21 @@ fn a_misrecorded_source_offset_is_named() {
     // Without a source the record cannot be checked, and everything else is intact.
     assert_eq!(check_json(&b, None).0.code, 0);
 }
+
+#[test]
+fn an_expert_stored_as_plain_tensors_is_caught_only_against_the_source() {
+    let s = Scratch::new("src-split");
+    let b = s.join("bundle");
+    bundle_from_checkpoint_with(FIXTURE_A.as_ref(), &b, Some((2, 7)));
+    // Self-consistent: every byte matches the manifest, and the tensor names match the source.
+    assert_eq!(check_json(&b, None).0.code, 0);
+    let (r, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
+    assert_eq!(r.code, 1);
+    assert_eq!(
+        failures,
+        vec![(
+            "model.layers.2.mlp.experts.7".to_string(),
+            "missing-in-bundle".to_string()
+        )]
+    );
+}

@@ -311,6 +311,17 @@ fn expert_record(e: &jnf_format::ExpertExtent, bytes: &[u8]) -> ExpertRecord {
 /// A stand-in for `tarfa-convert`, for tests only: converts the checkpoint in `src` into a bundle
 /// in `out` following docs/FORMAT.md (source records, shard hashes, copied files).
 pub fn bundle_from_checkpoint(src: &Path, out: &Path) -> (Header, Manifest) {
+    bundle_from_checkpoint_with(src, out, None)
+}
+
+/// Like [`bundle_from_checkpoint`], but the expert `as_tensors` (layer, expert), if any, is stored
+/// as three plain tensors instead of an extent: a self-consistent bundle that is not the source's
+/// layout.
+pub fn bundle_from_checkpoint_with(
+    src: &Path,
+    out: &Path,
+    as_tensors: Option<(u32, u32)>,
+) -> (Header, Manifest) {
     let ck = tarfa_checkpoint::open(src).unwrap();
     let dtype = |t: &tarfa_checkpoint::SourceTensor| Dtype::parse(&t.dtype.to_string()).unwrap();
     let source = |t: &tarfa_checkpoint::SourceTensor| {
@@ -330,6 +341,18 @@ pub fn bundle_from_checkpoint(src: &Path, out: &Path) -> (Header, Manifest) {
         });
     }
     for (&(l, e), es) in &ck.experts {
+        if as_tensors == Some((l, e)) {
+            for name in &es.tensors {
+                let t = &ck.tensors[name];
+                plan.add_tensor(TensorSpec {
+                    name: name.clone(),
+                    dtype: dtype(t),
+                    shape: t.shape.clone(),
+                    source: source(t),
+                });
+            }
+            continue;
+        }
         let specs = [0, 1, 2].map(|i| {
             let t = &ck.tensors[&es.tensors[i]];
             MatrixSpec {
