@@ -443,7 +443,9 @@ fn plan_items<'a>(
     }
     // Each item's padding runs to the next item's start (or the end of the file): the validated
     // header guarantees no overlap, so this covers every byte after the header exactly once.
-    items.sort_by_key(|it| it.offset);
+    // Zero-length tensors may share an offset with the region that follows them: sorting them
+    // first gives them an empty tail, and the region its whole padding.
+    items.sort_by_key(|it| (it.offset, it.segments.iter().map(|s| s.len).sum::<u64>()));
     let starts: Vec<u64> = items.iter().map(|it| it.offset).collect();
     for (i, it) in items.iter_mut().enumerate() {
         it.tail_end = starts.get(i + 1).copied().unwrap_or(h.file_size);

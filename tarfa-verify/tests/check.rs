@@ -384,3 +384,43 @@ fn usage_errors_exit_2_and_help_documents_exit_codes() {
         assert!(r.stdout.contains("3  runtime failure"), "{}", r.stdout);
     }
 }
+
+#[test]
+fn zero_length_tensors_share_an_offset_in_either_order() {
+    let s = Scratch::new("zero");
+    let b = s.join("bundle");
+    let (h, _) = write_synthetic(
+        &b,
+        Synthetic {
+            zero_length: true,
+            ..Synthetic::default()
+        },
+    );
+    assert_eq!(h.tensors[0].length, 0);
+    assert_eq!(h.tensors[0].offset, h.tensors[1].offset);
+    let (r, failures) = check_json(&b, None);
+    assert_eq!(r.code, 0, "{failures:?}");
+
+    // List the embedding before the empty tensor: same JSON length, same valid layout.
+    let path = b.join("model.jnf");
+    let mut bytes = fs::read(&path).unwrap();
+    let end = 24 + json_len(&b) as usize;
+    let mut v: serde_json::Value = serde_json::from_slice(&bytes[24..end]).unwrap();
+    v["tensors"].as_array_mut().unwrap().swap(0, 1);
+    let text = serde_json::to_vec(&v).unwrap();
+    assert_eq!(text.len(), end - 24);
+    bytes[24..end].copy_from_slice(&text);
+    fs::write(&path, &bytes).unwrap();
+    assert_eq!(read_header(&b).tensors[0].name, "model.embed_tokens.weight");
+    let (r, failures) = check_json(&b, None);
+    assert_eq!(r.code, 0, "{failures:?}");
+
+    // The embedding's padding is still checked.
+    let emb = &read_header(&b).tensors[0];
+    set_byte(&path, emb.offset + emb.length, 9);
+    let (_, failures) = check_json(&b, None);
+    assert_eq!(
+        failures,
+        pairs(&[("model.embed_tokens.weight", "padding-not-zero")])
+    );
+}

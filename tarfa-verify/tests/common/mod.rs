@@ -158,6 +158,9 @@ pub struct Synthetic {
     pub seed: u64,
     /// Naming: `mlp.experts` (Qwen) or `block_sparse_moe.experts` (Mixtral).
     pub mixtral: bool,
+    /// Start with a zero-length tensor `model.empty` (shape [0, hidden]), which shares its offset
+    /// with the embedding that follows it.
+    pub zero_length: bool,
 }
 
 impl Default for Synthetic {
@@ -170,6 +173,7 @@ impl Default for Synthetic {
             vocab: 32,
             seed: 1,
             mixtral: false,
+            zero_length: false,
         }
     }
 }
@@ -181,11 +185,15 @@ pub const CONFIG_JSON: &[u8] = br#"{"model_type": "qwen3_moe", "synthetic": true
 pub fn write_synthetic(dir: &Path, s: Synthetic) -> (Header, Manifest) {
     fs::create_dir_all(dir).unwrap();
     let mut plan = LayoutPlan::new();
-    let mut tensors: Vec<(String, Dtype, Vec<u64>)> = vec![(
+    let mut tensors: Vec<(String, Dtype, Vec<u64>)> = Vec::new();
+    if s.zero_length {
+        tensors.push(("model.empty".into(), Dtype::BF16, vec![0, s.hidden]));
+    }
+    tensors.push((
         "model.embed_tokens.weight".into(),
         Dtype::BF16,
         vec![s.vocab, s.hidden],
-    )];
+    ));
     for l in 0..s.layers {
         tensors.push((
             format!("model.layers.{l}.input_layernorm.weight"),
