@@ -226,9 +226,14 @@ pub fn matmul_batch(kernel: Kernel, w: MatrixRef<'_>, xs: &[Activation]) -> Vec<
 
 /// Turns a job output laid out by weight row (`rows x m`) into `m` vectors of length `rows`.
 pub fn transpose_rows(out: &[f32], rows: usize, m: usize) -> Vec<Vec<f32>> {
-    (0..m)
-        .map(|mi| (0..rows).map(|r| out[r * m + mi]).collect())
-        .collect()
+    let mut res: Vec<Vec<f32>> = (0..m).map(|_| Vec::with_capacity(rows)).collect();
+    // read `out` in order; each of the m outputs is written sequentially
+    for row in out.chunks_exact(m.max(1)) {
+        for (v, &x) in res.iter_mut().zip(row) {
+            v.push(x);
+        }
+    }
+    res
 }
 
 #[cfg(test)]

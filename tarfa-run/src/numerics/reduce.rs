@@ -590,13 +590,23 @@ mod x86 {
             }
             let rest = a.len() - full * LANES;
             if rest > 0 {
-                let mut ba = [0f32; LANES];
-                let mut bb = [0f32; LANES];
-                ba[..rest].copy_from_slice(&a[full * LANES..]);
-                bb[..rest].copy_from_slice(&b[full * LANES..]);
-                f32_chunk(&mut acc, ba.as_ptr(), bb.as_ptr());
+                // masked loads read nothing past the end and give +0.0 there
+                let (pa, pb) = (a.as_ptr().add(full * LANES), b.as_ptr().add(full * LANES));
+                for j in 0..rest.div_ceil(16) {
+                    let m = tail_mask(j, rest);
+                    let va = _mm512_maskz_loadu_ps(m, pa.add(16 * j));
+                    let vb = _mm512_maskz_loadu_ps(m, pb.add(16 * j));
+                    acc[j] = _mm512_fmadd_ps(va, vb, acc[j]);
+                }
             }
             tree_contiguous(acc)
+        }
+
+        /// Mask of the elements of register j (elements 16j..16j+16) below `rest`.
+        #[inline(always)]
+        fn tail_mask(j: usize, rest: usize) -> __mmask16 {
+            let n = rest.saturating_sub(16 * j).min(16);
+            ((1u32 << n) - 1) as __mmask16
         }
 
         #[inline(always)]
