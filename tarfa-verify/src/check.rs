@@ -147,7 +147,7 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
                     .filter(|s| s.source.is_some())
                     .map(|s| s.len)
                     .sum();
-                it.tail_end - it.offset + src
+                it.tail_end.saturating_sub(it.offset) + src
             })
             .sum::<u64>()
             + shards.iter().map(|s| s.size).sum::<u64>();
@@ -155,7 +155,10 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
         if let Some(f) = check_zero(c.file(), CONTAINER_FILE, header_tail.0, header_tail.1)? {
             failures.push(f);
         }
-        checked.fetch_add(header_tail.1 - header_tail.0, Ordering::Relaxed);
+        checked.fetch_add(
+            header_tail.1.saturating_sub(header_tail.0),
+            Ordering::Relaxed,
+        );
         let results: Vec<Result<Vec<Failure>, VerifyError>> = items
             .par_iter()
             .map_init(
