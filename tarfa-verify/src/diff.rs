@@ -112,3 +112,21 @@ fn expert_shape(flat: &[u64]) -> String {
 pub fn render_json(d: &ManifestDiff) -> String {
     serde_json::to_string(d).expect("a diff serialises")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::expert_shape;
+
+    #[test]
+    fn expert_shapes_split_into_gate_up_down() {
+        assert_eq!(
+            expert_shape(&[64, 128, 0, 64, 128, 0, 128, 64, 0]),
+            "gate [64, 128] up [64, 128] down [128, 64]"
+        );
+        // Not three groups (a zero dimension inside a shape): shown as it is.
+        assert_eq!(
+            expert_shape(&[0, 128, 0, 64, 128, 0, 128, 64, 0]),
+            "[0, 128, 0, 64, 128, 0, 128, 64, 0]"
+        );
+    }
+}
