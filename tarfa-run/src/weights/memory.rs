@@ -30,6 +30,11 @@ impl InMemorySource {
         self.tensors.insert(name.into(), Arc::new(t));
     }
 
+    /// Removes a non-expert tensor (tests of missing weights use this).
+    pub fn remove_tensor(&mut self, name: &str) -> Option<Arc<HostTensor>> {
+        self.tensors.remove(name)
+    }
+
     /// Adds an expert.
     pub fn insert_expert(&mut self, layer: usize, expert: usize, w: ExpertWeights) {
         self.experts.insert((layer, expert), Arc::new(w));

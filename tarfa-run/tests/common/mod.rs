@@ -13,6 +13,8 @@ use tarfa_run::model::ArchSpec;
 use tarfa_run::numerics::Kernel;
 use tarfa_run::weights::{load_safetensors_dir, InMemorySource};
 
+pub mod synthetic;
+
 pub fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures/oracle")
