@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use safetensors::{Dtype, SafeTensors};
 use tarfa_run::config::MoeConfig;
-use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions};
+use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, LogitRows};
+use tarfa_run::generate::greedy;
 use tarfa_run::model::ArchSpec;
 use tarfa_run::numerics::Kernel;
 use tarfa_run::weights::{load_safetensors_dir, InMemorySource};
@@ -139,4 +140,69 @@ pub fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
     rows.iter()
         .map(|r| r.iter().map(|v| v.to_bits()).collect())
         .collect()
+}
+
+pub const TOL: f64 = 1e-4;
+
+/// Greedy tokens, step and prefill logits within `TOL` of each row's scale, router top-k sets
+/// (except where the k-th and (k+1)-th probabilities are within 1e-6).
+pub fn check_against_oracle(f: &Fixture) {
+    let name = &f.name;
+    let eng = engine(f, 2, Kernel::best());
+    let k = f.model.config().top_k;
+    let mut worst = 0f64;
+    let mut tie_skips = 0;
+    for (i, r) in f.prompts.iter().enumerate() {
+        let mut cache = f.model.new_cache();
+        let opts = ForwardOptions {
+            logits: LogitRows::All,
+            trace_router: true,
+            ..Default::default()
+        };
+        let g = greedy(&eng, &mut cache, &r.prompt, r.greedy.len(), &opts).unwrap();
+        assert_eq!(
+            g.tokens, r.greedy,
+            "{name} prompt {i}: greedy tokens differ"
+        );
+        // references of wide vocabularies keep only the first step rows and the last prefill row
+        assert!(g.step_logits.len() >= r.step_logits.len());
+        for (j, (got, want)) in g.step_logits.iter().zip(&r.step_logits).enumerate() {
+            let e = rel_err(got, want);
+            worst = worst.max(e);
+            assert!(e <= TOL, "{name} prompt {i} step {j}: rel err {e:e}");
+        }
+        let skip = g.prefill.logits.len() - r.prefill_logits.len();
+        for (t, (got, want)) in g.prefill.logits[skip..]
+            .iter()
+            .zip(&r.prefill_logits)
+            .enumerate()
+        {
+            let e = rel_err(got, want);
+            worst = worst.max(e);
+            assert!(
+                e <= TOL,
+                "{name} prompt {i} prefill position {t}: rel err {e:e}"
+            );
+        }
+        // router: the top-k set per MoE layer per prompt position
+        for rec in &g.prefill.router {
+            let want = &r.router_topk[rec.moe_layer][rec.position];
+            let mut a = rec.experts.clone();
+            let mut b = want.clone();
+            a.sort();
+            b.sort();
+            if a != b {
+                let next = rec.next_prob.unwrap_or(0.0);
+                assert!(
+                    (rec.kth_prob - next).abs() <= 1e-6,
+                    "{name} prompt {i} layer {} position {}: top-k {a:?} vs {b:?}",
+                    rec.layer,
+                    rec.position
+                );
+                tie_skips += 1;
+            }
+            assert_eq!(rec.experts.len(), k);
+        }
+    }
+    eprintln!("{name}: worst relative logit error {worst:e}, near-tie router skips {tie_skips}");
 }
