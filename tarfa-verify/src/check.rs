@@ -229,23 +229,34 @@ fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
     let m_tensors: HashMap<&str, _> = m.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let m_experts: HashMap<&str, _> = m.experts.iter().map(|e| (e.name.as_str(), e)).collect();
     let h_experts: HashSet<&str> = h.experts.iter().map(|e| e.prefix.as_str()).collect();
+    // Source shards the header names but the manifest does not list: one failure per shard.
     let shards: HashSet<&str> = m.shards.iter().map(|s| s.name.as_str()).collect();
-    let check_source = |name: &str, src: &Option<SourceRef>, out: &mut Vec<Failure>| {
-        if let Some(s) = src {
-            if !shards.contains(s.shard.as_str()) {
-                out.push(mismatch(
-                    name,
-                    format!(
-                        "model.jnf names source shard {:?}, which the manifest does not list",
-                        s.shard
-                    ),
-                ));
-            }
+    let mut unlisted: BTreeMap<&str, (usize, &str)> = BTreeMap::new();
+    let sources = h
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), &t.source))
+        .chain(
+            h.experts
+                .iter()
+                .flat_map(|e| e.matrices.iter().map(|m| (m.name.as_str(), &m.source))),
+        );
+    for (name, src) in sources {
+        if let Some(s) = src.as_ref().filter(|s| !shards.contains(s.shard.as_str())) {
+            unlisted.entry(s.shard.as_str()).or_insert((0, name)).0 += 1;
         }
-    };
+    }
+    for (shard, (n, first)) in unlisted {
+        out.push(mismatch(
+            shard,
+            format!(
+                "model.jnf names this source shard for {n} tensors (first {first}), \
+                 but the manifest does not list it"
+            ),
+        ));
+    }
 
     for t in &h.tensors {
-        check_source(&t.name, &t.source, out);
         let Some(r) = m_tensors.get(t.name.as_str()) else {
             let detail = if m_experts.contains_key(t.name.as_str()) {
                 "a tensor in model.jnf but an expert in the manifest"
@@ -270,9 +281,6 @@ fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
         }
     }
     for e in &h.experts {
-        for mat in &e.matrices {
-            check_source(&mat.name, &mat.source, out);
-        }
         let Some(r) = m_experts.get(e.prefix.as_str()) else {
             out.push(Failure::new(
                 &e.prefix,

@@ -424,3 +424,16 @@ fn zero_length_tensors_share_an_offset_in_either_order() {
         pairs(&[("model.embed_tokens.weight", "padding-not-zero")])
     );
 }
+
+#[test]
+fn the_manifest_must_name_the_containers_format_version() {
+    let s = Scratch::new("fmtver");
+    let b = s.join("bundle");
+    write_synthetic(&b, Synthetic::default());
+    edit_manifest(&b, true, |m| m.format_version = "1.1".into());
+    let (_, failures) = check_json(&b, None);
+    assert_eq!(
+        failures,
+        pairs(&[("manifest.toml", "header-manifest-mismatch")])
+    );
+}

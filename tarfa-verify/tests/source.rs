@@ -176,3 +176,43 @@ fn an_expert_stored_as_plain_tensors_is_caught_only_against_the_source() {
         )]
     );
 }
+
+#[test]
+fn a_source_shard_the_manifest_does_not_list_is_named_once() {
+    let s = Scratch::new("src-unlisted");
+    let b = s.join("bundle");
+    let (h, m) = bundle_from_checkpoint(FIXTURE_A.as_ref(), &b);
+    let gone = m.shards[3].name.clone();
+    let users = h
+        .tensors
+        .iter()
+        .filter_map(|t| t.source.as_ref())
+        .chain(
+            h.experts
+                .iter()
+                .flat_map(|e| e.matrices.iter().filter_map(|m| m.source.as_ref())),
+        )
+        .filter(|s| s.shard == gone)
+        .count();
+    assert!(users > 1, "the test needs a shard holding several tensors");
+    edit_manifest(&b, true, |m| m.shards.retain(|s| s.name != gone));
+    let (r, failures) = check_json(&b, None);
+    assert_eq!(
+        failures,
+        vec![(gone.clone(), "header-manifest-mismatch".to_string())]
+    );
+    let detail = r.json()["failures"][0]["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(detail.contains(&format!("for {users} tensors")), "{detail}");
+    // Against the source, the shard is also one the manifest does not list.
+    let (_, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
+    assert_eq!(
+        failures,
+        vec![
+            (gone.clone(), "header-manifest-mismatch".to_string()),
+            (gone, "missing-in-manifest".to_string()),
+        ]
+    );
+}
