@@ -177,13 +177,30 @@ pub fn run_jobs(kernel: Kernel, jobs: Vec<MatJob<'_>>) {
             t.w.rows_dot(kernel, t.r0, t.xs[0], t.out);
             return;
         }
-        let mut tmp = [0.0f32; ROW_BLOCK];
-        for b0 in (0..rows).step_by(ROW_BLOCK) {
-            let nb = ROW_BLOCK.min(rows - b0);
-            for (mi, x) in t.xs.iter().enumerate() {
-                t.w.rows_dot(kernel, t.r0 + b0, x, &mut tmp[..nb]);
-                for (i, &v) in tmp[..nb].iter().enumerate() {
-                    t.out[(b0 + i) * m + mi] = v;
+        match t.w {
+            MatrixRef::Bf16 { cols, data, .. } => {
+                let preps: Vec<&PreparedVec> = t.xs.iter().map(|a| &a.prepared).collect();
+                for b0 in (0..rows).step_by(ROW_BLOCK) {
+                    let nb = ROW_BLOCK.min(rows - b0);
+                    let r = t.r0 + b0;
+                    kernel.dot_bf16_rows_batch(
+                        &data[r * cols..(r + nb) * cols],
+                        cols,
+                        &preps,
+                        &mut t.out[b0 * m..(b0 + nb) * m],
+                    );
+                }
+            }
+            MatrixRef::F32 { .. } => {
+                let mut tmp = [0.0f32; ROW_BLOCK];
+                for b0 in (0..rows).step_by(ROW_BLOCK) {
+                    let nb = ROW_BLOCK.min(rows - b0);
+                    for (mi, x) in t.xs.iter().enumerate() {
+                        t.w.rows_dot(kernel, t.r0 + b0, x, &mut tmp[..nb]);
+                        for (i, &v) in tmp[..nb].iter().enumerate() {
+                            t.out[(b0 + i) * m + mi] = v;
+                        }
+                    }
                 }
             }
         }
