@@ -1,6 +1,7 @@
 //! RoPE tables (docs/EXACTNESS.md section 5): per position `pos` and frequency `i < D/2`,
-//! `cos_i` and `sin_i` as f32 data, computed on the host with [`detmath`]'s f64 routines. A GPU
-//! backend uploads these rows; it must never evaluate its own `cos`/`sin`.
+//! `cos_i` and `sin_i` as f32 data, computed on the host with the f64 routines of
+//! [`super::detmath`]. A GPU backend uploads these rows; it must never evaluate its own
+//! `cos`/`sin`.
 //!
 //! The table grows on demand (a session computes only the positions it reaches); a row depends
 //! only on `(base, D, pos)`, never on when it was computed.
