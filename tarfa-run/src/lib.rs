@@ -19,6 +19,7 @@
 //! and the one deliberately inexact arm ([`cpu::FinalHidden::InvalidBf16BeforeLmHead`]) is
 //! labelled and never a default.
 
+pub mod bundle;
 pub mod config;
 pub mod cpu;
 pub mod generate;

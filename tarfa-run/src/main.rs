@@ -1,1 +1,60 @@
-fn main() {}
+//! The `tarfa-run` command: a thin shell over the `tarfa_run` library.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use cli::demo::DemoArgs;
+use cli::generate::GenerateArgs;
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  verification failure (a byte of the bundle does not match its manifest, a wrong root digest)
+  2  bad input or usage (missing bundle, token id outside the vocabulary, empty or too long prompt)
+  3  runtime or environment failure (I/O error, no GPU, unavailable SIMD path)";
+
+/// Tarfa's runtime: exact inference for Mixture-of-Experts models from verified JNF bundles.
+///
+/// Every weight is hash-checked against the bundle's manifest before its first use; the router
+/// uses the model's own top-k; all arithmetic is f32 in one canonical order (docs/EXACTNESS.md),
+/// so every logit has the same bits whatever the thread count, SIMD path or backend.
+#[derive(Parser)]
+#[command(version, after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate greedily from a bundle, streaming the decoded text.
+    #[command(after_help = EXIT_CODES)]
+    Generate(GenerateArgs),
+    /// Convert, verify and run the small demo model that ships with Tarfa.
+    #[command(after_help = EXIT_CODES)]
+    Demo(DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    let result = match cli.command {
+        Command::Generate(a) => cli::generate::run(&a),
+        Command::Demo(a) => cli::demo::run(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tarfa-run: error: {e}");
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}

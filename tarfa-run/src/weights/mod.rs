@@ -146,6 +146,9 @@ pub enum WeightError {
     /// A safetensors file is malformed.
     #[error("{path} is not a valid safetensors file: {msg}")]
     Safetensors { path: String, msg: String },
+    /// The bundle refused to hand out bytes (verification failure, I/O error).
+    #[error(transparent)]
+    Bundle(#[from] crate::bundle::BundleError),
     /// The directory holds no safetensors file.
     #[error("no .safetensors files in {0}")]
     NoFiles(String),

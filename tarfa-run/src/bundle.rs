@@ -1,0 +1,420 @@
+//! A [`WeightSource`] over a JNF bundle: every byte handed to the forward was read from
+//! `model.jnf` into the very buffer returned and checked against `manifest.toml` first.
+//!
+//! Opening a bundle checks, before any weight is read: the manifest parses and its root digest is
+//! the digest of its entries (and equals `--expect-root` when given); the container header
+//! validates and describes exactly the manifest's tensors and experts (names, dtypes, shapes,
+//! lengths); `config.json` (and any other file the run reads) matches its manifest SHA-256.
+//! Then each non-expert tensor is BLAKE3-checked when it is loaded, and each expert extent when
+//! it is first read. A mismatch is a [`BundleError`] (exit code 1); there is no override.
+//!
+//! What was verified is recorded, so that `--verify-report` can show an auditor (and the
+//! validation suite) that every tensor the run used was checked before use.
+//!
+//! This module must never memory-map weights, hand out bytes it did not verify, or skip a check
+//! for speed: the exactness contract (docs/EXACTNESS.md section 1) starts here.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use jnf_format::{Dtype, ExpertExtent, JnfFile, CONTAINER_FILE};
+use rayon::prelude::*;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tarfa_manifest::hash::to_hex;
+use tarfa_manifest::{Manifest, MANIFEST_FILE};
+
+use crate::numerics::AlignedVec;
+use crate::weights::{
+    Bf16Matrix, ExpertWeights, HostTensor, TensorData, WeightError, WeightSource,
+};
+
+/// Why a bundle cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    /// The path is not a bundle directory at all.
+    #[error("{path}: not a Tarfa bundle ({why})")]
+    NotABundle { path: PathBuf, why: String },
+    /// The manifest does not parse or validate.
+    #[error("{path}: {source}")]
+    Manifest { path: PathBuf, source: tarfa_manifest::ManifestError },
+    /// The container header does not validate.
+    #[error("{path}: {source}")]
+    Header { path: PathBuf, source: jnf_format::JnfError },
+    /// The manifest's root digest is not the digest of its entries.
+    #[error("{path}: root digest {recorded} is not the digest of the manifest's entries ({computed})")]
+    RootMismatch { path: PathBuf, recorded: String, computed: String },
+    /// `--expect-root` named another bundle.
+    #[error("{path}: root digest is {actual}, expected {expected}")]
+    UnexpectedRoot { path: PathBuf, expected: String, actual: String },
+    /// The header and the manifest disagree about an entry.
+    #[error("{path}: {name}: container and manifest disagree ({what})")]
+    HeaderManifestMismatch { path: PathBuf, name: String, what: String },
+    /// A file the run reads is not listed in the manifest.
+    #[error("{path}: {file} is not listed in the manifest")]
+    FileUnlisted { path: PathBuf, file: String },
+    /// Bytes read from the bundle do not match their manifest digest.
+    #[error("{path}: {name}: {algorithm} of the bytes read does not match the manifest (the bundle changed or is corrupt)")]
+    HashMismatch { path: PathBuf, name: String, algorithm: &'static str },
+    /// An I/O failure.
+    #[error("{path}: {op}: {source}")]
+    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+}
+
+impl BundleError {
+    /// The documented exit code: 1 verification failure, 2 bad input, 3 environment.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            BundleError::NotABundle { .. } => 2,
+            BundleError::Io { .. } => 3,
+            _ => 1,
+        }
+    }
+}
+
+/// One verified tensor or expert, as `--verify-report` lists it.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct VerifiedEntry {
+    pub name: String,
+    pub bytes: u64,
+    pub algorithm: &'static str,
+    pub digest: String,
+    /// Times the bytes were read from the bundle (each read verified).
+    pub reads: u64,
+    pub verified_before_use: bool,
+}
+
+/// What a run verified: the `--verify-report` document.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyReport {
+    pub bundle: PathBuf,
+    pub root_digest: String,
+    pub root_recomputed: bool,
+    pub files: Vec<VerifiedEntry>,
+    pub tensors: Vec<VerifiedEntry>,
+    pub experts: Vec<VerifiedEntry>,
+    /// Always 0: the source has no path that hands out unverified bytes. Recorded so that a
+    /// checker reading the report does not have to take that on trust from its absence.
+    pub unverified_uses: u64,
+}
+
+#[derive(Default)]
+struct Ledger {
+    files: BTreeMap<String, VerifiedEntry>,
+    tensors: BTreeMap<String, VerifiedEntry>,
+    experts: BTreeMap<String, VerifiedEntry>,
+}
+
+impl Ledger {
+    fn note(map: &mut BTreeMap<String, VerifiedEntry>, name: &str, bytes: u64, algorithm: &'static str, digest: &str) {
+        map.entry(name.to_string())
+            .or_insert_with(|| VerifiedEntry {
+                name: name.to_string(),
+                bytes,
+                algorithm,
+                digest: digest.to_string(),
+                reads: 0,
+                verified_before_use: true,
+            })
+            .reads += 1;
+    }
+}
+
+/// Expert digests by (layer, expert): BLAKE3 hex and the extent.
+struct ExpertSlot {
+    extent: ExpertExtent,
+    blake3: String,
+}
+
+/// A verified bundle, serving weights to the forward.
+pub struct BundleSource {
+    dir: PathBuf,
+    jnf_path: PathBuf,
+    file: File,
+    manifest: Manifest,
+    /// Non-expert tensors: header entry and manifest BLAKE3.
+    tensors: HashMap<String, (jnf_format::TensorEntry, String)>,
+    experts: HashMap<(usize, usize), ExpertSlot>,
+    /// Experts read and verified so far (resident mode keeps them).
+    resident: Mutex<HashMap<(usize, usize), Arc<ExpertWeights>>>,
+    ledger: Mutex<Ledger>,
+}
+
+fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> BundleError {
+    let path = path.to_path_buf();
+    move |source| BundleError::Io { path, op, source }
+}
+
+impl BundleSource {
+    /// Open and check a bundle (see the module doc); reads no weights yet.
+    pub fn open(dir: &Path, expect_root: Option<&str>) -> Result<BundleSource, BundleError> {
+        let meta = std::fs::metadata(dir).map_err(|e| BundleError::NotABundle {
+            path: dir.to_path_buf(),
+            why: e.to_string(),
+        })?;
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let jnf_path = dir.join(CONTAINER_FILE);
+        if !meta.is_dir() || !manifest_path.is_file() || !jnf_path.is_file() {
+            return Err(BundleError::NotABundle {
+                path: dir.to_path_buf(),
+                why: "expected a directory with manifest.toml and model.jnf".into(),
+            });
+        }
+        let manifest = Manifest::load(&manifest_path)
+            .map_err(|source| BundleError::Manifest { path: manifest_path.clone(), source })?;
+        let computed = manifest.compute_root_digest();
+        if computed != manifest.root_digest {
+            return Err(BundleError::RootMismatch {
+                path: manifest_path,
+                recorded: manifest.root_digest.clone(),
+                computed,
+            });
+        }
+        if let Some(expected) = expect_root {
+            if !expected.eq_ignore_ascii_case(&manifest.root_digest) {
+                return Err(BundleError::UnexpectedRoot {
+                    path: dir.to_path_buf(),
+                    expected: expected.to_string(),
+                    actual: manifest.root_digest.clone(),
+                });
+            }
+        }
+        let jnf = JnfFile::open(&jnf_path)
+            .map_err(|source| BundleError::Header { path: jnf_path.clone(), source })?;
+        let (tensors, experts) = reconcile(&jnf_path, &jnf, &manifest)?;
+        let file = jnf.file().try_clone().map_err(io(&jnf_path, "open"))?;
+        Ok(BundleSource {
+            dir: dir.to_path_buf(),
+            jnf_path,
+            file,
+            manifest,
+            tensors,
+            experts,
+            resident: Mutex::new(HashMap::new()),
+            ledger: Mutex::new(Ledger::default()),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn root_digest(&self) -> &str {
+        &self.manifest.root_digest
+    }
+
+    /// Whether the bundle carries a copied file (e.g. `tokenizer.json`).
+    pub fn has_file(&self, name: &str) -> bool {
+        self.manifest.files.iter().any(|f| f.name == name)
+    }
+
+    /// A copied file's bytes, checked against its manifest SHA-256.
+    pub fn read_file(&self, name: &str) -> Result<Vec<u8>, BundleError> {
+        let rec = self.manifest.files.iter().find(|f| f.name == name).ok_or_else(|| {
+            BundleError::FileUnlisted { path: self.dir.clone(), file: name.to_string() }
+        })?;
+        let path = self.dir.join(name);
+        let bytes = std::fs::read(&path).map_err(io(&path, "read"))?;
+        let digest = to_hex(&Sha256::digest(&bytes));
+        if digest != rec.sha256 {
+            return Err(BundleError::HashMismatch { path, name: name.to_string(), algorithm: "SHA-256" });
+        }
+        let mut l = self.ledger.lock().expect("ledger lock");
+        Ledger::note(&mut l.files, name, bytes.len() as u64, "sha256", &digest);
+        Ok(bytes)
+    }
+
+    /// Total bytes of all expert extents (for budgets and reports).
+    pub fn expert_bytes(&self) -> u64 {
+        self.experts.values().map(|s| s.extent.length).sum()
+    }
+
+    /// Read every expert now (resident mode, benchmarks): later steps find them in memory.
+    pub fn load_all_experts(&self) -> Result<(), BundleError> {
+        let mut keys: Vec<(usize, usize)> = self.experts.keys().copied().collect();
+        keys.sort_unstable();
+        let loaded: Vec<_> = keys
+            .par_iter()
+            .map(|&k| self.read_expert(k).map(|w| (k, Arc::new(w))))
+            .collect::<Result<_, _>>()?;
+        self.resident.lock().expect("resident lock").extend(loaded);
+        Ok(())
+    }
+
+    /// Read and verify every tensor and expert of the bundle (without keeping them): a full
+    /// audit of the container against the manifest. Returns the bytes checked.
+    pub fn verify_all(&self) -> Result<u64, BundleError> {
+        let tensors: u64 = self
+            .tensors
+            .par_iter()
+            .map(|(name, (t, blake3))| {
+                self.read_verified(name, t.offset, t.length, blake3)?;
+                let mut l = self.ledger.lock().expect("ledger lock");
+                Ledger::note(&mut l.tensors, name, t.length, "blake3", blake3);
+                Ok(t.length)
+            })
+            .sum::<Result<u64, BundleError>>()?;
+        let experts: u64 = self
+            .experts
+            .par_iter()
+            .map(|(_, slot)| {
+                let e = &slot.extent;
+                self.read_verified(&e.prefix, e.offset, e.length, &slot.blake3)?;
+                let mut l = self.ledger.lock().expect("ledger lock");
+                Ledger::note(&mut l.experts, &e.prefix, e.length, "blake3", &slot.blake3);
+                Ok(e.length)
+            })
+            .sum::<Result<u64, BundleError>>()?;
+        Ok(tensors + experts)
+    }
+
+    /// Number of non-expert tensors and of experts in the bundle.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.tensors.len(), self.experts.len())
+    }
+
+    /// What was verified so far.
+    pub fn report(&self) -> VerifyReport {
+        let l = self.ledger.lock().expect("ledger lock");
+        VerifyReport {
+            bundle: self.dir.clone(),
+            root_digest: self.manifest.root_digest.clone(),
+            root_recomputed: true,
+            files: l.files.values().cloned().collect(),
+            tensors: l.tensors.values().cloned().collect(),
+            experts: l.experts.values().cloned().collect(),
+            unverified_uses: 0,
+        }
+    }
+
+    fn read_verified(&self, name: &str, offset: u64, length: u64, blake3: &str) -> Result<Vec<u8>, BundleError> {
+        let mut buf = vec![0u8; length as usize];
+        self.file.read_exact_at(&mut buf, offset).map_err(io(&self.jnf_path, "read"))?;
+        if blake3::hash(&buf).to_hex().as_str() != blake3 {
+            return Err(BundleError::HashMismatch {
+                path: self.jnf_path.clone(),
+                name: name.to_string(),
+                algorithm: "BLAKE3",
+            });
+        }
+        Ok(buf)
+    }
+
+    /// Read one expert extent, verify it, and split it into its three matrices.
+    fn read_expert(&self, key: (usize, usize)) -> Result<ExpertWeights, BundleError> {
+        let slot = &self.experts[&key];
+        let e = &slot.extent;
+        let bytes = self.read_verified(&e.prefix, e.offset, e.length, &slot.blake3)?;
+        {
+            let mut l = self.ledger.lock().expect("ledger lock");
+            Ledger::note(&mut l.experts, &e.prefix, e.length, "blake3", &slot.blake3);
+        }
+        let m = |i: usize| {
+            let mm = &e.matrices[i];
+            let start = mm.offset as usize;
+            let data = AlignedVec::<u16>::from_le_bytes(&bytes[start..start + mm.length as usize]);
+            Bf16Matrix { rows: mm.shape[0] as usize, cols: mm.shape[1] as usize, data }
+        };
+        Ok(ExpertWeights { gate: m(0), up: m(1), down: m(2) })
+    }
+}
+
+type TensorIndex = HashMap<String, (jnf_format::TensorEntry, String)>;
+type ExpertIndex = HashMap<(usize, usize), ExpertSlot>;
+
+/// The header and the manifest must describe the same entries, exactly.
+fn reconcile(path: &Path, jnf: &JnfFile, m: &Manifest) -> Result<(TensorIndex, ExpertIndex), BundleError> {
+    let bad = |name: &str, what: String| BundleError::HeaderManifestMismatch {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        what,
+    };
+    let h = jnf.header();
+    let records: HashMap<&str, &tarfa_manifest::TensorRecord> =
+        m.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    if records.len() != h.tensors.len() {
+        return Err(bad("tensors", format!("{} in the container, {} in the manifest", h.tensors.len(), records.len())));
+    }
+    let mut tensors = HashMap::new();
+    for t in &h.tensors {
+        let r = records.get(t.name.as_str()).ok_or_else(|| bad(&t.name, "not in the manifest".into()))?;
+        if r.dtype != t.dtype.as_str() || r.shape != t.shape || r.length != t.length {
+            return Err(bad(&t.name, "dtype, shape or length differ".into()));
+        }
+        tensors.insert(t.name.clone(), (t.clone(), r.blake3.clone()));
+    }
+    let erecs = m.expert_index();
+    if erecs.len() != h.experts.len() {
+        return Err(bad("experts", format!("{} in the container, {} in the manifest", h.experts.len(), erecs.len())));
+    }
+    let mut experts = HashMap::new();
+    for e in &h.experts {
+        let r = erecs.get(&(e.layer, e.expert)).ok_or_else(|| bad(&e.prefix, "not in the manifest".into()))?;
+        let same = r.name == e.prefix
+            && r.length == e.length
+            && r.matrices.len() == 3
+            && r.matrices.iter().zip(&e.matrices).all(|(a, b)| {
+                a.name == b.name && a.shape == b.shape && a.offset == b.offset && a.length == b.length && a.role == b.role
+            });
+        if !same {
+            return Err(bad(&e.prefix, "matrices differ".into()));
+        }
+        experts.insert(
+            (e.layer as usize, e.expert as usize),
+            ExpertSlot { extent: e.clone(), blake3: r.blake3.clone() },
+        );
+    }
+    Ok((tensors, experts))
+}
+
+impl WeightSource for BundleSource {
+    fn tensor(&self, name: &str) -> Result<Arc<HostTensor>, WeightError> {
+        let (t, blake3) = self.tensors.get(name).ok_or_else(|| WeightError::MissingTensor(name.to_string()))?;
+        let bytes = self.read_verified(name, t.offset, t.length, blake3)?;
+        {
+            let mut l = self.ledger.lock().expect("ledger lock");
+            Ledger::note(&mut l.tensors, name, t.length, "blake3", blake3);
+        }
+        let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        let data = match t.dtype {
+            Dtype::BF16 => TensorData::Bf16(AlignedVec::<u16>::from_le_bytes(&bytes)),
+            Dtype::F32 => TensorData::F32(AlignedVec::<f32>::from_le_bytes(&bytes)),
+            other => {
+                return Err(WeightError::UnsupportedDtype { name: name.to_string(), dtype: other.to_string() })
+            }
+        };
+        Ok(Arc::new(HostTensor::new(name, shape, data)?))
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn experts(&self, layer: usize, ids: &[usize]) -> Result<Vec<Arc<ExpertWeights>>, WeightError> {
+        for &id in ids {
+            if !self.experts.contains_key(&(layer, id)) {
+                return Err(WeightError::MissingExpert { layer, expert: id, name: format!("layer {layer} expert {id}") });
+            }
+        }
+        let missing: Vec<usize> = {
+            let r = self.resident.lock().expect("resident lock");
+            ids.iter().copied().filter(|&id| !r.contains_key(&(layer, id))).collect()
+        };
+        let loaded: Vec<(usize, Arc<ExpertWeights>)> = missing
+            .par_iter()
+            .map(|&id| self.read_expert((layer, id)).map(|w| (id, Arc::new(w))))
+            .collect::<Result<_, _>>()?;
+        let mut r = self.resident.lock().expect("resident lock");
+        for (id, w) in loaded {
+            r.insert((layer, id), w);
+        }
+        Ok(ids.iter().map(|&id| r[&(layer, id)].clone()).collect())
+    }
+}

@@ -1,0 +1,342 @@
+//! `tarfa-run generate`: greedy generation from a verified bundle.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use tarfa_run::bundle::BundleSource;
+use tarfa_run::config::MoeConfig;
+use tarfa_run::cpu::{
+    CpuEngine, CpuModel, EngineOptions, FinalHidden, ForwardOptions, LogitRows,
+};
+use tarfa_run::generate::argmax;
+use tarfa_run::numerics::Kernel;
+use tarfa_run::weights::WeightSource;
+
+use super::output::{write_json, write_logits, RouterTrace};
+use super::{peak_rss_bytes, CliError};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum KernelArg {
+    /// The fastest path this CPU supports.
+    Auto,
+    /// Portable scalar code (the reference).
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum BackendArg {
+    /// CUDA when a usable GPU is present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// The bundle directory (made by tarfa-convert).
+    pub bundle: PathBuf,
+    /// Prompt text, encoded with the bundle's tokenizer.json.
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    pub prompt: Option<String>,
+    /// Prompt token ids, comma-separated (for bundles without a tokenizer, and for audits).
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u64>>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Worker threads (default: one per core). Results are bit-identical for every count.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// SIMD path. Results are bit-identical for every path.
+    #[arg(long, value_enum, default_value_t = KernelArg::Auto)]
+    pub kernel: KernelArg,
+    /// Compute backend. Results are bit-identical for every backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    pub backend: BackendArg,
+    /// Write the generated tokens and the logits that chose them (safetensors).
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+    /// Also write the logits of every prompt position into --logits-out.
+    #[arg(long, requires = "logits_out")]
+    pub prefill_logits: bool,
+    /// Keep generating past EOS (oracle comparisons and benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Refuse any bundle whose root digest differs.
+    #[arg(long)]
+    pub expect_root: Option<String>,
+    /// Write the router's choices per layer and token (JSON Lines).
+    #[arg(long)]
+    pub router_trace: Option<PathBuf>,
+    /// Write what was verified before use (JSON).
+    #[arg(long)]
+    pub verify_report: Option<PathBuf>,
+    /// Write timings and counts (JSON).
+    #[arg(long)]
+    pub summary_json: Option<PathBuf>,
+    /// Read every expert before the first step (resident mode: steady-state timings).
+    #[arg(long)]
+    pub preload: bool,
+    /// Print nothing but the generated text (no progress, no summary line).
+    #[arg(long)]
+    pub quiet: bool,
+    /// INVALID, for validation only: round the final hidden state to BF16 before the lm_head.
+    /// The validation suite uses it to show its f32 check can tell the difference.
+    #[arg(long, hide = true)]
+    pub invalid_bf16_before_lm_head: bool,
+}
+
+fn kernel(k: KernelArg) -> Result<Kernel, CliError> {
+    use tarfa_run::numerics::SimdPath;
+    let path = match k {
+        KernelArg::Auto => return Ok(Kernel::best()),
+        KernelArg::Scalar => SimdPath::Scalar,
+        KernelArg::Avx2 => SimdPath::Avx2,
+        KernelArg::Avx512 => SimdPath::Avx512,
+    };
+    Kernel::new(path).map_err(|e| CliError::Environment(e.to_string()))
+}
+
+/// EOS ids: generation_config.json's when present, else config.json's; int or list. Ids outside
+/// the vocabulary can never be produced: they are dropped with a warning.
+fn eos_ids(source: &BundleSource, cfg: &MoeConfig, quiet: bool) -> Result<Vec<u32>, CliError> {
+    let mut ids = cfg.eos_token_ids.clone();
+    if source.has_file("generation_config.json") {
+        let bytes = source.read_file("generation_config.json")?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+            CliError::Usage(format!("{}: generation_config.json: {e}", source.dir().display()))
+        })?;
+        match v.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => ids = n.as_u64().into_iter().collect(),
+            Some(serde_json::Value::Array(a)) => ids = a.iter().filter_map(|x| x.as_u64()).collect(),
+            _ => {}
+        }
+    }
+    let (inside, outside): (Vec<u64>, Vec<u64>) = ids.into_iter().partition(|&i| i < cfg.vocab_size as u64);
+    for id in outside {
+        if !quiet {
+            eprintln!("warning: EOS id {id} is outside the vocabulary of {}; ignored", cfg.vocab_size);
+        }
+    }
+    Ok(inside.into_iter().map(|i| i as u32).collect())
+}
+
+/// Incremental detokenisation: prints only what the new token adds, holding back incomplete
+/// UTF-8 (a byte-level BPE token can end inside a character).
+struct TextStream {
+    tok: tokenizers::Tokenizer,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl TextStream {
+    fn push(&mut self, id: u32) -> Option<String> {
+        self.ids.push(id);
+        let text = self.tok.decode(&self.ids, false).ok()?;
+        if text.ends_with('\u{FFFD}') || text.len() < self.printed || !text.is_char_boundary(self.printed) {
+            return None;
+        }
+        let new = text[self.printed..].to_string();
+        self.printed = text.len();
+        Some(new)
+    }
+}
+
+pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
+    let log = |s: String| {
+        if !a.quiet {
+            eprintln!("{s}");
+        }
+    };
+    let source = Arc::new(BundleSource::open(&a.bundle, a.expect_root.as_deref())?);
+    log(format!("bundle {} root digest {}", a.bundle.display(), source.root_digest()));
+    let cfg_bytes = source.read_file("config.json")?;
+    let cfg_text = String::from_utf8(cfg_bytes)
+        .map_err(|_| CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display())))?;
+    let cfg = MoeConfig::from_json_str(&cfg_text).map_err(tarfa_run::RunError::from)?;
+    let eos = if a.ignore_eos { Vec::new() } else { eos_ids(&source, &cfg, a.quiet)? };
+
+    let tokenizer = if source.has_file("tokenizer.json") {
+        let bytes = source.read_file("tokenizer.json")?;
+        Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            CliError::Usage(format!("{}: tokenizer.json: {e}", a.bundle.display()))
+        })?)
+    } else {
+        None
+    };
+    let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
+        (Some(text), _) => {
+            let tok = tokenizer.as_ref().ok_or_else(|| {
+                CliError::Usage(format!("{}: the bundle has no tokenizer.json; pass --tokens", a.bundle.display()))
+            })?;
+            tok.encode(text.as_str(), true)
+                .map_err(|e| CliError::Usage(format!("cannot encode the prompt: {e}")))?
+                .get_ids()
+                .to_vec()
+        }
+        (None, Some(ids)) => {
+            let mut out = Vec::with_capacity(ids.len());
+            for &id in ids {
+                if id >= cfg.vocab_size as u64 {
+                    return Err(CliError::Usage(format!(
+                        "token id {id} is outside the vocabulary of {}",
+                        cfg.vocab_size
+                    )));
+                }
+                out.push(id as u32);
+            }
+            out
+        }
+        (None, None) => return Err(CliError::Usage("give --prompt or --tokens".into())),
+    };
+    if prompt.is_empty() {
+        return Err(CliError::Usage("the prompt is empty".into()));
+    }
+    let max_pos = cfg.max_position_embeddings;
+    if prompt.len() > max_pos {
+        return Err(CliError::Usage(format!(
+            "the prompt has {} tokens; the model allows {max_pos} positions",
+            prompt.len()
+        )));
+    }
+    let mut max_new = a.max_new_tokens;
+    if prompt.len() + max_new > max_pos + 1 {
+        max_new = max_pos + 1 - prompt.len();
+        log(format!("warning: generation capped at {max_new} tokens by max_position_embeddings = {max_pos}"));
+    }
+
+    if a.backend == BackendArg::Cuda {
+        return Err(CliError::Environment(
+            "--backend cuda: this build has no CUDA backend yet".into(),
+        ));
+    }
+    let vocab = cfg.vocab_size;
+    let spec = tarfa_run::model::ArchSpec::new(&cfg);
+    let moe_layers: Vec<usize> = (0..cfg.num_layers).filter(|&l| spec.moe_index(l).is_some()).collect();
+    let router_header = json!({
+        "kind": "header",
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "renormalizes": cfg.renormalize_topk,
+        "norm_topk_prob": cfg.renormalize_topk,
+        "moe_layers": moe_layers,
+    });
+    let model = Arc::new(CpuModel::load(cfg, source.clone() as Arc<dyn WeightSource>)?);
+    if a.preload {
+        source.load_all_experts()?;
+    }
+    let engine = CpuEngine::new(
+        model.clone(),
+        EngineOptions { threads: a.threads.unwrap_or(0), kernel: kernel(a.kernel)? },
+    )?;
+    log(format!(
+        "backend cpu ({}, {} threads); prompt {} tokens",
+        engine.kernel().path().name(),
+        engine.threads(),
+        prompt.len()
+    ));
+    let mut trace = match &a.router_trace {
+        Some(p) => Some(RouterTrace::create(p, router_header)?),
+        None => None,
+    };
+    let opts = ForwardOptions {
+        logits: if a.prefill_logits { LogitRows::All } else { LogitRows::Last },
+        trace_router: trace.is_some(),
+        final_hidden: if a.invalid_bf16_before_lm_head {
+            FinalHidden::InvalidBf16BeforeLmHead
+        } else {
+            FinalHidden::Exact
+        },
+    };
+    let mut cache = model.new_cache();
+    let t0 = Instant::now();
+    let pre = engine.forward(&mut cache, &prompt, &opts)?;
+    let prefill_time = t0.elapsed();
+    if let Some(t) = trace.as_mut() {
+        t.records(&pre.router)?;
+    }
+    let prefill_rows = if a.prefill_logits { Some(pre.logits.clone()) } else { None };
+    let mut last = pre.logits.last().cloned().unwrap_or_default();
+
+    let mut text = tokenizer.map(|tok| TextStream { tok, ids: Vec::new(), printed: 0 });
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let step_opts = ForwardOptions { logits: LogitRows::Last, ..opts };
+    let mut tokens = Vec::new();
+    let mut step_logits = Vec::new();
+    let t1 = Instant::now();
+    for j in 0..max_new {
+        let next = argmax(&last);
+        tokens.push(next);
+        step_logits.push(std::mem::take(&mut last));
+        // A closed stdout (a pipe to `head`) ends the stream, not the run.
+        match text.as_mut() {
+            Some(ts) => {
+                if let Some(s) = ts.push(next) {
+                    let _ = out.write_all(s.as_bytes()).and_then(|_| out.flush());
+                }
+            }
+            None => {
+                let _ = write!(out, "{}{next}", if j == 0 { "" } else { " " }).and_then(|_| out.flush());
+            }
+        }
+        if eos.contains(&next) || j + 1 == max_new {
+            break;
+        }
+        let step = engine.forward(&mut cache, &[next], &step_opts)?;
+        if let Some(t) = trace.as_mut() {
+            t.records(&step.router)?;
+        }
+        last = step.logits.into_iter().next().unwrap_or_default();
+    }
+    let _ = writeln!(out);
+    drop(out);
+    let decode_time = t1.elapsed();
+
+    if let Some(t) = trace {
+        t.finish()?;
+    }
+    if let Some(p) = &a.logits_out {
+        write_logits(p, source.root_digest(), vocab, &tokens, &step_logits, prefill_rows.as_deref())?;
+    }
+    if let Some(p) = &a.verify_report {
+        write_json(p, &source.report())?;
+    }
+    // The first token comes from the prefill logits: decode time covers the other n - 1.
+    let decode_steps = tokens.len().saturating_sub(1);
+    let prefill_tok_s = prompt.len() as f64 / prefill_time.as_secs_f64();
+    let decode_tok_s = if decode_steps > 0 { decode_steps as f64 / decode_time.as_secs_f64() } else { 0.0 };
+    if let Some(p) = &a.summary_json {
+        write_json(
+            p,
+            &json!({
+                "root_digest": source.root_digest(),
+                "backend": "cpu",
+                "threads": engine.threads(),
+                "prompt_tokens": prompt.len(),
+                "generated_tokens": tokens.len(),
+                "tokens": tokens,
+                "prefill_ms": prefill_time.as_secs_f64() * 1e3,
+                "decode_ms": decode_time.as_secs_f64() * 1e3,
+                "prefill_tok_s": prefill_tok_s,
+                "decode_tok_s": decode_tok_s,
+                "peak_rss_bytes": peak_rss_bytes(),
+            }),
+        )?;
+    }
+    log(format!(
+        "{} tokens generated after a {}-token prompt | prefill {:.1} tok/s | decode {:.1} tok/s",
+        tokens.len(),
+        prompt.len(),
+        prefill_tok_s,
+        decode_tok_s
+    ));
+    Ok(())
+}
+

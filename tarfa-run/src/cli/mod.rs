@@ -1,0 +1,79 @@
+//! The `tarfa-run` command's subcommands: argument types, the commands, and the mapping of
+//! every failure to a documented exit code.
+
+pub mod demo;
+pub mod generate;
+pub mod output;
+
+use std::path::PathBuf;
+
+use tarfa_run::bundle::BundleError;
+use tarfa_run::weights::WeightError;
+use tarfa_run::RunError;
+
+/// A command's failure, with its exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad arguments or input (exit 2).
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Bundle(#[from] BundleError),
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// Writing an output file, or another environment failure (exit 3).
+    #[error("{path}: {op}: {source}")]
+    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    /// The demo's conversion step failed.
+    #[error(transparent)]
+    Convert(#[from] tarfa_convert::ConvertError),
+    /// The environment lacks something (no GPU, no driver) (exit 3).
+    #[error("{0}")]
+    Environment(String),
+}
+
+impl CliError {
+    pub fn io(path: impl Into<PathBuf>, op: &'static str) -> impl FnOnce(std::io::Error) -> CliError {
+        let path = path.into();
+        move |source| CliError::Io { path, op, source }
+    }
+
+    /// 0 success; 1 verification failure; 2 bad input or usage; 3 runtime or environment.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Usage(_) => 2,
+            CliError::Bundle(e) => e.exit_code(),
+            CliError::Run(e) => run_error_code(e),
+            CliError::Io { .. } | CliError::Environment(_) => 3,
+            CliError::Convert(e) => e.exit_code(),
+        }
+    }
+}
+
+fn run_error_code(e: &RunError) -> i32 {
+    match e {
+        RunError::Weights(WeightError::Bundle(b)) => b.exit_code(),
+        RunError::Weights(WeightError::Io { .. }) => 3,
+        // A bundle whose verified weights do not fit its own config is a broken bundle.
+        RunError::Weights(_) => 1,
+        RunError::Config(_) | RunError::Rope(_) => 2,
+        RunError::TokenOutOfRange { .. } | RunError::EmptyStep | RunError::ContextFull { .. } => 2,
+        RunError::Kernel(_) | RunError::ThreadPool(_) => 3,
+        RunError::SourceContract(_) => 3,
+        #[allow(unreachable_patterns)]
+        _ => 3,
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
