@@ -143,7 +143,11 @@ fn write_check_human(
         c.experts,
         c.files,
         if c.shards > 0 {
-            format!(", {} source shards", c.shards)
+            format!(
+                ", {} source shard{}",
+                c.shards,
+                if c.shards == 1 { "" } else { "s" }
+            )
         } else {
             String::new()
         },
