@@ -736,56 +736,14 @@ mod x86 {
     }
 
     pub mod avx2 {
-        //! 256 lanes are 32 ymm registers, more than AVX2 has (16). The row is therefore walked
-        //! in 4 passes; pass q owns the lane blocks [32q, 32q+32) and [32q+128, 32q+160) (8
-        //! accumulators) and ends with the tree's first level (h = 128) between them, which is
-        //! the same addition the full tree makes. Each lane still accumulates its terms in
-        //! increasing n. For BF16 rows the 16 elements of a group are widened into an even and
-        //! an odd register (as in the AVX-512 path, with groups of 16).
+        //! 256 lanes are 32 ymm accumulators, more than AVX2's 16 registers: the compiler keeps
+        //! what fits in registers and the rest in L1, which costs far less than the memory the
+        //! loop waits for (an earlier version walked each row in four lane passes to stay in
+        //! registers, and streamed memory markedly worse). For f32 inputs accumulator j holds
+        //! lanes 8j..8j+7; for BF16 rows the 16 elements of group g are widened into an even
+        //! (2g) and an odd (2g+1) accumulator, and the activation is prepared in that order.
         use super::super::LANES;
         use std::arch::x86_64::*;
-
-        /// Loads the 4 registers of 32-lane block `b` of chunk `c` (BF16 layout) and
-        /// fma-accumulates.
-        #[inline(always)]
-        unsafe fn bf16_block(acc: &mut [__m256; 4], w: *const u16, x: *const f32) {
-            let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-            for g in 0..2 {
-                let raw = _mm256_loadu_si256(w.add(16 * g) as *const __m256i);
-                let ev = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-                let od = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
-                let xe = _mm256_loadu_ps(x.add(16 * g));
-                let xo = _mm256_loadu_ps(x.add(16 * g + 8));
-                acc[2 * g] = _mm256_fmadd_ps(ev, xe, acc[2 * g]);
-                acc[2 * g + 1] = _mm256_fmadd_ps(od, xo, acc[2 * g + 1]);
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn f32_block(acc: &mut [__m256; 4], a: *const f32, b: *const f32) {
-            for j in 0..4 {
-                let va = _mm256_loadu_ps(a.add(8 * j));
-                let vb = _mm256_loadu_ps(b.add(8 * j));
-                acc[j] = _mm256_fmadd_ps(va, vb, acc[j]);
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn sum_block(acc: &mut [__m256; 4], t: *const f32) {
-            for j in 0..4 {
-                acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(t.add(8 * j)));
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn add4(a: [__m256; 4], b: [__m256; 4]) -> [__m256; 4] {
-            [
-                _mm256_add_ps(a[0], b[0]),
-                _mm256_add_ps(a[1], b[1]),
-                _mm256_add_ps(a[2], b[2]),
-                _mm256_add_ps(a[3], b[3]),
-            ]
-        }
 
         /// h = 4, 2, 1 within one register whose slot i holds lane i (of the remaining lanes).
         #[inline(always)]
@@ -795,81 +753,63 @@ mod x86 {
             _mm_add_ss(x, _mm_shuffle_ps(x, x, 0b01))
         }
 
-        /// Runs the 4 passes, calling `$block(acc, offset)` for each 32-lane block at element
-        /// `offset`, then the tree levels h = 128, 64, 32; evaluates to the 4 registers holding
-        /// lanes 0..31 (block 0's layout). A macro rather than a function taking a closure: a
-        /// closure is compiled without the caller's target features, and the intrinsics in it
-        /// would become calls.
-        macro_rules! passes {
-            ($n_chunks:expr, |$acc:ident, $off:ident| $block:expr) => {{
-                let mut r = [[_mm256_setzero_ps(); 4]; 4];
-                for (q, rq) in r.iter_mut().enumerate() {
-                    let mut lo = [_mm256_setzero_ps(); 4];
-                    let mut hi = [_mm256_setzero_ps(); 4];
-                    for c in 0..$n_chunks {
-                        {
-                            let $acc = &mut lo;
-                            let $off = c * LANES + 32 * q;
-                            $block;
-                        }
-                        {
-                            let $acc = &mut hi;
-                            let $off = c * LANES + 32 * q + 128;
-                            $block;
-                        }
-                    }
-                    *rq = add4(lo, hi); // h = 128
+        /// The tree in the contiguous layout: h = 128 .. 8 pair accumulator j with j + h/8.
+        #[inline(always)]
+        unsafe fn tree_contiguous(mut a: [__m256; 32]) -> f32 {
+            for h in [16usize, 8, 4, 2, 1] {
+                for j in 0..h {
+                    a[j] = _mm256_add_ps(a[j], a[j + h]);
                 }
-                let r0 = add4(r[0], r[2]); // h = 64
-                let r1 = add4(r[1], r[3]);
-                add4(r0, r1) // h = 32
-            }};
+            }
+            _mm_cvtss_f32(halve3(a[0]))
         }
 
-        /// Rest of the tree for the contiguous layout: register j holds lanes 8j..8j+7.
+        /// The tree in the BF16 layout: h = 128 .. 16 pair group g with g + h/16 (both
+        /// parities); then even slot i = lane 2i and odd slot i = lane 2i+1, so h = 8, 4, 2 are
+        /// in-register halvings and h = 1 adds the two slot 0s.
         #[inline(always)]
-        unsafe fn finish_contiguous(r: [__m256; 4]) -> f32 {
-            let a = _mm256_add_ps(r[0], r[2]); // h = 16
-            let b = _mm256_add_ps(r[1], r[3]);
-            let a = _mm256_add_ps(a, b); // h = 8
-            _mm_cvtss_f32(halve3(a))
+        unsafe fn tree_bf16(mut a: [__m256; 32]) -> f32 {
+            for hg in [8usize, 4, 2, 1] {
+                for g in 0..hg {
+                    a[2 * g] = _mm256_add_ps(a[2 * g], a[2 * (g + hg)]);
+                    a[2 * g + 1] = _mm256_add_ps(a[2 * g + 1], a[2 * (g + hg) + 1]);
+                }
+            }
+            _mm_cvtss_f32(_mm_add_ss(halve3(a[0]), halve3(a[1])))
         }
 
-        /// Rest of the tree for the BF16 layout: registers [ev g0, od g0, ev g1, od g1].
         #[inline(always)]
-        unsafe fn finish_bf16(r: [__m256; 4]) -> f32 {
-            let ev = _mm256_add_ps(r[0], r[2]); // h = 16: group 0 += group 1
-            let od = _mm256_add_ps(r[1], r[3]);
-            // slot i = lane 2i (even) / 2i+1 (odd): h = 8, 4, 2 are in-register halvings
-            let ev = halve3(ev);
-            let od = halve3(od);
-            _mm_cvtss_f32(_mm_add_ss(ev, od)) // h = 1
+        unsafe fn bf16_chunk(acc: &mut [__m256; 32], w: *const u16, x: *const f32) {
+            let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            for g in 0..16 {
+                let raw = _mm256_loadu_si256(w.add(16 * g) as *const __m256i);
+                let ev = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                let od = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                acc[2 * g] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(x.add(16 * g)), acc[2 * g]);
+                acc[2 * g + 1] =
+                    _mm256_fmadd_ps(od, _mm256_loadu_ps(x.add(16 * g + 8)), acc[2 * g + 1]);
+            }
         }
 
+        /// One row; `x` is prepared (permuted, padded to a multiple of 256 covering the row).
         #[inline(always)]
         unsafe fn dot_bf16_row(w: &[u16], x: &[f32]) -> f32 {
+            let mut acc = [_mm256_setzero_ps(); 32];
             let full = w.len() / LANES;
+            for c in 0..full {
+                bf16_chunk(
+                    &mut acc,
+                    w.as_ptr().add(c * LANES),
+                    x.as_ptr().add(c * LANES),
+                );
+            }
             let rest = w.len() - full * LANES;
-            let mut buf = [0u16; LANES];
-            let n_chunks = if rest > 0 {
+            if rest > 0 {
+                let mut buf = [0u16; LANES];
                 buf[..rest].copy_from_slice(&w[full * LANES..]);
-                full + 1
-            } else {
-                full
-            };
-            let wp = w.as_ptr();
-            let bp = buf.as_ptr();
-            let xp = x.as_ptr();
-            let r = passes!(n_chunks, |acc, off| {
-                let c = off / LANES;
-                let src = if c < full {
-                    wp.add(off)
-                } else {
-                    bp.add(off - c * LANES)
-                };
-                bf16_block(acc, src, xp.add(off))
-            });
-            finish_bf16(r)
+                bf16_chunk(&mut acc, buf.as_ptr(), x.as_ptr().add(full * LANES));
+            }
+            tree_bf16(acc)
         }
 
         #[target_feature(enable = "avx2,fma")]
@@ -886,45 +826,56 @@ mod x86 {
             }
         }
 
+        #[inline(always)]
+        unsafe fn f32_chunk(acc: &mut [__m256; 32], a: *const f32, b: *const f32) {
+            for j in 0..32 {
+                let va = _mm256_loadu_ps(a.add(8 * j));
+                let vb = _mm256_loadu_ps(b.add(8 * j));
+                acc[j] = _mm256_fmadd_ps(va, vb, acc[j]);
+            }
+        }
+
         #[target_feature(enable = "avx2,fma")]
         pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+            let mut acc = [_mm256_setzero_ps(); 32];
             let full = a.len() / LANES;
+            for c in 0..full {
+                f32_chunk(
+                    &mut acc,
+                    a.as_ptr().add(c * LANES),
+                    b.as_ptr().add(c * LANES),
+                );
+            }
             let rest = a.len() - full * LANES;
-            let mut ba = [0f32; LANES];
-            let mut bb = [0f32; LANES];
-            ba[..rest].copy_from_slice(&a[full * LANES..]);
-            bb[..rest].copy_from_slice(&b[full * LANES..]);
-            let n_chunks = full + usize::from(rest > 0);
-            let (ap, bp) = (a.as_ptr(), b.as_ptr());
-            let (tap, tbp) = (ba.as_ptr(), bb.as_ptr());
-            let r = passes!(n_chunks, |acc, off| {
-                let c = off / LANES;
-                if c < full {
-                    f32_block(acc, ap.add(off), bp.add(off))
-                } else {
-                    f32_block(acc, tap.add(off - c * LANES), tbp.add(off - c * LANES))
-                }
-            });
-            finish_contiguous(r)
+            if rest > 0 {
+                let mut ba = [0f32; LANES];
+                let mut bb = [0f32; LANES];
+                ba[..rest].copy_from_slice(&a[full * LANES..]);
+                bb[..rest].copy_from_slice(&b[full * LANES..]);
+                f32_chunk(&mut acc, ba.as_ptr(), bb.as_ptr());
+            }
+            tree_contiguous(acc)
         }
 
         #[target_feature(enable = "avx2,fma")]
         pub unsafe fn sum(t: &[f32]) -> f32 {
+            let mut acc = [_mm256_setzero_ps(); 32];
             let full = t.len() / LANES;
-            let rest = t.len() - full * LANES;
-            let mut bt = [0f32; LANES];
-            bt[..rest].copy_from_slice(&t[full * LANES..]);
-            let n_chunks = full + usize::from(rest > 0);
-            let (tp, btp) = (t.as_ptr(), bt.as_ptr());
-            let r = passes!(n_chunks, |acc, off| {
-                let c = off / LANES;
-                if c < full {
-                    sum_block(acc, tp.add(off))
-                } else {
-                    sum_block(acc, btp.add(off - c * LANES))
+            for c in 0..full {
+                let p = t.as_ptr().add(c * LANES);
+                for j in 0..32 {
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(p.add(8 * j)));
                 }
-            });
-            finish_contiguous(r)
+            }
+            let rest = t.len() - full * LANES;
+            if rest > 0 {
+                let mut bt = [0f32; LANES];
+                bt[..rest].copy_from_slice(&t[full * LANES..]);
+                for j in 0..32 {
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(bt.as_ptr().add(8 * j)));
+                }
+            }
+            tree_contiguous(acc)
         }
     }
 }
