@@ -714,7 +714,7 @@ fn invariance_inner(ctx: &Context, table: &[Arm]) -> Result<Outcome, Stop> {
     for (name, args) in &ctx.extra_arms {
         arms.push((name.clone(), args.clone(), None));
     }
-    let mut results = Vec::new();
+    let mut results = vec![prefill_equals_decode(ctx, &prompts, &baseline, &base_args)?];
     for (name, args, why) in arms {
         let mut r = ArmResult {
             name: name.clone(),
@@ -789,6 +789,82 @@ fn invariance_inner(ctx: &Context, table: &[Arm]) -> Result<Outcome, Stop> {
         summary,
         details,
     })
+}
+
+/// Prefill = decode (EXACTNESS.md §6): the prompt extended by the generated tokens but the last,
+/// run as one prefill with the baseline's options, must give at each position the bits the
+/// baseline computed there: its prefill rows, then each decode step's row.
+fn prefill_equals_decode(
+    ctx: &Context,
+    prompts: &[Prompt],
+    baseline: &[PathBuf],
+    base_args: &[String],
+) -> Result<ArmResult, Stop> {
+    let mut r = ArmResult {
+        name: "prefill = decode".into(),
+        args: base_args.to_vec(),
+        ..Default::default()
+    };
+    let max = ctx
+        .bundle
+        .config
+        .max_position_embeddings
+        .unwrap_or(usize::MAX);
+    for (p, base_path) in prompts.iter().zip(baseline) {
+        let base = read_logits(base_path, ctx, "baseline")?;
+        let n = base.tokens.len();
+        if n < 2 || p.tokens.len() + n - 1 > max {
+            continue;
+        }
+        let mut tokens = p.tokens.clone();
+        tokens.extend_from_slice(&base.tokens[..n - 1]);
+        let mut g = Generate::new(&ctx.bundle.dir, &tokens, 1);
+        g.prefill_logits = true;
+        g.extra = base_args.to_vec();
+        let out = ctx.path("prefill-decode.safetensors");
+        g.logits_out = Some(out.clone());
+        let what = format!("prefill = decode, {}", p.label);
+        ctx.run_ok(&g, &what)?;
+        let ext = read_logits(&out, ctx, &what)?;
+        let ext_rows = ext
+            .prefill_logits
+            .as_ref()
+            .ok_or_else(|| Stop::fail(format!("{what}: no prefill_logits")))?;
+        let base_prefill = base
+            .prefill_logits
+            .as_ref()
+            .ok_or_else(|| Stop::fail("baseline: no prefill_logits"))?;
+        let plen = p.tokens.len();
+        // position t < plen: the baseline's prefill row t; plen - 1 + j: the row that chose token j
+        let want = |t: usize| -> &[f32] {
+            if t < plen {
+                base_prefill.row(t)
+            } else {
+                base.logits.row(t + 1 - plen)
+            }
+        };
+        for t in 0..ext_rows.len() {
+            let (a, b) = (want(t), ext_rows.row(t));
+            r.vectors += 1;
+            r.bytes += 4 * a.len() as u64;
+            if let Some(c) = a
+                .iter()
+                .zip(b)
+                .position(|(x, y)| x.to_bits() != y.to_bits())
+            {
+                r.differences.push(format!(
+                    "{}: position {t} column {c}: decode {:e} ({:#010x}), prefill {:e} ({:#010x})",
+                    p.label,
+                    a[c],
+                    a[c].to_bits(),
+                    b[c],
+                    b[c].to_bits()
+                ));
+                break;
+            }
+        }
+    }
+    Ok(r)
 }
 
 /// `1.2 MiB`-style sizes.

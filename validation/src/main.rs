@@ -1,6 +1,7 @@
 //! `tarfa-validate`: runs the invariant checks on a bundle, prints one line per check with what
 //! was compared, and exits 0 only if every check held. `validation/run-all` builds and runs it.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -62,6 +63,11 @@ struct Cli {
     seed: u64,
 }
 
+/// A line on stdout; a closed pipe (`| head`) is not an error.
+fn say(line: std::fmt::Arguments) {
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -117,7 +123,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    println!(
+    say(format_args!(
         "tarfa-validate: bundle {} ({}, root {}), runtime {}, oracle {}",
         bundle.dir.display(),
         bundle.config.model_type,
@@ -127,7 +133,7 @@ fn main() -> ExitCode {
             .as_ref()
             .map(|o| o.path.display().to_string())
             .unwrap_or_else(|| "none".into())
-    );
+    ));
     let mut ctx = match Context::new(runtime, bundle, oracle) {
         Ok(c) => c,
         Err(e) => {
@@ -147,18 +153,18 @@ fn main() -> ExitCode {
             continue;
         }
         let o = check(&ctx);
-        println!("{o}");
+        say(format_args!("{o}"));
         outcomes.push(o);
     }
     let count = |s: Status| outcomes.iter().filter(|o| o.status == s).count();
     let code = exit_code(&outcomes);
-    println!(
+    say(format_args!(
         "{} checks: {} held, {} failed, {} skipped, {} environment errors -> exit {code}",
         outcomes.len(),
         count(Status::Held),
         count(Status::Failed),
         count(Status::Skipped),
         count(Status::Environment)
-    );
+    ));
     ExitCode::from(code as u8)
 }

@@ -28,7 +28,7 @@ fn ab(bundle: &std::path::Path, rt: &std::path::Path, b_args: &str) -> (i32, Str
 
 #[test]
 fn two_identical_arms_give_a_well_formed_table_with_identical_logits() {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert("qwen3moe-a");
     let (code, out, err) = ab(&c.bundle, &rt, "--threads 1");
     println!("{out}");
@@ -87,7 +87,7 @@ fn two_identical_arms_give_a_well_formed_table_with_identical_logits() {
 
 #[test]
 fn logits_that_differ_between_arms_show_in_the_table_and_reject() {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert("qwen3moe-a");
     let (code, out, err) = ab(&c.bundle, &rt, "--threads 1 --invalid-bf16-before-lm-head");
     println!("{out}");
@@ -101,7 +101,7 @@ fn logits_that_differ_between_arms_show_in_the_table_and_reject() {
 
 #[test]
 fn bad_usage_exits_2() {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert("qwen3moe-a");
     // 4096 positions is the fixture's context
     let (code, _, err) = run(AB, &[&c.bundle, &"--a-bin", &rt, &"--workload", &"4090:64"]);

@@ -8,7 +8,7 @@ use common::*;
 
 /// Every check holds on a fixture, and each prints its line.
 fn run_all_holds(fixture: &str) {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert(fixture);
     let (code, out, err) = run(VALIDATE, &[&c.bundle, &"--tarfa-run", &rt]);
     println!("{out}");
@@ -33,6 +33,7 @@ fn run_all_holds(fixture: &str) {
     );
     assert!(out.contains("k = 8 = num_experts_per_tok"), "{out}");
     assert!(out.contains("same threads=2 "), "{out}");
+    assert!(out.contains("same prefill = decode "), "{out}");
     assert!(out.contains("all bit-identical"), "{out}");
     assert!(
         out.trim_end()
@@ -53,7 +54,7 @@ fn every_check_holds_on_qwen3moe_code() {
 
 #[test]
 fn a_flipped_weight_byte_fails_the_weights_check() {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert("qwen3moe-a");
     flip_byte_of(&c.bundle, "model.layers.1.self_attn.q_proj.weight");
     let (code, out, err) = run(
@@ -70,7 +71,7 @@ fn a_flipped_weight_byte_fails_the_weights_check() {
 
 #[test]
 fn an_arm_that_changes_the_logits_fails_the_invariance_check() {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert("qwen3moe-a");
     let (code, out, err) = run(
         VALIDATE,
@@ -105,7 +106,7 @@ fn an_arm_that_changes_the_logits_fails_the_invariance_check() {
 
 #[test]
 fn without_an_oracle_the_f32_check_is_skipped_and_says_why() {
-    let Some(rt) = runtime() else { return };
+    let rt = runtime();
     let c = convert("qwen3moe-a");
     let empty = c.dir.path().join("no-oracles");
     std::fs::create_dir(&empty).unwrap();

@@ -179,7 +179,8 @@ fn main() -> ExitCode {
         }
     };
     let (verdict, text) = conclude(&cfg, &results);
-    print!("{text}");
+    // A closed pipe (`| head`) is not an error.
+    let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes());
     if let Some(out) = &cli.out {
         if let Err(e) = std::fs::write(out, &text) {
             eprintln!("tarfa-ab: cannot write {}: {e}", out.display());

@@ -57,23 +57,19 @@ pub fn binaries() -> &'static (PathBuf, PathBuf) {
     })
 }
 
-/// The runtime, if its `generate` command exists yet. Until it lands, the end-to-end tests say
-/// so and return; with TARFA_VALIDATE_REQUIRE_RUNTIME=1 they fail instead.
-pub fn runtime() -> Option<PathBuf> {
+/// The runtime; its `generate` command must answer `--help`.
+pub fn runtime() -> PathBuf {
     let (run, _) = binaries();
-    let ok = Command::new(run)
+    let o = Command::new(run)
         .args(["generate", "--help"])
         .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if ok {
-        return Some(run.clone());
-    }
-    if std::env::var_os("TARFA_VALIDATE_REQUIRE_RUNTIME").is_some() {
-        panic!("{} has no `generate` command", run.display());
-    }
-    eprintln!("SKIPPED: {} has no `generate` command yet", run.display());
-    None
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{} has no `generate` command",
+        run.display()
+    );
+    run.clone()
 }
 
 /// An oracle fixture converted by the real tarfa-convert into a fresh temporary directory.
