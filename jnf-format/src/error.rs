@@ -113,6 +113,16 @@ pub enum JnfError {
     /// Extents are not in (layer, expert) order in the file, or a (layer, expert) repeats.
     #[error("expert {prefix:?} is out of (layer, expert) order or repeated")]
     ExpertOrder { prefix: String },
+    /// An expert's prefix does not name its layer and expert, or a matrix is not under it.
+    #[error("expert {prefix:?} does not name layer {layer}, expert {expert} (or a matrix is not under it)")]
+    ExpertName {
+        prefix: String,
+        layer: u32,
+        expert: u32,
+    },
+    /// Re-encoding a parsed header needs more room than it has before `data_start`.
+    #[error("re-encoded header is {len} bytes, more than the {room} bytes before data_start")]
+    EncodedHeaderTooLong { len: u64, room: u64 },
     /// An I/O error while reading.
     #[error("I/O error: {0}")]
     Io(String),

@@ -490,6 +490,22 @@ impl Header {
                         shape: m.shape.clone(),
                     })?;
             }
+            let layer_part = format!("model.layers.{}.", e.layer);
+            let expert_part = format!(".experts.{}", e.expert);
+            let named = e.prefix.starts_with(&layer_part)
+                && e.prefix.ends_with(&expert_part)
+                && e.matrices.iter().all(|m| {
+                    m.name.len() > e.prefix.len() + 1
+                        && m.name.starts_with(&e.prefix)
+                        && m.name.as_bytes()[e.prefix.len()] == b'.'
+                });
+            if !named {
+                return Err(JnfError::ExpertName {
+                    prefix: e.prefix.clone(),
+                    layer: e.layer,
+                    expert: e.expert,
+                });
+            }
             let padded_ok = align_up(sum) == Some(e.padded_length);
             if e.length != sum || !padded_ok {
                 return Err(JnfError::ExpertLength {
@@ -535,8 +551,20 @@ impl Header {
     }
 
     /// The whole header as written to disk: preamble, JSON, zero padding up to `data_start`.
-    pub fn encode(&self) -> Vec<u8> {
+    ///
+    /// A header from [`crate::LayoutPlan`] always fits. A parsed header re-serialises to JSON
+    /// that can differ in length from the bytes it was parsed from (whitespace, key order, an
+    /// omitted empty `metadata`); if it no longer fits before `data_start` this is an error,
+    /// never a silently truncated header.
+    pub fn encode(&self) -> Result<Vec<u8>, JnfError> {
         let json = self.to_json();
+        let room = self.data_start.saturating_sub(PREAMBLE_LEN);
+        if json.len() as u64 > room {
+            return Err(JnfError::EncodedHeaderTooLong {
+                len: json.len() as u64,
+                room,
+            });
+        }
         let mut out = Vec::with_capacity(self.data_start as usize);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&self.major.to_le_bytes());
@@ -545,7 +573,7 @@ impl Header {
         out.extend_from_slice(&(json.len() as u64).to_le_bytes());
         out.extend_from_slice(json.as_bytes());
         out.resize(self.data_start as usize, 0);
-        out
+        Ok(out)
     }
 
     pub(crate) fn to_json(&self) -> String {

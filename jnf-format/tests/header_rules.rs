@@ -49,7 +49,7 @@ fn sample_plan() -> LayoutPlan {
 }
 
 fn header_json(h: &Header) -> Value {
-    let bytes = h.encode();
+    let bytes = h.encode().unwrap();
     let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
     serde_json::from_slice(&bytes[24..24 + len]).unwrap()
 }
@@ -95,7 +95,7 @@ fn valid_value() -> Value {
 #[test]
 fn valid_layout_round_trips() {
     let h = sample_plan().finish().unwrap();
-    let mut bytes = h.encode();
+    let mut bytes = h.encode().unwrap();
     bytes.resize(h.file_size as usize, 0);
     let back = parse(&bytes).unwrap();
     assert_eq!(back, h);
@@ -129,7 +129,7 @@ fn large_header_pushes_data_start() {
     let h = plan.finish().unwrap();
     assert!(h.data_start > 4096);
     assert_eq!(h.data_start % 4096, 0);
-    let mut bytes = h.encode();
+    let mut bytes = h.encode().unwrap();
     bytes.resize(h.file_size as usize, 0);
     assert_eq!(parse(&bytes).unwrap(), h);
 }
@@ -441,9 +441,9 @@ fn expert_matrices_roles_and_packing() {
 #[test]
 fn experts_out_of_order_or_not_adjacent() {
     let mut v = valid_value();
-    let a = v["experts"][0]["expert"].clone();
-    v["experts"][0]["expert"] = v["experts"][1]["expert"].clone();
-    v["experts"][1]["expert"] = a;
+    let first = v["experts"][0].clone();
+    v["experts"][0] = v["experts"][1].clone();
+    v["experts"][1] = first;
     assert!(matches!(
         parse(&file_from(v, false)),
         Err(JnfError::ExpertOrder { .. })
@@ -478,4 +478,33 @@ fn garbage_never_panics() {
         }
         let _ = parse(&b);
     }
+}
+
+#[test]
+fn expert_prefix_must_name_its_layer_and_expert() {
+    let mut v = valid_value();
+    v["experts"][1]["layer"] = json!(0);
+    v["experts"][1]["expert"] = json!(7);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertName { .. })
+    ));
+    let mut v = valid_value();
+    v["experts"][2]["matrices"][1]["name"] = json!("model.layers.0.mlp.experts.9.up_proj.weight");
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::ExpertName { .. })
+    ));
+}
+
+#[test]
+fn re_encoding_a_header_that_no_longer_fits_is_an_error() {
+    // A header parsed from compact JSON, with a long metadata value added, cannot re-encode into
+    // the room before data_start: an error, not a truncated header.
+    let mut h = sample_plan().finish().unwrap();
+    h.metadata.insert("note".into(), "x".repeat(5000));
+    assert!(matches!(
+        h.encode(),
+        Err(JnfError::EncodedHeaderTooLong { .. })
+    ));
 }

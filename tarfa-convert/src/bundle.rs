@@ -202,7 +202,7 @@ pub fn write_bundle(
         .map_err(ConvertError::io(&jnf_path, "create"))?;
     out.set_len(header.file_size)
         .map_err(ConvertError::io(&jnf_path, "set length"))?;
-    out.write_all_at(&header.encode(), 0)
+    out.write_all_at(&header.encode()?, 0)
         .map_err(ConvertError::io(&jnf_path, "write header"))?;
 
     let mut jobs: Vec<Job> = (0..src.shard_count()).map(Job::Shard).collect();

@@ -67,7 +67,7 @@ fn plan(s: &Shape) -> Header {
 
 /// The whole file (header, then deterministic nonzero data, zero padding).
 fn file(h: &Header) -> Vec<u8> {
-    let mut f = h.encode();
+    let mut f = h.encode().unwrap();
     f.resize(h.file_size as usize, 0);
     for t in &h.tensors {
         for i in 0..t.length {
@@ -83,7 +83,7 @@ fn file(h: &Header) -> Vec<u8> {
 }
 
 fn header_json(h: &Header) -> Vec<u8> {
-    let enc = h.encode();
+    let enc = h.encode().unwrap();
     let len = u64::from_le_bytes(enc[16..24].try_into().unwrap()) as usize;
     let mut out = h.file_size.to_le_bytes().to_vec();
     out.extend_from_slice(&enc[24..24 + len]);

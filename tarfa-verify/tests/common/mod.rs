@@ -235,7 +235,7 @@ pub fn write_synthetic(dir: &Path, s: Synthetic) -> (Header, Manifest) {
     plan.set_metadata("converter", "tarfa-verify test helper");
     let header = plan.finish().unwrap();
 
-    let mut file = header.encode();
+    let mut file = header.encode().unwrap();
     file.resize(header.file_size as usize, 0);
     let mut seed = s.seed << 32;
     let mut fill = |offset: u64, len: u64| {
@@ -375,7 +375,7 @@ pub fn bundle_from_checkpoint_with(
     plan.set_metadata("converter", "tarfa-verify test helper");
     let header = plan.finish().unwrap();
 
-    let mut file = header.encode();
+    let mut file = header.encode().unwrap();
     file.resize(header.file_size as usize, 0);
     let mut manifest = empty_manifest();
     for t in &header.tensors {
