@@ -17,9 +17,7 @@ use crate::arms::{self, resolve_arg, Arm, ARMS, BASELINE};
 use crate::bundle::{Bundle, Region};
 use crate::logits::{compare_bytes, rel_err, LogitsFile, OraclePrompt};
 use crate::report::{check_report, rehash_bundle, VerifyReport};
-use crate::runner::{
-    describe_exit, Finished, Generate, Runtime, EXIT_ENVIRONMENT, EXIT_VERIFICATION,
-};
+use crate::runner::{Finished, Generate, Runtime, EXIT_ENVIRONMENT, EXIT_VERIFICATION};
 use crate::trace::{check_trace, Trace};
 use crate::workload::{default_prompts, random_prompt, Oracle, Prompt};
 
@@ -162,12 +160,7 @@ impl Context {
         if f.ok() {
             return Ok(f);
         }
-        let msg = format!(
-            "{what}: tarfa-run exited {:?} ({}): {}",
-            f.code,
-            describe_exit(f.code),
-            f.stderr_tail()
-        );
+        let msg = format!("{what}: {}", f.describe());
         Err(if f.code == Some(EXIT_ENVIRONMENT) {
             Stop::env(msg)
         } else {
@@ -341,9 +334,8 @@ fn tamper_probes(ctx: &Context, g: &Generate, trace: &Trace) -> Result<Probes, S
             refused.push(format!("{name} -> exit 1"));
         } else {
             failures.push(format!(
-                "a flipped byte in {name} was not refused: tarfa-run exited {:?} ({})",
-                f.code,
-                describe_exit(f.code)
+                "a flipped byte in {name} was not refused: {}",
+                f.describe()
             ));
         }
         let _ = fs::remove_dir_all(&copy);

@@ -27,5 +27,6 @@ pub mod workload;
 /// Where the oracle fixtures live in this repository (searched for the fixture a bundle was
 /// converted from).
 pub fn default_oracle_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle")
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle");
+    dir.canonicalize().unwrap_or(dir)
 }

@@ -58,6 +58,9 @@ struct Cli {
     /// Skip the tamper probes when model.jnf is larger than this many bytes.
     #[arg(long, default_value_t = 512 << 20)]
     tamper_limit: u64,
+    /// Kill a tarfa-run still running after this many seconds (the check then fails).
+    #[arg(long, default_value_t = 900)]
+    run_timeout_s: u64,
     /// Seed of the random prompts used where there is no oracle.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -102,7 +105,10 @@ fn main() -> ExitCode {
         }
     };
     let runtime = match Runtime::locate(cli.tarfa_run.as_deref()) {
-        Ok(r) => r,
+        Ok(mut r) => {
+            r.timeout = std::time::Duration::from_secs(cli.run_timeout_s);
+            r
+        }
         Err(e) => {
             eprintln!("tarfa-validate: tarfa-run is not usable: {e:#}");
             return ExitCode::from(3);

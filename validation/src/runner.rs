@@ -38,7 +38,12 @@ pub fn describe_exit(code: Option<i32>) -> &'static str {
 pub struct Runtime {
     pub bin: PathBuf,
     generate_help: String,
+    /// A run still going after this long is killed and reported as timed out.
+    pub timeout: Duration,
 }
+
+/// How long one `generate` may run in the checks before it counts as hung.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(900);
 
 impl Runtime {
     /// The runtime at `explicit`, else `$TARFA_RUN`, else `tarfa-run` next to this executable
@@ -79,6 +84,7 @@ impl Runtime {
         Ok(Runtime {
             bin: bin.to_path_buf(),
             generate_help: String::from_utf8_lossy(&out.stdout).into_owned(),
+            timeout: DEFAULT_TIMEOUT,
         })
     }
 
@@ -101,7 +107,7 @@ impl Runtime {
     pub fn generate(&self, g: &Generate) -> Result<Finished> {
         let mut cmd = Command::new(&self.bin);
         cmd.args(g.to_args());
-        run_watched(cmd, Duration::from_millis(5))
+        run_watched(cmd, Duration::from_millis(5), self.timeout)
     }
 }
 
@@ -195,6 +201,8 @@ pub struct Finished {
     pub peak_rss_bytes: Option<u64>,
     /// The largest GPU memory nvidia-smi attributed to it, in bytes; `None` without nvidia-smi.
     pub peak_vram_bytes: Option<u64>,
+    /// It ran past its time limit and was killed.
+    pub timed_out: bool,
 }
 
 impl Finished {
@@ -207,12 +215,23 @@ impl Finished {
         if self.ok() {
             return Ok(self);
         }
-        Err(anyhow!(
-            "{what}: tarfa-run exited {:?} ({}): {}",
+        Err(anyhow!("{what}: {}", self.describe()))
+    }
+
+    /// "tarfa-run exited Some(1) (verification failure): <last stderr line>", or the timeout.
+    pub fn describe(&self) -> String {
+        if self.timed_out {
+            return format!(
+                "tarfa-run ran past its time limit after {:.0} s and was killed",
+                self.wall.as_secs_f64()
+            );
+        }
+        format!(
+            "tarfa-run exited {:?} ({}): {}",
             self.code,
             describe_exit(self.code),
             self.stderr_tail()
-        ))
+        )
     }
 
     /// The last non-empty stderr line.
@@ -312,8 +331,8 @@ fn try_reap(pid: u32) -> Result<Option<(Option<i32>, Option<u64>)>> {
 }
 
 /// Spawn `cmd`, poll its /proc status every `interval` (and nvidia-smi every 100 ms where it
-/// exists) until it exits.
-pub fn run_watched(mut cmd: Command, interval: Duration) -> Result<Finished> {
+/// exists) until it exits; kill it after `timeout`.
+pub fn run_watched(mut cmd: Command, interval: Duration, timeout: Duration) -> Result<Finished> {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -348,12 +367,17 @@ pub fn run_watched(mut cmd: Command, interval: Duration) -> Result<Finished> {
     });
 
     let mut peak: Option<u64> = None;
+    let mut timed_out = false;
     let (code, maxrss) = loop {
         if let Some(s) = proc_peak_rss(pid) {
             peak = Some(peak.unwrap_or(0).max(s));
         }
         if let Some(done) = try_reap(pid)? {
             break done;
+        }
+        if !timed_out && start.elapsed() > timeout {
+            timed_out = true;
+            let _ = child.kill(); // the child is not reaped yet, so its pid is still its own
         }
         thread::sleep(interval);
     };
@@ -376,6 +400,7 @@ pub fn run_watched(mut cmd: Command, interval: Duration) -> Result<Finished> {
         wall,
         peak_rss_bytes: peak,
         peak_vram_bytes,
+        timed_out,
     })
 }
 
@@ -435,10 +460,20 @@ mod tests {
     fn a_child_is_watched_to_its_exit() {
         let mut c = Command::new("sh");
         c.args(["-c", "echo out; echo err >&2; exit 3"]);
-        let f = run_watched(c, Duration::from_millis(1)).unwrap();
+        let f = run_watched(c, Duration::from_millis(1), Duration::from_secs(60)).unwrap();
         assert_eq!(f.code, Some(3));
         assert_eq!(f.stdout.trim(), "out");
         assert_eq!(f.stderr_tail(), "err");
         assert!(f.require_ok("x").is_err());
+    }
+
+    #[test]
+    fn a_hung_child_is_killed_at_its_time_limit() {
+        let mut c = Command::new("sleep");
+        c.arg("30");
+        let f = run_watched(c, Duration::from_millis(2), Duration::from_millis(200)).unwrap();
+        assert!(f.timed_out && f.code.is_none(), "{f:?}");
+        assert!(f.wall < Duration::from_secs(10));
+        assert!(f.describe().contains("time limit"));
     }
 }

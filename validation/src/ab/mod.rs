@@ -25,7 +25,7 @@ use serde_json::Value;
 use crate::bundle::blake3_hex;
 use crate::checks::human_bytes;
 use crate::prng::Rng;
-use crate::runner::{describe_exit, run_watched, Generate};
+use crate::runner::{run_watched, Generate};
 use crate::workload::random_prompt;
 use schedule::{schedule, ArmId};
 use stats::{bootstrap_median, median, relative_changes, Interval};
@@ -96,6 +96,8 @@ pub struct AbConfig {
     /// Also write and compare prefill logits (large for long prompts and big vocabularies).
     pub prefill_logits: bool,
     pub bar: Bar,
+    /// A run past this is killed and the experiment stops (exit 3).
+    pub run_timeout: Duration,
 }
 
 /// One measured (or warm-up) run.
@@ -228,15 +230,9 @@ fn run_once(
     g.extra = arm.args.clone();
     let mut cmd = Command::new(&arm.bin);
     cmd.args(g.to_args());
-    let f = run_watched(cmd, Duration::from_millis(5))?;
+    let f = run_watched(cmd, Duration::from_millis(5), cfg.run_timeout)?;
     if !f.ok() {
-        bail!(
-            "`{}` exited {:?} ({}): {}",
-            arm.label(),
-            f.code,
-            describe_exit(f.code),
-            f.stderr_tail()
-        );
+        bail!("`{}`: {}", arm.label(), f.describe());
     }
     let (prefill_ms, decode_ms) =
         parse_summary(&fs::read_to_string(&summary).context("read the summary JSON")?)?;
@@ -476,6 +472,7 @@ mod tests {
             vocab: 10,
             prefill_logits: false,
             bar: Bar::default(),
+            run_timeout: Duration::from_secs(60),
         };
         let (v, text) = conclude(&cfg, &[res]);
         assert!(v.accepted(), "{text}");

@@ -71,6 +71,9 @@ struct Cli {
     /// Bar: B may change the logits (an inexact mode; say so in the phase log).
     #[arg(long)]
     allow_logit_change: bool,
+    /// Kill a run after this many seconds (the experiment then stops, exit 3).
+    #[arg(long, default_value_t = 3600)]
+    run_timeout_s: u64,
     /// Also write the report to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -163,6 +166,7 @@ fn main() -> ExitCode {
         vocab: bundle.config.vocab_size,
         prefill_logits: cli.prefill_logits,
         bar,
+        run_timeout: std::time::Duration::from_secs(cli.run_timeout_s),
     };
     // The bar is printed before the first run: it is declared, not chosen after seeing results.
     eprintln!("tarfa-ab: bar: {}", cfg.bar);
