@@ -9,7 +9,7 @@
 //! ```text
 //! cargo run --release -p tarfa-run --example bench_decode -- [--layers 6] [--hidden 2048]
 //!     [--experts 32] [--width 768] [--top-k 8] [--vocab 65536] [--threads 2]
-//!     [--decode 24] [--prefill 64]
+//!     [--decode 24] [--prefill 64] [--context 8]
 //! ```
 //! `TARFA_SIMD=scalar|avx2|avx512` forces a SIMD path.
 
@@ -36,6 +36,7 @@ struct Args {
     threads: usize,
     decode: usize,
     prefill: usize,
+    context: usize,
 }
 
 fn parse_args() -> Args {
@@ -52,6 +53,7 @@ fn parse_args() -> Args {
         threads: 2,
         decode: 24,
         prefill: 64,
+        context: 8,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -73,6 +75,7 @@ fn parse_args() -> Args {
             "--threads" => a.threads = v,
             "--decode" => a.decode = v,
             "--prefill" => a.prefill = v,
+            "--context" => a.context = v,
             other => {
                 eprintln!("unknown option {other}");
                 std::process::exit(2)
@@ -111,7 +114,7 @@ fn build(a: &Args) -> (MoeConfig, InMemorySource) {
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
         "num_experts": a.experts, "num_experts_per_tok": a.top_k, "norm_topk_prob": true,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": false,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1_000_000.0,
         "hidden_act": "silu"
     });
     let cfg = MoeConfig::from_json_object(cfg_json.as_object().expect("object")).expect("config");
@@ -279,7 +282,8 @@ fn main() {
     let per_token = bytes as f64 / a.decode as f64;
     let achieved = bytes as f64 / dt;
     println!(
-        "decode: {:.2} tok/s, {:.1} MB of weights touched per token, {:.1} GB/s",
+        "decode (after {} tokens): {:.2} tok/s, {:.1} MB of weights touched per token, {:.1} GB/s",
+        a.context,
         a.decode as f64 / dt,
         per_token / 1e6,
         achieved / 1e9
