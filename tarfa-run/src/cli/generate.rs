@@ -270,6 +270,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     let step_opts = ForwardOptions { logits: LogitRows::Last, ..opts };
     let mut tokens = Vec::new();
     let mut step_logits = Vec::new();
+    // Weight bytes the decode steps touched (every matrix applied, experts fetched, embeddings).
+    let mut decode_weight_bytes = 0u64;
     let t1 = Instant::now();
     for j in 0..max_new {
         let next = argmax(&last);
@@ -290,6 +292,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             break;
         }
         let step = engine.forward(&mut cache, &[next], &step_opts)?;
+        decode_weight_bytes += step.stats.weight_bytes;
         if let Some(t) = trace.as_mut() {
             t.records(&step.router)?;
         }
@@ -326,6 +329,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 "decode_ms": decode_time.as_secs_f64() * 1e3,
                 "prefill_tok_s": prefill_tok_s,
                 "decode_tok_s": decode_tok_s,
+                "prefill_weight_bytes": pre.stats.weight_bytes,
+                "decode_weight_bytes_per_token": if decode_steps > 0 { decode_weight_bytes / decode_steps as u64 } else { 0 },
                 "peak_rss_bytes": peak_rss_bytes(),
             }),
         )?;
