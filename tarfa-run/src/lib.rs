@@ -13,6 +13,8 @@
 //!   layer) and an in-memory source loaded from safetensors.
 //! - [`cpu`]: the CPU backend — forward pass with a KV cache, the specification other backends
 //!   reproduce.
+//! - [`cuda`]: the CUDA backend (cargo feature `cuda`, on by default) — the same forward on an
+//!   NVIDIA GPU, bit for bit, with kernels from kernels/*.cu compiled at run time by NVRTC.
 //! - [`generate`]: greedy decoding on top of a backend.
 //!
 //! The library must never approximate silently: anything it cannot compute exactly is an error,
@@ -22,6 +24,7 @@
 pub mod bundle;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod generate;
 pub mod model;
 pub mod numerics;

@@ -1,0 +1,67 @@
+// Causal attention of one (token, query head) per block of 256 threads (cpu/forward.rs
+// `attention_block`): the query at position P = pos0 + t sees positions 0..=P of its KV head.
+//   s_j = dot(q, k_j) * scale                       (canonical dot over D, a warp per position)
+//   m = max_j s_j; e_j = exp(s_j - m); S = canonical_sum_j(e_j); p_j = e_j / S
+//   o[d] = canonical dot over j of (p_j, v_j[d])    (lanes over positions: thread v = lane v)
+// Scores live in `scratch` ([T][Hq][n_stride] floats). grid (Hq, T), block 256.
+#include "common.cuh"
+
+#define ATT_TILE 32
+
+extern "C" __global__ void __launch_bounds__(256) attention(
+    const float* __restrict__ q, int hq, int hkv, int d, const float* __restrict__ k_cache,
+    const float* __restrict__ v_cache, int cap, int pos0, float scale, float* scratch, int n_stride,
+    float* __restrict__ o) {
+    __shared__ float red[TARFA_LANES];
+    __shared__ float tile[TARFA_LANES][ATT_TILE + 1];
+    const int qh = blockIdx.x;
+    const int t = blockIdx.y;
+    const int kvh = qh / (hq / hkv);
+    const int n = pos0 + t + 1;
+    const int v = threadIdx.x;
+    const int p = v & 31;
+    const int warp = v >> 5;
+    const float* qv = q + ((long)t * hq + qh) * d;
+    const float* keys = k_cache + (long)kvh * cap * d;
+    const float* vals = v_cache + (long)kvh * cap * d;
+    float* sc = scratch + ((long)t * hq + qh) * n_stride;
+
+    for (int j = warp; j < n; j += 8) {
+        float s = warp_dot_f32(qv, keys + (long)j * d, d, p);
+        if (p == 0) sc[j] = __fmul_rn(s, scale);
+    }
+    __syncthreads();
+    const float m = block_max_256(sc, n, red);
+    // thread v writes e_j for j = v, v+256, ...: exactly the terms its lane then sums
+    for (int j = v; j < n; j += TARFA_LANES) sc[j] = det_exp(__fsub_rn(sc[j], m));
+    const float total = block_sum_256(sc, n, red);
+    for (int j = v; j < n; j += TARFA_LANES) sc[j] = __fdiv_rn(sc[j], total);
+    // the lane loop below reads only j = v, v+256, ...: the p_j this thread wrote
+
+    float* ov = o + ((long)t * hq + qh) * d;
+    for (int d0 = 0; d0 < d; d0 += ATT_TILE) {
+        float acc[ATT_TILE];
+#pragma unroll
+        for (int i = 0; i < ATT_TILE; i++) acc[i] = 0.0f;
+        for (int j = v; j < n; j += TARFA_LANES) {
+            const float pj = sc[j];
+            const float* vr = vals + (long)j * d + d0;
+#pragma unroll
+            for (int i = 0; i < ATT_TILE; i++) {
+                if (d0 + i < d) acc[i] = fmaf(pj, vr[i], acc[i]);
+            }
+        }
+        __syncthreads();  // the previous tile's results have been read
+#pragma unroll
+        for (int i = 0; i < ATT_TILE; i++) tile[v][i] = acc[i];
+        for (int h = 128; h >= 1; h >>= 1) {
+            __syncthreads();
+            for (int idx = v; idx < h * ATT_TILE; idx += TARFA_LANES) {
+                const int lane = idx / ATT_TILE, i = idx % ATT_TILE;
+                tile[lane][i] = __fadd_rn(tile[lane][i], tile[lane + h][i]);
+            }
+        }
+        __syncthreads();
+        if (v < ATT_TILE && d0 + v < d) ov[d0 + v] = tile[0][v];
+    }
+}

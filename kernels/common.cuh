@@ -1,0 +1,222 @@
+// Shared device code of Tarfa's exact kernels: the contract's functions (docs/EXACTNESS.md
+// section 5) and the canonical 256-lane reduction (section 4), written once.
+//
+// Every function here is a fixed sequence of correctly rounded IEEE-754 binary32 operations with
+// subnormals: explicit fmaf where the contract says fma, __fadd_rn/__fmul_rn/__fdiv_rn/__fsqrt_rn
+// elsewhere, so that neither the compiler (which also runs with --fmad=false, --ftz=false,
+// --prec-div=true, --prec-sqrt=true) nor a later edit can fuse, approximate or reorder them.
+// The CPU twins live in tarfa-run/src/numerics (detmath.rs, reduce.rs); the two must never differ.
+//
+// No #include: NVRTC compiles this with no headers, and the Rust side prepends this file to every
+// kernels/*.cu source (which #include it only for standalone tools such as nvcc -Xptxas -v).
+#ifndef TARFA_COMMON_CUH
+#define TARFA_COMMON_CUH
+
+#define TARFA_FULL_MASK 0xffffffffu
+#define TARFA_LANES 256
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float f32_bits(u32 b) { return __uint_as_float(b); }
+
+// BF16 (raw bits) widened exactly.
+__device__ __forceinline__ float bf16_widen(u16 b) { return __uint_as_float(((u32)b) << 16); }
+// The low and high BF16 of a 32-bit word (little-endian: the low half is the lower address).
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// 2^n for a normal exponent (-126 <= n <= 127).
+__device__ __forceinline__ float pow2_f32(int n) { return __uint_as_float(((u32)(n + 127)) << 23); }
+
+// exp(x), the contract's sequence (detmath.rs `exp`).
+__device__ __forceinline__ float det_exp(float x) {
+    if (x != x) return x;
+    if (x >= 89.0f) return f32_bits(0x7f800000u);
+    if (x <= -104.0f) return 0.0f;
+    const float log2e = f32_bits(0x3FB8AA3Bu);
+    const float magic = f32_bits(0x4B400000u);  // 1.5 * 2^23
+    float t = __fmul_rn(x, log2e);
+    float n = __fsub_rn(__fadd_rn(t, magic), magic);
+    float r = fmaf(n, -f32_bits(0x3F318000u), x);
+    r = fmaf(n, f32_bits(0x395E8083u), r);
+    float p = f32_bits(0x39506967u);
+    p = fmaf(p, r, f32_bits(0x3AB743CEu));
+    p = fmaf(p, r, f32_bits(0x3C088908u));
+    p = fmaf(p, r, f32_bits(0x3D2AA9C1u));
+    p = fmaf(p, r, f32_bits(0x3E2AAAAAu));
+    p = fmaf(p, r, f32_bits(0x3F000000u));
+    float y = __fadd_rn(fmaf(p, __fmul_rn(r, r), r), 1.0f);
+    int ni = __float2int_rz(n);  // an integer in [-150, 128]: exact
+    int n1 = ni >> 1;            // floor(ni / 2), as Rust's div_euclid(2)
+    int n2 = ni - n1;
+    return __fmul_rn(__fmul_rn(y, pow2_f32(n1)), pow2_f32(n2));
+}
+
+// silu(g) = g / (1 + exp(-g)); sigmoid(z) = 1 / (1 + exp(-z)); rsqrt(v) = 1 / sqrt(v).
+__device__ __forceinline__ float det_silu(float g) { return __fdiv_rn(g, __fadd_rn(1.0f, det_exp(-g))); }
+__device__ __forceinline__ float det_sigmoid(float z) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, det_exp(-z))); }
+__device__ __forceinline__ float det_rsqrt(float v) { return __fdiv_rn(1.0f, __fsqrt_rn(v)); }
+
+// Rounds to BF16 (ties to even) and widens back: the deliberately inexact validation arm only
+// (reduce.rs `f32_to_bf16_rne`).
+__device__ __forceinline__ float bf16_round_trip(float x) {
+    u32 b = __float_as_uint(x);
+    u32 h;
+    if (x != x) {
+        h = (b >> 16) | 0x40u;
+    } else {
+        h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    }
+    return __uint_as_float((h & 0xffffu) << 16);
+}
+
+// Rust's f32::total_cmp key: comparing keys as signed integers is the IEEE total order.
+__device__ __forceinline__ int total_order_key(float x) {
+    int b = __float_as_int(x);
+    return b ^ (int)(((u32)(b >> 31)) >> 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The canonical reduction with a warp: thread p (0..31) holds virtual lanes 8p..8p+7 of every
+// 256-element chunk in a[0..7]; chunks are visited in increasing order, so lane v accumulates
+// terms v, v+256, ... in increasing n. Elements past the end are skipped, which equals the CPU's
+// zero padding (a lane accumulator is never -0.0, so a + 0 = a).
+
+// Accumulates the dot of a BF16 row and an f32 vector of n elements into a[].
+__device__ __forceinline__ void warp_acc_bf16(float a[8], const u16* __restrict__ w,
+                                              const float* __restrict__ x, int n, int p) {
+    if ((n & 7) == 0 && ((((u64)w) & 15) == 0) && ((((u64)x) & 15) == 0)) {
+        for (int base = 8 * p; base < n; base += TARFA_LANES) {
+            uint4 q = *reinterpret_cast<const uint4*>(w + base);  // 8 BF16: one 16-byte load
+            float4 x0 = *reinterpret_cast<const float4*>(x + base);
+            float4 x1 = *reinterpret_cast<const float4*>(x + base + 4);
+            a[0] = fmaf(bf16_lo(q.x), x0.x, a[0]);
+            a[1] = fmaf(bf16_hi(q.x), x0.y, a[1]);
+            a[2] = fmaf(bf16_lo(q.y), x0.z, a[2]);
+            a[3] = fmaf(bf16_hi(q.y), x0.w, a[3]);
+            a[4] = fmaf(bf16_lo(q.z), x1.x, a[4]);
+            a[5] = fmaf(bf16_hi(q.z), x1.y, a[5]);
+            a[6] = fmaf(bf16_lo(q.w), x1.z, a[6]);
+            a[7] = fmaf(bf16_hi(q.w), x1.w, a[7]);
+        }
+    } else {
+        for (int base = 8 * p; base < n; base += TARFA_LANES) {
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                if (base + s < n) a[s] = fmaf(bf16_widen(w[base + s]), x[base + s], a[s]);
+            }
+        }
+    }
+}
+
+// Accumulates the dot of two f32 vectors of n elements into a[].
+__device__ __forceinline__ void warp_acc_f32(float a[8], const float* __restrict__ w,
+                                             const float* __restrict__ x, int n, int p) {
+    if ((n & 7) == 0 && ((((u64)w) & 15) == 0) && ((((u64)x) & 15) == 0)) {
+        for (int base = 8 * p; base < n; base += TARFA_LANES) {
+            float4 w0 = *reinterpret_cast<const float4*>(w + base);
+            float4 w1 = *reinterpret_cast<const float4*>(w + base + 4);
+            float4 x0 = *reinterpret_cast<const float4*>(x + base);
+            float4 x1 = *reinterpret_cast<const float4*>(x + base + 4);
+            a[0] = fmaf(w0.x, x0.x, a[0]);
+            a[1] = fmaf(w0.y, x0.y, a[1]);
+            a[2] = fmaf(w0.z, x0.z, a[2]);
+            a[3] = fmaf(w0.w, x0.w, a[3]);
+            a[4] = fmaf(w1.x, x1.x, a[4]);
+            a[5] = fmaf(w1.y, x1.y, a[5]);
+            a[6] = fmaf(w1.z, x1.z, a[6]);
+            a[7] = fmaf(w1.w, x1.w, a[7]);
+        }
+    } else {
+        for (int base = 8 * p; base < n; base += TARFA_LANES) {
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                if (base + s < n) a[s] = fmaf(w[base + s], x[base + s], a[s]);
+            }
+        }
+    }
+}
+
+// The fixed tree over the 256 lanes: h = 128, 64, 32, 16, 8 pair thread p with p + 16, 8, 4, 2, 1
+// (shfl_down), then h = 4, 2, 1 inside thread 0. The result is valid in thread 0 only. Every
+// thread of the warp must call it.
+__device__ __forceinline__ float warp_tree(float a[8]) {
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) {
+#pragma unroll
+        for (int s = 0; s < 8; s++) a[s] = __fadd_rn(a[s], __shfl_down_sync(TARFA_FULL_MASK, a[s], off));
+    }
+    a[0] = __fadd_rn(a[0], a[4]);
+    a[1] = __fadd_rn(a[1], a[5]);
+    a[2] = __fadd_rn(a[2], a[6]);
+    a[3] = __fadd_rn(a[3], a[7]);
+    a[0] = __fadd_rn(a[0], a[2]);
+    a[1] = __fadd_rn(a[1], a[3]);
+    return __fadd_rn(a[0], a[1]);
+}
+
+__device__ __forceinline__ void zero8(float a[8]) {
+#pragma unroll
+    for (int s = 0; s < 8; s++) a[s] = 0.0f;
+}
+
+// Canonical dot of a BF16 row and an f32 vector, valid in lane 0 of the calling warp.
+__device__ __forceinline__ float warp_dot_bf16(const u16* w, const float* x, int n, int p) {
+    float a[8];
+    zero8(a);
+    warp_acc_bf16(a, w, x, n, p);
+    return warp_tree(a);
+}
+
+// Canonical dot of two f32 vectors, valid in lane 0 of the calling warp.
+__device__ __forceinline__ float warp_dot_f32(const float* w, const float* x, int n, int p) {
+    float a[8];
+    zero8(a);
+    warp_acc_f32(a, w, x, n, p);
+    return warp_tree(a);
+}
+
+// The same tree with a 256-thread block where thread v holds lane v (s[] has 256 floats of
+// shared memory; the caller has stored its lane in s[threadIdx.x]). Returns the result to every
+// thread. Starts and ends with a barrier, so s[] may be reused right after.
+__device__ __forceinline__ float block_tree_256(float* s) {
+    const int v = threadIdx.x;
+    for (int h = 128; h >= 1; h >>= 1) {
+        __syncthreads();
+        if (v < h) s[v] = __fadd_rn(s[v], s[v + h]);
+    }
+    __syncthreads();
+    float r = s[0];
+    __syncthreads();
+    return r;
+}
+
+// Canonical sum of t[0..n) by a 256-thread block (lane v = thread v accumulates t[v], t[v+256],
+// ... in increasing order). `s` is 256 floats of shared memory.
+__device__ __forceinline__ float block_sum_256(const float* t, int n, float* s) {
+    float a = 0.0f;
+    for (int i = threadIdx.x; i < n; i += TARFA_LANES) a = __fadd_rn(a, t[i]);
+    s[threadIdx.x] = a;
+    return block_tree_256(s);
+}
+
+// Maximum of t[0..n) by a block of 256 threads, NaN ignored (as f32::max folds from -inf): a
+// maximum is the same whatever the order, and the sign of a zero maximum never changes a result
+// (x - (+0) and x - (-0) differ only for x = -0, where exp gives 1 either way).
+__device__ __forceinline__ float block_max_256(const float* t, int n, float* s) {
+    float m = f32_bits(0xff800000u);
+    for (int i = threadIdx.x; i < n; i += TARFA_LANES) m = fmaxf(m, t[i]);
+    s[threadIdx.x] = m;
+    for (int h = 128; h >= 1; h >>= 1) {
+        __syncthreads();
+        if ((int)threadIdx.x < h) s[threadIdx.x] = fmaxf(s[threadIdx.x], s[threadIdx.x + h]);
+    }
+    __syncthreads();
+    float r = s[0];
+    __syncthreads();
+    return r;
+}
+
+#endif  // TARFA_COMMON_CUH

@@ -1,0 +1,133 @@
+// The MoE block on the device (cpu/forward.rs `route` and `moe_block`, contract sections 2 and 6.4):
+// the router's softmax and top-k, then the chosen experts read their ids from device memory.
+#include "common.cuh"
+
+// Router of one token per block of 256 threads. logits [T][E] -> for each token:
+//   p = softmax(logits) (max, exp, canonical sum, divide)
+//   selection: the k largest p in descending total order, the lower expert id first among equals
+//   weights: p_j / canonical_sum(selected p in selection order) when `renorm`, else p_j
+// Outputs, each [T][k] at this layer's record: ids, probs, weights, and `by_id` (the selection
+// slots in ascending expert id: the mixing order); [T]: kth (p of the last selected) and next
+// (p of the (k+1)-th, NaN when E == k). Dynamic shared memory: 2*E floats.
+extern "C" __global__ void __launch_bounds__(256) route_topk(
+    const float* __restrict__ logits, int e_count, int k, int renorm, u32* __restrict__ ids,
+    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
+    float* __restrict__ kth, float* __restrict__ next) {
+    extern __shared__ float dyn[];
+    __shared__ float red[TARFA_LANES];
+    __shared__ int sel[1024];
+    float* pe = dyn;            // [E] exp then probabilities
+    float* sp = dyn + e_count;  // [k] selected probabilities, selection order
+    const int t = blockIdx.x;
+    const int v = threadIdx.x;
+    const float* l = logits + (long)t * e_count;
+
+    const float m = block_max_256(l, e_count, red);
+    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = det_exp(__fsub_rn(l[i], m));
+    const float total = block_sum_256(pe, e_count, red);  // ends with a barrier
+    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = __fdiv_rn(pe[i], total);
+    __syncthreads();
+
+    // rank of expert i in the order (descending total order of p, ascending id among equals)
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        const int ki = total_order_key(pe[i]);
+        int rank = 0;
+        for (int j = 0; j < e_count; j++) {
+            const int kj = total_order_key(pe[j]);
+            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
+        }
+        if (rank < k) sel[rank] = i;
+        if (rank == k) next[t] = pe[i];
+    }
+    if (v == 0 && e_count == k) next[t] = f32_bits(0x7fc00000u);
+    __syncthreads();
+    for (int j = v; j < k; j += TARFA_LANES) sp[j] = pe[sel[j]];
+    __syncthreads();
+    float s = 1.0f;
+    if (renorm) s = block_sum_256(sp, k, red);
+    const long base = (long)t * k;
+    for (int j = v; j < k; j += TARFA_LANES) {
+        const int e = sel[j];
+        ids[base + j] = (u32)e;
+        probs[base + j] = sp[j];
+        weights[base + j] = renorm ? __fdiv_rn(sp[j], s) : sp[j];
+        int pos = 0;  // the slot's place in ascending expert id (ids are distinct)
+        for (int jj = 0; jj < k; jj++) pos += (sel[jj] < e) ? 1 : 0;
+        by_id[base + pos] = (u32)j;
+    }
+    if (v == 0) kth[t] = sp[k - 1];
+}
+
+// Gate and up projections of the chosen experts with the SwiGLU, a warp per (row i, slot j, token t):
+//   g = dot(W_gate[e][i], xn[t]), u = dot(W_up[e][i], xn[t]), act[t][j][i] = silu(g) * u
+// with e = ids[t*k + j] read from device memory (ids == null: a dense MLP, e = 0, k = 1).
+// Expert matrices of one layer are stacked: gate/up [E][rows][cols]. grid (ceil(rows/8), k, T).
+template <typename W>
+__device__ __forceinline__ float gu_dot(const W* w, const float* x, int n, int p);
+template <>
+__device__ __forceinline__ float gu_dot<u16>(const u16* w, const float* x, int n, int p) {
+    return warp_dot_bf16(w, x, n, p);
+}
+template <>
+__device__ __forceinline__ float gu_dot<float>(const float* w, const float* x, int n, int p) {
+    return warp_dot_f32(w, x, n, p);
+}
+
+template <typename W>
+__device__ __forceinline__ void gate_up_body(const W* __restrict__ gate, const W* __restrict__ up,
+                                             int rows, int cols, const u32* __restrict__ ids, int k,
+                                             const float* __restrict__ xn, float* __restrict__ act) {
+    const int p = threadIdx.x & 31;
+    const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int j = blockIdx.y;
+    const int t = blockIdx.z;
+    if (i >= rows) return;
+    const long e = ids != nullptr ? (long)ids[(long)t * k + j] : 0;
+    const long row = (e * rows + i) * (long)cols;
+    const float* x = xn + (long)t * cols;
+    float g = gu_dot<W>(gate + row, x, cols, p);
+    float u = gu_dot<W>(up + row, x, cols, p);
+    if (p == 0) act[((long)t * k + j) * rows + i] = __fmul_rn(det_silu(g), u);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gate_up_bf16(
+    const u16* __restrict__ gate, const u16* __restrict__ up, int rows, int cols,
+    const u32* __restrict__ ids, int k, const float* __restrict__ xn, float* __restrict__ act) {
+    gate_up_body<u16>(gate, up, rows, cols, ids, k, xn, act);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gate_up_f32(
+    const float* __restrict__ gate, const float* __restrict__ up, int rows, int cols,
+    const u32* __restrict__ ids, int k, const float* __restrict__ xn, float* __restrict__ act) {
+    gate_up_body<float>(gate, up, rows, cols, ids, k, xn, act);
+}
+
+// Down projections of the chosen experts, mixed, added to the residual: a warp per (row r, token t):
+//   acc = +0; for the slots in ascending expert id: acc = acc + w_e * dot(W_down[e][r], act[t][slot])
+//   (shared expert, when y_sh is not null: acc = acc + sigmoid(s_sh[t]) * y_sh[t][r])
+//   h[t][r] = h[t][r] + acc
+// W_down of one layer is stacked [E][hidden][width]. grid (ceil(hidden/8), T).
+extern "C" __global__ void __launch_bounds__(256) down_mix(
+    const u16* __restrict__ down, int hidden, int width, const u32* __restrict__ ids,
+    const float* __restrict__ weights, const u32* __restrict__ by_id, int k,
+    const float* __restrict__ act, const float* __restrict__ y_sh, const float* __restrict__ s_sh,
+    float* __restrict__ h) {
+    const int p = threadIdx.x & 31;
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (r >= hidden) return;
+    float acc = 0.0f;
+    for (int jj = 0; jj < k; jj++) {
+        const int j = (int)by_id[(long)t * k + jj];
+        const long e = (long)ids[(long)t * k + j];
+        const float y = warp_dot_bf16(down + (e * hidden + r) * (long)width,
+                                      act + ((long)t * k + j) * width, width, p);
+        if (p == 0) acc = __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], y));
+    }
+    if (p == 0) {
+        if (y_sh != nullptr) {
+            acc = __fadd_rn(acc, __fmul_rn(det_sigmoid(s_sh[t]), y_sh[(long)t * hidden + r]));
+        }
+        h[(long)t * hidden + r] = __fadd_rn(h[(long)t * hidden + r], acc);
+    }
+}

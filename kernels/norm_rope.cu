@@ -1,0 +1,83 @@
+// Embedding lookup, RMSNorm, RoPE with the KV-cache append, and the BF16 validation arm.
+#include "common.cuh"
+
+// h[t][i] = widen(embed[tokens[t]][i]). grid (T), block 256.
+extern "C" __global__ void __launch_bounds__(256) embed_bf16(
+    const u16* __restrict__ embed, const u32* __restrict__ tokens, int hidden, float* __restrict__ h) {
+    const int t = blockIdx.x;
+    const u16* row = embed + (long)tokens[t] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(long)t * hidden + i] = bf16_widen(row[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) embed_f32(
+    const float* __restrict__ embed, const u32* __restrict__ tokens, int hidden, float* __restrict__ h) {
+    const int t = blockIdx.x;
+    const float* row = embed + (long)tokens[t] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(long)t * hidden + i] = row[i];
+}
+
+// RMSNorm of `count` segments of n values, a warp per segment (cpu/forward.rs `rms_norm`):
+// ss = canonical dot(x, x); m = ss / f32(n); r = rsqrt(m + eps); y_i = w_i * (x_i * r).
+// Segment i reads x + i*x_stride and writes y + i*y_stride; y may be x (in place: every lane has
+// read its part of x before the shuffles that precede the writes). grid (ceil(count/8)), block 256.
+extern "C" __global__ void __launch_bounds__(256) rmsnorm(
+    const float* x, long x_stride, float* y, long y_stride, const float* __restrict__ w, int n,
+    int count, float eps) {
+    const int p = threadIdx.x & 31;
+    const int seg = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (seg >= count) return;
+    const float* xs = x + (long)seg * x_stride;
+    float* ys = y + (long)seg * y_stride;
+    float ss = warp_dot_f32(xs, xs, n, p);
+    float r = 0.0f;
+    if (p == 0) {
+        float m = __fdiv_rn(ss, (float)n);
+        r = det_rsqrt(__fadd_rn(m, eps));
+    }
+    r = __shfl_sync(TARFA_FULL_MASK, r, 0);
+    for (int i = p; i < n; i += 32) ys[i] = __fmul_rn(w[i], __fmul_rn(xs[i], r));
+}
+
+// RoPE at positions pos0 + t on every query head (in place) and key head, then the key and value
+// of every KV head appended to the cache of this layer (cpu/kv_cache.rs layout per head:
+// [position][D], here with `cap` positions per (layer, head)).
+// For i < D/2, j = i + D/2: x'_i = x_i*cos_i - x_j*sin_i, x'_j = x_j*cos_i + x_i*sin_i (each product
+// rounded, then the sum; no fma). cos/sin rows come from the host table: [position][D/2].
+// grid (Hq + Hkv, T), block 64.
+extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
+    float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
+    float* __restrict__ k_cache, float* __restrict__ v_cache, int cap) {
+    const int head = blockIdx.x;
+    const int t = blockIdx.y;
+    const int half = d / 2;
+    const int pos = pos0 + t;
+    const float* c = cos_t + (long)pos * half;
+    const float* s = sin_t + (long)pos * half;
+    if (head < hq) {
+        float* x = q + ((long)t * hq + head) * d;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float a = x[i], b = x[i + half];
+            x[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
+            x[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+        }
+    } else {
+        const int kh = head - hq;
+        const float* x = k + ((long)t * hkv + kh) * d;
+        float* kc = k_cache + ((long)kh * cap + pos) * d;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float a = x[i], b = x[i + half];
+            kc[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
+            kc[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+        }
+        const float* vs = v + ((long)t * hkv + kh) * d;
+        float* vc = v_cache + ((long)kh * cap + pos) * d;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) vc[i] = vs[i];
+    }
+}
+
+// The INVALID validation arm (cpu::FinalHidden::InvalidBf16BeforeLmHead): x = widen(bf16(x)).
+extern "C" __global__ void __launch_bounds__(256) round_to_bf16(float* x, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = bf16_round_trip(x[i]);
+}

@@ -1,0 +1,699 @@
+//! Each kernel against the CPU's reference functions on random inputs (the llm.c habit: a kernel
+//! is validated against the readable reference before the whole forward is). Comparisons are bit
+//! for bit; the only latitude is a NaN's payload in the elementwise function probes (both sides
+//! NaN counts as equal there: the contract does not fix NaN payloads).
+
+use super::device::{DevBuf, Gpu};
+use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
+use super::{CudaError, CudaOptions, KernelCheck};
+use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use crate::numerics::reduce::{
+    dot_bf16_reference, dot_f32_reference, sum_reference, weighted_row_sum,
+};
+use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, Kernel, RopeTable};
+
+/// splitmix64, with values of mixed signs and magnitudes and some exact zeros of both signs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn f32(&mut self) -> f32 {
+        let r = self.next();
+        match r % 16 {
+            0 => 0.0,
+            1 => -0.0,
+            _ => {
+                let m = ((r >> 8) % 20_000) as f32 / 1000.0 - 10.0;
+                let e = ((r >> 40) % 12) as i32 - 6;
+                m * 2f32.powi(e)
+            }
+        }
+    }
+    fn bf16(&mut self) -> u16 {
+        f32_to_bf16_rne(self.f32())
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32()).collect()
+    }
+    fn vec_bf16(&mut self, n: usize) -> Vec<u16> {
+        (0..n).map(|_| self.bf16()).collect()
+    }
+}
+
+struct Check {
+    name: String,
+    compared: u64,
+    mismatches: u64,
+    first: Option<String>,
+}
+
+impl Check {
+    fn new(name: impl Into<String>) -> Check {
+        Check {
+            name: name.into(),
+            compared: 0,
+            mismatches: 0,
+            first: None,
+        }
+    }
+
+    fn eq(&mut self, what: impl FnOnce() -> String, want: f32, got: f32) {
+        self.compared += 1;
+        if want.to_bits() != got.to_bits() {
+            self.mismatches += 1;
+            if self.first.is_none() {
+                self.first = Some(format!(
+                    "{}: CPU {want:e} (0x{:08x}) GPU {got:e} (0x{:08x})",
+                    what(),
+                    want.to_bits(),
+                    got.to_bits()
+                ));
+            }
+        }
+    }
+
+    fn eq_u32(&mut self, what: impl FnOnce() -> String, want: u32, got: u32) {
+        self.compared += 1;
+        if want != got {
+            self.mismatches += 1;
+            if self.first.is_none() {
+                self.first = Some(format!("{}: CPU {want} GPU {got}", what()));
+            }
+        }
+    }
+
+    fn done(self) -> KernelCheck {
+        KernelCheck {
+            name: self.name,
+            compared: self.compared,
+            mismatches: self.mismatches,
+            first_mismatch: self.first,
+        }
+    }
+}
+
+fn read_f32(gpu: &Gpu, b: &DevBuf, n: usize) -> Result<Vec<f32>, CudaError> {
+    gpu.read(b.ptr(), n, "a kernel check's output")
+}
+
+/// Runs every kernel check on the GPU; each result says how many values were compared and
+/// whether all were bit-identical to the CPU reference.
+pub fn kernel_checks(opts: &CudaOptions) -> Result<Vec<KernelCheck>, CudaError> {
+    kernel_checks_on(&Gpu::open(opts)?)
+}
+
+pub(crate) fn kernel_checks_on(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError> {
+    let mut out = Vec::new();
+    out.extend(check_functions(gpu)?);
+    out.push(check_matvec(gpu, DType::Bf16)?);
+    out.push(check_matvec(gpu, DType::F32)?);
+    out.push(check_rmsnorm(gpu)?);
+    out.push(check_rope(gpu)?);
+    out.push(check_attention(gpu)?);
+    out.push(check_router(gpu)?);
+    out.push(check_experts(gpu)?);
+    gpu.sync("the kernel checks")?;
+    Ok(out)
+}
+
+fn check_functions(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError> {
+    let mut x: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        88.9,
+        89.0,
+        -103.9,
+        -104.0,
+        -104.1,
+        1e-45,
+        -1e-45,
+        1e-38,
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        0.5,
+        -0.5,
+        87.33655,
+        -87.33655,
+        20.0,
+        -20.0,
+    ];
+    // a dense sweep over the interesting range, then random bit patterns
+    let sweep = 1 << 21;
+    for i in 0..sweep {
+        x.push(-110.0 + 205.0 * i as f32 / sweep as f32);
+    }
+    let mut rng = Rng(0x5EED);
+    for _ in 0..(1 << 21) {
+        x.push(f32::from_bits(rng.next() as u32));
+    }
+    let n = x.len();
+    let xb = gpu.upload(&x, "probe inputs")?;
+    let yb = gpu.alloc(n * 4, "probe outputs")?;
+    let mut checks = Vec::new();
+    type Reference = fn(f32) -> f32;
+    let fns: [(&'static str, Reference); 4] = [
+        ("probe_exp", exp),
+        ("probe_silu", silu),
+        ("probe_sigmoid", sigmoid),
+        ("probe_rsqrt", rsqrt),
+    ];
+    for (name, f) in fns {
+        ops::probe(gpu, name, xb.ptr(), yb.ptr(), n)?;
+        let y = read_f32(gpu, &yb, n)?;
+        let mut c = Check::new(format!("{} (detmath)", &name[6..]));
+        for (i, (&xi, &yi)) in x.iter().zip(&y).enumerate() {
+            let want = f(xi);
+            if want.is_nan() && yi.is_nan() {
+                c.compared += 1;
+                continue;
+            }
+            c.eq(
+                || format!("x[{i}] = {xi:e} (0x{:08x})", xi.to_bits()),
+                want,
+                yi,
+            );
+        }
+        checks.push(c.done());
+    }
+    Ok(checks)
+}
+
+fn lengths() -> Vec<usize> {
+    vec![
+        1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 63, 64, 65, 72, 127, 128, 129, 200, 255,
+        256, 257, 300, 383, 511, 512, 513, 768, 1000, 2048, 2049, 4096, 4097,
+    ]
+}
+
+fn upload_mat(
+    gpu: &Gpu,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+    rng: &mut Rng,
+) -> Result<(DevMat, Vec<f32>), CudaError> {
+    Ok(match dtype {
+        DType::Bf16 => {
+            let w = rng.vec_bf16(rows * cols);
+            let wide = w.iter().map(|&b| bf16_to_f32(b)).collect();
+            (
+                DevMat {
+                    buf: gpu.upload(&w, "a check matrix")?,
+                    rows,
+                    cols,
+                    dtype,
+                },
+                wide,
+            )
+        }
+        DType::F32 => {
+            let w = rng.vec(rows * cols);
+            (
+                DevMat {
+                    buf: gpu.upload(&w, "a check matrix")?,
+                    rows,
+                    cols,
+                    dtype,
+                },
+                w,
+            )
+        }
+    })
+}
+
+fn check_matvec(gpu: &Gpu, dtype: DType) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new(match dtype {
+        DType::Bf16 => "matvec_bf16 (+bias, residual)",
+        DType::F32 => "matvec_f32 (+bias, residual)",
+    });
+    let mut rng = Rng(11 + dtype.size() as u64);
+    for n in lengths() {
+        let (rows, tokens) = (11usize, 3usize);
+        let (w, wide) = upload_mat(gpu, rows, n, dtype, &mut rng)?;
+        let x = rng.vec(tokens * n);
+        let bias = rng.vec(rows);
+        let out0 = rng.vec(tokens * rows);
+        let xb = gpu.upload(&x, "a check activation")?;
+        let bb = gpu.upload(&bias, "a check bias")?;
+        for (mode, use_bias) in [(false, false), (true, true)] {
+            let ob = gpu.upload(&out0, "a check output")?;
+            ops::matvec(
+                gpu,
+                &w,
+                xb.ptr(),
+                n,
+                if use_bias { bb.ptr() } else { 0 },
+                ob.ptr(),
+                rows,
+                tokens,
+                mode,
+            )?;
+            let got = read_f32(gpu, &ob, tokens * rows)?;
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let row = &wide[r * n..(r + 1) * n];
+                    let xs = &x[t * n..(t + 1) * n];
+                    let mut y = match dtype {
+                        DType::Bf16 => {
+                            // the exact widening's upper half is the BF16 itself
+                            let bits: Vec<u16> =
+                                row.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+                            dot_bf16_reference(&bits, xs)
+                        }
+                        DType::F32 => dot_f32_reference(row, xs),
+                    };
+                    if use_bias {
+                        y += bias[r];
+                    }
+                    let want = if mode { out0[t * rows + r] + y } else { y };
+                    c.eq(
+                        || format!("n={n} token {t} row {r} residual={mode}"),
+                        want,
+                        got[t * rows + r],
+                    );
+                }
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+fn rms_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss = dot_f32_reference(x, x);
+    let m = ss / x.len() as f32;
+    let r = rsqrt(m + eps);
+    x.iter().zip(w).map(|(&xi, &wi)| wi * (xi * r)).collect()
+}
+
+fn check_rmsnorm(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("rmsnorm");
+    let mut rng = Rng(21);
+    let eps = 1e-6f32;
+    for n in [8usize, 16, 24, 40, 72, 100, 128, 257, 2048, 4096] {
+        let count = 9;
+        let x = rng.vec(count * n);
+        let w = rng.vec(n);
+        let xb = gpu.upload(&x, "a check input")?;
+        let wb = gpu.upload(&w, "a check weight")?;
+        let yb = gpu.alloc(count * n * 4, "a check output")?;
+        ops::rmsnorm(gpu, xb.ptr(), n, yb.ptr(), n, wb.ptr(), n, count, eps)?;
+        let got = read_f32(gpu, &yb, count * n)?;
+        // in place as well
+        ops::rmsnorm(gpu, xb.ptr(), n, xb.ptr(), n, wb.ptr(), n, count, eps)?;
+        let got_in_place = read_f32(gpu, &xb, count * n)?;
+        for s in 0..count {
+            let want = rms_ref(&x[s * n..(s + 1) * n], &w, eps);
+            for i in 0..n {
+                c.eq(
+                    || format!("n={n} segment {s} element {i}"),
+                    want[i],
+                    got[s * n + i],
+                );
+                c.eq(
+                    || format!("in place n={n} segment {s} element {i}"),
+                    want[i],
+                    got_in_place[s * n + i],
+                );
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("rope_append_kv");
+    let mut rng = Rng(31);
+    for (hq, hkv, d, pos0, t) in [
+        (4usize, 2usize, 32usize, 0usize, 5usize),
+        (3, 1, 24, 7, 2),
+        (8, 4, 128, 300, 3),
+    ] {
+        let cap = pos0 + t + 3;
+        let mut rope = RopeTable::new(1_000_000.0, d).map_err(crate::RunError::from)?;
+        rope.ensure(cap).map_err(crate::RunError::from)?;
+        let half = d / 2;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..cap {
+            let (cc, ss) = rope.row(p);
+            cos.extend_from_slice(cc);
+            sin.extend_from_slice(ss);
+        }
+        assert_eq!(cos.len(), cap * half);
+        let q = rng.vec(t * hq * d);
+        let k = rng.vec(t * hkv * d);
+        let v = rng.vec(t * hkv * d);
+        let qb = gpu.upload(&q, "q")?;
+        let kb = gpu.upload(&k, "k")?;
+        let vb = gpu.upload(&v, "v")?;
+        let cb = gpu.upload(&cos, "cos")?;
+        let sb = gpu.upload(&sin, "sin")?;
+        let kc = gpu.alloc(hkv * cap * d * 4, "k cache")?;
+        let vc = gpu.alloc(hkv * cap * d * 4, "v cache")?;
+        let shape = AttnShape {
+            hq,
+            hkv,
+            d,
+            cap,
+            pos0,
+            tokens: t,
+        };
+        ops::rope_append_kv(
+            gpu,
+            shape,
+            qb.ptr(),
+            kb.ptr(),
+            vb.ptr(),
+            cb.ptr(),
+            sb.ptr(),
+            kc.ptr(),
+            vc.ptr(),
+        )?;
+        let gq = read_f32(gpu, &qb, t * hq * d)?;
+        let gk = read_f32(gpu, &kc, hkv * cap * d)?;
+        let gv = read_f32(gpu, &vc, hkv * cap * d)?;
+        for ti in 0..t {
+            let pos = pos0 + ti;
+            for h in 0..hq {
+                let mut want = q[(ti * hq + h) * d..(ti * hq + h + 1) * d].to_vec();
+                rope.apply(pos, &mut want);
+                for i in 0..d {
+                    c.eq(
+                        || format!("q d={d} token {ti} head {h} [{i}]"),
+                        want[i],
+                        gq[(ti * hq + h) * d + i],
+                    );
+                }
+            }
+            for h in 0..hkv {
+                let mut want = k[(ti * hkv + h) * d..(ti * hkv + h + 1) * d].to_vec();
+                rope.apply(pos, &mut want);
+                for i in 0..d {
+                    c.eq(
+                        || format!("k d={d} token {ti} head {h} [{i}]"),
+                        want[i],
+                        gk[(h * cap + pos) * d + i],
+                    );
+                    c.eq(
+                        || format!("v d={d} token {ti} head {h} [{i}]"),
+                        v[(ti * hkv + h) * d + i],
+                        gv[(h * cap + pos) * d + i],
+                    );
+                }
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+fn softmax_ref(l: &[f32]) -> Vec<f32> {
+    let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = l.iter().map(|&x| exp(x - m)).collect();
+    let s = sum_reference(&e);
+    e.iter().map(|&x| x / s).collect()
+}
+
+fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("attention");
+    let mut rng = Rng(41);
+    for (hq, hkv, d, pos0, t) in [
+        (4usize, 2usize, 32usize, 0usize, 6usize),
+        (3, 1, 24, 5, 2),
+        (8, 2, 128, 250, 9),
+        (2, 2, 16, 600, 1),
+    ] {
+        let cap = pos0 + t + 5;
+        let n_max = pos0 + t;
+        // small values keep the softmax away from one-hot, so that every term matters
+        let q: Vec<f32> = rng.vec(t * hq * d).iter().map(|v| v * 0.05).collect();
+        let kc: Vec<f32> = rng.vec(hkv * cap * d).iter().map(|v| v * 0.05).collect();
+        let vc = rng.vec(hkv * cap * d);
+        let qb = gpu.upload(&q, "q")?;
+        let kb = gpu.upload(&kc, "k cache")?;
+        let vb = gpu.upload(&vc, "v cache")?;
+        let sc = gpu.alloc(t * hq * n_max * 4, "scores")?;
+        let ob = gpu.alloc(t * hq * d * 4, "o")?;
+        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+        let shape = AttnShape {
+            hq,
+            hkv,
+            d,
+            cap,
+            pos0,
+            tokens: t,
+        };
+        ops::attention(
+            gpu,
+            shape,
+            qb.ptr(),
+            kb.ptr(),
+            vb.ptr(),
+            scale,
+            sc.ptr(),
+            n_max,
+            ob.ptr(),
+        )?;
+        let got = read_f32(gpu, &ob, t * hq * d)?;
+        let group = hq / hkv;
+        let mut scratch = Vec::new();
+        for ti in 0..t {
+            for h in 0..hq {
+                let kvh = h / group;
+                let n = pos0 + ti + 1;
+                let qv = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
+                let keys = &kc[kvh * cap * d..];
+                let vals = &vc[kvh * cap * d..kvh * cap * d + n * d];
+                let s: Vec<f32> = (0..n)
+                    .map(|j| dot_f32_reference(qv, &keys[j * d..(j + 1) * d]) * scale)
+                    .collect();
+                let p = softmax_ref(&s);
+                let mut o = vec![0.0f32; d];
+                weighted_row_sum(Kernel::scalar(), &p, vals, &mut o, &mut scratch);
+                for i in 0..d {
+                    c.eq(
+                        || format!("d={d} pos0={pos0} token {ti} head {h} [{i}]"),
+                        o[i],
+                        got[(ti * hq + h) * d + i],
+                    );
+                }
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+fn check_router(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("route_topk (softmax, top-k, ties)");
+    let mut rng = Rng(51);
+    for (e, k, renorm, ties) in [
+        (8usize, 2usize, true, false),
+        (12, 3, false, false),
+        (32, 8, true, false),
+        (32, 8, true, true),
+        (128, 8, true, false),
+        (128, 8, false, true),
+        (60, 4, true, true),
+        (8, 8, true, false),
+        (300, 1, false, false),
+    ] {
+        let t = 7;
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| {
+                let v = rng.f32();
+                if ties {
+                    (v * 0.25).round() // few distinct values: exact ties in p
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let lb = gpu.upload(&logits, "router logits")?;
+        let ids = gpu.alloc(t * k * 4, "ids")?;
+        let probs = gpu.alloc(t * k * 4, "probs")?;
+        let weights = gpu.alloc(t * k * 4, "weights")?;
+        let by_id = gpu.alloc(t * k * 4, "by_id")?;
+        let kth = gpu.alloc(t * 4, "kth")?;
+        let next = gpu.alloc(t * 4, "next")?;
+        let out = RouteOut {
+            ids: ids.ptr(),
+            probs: probs.ptr(),
+            weights: weights.ptr(),
+            by_id: by_id.ptr(),
+            kth: kth.ptr(),
+            next: next.ptr(),
+        };
+        ops::route_topk(gpu, lb.ptr(), e, k, renorm, t, out)?;
+        let g_ids: Vec<u32> = gpu.read(ids.ptr(), t * k, "ids")?;
+        let g_probs = read_f32(gpu, &probs, t * k)?;
+        let g_w = read_f32(gpu, &weights, t * k)?;
+        let g_by: Vec<u32> = gpu.read(by_id.ptr(), t * k, "by_id")?;
+        let g_kth = read_f32(gpu, &kth, t)?;
+        let g_next = read_f32(gpu, &next, t)?;
+        for ti in 0..t {
+            let p = softmax_ref(&logits[ti * e..(ti + 1) * e]);
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let sel = &order[..k];
+            let sp: Vec<f32> = sel.iter().map(|&i| p[i]).collect();
+            let w: Vec<f32> = if renorm {
+                let s = sum_reference(&sp);
+                sp.iter().map(|&x| x / s).collect()
+            } else {
+                sp.clone()
+            };
+            let mut asc: Vec<usize> = (0..k).collect();
+            asc.sort_by_key(|&j| sel[j]);
+            let tag = |what: &str, j: usize| {
+                format!("E={e} k={k} renorm={renorm} ties={ties} token {ti} {what} {j}")
+            };
+            for j in 0..k {
+                c.eq_u32(|| tag("id", j), sel[j] as u32, g_ids[ti * k + j]);
+                c.eq(|| tag("prob", j), sp[j], g_probs[ti * k + j]);
+                c.eq(|| tag("weight", j), w[j], g_w[ti * k + j]);
+                c.eq_u32(|| tag("by_id", j), asc[j] as u32, g_by[ti * k + j]);
+            }
+            c.eq(|| tag("kth", 0), p[order[k - 1]], g_kth[ti]);
+            if e > k {
+                c.eq(|| tag("next", 0), p[order[k]], g_next[ti]);
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("gate_up + down_mix (+shared)");
+    let mut rng = Rng(61);
+    for (e_count, i_w, h, k, t, shared) in [
+        (6usize, 40usize, 72usize, 3usize, 3usize, false),
+        (8, 64, 128, 2, 2, true),
+        (16, 768, 256, 8, 2, false),
+    ] {
+        let gate = rng.vec_bf16(e_count * i_w * h);
+        let up = rng.vec_bf16(e_count * i_w * h);
+        let down = rng.vec_bf16(e_count * h * i_w);
+        // small activations keep silu and the products in a normal range
+        let xn: Vec<f32> = rng.vec(t * h).iter().map(|v| v * 0.02).collect();
+        let h0 = rng.vec(t * h);
+        // distinct ids per token, not sorted; weights; by_id = slots in ascending id
+        let mut ids = Vec::new();
+        let mut by_id = Vec::new();
+        for _ in 0..t {
+            let mut pool: Vec<u32> = (0..e_count as u32).collect();
+            let mut chosen = Vec::new();
+            for _ in 0..k {
+                let j = (rng.next() % pool.len() as u64) as usize;
+                chosen.push(pool.remove(j));
+            }
+            let mut asc: Vec<u32> = (0..k as u32).collect();
+            asc.sort_by_key(|&j| chosen[j as usize]);
+            ids.extend(chosen);
+            by_id.extend(asc);
+        }
+        let weights: Vec<f32> = (0..t * k).map(|_| rng.f32().abs() * 0.1).collect();
+        let y_sh = rng.vec(t * h);
+        let s_sh = rng.vec(t);
+        let gb = gpu.upload(&gate, "gate")?;
+        let ub = gpu.upload(&up, "up")?;
+        let db = gpu.upload(&down, "down")?;
+        let xb = gpu.upload(&xn, "xn")?;
+        let hb = gpu.upload(&h0, "h")?;
+        let ib = gpu.upload(&ids, "ids")?;
+        let bb = gpu.upload(&by_id, "by_id")?;
+        let wb = gpu.upload(&weights, "weights")?;
+        let yb = gpu.upload(&y_sh, "y_sh")?;
+        let sb = gpu.upload(&s_sh, "s_sh")?;
+        let act = gpu.alloc(t * k * i_w * 4, "act")?;
+        ops::gate_up(
+            gpu,
+            DType::Bf16,
+            gb.ptr(),
+            ub.ptr(),
+            i_w,
+            h,
+            ib.ptr(),
+            k,
+            xb.ptr(),
+            act.ptr(),
+            t,
+        )?;
+        let route = RouteOut {
+            ids: ib.ptr(),
+            probs: 0,
+            weights: wb.ptr(),
+            by_id: bb.ptr(),
+            kth: 0,
+            next: 0,
+        };
+        let (ysp, ssp) = if shared { (yb.ptr(), sb.ptr()) } else { (0, 0) };
+        ops::down_mix(
+            gpu,
+            db.ptr(),
+            h,
+            i_w,
+            route,
+            k,
+            act.ptr(),
+            ysp,
+            ssp,
+            hb.ptr(),
+            t,
+        )?;
+        let g_act = read_f32(gpu, &act, t * k * i_w)?;
+        let g_h = read_f32(gpu, &hb, t * h)?;
+        for ti in 0..t {
+            let x = &xn[ti * h..(ti + 1) * h];
+            let mut acts = Vec::new();
+            for j in 0..k {
+                let e = ids[ti * k + j] as usize;
+                let a: Vec<f32> = (0..i_w)
+                    .map(|i| {
+                        let r = (e * i_w + i) * h;
+                        let g = dot_bf16_reference(&gate[r..r + h], x);
+                        let u = dot_bf16_reference(&up[r..r + h], x);
+                        silu(g) * u
+                    })
+                    .collect();
+                for i in 0..i_w {
+                    c.eq(
+                        || format!("act E={e_count} I={i_w} token {ti} slot {j} row {i}"),
+                        a[i],
+                        g_act[(ti * k + j) * i_w + i],
+                    );
+                }
+                acts.push(a);
+            }
+            for r in 0..h {
+                let mut acc = 0.0f32;
+                for &jj in &by_id[ti * k..(ti + 1) * k] {
+                    let j = jj as usize;
+                    let e = ids[ti * k + j] as usize;
+                    let row = (e * h + r) * i_w;
+                    let y = dot_bf16_reference(&down[row..row + i_w], &acts[j]);
+                    acc += weights[ti * k + j] * y;
+                }
+                if shared {
+                    acc += sigmoid(s_sh[ti]) * y_sh[ti * h + r];
+                }
+                let want = h0[ti * h + r] + acc;
+                c.eq(
+                    || format!("h E={e_count} token {ti} row {r} shared={shared}"),
+                    want,
+                    g_h[ti * h + r],
+                );
+            }
+        }
+    }
+    Ok(c.done())
+}

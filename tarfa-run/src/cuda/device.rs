@@ -1,0 +1,539 @@
+//! The device: context, stream, compiled kernels, plain device allocations, copies and launches,
+//! each failure turned into a [`CudaError`] that names what failed.
+//!
+//! Memory is taken with `cuMemAlloc` only (never managed memory, never a stream-ordered pool),
+//! freed when its [`DevBuf`] drops. All work goes to one stream in order; nothing is read back
+//! except where the caller asks (a step's logits and router records).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+
+use super::compile::{arch_for, compile_all};
+use super::{CudaError, CudaOptions, DeviceInfo};
+
+/// Whether the driver library can be loaded (cudarc panics on first use when it cannot).
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Maps a driver error to the error the CLI reports, naming `what` failed.
+pub(crate) fn driver_err(e: DriverError, what: impl Into<String>) -> CudaError {
+    let what = what.into();
+    let detail = describe(e);
+    use CUresult::*;
+    match e.0 {
+        CUDA_ERROR_OUT_OF_MEMORY => CudaError::OutOfMemory { what, detail },
+        CUDA_ERROR_ILLEGAL_ADDRESS
+        | CUDA_ERROR_LAUNCH_FAILED
+        | CUDA_ERROR_MISALIGNED_ADDRESS
+        | CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | CUDA_ERROR_INVALID_ADDRESS_SPACE
+        | CUDA_ERROR_INVALID_PC
+        | CUDA_ERROR_HARDWARE_STACK_ERROR
+        | CUDA_ERROR_ASSERT
+        | CUDA_ERROR_LAUNCH_TIMEOUT
+        | CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES => CudaError::KernelFailed { what, detail },
+        CUDA_ERROR_ECC_UNCORRECTABLE
+        | CUDA_ERROR_NVLINK_UNCORRECTABLE
+        | CUDA_ERROR_DEVICE_UNAVAILABLE
+        | CUDA_ERROR_NO_DEVICE
+        | CUDA_ERROR_CONTEXT_IS_DESTROYED
+        | CUDA_ERROR_DEINITIALIZED
+        | CUDA_ERROR_SYSTEM_NOT_READY
+        | CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+        | CUDA_ERROR_UNKNOWN => CudaError::DeviceLost { what, detail },
+        _ => CudaError::Driver { what, detail },
+    }
+}
+
+fn describe(e: DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if text.is_empty() {
+        name
+    } else {
+        format!("{name}: {text}")
+    }
+}
+
+/// A plain device allocation.
+pub(crate) struct DevBuf {
+    ptr: u64,
+    bytes: usize,
+    owner: Owner,
+}
+
+/// Who frees a [`DevBuf`].
+enum Owner {
+    Cuda(Arc<CudaContext>),
+    #[cfg(test)]
+    Mock(Arc<Mutex<super::mock::Memory>>),
+}
+
+impl DevBuf {
+    /// The device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        match &self.owner {
+            Owner::Cuda(ctx) => {
+                if self.ptr != 0 && ctx.bind_to_thread().is_ok() {
+                    // SAFETY: allocated by cuMemAlloc in this context and freed once; the
+                    // stream's work that used it was synchronised before any buffer is dropped
+                    // (buffers are only replaced between synchronised steps).
+                    let _ = unsafe { cu::free_sync(self.ptr) };
+                }
+            }
+            #[cfg(test)]
+            Owner::Mock(m) => m.lock().unwrap_or_else(|p| p.into_inner()).free(self.ptr),
+        }
+    }
+}
+
+// SAFETY: a device address and a context handle; cudarc's context is Send + Sync.
+unsafe impl Send for DevBuf {}
+unsafe impl Sync for DevBuf {}
+
+/// A kernel argument: device pointers, integers and floats, passed by value.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device address (a `T*` parameter); 0 is `nullptr`.
+    Ptr(u64),
+    /// An `int` parameter.
+    I32(i32),
+    /// A `long` parameter.
+    I64(i64),
+    /// A `float` parameter.
+    F32(f32),
+}
+
+/// The context, the stream and the loaded kernels of one device.
+pub(crate) struct Gpu {
+    inner: Inner,
+    pub(crate) info: DeviceInfo,
+    sync_each: bool,
+    last_kernel: Mutex<&'static str>,
+}
+
+enum Inner {
+    Cuda {
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        funcs: HashMap<&'static str, CudaFunction>,
+    },
+    /// Host memory and Rust reference kernels: tests the orchestration without a GPU.
+    #[cfg(test)]
+    Mock(Arc<Mutex<super::mock::Memory>>),
+}
+
+/// Opens device `ordinal` after checking that the driver and NVRTC libraries load.
+pub(crate) fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    if !super::compile::nvrtc_present() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let count = {
+        cu::init().map_err(|e| match e.0 {
+            CUresult::CUDA_ERROR_NO_DEVICE => CudaError::NoDevice,
+            _ => driver_err(e, "initialise the CUDA driver"),
+        })?;
+        cu::device::get_count().map_err(|e| driver_err(e, "count the CUDA devices"))?
+    };
+    if count <= 0 {
+        return Err(CudaError::NoDevice);
+    }
+    if ordinal >= count as usize {
+        return Err(CudaError::Unsupported(format!(
+            "device {ordinal} requested, {count} present"
+        )));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| driver_err(e, "create the CUDA context"))?;
+    let name = ctx
+        .name()
+        .map_err(|e| driver_err(e, "read the device name"))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| driver_err(e, "read the compute capability"))?;
+    let (free, total) = ctx
+        .mem_get_info()
+        .map_err(|e| driver_err(e, "read the device memory"))?;
+    let sms = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| driver_err(e, "read the multiprocessor count"))?;
+    let mut driver_version = 0i32;
+    // SAFETY: writes one int.
+    unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+        .result()
+        .map_err(|e| driver_err(e, "read the driver version"))?;
+    Ok((
+        ctx,
+        DeviceInfo {
+            ordinal,
+            name,
+            compute_capability: (major, minor),
+            total_memory: total,
+            free_memory: free,
+            multiprocessors: sms.max(0) as u32,
+            driver_version,
+            arch: arch_for(major, minor),
+        },
+    ))
+}
+
+impl Gpu {
+    /// Opens the device, compiles every kernel for its architecture (once per process) and
+    /// loads them.
+    pub(crate) fn open(opts: &CudaOptions) -> Result<Gpu, CudaError> {
+        let (ctx, info) = open_context(opts.device)?;
+        // One stream, in order: cudarc's per-buffer event tracking is not needed.
+        // SAFETY: called before any buffer or stream exists.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err(e, "create the CUDA stream"))?;
+        let mut funcs = HashMap::new();
+        for (file, ptx) in compile_all(info.arch)? {
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(|e| driver_err(e, format!("load the module of kernels/{}", file.name)))?;
+            for &entry in file.entries {
+                let f = module.load_function(entry).map_err(|e| {
+                    driver_err(e, format!("find kernel {entry} in kernels/{}", file.name))
+                })?;
+                funcs.insert(entry, f);
+            }
+        }
+        let sync_each = opts.sync_each_kernel
+            || std::env::var("TARFA_CUDA_SYNC").is_ok_and(|v| v.trim() == "1");
+        Ok(Gpu {
+            inner: Inner::Cuda { ctx, stream, funcs },
+            info,
+            sync_each,
+            last_kernel: Mutex::new("(none)"),
+        })
+    }
+
+    /// A device made of host memory whose kernels are the Rust reference functions.
+    #[cfg(test)]
+    pub(crate) fn mock() -> Gpu {
+        Gpu::mock_with_memory(1 << 36)
+    }
+
+    /// A mock device that reports `free` bytes of free memory.
+    #[cfg(test)]
+    pub(crate) fn mock_with_memory(free: usize) -> Gpu {
+        Gpu {
+            inner: Inner::Mock(Arc::new(Mutex::new(super::mock::Memory::default()))),
+            info: DeviceInfo {
+                ordinal: 0,
+                name: "mock (host memory, reference kernels)".into(),
+                compute_capability: (9, 0),
+                total_memory: free,
+                free_memory: free,
+                multiprocessors: 1,
+                driver_version: 13000,
+                arch: "compute_90",
+            },
+            sync_each: false,
+            last_kernel: Mutex::new("(none)"),
+        }
+    }
+
+    fn cuda(&self) -> Option<(&Arc<CudaContext>, &Arc<CudaStream>)> {
+        match &self.inner {
+            Inner::Cuda { ctx, stream, .. } => Some((ctx, stream)),
+            #[cfg(test)]
+            Inner::Mock(_) => None,
+        }
+    }
+
+    #[cfg(test)]
+    fn mock_mem(&self) -> std::sync::MutexGuard<'_, super::mock::Memory> {
+        match &self.inner {
+            Inner::Mock(m) => m.lock().unwrap_or_else(|p| p.into_inner()),
+            Inner::Cuda { .. } => unreachable!("not a mock device"),
+        }
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
+        match self.cuda() {
+            Some((ctx, _)) => ctx
+                .bind_to_thread()
+                .map_err(|e| driver_err(e, "bind the CUDA context to this thread")),
+            None => Ok(()),
+        }
+    }
+
+    /// Free and total device memory now.
+    pub(crate) fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        match self.cuda() {
+            Some((ctx, _)) => ctx
+                .mem_get_info()
+                .map_err(|e| driver_err(e, "read the device memory")),
+            None => Ok((self.info.free_memory, self.info.total_memory)),
+        }
+    }
+
+    /// `bytes` of device memory, zero-filled. `what` names the allocation in errors.
+    pub(crate) fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf, CudaError> {
+        let n = bytes.max(16);
+        let Some((ctx, stream)) = self.cuda() else {
+            #[cfg(test)]
+            {
+                let m = match &self.inner {
+                    Inner::Mock(m) => m.clone(),
+                    Inner::Cuda { .. } => unreachable!(),
+                };
+                let ptr = self.mock_mem().alloc(n);
+                return Ok(DevBuf {
+                    ptr,
+                    bytes: n,
+                    owner: Owner::Mock(m),
+                });
+            }
+            #[cfg(not(test))]
+            unreachable!()
+        };
+        self.bind()?;
+        // SAFETY: a plain allocation of n bytes in the bound context.
+        let ptr = match unsafe { cu::malloc_sync(n) } {
+            Ok(p) => p,
+            Err(e) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                let (free, total) = self.mem_info().unwrap_or((0, 0));
+                return Err(CudaError::oom(what, n, free, total));
+            }
+            Err(e) => return Err(driver_err(e, format!("allocate {n} bytes for {what}"))),
+        };
+        let buf = DevBuf {
+            ptr,
+            bytes: n,
+            owner: Owner::Cuda(ctx.clone()),
+        };
+        // SAFETY: the range was just allocated.
+        unsafe { cu::memset_d8_async(ptr, 0, n, stream.cu_stream()) }
+            .map_err(|e| driver_err(e, format!("zero {what}")))?;
+        Ok(buf)
+    }
+
+    /// Copies `src` to device address `dst` (which must have room) and waits for the copy.
+    pub(crate) fn write<T: Copy>(&self, dst: u64, src: &[T], what: &str) -> Result<(), CudaError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let Some((_, stream)) = self.cuda() else {
+            #[cfg(test)]
+            {
+                // SAFETY: plain-data values viewed as bytes
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(
+                        src.as_ptr() as *const u8,
+                        std::mem::size_of_val(src),
+                    )
+                };
+                self.mock_mem().write(dst, bytes);
+                return Ok(());
+            }
+            #[cfg(not(test))]
+            unreachable!()
+        };
+        self.bind()?;
+        // SAFETY: the caller sized dst; the stream is synchronised before src can go away.
+        unsafe { cu::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .map_err(|e| driver_err(e, format!("copy {what} to the device")))?;
+        self.sync(what)
+    }
+
+    /// A new buffer holding `src`.
+    pub(crate) fn upload<T: Copy>(&self, src: &[T], what: &str) -> Result<DevBuf, CudaError> {
+        let buf = self.alloc(std::mem::size_of_val(src), what)?;
+        self.write(buf.ptr(), src, what)?;
+        Ok(buf)
+    }
+
+    /// Copies `n` values from device address `src` to the host, after all queued work.
+    pub(crate) fn read<T: Copy + Default>(
+        &self,
+        src: u64,
+        n: usize,
+        what: &str,
+    ) -> Result<Vec<T>, CudaError> {
+        let mut out = vec![T::default(); n];
+        if n == 0 {
+            return Ok(out);
+        }
+        let Some((_, stream)) = self.cuda() else {
+            #[cfg(test)]
+            {
+                // SAFETY: plain-data values viewed as bytes
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out.as_mut_ptr() as *mut u8,
+                        n * std::mem::size_of::<T>(),
+                    )
+                };
+                self.mock_mem().read(src, bytes);
+                return Ok(out);
+            }
+            #[cfg(not(test))]
+            unreachable!()
+        };
+        self.bind()?;
+        // SAFETY: out has room for n values; synchronised before out is used.
+        unsafe { cu::memcpy_dtoh_async(&mut out[..], src, stream.cu_stream()) }
+            .map_err(|e| self.async_err(e, &format!("copy {what} from the device")))?;
+        self.sync(what)?;
+        Ok(out)
+    }
+
+    /// Device-to-device copy of `bytes`, queued.
+    pub(crate) fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let Some((_, stream)) = self.cuda() else {
+            #[cfg(test)]
+            {
+                let mut m = self.mock_mem();
+                let mut tmp = vec![0u8; bytes];
+                m.read(src, &mut tmp);
+                m.write(dst, &tmp);
+                return Ok(());
+            }
+            #[cfg(not(test))]
+            unreachable!()
+        };
+        self.bind()?;
+        // SAFETY: both ranges are live allocations of at least `bytes` (the caller's sizes).
+        unsafe { cu::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+            .map_err(|e| driver_err(e, format!("copy {what} on the device")))
+    }
+
+    /// Waits for the stream; an error here is a kernel's (or copy's) asynchronous failure.
+    pub(crate) fn sync(&self, what: &str) -> Result<(), CudaError> {
+        let Some((_, stream)) = self.cuda() else {
+            return Ok(());
+        };
+        stream
+            .synchronize()
+            .map_err(|e| self.async_err(e, &format!("wait for {what}")))
+    }
+
+    /// An asynchronous failure: name the last kernel launched as well.
+    fn async_err(&self, e: DriverError, what: &str) -> CudaError {
+        let last = *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner());
+        driver_err(
+            e,
+            format!(
+                "{what} (last kernel launched: {last}; TARFA_CUDA_SYNC=1 checks after every kernel)"
+            ),
+        )
+    }
+
+    /// Launches kernel `name`. With `TARFA_CUDA_SYNC=1` (or `CudaOptions::sync_each_kernel`)
+    /// waits for it, so that a failure names this kernel.
+    pub(crate) fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let (stream, funcs) = match &self.inner {
+            Inner::Cuda { stream, funcs, .. } => (stream, funcs),
+            #[cfg(test)]
+            Inner::Mock(_) => {
+                *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner()) = name;
+                return super::mock::launch(
+                    &mut self.mock_mem(),
+                    name,
+                    grid,
+                    block,
+                    shared_bytes,
+                    args,
+                );
+            }
+        };
+        let f = funcs
+            .get(name)
+            .ok_or_else(|| CudaError::Unsupported(format!("kernel {name} is not loaded")))?;
+        if grid.1 > 65535 || grid.2 > 65535 {
+            return Err(CudaError::Unsupported(format!(
+                "kernel {name}: grid {grid:?} exceeds the device's limits"
+            )));
+        }
+        // Each parameter's bytes in the low bytes of one u64 (little-endian): the driver reads
+        // as many bytes as the kernel's parameter has.
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner()) = name;
+        self.bind()?;
+        // SAFETY: `params` matches the kernel's signature (each call site mirrors the .cu
+        // declaration) and every pointer argument is a live allocation sized for the launch.
+        unsafe {
+            cu::launch_kernel(
+                cuda_function(f),
+                grid,
+                block,
+                shared_bytes,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| driver_err(e, format!("launch kernel {name}")))?;
+        if self.sync_each {
+            stream
+                .synchronize()
+                .map_err(|e| driver_err(e, format!("kernel {name}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// The raw handle of a loaded function.
+fn cuda_function(f: &CudaFunction) -> sys::CUfunction {
+    f.cu_function()
+}

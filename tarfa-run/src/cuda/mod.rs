@@ -1,0 +1,298 @@
+//! The CUDA backend: the forward pass of docs/EXACTNESS.md on an NVIDIA GPU, producing the same
+//! bits as the CPU backend ([`crate::cpu`]), which is its specification.
+//!
+//! Layout:
+//! - `kernels/*.cu` (repository root): the kernels, with the contract's functions and the
+//!   canonical 256-lane warp reduction written once in `kernels/common.cuh`. They are embedded
+//!   here and compiled at run time by NVRTC, once per process, for the device's architecture
+//!   (`compute_90` on Hopper) with [`compile::compile_options`]: `--fmad=false --ftz=false
+//!   --prec-div=true --prec-sqrt=true`, never fast math.
+//! - [`compile`]: the sources, the options, the PTX checks (shared with the CI test).
+//! - `device`: context, stream, plain `cuMemAlloc` buffers, launches, error mapping.
+//! - [`CudaModel`] / [`CudaCache`]: resident weights (every tensor and every expert uploaded
+//!   from the [`WeightSource`](crate::weights::WeightSource)'s verified buffers) and one
+//!   sequence's KV cache; [`CudaModel::forward`] returns the CPU's [`ForwardOutput`] type.
+//! - [`selftest`]: CPU and CUDA on the same model and prompts, compared byte for byte;
+//!   [`kernel_checks`]: each kernel against the CPU reference functions (llm.c style).
+//!
+//! Structure, chosen to become fast later without changing bits: a warp per output row (thread
+//! p owns lanes 8p..8p+7 of each 256-element block, 16-byte BF16 loads, tree = shfl_down 16, 8,
+//! 4, 2, 1 then in-thread 4, 2, 1); no split-K, no atomics, no tensor cores; the router's softmax
+//! and top-k run on the device and the expert kernels read the chosen ids from device memory, so
+//! a resident step makes no host round trip between layers (the logits, and the router records
+//! for statistics and tracing, come back once at the end of the step).
+//!
+//! Without the `cuda` cargo feature every entry point returns [`CudaError::NotCompiled`]. With
+//! it, a machine without a driver gets [`CudaError::NoDriver`] (never a panic: the libraries'
+//! presence is checked before any other call).
+//!
+//! This module must never compute anything differently from the CPU backend: a kernel that
+//! cannot reproduce the contract's order is a bug, never an option.
+
+use std::fmt;
+
+use crate::weights::WeightError;
+use crate::RunError;
+
+#[cfg(feature = "cuda")]
+mod checks;
+#[cfg(feature = "cuda")]
+pub mod compile;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(all(test, feature = "cuda"))]
+mod mock;
+#[cfg(feature = "cuda")]
+mod model;
+#[cfg(feature = "cuda")]
+mod ops;
+#[cfg(feature = "cuda")]
+mod selftest;
+pub mod synthetic;
+
+#[cfg(feature = "cuda")]
+pub use checks::kernel_checks;
+#[cfg(feature = "cuda")]
+pub use model::{greedy, probe, CudaCache, CudaModel};
+#[cfg(feature = "cuda")]
+pub use selftest::{locate_divergence, selftest, selftest_models};
+
+#[cfg(not(feature = "cuda"))]
+mod stub;
+#[cfg(not(feature = "cuda"))]
+pub use stub::*;
+
+pub use crate::cpu::ForwardOutput;
+
+/// Why the CUDA backend cannot run (or stopped). Every variant but [`CudaError::Run`] is an
+/// environment failure (the CLI's exit code 3); `Run` carries the runtime's own error.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// This build has no CUDA backend.
+    #[error("this build of tarfa-run has no CUDA backend (built without the `cuda` feature)")]
+    NotCompiled,
+    /// libcuda could not be loaded.
+    #[error("no CUDA driver: libcuda.so could not be loaded (no NVIDIA driver on this machine?)")]
+    NoDriver,
+    /// libnvrtc could not be loaded.
+    #[error(
+        "no NVRTC: libnvrtc.so could not be loaded (install the CUDA toolkit, or the PyPI \
+         package nvidia-cuda-nvrtc, and put its lib directory on LD_LIBRARY_PATH)"
+    )]
+    NoNvrtc,
+    /// The driver loaded but reports no GPU.
+    #[error("the CUDA driver found no GPU")]
+    NoDevice,
+    /// NVRTC rejected a kernel source (a bug in kernels/, or an unsupported architecture).
+    #[error("NVRTC could not compile kernels/{file}: {log}")]
+    Compile { file: String, log: String },
+    /// A device allocation failed.
+    #[error("out of GPU memory: {what} ({detail})")]
+    OutOfMemory { what: String, detail: String },
+    /// A kernel failed (illegal address, launch failure, ...).
+    #[error("a GPU kernel failed: {what}: {detail}")]
+    KernelFailed { what: String, detail: String },
+    /// The device stopped working (uncorrectable ECC error, fell off the bus, ...).
+    #[error("the GPU was lost: {what}: {detail}")]
+    DeviceLost { what: String, detail: String },
+    /// Another driver call failed.
+    #[error("a CUDA call failed: {what}: {detail}")]
+    Driver { what: String, detail: String },
+    /// The model or request needs something the CUDA backend does not do.
+    #[error("not supported by the CUDA backend: {0}")]
+    Unsupported(String),
+    /// The runtime's own error (config, weights, tokens, context length).
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+impl From<WeightError> for CudaError {
+    fn from(e: WeightError) -> Self {
+        CudaError::Run(RunError::Weights(e))
+    }
+}
+
+impl CudaError {
+    /// Whether this is a failure of the machine or the GPU (exit code 3) rather than of the
+    /// model or the request ([`CudaError::Run`], mapped like the CPU backend's errors).
+    pub fn is_environment(&self) -> bool {
+        !matches!(self, CudaError::Run(_))
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn oom(what: impl Into<String>, bytes: usize, free: usize, total: usize) -> Self {
+        CudaError::OutOfMemory {
+            what: what.into(),
+            detail: format!(
+                "{} requested, {} of {} free",
+                gib(bytes as u64),
+                gib(free as u64),
+                gib(total as u64)
+            ),
+        }
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// How the CUDA backend runs.
+#[derive(Clone, Debug, Default)]
+pub struct CudaOptions {
+    /// Device ordinal.
+    pub device: usize,
+    /// Wait after every kernel so that a failure names it (slow; also `TARFA_CUDA_SYNC=1`).
+    pub sync_each_kernel: bool,
+}
+
+/// The GPU a backend runs on.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_memory: usize,
+    pub free_memory: usize,
+    pub multiprocessors: u32,
+    /// As `cuDriverGetVersion` reports it (13000 = CUDA 13.0).
+    pub driver_version: i32,
+    /// The NVRTC virtual architecture kernels are compiled for.
+    pub arch: &'static str,
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "GPU {}: {} (compute capability {}.{}, {} multiprocessors, {} total, {} free; driver \
+             CUDA {}.{}; kernels for {})",
+            self.ordinal,
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.multiprocessors,
+            gib(self.total_memory as u64),
+            gib(self.free_memory as u64),
+            self.driver_version / 1000,
+            (self.driver_version % 1000) / 10,
+            self.arch
+        )
+    }
+}
+
+/// What [`selftest`] runs on both backends.
+#[derive(Clone, Debug)]
+pub struct SelftestOptions {
+    /// Prompts; each is prefilled (logits of every position), then decoded.
+    pub prompts: Vec<Vec<u32>>,
+    /// Greedy decode steps after each prefill (the CPU's choice feeds both backends).
+    pub decode_steps: usize,
+    /// CPU threads (0: all cores).
+    pub cpu_threads: usize,
+}
+
+/// The outcome of [`selftest`]: how much was compared and the first difference, if any.
+#[derive(Clone, Debug, Default)]
+pub struct SelftestReport {
+    /// Prompts run.
+    pub prompts: usize,
+    /// Forward steps compared (prefills + decode steps).
+    pub steps: usize,
+    /// Logit rows compared.
+    pub logit_rows: usize,
+    /// Bytes of logits compared (4 per f32).
+    pub logit_bytes: u64,
+    /// Router records compared (one per MoE layer per position).
+    pub router_records: usize,
+    /// Bytes of router records compared (ids, probabilities, weights, k-th and next probability).
+    pub router_bytes: u64,
+    /// Logit values whose bits differ.
+    pub logit_mismatches: u64,
+    /// Router records that differ in any field.
+    pub router_mismatches: u64,
+    /// Steps whose statistics (weight bytes, experts) differ.
+    pub stats_mismatches: u64,
+    /// The first difference found, described.
+    pub first_mismatch: Option<String>,
+    /// Generated tokens per prompt (the CPU's greedy choices).
+    pub tokens: Vec<Vec<u32>>,
+    /// Wall time of the CPU and GPU forward steps, seconds.
+    pub cpu_seconds: f64,
+    pub gpu_seconds: f64,
+    /// The GPU used.
+    pub device: Option<String>,
+}
+
+impl SelftestReport {
+    /// Every compared byte equal.
+    pub fn passed(&self) -> bool {
+        self.logit_mismatches == 0
+            && self.router_mismatches == 0
+            && self.stats_mismatches == 0
+            && self.logit_bytes > 0
+    }
+
+    /// Bytes compared in all.
+    pub fn bytes_compared(&self) -> u64 {
+        self.logit_bytes + self.router_bytes
+    }
+}
+
+impl fmt::Display for SelftestReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} prompts, {} steps, {} logit rows ({} bytes) and {} router records ({} bytes) \
+             compared; {} logit, {} router, {} stats mismatches",
+            if self.passed() { "PASS" } else { "FAIL" },
+            self.prompts,
+            self.steps,
+            self.logit_rows,
+            self.logit_bytes,
+            self.router_records,
+            self.router_bytes,
+            self.logit_mismatches,
+            self.router_mismatches,
+            self.stats_mismatches
+        )?;
+        if let Some(m) = &self.first_mismatch {
+            write!(f, "; first: {m}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The result of one kernel check ([`kernel_checks`]).
+#[derive(Clone, Debug)]
+pub struct KernelCheck {
+    /// What was checked.
+    pub name: String,
+    /// Values compared.
+    pub compared: u64,
+    /// Values whose bits differ from the CPU reference.
+    pub mismatches: u64,
+    /// The first difference.
+    pub first_mismatch: Option<String>,
+}
+
+impl fmt::Display for KernelCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<34} {:>12} values  {}",
+            self.name,
+            self.compared,
+            if self.mismatches == 0 {
+                "bit-identical".to_string()
+            } else {
+                format!(
+                    "{} DIFFER, first: {}",
+                    self.mismatches,
+                    self.first_mismatch.as_deref().unwrap_or("?")
+                )
+            }
+        )
+    }
+}

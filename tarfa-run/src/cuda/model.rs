@@ -1,0 +1,1142 @@
+//! The resident model on the GPU and its forward step (docs/EXACTNESS.md section 6), launched
+//! kernel by kernel on one stream in the CPU backend's order of operations.
+//!
+//! Weights: every non-expert tensor and every expert of every MoE layer is uploaded once, at
+//! load, from the buffers the [`WeightSource`] verified (contract section 1); norm weights and
+//! biases as the CPU widens them (f32). Experts of one layer are stacked per matrix
+//! (`gate`/`up` `[E][I][H]`, `down` `[E][H][I]`) so that a kernel finds expert `e` from the id the
+//! router wrote in device memory.
+//!
+//! This module must never change an operation's order or precision relative to cpu/forward.rs.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::device::{open_context, DevBuf, Gpu};
+use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
+use super::{gib, CudaError, CudaOptions, DeviceInfo};
+use crate::config::MoeConfig;
+use crate::cpu::resident::{LayerMlp, Matrix, ResidentWeights};
+use crate::cpu::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
+use crate::generate::{argmax, Greedy};
+use crate::model::{ArchSpec, MlpKind, QkNorm};
+use crate::numerics::{MatrixRef, RopeTable};
+use crate::weights::{ExpertWeights, WeightError, WeightSource};
+use crate::RunError;
+
+/// Is a usable CUDA GPU here? Loads the driver and NVRTC libraries (checking first that they
+/// exist), opens device `ordinal` and describes it. `--backend auto` picks CUDA when this is Ok.
+pub fn probe(ordinal: usize) -> Result<DeviceInfo, CudaError> {
+    open_context(ordinal).map(|(_, info)| info)
+}
+
+struct DevAttention {
+    q: DevMat,
+    k: DevMat,
+    v: DevMat,
+    o: DevMat,
+    q_bias: Option<DevBuf>,
+    k_bias: Option<DevBuf>,
+    v_bias: Option<DevBuf>,
+    o_bias: Option<DevBuf>,
+    q_norm: Option<DevBuf>,
+    k_norm: Option<DevBuf>,
+}
+
+struct DevDense {
+    gate: DevMat,
+    up: DevMat,
+    down: DevMat,
+}
+
+/// The experts of one MoE layer, stacked.
+struct DevExperts {
+    gate: DevBuf,
+    up: DevBuf,
+    down: DevBuf,
+}
+
+enum DevMlp {
+    Dense(DevDense),
+    Moe {
+        router: DevMat,
+        experts: DevExperts,
+        shared: Option<Box<(DevDense, DevMat)>>,
+        /// Index among MoE layers (router records, per-step record slots).
+        moe_index: usize,
+    },
+}
+
+struct DevLayer {
+    input_norm: DevBuf,
+    post_norm: DevBuf,
+    attn: DevAttention,
+    mlp: DevMlp,
+}
+
+/// A model whose weights all live on one GPU.
+pub struct CudaModel {
+    // Field order is drop order: buffers go before the context that owns them.
+    embed: DevMat,
+    lm_head: Option<DevMat>,
+    final_norm: DevBuf,
+    layers: Vec<DevLayer>,
+    cfg: MoeConfig,
+    spec: ArchSpec,
+    moe_layers: usize,
+    resident_bytes: u64,
+    /// Identifies the caches this model made.
+    id: usize,
+    gpu: Gpu,
+}
+
+static NEXT_MODEL_ID: AtomicUsize = AtomicUsize::new(1);
+
+fn host_f32_bytes(v: &[f32]) -> u64 {
+    4 * v.len() as u64
+}
+
+fn matrix_bytes(m: &Matrix) -> u64 {
+    m.as_ref().bytes()
+}
+
+/// Bytes the resident upload needs (weights as stored, norms and biases as f32).
+fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights) -> u64 {
+    let mut total = matrix_bytes(&w.embed) + host_f32_bytes(&w.final_norm);
+    if !cfg.tie_word_embeddings {
+        total += matrix_bytes(&w.lm_head);
+    }
+    let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| host_f32_bytes(v));
+    for (l, layer) in w.layers.iter().enumerate() {
+        let a = &layer.attention;
+        total += host_f32_bytes(&layer.input_norm) + host_f32_bytes(&layer.post_attention_norm);
+        total += matrix_bytes(&a.q) + matrix_bytes(&a.k) + matrix_bytes(&a.v) + matrix_bytes(&a.o);
+        total += opt(&a.q_bias) + opt(&a.k_bias) + opt(&a.v_bias) + opt(&a.o_bias);
+        total += opt(&a.q_norm) + opt(&a.k_norm);
+        match &layer.mlp {
+            LayerMlp::Dense(d) => {
+                total += matrix_bytes(&d.gate) + matrix_bytes(&d.up) + matrix_bytes(&d.down)
+            }
+            LayerMlp::Moe(m) => {
+                total += matrix_bytes(&m.router);
+                if let Some((d, sg)) = &m.shared {
+                    total += matrix_bytes(&d.gate)
+                        + matrix_bytes(&d.up)
+                        + matrix_bytes(&d.down)
+                        + matrix_bytes(sg);
+                }
+                if spec.layers[l] == MlpKind::Moe {
+                    total += 3 * 2 * (cfg.num_experts * cfg.expert_width * cfg.hidden_size) as u64;
+                }
+            }
+        }
+    }
+    total
+}
+
+impl CudaModel {
+    /// Opens the GPU, compiles the kernels, and uploads every weight from `source` (non-expert
+    /// tensors, then each MoE layer's experts, one layer at a time so that host memory holds at
+    /// most one layer of experts beyond what the source keeps). Fails with
+    /// [`CudaError::OutOfMemory`] before uploading anything when the weights cannot all fit.
+    pub fn load(
+        cfg: MoeConfig,
+        source: Arc<dyn WeightSource>,
+        opts: &CudaOptions,
+    ) -> Result<CudaModel, CudaError> {
+        CudaModel::load_on(Gpu::open(opts)?, cfg, source)
+    }
+
+    /// [`CudaModel::load`] on an opened device.
+    pub(crate) fn load_on(
+        gpu: Gpu,
+        cfg: MoeConfig,
+        source: Arc<dyn WeightSource>,
+    ) -> Result<CudaModel, CudaError> {
+        let spec = ArchSpec::new(&cfg);
+        let host = ResidentWeights::load(&cfg, &spec, source.as_ref())?;
+        if cfg.hidden_size == 0 || cfg.head_dim == 0 || cfg.num_heads == 0 {
+            return Err(CudaError::Unsupported(
+                "a model with an empty dimension".into(),
+            ));
+        }
+        if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+            return Err(CudaError::Unsupported(format!(
+                "{} query heads over {} KV heads",
+                cfg.num_heads, cfg.num_kv_heads
+            )));
+        }
+        let need = resident_need(&cfg, &spec, &host);
+        let (free, total) = gpu.mem_info()?;
+        // headroom for the KV cache, the step's workspace and the driver
+        let headroom = 512u64 << 20;
+        if need + headroom > free as u64 {
+            return Err(CudaError::oom(
+                format!(
+                    "the resident weights ({}, plus {} of headroom); the expert-streaming mode \
+                     that would run this model is not implemented yet",
+                    gib(need),
+                    gib(headroom)
+                ),
+                (need + headroom) as usize,
+                free,
+                total,
+            ));
+        }
+
+        let up_mat = |m: &Matrix, what: &str| upload_matrix(&gpu, m, what);
+        let up_vec = |v: &[f32], what: &str| gpu.upload(v, what);
+        let up_opt = |v: &Option<Vec<f32>>, what: &str| -> Result<Option<DevBuf>, CudaError> {
+            v.as_ref().map(|v| gpu.upload(v, what)).transpose()
+        };
+        let embed = up_mat(&host.embed, "embedding")?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(up_mat(&host.lm_head, "lm_head")?)
+        };
+        let final_norm = up_vec(&host.final_norm, "final norm")?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mut moe_layers = 0;
+        for (l, lw) in host.layers.iter().enumerate() {
+            let a = &lw.attention;
+            let name = |s: &str| format!("layer {l} {s}");
+            let attn = DevAttention {
+                q: up_mat(&a.q, &name("q_proj"))?,
+                k: up_mat(&a.k, &name("k_proj"))?,
+                v: up_mat(&a.v, &name("v_proj"))?,
+                o: up_mat(&a.o, &name("o_proj"))?,
+                q_bias: up_opt(&a.q_bias, &name("q bias"))?,
+                k_bias: up_opt(&a.k_bias, &name("k bias"))?,
+                v_bias: up_opt(&a.v_bias, &name("v bias"))?,
+                o_bias: up_opt(&a.o_bias, &name("o bias"))?,
+                q_norm: up_opt(&a.q_norm, &name("q norm"))?,
+                k_norm: up_opt(&a.k_norm, &name("k norm"))?,
+            };
+            let dense =
+                |d: &crate::cpu::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
+                    let out = DevDense {
+                        gate: up_mat(&d.gate, &format!("{what} gate"))?,
+                        up: up_mat(&d.up, &format!("{what} up"))?,
+                        down: up_mat(&d.down, &format!("{what} down"))?,
+                    };
+                    if out.gate.dtype != out.up.dtype {
+                        return Err(CudaError::Unsupported(format!(
+                            "{what}: gate and up matrices of different dtypes"
+                        )));
+                    }
+                    Ok(out)
+                };
+            let mlp = match &lw.mlp {
+                LayerMlp::Dense(d) => DevMlp::Dense(dense(d, &name("mlp"))?),
+                LayerMlp::Moe(m) => {
+                    let shared = match &m.shared {
+                        Some((d, sg)) => Some(Box::new((
+                            dense(d, &name("shared expert"))?,
+                            up_mat(sg, &name("shared expert gate"))?,
+                        ))),
+                        None => None,
+                    };
+                    let experts = upload_experts(&gpu, &cfg, source.as_ref(), l)?;
+                    moe_layers += 1;
+                    DevMlp::Moe {
+                        router: up_mat(&m.router, &name("router"))?,
+                        experts,
+                        shared,
+                        moe_index: moe_layers - 1,
+                    }
+                }
+            };
+            layers.push(DevLayer {
+                input_norm: up_vec(&lw.input_norm, &name("input norm"))?,
+                post_norm: up_vec(&lw.post_attention_norm, &name("post-attention norm"))?,
+                attn,
+                mlp,
+            });
+        }
+        gpu.sync("the weight upload")?;
+        Ok(CudaModel {
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            cfg,
+            spec,
+            moe_layers,
+            resident_bytes: need,
+            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            gpu,
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// The resolved structure.
+    pub fn spec(&self) -> &ArchSpec {
+        &self.spec
+    }
+
+    /// The GPU.
+    pub fn device(&self) -> &DeviceInfo {
+        &self.gpu.info
+    }
+
+    /// Bytes of weights resident on the GPU.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    /// An empty KV cache for one sequence, with room for `initial` positions (it grows on
+    /// demand up to `max_position_embeddings`).
+    pub fn new_cache(&self) -> Result<CudaCache, CudaError> {
+        let rope =
+            RopeTable::new(self.cfg.rope_theta, self.cfg.head_dim).map_err(RunError::from)?;
+        let mut c = CudaCache {
+            len: 0,
+            max_len: self.cfg.max_position_embeddings,
+            cap: 0,
+            k: Vec::new(),
+            v: Vec::new(),
+            rope,
+            rope_cos: None,
+            rope_sin: None,
+            rope_rows: 0,
+            ws: Workspace::default(),
+            model_id: self.id,
+        };
+        c.grow(self, self.cfg.max_position_embeddings.min(256))?;
+        Ok(c)
+    }
+
+    /// Runs `tokens` at positions `cache.len()..` (prefill when several, decode when one) and
+    /// appends them to the cache; returns what the CPU backend returns, bit for bit. On error the
+    /// cache is left as it was.
+    pub fn forward(
+        &self,
+        cache: &mut CudaCache,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, CudaError> {
+        let cfg = &self.cfg;
+        if cache.model_id != self.id {
+            return Err(CudaError::Unsupported(
+                "a KV cache made by another model".into(),
+            ));
+        }
+        if tokens.is_empty() {
+            return Err(RunError::EmptyStep.into());
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(RunError::TokenOutOfRange {
+                token: bad,
+                vocab: cfg.vocab_size,
+            }
+            .into());
+        }
+        let pos0 = cache.len;
+        let t_count = tokens.len();
+        let end = pos0 + t_count;
+        if end > cache.max_len {
+            return Err(RunError::ContextFull {
+                needed: end,
+                max: cache.max_len,
+            }
+            .into());
+        }
+        if t_count > 65535 {
+            return Err(CudaError::Unsupported(format!(
+                "{t_count} tokens in one step (at most 65,535)"
+            )));
+        }
+        if end > cache.cap {
+            let want = end.max(2 * cache.cap).min(cache.max_len);
+            cache.grow(self, want)?;
+        }
+        cache.upload_rope(&self.gpu, end)?;
+        let rows: Vec<usize> = match opts.logits {
+            LogitRows::Last => vec![t_count - 1],
+            LogitRows::All => (0..t_count).collect(),
+        };
+        cache
+            .ws
+            .ensure(&self.gpu, cfg, self.moe_layers, t_count, end, rows.len())?;
+        let ws = &cache.ws;
+        let gpu = &self.gpu;
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let eps = cfg.eps_f32();
+        let k_top = cfg.top_k;
+
+        gpu.write(ws.tokens.ptr(), tokens, "the step's tokens")?;
+        // Step 1: h_t = widen(embed[token_t])
+        ops::embed(gpu, &self.embed, ws.tokens.ptr(), t_count, ws.h.ptr())?;
+
+        let shape = AttnShape {
+            hq,
+            hkv,
+            d,
+            cap: cache.cap,
+            pos0,
+            tokens: t_count,
+        };
+        // scale = round_f32(1 / sqrt(D)) computed in f64, as the CPU does
+        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+        for (l, layer) in self.layers.iter().enumerate() {
+            // Step 3, attention: xn = RMSNorm(h); q, k, v (+ bias); q/k norm; RoPE; append;
+            // scores, softmax, output; h = h + W_o o (+ b_o)
+            let a = &layer.attn;
+            ops::rmsnorm(
+                gpu,
+                ws.h.ptr(),
+                h,
+                ws.xn.ptr(),
+                h,
+                layer.input_norm.ptr(),
+                h,
+                t_count,
+                eps,
+            )?;
+            let bias = |b: &Option<DevBuf>| b.as_ref().map_or(0, |b| b.ptr());
+            ops::matvec(
+                gpu,
+                &a.q,
+                ws.xn.ptr(),
+                h,
+                bias(&a.q_bias),
+                ws.q.ptr(),
+                hq * d,
+                t_count,
+                false,
+            )?;
+            ops::matvec(
+                gpu,
+                &a.k,
+                ws.xn.ptr(),
+                h,
+                bias(&a.k_bias),
+                ws.k.ptr(),
+                hkv * d,
+                t_count,
+                false,
+            )?;
+            ops::matvec(
+                gpu,
+                &a.v,
+                ws.xn.ptr(),
+                h,
+                bias(&a.v_bias),
+                ws.v.ptr(),
+                hkv * d,
+                t_count,
+                false,
+            )?;
+            match (self.spec.qk_norm, &a.q_norm, &a.k_norm) {
+                (QkNorm::PerHead, Some(qn), Some(kn)) => {
+                    ops::rmsnorm(
+                        gpu,
+                        ws.q.ptr(),
+                        d,
+                        ws.q.ptr(),
+                        d,
+                        qn.ptr(),
+                        d,
+                        t_count * hq,
+                        eps,
+                    )?;
+                    ops::rmsnorm(
+                        gpu,
+                        ws.k.ptr(),
+                        d,
+                        ws.k.ptr(),
+                        d,
+                        kn.ptr(),
+                        d,
+                        t_count * hkv,
+                        eps,
+                    )?;
+                }
+                (QkNorm::WholeProjection, Some(qn), Some(kn)) => {
+                    ops::rmsnorm(
+                        gpu,
+                        ws.q.ptr(),
+                        hq * d,
+                        ws.q.ptr(),
+                        hq * d,
+                        qn.ptr(),
+                        hq * d,
+                        t_count,
+                        eps,
+                    )?;
+                    ops::rmsnorm(
+                        gpu,
+                        ws.k.ptr(),
+                        hkv * d,
+                        ws.k.ptr(),
+                        hkv * d,
+                        kn.ptr(),
+                        hkv * d,
+                        t_count,
+                        eps,
+                    )?;
+                }
+                _ => {}
+            }
+            let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
+            let (cos, sin) = cache.rope_ptrs();
+            ops::rope_append_kv(
+                gpu,
+                shape,
+                ws.q.ptr(),
+                ws.k.ptr(),
+                ws.v.ptr(),
+                cos,
+                sin,
+                kc,
+                vc,
+            )?;
+            ops::attention(
+                gpu,
+                shape,
+                ws.q.ptr(),
+                kc,
+                vc,
+                scale,
+                ws.scores.ptr(),
+                end,
+                ws.o.ptr(),
+            )?;
+            ops::matvec(
+                gpu,
+                &a.o,
+                ws.o.ptr(),
+                hq * d,
+                bias(&a.o_bias),
+                ws.h.ptr(),
+                h,
+                t_count,
+                true,
+            )?;
+
+            // Step 4, the MLP: xn = RMSNorm(h), then dense or MoE
+            ops::rmsnorm(
+                gpu,
+                ws.h.ptr(),
+                h,
+                ws.xn.ptr(),
+                h,
+                layer.post_norm.ptr(),
+                h,
+                t_count,
+                eps,
+            )?;
+            match &layer.mlp {
+                DevMlp::Dense(m) => {
+                    let f = m.gate.rows;
+                    ops::gate_up(
+                        gpu,
+                        m.gate.dtype,
+                        m.gate.ptr(),
+                        m.up.ptr(),
+                        f,
+                        h,
+                        0,
+                        1,
+                        ws.xn.ptr(),
+                        ws.act.ptr(),
+                        t_count,
+                    )?;
+                    ops::matvec(
+                        gpu,
+                        &m.down,
+                        ws.act.ptr(),
+                        f,
+                        0,
+                        ws.h.ptr(),
+                        h,
+                        t_count,
+                        true,
+                    )?;
+                }
+                DevMlp::Moe {
+                    router,
+                    experts,
+                    shared,
+                    moe_index,
+                } => {
+                    let e_count = cfg.num_experts;
+                    ops::matvec(
+                        gpu,
+                        router,
+                        ws.xn.ptr(),
+                        h,
+                        0,
+                        ws.router_logits.ptr(),
+                        e_count,
+                        t_count,
+                        false,
+                    )?;
+                    let route = ws.route_out(*moe_index, t_count, k_top);
+                    ops::route_topk(
+                        gpu,
+                        ws.router_logits.ptr(),
+                        e_count,
+                        k_top,
+                        self.spec.renormalize_topk,
+                        t_count,
+                        route,
+                    )?;
+                    let (mut y_sh, mut s_sh) = (0u64, 0u64);
+                    if let Some(sh) = shared {
+                        let (m, sg) = &**sh;
+                        let s = m.gate.rows;
+                        ops::gate_up(
+                            gpu,
+                            m.gate.dtype,
+                            m.gate.ptr(),
+                            m.up.ptr(),
+                            s,
+                            h,
+                            0,
+                            1,
+                            ws.xn.ptr(),
+                            ws.act_shared.ptr(),
+                            t_count,
+                        )?;
+                        ops::matvec(
+                            gpu,
+                            &m.down,
+                            ws.act_shared.ptr(),
+                            s,
+                            0,
+                            ws.y_shared.ptr(),
+                            h,
+                            t_count,
+                            false,
+                        )?;
+                        ops::matvec(
+                            gpu,
+                            sg,
+                            ws.xn.ptr(),
+                            h,
+                            0,
+                            ws.s_shared.ptr(),
+                            1,
+                            t_count,
+                            false,
+                        )?;
+                        y_sh = ws.y_shared.ptr();
+                        s_sh = ws.s_shared.ptr();
+                    }
+                    let i = cfg.expert_width;
+                    ops::gate_up(
+                        gpu,
+                        DType::Bf16,
+                        experts.gate.ptr(),
+                        experts.up.ptr(),
+                        i,
+                        h,
+                        route.ids,
+                        k_top,
+                        ws.xn.ptr(),
+                        ws.act.ptr(),
+                        t_count,
+                    )?;
+                    ops::down_mix(
+                        gpu,
+                        experts.down.ptr(),
+                        h,
+                        i,
+                        route,
+                        k_top,
+                        ws.act.ptr(),
+                        y_sh,
+                        s_sh,
+                        ws.h.ptr(),
+                        t_count,
+                    )?;
+                }
+            }
+        }
+
+        // Step 5: hn = RMSNorm(h) of the requested rows (contiguous: the last, or all), logits
+        let first = rows[0];
+        let n_rows = rows.len();
+        ops::rmsnorm(
+            gpu,
+            ws.h.ptr() + (first * h * 4) as u64,
+            h,
+            ws.hn.ptr(),
+            h,
+            self.final_norm.ptr(),
+            h,
+            n_rows,
+            eps,
+        )?;
+        if opts.final_hidden == FinalHidden::InvalidBf16BeforeLmHead {
+            ops::round_to_bf16(gpu, ws.hn.ptr(), n_rows * h)?;
+        }
+        let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let vocab = cfg.vocab_size;
+        ops::matvec(
+            gpu,
+            lm,
+            ws.hn.ptr(),
+            h,
+            0,
+            ws.logits.ptr(),
+            vocab,
+            n_rows,
+            false,
+        )?;
+
+        let flat: Vec<f32> = gpu.read(ws.logits.ptr(), n_rows * vocab, "the logits")?;
+        let logits: Vec<Vec<f32>> = flat.chunks_exact(vocab).map(|r| r.to_vec()).collect();
+        let per_layer = t_count * k_top;
+        let ids: Vec<u32> = gpu.read(
+            ws.ids.ptr(),
+            self.moe_layers * per_layer,
+            "the router's choices",
+        )?;
+        let stats = self.step_stats(t_count, &ids);
+        let router = if opts.trace_router {
+            self.router_records(ws, pos0, t_count, &ids)?
+        } else {
+            Vec::new()
+        };
+        cache.len = end;
+        Ok(ForwardOutput {
+            logits,
+            router,
+            stats,
+        })
+    }
+
+    /// The CPU's statistics for this step: every matrix applied once, each distinct expert a
+    /// layer's tokens chose, the embedding rows.
+    fn step_stats(&self, t_count: usize, ids: &[u32]) -> StepStats {
+        let cfg = &self.cfg;
+        let mut s = StepStats {
+            weight_bytes: (t_count * cfg.hidden_size * self.embed.dtype.size()) as u64,
+            experts_fetched: 0,
+        };
+        let per_layer = t_count * cfg.top_k;
+        let expert_bytes = 3 * 2 * (cfg.expert_width * cfg.hidden_size) as u64;
+        for layer in &self.layers {
+            let a = &layer.attn;
+            s.weight_bytes += a.q.bytes() + a.k.bytes() + a.v.bytes() + a.o.bytes();
+            match &layer.mlp {
+                DevMlp::Dense(m) => {
+                    s.weight_bytes += m.gate.bytes() + m.up.bytes() + m.down.bytes()
+                }
+                DevMlp::Moe {
+                    router,
+                    shared,
+                    moe_index,
+                    ..
+                } => {
+                    s.weight_bytes += router.bytes();
+                    let chosen = &ids[moe_index * per_layer..(moe_index + 1) * per_layer];
+                    let distinct: BTreeSet<u32> = chosen.iter().copied().collect();
+                    s.weight_bytes += distinct.len() as u64 * expert_bytes;
+                    s.experts_fetched += distinct.len() as u64;
+                    if let Some(sh) = shared {
+                        let (m, sg) = &**sh;
+                        s.weight_bytes +=
+                            m.gate.bytes() + m.up.bytes() + sg.bytes() + m.down.bytes();
+                    }
+                }
+            }
+        }
+        s.weight_bytes += self.lm_head.as_ref().unwrap_or(&self.embed).bytes();
+        s
+    }
+
+    fn router_records(
+        &self,
+        ws: &Workspace,
+        pos0: usize,
+        t_count: usize,
+        ids: &[u32],
+    ) -> Result<Vec<RouterRecord>, CudaError> {
+        let k = self.cfg.top_k;
+        let n = self.moe_layers * t_count * k;
+        let probs: Vec<f32> = self
+            .gpu
+            .read(ws.probs.ptr(), n, "the router's probabilities")?;
+        let weights: Vec<f32> = self.gpu.read(ws.weights.ptr(), n, "the router's weights")?;
+        let kth: Vec<f32> = self.gpu.read(
+            ws.kth.ptr(),
+            self.moe_layers * t_count,
+            "the router's k-th probabilities",
+        )?;
+        let next: Vec<f32> = self.gpu.read(
+            ws.next.ptr(),
+            self.moe_layers * t_count,
+            "the router's next probabilities",
+        )?;
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let DevMlp::Moe { moe_index, .. } = &layer.mlp else {
+                continue;
+            };
+            for t in 0..t_count {
+                let r = (moe_index * t_count + t) * k..(moe_index * t_count + t + 1) * k;
+                let row = moe_index * t_count + t;
+                out.push(RouterRecord {
+                    layer: l,
+                    moe_layer: *moe_index,
+                    position: pos0 + t,
+                    experts: ids[r.clone()].to_vec(),
+                    probs: probs[r.clone()].to_vec(),
+                    weights: weights[r].to_vec(),
+                    kth_prob: kth[row],
+                    next_prob: (self.cfg.num_experts > k).then_some(next[row]),
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn upload_matrix(gpu: &Gpu, m: &Matrix, what: &str) -> Result<DevMat, CudaError> {
+    Ok(match m.as_ref() {
+        MatrixRef::Bf16 { rows, cols, data } => DevMat {
+            buf: gpu.upload(data, what)?,
+            rows,
+            cols,
+            dtype: DType::Bf16,
+        },
+        MatrixRef::F32 { rows, cols, data } => DevMat {
+            buf: gpu.upload(data, what)?,
+            rows,
+            cols,
+            dtype: DType::F32,
+        },
+    })
+}
+
+/// Uploads every expert of MoE layer `l`, stacked per matrix, checking shapes as the CPU does.
+fn upload_experts(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    source: &dyn WeightSource,
+    l: usize,
+) -> Result<DevExperts, CudaError> {
+    let (e_count, h, i) = (cfg.num_experts, cfg.hidden_size, cfg.expert_width);
+    let per = i * h; // elements of one matrix
+    let what = |m: &str| format!("layer {l} experts' {m} matrices");
+    let gate = gpu.alloc(e_count * per * 2, &what("gate"))?;
+    let up = gpu.alloc(e_count * per * 2, &what("up"))?;
+    let down = gpu.alloc(e_count * per * 2, &what("down"))?;
+    // a bounded batch of experts per call keeps host memory small for streaming sources
+    let batch = 16usize;
+    for start in (0..e_count).step_by(batch) {
+        let ids: Vec<usize> = (start..(start + batch).min(e_count)).collect();
+        let got: Vec<Arc<ExpertWeights>> = source.experts(l, &ids)?;
+        if got.len() != ids.len() {
+            return Err(RunError::SourceContract(format!(
+                "experts() returned {} experts for {} ids",
+                got.len(),
+                ids.len()
+            ))
+            .into());
+        }
+        for (ew, &e) in got.iter().zip(&ids) {
+            for (m, rows, cols, name) in [
+                (&ew.gate, i, h, "gate"),
+                (&ew.up, i, h, "up"),
+                (&ew.down, h, i, "down"),
+            ] {
+                if m.rows != rows || m.cols != cols || m.data.len() != rows * cols {
+                    return Err(WeightError::ShapeMismatch {
+                        name: format!("layer {l} expert {e} {name}"),
+                        expected: vec![rows, cols],
+                        found: vec![m.rows, m.cols],
+                    }
+                    .into());
+                }
+            }
+            let off = (e * per * 2) as u64;
+            gpu.write(gate.ptr() + off, &ew.gate.data, &what("gate"))?;
+            gpu.write(up.ptr() + off, &ew.up.data, &what("up"))?;
+            gpu.write(down.ptr() + off, &ew.down.data, &what("down"))?;
+        }
+    }
+    Ok(DevExperts { gate, up, down })
+}
+
+/// One sequence on the GPU: its KV cache, RoPE rows and the step workspace.
+pub struct CudaCache {
+    len: usize,
+    max_len: usize,
+    /// Positions allocated per (layer, KV head).
+    cap: usize,
+    /// Per layer: `[Hkv][cap][D]` keys (after norm and RoPE) and values.
+    k: Vec<DevBuf>,
+    v: Vec<DevBuf>,
+    rope: RopeTable,
+    rope_cos: Option<DevBuf>,
+    rope_sin: Option<DevBuf>,
+    /// Rows of the RoPE table on the device.
+    rope_rows: usize,
+    ws: Workspace,
+    model_id: usize,
+}
+
+impl CudaCache {
+    /// Number of positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The most positions this cache accepts (`max_position_embeddings`).
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Forgets positions from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    fn rope_ptrs(&self) -> (u64, u64) {
+        (
+            self.rope_cos.as_ref().map_or(0, |b| b.ptr()),
+            self.rope_sin.as_ref().map_or(0, |b| b.ptr()),
+        )
+    }
+
+    /// Reallocates the KV cache for `cap` positions, keeping the cached ones.
+    fn grow(&mut self, model: &CudaModel, cap: usize) -> Result<(), CudaError> {
+        let cfg = &model.cfg;
+        let gpu = &model.gpu;
+        let (hkv, d) = (cfg.num_kv_heads, cfg.head_dim);
+        let mut k = Vec::with_capacity(cfg.num_layers);
+        let mut v = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let bytes = hkv * cap * d * 4;
+            let nk = gpu.alloc(bytes, &format!("layer {l} KV cache keys ({cap} positions)"))?;
+            let nv = gpu.alloc(
+                bytes,
+                &format!("layer {l} KV cache values ({cap} positions)"),
+            )?;
+            if self.len > 0 {
+                for head in 0..hkv {
+                    let (src_off, dst_off) = (
+                        (head * self.cap * d * 4) as u64,
+                        (head * cap * d * 4) as u64,
+                    );
+                    let n = self.len * d * 4;
+                    gpu.copy(
+                        nk.ptr() + dst_off,
+                        self.k[l].ptr() + src_off,
+                        n,
+                        "the KV cache",
+                    )?;
+                    gpu.copy(
+                        nv.ptr() + dst_off,
+                        self.v[l].ptr() + src_off,
+                        n,
+                        "the KV cache",
+                    )?;
+                }
+            }
+            k.push(nk);
+            v.push(nv);
+        }
+        gpu.sync("the KV cache copy")?;
+        self.k = k;
+        self.v = v;
+        self.cap = cap;
+        // the RoPE rows move to a table of the new capacity
+        let half = d / 2;
+        self.rope_cos = Some(gpu.alloc(cap * half * 4, "the RoPE cos table")?);
+        self.rope_sin = Some(gpu.alloc(cap * half * 4, "the RoPE sin table")?);
+        self.rope_rows = 0;
+        Ok(())
+    }
+
+    /// Makes sure the device holds the host-computed RoPE rows of positions `0..end`.
+    fn upload_rope(&mut self, gpu: &Gpu, end: usize) -> Result<(), CudaError> {
+        if end <= self.rope_rows {
+            return Ok(());
+        }
+        self.rope.ensure(end).map_err(RunError::from)?;
+        let half = self.rope.inv_freq().len();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pos in self.rope_rows..end {
+            let (c, s) = self.rope.row(pos);
+            cos.extend_from_slice(c);
+            sin.extend_from_slice(s);
+        }
+        let off = (self.rope_rows * half * 4) as u64;
+        let (cp, sp) = self.rope_ptrs();
+        gpu.write(cp + off, &cos, "the RoPE cos rows")?;
+        gpu.write(sp + off, &sin, "the RoPE sin rows")?;
+        self.rope_rows = end;
+        Ok(())
+    }
+}
+
+/// Device buffers of one step, grown on demand.
+#[derive(Default)]
+struct Workspace {
+    tokens_cap: usize,
+    positions_cap: usize,
+    rows_cap: usize,
+    tokens: Slot,
+    h: Slot,
+    xn: Slot,
+    q: Slot,
+    k: Slot,
+    v: Slot,
+    o: Slot,
+    scores: Slot,
+    router_logits: Slot,
+    act: Slot,
+    act_shared: Slot,
+    y_shared: Slot,
+    s_shared: Slot,
+    ids: Slot,
+    probs: Slot,
+    weights: Slot,
+    by_id: Slot,
+    kth: Slot,
+    next: Slot,
+    hn: Slot,
+    logits: Slot,
+}
+
+#[derive(Default)]
+struct Slot(Option<DevBuf>);
+
+impl Slot {
+    fn ptr(&self) -> u64 {
+        self.0.as_ref().map_or(0, |b| b.ptr())
+    }
+
+    fn ensure(&mut self, gpu: &Gpu, bytes: usize, what: &str) -> Result<(), CudaError> {
+        if self.0.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            self.0 = None;
+            self.0 = Some(gpu.alloc(bytes, what)?);
+        }
+        Ok(())
+    }
+}
+
+impl Workspace {
+    fn ensure(
+        &mut self,
+        gpu: &Gpu,
+        cfg: &MoeConfig,
+        moe_layers: usize,
+        t: usize,
+        positions: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        if t <= self.tokens_cap && positions <= self.positions_cap && rows <= self.rows_cap {
+            return Ok(());
+        }
+        let t = t.max(self.tokens_cap);
+        let positions = positions.max(self.positions_cap);
+        let rows = rows.max(self.rows_cap);
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let k = cfg.top_k;
+        let f = 4usize;
+        let act = (k * cfg.expert_width).max(cfg.dense_width.unwrap_or(0));
+        let sh = cfg.shared_expert_width.unwrap_or(0);
+        let w = "the step workspace";
+        self.tokens.ensure(gpu, t * 4, w)?;
+        self.h.ensure(gpu, t * h * f, w)?;
+        self.xn.ensure(gpu, t * h * f, w)?;
+        self.q.ensure(gpu, t * hq * d * f, w)?;
+        self.k.ensure(gpu, t * hkv * d * f, w)?;
+        self.v.ensure(gpu, t * hkv * d * f, w)?;
+        self.o.ensure(gpu, t * hq * d * f, w)?;
+        self.scores
+            .ensure(gpu, t * hq * positions * f, "the attention scores")?;
+        self.router_logits
+            .ensure(gpu, t * cfg.num_experts.max(1) * f, w)?;
+        self.act.ensure(gpu, t * act * f, w)?;
+        self.act_shared.ensure(gpu, t * sh * f, w)?;
+        self.y_shared.ensure(gpu, t * h * f, w)?;
+        self.s_shared.ensure(gpu, t * f, w)?;
+        let rec = moe_layers.max(1) * t * k.max(1) * 4;
+        self.ids.ensure(gpu, rec, w)?;
+        self.probs.ensure(gpu, rec, w)?;
+        self.weights.ensure(gpu, rec, w)?;
+        self.by_id.ensure(gpu, rec, w)?;
+        self.kth.ensure(gpu, moe_layers.max(1) * t * 4, w)?;
+        self.next.ensure(gpu, moe_layers.max(1) * t * 4, w)?;
+        self.hn.ensure(gpu, rows * h * f, w)?;
+        self.logits
+            .ensure(gpu, rows * cfg.vocab_size * f, "the logits")?;
+        self.tokens_cap = t;
+        self.positions_cap = positions;
+        self.rows_cap = rows;
+        Ok(())
+    }
+
+    /// Where MoE layer `moe_index`'s router writes, for a step of `t` tokens.
+    fn route_out(&self, moe_index: usize, t: usize, k: usize) -> RouteOut {
+        let rec = (moe_index * t * k * 4) as u64;
+        let one = (moe_index * t * 4) as u64;
+        RouteOut {
+            ids: self.ids.ptr() + rec,
+            probs: self.probs.ptr() + rec,
+            weights: self.weights.ptr() + rec,
+            by_id: self.by_id.ptr() + rec,
+            kth: self.kth.ptr() + one,
+            next: self.next.ptr() + one,
+        }
+    }
+}
+
+/// Greedy decoding on the GPU, as [`crate::generate::greedy`] does on the CPU: prefill the
+/// prompt, then one token at a time, always the largest logit (lowest index among equals).
+pub fn greedy(
+    model: &CudaModel,
+    cache: &mut CudaCache,
+    prompt: &[u32],
+    n_new: usize,
+    opts: &ForwardOptions,
+) -> Result<Greedy, CudaError> {
+    let prefill = model.forward(cache, prompt, opts)?;
+    let mut out = Greedy::default();
+    let mut last = prefill.logits.last().cloned().unwrap_or_default();
+    out.prefill = prefill;
+    let step_opts = ForwardOptions {
+        logits: LogitRows::Last,
+        ..*opts
+    };
+    for j in 0..n_new {
+        let next = argmax(&last);
+        out.tokens.push(next);
+        out.step_logits.push(std::mem::take(&mut last));
+        if j + 1 == n_new {
+            break;
+        }
+        let step = model.forward(cache, &[next], &step_opts)?;
+        out.decode_router.extend(step.router);
+        last = step.logits.into_iter().next().unwrap_or_default();
+    }
+    Ok(out)
+}

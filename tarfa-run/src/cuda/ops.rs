@@ -1,0 +1,384 @@
+//! One Rust function per kernel: the launch geometry and the argument list, mirroring each
+//! `extern "C"` declaration in kernels/*.cu. The forward pass and the kernel checks call these
+//! and nothing else.
+
+use super::device::{Arg, DevBuf, Gpu};
+use super::CudaError;
+
+/// Element type of a device matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DType {
+    Bf16,
+    F32,
+}
+
+impl DType {
+    pub(crate) fn size(self) -> usize {
+        match self {
+            DType::Bf16 => 2,
+            DType::F32 => 4,
+        }
+    }
+}
+
+/// A row-major matrix in device memory.
+pub(crate) struct DevMat {
+    pub(crate) buf: DevBuf,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) dtype: DType,
+}
+
+impl DevMat {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.buf.ptr()
+    }
+
+    /// Bytes of weights (as the CPU's statistics count them).
+    pub(crate) fn bytes(&self) -> u64 {
+        (self.rows * self.cols * self.dtype.size()) as u64
+    }
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+fn i32_of(n: usize, what: &str) -> Result<i32, CudaError> {
+    i32::try_from(n).map_err(|_| CudaError::Unsupported(format!("{what} = {n} exceeds 2^31")))
+}
+
+/// `out[t][r] = (out[t][r] +) dot(W[r], x[t]) (+ bias[r])` for `tokens` activations.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matvec(
+    gpu: &Gpu,
+    w: &DevMat,
+    x: u64,
+    x_stride: usize,
+    bias: u64,
+    out: u64,
+    out_stride: usize,
+    tokens: usize,
+    residual: bool,
+) -> Result<(), CudaError> {
+    let name = match w.dtype {
+        DType::Bf16 => "matvec_bf16",
+        DType::F32 => "matvec_f32",
+    };
+    gpu.launch(
+        name,
+        (blocks(w.rows, 8), tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(w.ptr()),
+            Arg::I32(i32_of(w.rows, "rows")?),
+            Arg::I32(i32_of(w.cols, "cols")?),
+            Arg::Ptr(x),
+            Arg::I64(x_stride as i64),
+            Arg::Ptr(bias),
+            Arg::Ptr(out),
+            Arg::I64(out_stride as i64),
+            Arg::I32(i32::from(residual)),
+        ],
+    )
+}
+
+/// RMSNorm of `count` segments of `n` values (see kernels/norm_rope.cu).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rmsnorm(
+    gpu: &Gpu,
+    x: u64,
+    x_stride: usize,
+    y: u64,
+    y_stride: usize,
+    w: u64,
+    n: usize,
+    count: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "rmsnorm",
+        (blocks(count, 8), 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(x),
+            Arg::I64(x_stride as i64),
+            Arg::Ptr(y),
+            Arg::I64(y_stride as i64),
+            Arg::Ptr(w),
+            Arg::I32(i32_of(n, "norm width")?),
+            Arg::I32(i32_of(count, "norm count")?),
+            Arg::F32(eps),
+        ],
+    )
+}
+
+/// `h[t] = widen(embed[tokens[t]])`.
+pub(crate) fn embed(
+    gpu: &Gpu,
+    table: &DevMat,
+    tokens: u64,
+    count: usize,
+    h: u64,
+) -> Result<(), CudaError> {
+    let name = match table.dtype {
+        DType::Bf16 => "embed_bf16",
+        DType::F32 => "embed_f32",
+    };
+    gpu.launch(
+        name,
+        (count as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(table.ptr()),
+            Arg::Ptr(tokens),
+            Arg::I32(i32_of(table.cols, "hidden")?),
+            Arg::Ptr(h),
+        ],
+    )
+}
+
+/// Shapes of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnShape {
+    pub(crate) hq: usize,
+    pub(crate) hkv: usize,
+    pub(crate) d: usize,
+    /// Positions allocated per (layer, KV head) in the cache.
+    pub(crate) cap: usize,
+    /// Position of the step's first token.
+    pub(crate) pos0: usize,
+    /// Tokens in the step.
+    pub(crate) tokens: usize,
+}
+
+/// RoPE on q (in place) and k, then k and v appended to the layer's cache.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_append_kv(
+    gpu: &Gpu,
+    s: AttnShape,
+    q: u64,
+    k: u64,
+    v: u64,
+    cos: u64,
+    sin: u64,
+    k_cache: u64,
+    v_cache: u64,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "rope_append_kv",
+        ((s.hq + s.hkv) as u32, s.tokens as u32, 1),
+        (64, 1, 1),
+        0,
+        &[
+            Arg::Ptr(q),
+            Arg::Ptr(k),
+            Arg::Ptr(v),
+            Arg::I32(s.hq as i32),
+            Arg::I32(s.hkv as i32),
+            Arg::I32(s.d as i32),
+            Arg::Ptr(cos),
+            Arg::Ptr(sin),
+            Arg::I32(i32_of(s.pos0, "position")?),
+            Arg::Ptr(k_cache),
+            Arg::Ptr(v_cache),
+            Arg::I32(i32_of(s.cap, "cache capacity")?),
+        ],
+    )
+}
+
+/// Causal attention; `scratch` holds `tokens * hq * n_stride` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    gpu: &Gpu,
+    s: AttnShape,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    scale: f32,
+    scratch: u64,
+    n_stride: usize,
+    o: u64,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "attention",
+        (s.hq as u32, s.tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(q),
+            Arg::I32(s.hq as i32),
+            Arg::I32(s.hkv as i32),
+            Arg::I32(s.d as i32),
+            Arg::Ptr(k_cache),
+            Arg::Ptr(v_cache),
+            Arg::I32(i32_of(s.cap, "cache capacity")?),
+            Arg::I32(i32_of(s.pos0, "position")?),
+            Arg::F32(scale),
+            Arg::Ptr(scratch),
+            Arg::I32(i32_of(n_stride, "positions")?),
+            Arg::Ptr(o),
+        ],
+    )
+}
+
+/// Where one MoE layer's router writes its choices ([tokens][k], and [tokens]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RouteOut {
+    pub(crate) ids: u64,
+    pub(crate) probs: u64,
+    pub(crate) weights: u64,
+    pub(crate) by_id: u64,
+    pub(crate) kth: u64,
+    pub(crate) next: u64,
+}
+
+/// Largest top-k the router kernel holds (its `sel` array).
+pub(crate) const MAX_TOP_K: usize = 1024;
+
+/// Softmax over `experts` logits per token, top-k, optional renormalisation.
+pub(crate) fn route_topk(
+    gpu: &Gpu,
+    logits: u64,
+    experts: usize,
+    k: usize,
+    renorm: bool,
+    tokens: usize,
+    out: RouteOut,
+) -> Result<(), CudaError> {
+    if k == 0 || k > experts || k > MAX_TOP_K {
+        return Err(CudaError::Unsupported(format!(
+            "top-{k} of {experts} experts (the router kernel takes 1 <= k <= min(E, {MAX_TOP_K}))"
+        )));
+    }
+    let shared = (experts + k) * 4;
+    if shared > 40 * 1024 {
+        return Err(CudaError::Unsupported(format!(
+            "{experts} experts (the router kernel holds at most about 10,000)"
+        )));
+    }
+    gpu.launch(
+        "route_topk",
+        (tokens as u32, 1, 1),
+        (256, 1, 1),
+        shared as u32,
+        &[
+            Arg::Ptr(logits),
+            Arg::I32(experts as i32),
+            Arg::I32(k as i32),
+            Arg::I32(i32::from(renorm)),
+            Arg::Ptr(out.ids),
+            Arg::Ptr(out.probs),
+            Arg::Ptr(out.weights),
+            Arg::Ptr(out.by_id),
+            Arg::Ptr(out.kth),
+            Arg::Ptr(out.next),
+        ],
+    )
+}
+
+/// `act[t][j][i] = silu(gate[e] row i . xn[t]) * (up[e] row i . xn[t])` with `e = ids[t][j]`
+/// (`ids == 0`: a dense MLP, one matrix, `k = 1`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gate_up(
+    gpu: &Gpu,
+    dtype: DType,
+    gate: u64,
+    up: u64,
+    rows: usize,
+    cols: usize,
+    ids: u64,
+    k: usize,
+    xn: u64,
+    act: u64,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    let name = match dtype {
+        DType::Bf16 => "gate_up_bf16",
+        DType::F32 => "gate_up_f32",
+    };
+    gpu.launch(
+        name,
+        (blocks(rows, 8), k as u32, tokens as u32),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(gate),
+            Arg::Ptr(up),
+            Arg::I32(i32_of(rows, "rows")?),
+            Arg::I32(i32_of(cols, "cols")?),
+            Arg::Ptr(ids),
+            Arg::I32(k as i32),
+            Arg::Ptr(xn),
+            Arg::Ptr(act),
+        ],
+    )
+}
+
+/// Down projections of the chosen experts, mixed in ascending expert id (then the shared
+/// expert's `sigmoid(s_sh) * y_sh` when `y_sh != 0`), added to `h`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn down_mix(
+    gpu: &Gpu,
+    down: u64,
+    hidden: usize,
+    width: usize,
+    route: RouteOut,
+    k: usize,
+    act: u64,
+    y_sh: u64,
+    s_sh: u64,
+    h: u64,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "down_mix",
+        (blocks(hidden, 8), tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(down),
+            Arg::I32(i32_of(hidden, "hidden")?),
+            Arg::I32(i32_of(width, "expert width")?),
+            Arg::Ptr(route.ids),
+            Arg::Ptr(route.weights),
+            Arg::Ptr(route.by_id),
+            Arg::I32(k as i32),
+            Arg::Ptr(act),
+            Arg::Ptr(y_sh),
+            Arg::Ptr(s_sh),
+            Arg::Ptr(h),
+        ],
+    )
+}
+
+/// `x = widen(bf16(x))`: the INVALID validation arm.
+pub(crate) fn round_to_bf16(gpu: &Gpu, x: u64, n: usize) -> Result<(), CudaError> {
+    gpu.launch(
+        "round_to_bf16",
+        (blocks(n, 256), 1, 1),
+        (256, 1, 1),
+        0,
+        &[Arg::Ptr(x), Arg::I32(i32_of(n, "length")?)],
+    )
+}
+
+/// `y[i] = f(x[i])` for one of the probe kernels (probe_exp, probe_silu, ...).
+pub(crate) fn probe(
+    gpu: &Gpu,
+    name: &'static str,
+    x: u64,
+    y: u64,
+    n: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        name,
+        (blocks(n, 256), 1, 1),
+        (256, 1, 1),
+        0,
+        &[Arg::Ptr(x), Arg::Ptr(y), Arg::I64(n as i64)],
+    )
+}

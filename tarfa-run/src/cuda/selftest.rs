@@ -1,0 +1,216 @@
+//! CPU and CUDA on the same model and prompts, compared byte for byte: prefill with the logits of
+//! every position, then greedy decode steps (the CPU's choice feeds both), router records of
+//! every MoE layer and position, and each step's statistics.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::model::CudaModel;
+use super::{CudaError, CudaOptions, SelftestOptions, SelftestReport};
+use crate::config::MoeConfig;
+use crate::cpu::{
+    CpuEngine, CpuModel, EngineOptions, ForwardOptions, ForwardOutput, LogitRows, RouterRecord,
+};
+use crate::generate::argmax;
+use crate::numerics::Kernel;
+use crate::weights::WeightSource;
+
+fn bits_str(v: f32) -> String {
+    format!("{v:e} (0x{:08x})", v.to_bits())
+}
+
+fn router_eq(a: &RouterRecord, b: &RouterRecord) -> bool {
+    let f = |x: &[f32], y: &[f32]| {
+        x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+    };
+    a.layer == b.layer
+        && a.moe_layer == b.moe_layer
+        && a.position == b.position
+        && a.experts == b.experts
+        && f(&a.probs, &b.probs)
+        && f(&a.weights, &b.weights)
+        && a.kth_prob.to_bits() == b.kth_prob.to_bits()
+        && a.next_prob.map(f32::to_bits) == b.next_prob.map(f32::to_bits)
+}
+
+/// Compares one step's outputs into `rep`.
+pub(crate) fn compare_step(
+    rep: &mut SelftestReport,
+    what: &str,
+    cpu: &ForwardOutput,
+    gpu: &ForwardOutput,
+) {
+    rep.steps += 1;
+    if cpu.logits.len() != gpu.logits.len() {
+        rep.logit_mismatches += 1;
+        rep.first_mismatch.get_or_insert_with(|| {
+            format!(
+                "{what}: {} logit rows on the CPU, {} on the GPU",
+                cpu.logits.len(),
+                gpu.logits.len()
+            )
+        });
+    }
+    for (r, (c, g)) in cpu.logits.iter().zip(&gpu.logits).enumerate() {
+        rep.logit_rows += 1;
+        rep.logit_bytes += 4 * c.len() as u64;
+        if c.len() != g.len() {
+            rep.logit_mismatches += c.len() as u64;
+            rep.first_mismatch
+                .get_or_insert_with(|| format!("{what}: row {r} lengths differ"));
+            continue;
+        }
+        for (i, (x, y)) in c.iter().zip(g).enumerate() {
+            if x.to_bits() != y.to_bits() {
+                rep.logit_mismatches += 1;
+                rep.first_mismatch.get_or_insert_with(|| {
+                    format!(
+                        "{what}: logit row {r} index {i}: CPU {} GPU {}",
+                        bits_str(*x),
+                        bits_str(*y)
+                    )
+                });
+            }
+        }
+    }
+    if cpu.router.len() != gpu.router.len() {
+        rep.router_mismatches += 1;
+        rep.first_mismatch.get_or_insert_with(|| {
+            format!(
+                "{what}: {} router records on the CPU, {} on the GPU",
+                cpu.router.len(),
+                gpu.router.len()
+            )
+        });
+    }
+    for (c, g) in cpu.router.iter().zip(&gpu.router) {
+        rep.router_records += 1;
+        rep.router_bytes += 4 * (3 * c.experts.len() as u64 + 2);
+        if !router_eq(c, g) {
+            rep.router_mismatches += 1;
+            rep.first_mismatch.get_or_insert_with(|| {
+                format!(
+                    "{what}: router record layer {} position {}: CPU {c:?} GPU {g:?}",
+                    c.layer, c.position
+                )
+            });
+        }
+    }
+    if cpu.stats != gpu.stats {
+        rep.stats_mismatches += 1;
+        rep.first_mismatch.get_or_insert_with(|| {
+            format!("{what}: statistics CPU {:?} GPU {:?}", cpu.stats, gpu.stats)
+        });
+    }
+}
+
+/// Runs the CPU backend and the CUDA backend on `cfg` and `source` with the same prompts and
+/// compares every logit, router record and statistic bit for bit (see [`SelftestOptions`]).
+/// The report says how many bytes were compared and the first difference.
+pub fn selftest(
+    cfg: &MoeConfig,
+    source: Arc<dyn WeightSource>,
+    opts: &SelftestOptions,
+    cuda: &CudaOptions,
+) -> Result<SelftestReport, CudaError> {
+    let cpu_model = Arc::new(CpuModel::load(cfg.clone(), source.clone())?);
+    let engine = CpuEngine::new(
+        cpu_model.clone(),
+        EngineOptions {
+            threads: opts.cpu_threads,
+            kernel: Kernel::best(),
+        },
+    )?;
+    let gpu = CudaModel::load(cfg.clone(), source, cuda)?;
+    selftest_models(&engine, &gpu, opts)
+}
+
+/// [`selftest`] on models already loaded (the same config and weights on both).
+pub fn selftest_models(
+    engine: &CpuEngine,
+    gpu: &CudaModel,
+    opts: &SelftestOptions,
+) -> Result<SelftestReport, CudaError> {
+    let cpu_model = engine.model();
+    let mut rep = SelftestReport {
+        device: Some(gpu.device().to_string()),
+        ..Default::default()
+    };
+    let all = ForwardOptions {
+        logits: LogitRows::All,
+        trace_router: true,
+        ..Default::default()
+    };
+    let last = ForwardOptions {
+        logits: LogitRows::Last,
+        ..all
+    };
+    for (pi, prompt) in opts.prompts.iter().enumerate() {
+        rep.prompts += 1;
+        let mut cc = cpu_model.new_cache();
+        let mut gc = gpu.new_cache()?;
+        let t = Instant::now();
+        let c = engine.forward(&mut cc, prompt, &all)?;
+        rep.cpu_seconds += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let g = gpu.forward(&mut gc, prompt, &all)?;
+        rep.gpu_seconds += t.elapsed().as_secs_f64();
+        compare_step(
+            &mut rep,
+            &format!("prompt {pi} prefill ({} tokens)", prompt.len()),
+            &c,
+            &g,
+        );
+        let mut logits = c.logits.last().cloned().unwrap_or_default();
+        let mut tokens = Vec::new();
+        for step in 0..opts.decode_steps {
+            let next = argmax(&logits);
+            tokens.push(next);
+            let t = Instant::now();
+            let c = engine.forward(&mut cc, &[next], &last)?;
+            rep.cpu_seconds += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let g = gpu.forward(&mut gc, &[next], &last)?;
+            rep.gpu_seconds += t.elapsed().as_secs_f64();
+            compare_step(
+                &mut rep,
+                &format!("prompt {pi} decode step {step} (position {})", cc.len() - 1),
+                &c,
+                &g,
+            );
+            logits = c.logits.into_iter().next().unwrap_or_default();
+        }
+        rep.tokens.push(tokens);
+    }
+    Ok(rep)
+}
+
+/// After a failed [`selftest`]: the first layer whose inclusion makes the backends differ.
+/// Runs models truncated to 1, 2, ... layers on `prompt` (prefill, every position) and returns
+/// the index of the first layer after which the logits or router records differ; `None` when
+/// even the whole model agrees on this prompt.
+pub fn locate_divergence(
+    cfg: &MoeConfig,
+    source: Arc<dyn WeightSource>,
+    prompt: &[u32],
+    cuda: &CudaOptions,
+) -> Result<Option<usize>, CudaError> {
+    for n in 1..=cfg.num_layers {
+        let mut c = cfg.clone();
+        c.num_layers = n;
+        let rep = selftest(
+            &c,
+            source.clone(),
+            &SelftestOptions {
+                prompts: vec![prompt.to_vec()],
+                decode_steps: 0,
+                cpu_threads: 0,
+            },
+            cuda,
+        )?;
+        if !rep.passed() {
+            return Ok(Some(n - 1));
+        }
+    }
+    Ok(None)
+}

@@ -1,0 +1,115 @@
+//! The CUDA backend's entry points in a build without the `cuda` feature: each returns
+//! [`CudaError::NotCompiled`]. Same names and signatures as the real ones.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use super::{CudaError, CudaOptions, DeviceInfo, KernelCheck, SelftestOptions, SelftestReport};
+use crate::config::MoeConfig;
+use crate::cpu::{ForwardOptions, ForwardOutput};
+use crate::generate::Greedy;
+use crate::model::ArchSpec;
+use crate::weights::WeightSource;
+
+/// Is a usable CUDA GPU here? Never, in this build.
+pub fn probe(_ordinal: usize) -> Result<DeviceInfo, CudaError> {
+    Err(CudaError::NotCompiled)
+}
+
+/// A model on the GPU (never constructed in this build).
+pub struct CudaModel {
+    never: Infallible,
+}
+
+/// One sequence on the GPU (never constructed in this build).
+pub struct CudaCache {
+    never: Infallible,
+}
+
+impl CudaModel {
+    pub fn load(
+        _cfg: MoeConfig,
+        _source: Arc<dyn WeightSource>,
+        _opts: &CudaOptions,
+    ) -> Result<CudaModel, CudaError> {
+        Err(CudaError::NotCompiled)
+    }
+    pub fn config(&self) -> &MoeConfig {
+        match self.never {}
+    }
+    pub fn spec(&self) -> &ArchSpec {
+        match self.never {}
+    }
+    pub fn device(&self) -> &DeviceInfo {
+        match self.never {}
+    }
+    pub fn resident_bytes(&self) -> u64 {
+        match self.never {}
+    }
+    pub fn new_cache(&self) -> Result<CudaCache, CudaError> {
+        match self.never {}
+    }
+    pub fn forward(
+        &self,
+        _cache: &mut CudaCache,
+        _tokens: &[u32],
+        _opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, CudaError> {
+        match self.never {}
+    }
+}
+
+impl CudaCache {
+    pub fn len(&self) -> usize {
+        match self.never {}
+    }
+    pub fn is_empty(&self) -> bool {
+        match self.never {}
+    }
+    pub fn max_len(&self) -> usize {
+        match self.never {}
+    }
+    pub fn truncate(&mut self, _len: usize) {
+        match self.never {}
+    }
+}
+
+pub fn greedy(
+    model: &CudaModel,
+    _cache: &mut CudaCache,
+    _prompt: &[u32],
+    _n_new: usize,
+    _opts: &ForwardOptions,
+) -> Result<Greedy, CudaError> {
+    match model.never {}
+}
+
+pub fn selftest(
+    _cfg: &MoeConfig,
+    _source: Arc<dyn WeightSource>,
+    _opts: &SelftestOptions,
+    _cuda: &CudaOptions,
+) -> Result<SelftestReport, CudaError> {
+    Err(CudaError::NotCompiled)
+}
+
+pub fn locate_divergence(
+    _cfg: &MoeConfig,
+    _source: Arc<dyn WeightSource>,
+    _prompt: &[u32],
+    _cuda: &CudaOptions,
+) -> Result<Option<usize>, CudaError> {
+    Err(CudaError::NotCompiled)
+}
+
+pub fn kernel_checks(_opts: &CudaOptions) -> Result<Vec<KernelCheck>, CudaError> {
+    Err(CudaError::NotCompiled)
+}
+
+pub fn selftest_models(
+    _engine: &crate::cpu::CpuEngine,
+    gpu: &CudaModel,
+    _opts: &SelftestOptions,
+) -> Result<SelftestReport, CudaError> {
+    match gpu.never {}
+}
