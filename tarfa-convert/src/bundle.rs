@@ -251,8 +251,11 @@ pub fn write_bundle(
                     (e.offset, e.length, e.padded_length)
                 }
             };
-            SCRATCH.with(|cell| {
-                let mut buf = cell.borrow_mut();
+            // Take the buffer out of the cell for the duration: filling may run nested parallel
+            // work (the synthetic generator does), and rayon can then start another job on this
+            // thread, which must find the cell free rather than borrowed.
+            let mut buf = SCRATCH.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+            let result = (|| {
                 buf.resize(padded as usize, 0);
                 buf[length as usize..].fill(0);
                 let data = &mut buf[..length as usize];
@@ -268,7 +271,9 @@ pub fn write_bundle(
                 hashed.fetch_add(length, Ordering::Relaxed);
                 bar.inc(length);
                 Ok(JobOut::Region { sha256, blake3 })
-            })
+            })();
+            SCRATCH.with(|cell| *cell.borrow_mut() = buf);
+            result
         })
         .collect::<Result<_, _>>()?;
     bar.finish_and_clear();

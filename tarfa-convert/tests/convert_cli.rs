@@ -447,3 +447,33 @@ fn json_output_and_usage_errors() {
     assert_eq!(code, 0);
     assert!(help.contains("Exit codes"));
 }
+
+#[test]
+fn many_threads_with_nested_parallel_generation() {
+    // Regression: the writer's per-thread scratch buffer was borrowed across the generator's
+    // nested parallel fill, and rayon running another job on the same thread panicked
+    // ("already borrowed"); seen with 16 threads on the GPU machine. Expert matrices of this
+    // shape span many generator chunks, so nested work is stolen often.
+    let d = tempfile::tempdir().unwrap();
+    for i in 0..4 {
+        let out = d.path().join(format!("b{i}"));
+        let (code, _, err) = run(&[
+            &"synth",
+            &"--threads",
+            &"16",
+            &"--shape",
+            &"qwen3-30b-a3b",
+            &"--layers",
+            &"1",
+            &"--experts",
+            &"8",
+            &"--vocab",
+            &"1000",
+            &"--format",
+            &"bundle",
+            &out,
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
