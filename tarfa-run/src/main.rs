@@ -36,6 +36,9 @@ enum Command {
     /// Convert, verify and run the small demo model that ships with Tarfa.
     #[command(after_help = EXIT_CODES)]
     Demo(DemoArgs),
+    /// Check a GPU backend against the CPU reference, bit for bit, on bundles.
+    #[command(after_help = EXIT_CODES)]
+    Selftest(cli::selftest::SelftestArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => cli::generate::run(&a),
         Command::Demo(a) => cli::demo::run(&a),
+        Command::Selftest(a) => cli::selftest::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

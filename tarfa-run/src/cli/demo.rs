@@ -12,7 +12,10 @@ use super::generate::{self, BackendArg, GenerateArgs, KernelArg};
 use super::CliError;
 
 /// Where the demo model lives in the repository this binary was built from.
-const REPO_DEMO_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/oracle/qwen3moe-code");
+const REPO_DEMO_MODEL: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../fixtures/oracle/qwen3moe-code"
+);
 
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -51,7 +54,9 @@ pub fn cache_root(explicit: Option<&Path>) -> PathBuf {
     if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(p).join("tarfa");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("tarfa")
 }
 
@@ -75,7 +80,11 @@ pub fn run(a: &DemoArgs) -> Result<(), CliError> {
         eprintln!("      reusing the bundle converted earlier (--fresh converts again)");
     } else {
         let t = Instant::now();
-        let s = tarfa_convert::convert(&model, &bundle, &tarfa_convert::ConvertOptions { force: true })?;
+        let s = tarfa_convert::convert(
+            &model,
+            &bundle,
+            &tarfa_convert::ConvertOptions { force: true },
+        )?;
         eprintln!(
             "      {:.1} MB copied and hashed, read back from disk and verified in {:.2} s",
             s.data_bytes as f64 / 1e6,
@@ -106,7 +115,7 @@ pub fn run(a: &DemoArgs) -> Result<(), CliError> {
         max_new_tokens: a.max_new_tokens,
         threads: a.threads,
         kernel: KernelArg::Auto,
-        backend: BackendArg::Cpu,
+        backend: BackendArg::Auto,
         logits_out: None,
         prefill_logits: false,
         ignore_eos: a.ignore_eos,

@@ -9,13 +9,12 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 use tarfa_run::bundle::BundleSource;
 use tarfa_run::config::MoeConfig;
-use tarfa_run::cpu::{
-    CpuEngine, CpuModel, EngineOptions, FinalHidden, ForwardOptions, LogitRows,
-};
+use tarfa_run::cpu::{FinalHidden, ForwardOptions, LogitRows};
 use tarfa_run::generate::argmax;
 use tarfa_run::numerics::Kernel;
 use tarfa_run::weights::WeightSource;
 
+use super::engine::Engine;
 use super::output::{write_json, write_logits, RouterTrace};
 use super::{peak_rss_bytes, CliError};
 
@@ -110,18 +109,27 @@ fn eos_ids(source: &BundleSource, cfg: &MoeConfig, quiet: bool) -> Result<Vec<u3
     if source.has_file("generation_config.json") {
         let bytes = source.read_file("generation_config.json")?;
         let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-            CliError::Usage(format!("{}: generation_config.json: {e}", source.dir().display()))
+            CliError::Usage(format!(
+                "{}: generation_config.json: {e}",
+                source.dir().display()
+            ))
         })?;
         match v.get("eos_token_id") {
             Some(serde_json::Value::Number(n)) => ids = n.as_u64().into_iter().collect(),
-            Some(serde_json::Value::Array(a)) => ids = a.iter().filter_map(|x| x.as_u64()).collect(),
+            Some(serde_json::Value::Array(a)) => {
+                ids = a.iter().filter_map(|x| x.as_u64()).collect()
+            }
             _ => {}
         }
     }
-    let (inside, outside): (Vec<u64>, Vec<u64>) = ids.into_iter().partition(|&i| i < cfg.vocab_size as u64);
+    let (inside, outside): (Vec<u64>, Vec<u64>) =
+        ids.into_iter().partition(|&i| i < cfg.vocab_size as u64);
     for id in outside {
         if !quiet {
-            eprintln!("warning: EOS id {id} is outside the vocabulary of {}; ignored", cfg.vocab_size);
+            eprintln!(
+                "warning: EOS id {id} is outside the vocabulary of {}; ignored",
+                cfg.vocab_size
+            );
         }
     }
     Ok(inside.into_iter().map(|i| i as u32).collect())
@@ -139,7 +147,10 @@ impl TextStream {
     fn push(&mut self, id: u32) -> Option<String> {
         self.ids.push(id);
         let text = self.tok.decode(&self.ids, false).ok()?;
-        if text.ends_with('\u{FFFD}') || text.len() < self.printed || !text.is_char_boundary(self.printed) {
+        if text.ends_with('\u{FFFD}')
+            || text.len() < self.printed
+            || !text.is_char_boundary(self.printed)
+        {
             return None;
         }
         let new = text[self.printed..].to_string();
@@ -155,25 +166,38 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         }
     };
     let source = Arc::new(BundleSource::open(&a.bundle, a.expect_root.as_deref())?);
-    log(format!("bundle {} root digest {}", a.bundle.display(), source.root_digest()));
+    log(format!(
+        "bundle {} root digest {}",
+        a.bundle.display(),
+        source.root_digest()
+    ));
     let cfg_bytes = source.read_file("config.json")?;
-    let cfg_text = String::from_utf8(cfg_bytes)
-        .map_err(|_| CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display())))?;
+    let cfg_text = String::from_utf8(cfg_bytes).map_err(|_| {
+        CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display()))
+    })?;
     let cfg = MoeConfig::from_json_str(&cfg_text).map_err(tarfa_run::RunError::from)?;
-    let eos = if a.ignore_eos { Vec::new() } else { eos_ids(&source, &cfg, a.quiet)? };
-
-    let tokenizer = if source.has_file("tokenizer.json") {
-        let bytes = source.read_file("tokenizer.json")?;
-        Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            CliError::Usage(format!("{}: tokenizer.json: {e}", a.bundle.display()))
-        })?)
+    let eos = if a.ignore_eos {
+        Vec::new()
     } else {
-        None
+        eos_ids(&source, &cfg, a.quiet)?
     };
+
+    let tokenizer =
+        if source.has_file("tokenizer.json") {
+            let bytes = source.read_file("tokenizer.json")?;
+            Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+                CliError::Usage(format!("{}: tokenizer.json: {e}", a.bundle.display()))
+            })?)
+        } else {
+            None
+        };
     let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
         (Some(text), _) => {
             let tok = tokenizer.as_ref().ok_or_else(|| {
-                CliError::Usage(format!("{}: the bundle has no tokenizer.json; pass --tokens", a.bundle.display()))
+                CliError::Usage(format!(
+                    "{}: the bundle has no tokenizer.json; pass --tokens",
+                    a.bundle.display()
+                ))
             })?;
             tok.encode(text.as_str(), true)
                 .map_err(|e| CliError::Usage(format!("cannot encode the prompt: {e}")))?
@@ -208,17 +232,16 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     let mut max_new = a.max_new_tokens;
     if prompt.len() + max_new > max_pos + 1 {
         max_new = max_pos + 1 - prompt.len();
-        log(format!("warning: generation capped at {max_new} tokens by max_position_embeddings = {max_pos}"));
-    }
-
-    if a.backend == BackendArg::Cuda {
-        return Err(CliError::Environment(
-            "--backend cuda: this build has no CUDA backend yet".into(),
+        log(format!(
+            "warning: generation capped at {max_new} tokens by max_position_embeddings = {max_pos}"
         ));
     }
+
     let vocab = cfg.vocab_size;
     let spec = tarfa_run::model::ArchSpec::new(&cfg);
-    let moe_layers: Vec<usize> = (0..cfg.num_layers).filter(|&l| spec.moe_index(l).is_some()).collect();
+    let moe_layers: Vec<usize> = (0..cfg.num_layers)
+        .filter(|&l| spec.moe_index(l).is_some())
+        .collect();
     let router_header = json!({
         "kind": "header",
         "num_experts": cfg.num_experts,
@@ -227,26 +250,29 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         "norm_topk_prob": cfg.renormalize_topk,
         "moe_layers": moe_layers,
     });
-    let model = Arc::new(CpuModel::load(cfg, source.clone() as Arc<dyn WeightSource>)?);
     if a.preload {
         source.load_all_experts()?;
     }
-    let engine = CpuEngine::new(
-        model.clone(),
-        EngineOptions { threads: a.threads.unwrap_or(0), kernel: kernel(a.kernel)? },
+    let threads = a.threads.unwrap_or(0);
+    let mut engine = Engine::load(
+        a.backend,
+        cfg,
+        source.clone() as Arc<dyn WeightSource>,
+        threads,
+        kernel(a.kernel)?,
+        &log,
     )?;
-    log(format!(
-        "backend cpu ({}, {} threads); prompt {} tokens",
-        engine.kernel().path().name(),
-        engine.threads(),
-        prompt.len()
-    ));
+    log(format!("prompt {} tokens", prompt.len()));
     let mut trace = match &a.router_trace {
         Some(p) => Some(RouterTrace::create(p, router_header)?),
         None => None,
     };
     let opts = ForwardOptions {
-        logits: if a.prefill_logits { LogitRows::All } else { LogitRows::Last },
+        logits: if a.prefill_logits {
+            LogitRows::All
+        } else {
+            LogitRows::Last
+        },
         trace_router: trace.is_some(),
         final_hidden: if a.invalid_bf16_before_lm_head {
             FinalHidden::InvalidBf16BeforeLmHead
@@ -254,20 +280,30 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             FinalHidden::Exact
         },
     };
-    let mut cache = model.new_cache();
     let t0 = Instant::now();
-    let pre = engine.forward(&mut cache, &prompt, &opts)?;
+    let pre = engine.forward(&prompt, &opts)?;
     let prefill_time = t0.elapsed();
     if let Some(t) = trace.as_mut() {
         t.records(&pre.router)?;
     }
-    let prefill_rows = if a.prefill_logits { Some(pre.logits.clone()) } else { None };
+    let prefill_rows = if a.prefill_logits {
+        Some(pre.logits.clone())
+    } else {
+        None
+    };
     let mut last = pre.logits.last().cloned().unwrap_or_default();
 
-    let mut text = tokenizer.map(|tok| TextStream { tok, ids: Vec::new(), printed: 0 });
+    let mut text = tokenizer.map(|tok| TextStream {
+        tok,
+        ids: Vec::new(),
+        printed: 0,
+    });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let step_opts = ForwardOptions { logits: LogitRows::Last, ..opts };
+    let step_opts = ForwardOptions {
+        logits: LogitRows::Last,
+        ..opts
+    };
     let mut tokens = Vec::new();
     let mut step_logits = Vec::new();
     // Weight bytes the decode steps touched (every matrix applied, experts fetched, embeddings).
@@ -285,13 +321,14 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 }
             }
             None => {
-                let _ = write!(out, "{}{next}", if j == 0 { "" } else { " " }).and_then(|_| out.flush());
+                let _ = write!(out, "{}{next}", if j == 0 { "" } else { " " })
+                    .and_then(|_| out.flush());
             }
         }
         if eos.contains(&next) || j + 1 == max_new {
             break;
         }
-        let step = engine.forward(&mut cache, &[next], &step_opts)?;
+        let step = engine.forward(&[next], &step_opts)?;
         decode_weight_bytes += step.stats.weight_bytes;
         if let Some(t) = trace.as_mut() {
             t.records(&step.router)?;
@@ -306,7 +343,14 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         t.finish()?;
     }
     if let Some(p) = &a.logits_out {
-        write_logits(p, source.root_digest(), vocab, &tokens, &step_logits, prefill_rows.as_deref())?;
+        write_logits(
+            p,
+            source.root_digest(),
+            vocab,
+            &tokens,
+            &step_logits,
+            prefill_rows.as_deref(),
+        )?;
     }
     if let Some(p) = &a.verify_report {
         write_json(p, &source.report())?;
@@ -314,13 +358,17 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     // The first token comes from the prefill logits: decode time covers the other n - 1.
     let decode_steps = tokens.len().saturating_sub(1);
     let prefill_tok_s = prompt.len() as f64 / prefill_time.as_secs_f64();
-    let decode_tok_s = if decode_steps > 0 { decode_steps as f64 / decode_time.as_secs_f64() } else { 0.0 };
+    let decode_tok_s = if decode_steps > 0 {
+        decode_steps as f64 / decode_time.as_secs_f64()
+    } else {
+        0.0
+    };
     if let Some(p) = &a.summary_json {
         write_json(
             p,
             &json!({
                 "root_digest": source.root_digest(),
-                "backend": "cpu",
+                "backend": engine.name(),
                 "threads": engine.threads(),
                 "prompt_tokens": prompt.len(),
                 "generated_tokens": tokens.len(),
@@ -344,4 +392,3 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     ));
     Ok(())
 }
-

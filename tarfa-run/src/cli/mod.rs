@@ -2,8 +2,10 @@
 //! every failure to a documented exit code.
 
 pub mod demo;
+pub mod engine;
 pub mod generate;
 pub mod output;
+pub mod selftest;
 
 use std::path::PathBuf;
 
@@ -23,17 +25,27 @@ pub enum CliError {
     Run(#[from] RunError),
     /// Writing an output file, or another environment failure (exit 3).
     #[error("{path}: {op}: {source}")]
-    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
     /// The demo's conversion step failed.
     #[error(transparent)]
     Convert(#[from] tarfa_convert::ConvertError),
+    /// Two computations that must agree bit for bit do not (exit 1).
+    #[error("{0}")]
+    Mismatch(String),
     /// The environment lacks something (no GPU, no driver) (exit 3).
     #[error("{0}")]
     Environment(String),
 }
 
 impl CliError {
-    pub fn io(path: impl Into<PathBuf>, op: &'static str) -> impl FnOnce(std::io::Error) -> CliError {
+    pub fn io(
+        path: impl Into<PathBuf>,
+        op: &'static str,
+    ) -> impl FnOnce(std::io::Error) -> CliError {
         let path = path.into();
         move |source| CliError::Io { path, op, source }
     }
@@ -42,6 +54,7 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Usage(_) => 2,
+            CliError::Mismatch(_) => 1,
             CliError::Bundle(e) => e.exit_code(),
             CliError::Run(e) => run_error_code(e),
             CliError::Io { .. } | CliError::Environment(_) => 3,

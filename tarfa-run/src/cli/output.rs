@@ -16,7 +16,10 @@ use super::CliError;
 
 /// Rows of f32 as little-endian bytes.
 fn f32_bytes(rows: &[Vec<f32>]) -> Vec<u8> {
-    rows.iter().flatten().flat_map(|v| v.to_le_bytes()).collect()
+    rows.iter()
+        .flatten()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
 }
 
 /// `--logits-out`: `tokens` I64 [n], `logits` F32 [n, vocab] (row i chose tokens[i]), optionally
@@ -29,10 +32,18 @@ pub fn write_logits(
     step_logits: &[Vec<f32>],
     prefill_logits: Option<&[Vec<f32>]>,
 ) -> Result<(), CliError> {
-    let tok_bytes: Vec<u8> = tokens.iter().flat_map(|&t| (t as i64).to_le_bytes()).collect();
+    let tok_bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| (t as i64).to_le_bytes())
+        .collect();
     let logit_bytes = f32_bytes(step_logits);
     let prefill_bytes = prefill_logits.map(f32_bytes);
-    fn view<'a>(path: &Path, dtype: Dtype, shape: Vec<usize>, data: &'a [u8]) -> Result<TensorView<'a>, CliError> {
+    fn view<'a>(
+        path: &Path,
+        dtype: Dtype,
+        shape: Vec<usize>,
+        data: &'a [u8],
+    ) -> Result<TensorView<'a>, CliError> {
         TensorView::new(dtype, shape, data).map_err(|e| CliError::Io {
             path: path.to_path_buf(),
             op: "build logits tensor",
@@ -40,13 +51,28 @@ pub fn write_logits(
         })
     }
     let mut tensors = vec![
-        ("tokens".to_string(), view(path, Dtype::I64, vec![tokens.len()], &tok_bytes)?),
-        ("logits".to_string(), view(path, Dtype::F32, vec![step_logits.len(), vocab], &logit_bytes)?),
+        (
+            "tokens".to_string(),
+            view(path, Dtype::I64, vec![tokens.len()], &tok_bytes)?,
+        ),
+        (
+            "logits".to_string(),
+            view(
+                path,
+                Dtype::F32,
+                vec![step_logits.len(), vocab],
+                &logit_bytes,
+            )?,
+        ),
     ];
     if let (Some(rows), Some(bytes)) = (prefill_logits, prefill_bytes.as_ref()) {
-        tensors.push(("prefill_logits".to_string(), view(path, Dtype::F32, vec![rows.len(), vocab], bytes)?));
+        tensors.push((
+            "prefill_logits".to_string(),
+            view(path, Dtype::F32, vec![rows.len(), vocab], bytes)?,
+        ));
     }
-    let meta: HashMap<String, String> = [("root_digest".to_string(), root_digest.to_string())].into();
+    let meta: HashMap<String, String> =
+        [("root_digest".to_string(), root_digest.to_string())].into();
     safetensors::serialize_to_file(tensors, Some(meta), path).map_err(|e| CliError::Io {
         path: path.to_path_buf(),
         op: "write logits",
@@ -63,7 +89,10 @@ pub struct RouterTrace {
 impl RouterTrace {
     pub fn create(path: &Path, header: serde_json::Value) -> Result<RouterTrace, CliError> {
         let f = File::create(path).map_err(CliError::io(path, "create router trace"))?;
-        let mut t = RouterTrace { path: path.to_path_buf(), out: BufWriter::new(f) };
+        let mut t = RouterTrace {
+            path: path.to_path_buf(),
+            out: BufWriter::new(f),
+        };
         t.line(&header)?;
         Ok(t)
     }
@@ -90,7 +119,9 @@ impl RouterTrace {
     }
 
     pub fn finish(mut self) -> Result<(), CliError> {
-        self.out.flush().map_err(CliError::io(&self.path, "write router trace"))
+        self.out
+            .flush()
+            .map_err(CliError::io(&self.path, "write router trace"))
     }
 }
 
