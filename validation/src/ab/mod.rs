@@ -230,7 +230,7 @@ fn run_once(
     g.extra = arm.args.clone();
     let mut cmd = Command::new(&arm.bin);
     cmd.args(g.to_args());
-    let f = run_watched(cmd, Duration::from_millis(5), cfg.run_timeout)?;
+    let f = run_watched(cmd, Duration::from_millis(5), cfg.run_timeout, true)?;
     if !f.ok() {
         bail!("`{}`: {}", arm.label(), f.describe());
     }

@@ -152,15 +152,10 @@ fn memory_growth(
     max: f64,
 ) -> Option<String> {
     let (a, b) = (a?, b?);
-    let growth = if a == 0 {
-        if b == 0 {
-            0.0
-        } else {
-            f64::INFINITY
-        }
-    } else {
-        (b as f64 - a as f64) / a as f64
-    };
+    if a == 0 {
+        return (b > 0).then(|| format!("{w}: peak {what} grew from 0 to {b} bytes"));
+    }
+    let growth = (b as f64 - a as f64) / a as f64;
     (growth > max).then(|| {
         format!(
             "{w}: peak {what} grew {} ({} -> {} bytes), above {:.1}%",
