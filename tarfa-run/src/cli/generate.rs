@@ -247,7 +247,11 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.top_k,
         "renormalizes": cfg.renormalize_topk,
-        "norm_topk_prob": cfg.renormalize_topk,
+        // The config's own key (absent for Mixtral, which always renormalises: null).
+        "norm_topk_prob": serde_json::from_str::<serde_json::Value>(&cfg_text)
+            .ok()
+            .and_then(|v| v.get("norm_topk_prob").cloned())
+            .unwrap_or(serde_json::Value::Null),
         "moe_layers": moe_layers,
     });
     if a.preload {
