@@ -39,6 +39,9 @@ enum Command {
     /// Check a GPU backend against the CPU reference, bit for bit, on bundles.
     #[command(after_help = EXIT_CODES)]
     Selftest(cli::selftest::SelftestArgs),
+    /// Measure the disk's read bandwidth for whole expert extents at several queue depths.
+    #[command(after_help = EXIT_CODES)]
+    IoBench(cli::io_bench::IoBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => cli::generate::run(&a),
         Command::Demo(a) => cli::demo::run(&a),
         Command::Selftest(a) => cli::selftest::run(&a),
+        Command::IoBench(a) => cli::io_bench::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,6 +4,7 @@
 pub mod demo;
 pub mod engine;
 pub mod generate;
+pub mod io_bench;
 pub mod output;
 pub mod selftest;
 
