@@ -40,28 +40,56 @@ pub enum BundleError {
     NotABundle { path: PathBuf, why: String },
     /// The manifest does not parse or validate.
     #[error("{path}: {source}")]
-    Manifest { path: PathBuf, source: tarfa_manifest::ManifestError },
+    Manifest {
+        path: PathBuf,
+        source: tarfa_manifest::ManifestError,
+    },
     /// The container header does not validate.
     #[error("{path}: {source}")]
-    Header { path: PathBuf, source: jnf_format::JnfError },
+    Header {
+        path: PathBuf,
+        source: jnf_format::JnfError,
+    },
     /// The manifest's root digest is not the digest of its entries.
-    #[error("{path}: root digest {recorded} is not the digest of the manifest's entries ({computed})")]
-    RootMismatch { path: PathBuf, recorded: String, computed: String },
+    #[error(
+        "{path}: root digest {recorded} is not the digest of the manifest's entries ({computed})"
+    )]
+    RootMismatch {
+        path: PathBuf,
+        recorded: String,
+        computed: String,
+    },
     /// `--expect-root` named another bundle.
     #[error("{path}: root digest is {actual}, expected {expected}")]
-    UnexpectedRoot { path: PathBuf, expected: String, actual: String },
+    UnexpectedRoot {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
     /// The header and the manifest disagree about an entry.
     #[error("{path}: {name}: container and manifest disagree ({what})")]
-    HeaderManifestMismatch { path: PathBuf, name: String, what: String },
+    HeaderManifestMismatch {
+        path: PathBuf,
+        name: String,
+        what: String,
+    },
     /// A file the run reads is not listed in the manifest.
     #[error("{path}: {file} is not listed in the manifest")]
     FileUnlisted { path: PathBuf, file: String },
     /// Bytes read from the bundle do not match their manifest digest.
     #[error("{path}: {name}: {algorithm} of the bytes read does not match the manifest (the bundle changed or is corrupt)")]
-    HashMismatch { path: PathBuf, name: String, algorithm: &'static str },
+    HashMismatch {
+        path: PathBuf,
+        name: String,
+        algorithm: &'static str,
+    },
     /// An I/O failure.
     #[error("{path}: {op}: {source}")]
-    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
 }
 
 impl BundleError {
@@ -109,7 +137,13 @@ struct Ledger {
 }
 
 impl Ledger {
-    fn note(map: &mut BTreeMap<String, VerifiedEntry>, name: &str, bytes: u64, algorithm: &'static str, digest: &str) {
+    fn note(
+        map: &mut BTreeMap<String, VerifiedEntry>,
+        name: &str,
+        bytes: u64,
+        algorithm: &'static str,
+        digest: &str,
+    ) {
         map.entry(name.to_string())
             .or_insert_with(|| VerifiedEntry {
                 name: name.to_string(),
@@ -163,8 +197,10 @@ impl BundleSource {
                 why: "expected a directory with manifest.toml and model.jnf".into(),
             });
         }
-        let manifest = Manifest::load(&manifest_path)
-            .map_err(|source| BundleError::Manifest { path: manifest_path.clone(), source })?;
+        let manifest = Manifest::load(&manifest_path).map_err(|source| BundleError::Manifest {
+            path: manifest_path.clone(),
+            source,
+        })?;
         let computed = manifest.compute_root_digest();
         if computed != manifest.root_digest {
             return Err(BundleError::RootMismatch {
@@ -182,8 +218,10 @@ impl BundleSource {
                 });
             }
         }
-        let jnf = JnfFile::open(&jnf_path)
-            .map_err(|source| BundleError::Header { path: jnf_path.clone(), source })?;
+        let jnf = JnfFile::open(&jnf_path).map_err(|source| BundleError::Header {
+            path: jnf_path.clone(),
+            source,
+        })?;
         let (tensors, experts) = reconcile(&jnf_path, &jnf, &manifest)?;
         let file = jnf.file().try_clone().map_err(io(&jnf_path, "open"))?;
         Ok(BundleSource {
@@ -217,14 +255,24 @@ impl BundleSource {
 
     /// A copied file's bytes, checked against its manifest SHA-256.
     pub fn read_file(&self, name: &str) -> Result<Vec<u8>, BundleError> {
-        let rec = self.manifest.files.iter().find(|f| f.name == name).ok_or_else(|| {
-            BundleError::FileUnlisted { path: self.dir.clone(), file: name.to_string() }
-        })?;
+        let rec = self
+            .manifest
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| BundleError::FileUnlisted {
+                path: self.dir.clone(),
+                file: name.to_string(),
+            })?;
         let path = self.dir.join(name);
         let bytes = std::fs::read(&path).map_err(io(&path, "read"))?;
         let digest = to_hex(&Sha256::digest(&bytes));
         if digest != rec.sha256 {
-            return Err(BundleError::HashMismatch { path, name: name.to_string(), algorithm: "SHA-256" });
+            return Err(BundleError::HashMismatch {
+                path,
+                name: name.to_string(),
+                algorithm: "SHA-256",
+            });
         }
         let mut l = self.ledger.lock().expect("ledger lock");
         Ledger::note(&mut l.files, name, bytes.len() as u64, "sha256", &digest);
@@ -234,6 +282,35 @@ impl BundleSource {
     /// Total bytes of all expert extents (for budgets and reports).
     pub fn expert_bytes(&self) -> u64 {
         self.experts.values().map(|s| s.extent.length).sum()
+    }
+
+    /// The container file (`model.jnf`).
+    pub fn jnf_path(&self) -> &Path {
+        &self.jnf_path
+    }
+
+    /// Every expert extent with its manifest BLAKE3 (hex), in (layer, expert) order: what an
+    /// expert-streaming store reads and checks, after [`BundleSource::open`] reconciled both.
+    pub fn expert_extents(&self) -> Vec<(ExpertExtent, String)> {
+        let mut v: Vec<(ExpertExtent, String)> = self
+            .experts
+            .values()
+            .map(|s| (s.extent.clone(), s.blake3.clone()))
+            .collect();
+        v.sort_by_key(|(e, _)| (e.layer, e.expert));
+        v
+    }
+
+    /// A duplicate handle on the open container file (reads through the page cache).
+    pub(crate) fn file_handle(&self) -> Result<File, BundleError> {
+        self.file.try_clone().map_err(io(&self.jnf_path, "open"))
+    }
+
+    /// Records, for `--verify-report`, that an expert extent was read and BLAKE3-checked by a
+    /// reader other than this source (the streaming store) before its use.
+    pub(crate) fn note_expert_verified(&self, name: &str, bytes: u64, blake3: &str) {
+        let mut l = self.ledger.lock().expect("ledger lock");
+        Ledger::note(&mut l.experts, name, bytes, "blake3", blake3);
     }
 
     /// Read every expert now (resident mode, benchmarks): later steps find them in memory.
@@ -294,9 +371,17 @@ impl BundleSource {
         }
     }
 
-    fn read_verified(&self, name: &str, offset: u64, length: u64, blake3: &str) -> Result<Vec<u8>, BundleError> {
+    fn read_verified(
+        &self,
+        name: &str,
+        offset: u64,
+        length: u64,
+        blake3: &str,
+    ) -> Result<Vec<u8>, BundleError> {
         let mut buf = vec![0u8; length as usize];
-        self.file.read_exact_at(&mut buf, offset).map_err(io(&self.jnf_path, "read"))?;
+        self.file
+            .read_exact_at(&mut buf, offset)
+            .map_err(io(&self.jnf_path, "read"))?;
         if blake3::hash(&buf).to_hex().as_str() != blake3 {
             return Err(BundleError::HashMismatch {
                 path: self.jnf_path.clone(),
@@ -320,9 +405,17 @@ impl BundleSource {
             let mm = &e.matrices[i];
             let start = mm.offset as usize;
             let data = AlignedVec::<u16>::from_le_bytes(&bytes[start..start + mm.length as usize]);
-            Bf16Matrix { rows: mm.shape[0] as usize, cols: mm.shape[1] as usize, data }
+            Bf16Matrix {
+                rows: mm.shape[0] as usize,
+                cols: mm.shape[1] as usize,
+                data,
+            }
         };
-        Ok(ExpertWeights { gate: m(0), up: m(1), down: m(2) })
+        Ok(ExpertWeights {
+            gate: m(0),
+            up: m(1),
+            down: m(2),
+        })
     }
 }
 
@@ -330,7 +423,11 @@ type TensorIndex = HashMap<String, (jnf_format::TensorEntry, String)>;
 type ExpertIndex = HashMap<(usize, usize), ExpertSlot>;
 
 /// The header and the manifest must describe the same entries, exactly.
-fn reconcile(path: &Path, jnf: &JnfFile, m: &Manifest) -> Result<(TensorIndex, ExpertIndex), BundleError> {
+fn reconcile(
+    path: &Path,
+    jnf: &JnfFile,
+    m: &Manifest,
+) -> Result<(TensorIndex, ExpertIndex), BundleError> {
     let bad = |name: &str, what: String| BundleError::HeaderManifestMismatch {
         path: path.to_path_buf(),
         name: name.to_string(),
@@ -340,11 +437,20 @@ fn reconcile(path: &Path, jnf: &JnfFile, m: &Manifest) -> Result<(TensorIndex, E
     let records: HashMap<&str, &tarfa_manifest::TensorRecord> =
         m.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     if records.len() != h.tensors.len() {
-        return Err(bad("tensors", format!("{} in the container, {} in the manifest", h.tensors.len(), records.len())));
+        return Err(bad(
+            "tensors",
+            format!(
+                "{} in the container, {} in the manifest",
+                h.tensors.len(),
+                records.len()
+            ),
+        ));
     }
     let mut tensors = HashMap::new();
     for t in &h.tensors {
-        let r = records.get(t.name.as_str()).ok_or_else(|| bad(&t.name, "not in the manifest".into()))?;
+        let r = records
+            .get(t.name.as_str())
+            .ok_or_else(|| bad(&t.name, "not in the manifest".into()))?;
         if r.dtype != t.dtype.as_str() || r.shape != t.shape || r.length != t.length {
             return Err(bad(&t.name, "dtype, shape or length differ".into()));
         }
@@ -352,23 +458,39 @@ fn reconcile(path: &Path, jnf: &JnfFile, m: &Manifest) -> Result<(TensorIndex, E
     }
     let erecs = m.expert_index();
     if erecs.len() != h.experts.len() {
-        return Err(bad("experts", format!("{} in the container, {} in the manifest", h.experts.len(), erecs.len())));
+        return Err(bad(
+            "experts",
+            format!(
+                "{} in the container, {} in the manifest",
+                h.experts.len(),
+                erecs.len()
+            ),
+        ));
     }
     let mut experts = HashMap::new();
     for e in &h.experts {
-        let r = erecs.get(&(e.layer, e.expert)).ok_or_else(|| bad(&e.prefix, "not in the manifest".into()))?;
+        let r = erecs
+            .get(&(e.layer, e.expert))
+            .ok_or_else(|| bad(&e.prefix, "not in the manifest".into()))?;
         let same = r.name == e.prefix
             && r.length == e.length
             && r.matrices.len() == 3
             && r.matrices.iter().zip(&e.matrices).all(|(a, b)| {
-                a.name == b.name && a.shape == b.shape && a.offset == b.offset && a.length == b.length && a.role == b.role
+                a.name == b.name
+                    && a.shape == b.shape
+                    && a.offset == b.offset
+                    && a.length == b.length
+                    && a.role == b.role
             });
         if !same {
             return Err(bad(&e.prefix, "matrices differ".into()));
         }
         experts.insert(
             (e.layer as usize, e.expert as usize),
-            ExpertSlot { extent: e.clone(), blake3: r.blake3.clone() },
+            ExpertSlot {
+                extent: e.clone(),
+                blake3: r.blake3.clone(),
+            },
         );
     }
     Ok((tensors, experts))
@@ -376,7 +498,10 @@ fn reconcile(path: &Path, jnf: &JnfFile, m: &Manifest) -> Result<(TensorIndex, E
 
 impl WeightSource for BundleSource {
     fn tensor(&self, name: &str) -> Result<Arc<HostTensor>, WeightError> {
-        let (t, blake3) = self.tensors.get(name).ok_or_else(|| WeightError::MissingTensor(name.to_string()))?;
+        let (t, blake3) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| WeightError::MissingTensor(name.to_string()))?;
         let bytes = self.read_verified(name, t.offset, t.length, blake3)?;
         {
             let mut l = self.ledger.lock().expect("ledger lock");
@@ -387,7 +512,10 @@ impl WeightSource for BundleSource {
             Dtype::BF16 => TensorData::Bf16(AlignedVec::<u16>::from_le_bytes(&bytes)),
             Dtype::F32 => TensorData::F32(AlignedVec::<f32>::from_le_bytes(&bytes)),
             other => {
-                return Err(WeightError::UnsupportedDtype { name: name.to_string(), dtype: other.to_string() })
+                return Err(WeightError::UnsupportedDtype {
+                    name: name.to_string(),
+                    dtype: other.to_string(),
+                })
             }
         };
         Ok(Arc::new(HostTensor::new(name, shape, data)?))
@@ -400,12 +528,19 @@ impl WeightSource for BundleSource {
     fn experts(&self, layer: usize, ids: &[usize]) -> Result<Vec<Arc<ExpertWeights>>, WeightError> {
         for &id in ids {
             if !self.experts.contains_key(&(layer, id)) {
-                return Err(WeightError::MissingExpert { layer, expert: id, name: format!("layer {layer} expert {id}") });
+                return Err(WeightError::MissingExpert {
+                    layer,
+                    expert: id,
+                    name: format!("layer {layer} expert {id}"),
+                });
             }
         }
         let missing: Vec<usize> = {
             let r = self.resident.lock().expect("resident lock");
-            ids.iter().copied().filter(|&id| !r.contains_key(&(layer, id))).collect()
+            ids.iter()
+                .copied()
+                .filter(|&id| !r.contains_key(&(layer, id)))
+                .collect()
         };
         let loaded: Vec<(usize, Arc<ExpertWeights>)> = missing
             .par_iter()

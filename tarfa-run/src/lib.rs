@@ -15,6 +15,8 @@
 //!   reproduce.
 //! - [`cuda`]: the CUDA backend (cargo feature `cuda`, on by default) — the same forward on an
 //!   NVIDIA GPU, bit for bit, with kernels from kernels/*.cu compiled at run time by NVRTC.
+//! - [`stream`]: expert streaming — experts read from the bundle on demand into a RAM tier under
+//!   a byte budget, verified in the buffer they are computed from, with the same bits.
 //! - [`generate`]: greedy decoding on top of a backend.
 //!
 //! The library must never approximate silently: anything it cannot compute exactly is an error,
@@ -28,6 +30,7 @@ pub mod cuda;
 pub mod generate;
 pub mod model;
 pub mod numerics;
+pub mod stream;
 pub mod weights;
 
 /// An error from loading or running a model.

@@ -125,6 +125,7 @@ pub fn run(a: &DemoArgs) -> Result<(), CliError> {
         summary_json: a.summary_json.clone(),
         preload: false,
         quiet: false,
+        stream: Default::default(),
         invalid_bf16_before_lm_head: false,
     };
     generate::run(&g)?;

@@ -16,6 +16,7 @@ use tarfa_run::weights::WeightSource;
 
 use super::engine::Engine;
 use super::output::{write_json, write_logits, RouterTrace};
+use super::stream::StreamArgs;
 use super::{peak_rss_bytes, CliError};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -85,6 +86,8 @@ pub struct GenerateArgs {
     /// Print nothing but the generated text (no progress, no summary line).
     #[arg(long)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub stream: StreamArgs,
     /// INVALID, for validation only: round the final hidden state to BF16 before the lm_head.
     /// The validation suite uses it to show its f32 check can tell the difference.
     #[arg(long, hide = true)]
@@ -254,18 +257,28 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             .unwrap_or(serde_json::Value::Null),
         "moe_layers": moe_layers,
     });
-    if a.preload {
-        source.load_all_experts()?;
-    }
+    // Experts come through the streaming tiers (unbounded unless a budget says otherwise); the
+    // KV cache is accounted for at the whole requested context.
+    let mut streamed = super::stream::open(
+        &a.stream,
+        source.clone(),
+        &cfg,
+        prompt.len() + max_new,
+        a.quiet,
+        &log,
+    )?;
     let threads = a.threads.unwrap_or(0);
     let mut engine = Engine::load(
         a.backend,
         cfg,
-        source.clone() as Arc<dyn WeightSource>,
+        streamed.source.clone() as Arc<dyn WeightSource>,
         threads,
         kernel(a.kernel)?,
         &log,
     )?;
+    if a.preload {
+        streamed.preload()?;
+    }
     log(format!("prompt {} tokens", prompt.len()));
     let mut trace = match &a.router_trace {
         Some(p) => Some(RouterTrace::create(p, router_header)?),
@@ -285,7 +298,9 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         },
     };
     let t0 = Instant::now();
+    streamed.begin(true);
     let pre = engine.forward(&prompt, &opts)?;
+    streamed.end(true, prompt.len());
     let prefill_time = t0.elapsed();
     if let Some(t) = trace.as_mut() {
         t.records(&pre.router)?;
@@ -332,7 +347,9 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         if eos.contains(&next) || j + 1 == max_new {
             break;
         }
+        streamed.begin(false);
         let step = engine.forward(&[next], &step_opts)?;
+        streamed.end(false, 1);
         decode_weight_bytes += step.stats.weight_bytes;
         if let Some(t) = trace.as_mut() {
             t.records(&step.router)?;
@@ -384,9 +401,11 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 "prefill_weight_bytes": pre.stats.weight_bytes,
                 "decode_weight_bytes_per_token": if decode_steps > 0 { decode_weight_bytes / decode_steps as u64 } else { 0 },
                 "peak_rss_bytes": peak_rss_bytes(),
+                "stream": streamed.summary(),
             }),
         )?;
     }
+    streamed.finish(&log);
     log(format!(
         "{} tokens generated after a {}-token prompt | prefill {:.1} tok/s | decode {:.1} tok/s",
         tokens.len(),

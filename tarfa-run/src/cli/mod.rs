@@ -7,6 +7,7 @@ pub mod generate;
 pub mod io_bench;
 pub mod output;
 pub mod selftest;
+pub mod stream;
 
 use std::path::PathBuf;
 
@@ -40,6 +41,9 @@ pub enum CliError {
     /// The environment lacks something (no GPU, no driver) (exit 3).
     #[error("{0}")]
     Environment(String),
+    /// Expert streaming cannot start or go on.
+    #[error(transparent)]
+    Stream(#[from] tarfa_run::stream::StreamError),
 }
 
 impl CliError {
@@ -60,6 +64,7 @@ impl CliError {
             CliError::Run(e) => run_error_code(e),
             CliError::Io { .. } | CliError::Environment(_) => 3,
             CliError::Convert(e) => e.exit_code(),
+            CliError::Stream(e) => e.exit_code(),
         }
     }
 }
@@ -68,6 +73,7 @@ fn run_error_code(e: &RunError) -> i32 {
     match e {
         RunError::Weights(WeightError::Bundle(b)) => b.exit_code(),
         RunError::Weights(WeightError::Io { .. }) => 3,
+        RunError::Weights(WeightError::Stream(s)) => s.exit_code(),
         // A bundle whose verified weights do not fit its own config is a broken bundle.
         RunError::Weights(_) => 1,
         RunError::Config(_) | RunError::Rope(_) => 2,

@@ -6,7 +6,6 @@
 //! (token, head) pairs. Per-token elementwise work runs on the calling thread.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -20,7 +19,7 @@ use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
 use crate::numerics::matvec::{transpose_rows, Activation};
 use crate::numerics::reduce::{fma_dispatch, weighted_row_sum};
 use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, run_jobs, Kernel, MatJob, MatrixRef};
-use crate::weights::{ExpertWeights, WeightError};
+use crate::weights::{Bf16View, ExpertData, ExpertHandle, WeightError};
 use crate::RunError;
 
 /// RMSNorm over `x` with weight `w` (step 2): `ss = dot(x, x)`, `m = ss / f32(n)`,
@@ -341,17 +340,14 @@ fn route(kernel: Kernel, logits: &[f32], k: usize, renormalize: bool) -> Route {
 }
 
 fn check_expert(
-    e: &ExpertWeights,
+    e: &dyn ExpertData,
     layer: usize,
     expert: usize,
     h: usize,
     i: usize,
 ) -> Result<(), WeightError> {
-    for (m, rows, cols, what) in [
-        (&e.gate, i, h, "gate"),
-        (&e.up, i, h, "up"),
-        (&e.down, h, i, "down"),
-    ] {
+    let [gate, up, down] = e.matrices();
+    for (m, rows, cols, what) in [(gate, i, h, "gate"), (up, i, h, "up"), (down, h, i, "down")] {
         if m.rows != rows || m.cols != cols || m.data.len() != rows * cols {
             return Err(WeightError::ShapeMismatch {
                 name: format!("layer {layer} expert {expert} {what}"),
@@ -363,8 +359,29 @@ fn check_expert(
     Ok(())
 }
 
-/// Step 4, the MoE block of layer `l`: route every token, fetch the needed experts once, apply
-/// each expert to all its tokens, mix per token in ascending expert id, add to `h`.
+/// The source's grouping must be a partition of `ids`: a source that drops or repeats an expert
+/// would silently change the mix, so that is an error, not a hint to follow.
+fn check_batches(batches: &[Vec<usize>], ids: &[usize]) -> Result<(), RunError> {
+    let mut seen: Vec<usize> = batches.iter().flatten().copied().collect();
+    seen.sort_unstable();
+    if seen != ids || batches.iter().any(|b| b.is_empty()) {
+        return Err(RunError::SourceContract(format!(
+            "expert_batches() grouped {:?} as {batches:?}",
+            ids
+        )));
+    }
+    Ok(())
+}
+
+/// Step 4, the MoE block of layer `l`: route every token, fetch the needed experts, apply each
+/// expert to all its tokens, mix per token in ascending expert id, add to `h`.
+///
+/// Experts are fetched in the groups the source asks for ([`WeightSource::expert_batches`]:
+/// one group when it can hold them all, smaller ones under a memory budget); each group's
+/// weights are dropped once its outputs are computed, and only the outputs are kept. The mix
+/// runs after the last group, in ascending expert id, so grouping cannot change a bit.
+///
+/// [`WeightSource::expert_batches`]: crate::weights::WeightSource::expert_batches
 #[allow(clippy::too_many_arguments)]
 fn moe_block(
     model: &CpuModel,
@@ -387,6 +404,22 @@ fn moe_block(
         .iter()
         .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
         .collect();
+
+    // expert -> [(token, weight)], experts in ascending id (BTreeMap order)
+    let mut assignment: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+    for (t, r) in routes.iter().enumerate() {
+        for &(e, _, w) in &r.chosen {
+            assignment.entry(e).or_default().push((t, w));
+        }
+    }
+    let ids: Vec<usize> = assignment.keys().copied().collect();
+    // The routes are known: a streaming source starts reading every needed expert now, while
+    // the trace is written and the first group (often already held) is computed.
+    let batches = model.source.expert_batches(l, &ids);
+    check_batches(&batches, &ids)?;
+    model.source.prefetch(l, &batches);
+    stats.experts_fetched += ids.len() as u64;
+
     if let Some(trace) = trace {
         let moe_layer = model.spec.moe_index(l).unwrap_or(0);
         for (t, r) in routes.iter().enumerate() {
@@ -403,38 +436,86 @@ fn moe_block(
         }
     }
 
-    // expert -> [(token, weight)], experts in ascending id (BTreeMap order)
-    let mut assignment: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-    for (t, r) in routes.iter().enumerate() {
-        for &(e, _, w) in &r.chosen {
-            assignment.entry(e).or_default().push((t, w));
+    // y[e] for each needed expert, per token of its list ([j] -> [H]); the shared expert's
+    // output and gate logit per token.
+    let mut ys: BTreeMap<usize, Vec<Vec<f32>>> = BTreeMap::new();
+    let mut shared_out: Option<(Vec<Vec<f32>>, Vec<f32>)> = None;
+    for (b, batch) in batches.iter().enumerate() {
+        let experts: Vec<ExpertHandle> = model.source.expert_data(l, batch)?;
+        if experts.len() != batch.len() {
+            return Err(RunError::SourceContract(format!(
+                "expert_data() returned {} experts for {} ids",
+                experts.len(),
+                batch.len()
+            )));
+        }
+        for (ew, &e) in experts.iter().zip(batch) {
+            check_expert(ew.as_ref(), l, e, cfg.hidden_size, cfg.expert_width)?;
+            stats.weight_bytes += ew.bytes();
+        }
+        let token_lists: Vec<&Vec<(usize, f32)>> = batch.iter().map(|e| &assignment[e]).collect();
+        // The shared expert joins the first group's parallel regions (with one group, exactly
+        // the regions of a resident run).
+        let shared = if b == 0 { moe.shared.as_ref() } else { None };
+        let (group_ys, sh) =
+            expert_products(kernel, cfg, &experts, &token_lists, &xs, shared, stats);
+        // The weights go back to the source before the next group is asked for.
+        drop(experts);
+        for (&e, y) in batch.iter().zip(group_ys) {
+            ys.insert(e, y);
+        }
+        if sh.is_some() {
+            shared_out = sh;
         }
     }
-    let ids: Vec<usize> = assignment.keys().copied().collect();
-    let experts: Vec<Arc<ExpertWeights>> = model.source.experts(l, &ids)?;
-    if experts.len() != ids.len() {
-        return Err(RunError::SourceContract(format!(
-            "experts() returned {} experts for {} ids",
-            experts.len(),
-            ids.len()
-        )));
-    }
-    for (ew, &e) in experts.iter().zip(&ids) {
-        check_expert(ew, l, e, cfg.hidden_size, cfg.expert_width)?;
-        stats.weight_bytes += ew.bytes();
-    }
-    stats.experts_fetched += ids.len() as u64;
 
-    // Stage 1: gate and up of every needed expert over its tokens (and the shared expert's
-    // gate, up and sigmoid gate over all tokens), one parallel region.
-    let token_lists: Vec<&Vec<(usize, f32)>> = assignment.values().collect();
+    // Mix: acc = +0; for the token's experts in ascending id: acc = acc + (w_e * y_e); then the
+    // shared expert: acc = acc + sigmoid(s) * y_shared; h = h + acc.
+    let t_count = h.len();
+    let mut acc = vec![vec![0.0f32; cfg.hidden_size]; t_count];
+    for (e, y) in &ys {
+        for (j, &(t, w)) in assignment[e].iter().enumerate() {
+            for (a, &v) in acc[t].iter_mut().zip(&y[j]) {
+                *a += w * v;
+            }
+        }
+    }
+    if let Some((shared_y, sh_s)) = &shared_out {
+        for t in 0..t_count {
+            let gate = sigmoid(sh_s[t]);
+            for (a, &v) in acc[t].iter_mut().zip(&shared_y[t]) {
+                *a += gate * v;
+            }
+        }
+    }
+    add_rows(h, &acc);
+    Ok(())
+}
+
+/// The products of one group of experts over their tokens (and of the shared expert over all
+/// tokens, when given): gate and up in one parallel region, `a = silu(g) * u`, down in a second.
+/// Returns each expert's outputs per token of its list, and the shared expert's outputs per
+/// token with its gate logits.
+#[allow(clippy::type_complexity)]
+fn expert_products(
+    kernel: Kernel,
+    cfg: &crate::config::MoeConfig,
+    experts: &[ExpertHandle],
+    token_lists: &[&Vec<(usize, f32)>],
+    xs: &[Activation],
+    shared: Option<&(DenseMlp, Matrix)>,
+    stats: &mut StepStats,
+) -> (Vec<Vec<Vec<f32>>>, Option<(Vec<Vec<f32>>, Vec<f32>)>) {
+    let mats: Vec<[Bf16View<'_>; 3]> = experts.iter().map(|e| e.matrices()).collect();
+    // Stage 1: gate and up of every expert of the group over its tokens (and the shared
+    // expert's gate, up and sigmoid gate over all tokens), one parallel region.
     let mut gate_out: Vec<Vec<f32>> = token_lists
         .iter()
         .map(|tl| vec![0.0; cfg.expert_width * tl.len()])
         .collect();
     let mut up_out: Vec<Vec<f32>> = gate_out.clone();
-    let t_count = h.len();
-    let (mut sh_g, mut sh_u, mut sh_s) = match &moe.shared {
+    let t_count = xs.len();
+    let (mut sh_g, mut sh_u, mut sh_s) = match shared {
         Some((mlp, _)) => (
             vec![0.0; mlp.gate.rows * t_count],
             vec![0.0; mlp.up.rows * t_count],
@@ -444,25 +525,25 @@ fn moe_block(
     };
     {
         let mut jobs = Vec::new();
-        for (((ew, tl), g), u) in experts
+        for (((m, tl), g), u) in mats
             .iter()
-            .zip(&token_lists)
+            .zip(token_lists)
             .zip(gate_out.iter_mut())
             .zip(up_out.iter_mut())
         {
             let tx: Vec<&Activation> = tl.iter().map(|&(t, _)| &xs[t]).collect();
             jobs.push(MatJob {
-                w: bf16_ref(&ew.gate),
+                w: bf16_ref(m[0]),
                 xs: tx.clone(),
                 out: g,
             });
             jobs.push(MatJob {
-                w: bf16_ref(&ew.up),
+                w: bf16_ref(m[1]),
                 xs: tx,
                 out: u,
             });
         }
-        if let Some((mlp, sg)) = &moe.shared {
+        if let Some((mlp, sg)) = shared {
             let all: Vec<&Activation> = xs.iter().collect();
             jobs.push(MatJob {
                 w: mlp.gate.as_ref(),
@@ -500,7 +581,7 @@ fn moe_block(
                 .collect()
         })
         .collect();
-    let shared_acts: Vec<Activation> = match &moe.shared {
+    let shared_acts: Vec<Activation> = match shared {
         Some((mlp, _)) => {
             let g = transpose_rows(&sh_g, mlp.gate.rows, t_count);
             let u = transpose_rows(&sh_u, mlp.up.rows, t_count);
@@ -519,7 +600,7 @@ fn moe_block(
         .collect();
     let mut sh_y = vec![
         0.0;
-        if moe.shared.is_some() {
+        if shared.is_some() {
             cfg.hidden_size * t_count
         } else {
             0
@@ -527,14 +608,14 @@ fn moe_block(
     ];
     {
         let mut jobs = Vec::new();
-        for ((ew, a), y) in experts.iter().zip(&acts).zip(down_out.iter_mut()) {
+        for ((m, a), y) in mats.iter().zip(&acts).zip(down_out.iter_mut()) {
             jobs.push(MatJob {
-                w: bf16_ref(&ew.down),
+                w: bf16_ref(m[2]),
                 xs: a.iter().collect(),
                 out: y,
             });
         }
-        if let Some((mlp, _)) = &moe.shared {
+        if let Some((mlp, _)) = shared {
             jobs.push(MatJob {
                 w: mlp.down.as_ref(),
                 xs: shared_acts.iter().collect(),
@@ -545,42 +626,19 @@ fn moe_block(
         run_jobs(kernel, jobs);
     }
 
-    // Mix: acc = +0; for the token's experts in ascending id: acc = acc + (w_e * y_e); then the
-    // shared expert: acc = acc + sigmoid(s) * y_shared; h = h + acc.
-    let ys: Vec<Vec<Vec<f32>>> = token_lists
+    let ys = token_lists
         .iter()
         .zip(&down_out)
         .map(|(tl, y)| transpose_rows(y, cfg.hidden_size, tl.len()))
         .collect();
-    let shared_y = transpose_rows(
-        &sh_y,
-        cfg.hidden_size,
-        if moe.shared.is_some() { t_count } else { 0 },
-    );
-    let mut acc = vec![vec![0.0f32; cfg.hidden_size]; t_count];
-    for ((tl, y), _) in token_lists.iter().zip(&ys).zip(&ids) {
-        for (j, &(t, w)) in tl.iter().enumerate() {
-            for (a, &v) in acc[t].iter_mut().zip(&y[j]) {
-                *a += w * v;
-            }
-        }
-    }
-    if moe.shared.is_some() {
-        for t in 0..t_count {
-            let gate = sigmoid(sh_s[t]);
-            for (a, &v) in acc[t].iter_mut().zip(&shared_y[t]) {
-                *a += gate * v;
-            }
-        }
-    }
-    add_rows(h, &acc);
-    Ok(())
+    let shared_out = shared.map(|_| (transpose_rows(&sh_y, cfg.hidden_size, t_count), sh_s));
+    (ys, shared_out)
 }
 
-fn bf16_ref(m: &crate::weights::Bf16Matrix) -> MatrixRef<'_> {
+fn bf16_ref(m: Bf16View<'_>) -> MatrixRef<'_> {
     MatrixRef::Bf16 {
         rows: m.rows,
         cols: m.cols,
-        data: &m.data,
+        data: m.data,
     }
 }

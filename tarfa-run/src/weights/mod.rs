@@ -3,8 +3,10 @@
 //!
 //! Non-expert tensors are asked for by name once, when a model is loaded. Expert matrices are
 //! asked for per layer, for the set of experts one forward step needs, every step: that is the
-//! seam where a verified bundle reader and an expert-streaming cache plug in without the forward
-//! changing. Implementations must hand out bytes that were verified in the very buffer returned
+//! seam where a verified bundle reader and an expert-streaming cache ([`crate::stream`]) plug in.
+//! Two hints with resident defaults let a source with a memory budget cooperate: how to group
+//! the experts ([`WeightSource::expert_batches`]) and which reads to start now
+//! ([`WeightSource::prefetch`]). Implementations must hand out bytes that were verified in the very buffer returned
 //! (docs/EXACTNESS.md section 1) and must never memory-map weights for compute.
 
 pub mod memory;
@@ -100,6 +102,52 @@ impl ExpertWeights {
     }
 }
 
+/// A borrowed row-major BF16 matrix: `rows * cols` raw BF16 values.
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16View<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u16],
+}
+
+impl Bf16Matrix {
+    /// The matrix as a view.
+    pub fn view(&self) -> Bf16View<'_> {
+        Bf16View {
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+        }
+    }
+}
+
+/// One expert's verified weights however they are held: owned matrices ([`ExpertWeights`]), or
+/// views into the one buffer an extent was read and verified in (the streaming store, which
+/// must not copy bytes after checking them). The forward only ever reads through this.
+pub trait ExpertData: Send + Sync {
+    /// `[gate, up, down]`: gate and up are `[I, H]`, down is `[H, I]`.
+    fn matrices(&self) -> [Bf16View<'_>; 3];
+
+    /// Bytes of weights of the expert.
+    fn bytes(&self) -> u64 {
+        self.matrices()
+            .iter()
+            .map(|m| 2 * m.data.len() as u64)
+            .sum()
+    }
+}
+
+impl ExpertData for ExpertWeights {
+    fn matrices(&self) -> [Bf16View<'_>; 3] {
+        [self.gate.view(), self.up.view(), self.down.view()]
+    }
+}
+
+/// A shared handle on one expert's weights. A streaming source counts the bytes behind it
+/// against its budget until the last handle is dropped, so callers drop handles as soon as the
+/// expert's products are computed.
+pub type ExpertHandle = Arc<dyn ExpertData>;
+
 /// A weight that cannot be had or used.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {
@@ -152,6 +200,10 @@ pub enum WeightError {
     /// The directory holds no safetensors file.
     #[error("no .safetensors files in {0}")]
     NoFiles(String),
+    /// The expert-streaming store refused (verification failure, I/O error, a request larger
+    /// than its budget).
+    #[error(transparent)]
+    Stream(#[from] crate::stream::StreamError),
 }
 
 /// A provider of verified weights.
@@ -165,10 +217,42 @@ pub trait WeightSource: Send + Sync {
     /// tied embeddings).
     fn contains(&self, name: &str) -> bool;
 
-    /// The experts `ids` of layer `layer`, in the order asked. The forward calls this once per
-    /// MoE layer per step with the sorted set the step's tokens chose, so a streaming source
-    /// fetches each expert once per layer per step.
+    /// The experts `ids` of layer `layer`, in the order asked, as owned matrices (for callers
+    /// that keep them, such as a backend uploading every expert). The CPU forward asks through
+    /// [`WeightSource::expert_data`] instead, whose default calls this: once per MoE layer per
+    /// step with the sorted set the step's tokens chose (or once per group, see
+    /// [`WeightSource::expert_batches`]), so each expert is fetched once per layer per step.
     fn experts(&self, layer: usize, ids: &[usize]) -> Result<Vec<Arc<ExpertWeights>>, WeightError>;
+
+    /// Batch-size hint: how the forward should group the sorted, distinct experts `ids` of
+    /// `layer` that one step needs, and in which order to ask for the groups. Every id must
+    /// appear in exactly one group (the forward checks). A source that can hand out all of them
+    /// at once returns one group (the default); a source with a memory budget returns groups
+    /// that fit, putting the experts it already holds first. Grouping never changes a bit: each
+    /// expert's products are independent, and the forward mixes in ascending expert id.
+    fn expert_batches(&self, layer: usize, ids: &[usize]) -> Vec<Vec<usize>> {
+        let _ = layer;
+        vec![ids.to_vec()]
+    }
+
+    /// Prefetch hint: the forward will ask for `batches` of `layer` next, in that order (what
+    /// [`WeightSource::expert_batches`] returned). A streaming source starts reading them now,
+    /// in parallel, as far as its budget allows. A resident source ignores it (the default). A
+    /// later call replaces an earlier one's plan.
+    fn prefetch(&self, layer: usize, batches: &[Vec<usize>]) {
+        let _ = (layer, batches);
+    }
+
+    /// The experts `ids` of layer `layer`, in the order asked, as handles the forward computes
+    /// from directly. The default hands out [`WeightSource::experts`]; a streaming source hands
+    /// out views of the buffers it verified, without copying.
+    fn expert_data(&self, layer: usize, ids: &[usize]) -> Result<Vec<ExpertHandle>, WeightError> {
+        Ok(self
+            .experts(layer, ids)?
+            .into_iter()
+            .map(|e| e as ExpertHandle)
+            .collect())
+    }
 }
 
 impl HostTensor {

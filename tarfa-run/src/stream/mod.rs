@@ -1,0 +1,382 @@
+//! Expert streaming: run a model whose experts do not fit in memory, with the same bits as the
+//! resident run.
+//!
+//! The dense weights and the KV cache stay resident (see [`memory`]); the experts live in tiers:
+//!
+//! | tier | where | bounded by |
+//! | --- | --- | --- |
+//! | hot | GPU memory (the CUDA backend plugs in above the warm tier) | `--vram-budget` |
+//! | warm | host RAM: this module's [`ExpertStore`] | `--ram-budget` |
+//! | cold | the bundle on disk, read with `--io direct` (O_DIRECT) or `--io cached` (page cache) | |
+//!
+//! The warm tier's budget covers every expert buffer alive at once: cached entries, reads in
+//! flight and the experts the forward is computing with. There is no separate staging copy:
+//! an extent is read into one buffer, BLAKE3-checked there against the manifest, and the
+//! forward computes from views into that very buffer ([`crate::weights::ExpertData`]).
+//!
+//! How the forward cooperates (the [`WeightSource`] hints, all defaulted for resident sources):
+//! once a layer's routes are known it asks [`WeightSource::expert_batches`] how to group the
+//! needed experts (one group when they fit; otherwise groups that fit, the experts already held
+//! first), announces the groups with [`WeightSource::prefetch`] (the store starts every read
+//! the budget allows, in parallel: that is the queue depth), then asks for each group in turn
+//! with [`WeightSource::expert_data`], computes its products, keeps the outputs and drops the
+//! weights. The outputs are mixed in ascending expert id at the end, as resident runs do.
+//!
+//! Nothing here may change a bit: budgets, I/O modes, cache policies, prefetching and grouping
+//! only decide when bytes are read, never what is computed from them (docs/EXACTNESS.md).
+//! Every byte handed out was verified in the buffer handed out, and a read whose bytes do not
+//! match the manifest stops the run (exit 1) before anything is computed from them.
+
+pub mod ledger;
+pub mod memory;
+pub mod size;
+mod stats;
+mod store;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+pub use ledger::{HeatLedger, LedgerLoad};
+pub use memory::{mem_available, ResidentPart};
+pub use size::{format_bytes, parse_size};
+pub use stats::StreamStats;
+pub use store::ExpertStore;
+
+use crate::bundle::BundleSource;
+use crate::weights::{
+    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, WeightError, WeightSource,
+};
+
+#[cfg(target_endian = "big")]
+compile_error!("the streaming store views little-endian BF16 bytes in place as u16");
+
+/// How expert extents are read from the bundle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IoMode {
+    /// O_DIRECT: one read of the extent's `padded_length` (4096-aligned offset and length) into
+    /// a 4096-aligned buffer, bypassing the page cache.
+    Direct,
+    /// Through the OS page cache: one `pread` of the extent's `length`.
+    Cached,
+}
+
+impl IoMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            IoMode::Direct => "direct",
+            IoMode::Cached => "cached",
+        }
+    }
+
+    /// Bytes one read of `extent` transfers and the buffer it needs: with O_DIRECT the padded
+    /// extent, through the page cache the extent itself.
+    pub fn read_bytes(self, extent: &jnf_format::ExpertExtent) -> u64 {
+        match self {
+            IoMode::Direct => extent.padded_length,
+            IoMode::Cached => extent.length,
+        }
+    }
+
+    /// Bytes the buffer for one read of `extent` occupies, and what the RAM budget is charged
+    /// for it: the read rounded up to whole 4096-byte pages (the extent's `padded_length` in both
+    /// modes, as the format pads extents to 4096).
+    pub fn buffer_bytes(self, extent: &jnf_format::ExpertExtent) -> u64 {
+        self.read_bytes(extent).max(1).div_ceil(4096) * 4096
+    }
+}
+
+/// What the warm tier keeps once the forward is done with an expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CachePolicy {
+    /// Keep everything, evict the least recently used.
+    Lru,
+    /// Pin the hottest experts of the heat ledger in half the budget; LRU for the rest.
+    Ledger,
+    /// Pin a fixed set (the ledger's hottest, else an even spread over layers) in three quarters
+    /// of the budget; keep nothing else.
+    Static,
+    /// Keep nothing: every use reads (meant with `--io cached`, to measure the page cache).
+    None,
+}
+
+impl CachePolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            CachePolicy::Lru => "lru",
+            CachePolicy::Ledger => "ledger",
+            CachePolicy::Static => "static",
+            CachePolicy::None => "none",
+        }
+    }
+}
+
+/// How the warm tier is set up.
+#[derive(Clone, Debug)]
+pub struct StreamOptions {
+    /// Bytes the warm tier may hold at once (cache, reads in flight, experts in use); `None`:
+    /// unbounded, every expert stays once read.
+    pub ram_budget: Option<u64>,
+    pub io: IoMode,
+    pub policy: CachePolicy,
+    /// Reader threads: the most reads in flight at once.
+    pub io_threads: usize,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            ram_budget: None,
+            io: IoMode::Cached,
+            policy: CachePolicy::Lru,
+            io_threads: DEFAULT_IO_THREADS,
+        }
+    }
+}
+
+/// Enough reads in flight to keep an NVMe queue busy with expert-sized requests (a decode step
+/// needs top-k of them per layer), without an unbounded number of threads.
+pub const DEFAULT_IO_THREADS: usize = 16;
+
+/// Why streaming cannot start or go on.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// A budget cannot hold even one expert (exit 2).
+    #[error("{flag} {} is smaller than one expert: the minimum is {minimum} bytes ({})", format_bytes(*budget), format_bytes(*minimum))]
+    BudgetTooSmall {
+        flag: &'static str,
+        budget: u64,
+        minimum: u64,
+    },
+    /// A size argument does not parse (exit 2).
+    #[error(
+        "{text:?} is not a size: {why} (bytes, or a number with K, M or G = 2^10, 2^20, 2^30)"
+    )]
+    BadSize { text: String, why: &'static str },
+    /// The machine cannot hold the resident part (exit 3).
+    #[error("the resident part needs {} ({} dense weights + {} KV cache for {context} positions) but only {} is available (MemAvailable)", format_bytes(*needed), format_bytes(*dense), format_bytes(*kv), format_bytes(*available))]
+    ResidentTooLarge {
+        needed: u64,
+        dense: u64,
+        kv: u64,
+        context: usize,
+        available: u64,
+    },
+    /// No `--ram-budget` was given and MemAvailable, less the resident part, cannot hold one
+    /// expert (exit 3).
+    #[error("not enough memory: MemAvailable {} holds the resident part ({}) but not one expert more ({})", format_bytes(*available), format_bytes(*resident), format_bytes(*minimum))]
+    NoRoomForAnExpert {
+        available: u64,
+        resident: u64,
+        minimum: u64,
+    },
+    /// An extent read back different bytes than the manifest records (exit 1).
+    #[error("{path}: {name}: BLAKE3 of the bytes read does not match the manifest (the bundle changed during the run or is corrupt); nothing was computed from them")]
+    HashMismatch { path: PathBuf, name: String },
+    /// The file ends inside an extent the header validated at open: it changed (exit 1).
+    #[error("{path}: {name}: read {got} of {expected} bytes (the file is shorter than when it was opened: it changed during the run)")]
+    Truncated {
+        path: PathBuf,
+        name: String,
+        expected: u64,
+        got: u64,
+    },
+    /// The file system refuses O_DIRECT (exit 3).
+    #[error(
+        "{path}: cannot open for O_DIRECT reads ({source}); use --io cached on this file system"
+    )]
+    DirectIoUnsupported {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// An I/O error while reading an extent (exit 3).
+    #[error("{path}: {op}: {msg}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        msg: String,
+    },
+    /// An expert buffer could not be allocated (exit 3).
+    #[error("cannot allocate {} for an expert buffer", format_bytes(*bytes))]
+    OutOfMemory { bytes: u64 },
+    /// A caller asked for more experts at once than the budget holds, holding nothing that
+    /// could be released (a bug in the caller, which must follow `expert_batches`) (exit 3).
+    #[error("layer {layer}: {requested} bytes of experts asked for at once; the RAM budget holds {capacity}")]
+    BatchTooLarge {
+        layer: usize,
+        requested: u64,
+        capacity: u64,
+    },
+}
+
+impl StreamError {
+    /// 1 verification failure, 2 bad input or usage, 3 environment.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            StreamError::BudgetTooSmall { .. } | StreamError::BadSize { .. } => 2,
+            StreamError::HashMismatch { .. } | StreamError::Truncated { .. } => 1,
+            StreamError::ResidentTooLarge { .. }
+            | StreamError::NoRoomForAnExpert { .. }
+            | StreamError::DirectIoUnsupported { .. }
+            | StreamError::Io { .. }
+            | StreamError::OutOfMemory { .. }
+            | StreamError::BatchTooLarge { .. } => 3,
+        }
+    }
+}
+
+/// The smallest RAM budget that holds one expert of `bundle` read with `io`: the largest
+/// expert buffer.
+pub fn min_budget(bundle: &BundleSource, io: IoMode) -> u64 {
+    bundle
+        .expert_extents()
+        .iter()
+        .map(|(e, _)| io.buffer_bytes(e))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Called with (layer, layers) as the forward reaches each MoE layer (a progress line).
+pub type ProgressFn = Box<dyn Fn(usize, usize) + Send + Sync>;
+
+/// A [`WeightSource`] over a verified bundle whose experts come through the warm tier: the
+/// non-expert tensors from [`BundleSource`] (loaded once, resident), the experts from an
+/// [`ExpertStore`] under a RAM budget.
+pub struct StreamSource {
+    bundle: Arc<BundleSource>,
+    store: ExpertStore,
+    layers: usize,
+    progress: Mutex<Option<ProgressFn>>,
+}
+
+impl StreamSource {
+    /// A store over `bundle`'s experts. `ledger` (this bundle's heat ledger, if any) decides
+    /// what the `ledger` and `static` policies pin; it changes what is read when, never a bit.
+    pub fn new(
+        bundle: Arc<BundleSource>,
+        opts: &StreamOptions,
+        ledger: Option<&HeatLedger>,
+    ) -> Result<StreamSource, StreamError> {
+        let layers = bundle
+            .expert_extents()
+            .iter()
+            .map(|(e, _)| e.layer as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let store = ExpertStore::new(bundle.clone(), opts, ledger)?;
+        Ok(StreamSource {
+            bundle,
+            store,
+            layers,
+            progress: Mutex::new(None),
+        })
+    }
+
+    pub fn bundle(&self) -> &Arc<BundleSource> {
+        &self.bundle
+    }
+
+    pub fn store(&self) -> &ExpertStore {
+        &self.store
+    }
+
+    /// Counters since the store was made.
+    pub fn stats(&self) -> StreamStats {
+        self.store.stats()
+    }
+
+    /// Calls `f(layer, layers)` each time the forward reaches a MoE layer (until replaced).
+    pub fn set_progress(&self, f: Option<ProgressFn>) {
+        *self.progress.lock().unwrap_or_else(|e| e.into_inner()) = f;
+    }
+
+    /// Read every expert into the warm tier (`--preload`): the budget must hold them all and
+    /// the policy must keep them.
+    pub fn preload(&self) -> Result<(), WeightError> {
+        for layer in 0..self.layers {
+            let ids = self.store.expert_ids(layer);
+            if ids.is_empty() {
+                continue;
+            }
+            for batch in self.store.batches(layer, &ids) {
+                drop(self.store.fetch_uncounted(layer, &batch)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl WeightSource for StreamSource {
+    fn tensor(&self, name: &str) -> Result<Arc<HostTensor>, WeightError> {
+        self.bundle.tensor(name)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.bundle.contains(name)
+    }
+
+    /// Owned copies, for callers that keep experts (the CUDA upload): copied from the verified
+    /// buffers, in groups the budget holds.
+    fn experts(&self, layer: usize, ids: &[usize]) -> Result<Vec<Arc<ExpertWeights>>, WeightError> {
+        let mut distinct = ids.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut got = std::collections::HashMap::new();
+        for batch in self.store.batches(layer, &distinct) {
+            // Copies for a caller that keeps them (loading a model), not uses: not counted in
+            // the heat ledger.
+            let handles = self.store.fetch_uncounted(layer, &batch)?;
+            for (&id, h) in batch.iter().zip(&handles) {
+                let [g, u, d] = h.matrices();
+                let m = |v: crate::weights::Bf16View<'_>| Bf16Matrix {
+                    rows: v.rows,
+                    cols: v.cols,
+                    data: crate::numerics::AlignedVec::from_slice(v.data),
+                };
+                got.insert(
+                    id,
+                    Arc::new(ExpertWeights {
+                        gate: m(g),
+                        up: m(u),
+                        down: m(d),
+                    }),
+                );
+            }
+        }
+        ids.iter()
+            .map(|&id| {
+                got.get(&id)
+                    .cloned()
+                    .ok_or_else(|| WeightError::MissingExpert {
+                        layer,
+                        expert: id,
+                        name: format!("layer {layer} expert {id}"),
+                    })
+            })
+            .collect()
+    }
+
+    fn expert_batches(&self, layer: usize, ids: &[usize]) -> Vec<Vec<usize>> {
+        if let Some(f) = self
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            f(layer, self.layers);
+        }
+        self.store.batches(layer, ids)
+    }
+
+    fn prefetch(&self, layer: usize, batches: &[Vec<usize>]) {
+        self.store.prefetch(layer, batches);
+    }
+
+    fn expert_data(&self, layer: usize, ids: &[usize]) -> Result<Vec<ExpertHandle>, WeightError> {
+        Ok(self
+            .store
+            .fetch(layer, ids)?
+            .into_iter()
+            .map(|l| Arc::new(l) as ExpertHandle)
+            .collect())
+    }
+}

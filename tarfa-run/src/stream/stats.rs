@@ -1,0 +1,114 @@
+//! Counters of the warm tier, for `--stats` and the summary's "stream" key.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Cumulative counters since the store was made; subtract two snapshots for one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StreamStats {
+    /// Experts the forward asked for (one per expert per MoE layer per step).
+    pub requests: u64,
+    /// Requests served from the warm tier without a read.
+    pub warm_hits: u64,
+    /// Requests that needed a read from disk.
+    pub misses: u64,
+    /// Extents read from disk: the misses, plus prefetched reads that were never used.
+    pub reads: u64,
+    /// Prefetched extents dropped unused (a plan cancelled by an error or a concurrent user).
+    pub wasted_reads: u64,
+    /// Bytes read from disk: per read, `padded_length` with `--io direct`, `length` with
+    /// `--io cached`.
+    pub bytes_read: u64,
+    /// Wall time during which at least one read was in flight (ns).
+    pub read_busy_ns: u64,
+    /// CPU time spent BLAKE3-hashing extents, summed over reader threads (ns).
+    pub verify_ns: u64,
+    /// Bytes hashed.
+    pub verified_bytes: u64,
+    /// Time the forward spent waiting for experts (ns).
+    pub io_wait_ns: u64,
+    /// Entries evicted to make room.
+    pub evictions: u64,
+    /// The most bytes of expert buffers alive at once (cache, reads in flight, in use).
+    pub peak_warm_bytes: u64,
+}
+
+impl StreamStats {
+    /// Counters accumulated between `earlier` and `self` (the peak stays the running peak).
+    pub fn since(&self, earlier: &StreamStats) -> StreamStats {
+        StreamStats {
+            requests: self.requests - earlier.requests,
+            warm_hits: self.warm_hits - earlier.warm_hits,
+            misses: self.misses - earlier.misses,
+            reads: self.reads - earlier.reads,
+            wasted_reads: self.wasted_reads - earlier.wasted_reads,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            read_busy_ns: self.read_busy_ns - earlier.read_busy_ns,
+            verify_ns: self.verify_ns - earlier.verify_ns,
+            verified_bytes: self.verified_bytes - earlier.verified_bytes,
+            io_wait_ns: self.io_wait_ns - earlier.io_wait_ns,
+            evictions: self.evictions - earlier.evictions,
+            peak_warm_bytes: self.peak_warm_bytes,
+        }
+    }
+
+    /// Warm-tier hits over requests, when there were requests.
+    pub fn warm_hit_rate(&self) -> Option<f64> {
+        (self.requests > 0).then(|| self.warm_hits as f64 / self.requests as f64)
+    }
+
+    /// Bytes read per second of read-busy wall time, in GB/s (10^9), when anything was read.
+    pub fn disk_gb_s(&self) -> Option<f64> {
+        (self.read_busy_ns > 0).then(|| self.bytes_read as f64 / self.read_busy_ns as f64)
+    }
+
+    /// Hashing throughput per core (bytes per ns of hashing CPU time), GB/s.
+    pub fn verify_gb_s(&self) -> Option<f64> {
+        (self.verify_ns > 0).then(|| self.verified_bytes as f64 / self.verify_ns as f64)
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub requests: AtomicU64,
+    pub warm_hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub reads: AtomicU64,
+    pub wasted_reads: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub read_busy_ns: AtomicU64,
+    pub verify_ns: AtomicU64,
+    pub verified_bytes: AtomicU64,
+    pub io_wait_ns: AtomicU64,
+    pub evictions: AtomicU64,
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+pub(crate) fn add_time(c: &AtomicU64, d: Duration) {
+    c.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+}
+
+impl Counters {
+    pub fn snapshot(&self, peak_warm_bytes: u64) -> StreamStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StreamStats {
+            requests: g(&self.requests),
+            warm_hits: g(&self.warm_hits),
+            misses: g(&self.misses),
+            reads: g(&self.reads),
+            wasted_reads: g(&self.wasted_reads),
+            bytes_read: g(&self.bytes_read),
+            read_busy_ns: g(&self.read_busy_ns),
+            verify_ns: g(&self.verify_ns),
+            verified_bytes: g(&self.verified_bytes),
+            io_wait_ns: g(&self.io_wait_ns),
+            evictions: g(&self.evictions),
+            peak_warm_bytes,
+        }
+    }
+}

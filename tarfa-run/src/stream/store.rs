@@ -1,0 +1,1228 @@
+//! The warm tier: expert extents in host RAM under a byte budget, read by a pool of reader
+//! threads, verified in the buffer they are used from, kept or dropped by the cache policy.
+//!
+//! Every expert buffer alive is charged to one [`Budget`] from the moment its read is issued
+//! until the last handle on it is dropped: cached entries, reads in flight and experts the
+//! forward is computing with. A read is issued only when its bytes fit (evicting unused,
+//! unpinned entries, least recently used first), so the budget is never exceeded, and room for
+//! the pinned set is kept free until the pinned experts are loaded.
+//!
+//! Life of an entry: `Queued` (planned or asked for, waiting for room) -> `Loading` (a reader
+//! thread owns the read) -> `Ready` (verified; handed out as [`Lease`]s). A `Ready` entry with
+//! no lease and no plan stays if the policy keeps it (evictable unless pinned), else it goes.
+//!
+//! Deadlock freedom rests on the order of the queue: a plan's reads are issued strictly in the
+//! order the forward will ask for them, and the forward asks for one batch at a time and drops
+//! it before asking for the next, so the reads it waits for are always first in line for room.
+//! A request that can never be served (nothing in flight, no handle out, still no room) is an
+//! error, never a hang.
+//!
+//! Locking: one mutex over the state. Dropping an [`Extent`] only touches atomics, so buffers
+//! may be dropped with the lock held.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use super::stats::{add, add_time, Counters};
+use super::{CachePolicy, HeatLedger, IoMode, StreamError, StreamOptions, StreamStats};
+use crate::bundle::BundleSource;
+use crate::weights::{Bf16View, ExpertData, WeightError};
+
+/// (layer, expert).
+type Key = (usize, usize);
+
+/// O_DIRECT needs the buffer, offset and length aligned to the device's logical block size;
+/// 4096 covers every device, and the format aligns extents to it.
+const ALIGN: usize = 4096;
+
+/// One matrix inside an extent: shape and byte range relative to the extent start.
+#[derive(Clone, Copy, Debug)]
+struct MatLayout {
+    rows: usize,
+    cols: usize,
+    offset: usize,
+    elems: usize,
+}
+
+/// What the store knows about one extent, from the reconciled header and manifest.
+struct ExtentInfo {
+    name: String,
+    offset: u64,
+    length: u64,
+    /// Bytes one read transfers (padded with direct I/O).
+    read_bytes: u64,
+    /// Bytes its buffer occupies (whole pages), what the budget is charged.
+    buf_bytes: u64,
+    blake3: blake3::Hash,
+    blake3_hex: String,
+    mats: [MatLayout; 3],
+}
+
+/// A zeroed, page-aligned buffer mapped for one extent and unmapped when dropped.
+///
+/// Not the heap: glibc serves multi-megabyte requests from per-thread arenas once its dynamic
+/// mmap threshold has grown, and keeps what is freed there, so reader threads allocating and
+/// freeing expert buffers held several times the budget resident (measured: 5 GiB of RSS for a
+/// 256 MiB budget). An anonymous mapping is zero-filled by the kernel, aligned for O_DIRECT,
+/// and returned to the system the moment it is dropped.
+struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    mapped: usize,
+}
+
+// SAFETY: the buffer is plain owned memory; it is written only through `&mut self` (by the one
+// reader thread that owns it before it is shared) and read-only afterwards.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+/// Bytes a buffer of `len` bytes occupies: whole pages.
+fn mapped_len(len: u64) -> u64 {
+    len.max(1).div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
+impl AlignedBuf {
+    fn zeroed(len: usize) -> Option<AlignedBuf> {
+        let mapped = mapped_len(len as u64) as usize;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        NonNull::new(p as *mut u8).map(|ptr| AlignedBuf { ptr, len, mapped })
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len <= mapped` bytes of a live, zero-initialised mapping.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `zeroed`, unmapped once.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.mapped);
+        }
+    }
+}
+
+/// The warm tier's byte budget: bytes of expert buffers alive, and their peak.
+struct Budget {
+    /// `u64::MAX` when unbounded.
+    capacity: u64,
+    used: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// Bytes charged to the budget; released when dropped.
+struct Charge {
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl Budget {
+    /// Charges `bytes`. Callers hold the state lock and checked the room (only chargers add,
+    /// and they are serialised by that lock; releases only lower `used`).
+    fn charge(self: &Arc<Budget>, bytes: u64) -> Charge {
+        let now = self.used.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+        Charge {
+            budget: self.clone(),
+            bytes,
+        }
+    }
+
+    fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// A verified extent: the buffer it was read and checked in, and its budget charge.
+struct Extent {
+    buf: AlignedBuf,
+    info: Arc<ExtentInfo>,
+    _charge: Charge,
+}
+
+impl Extent {
+    fn views(&self) -> [Bf16View<'_>; 3] {
+        let bytes = self.buf.as_slice();
+        self.info.mats.map(|m| {
+            let raw = &bytes[m.offset..m.offset + 2 * m.elems];
+            // SAFETY: the buffer is 4096-aligned and `m.offset` is even (checked when the index
+            // was built), so the range is 2-byte aligned; any bits are a valid u16; the host is
+            // little-endian (checked at compile time), as BF16 bytes are stored.
+            let data = unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const u16, m.elems) };
+            Bf16View {
+                rows: m.rows,
+                cols: m.cols,
+                data,
+            }
+        })
+    }
+}
+
+/// Why a read failed; kept so that every later request fails the same way.
+#[derive(Clone, Debug)]
+enum Failure {
+    Mismatch {
+        name: String,
+    },
+    Truncated {
+        name: String,
+        expected: u64,
+        got: u64,
+    },
+    Io {
+        name: String,
+        msg: String,
+    },
+    Alloc {
+        bytes: u64,
+    },
+    Closed,
+}
+
+impl Failure {
+    fn to_error(&self, path: &std::path::Path) -> StreamError {
+        let path = path.to_path_buf();
+        match self.clone() {
+            Failure::Mismatch { name } => StreamError::HashMismatch { path, name },
+            Failure::Truncated {
+                name,
+                expected,
+                got,
+            } => StreamError::Truncated {
+                path,
+                name,
+                expected,
+                got,
+            },
+            Failure::Io { name, msg } => StreamError::Io {
+                path,
+                op: "read",
+                msg: format!("{name}: {msg}"),
+            },
+            Failure::Alloc { bytes } => StreamError::OutOfMemory { bytes },
+            Failure::Closed => StreamError::Io {
+                path,
+                op: "read",
+                msg: "the reader threads stopped".into(),
+            },
+        }
+    }
+}
+
+/// Reads extents from the container.
+struct Reader {
+    file: File,
+    path: PathBuf,
+}
+
+impl Reader {
+    fn open(bundle: &BundleSource, io: IoMode) -> Result<Reader, StreamError> {
+        let path = bundle.jnf_path().to_path_buf();
+        let file = match io {
+            IoMode::Cached => bundle.file_handle().map_err(|e| StreamError::Io {
+                path: path.clone(),
+                op: "open",
+                msg: e.to_string(),
+            })?,
+            IoMode::Direct => std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+                .map_err(|source| StreamError::DirectIoUnsupported {
+                    path: path.clone(),
+                    source,
+                })?,
+        };
+        Ok(Reader { file, path })
+    }
+
+    /// Fills `buf` from the extent's offset: one `pread` of the whole buffer (continued only if
+    /// the kernel returns short).
+    fn read(&self, info: &ExtentInfo, buf: &mut [u8]) -> Result<(), Failure> {
+        let want = buf.len();
+        let mut done = 0;
+        while done < want {
+            match self
+                .file
+                .read_at(&mut buf[done..], info.offset + done as u64)
+            {
+                Ok(0) => {
+                    return Err(Failure::Truncated {
+                        name: info.name.clone(),
+                        expected: want as u64,
+                        got: done as u64,
+                    })
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Failure::Io {
+                        name: info.name.clone(),
+                        msg: e.to_string(),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+enum Status {
+    Queued,
+    Loading,
+    Ready(Arc<Extent>),
+}
+
+struct Entry {
+    status: Status,
+    /// Handles out, plus requests waiting for this entry.
+    leases: u32,
+    /// Part of the current prefetch plan, not yet asked for.
+    planned: bool,
+    /// Asked for before its read was issued (the read is that request's miss).
+    claimed: bool,
+    /// Read, and the read not yet claimed by a request.
+    unclaimed_read: bool,
+    last_use: u64,
+}
+
+impl Entry {
+    fn queued(planned: bool) -> Entry {
+        Entry {
+            status: Status::Queued,
+            leases: 0,
+            planned,
+            claimed: false,
+            unclaimed_read: false,
+            last_use: 0,
+        }
+    }
+}
+
+struct Job {
+    key: Key,
+    charge: Charge,
+}
+
+struct State {
+    entries: HashMap<Key, Entry>,
+    /// Keys waiting for room, in the order their reads are to be issued.
+    queue: VecDeque<Key>,
+    /// Keys of the current prefetch plan.
+    plan: Vec<Key>,
+    clock: u64,
+    inflight: usize,
+    busy_since: Option<Instant>,
+    /// Bytes of pinned experts loading or loaded.
+    pins_held: u64,
+    /// Live [`Lease`]s.
+    handed_out: usize,
+    failure: Option<Failure>,
+    /// Uses per expert in this store's life (the heat ledger's input).
+    heat: HashMap<Key, u64>,
+    tx: Option<Sender<Job>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+    budget: Arc<Budget>,
+    counters: Counters,
+    reader: Reader,
+    index: BTreeMap<Key, Arc<ExtentInfo>>,
+    policy: CachePolicy,
+    io: IoMode,
+    pinned: HashSet<Key>,
+    pinned_bytes: u64,
+    bundle: Arc<BundleSource>,
+}
+
+/// The warm tier of one bundle's experts.
+pub struct ExpertStore {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+/// A verified expert handed to the forward: views into the buffer it was checked in. The
+/// buffer stays charged to the budget, and its entry unevictable, until this is dropped.
+pub struct Lease {
+    shared: Arc<Shared>,
+    key: Key,
+    ext: Option<Arc<Extent>>,
+}
+
+impl ExpertData for Lease {
+    fn matrices(&self) -> [Bf16View<'_>; 3] {
+        match &self.ext {
+            Some(e) => e.views(),
+            None => {
+                [Bf16View {
+                    rows: 0,
+                    cols: 0,
+                    data: &[],
+                }; 3]
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let shared = self.shared.clone();
+        let mut st = shared.lock();
+        st.handed_out -= 1;
+        // Dropping the buffer under the lock only touches the budget's atomics.
+        self.ext = None;
+        shared.release(&mut st, self.key);
+        shared.pump(&mut st);
+        drop(st);
+        shared.cv.notify_all();
+    }
+}
+
+fn build_index(
+    bundle: &BundleSource,
+    io: IoMode,
+) -> Result<BTreeMap<Key, Arc<ExtentInfo>>, StreamError> {
+    let path = bundle.jnf_path().to_path_buf();
+    let bad = |name: &str, what: &str| StreamError::Io {
+        path: path.clone(),
+        op: "index experts",
+        msg: format!("{name}: {what}"),
+    };
+    let mut index = BTreeMap::new();
+    for (e, hex) in bundle.expert_extents() {
+        let blake3 = blake3::Hash::from_hex(hex.as_bytes())
+            .map_err(|_| bad(&e.prefix, "the manifest BLAKE3 is not hex"))?;
+        let mut mats = [MatLayout {
+            rows: 0,
+            cols: 0,
+            offset: 0,
+            elems: 0,
+        }; 3];
+        for (m, h) in mats.iter_mut().zip(&e.matrices) {
+            let (rows, cols) = match h.shape.as_slice() {
+                [r, c] => (*r as usize, *c as usize),
+                _ => return Err(bad(&h.name, "an expert matrix is not 2-D")),
+            };
+            let elems = rows
+                .checked_mul(cols)
+                .ok_or_else(|| bad(&h.name, "shape overflows"))?;
+            // The views reinterpret bytes as u16 in place: ranges must be even and inside.
+            let ok = h.offset % 2 == 0
+                && h.length == 2 * elems as u64
+                && h.offset
+                    .checked_add(h.length)
+                    .is_some_and(|end| end <= e.length);
+            if !ok {
+                return Err(bad(
+                    &h.name,
+                    "matrix range is not a BF16 range inside the extent",
+                ));
+            }
+            *m = MatLayout {
+                rows,
+                cols,
+                offset: h.offset as usize,
+                elems,
+            };
+        }
+        let read_bytes = io.read_bytes(&e);
+        if read_bytes < e.length
+            || (io == IoMode::Direct && !read_bytes.is_multiple_of(ALIGN as u64))
+        {
+            return Err(bad(
+                &e.prefix,
+                "the padded length does not cover the extent",
+            ));
+        }
+        index.insert(
+            (e.layer as usize, e.expert as usize),
+            Arc::new(ExtentInfo {
+                name: e.prefix.clone(),
+                offset: e.offset,
+                length: e.length,
+                read_bytes,
+                buf_bytes: mapped_len(read_bytes),
+                blake3,
+                blake3_hex: hex,
+                mats,
+            }),
+        );
+    }
+    Ok(index)
+}
+
+/// The experts `policy` pins under `capacity`: a part of the budget for the hottest experts
+/// (the ledger's), always leaving room to stream at least one more expert.
+fn choose_pins(
+    policy: CachePolicy,
+    capacity: Option<u64>,
+    index: &BTreeMap<Key, Arc<ExtentInfo>>,
+    ledger: Option<&HeatLedger>,
+) -> HashSet<Key> {
+    let mut pins = HashSet::new();
+    let total: u64 = index.values().map(|i| i.buf_bytes).sum();
+    let largest = index.values().map(|i| i.buf_bytes).max().unwrap_or(0);
+    let cap = match capacity {
+        Some(cap) if total > cap => cap,
+        // Everything fits: the static set is everything (it keeps nothing else); the other
+        // policies never evict, so pins would change nothing.
+        _ => {
+            if policy == CachePolicy::Static {
+                pins.extend(index.keys().copied());
+            }
+            return pins;
+        }
+    };
+    let share = match policy {
+        CachePolicy::Ledger => cap / 2,
+        CachePolicy::Static => cap - (cap / 4).max(largest).min(cap),
+        CachePolicy::Lru | CachePolicy::None => return pins,
+    };
+    let limit = share.min(cap.saturating_sub(largest));
+    let mut candidates: Vec<Key> = ledger.map(|l| l.hottest()).unwrap_or_default();
+    if policy == CachePolicy::Static {
+        // Without history, an even spread: expert 0 of every layer, then expert 1, ...
+        let max_e = index.keys().map(|k| k.1).max().unwrap_or(0);
+        let layers: Vec<usize> = index
+            .keys()
+            .map(|k| k.0)
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let mut layers = layers;
+        layers.sort_unstable();
+        for e in 0..=max_e {
+            for &l in &layers {
+                candidates.push((l, e));
+            }
+        }
+    }
+    let mut used = 0u64;
+    for k in candidates {
+        let Some(info) = index.get(&k) else { continue };
+        if pins.contains(&k) {
+            continue;
+        }
+        if used + info.buf_bytes > limit {
+            // Experts of a model are all one size: nothing later fits either.
+            break;
+        }
+        used += info.buf_bytes;
+        pins.insert(k);
+    }
+    pins
+}
+
+impl ExpertStore {
+    pub fn new(
+        bundle: Arc<BundleSource>,
+        opts: &StreamOptions,
+        ledger: Option<&HeatLedger>,
+    ) -> Result<ExpertStore, StreamError> {
+        let index = build_index(&bundle, opts.io)?;
+        let minimum = index.values().map(|i| i.buf_bytes).max().unwrap_or(0);
+        if let Some(b) = opts.ram_budget {
+            if b < minimum {
+                return Err(StreamError::BudgetTooSmall {
+                    flag: "--ram-budget",
+                    budget: b,
+                    minimum,
+                });
+            }
+        }
+        let reader = Reader::open(&bundle, opts.io)?;
+        let pinned = choose_pins(opts.policy, opts.ram_budget, &index, ledger);
+        let pinned_bytes = pinned.iter().map(|k| index[k].buf_bytes).sum();
+        let (tx, rx) = channel::<Job>();
+        let capacity = opts.ram_budget.unwrap_or(u64::MAX);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                entries: HashMap::new(),
+                queue: VecDeque::new(),
+                plan: Vec::new(),
+                clock: 0,
+                inflight: 0,
+                busy_since: None,
+                pins_held: 0,
+                handed_out: 0,
+                failure: None,
+                heat: HashMap::new(),
+                tx: Some(tx),
+            }),
+            cv: Condvar::new(),
+            budget: Arc::new(Budget {
+                capacity,
+                used: AtomicU64::new(0),
+                peak: AtomicU64::new(0),
+            }),
+            counters: Counters::default(),
+            reader,
+            index,
+            policy: opts.policy,
+            io: opts.io,
+            pinned,
+            pinned_bytes,
+            bundle,
+        });
+        // More readers than buffers the budget holds would only wait for room.
+        let slots = (capacity / minimum.max(1)).max(1);
+        let threads = opts.io_threads.max(1).min(slots.min(64) as usize);
+        let rx = Arc::new(Mutex::new(rx));
+        let mut store = ExpertStore {
+            shared,
+            workers: Vec::with_capacity(threads),
+        };
+        for i in 0..threads {
+            let (shared, rx) = (store.shared.clone(), rx.clone());
+            let w = std::thread::Builder::new()
+                .name(format!("tarfa-io-{i}"))
+                .spawn(move || reader_loop(&shared, &rx))
+                .map_err(|e| StreamError::Io {
+                    path: store.shared.reader.path.clone(),
+                    op: "start reader threads",
+                    msg: e.to_string(),
+                })?;
+            store.workers.push(w);
+        }
+        Ok(store)
+    }
+
+    /// Counters since the store was made.
+    pub fn stats(&self) -> StreamStats {
+        self.shared
+            .counters
+            .snapshot(self.shared.budget.peak.load(Ordering::Acquire))
+    }
+
+    /// Uses per (layer, expert) so far, for the heat ledger.
+    pub fn heat(&self) -> Vec<((usize, usize), u64)> {
+        let st = self.shared.lock();
+        let mut v: Vec<_> = st.heat.iter().map(|(&k, &n)| (k, n)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The RAM budget in bytes (`None`: unbounded).
+    pub fn capacity(&self) -> Option<u64> {
+        (self.shared.budget.capacity != u64::MAX).then_some(self.shared.budget.capacity)
+    }
+
+    /// Bytes of expert buffers alive now.
+    pub fn used_bytes(&self) -> u64 {
+        self.shared.budget.used()
+    }
+
+    /// How many experts the policy pinned, and their bytes.
+    pub fn pinned(&self) -> (usize, u64) {
+        (self.shared.pinned.len(), self.shared.pinned_bytes)
+    }
+
+    pub fn io(&self) -> IoMode {
+        self.shared.io
+    }
+
+    pub fn policy(&self) -> CachePolicy {
+        self.shared.policy
+    }
+
+    /// Bytes the buffer of the largest expert occupies (the smallest budget).
+    pub fn largest_buffer(&self) -> u64 {
+        self.shared
+            .index
+            .values()
+            .map(|i| i.buf_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes the buffers of all experts would occupy.
+    pub fn total_buffer_bytes(&self) -> u64 {
+        self.shared.index.values().map(|i| i.buf_bytes).sum()
+    }
+
+    /// The experts of `layer`, ascending.
+    pub fn expert_ids(&self, layer: usize) -> Vec<usize> {
+        self.shared
+            .index
+            .range((layer, 0)..(layer + 1, 0))
+            .map(|(k, _)| k.1)
+            .collect()
+    }
+
+    /// Groups of `ids` that fit, experts already held first (see
+    /// [`crate::weights::WeightSource::expert_batches`]).
+    pub fn batches(&self, layer: usize, ids: &[usize]) -> Vec<Vec<usize>> {
+        let sh = &self.shared;
+        let st = sh.lock();
+        let size = |id: usize| sh.index.get(&(layer, id)).map_or(0, |i| i.buf_bytes);
+        let ready = |id: usize| {
+            matches!(
+                st.entries.get(&(layer, id)),
+                Some(Entry {
+                    status: Status::Ready(_),
+                    ..
+                })
+            )
+        };
+        let (held, missing): (Vec<usize>, Vec<usize>) = ids.iter().partition(|&&id| ready(id));
+        // What a group may hold: the budget less the pinned set's share (pinned experts cost
+        // nothing more, their room is reserved).
+        let cost = |id: usize| {
+            if sh.pinned.contains(&(layer, id)) {
+                0
+            } else {
+                size(id)
+            }
+        };
+        let room = sh.budget.capacity.saturating_sub(sh.pinned_bytes);
+        let all: u64 = ids.iter().map(|&id| cost(id)).sum();
+        if all <= room {
+            // Everything fits: the held experts are computed while the others are read.
+            return [held, missing]
+                .into_iter()
+                .filter(|b| !b.is_empty())
+                .collect();
+        }
+        // Half the room per group, so that the next group's reads proceed while this one is
+        // computed (but at least one expert per group).
+        let largest = ids.iter().map(|&id| size(id)).max().unwrap_or(0);
+        let group = (room / 2).max(largest);
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        let mut cur: Vec<usize> = Vec::new();
+        let mut cur_cost = 0u64;
+        for id in held.into_iter().chain(missing) {
+            let c = cost(id);
+            if !cur.is_empty() && cur_cost + c > group {
+                out.push(std::mem::take(&mut cur));
+                cur_cost = 0;
+            }
+            cur.push(id);
+            cur_cost += c;
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+
+    /// Starts the reads of `batches` of `layer`, in order, as far as the budget allows;
+    /// replaces the previous plan.
+    pub fn prefetch(&self, layer: usize, batches: &[Vec<usize>]) {
+        let sh = &self.shared;
+        let mut st = sh.lock();
+        if st.failure.is_some() {
+            return;
+        }
+        sh.cancel_plan(&mut st);
+        for &id in batches.iter().flatten() {
+            let key = (layer, id);
+            if !sh.index.contains_key(&key) {
+                continue;
+            }
+            match st.entries.get_mut(&key) {
+                Some(e) => {
+                    if !e.planned {
+                        e.planned = true;
+                        st.plan.push(key);
+                    }
+                }
+                None => {
+                    st.entries.insert(key, Entry::queued(true));
+                    st.queue.push_back(key);
+                    st.plan.push(key);
+                }
+            }
+        }
+        sh.pump(&mut st);
+    }
+
+    /// The experts `ids` of `layer`, read and verified where not held, as leases.
+    pub fn fetch(&self, layer: usize, ids: &[usize]) -> Result<Vec<Lease>, WeightError> {
+        self.shared.fetch(layer, ids, true)
+    }
+
+    /// [`ExpertStore::fetch`] without counting uses in the heat ledger (`--preload` reads every
+    /// expert once, which says nothing about which are hot).
+    pub fn fetch_uncounted(&self, layer: usize, ids: &[usize]) -> Result<Vec<Lease>, WeightError> {
+        self.shared.fetch(layer, ids, false)
+    }
+}
+
+impl Drop for ExpertStore {
+    fn drop(&mut self) {
+        // Closing the queue ends the reader threads once their reads are done.
+        self.shared.lock().tx = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// CPU time of the calling thread, in ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+fn reader_loop(shared: &Arc<Shared>, rx: &Mutex<Receiver<Job>>) {
+    loop {
+        let job = {
+            let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+            match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            }
+        };
+        let result = shared.read_one(job);
+        shared.complete(result);
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn keeps(&self, key: Key) -> bool {
+        match self.policy {
+            CachePolicy::Lru | CachePolicy::Ledger => true,
+            CachePolicy::Static => self.pinned.contains(&key),
+            CachePolicy::None => false,
+        }
+    }
+
+    /// Reads and verifies one extent (on a reader thread, without the lock).
+    fn read_one(&self, job: Job) -> (Key, Result<Extent, Failure>) {
+        let info = self.index[&job.key].clone();
+        let result = (|| {
+            let mut buf = AlignedBuf::zeroed(info.read_bytes as usize).ok_or(Failure::Alloc {
+                bytes: info.buf_bytes,
+            })?;
+            self.reader.read(&info, buf.as_mut_slice())?;
+            add(&self.counters.bytes_read, info.read_bytes);
+            // Verified in the buffer the forward will compute from, before anyone sees it.
+            // Timed in thread CPU time: with more reader threads than cores, wall time would
+            // count the time a hashing thread waited for a core.
+            let t = thread_cpu_ns();
+            let digest = blake3::hash(&buf.as_slice()[..info.length as usize]);
+            add(&self.counters.verify_ns, thread_cpu_ns().saturating_sub(t));
+            add(&self.counters.verified_bytes, info.length);
+            if digest != info.blake3 {
+                return Err(Failure::Mismatch {
+                    name: info.name.clone(),
+                });
+            }
+            self.bundle
+                .note_expert_verified(&info.name, info.length, &info.blake3_hex);
+            Ok(Extent {
+                buf,
+                info: info.clone(),
+                _charge: job.charge,
+            })
+        })();
+        (job.key, result)
+    }
+
+    fn complete(&self, (key, result): (Key, Result<Extent, Failure>)) {
+        let mut st = self.lock();
+        st.inflight -= 1;
+        if st.inflight == 0 {
+            if let Some(t) = st.busy_since.take() {
+                add_time(&self.counters.read_busy_ns, t.elapsed());
+            }
+        }
+        match result {
+            Ok(ext) => {
+                add(&self.counters.reads, 1);
+                if let Some(e) = st.entries.get_mut(&key) {
+                    e.status = Status::Ready(Arc::new(ext));
+                }
+                self.release_if_idle(&mut st, key);
+            }
+            Err(f) => {
+                // The run stops: no later request is served, and no further read is issued.
+                st.failure.get_or_insert(f);
+                st.entries.remove(&key);
+            }
+        }
+        self.pump(&mut st);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// A lease on `key` ended.
+    fn release(&self, st: &mut State, key: Key) {
+        if let Some(e) = st.entries.get_mut(&key) {
+            e.leases = e.leases.saturating_sub(1);
+        }
+        self.release_if_idle(st, key);
+    }
+
+    /// Drops `key`'s entry if nobody wants it and the policy does not keep it.
+    fn release_if_idle(&self, st: &mut State, key: Key) {
+        let keep = self.keeps(key);
+        let Some(e) = st.entries.get(&key) else {
+            return;
+        };
+        let idle = e.leases == 0 && !e.planned;
+        match e.status {
+            Status::Ready(_) if idle && !keep => {
+                if e.unclaimed_read {
+                    add(&self.counters.wasted_reads, 1);
+                }
+                st.entries.remove(&key);
+            }
+            Status::Queued if idle => {
+                st.entries.remove(&key);
+            }
+            _ => {}
+        }
+    }
+
+    /// Takes back the current plan's reservations.
+    fn cancel_plan(&self, st: &mut State) {
+        for key in std::mem::take(&mut st.plan) {
+            if let Some(e) = st.entries.get_mut(&key) {
+                e.planned = false;
+            }
+            self.release_if_idle(st, key);
+        }
+    }
+
+    /// Makes room for `bytes` more (for `key`), evicting least recently used entries that are
+    /// ready, unpinned and wanted by nobody. False when that is not enough now.
+    fn make_room(&self, st: &mut State, key: Key, bytes: u64) -> bool {
+        let cap = self.budget.capacity;
+        let own = if self.pinned.contains(&key) { bytes } else { 0 };
+        // Room the pinned set has not taken yet stays free for it.
+        let reserve = (self.pinned_bytes - st.pins_held).saturating_sub(own);
+        loop {
+            let need = self
+                .budget
+                .used()
+                .saturating_add(bytes)
+                .saturating_add(reserve);
+            if need <= cap {
+                return true;
+            }
+            let victim = st
+                .entries
+                .iter()
+                .filter(|(k, e)| {
+                    matches!(e.status, Status::Ready(_))
+                        && e.leases == 0
+                        && !e.planned
+                        && !self.pinned.contains(k)
+                })
+                .min_by_key(|(k, e)| (e.last_use, **k))
+                .map(|(k, _)| *k);
+            let Some(v) = victim else { return false };
+            if let Some(e) = st.entries.remove(&v) {
+                if e.unclaimed_read {
+                    add(&self.counters.wasted_reads, 1);
+                }
+            }
+            add(&self.counters.evictions, 1);
+        }
+    }
+
+    /// Issues queued reads, in queue order, while they fit.
+    fn pump(&self, st: &mut State) {
+        if st.failure.is_some() {
+            return;
+        }
+        while let Some(&key) = st.queue.front() {
+            if !matches!(
+                st.entries.get(&key),
+                Some(Entry {
+                    status: Status::Queued,
+                    ..
+                })
+            ) {
+                st.queue.pop_front();
+                continue;
+            }
+            let bytes = self.index[&key].buf_bytes;
+            if !self.make_room(st, key, bytes) {
+                return;
+            }
+            let charge = self.budget.charge(bytes);
+            let Some(tx) = st.tx.clone() else {
+                st.failure.get_or_insert(Failure::Closed);
+                return;
+            };
+            if tx.send(Job { key, charge }).is_err() {
+                st.failure.get_or_insert(Failure::Closed);
+                return;
+            }
+            st.queue.pop_front();
+            if self.pinned.contains(&key) {
+                st.pins_held += bytes;
+            }
+            if st.inflight == 0 {
+                st.busy_since = Some(Instant::now());
+            }
+            st.inflight += 1;
+            if let Some(e) = st.entries.get_mut(&key) {
+                e.status = Status::Loading;
+                e.unclaimed_read = !e.claimed;
+            }
+        }
+    }
+
+    fn fetch(
+        self: &Arc<Self>,
+        layer: usize,
+        ids: &[usize],
+        count_heat: bool,
+    ) -> Result<Vec<Lease>, WeightError> {
+        for &id in ids {
+            if !self.index.contains_key(&(layer, id)) {
+                return Err(WeightError::MissingExpert {
+                    layer,
+                    expert: id,
+                    name: format!("layer {layer} expert {id}"),
+                });
+            }
+        }
+        let t0 = Instant::now();
+        let mut st = self.lock();
+        if let Some(f) = &st.failure {
+            return Err(f.to_error(&self.reader.path).into());
+        }
+        let mut fresh = Vec::new();
+        for &id in ids {
+            let key = (layer, id);
+            if count_heat {
+                *st.heat.entry(key).or_insert(0) += 1;
+            }
+            add(&self.counters.requests, 1);
+            st.clock += 1;
+            let clock = st.clock;
+            let e = st.entries.entry(key).or_insert_with(|| {
+                fresh.push(key);
+                Entry::queued(false)
+            });
+            // A planned entry's reservation passes to this request.
+            e.planned = false;
+            e.leases += 1;
+            e.last_use = clock;
+            let hit = match e.status {
+                Status::Ready(_) | Status::Loading => !std::mem::take(&mut e.unclaimed_read),
+                Status::Queued => {
+                    e.claimed = true;
+                    false
+                }
+            };
+            add(
+                if hit {
+                    &self.counters.warm_hits
+                } else {
+                    &self.counters.misses
+                },
+                1,
+            );
+        }
+        // Reads nobody planned go ahead of the plan (whose later groups can wait).
+        for key in fresh.into_iter().rev() {
+            st.queue.push_front(key);
+        }
+        let ready = |st: &State| {
+            ids.iter().all(|&id| {
+                matches!(
+                    st.entries.get(&(layer, id)),
+                    Some(Entry {
+                        status: Status::Ready(_),
+                        ..
+                    })
+                )
+            })
+        };
+        loop {
+            if let Some(f) = st.failure.clone() {
+                for &id in ids {
+                    self.release(&mut st, (layer, id));
+                }
+                return Err(f.to_error(&self.reader.path).into());
+            }
+            self.pump(&mut st);
+            if ready(&st) {
+                break;
+            }
+            let stuck = st.inflight == 0
+                && st.handed_out == 0
+                && ids.iter().any(|&id| {
+                    matches!(
+                        st.entries.get(&(layer, id)),
+                        Some(Entry {
+                            status: Status::Queued,
+                            ..
+                        })
+                    )
+                });
+            if stuck {
+                if !st.plan.is_empty() {
+                    // The plan's reservations are all that is left to give back.
+                    self.cancel_plan(&mut st);
+                    continue;
+                }
+                let requested = ids
+                    .iter()
+                    .map(|&id| self.index[&(layer, id)].buf_bytes)
+                    .sum();
+                for &id in ids {
+                    self.release(&mut st, (layer, id));
+                }
+                return Err(StreamError::BatchTooLarge {
+                    layer,
+                    requested,
+                    capacity: self.budget.capacity,
+                }
+                .into());
+            }
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let key = (layer, id);
+            // Every entry is ready: checked under this same lock.
+            if let Some(Entry {
+                status: Status::Ready(x),
+                ..
+            }) = st.entries.get(&key)
+            {
+                let ext = Some(x.clone());
+                st.handed_out += 1;
+                out.push(Lease {
+                    shared: self.clone(),
+                    key,
+                    ext,
+                });
+            }
+        }
+        drop(st);
+        add_time(&self.counters.io_wait_ns, t0.elapsed());
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(layers: usize, experts: usize, size: u64) -> BTreeMap<Key, Arc<ExtentInfo>> {
+        let mut m = BTreeMap::new();
+        for l in 0..layers {
+            for e in 0..experts {
+                let mat = MatLayout {
+                    rows: 1,
+                    cols: 1,
+                    offset: 0,
+                    elems: 1,
+                };
+                m.insert(
+                    (l, e),
+                    Arc::new(ExtentInfo {
+                        name: format!("l{l}e{e}"),
+                        offset: 0,
+                        length: size,
+                        read_bytes: size,
+                        buf_bytes: size,
+                        blake3: blake3::Hash::from([0u8; 32]),
+                        blake3_hex: String::new(),
+                        mats: [mat; 3],
+                    }),
+                );
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn pins_take_their_share_and_always_leave_room_to_stream() {
+        let idx = index(2, 8, 100); // 16 experts, 1600 bytes
+        let mut ledger = HeatLedger::empty("r", 2, 8);
+        ledger.record(&[((1, 3), 9), ((0, 5), 7), ((0, 1), 7), ((1, 0), 1)]);
+        let pins = |p, cap| {
+            let mut v: Vec<Key> = choose_pins(p, cap, &idx, Some(&ledger))
+                .into_iter()
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        // ledger: the hottest in half the budget (500 of 1000: 5 slots, 4 experts have history)
+        assert_eq!(
+            pins(CachePolicy::Ledger, Some(1000)),
+            vec![(0, 1), (0, 5), (1, 0), (1, 3)]
+        );
+        // 2 slots: (1, 3), then (0, 1) before (0, 5) (equal counts: lower layer, lower id)
+        assert_eq!(pins(CachePolicy::Ledger, Some(400)), vec![(0, 1), (1, 3)]);
+        // static: 3/4 of the budget, the ledger's hottest first, then an even spread
+        // 6 slots: the 4 with history, then expert 0 of layer 0, (1, 0) is taken, expert 1 of
+        // layer 0 is taken, expert 1 of layer 1
+        assert_eq!(
+            pins(CachePolicy::Static, Some(800)),
+            vec![(0, 0), (0, 1), (0, 5), (1, 0), (1, 1), (1, 3)]
+        );
+        // a budget of one or two experts pins nothing: streaming needs the room
+        assert!(pins(CachePolicy::Static, Some(100)).is_empty());
+        assert!(pins(CachePolicy::Ledger, Some(199)).is_empty());
+        // lru and none never pin; when everything fits static keeps everything
+        assert!(pins(CachePolicy::Lru, Some(1000)).is_empty());
+        assert!(pins(CachePolicy::None, None).is_empty());
+        assert_eq!(pins(CachePolicy::Static, None).len(), 16);
+        assert_eq!(pins(CachePolicy::Static, Some(1600)).len(), 16);
+        // never more than the budget less one expert
+        for cap in (100..=1500).step_by(50) {
+            for p in [CachePolicy::Ledger, CachePolicy::Static] {
+                let n = pins(p, Some(cap)).len() as u64;
+                assert!(n * 100 + 100 <= cap, "{p:?} {cap}: {n} pinned");
+            }
+        }
+    }
+}
