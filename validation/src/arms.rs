@@ -81,6 +81,33 @@ pub const ARMS: &[Arm] = &[
     ),
     arm("io=direct", &["--io", "direct"], &[Flag("--io")]),
     arm("io=cached", &["--io", "cached"], &[Flag("--io")]),
+    arm(
+        "ram-budget=expert*2 io=direct",
+        &["--ram-budget", "{expert*2}", "--io", "direct"],
+        &[Flag("--ram-budget")],
+    ),
+    arm(
+        "cache-policy=ledger",
+        &["--ram-budget", "{experts/4}", "--cache-policy", "ledger"],
+        &[Flag("--cache-policy")],
+    ),
+    arm(
+        "cache-policy=static",
+        &["--ram-budget", "{experts/4}", "--cache-policy", "static"],
+        &[Flag("--cache-policy")],
+    ),
+    arm(
+        "cache-policy=none io=cached",
+        &[
+            "--ram-budget",
+            "{expert*2}",
+            "--cache-policy",
+            "none",
+            "--io",
+            "cached",
+        ],
+        &[Flag("--cache-policy")],
+    ),
     // Backends.
     arm("backend=cpu", &["--backend", "cpu"], &[Flag("--backend")]),
     arm(
