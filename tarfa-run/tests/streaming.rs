@@ -42,9 +42,12 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Under the build's target directory, not the system temp dir: `--io direct` needs a file
+/// system with O_DIRECT, which a tmpfs /tmp is not.
 fn workdir() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().unwrap()).path()
+    DIR.get_or_init(|| tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap())
+        .path()
 }
 
 /// A fixture converted to a bundle, or a synthetic bundle, shared by the tests of this file.
