@@ -43,11 +43,17 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 /// Under the build's target directory, not the system temp dir: `--io direct` needs a file
-/// system with O_DIRECT, which a tmpfs /tmp is not.
+/// system with O_DIRECT, which a tmpfs /tmp is not. One fixed directory, emptied when the first
+/// test starts: a static is never dropped, so a temporary directory would outlive every run
+/// (this one holds ~250 MB of bundles).
 fn workdir() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap())
-        .path()
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tarfa-run-streaming-tests");
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    })
 }
 
 /// A fixture converted to a bundle, or a synthetic bundle, shared by the tests of this file.
