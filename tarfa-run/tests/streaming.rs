@@ -1048,3 +1048,30 @@ fn prefill_progress_shows_on_a_terminal() {
         "{all}"
     );
 }
+
+/// `--preload` reads every expert before the first step: the summary books those reads under
+/// "load", and the steps then only hit.
+#[test]
+fn preload_reads_are_the_loads_and_steps_only_hit() {
+    let m = Model::new("qwen3moe-a");
+    let cache = workdir().join("cache-preload");
+    let (_, reference, _) = m.generate("preload-ref", &[], &cache);
+    for extra in [
+        s(&["--preload"]),
+        s(&["--preload", "--io", "direct", "--ram-budget"])
+            .into_iter()
+            .chain([m.expert_bytes().to_string()])
+            .collect(),
+    ] {
+        let (_, got, sum) = m.generate("preload", &extra, &cache);
+        assert!(got == reference, "{extra:?}");
+        let st = &sum["stream"];
+        let n = m.header.experts.len() as u64;
+        assert_eq!(st["load"]["reads"], n, "{extra:?}");
+        assert_eq!(st["totals"]["reads"], 0, "{extra:?}");
+        assert_eq!(
+            st["totals"]["warm_hits"], st["totals"]["requests"],
+            "{extra:?}"
+        );
+    }
+}

@@ -123,6 +123,9 @@ pub struct StreamRun {
     stats: bool,
     steps: Vec<StepRecord>,
     step_start: Option<(Instant, StreamStats)>,
+    /// Counters when the first step began: what was read before (a backend loading every
+    /// expert, `--preload`) is the load's, not the steps'.
+    first_step: Option<StreamStats>,
     progress: bool,
 }
 
@@ -285,6 +288,7 @@ pub fn open(
         stats: a.stats && !quiet,
         steps: Vec::new(),
         step_start: None,
+        first_step: None,
         progress: !quiet && is_terminal(2),
     })
 }
@@ -329,7 +333,9 @@ impl StreamRun {
                 eprint!("\rprefill: layer {}/{layers}\x1b[K", layer + 1);
             })));
         }
-        self.step_start = Some((Instant::now(), self.source.stats()));
+        let now = self.source.stats();
+        self.first_step.get_or_insert(now);
+        self.step_start = Some((Instant::now(), now));
     }
 
     /// After a forward step of `tokens` tokens: records (and with `--stats` prints) its figures.
@@ -360,8 +366,15 @@ impl StreamRun {
     }
 
     /// The summary's "stream" value.
+    /// Counters of the load (before the first step) and of the steps.
+    fn load_and_steps(&self) -> (StreamStats, StreamStats) {
+        let now = self.source.stats();
+        let load = self.first_step.unwrap_or(now);
+        (load, now.since(&load))
+    }
+
     pub fn summary(&self) -> Value {
-        let total = self.source.stats();
+        let (load, total) = self.load_and_steps();
         let wall: Duration = self.steps.iter().map(|s| s.wall).sum();
         let store = self.source.store();
         let (pins, pin_bytes) = store.pinned();
@@ -387,6 +400,7 @@ impl StreamRun {
             "ledger": self.ledger.as_ref().map(|(p, l, found)| json!({
                 "path": p, "found": found, "runs_before": l.runs,
             })),
+            "load": figures(&load, Duration::ZERO, peak_rss_bytes()),
             "totals": figures(&total, wall, peak_rss_bytes()),
             "verification": {
                 "bytes_hashed": total.verified_bytes,
@@ -405,8 +419,16 @@ impl StreamRun {
 
     /// After the run: prints the totals (`--stats`) and updates the heat ledger.
     pub fn finish(&self, log: &dyn Fn(String)) {
-        let total = self.source.stats();
+        let (load, total) = self.load_and_steps();
         if self.stats {
+            if load.reads > 0 {
+                eprintln!(
+                    "[stats] load (before the first step): {} read and verified in {} reads, {:.1} ms of hashing",
+                    format_bytes(load.bytes_read),
+                    load.reads,
+                    ms(load.verify_ns)
+                );
+            }
             let wall: Duration = self.steps.iter().map(|s| s.wall).sum();
             let rec = StepRecord {
                 kind: "total",
