@@ -17,11 +17,18 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// One converted bundle per fixture, shared by the tests of this file.
+/// One converted bundle per fixture, shared by the tests of this file. They live in a fixed
+/// directory under the target dir, emptied when the first test asks (a static TempDir would never
+/// be dropped, leaving bundles in /tmp after every run).
 fn bundle(name: &'static str) -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap());
-    let out = dir.path().join(name);
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-bundles");
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    });
+    let out = dir.join(name);
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
