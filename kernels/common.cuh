@@ -19,6 +19,24 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
+#ifndef TARFA_EMU
+// Dynamic shared memory of a kernel, 16-byte aligned (the CPU emulator of
+// validation/gpu/emu defines its own).
+#define TARFA_DYN_SMEM(T, name) extern __shared__ __align__(16) T name[]
+
+// Programmatic dependent launch (Hopper): `grid_dep_wait` blocks until the grids this one depends
+// on have completed and their writes are visible; `grid_dep_launch` lets the next grid in the
+// stream start launching (its blocks then run up to their own wait). Both are no-ops for a grid
+// launched without the programmatic-serialisation attribute. Every kernel launched with that
+// attribute calls grid_dep_wait before it touches anything an earlier kernel writes, and
+// grid_dep_launch only after that wait (so a grid that starts early may read what the kernel two
+// places back wrote, never what the one just before writes).
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_launch() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+#endif
+
 __device__ __forceinline__ float f32_bits(u32 b) { return __uint_as_float(b); }
 
 // BF16 (raw bits) widened exactly.
@@ -217,6 +235,59 @@ __device__ __forceinline__ float block_max_256(const float* t, int n, float* s) 
     float r = s[0];
     __syncthreads();
     return r;
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// The router's softmax and top-k for one token, by a block of 256 threads (cpu/forward.rs `route`,
+// contract section 2): l = the token's E logits (any memory the block can read);
+//   p = softmax(l) (max, exp, canonical sum, divide)
+//   selection: the k largest p in descending total order, the lower expert id first among equals
+//   weights: p_j / canonical_sum(selected p in selection order) when `renorm`, else p_j
+// Outputs at `base` = t*k in ids, probs, weights, by_id (the selection slots in ascending expert
+// id: the mixing order), and kth[t], next[t] (NaN when E == k). pe: E floats, sp: k floats, sel:
+// k ints, red: 256 floats, all shared. Every thread of the block calls it.
+__device__ __forceinline__ void route_block(const float* l, int e_count, int k, int renorm,
+                                            int t, u32* __restrict__ ids,
+                                            float* __restrict__ probs,
+                                            float* __restrict__ weights, u32* __restrict__ by_id,
+                                            float* __restrict__ kth, float* __restrict__ next,
+                                            float* pe, float* sp, int* sel, float* red) {
+    const int v = threadIdx.x;
+    const float m = block_max_256(l, e_count, red);
+    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = det_exp(__fsub_rn(l[i], m));
+    const float total = block_sum_256(pe, e_count, red);  // ends with a barrier
+    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = __fdiv_rn(pe[i], total);
+    __syncthreads();
+
+    // rank of expert i in the order (descending total order of p, ascending id among equals)
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        const int ki = total_order_key(pe[i]);
+        int rank = 0;
+        for (int j = 0; j < e_count; j++) {
+            const int kj = total_order_key(pe[j]);
+            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
+        }
+        if (rank < k) sel[rank] = i;
+        if (rank == k) next[t] = pe[i];
+    }
+    if (v == 0 && e_count == k) next[t] = f32_bits(0x7fc00000u);
+    __syncthreads();
+    for (int j = v; j < k; j += TARFA_LANES) sp[j] = pe[sel[j]];
+    __syncthreads();
+    float s = 1.0f;
+    if (renorm) s = block_sum_256(sp, k, red);
+    const long base = (long)t * k;
+    for (int j = v; j < k; j += TARFA_LANES) {
+        const int e = sel[j];
+        ids[base + j] = (u32)e;
+        probs[base + j] = sp[j];
+        weights[base + j] = renorm ? __fdiv_rn(sp[j], s) : sp[j];
+        int pos = 0;  // the slot's place in ascending expert id (ids are distinct)
+        for (int jj = 0; jj < k; jj++) pos += (sel[jj] < e) ? 1 : 0;
+        by_id[base + pos] = (u32)j;
+    }
+    if (v == 0) kth[t] = sp[k - 1];
 }
 
 #endif  // TARFA_COMMON_CUH

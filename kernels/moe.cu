@@ -13,49 +13,12 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(
     const float* __restrict__ logits, int e_count, int k, int renorm, u32* __restrict__ ids,
     float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
     float* __restrict__ kth, float* __restrict__ next) {
-    extern __shared__ float dyn[];
+    TARFA_DYN_SMEM(float, dyn);
     __shared__ float red[TARFA_LANES];
     __shared__ int sel[1024];
-    float* pe = dyn;            // [E] exp then probabilities
-    float* sp = dyn + e_count;  // [k] selected probabilities, selection order
     const int t = blockIdx.x;
-    const int v = threadIdx.x;
-    const float* l = logits + (long)t * e_count;
-
-    const float m = block_max_256(l, e_count, red);
-    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = det_exp(__fsub_rn(l[i], m));
-    const float total = block_sum_256(pe, e_count, red);  // ends with a barrier
-    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = __fdiv_rn(pe[i], total);
-    __syncthreads();
-
-    // rank of expert i in the order (descending total order of p, ascending id among equals)
-    for (int i = v; i < e_count; i += TARFA_LANES) {
-        const int ki = total_order_key(pe[i]);
-        int rank = 0;
-        for (int j = 0; j < e_count; j++) {
-            const int kj = total_order_key(pe[j]);
-            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
-        }
-        if (rank < k) sel[rank] = i;
-        if (rank == k) next[t] = pe[i];
-    }
-    if (v == 0 && e_count == k) next[t] = f32_bits(0x7fc00000u);
-    __syncthreads();
-    for (int j = v; j < k; j += TARFA_LANES) sp[j] = pe[sel[j]];
-    __syncthreads();
-    float s = 1.0f;
-    if (renorm) s = block_sum_256(sp, k, red);
-    const long base = (long)t * k;
-    for (int j = v; j < k; j += TARFA_LANES) {
-        const int e = sel[j];
-        ids[base + j] = (u32)e;
-        probs[base + j] = sp[j];
-        weights[base + j] = renorm ? __fdiv_rn(sp[j], s) : sp[j];
-        int pos = 0;  // the slot's place in ascending expert id (ids are distinct)
-        for (int jj = 0; jj < k; jj++) pos += (sel[jj] < e) ? 1 : 0;
-        by_id[base + pos] = (u32)j;
-    }
-    if (v == 0) kth[t] = sp[k - 1];
+    route_block(logits + (long)t * e_count, e_count, k, renorm, t, ids, probs, weights, by_id, kth,
+                next, dyn, dyn + e_count, sel, red);
 }
 
 // Gate and up projections of the chosen experts with the SwiGLU, a warp per (row i, slot j, token t):

@@ -299,8 +299,13 @@ fn cmd_generate(dir: &Path, args: &[String]) -> bool {
             Ok(g) => {
                 let eq = want.is_empty() || &g.tokens == want;
                 same += usize::from(eq && !want.is_empty());
+                let mode = match cache.decode_running() {
+                    Some((m, note)) if note.is_empty() => m.name().to_string(),
+                    Some((m, note)) => format!("{} ({note})", m.name()),
+                    None => "legacy".to_string(),
+                };
                 println!(
-                    "{} prompt {i}: {} tokens generated{}",
+                    "{} prompt {i}: {} tokens generated (decode steps: {mode}){}",
                     input.name,
                     g.tokens.len(),
                     if want.is_empty() {

@@ -209,24 +209,14 @@ fn upload_mat(
             let w = rng.vec_bf16(rows * cols);
             let wide = w.iter().map(|&b| bf16_to_f32(b)).collect();
             (
-                DevMat {
-                    buf: gpu.upload(&w, "a check matrix")?,
-                    rows,
-                    cols,
-                    dtype,
-                },
+                DevMat::own(gpu.upload(&w, "a check matrix")?, rows, cols, dtype),
                 wide,
             )
         }
         DType::F32 => {
             let w = rng.vec(rows * cols);
             (
-                DevMat {
-                    buf: gpu.upload(&w, "a check matrix")?,
-                    rows,
-                    cols,
-                    dtype,
-                },
+                DevMat::own(gpu.upload(&w, "a check matrix")?, rows, cols, dtype),
                 w,
             )
         }

@@ -59,6 +59,22 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         entries: &["route_topk", "gate_up_bf16", "gate_up_f32", "down_mix"],
     },
     KernelFile {
+        name: "decode.cu",
+        source: include_str!("../../../kernels/decode.cu"),
+        entries: &[
+            "dmv_bf16",
+            "dmv_f32",
+            "router_bf16",
+            "router_f32",
+            "lmhead_bf16",
+            "lmhead_f32",
+            "gate_up_dec_bf16",
+            "gate_up_dec_f32",
+            "moe_down_dec",
+            "attn_decode",
+        ],
+    },
+    KernelFile {
         name: "probe.cu",
         source: include_str!("../../../kernels/probe.cu"),
         entries: &["probe_exp", "probe_silu", "probe_sigmoid", "probe_rsqrt"],

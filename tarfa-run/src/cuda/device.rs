@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{self, CUresult};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, DriverError};
 
 use super::compile::{arch_for, compile_all};
 use super::{CudaError, CudaOptions, DeviceInfo};
@@ -287,6 +287,11 @@ impl Gpu {
         }
     }
 
+    /// Whether every kernel is waited for (`TARFA_CUDA_SYNC=1`): no graphs then.
+    pub(crate) fn sync_each_kernel(&self) -> bool {
+        self.sync_each
+    }
+
     /// Free and total device memory now.
     pub(crate) fn mem_info(&self) -> Result<(usize, usize), CudaError> {
         match self.cuda() {
@@ -530,6 +535,337 @@ impl Gpu {
                 .map_err(|e| driver_err(e, format!("kernel {name}")))?;
         }
         Ok(())
+    }
+}
+
+/// One kernel launch, recorded so that it can be replayed, captured into a graph or timed.
+#[derive(Clone, Debug)]
+pub(crate) struct Launch {
+    pub(crate) name: &'static str,
+    pub(crate) grid: (u32, u32, u32),
+    pub(crate) block: (u32, u32, u32),
+    pub(crate) shared: u32,
+    pub(crate) args: Vec<Arg>,
+    /// The kernel calls grid_dep_wait before it reads anything an earlier kernel wrote, so it
+    /// may be launched with programmatic stream serialisation (kernels/common.cuh).
+    pub(crate) pdl: bool,
+    /// What it computes, for the per-kernel profile.
+    pub(crate) label: &'static str,
+    /// Bytes of weights it reads (for the profile's bandwidth).
+    pub(crate) bytes: u64,
+}
+
+/// A captured, instantiated CUDA graph (the mock device has none: it replays the launches).
+pub(crate) enum GpuGraph {
+    Cuda(CudaGraph),
+    #[cfg(test)]
+    Mock(Vec<Launch>),
+}
+
+impl Gpu {
+    /// Launches `l`, with programmatic dependent launch when `pdl` and the kernel allows it.
+    pub(crate) fn launch_rec(&self, l: &Launch, pdl: bool) -> Result<(), CudaError> {
+        if !(pdl && l.pdl) {
+            return self.launch(l.name, l.grid, l.block, l.shared, &l.args);
+        }
+        let (stream, funcs) = match &self.inner {
+            Inner::Cuda { stream, funcs, .. } => (stream, funcs),
+            #[cfg(test)]
+            Inner::Mock(_) => return self.launch(l.name, l.grid, l.block, l.shared, &l.args),
+        };
+        let f = funcs
+            .get(l.name)
+            .ok_or_else(|| CudaError::Unsupported(format!("kernel {} is not loaded", l.name)))?;
+        let mut vals: Vec<u64> = l
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner()) = l.name;
+        self.bind()?;
+        // SAFETY: zero-initialised plain-data attribute; only the id and one union field are set.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: l.grid.0,
+            gridDimY: l.grid.1,
+            gridDimZ: l.grid.2,
+            blockDimX: l.block.0,
+            blockDimY: l.block.1,
+            blockDimZ: l.block.2,
+            sharedMemBytes: l.shared,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch`: the parameters mirror the kernel's declaration and every
+        // pointer is a live allocation sized for the launch.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                cuda_function(f),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| driver_err(e, format!("launch kernel {} (programmatic)", l.name)))?;
+        if self.sync_each {
+            stream
+                .synchronize()
+                .map_err(|e| driver_err(e, format!("kernel {}", l.name)))?;
+        }
+        Ok(())
+    }
+
+    /// Captures `launches` into a graph (programmatic edges where `pdl` and a kernel allows)
+    /// and instantiates it. On failure the stream leaves capture mode and nothing is kept.
+    pub(crate) fn capture(&self, launches: &[Launch], pdl: bool) -> Result<GpuGraph, CudaError> {
+        let stream = match &self.inner {
+            Inner::Cuda { stream, .. } => stream,
+            #[cfg(test)]
+            Inner::Mock(_) => return Ok(GpuGraph::Mock(launches.to_vec())),
+        };
+        self.bind()?;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| driver_err(e, "begin a graph capture"))?;
+        let mut failed = None;
+        for l in launches {
+            if let Err(e) = self.launch_rec(l, pdl) {
+                failed = Some(e);
+                break;
+            }
+        }
+        let end = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        match end {
+            Ok(Some(g)) => Ok(GpuGraph::Cuda(g)),
+            Ok(None) => Err(CudaError::Unsupported("the graph capture was empty".into())),
+            Err(e) => Err(driver_err(e, "end the graph capture and instantiate it")),
+        }
+    }
+
+    /// Launches a captured graph on the stream.
+    pub(crate) fn launch_graph(&self, g: &GpuGraph) -> Result<(), CudaError> {
+        match g {
+            GpuGraph::Cuda(g) => {
+                *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner()) = "(a decode graph)";
+                g.launch()
+                    .map_err(|e| driver_err(e, "launch the decode graph"))?;
+                if self.sync_each {
+                    self.sync("the decode graph")?;
+                }
+                Ok(())
+            }
+            #[cfg(test)]
+            GpuGraph::Mock(v) => {
+                for l in v {
+                    self.launch(l.name, l.grid, l.block, l.shared, &l.args)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Resident blocks of `name` per multiprocessor with `block` threads and `shared` bytes of
+    /// dynamic shared memory (at least 1). The mock device says 2.
+    pub(crate) fn occupancy(&self, name: &'static str, block: u32, shared: u32) -> u32 {
+        let funcs = match &self.inner {
+            Inner::Cuda { funcs, .. } => funcs,
+            #[cfg(test)]
+            Inner::Mock(_) => return 2,
+        };
+        let Some(f) = funcs.get(name) else {
+            return 1;
+        };
+        let mut n = 0i32;
+        // SAFETY: writes one int.
+        let r = unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                cuda_function(f),
+                block as i32,
+                shared as usize,
+            )
+        };
+        if r == CUresult::CUDA_SUCCESS {
+            n.max(1) as u32
+        } else {
+            1
+        }
+    }
+
+    /// Registers per thread of a kernel as the driver compiled it (0 on the mock device).
+    pub(crate) fn registers(&self, name: &'static str) -> i32 {
+        let funcs = match &self.inner {
+            Inner::Cuda { funcs, .. } => funcs,
+            #[cfg(test)]
+            Inner::Mock(_) => return 0,
+        };
+        let Some(f) = funcs.get(name) else {
+            return 0;
+        };
+        let mut n = 0i32;
+        // SAFETY: writes one int.
+        let _ = unsafe {
+            sys::cuFuncGetAttribute(
+                &mut n,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS,
+                cuda_function(f),
+            )
+        };
+        n
+    }
+
+    /// Lets kernel `name` take `bytes` of dynamic shared memory (needed above 48 KiB).
+    pub(crate) fn allow_shared(&self, name: &'static str, bytes: u32) -> Result<(), CudaError> {
+        let funcs = match &self.inner {
+            Inner::Cuda { funcs, .. } => funcs,
+            #[cfg(test)]
+            Inner::Mock(_) => return Ok(()),
+        };
+        if bytes <= 48 * 1024 {
+            return Ok(());
+        }
+        let f = funcs
+            .get(name)
+            .ok_or_else(|| CudaError::Unsupported(format!("kernel {name} is not loaded")))?;
+        self.bind()?;
+        // SAFETY: sets one attribute of a loaded function.
+        unsafe {
+            sys::cuFuncSetAttribute(
+                cuda_function(f),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .result()
+        .map_err(|e| {
+            driver_err(
+                e,
+                format!("allow {bytes} bytes of shared memory for {name}"),
+            )
+        })
+    }
+
+    /// Milliseconds each launch of `launches` took, timed with events between consecutive
+    /// launches (no programmatic launch: each kernel runs alone). The mock device gives zeros.
+    pub(crate) fn time_launches(&self, launches: &[Launch]) -> Result<Vec<f64>, CudaError> {
+        let (ctx, stream) = match &self.inner {
+            Inner::Cuda { ctx, stream, .. } => (ctx, stream),
+            #[cfg(test)]
+            Inner::Mock(_) => {
+                for l in launches {
+                    self.launch_rec(l, false)?;
+                }
+                return Ok(vec![0.0; launches.len()]);
+            }
+        };
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut ev = Vec::with_capacity(launches.len() + 1);
+        for _ in 0..=launches.len() {
+            ev.push(
+                ctx.new_event(flags)
+                    .map_err(|e| driver_err(e, "create an event"))?,
+            );
+        }
+        for (i, l) in launches.iter().enumerate() {
+            ev[i]
+                .record(stream)
+                .map_err(|e| driver_err(e, "record an event"))?;
+            self.launch_rec(l, false)?;
+        }
+        ev[launches.len()]
+            .record(stream)
+            .map_err(|e| driver_err(e, "record an event"))?;
+        self.sync("the timed launches")?;
+        let mut out = Vec::with_capacity(launches.len());
+        for i in 0..launches.len() {
+            let ms = ev[i]
+                .elapsed_ms(&ev[i + 1])
+                .map_err(|e| driver_err(e, "read an event"))?;
+            out.push(ms as f64);
+        }
+        Ok(out)
+    }
+
+    /// Milliseconds `f` takes on the stream, timed with events (wall time on the mock device).
+    pub(crate) fn time<F: FnMut() -> Result<(), CudaError>>(
+        &self,
+        mut f: F,
+    ) -> Result<f64, CudaError> {
+        let (ctx, stream) = match &self.inner {
+            Inner::Cuda { ctx, stream, .. } => (ctx, stream),
+            #[cfg(test)]
+            Inner::Mock(_) => {
+                let t = std::time::Instant::now();
+                f()?;
+                return Ok(t.elapsed().as_secs_f64() * 1e3);
+            }
+        };
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = ctx
+            .new_event(flags)
+            .map_err(|e| driver_err(e, "create an event"))?;
+        let b = ctx
+            .new_event(flags)
+            .map_err(|e| driver_err(e, "create an event"))?;
+        a.record(stream)
+            .map_err(|e| driver_err(e, "record an event"))?;
+        f()?;
+        b.record(stream)
+            .map_err(|e| driver_err(e, "record an event"))?;
+        self.sync("a timed region")?;
+        Ok(a.elapsed_ms(&b)
+            .map_err(|e| driver_err(e, "read an event"))? as f64)
+    }
+
+    /// Device-to-device copy rate of this GPU in GB/s, counting bytes read plus bytes written:
+    /// the median of `reps` copies of `bytes` between two fresh buffers, timed with events.
+    pub(crate) fn copy_rate(&self, bytes: usize, reps: usize) -> Result<f64, CudaError> {
+        let a = self.alloc(bytes, "the copy-rate source")?;
+        let b = self.alloc(bytes, "the copy-rate destination")?;
+        self.copy(b.ptr(), a.ptr(), bytes, "the copy-rate buffers")?;
+        let mut ms = Vec::new();
+        for _ in 0..reps.max(1) {
+            ms.push(self.time(|| self.copy(b.ptr(), a.ptr(), bytes, "the copy-rate buffers"))?);
+        }
+        ms.sort_by(f64::total_cmp);
+        let med = ms[ms.len() / 2].max(1e-9);
+        Ok(2.0 * bytes as f64 / (med * 1e-3) / 1e9)
+    }
+
+    /// Copies `src` to device address `dst` without waiting (the source is staged by the driver
+    /// before this returns, so it may be dropped right after).
+    pub(crate) fn write_async<T: Copy>(
+        &self,
+        dst: u64,
+        src: &[T],
+        what: &str,
+    ) -> Result<(), CudaError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let Some((_, stream)) = self.cuda() else {
+            return self.write(dst, src, what);
+        };
+        self.bind()?;
+        // SAFETY: dst is sized by the caller; pageable sources are staged before the call returns.
+        unsafe { cu::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .map_err(|e| driver_err(e, format!("copy {what} to the device")))
     }
 }
 

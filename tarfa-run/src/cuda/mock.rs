@@ -16,23 +16,43 @@ use crate::numerics::reduce::{
 };
 use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, Kernel};
 
+/// Guard bytes after every allocation (and before it): an overrun by a reference kernel lands in
+/// no allocation and panics; one by an emulated CUDA kernel changes a guard, which the check
+/// after every emulated launch reports.
+const GUARD: usize = 4096;
+const GUARD_BYTE: u8 = 0xC3;
+
+/// One allocation: host memory whose address is the "device" address, so that the CUDA
+/// emulator (validation/gpu/emu) can run the real kernels on it.
+struct Block {
+    /// GUARD bytes, the allocation (256-byte aligned), GUARD bytes.
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
 /// Allocations by base address.
 #[derive(Default)]
 pub(crate) struct Memory {
-    blocks: BTreeMap<u64, Vec<u8>>,
-    next: u64,
+    blocks: BTreeMap<u64, Block>,
 }
 
 impl Memory {
     pub(crate) fn alloc(&mut self, bytes: usize) -> u64 {
-        if self.next == 0 {
-            self.next = 0x7f00_0000_0000;
-        }
-        let base = self.next;
-        // a gap after every allocation: an overrun lands in no allocation and panics
-        self.next += (bytes as u64).div_ceil(256) * 256 + 4096;
-        self.blocks.insert(base, vec![0; bytes]);
-        base
+        let mut raw = vec![GUARD_BYTE; bytes + 2 * GUARD + 256];
+        let base = raw.as_mut_ptr() as usize + GUARD;
+        let start = GUARD + (256 - base % 256) % 256;
+        raw[start..start + bytes].fill(0);
+        let addr = raw.as_ptr() as u64 + start as u64;
+        self.blocks.insert(
+            addr,
+            Block {
+                raw,
+                start,
+                len: bytes,
+            },
+        );
+        addr
     }
 
     pub(crate) fn free(&mut self, ptr: u64) {
@@ -50,11 +70,28 @@ impl Memory {
             .unwrap_or_else(|| panic!("access at {addr:#x}: no allocation"));
         let off = (addr - base) as usize;
         assert!(
-            off + len <= block.len(),
+            off + len <= block.len,
             "access of {len} bytes at {addr:#x} overruns the allocation at {base:#x} of {} bytes",
-            block.len()
+            block.len
         );
-        &mut block[off..off + len]
+        &mut block.raw[block.start + off..block.start + off + len]
+    }
+
+    /// Panics naming the first allocation whose guard bytes changed (after an emulated launch).
+    fn check_guards(&self, kernel: &str) {
+        for (&base, b) in &self.blocks {
+            let before = &b.raw[..b.start];
+            let after = &b.raw[b.start + b.len..];
+            let bad_before = before[before.len() - GUARD.min(before.len())..]
+                .iter()
+                .any(|&x| x != GUARD_BYTE);
+            if bad_before || after.iter().any(|&x| x != GUARD_BYTE) {
+                panic!(
+                    "{kernel}: a write outside the allocation at {base:#x} of {} bytes",
+                    b.len
+                );
+            }
+        }
     }
 
     pub(crate) fn read(&mut self, addr: u64, out: &mut [u8]) {
@@ -163,7 +200,81 @@ fn softmax(l: &[f32]) -> Vec<f32> {
     e.iter().map(|&x| x / s).collect()
 }
 
-/// Runs kernel `name` as the reference functions define it.
+type EmuLaunch = unsafe extern "C" fn(
+    *const std::ffi::c_char,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *const u64,
+    i32,
+) -> i32;
+
+/// The CUDA emulator of validation/gpu/emu, when `TARFA_CUDA_EMU` names its library: the mock
+/// device then runs the real kernels of kernels/*.cu (on CPU threads) instead of the reference
+/// functions below.
+fn emulator() -> Option<EmuLaunch> {
+    static EMU: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let f = *EMU.get_or_init(|| {
+        let path = std::env::var("TARFA_CUDA_EMU").ok()?;
+        let c = std::ffi::CString::new(path.clone()).ok()?;
+        // SAFETY: dlopen/dlsym of a library built by validation/gpu/emu/build.sh; the symbol
+        // has the signature of EmuLaunch.
+        unsafe {
+            let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW);
+            assert!(!h.is_null(), "TARFA_CUDA_EMU={path}: cannot load it");
+            let sym = libc::dlsym(h, c"emu_launch".as_ptr());
+            assert!(!sym.is_null(), "TARFA_CUDA_EMU={path}: no emu_launch");
+            Some(sym as usize)
+        }
+    });
+    // SAFETY: the address of emu_launch (see above).
+    f.map(|a| unsafe { std::mem::transmute::<usize, EmuLaunch>(a) })
+}
+
+/// Whether the mock device runs the emulated CUDA kernels.
+pub(crate) fn emulated() -> bool {
+    emulator().is_some()
+}
+
+/// The router's softmax and top-k of one token's logits `l` (route_topk), written at token
+/// `t`'s slots of `[ids, probs, weights, by_id, kth, next]`.
+fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize, out: [u64; 6]) {
+    let [ids, probs, weights, by_id, kth, next] = out;
+    let e = l.len();
+    let p = softmax(l);
+    let mut order: Vec<usize> = (0..e).collect();
+    order.sort_by(|&x, &y| p[y].total_cmp(&p[x]).then(x.cmp(&y)));
+    let sel = &order[..k];
+    let sp: Vec<f32> = sel.iter().map(|&i| p[i]).collect();
+    let w: Vec<f32> = if renorm {
+        let s = sum_reference(&sp);
+        sp.iter().map(|&x| x / s).collect()
+    } else {
+        sp.clone()
+    };
+    let mut asc: Vec<u32> = (0..k as u32).collect();
+    asc.sort_by_key(|&j| sel[j as usize]);
+    let base = (t * k * 4) as u64;
+    mem.put_u32s(
+        ids + base,
+        &sel.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+    );
+    mem.put_f32s(probs + base, &sp);
+    mem.put_f32s(weights + base, &w);
+    mem.put_u32s(by_id + base, &asc);
+    mem.put_f32s(kth + (t * 4) as u64, &[p[order[k - 1]]]);
+    mem.put_f32s(
+        next + (t * 4) as u64,
+        &[order.get(k).map_or(f32::NAN, |&i| p[i])],
+    );
+}
+
+/// Runs kernel `name` as the reference functions define it (or, with the emulator, as the CUDA
+/// source does).
 pub(crate) fn launch(
     mem: &mut Memory,
     name: &'static str,
@@ -172,6 +283,41 @@ pub(crate) fn launch(
     shared_bytes: u32,
     args: &[Arg],
 ) -> Result<(), CudaError> {
+    if let Some(emu) = emulator() {
+        let vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let cname = std::ffi::CString::new(name).expect("kernel name");
+        // SAFETY: every pointer argument is an allocation of `mem` (host memory) sized by the
+        // caller for this launch, as on the device; the guards catch overruns.
+        let rc = unsafe {
+            emu(
+                cname.as_ptr(),
+                grid.0,
+                grid.1,
+                grid.2,
+                block.0,
+                block.1,
+                block.2,
+                shared_bytes,
+                vals.as_ptr(),
+                vals.len() as i32,
+            )
+        };
+        if rc != 0 {
+            return Err(CudaError::Unsupported(format!(
+                "the CUDA emulator cannot run kernel {name} (code {rc})"
+            )));
+        }
+        mem.check_guards(name);
+        return Ok(());
+    }
     let a = Args(args, name);
     let (gx, gy, gz) = (grid.0 as usize, grid.1 as usize, grid.2 as usize);
     match name {
@@ -312,31 +458,14 @@ pub(crate) fn launch(
                 "{name}: shared memory"
             );
             for t in 0..gx {
-                let p = softmax(&mem.f32s(logits + ((t * e) * 4) as u64, e));
-                let mut order: Vec<usize> = (0..e).collect();
-                order.sort_by(|&x, &y| p[y].total_cmp(&p[x]).then(x.cmp(&y)));
-                let sel = &order[..k];
-                let sp: Vec<f32> = sel.iter().map(|&i| p[i]).collect();
-                let w: Vec<f32> = if renorm {
-                    let s = sum_reference(&sp);
-                    sp.iter().map(|&x| x / s).collect()
-                } else {
-                    sp.clone()
-                };
-                let mut asc: Vec<u32> = (0..k as u32).collect();
-                asc.sort_by_key(|&j| sel[j as usize]);
-                let base = (t * k * 4) as u64;
-                mem.put_u32s(
-                    ids + base,
-                    &sel.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-                );
-                mem.put_f32s(probs + base, &sp);
-                mem.put_f32s(weights + base, &w);
-                mem.put_u32s(by_id + base, &asc);
-                mem.put_f32s(kth + (t * 4) as u64, &[p[order[k - 1]]]);
-                mem.put_f32s(
-                    next + (t * 4) as u64,
-                    &[order.get(k).map_or(f32::NAN, |&i| p[i])],
+                let l = mem.f32s(logits + ((t * e) * 4) as u64, e);
+                route_reference(
+                    mem,
+                    &l,
+                    k,
+                    renorm,
+                    t,
+                    [ids, probs, weights, by_id, kth, next],
                 );
             }
         }
@@ -412,6 +541,268 @@ pub(crate) fn launch(
                     *hr += acc;
                 }
                 mem.put_f32s(h + ((t * hidden) * 4) as u64, &hv);
+            }
+        }
+        // ---- kernels/decode.cu (one token) ----
+        "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "lmhead_bf16" | "lmhead_f32" => {
+            let bf16 = name.ends_with("bf16");
+            let kind = if name.starts_with("router") {
+                1
+            } else if name.starts_with("lmhead") {
+                2
+            } else {
+                0
+            };
+            a.count([14, 17, 12][kind]);
+            let (w, rows, cols, x, norm, eps) =
+                (a.ptr(0), a.int(1), a.int(2), a.ptr(3), a.ptr(4), a.float(5));
+            assert!(block.0 == 256 && gy == 1 && gz == 1, "{name} geometry");
+            assert!(
+                shared_bytes as usize >= cols * 4,
+                "{name}: shared memory for the input"
+            );
+            let mut xv = mem.f32s(x, cols);
+            if norm != 0 {
+                let wv = mem.f32s(norm, cols);
+                let ss = dot_f32_reference(&xv, &xv);
+                let r = rsqrt(ss / cols as f32 + eps);
+                xv = xv.iter().zip(&wv).map(|(&xi, &wi)| wi * (xi * r)).collect();
+            }
+            let ys: Vec<f32> = (0..rows)
+                .map(|r| dot(&rows_of(mem, w, bf16, r, cols), &xv, bf16))
+                .collect();
+            match kind {
+                0 => {
+                    let (b0, b1, b2, s1, s2, out, mode, xn_out) = (
+                        a.ptr(6),
+                        a.ptr(7),
+                        a.ptr(8),
+                        a.int(9),
+                        a.int(10),
+                        a.ptr(11),
+                        a.int(12),
+                        a.ptr(13),
+                    );
+                    for (r, &y0) in ys.iter().enumerate() {
+                        let (b, i) = if r < s1 {
+                            (b0, r)
+                        } else if r < s2 {
+                            (b1, r - s1)
+                        } else {
+                            (b2, r - s2)
+                        };
+                        let y = if b != 0 {
+                            y0 + mem.f32s(b + (i * 4) as u64, 1)[0]
+                        } else {
+                            y0
+                        };
+                        let o = out + (r * 4) as u64;
+                        let v = if mode == 1 { mem.f32s(o, 1)[0] + y } else { y };
+                        mem.put_f32s(o, &[v]);
+                    }
+                    if xn_out != 0 && norm != 0 {
+                        mem.put_f32s(xn_out, &xv);
+                    }
+                }
+                1 => {
+                    let (logits, xn_out, counter, k, renorm) =
+                        (a.ptr(6), a.ptr(7), a.ptr(8), a.int(9), a.int(10) == 1);
+                    let (ids, probs, weights, by_id, kth, next) = (
+                        a.ptr(11),
+                        a.ptr(12),
+                        a.ptr(13),
+                        a.ptr(14),
+                        a.ptr(15),
+                        a.ptr(16),
+                    );
+                    assert_eq!(gx, rows.div_ceil(8), "{name} geometry");
+                    assert!(
+                        shared_bytes as usize >= (2 * rows + k) * 4,
+                        "{name}: shared"
+                    );
+                    assert_eq!(mem.u32s(counter, 1)[0], 0, "{name}: counter not reset");
+                    mem.put_f32s(logits, &ys);
+                    if xn_out != 0 && norm != 0 {
+                        mem.put_f32s(xn_out, &xv);
+                    }
+                    route_reference(
+                        mem,
+                        &ys,
+                        k,
+                        renorm,
+                        0,
+                        [ids, probs, weights, by_id, kth, next],
+                    );
+                }
+                _ => {
+                    let (logits, counter, pv, pi, st, log) =
+                        (a.ptr(6), a.ptr(7), a.ptr(8), a.ptr(9), a.ptr(10), a.ptr(11));
+                    assert_eq!(mem.u32s(counter, 1)[0], 0, "{name}: counter not reset");
+                    mem.f32s(pv, gx);
+                    mem.f32s(pi, gx);
+                    mem.put_f32s(logits, &ys);
+                    let tok = crate::generate::argmax(&ys);
+                    let state = mem.u32s(st, 4);
+                    mem.put_u32s(log + (state[2] as u64) * 4, &[tok]);
+                    mem.put_u32s(st, &[tok, state[1] + 1, state[2] + 1, state[3]]);
+                }
+            }
+        }
+        "gate_up_dec_bf16" | "gate_up_dec_f32" => {
+            a.count(9);
+            let bf16 = name.ends_with("bf16");
+            let (gate, up, rows, cols, ids, x, norm, eps, act) = (
+                a.ptr(0),
+                a.ptr(1),
+                a.int(2),
+                a.int(3),
+                a.ptr(4),
+                a.ptr(5),
+                a.ptr(6),
+                a.float(7),
+                a.ptr(8),
+            );
+            assert!(block.0 == 256 && gz == 1, "{name} geometry");
+            assert!(shared_bytes as usize >= cols * 4, "{name}: shared memory");
+            let mut xv = mem.f32s(x, cols);
+            if norm != 0 {
+                let wv = mem.f32s(norm, cols);
+                let ss = dot_f32_reference(&xv, &xv);
+                let r = rsqrt(ss / cols as f32 + eps);
+                xv = xv.iter().zip(&wv).map(|(&xi, &wi)| wi * (xi * r)).collect();
+            }
+            for j in 0..gy {
+                let e = if ids != 0 {
+                    mem.u32s(ids + (j * 4) as u64, 1)[0] as usize
+                } else {
+                    0
+                };
+                let out: Vec<f32> = (0..rows)
+                    .map(|i| {
+                        let g = dot(&rows_of(mem, gate, bf16, e * rows + i, cols), &xv, bf16);
+                        let u = dot(&rows_of(mem, up, bf16, e * rows + i, cols), &xv, bf16);
+                        silu(g) * u
+                    })
+                    .collect();
+                mem.put_f32s(act + ((j * rows) * 4) as u64, &out);
+            }
+        }
+        "moe_down_dec" => {
+            a.count(11);
+            let (down, hidden, width, ids, weights, by_id, k) = (
+                a.ptr(0),
+                a.int(1),
+                a.int(2),
+                a.ptr(3),
+                a.ptr(4),
+                a.ptr(5),
+                a.int(6),
+            );
+            let (act, y_sh, s_sh, h) = (a.ptr(7), a.ptr(8), a.ptr(9), a.ptr(10));
+            assert!(block.0 == 256 && gy == 1, "{name} geometry");
+            assert!(
+                k <= 8 && shared_bytes as usize >= k * width * 4,
+                "{name}: shared"
+            );
+            let id = mem.u32s(ids, k);
+            let w = mem.f32s(weights, k);
+            let order = mem.u32s(by_id, k);
+            let acts: Vec<Vec<f32>> = (0..k)
+                .map(|j| mem.f32s(act + ((j * width) * 4) as u64, width))
+                .collect();
+            let mut hv = mem.f32s(h, hidden);
+            for (r, hr) in hv.iter_mut().enumerate() {
+                let mut acc = 0.0f32;
+                for &jj in &order {
+                    let j = jj as usize;
+                    let y = dot(
+                        &rows_of(mem, down, true, id[j] as usize * hidden + r, width),
+                        &acts[j],
+                        true,
+                    );
+                    acc += w[j] * y;
+                }
+                if y_sh != 0 {
+                    let s = mem.f32s(s_sh, 1)[0];
+                    acc += sigmoid(s) * mem.f32s(y_sh + (r * 4) as u64, 1)[0];
+                }
+                *hr += acc;
+            }
+            mem.put_f32s(h, &hv);
+        }
+        "attn_decode" => {
+            a.count(19);
+            let (qr, kr, vr, hq, hkv, d) =
+                (a.ptr(0), a.ptr(1), a.ptr(2), a.int(3), a.int(4), a.int(5));
+            let (qn, kn, eps, cos, sin, st) = (
+                a.ptr(6),
+                a.ptr(7),
+                a.float(8),
+                a.ptr(9),
+                a.ptr(10),
+                a.ptr(11),
+            );
+            let (kc, vc, cap, scale, scratch, ns, o) = (
+                a.ptr(12),
+                a.ptr(13),
+                a.int(14),
+                a.float(15),
+                a.ptr(16),
+                a.int(17),
+                a.ptr(18),
+            );
+            assert_eq!(
+                (gx, gy, block.0),
+                (hq, d.div_ceil(32), 256),
+                "{name} geometry"
+            );
+            assert!(shared_bytes as usize >= 3 * d * 4, "{name}: shared memory");
+            let pos = mem.u32s(st + 4, 1)[0] as usize;
+            let n = pos + 1;
+            assert!(
+                n <= cap && n <= ns,
+                "{name}: position {pos}, capacity {cap}"
+            );
+            assert_eq!((qn == 0), (kn == 0), "{name}: q and k norms come together");
+            let half = d / 2;
+            let c = mem.f32s(cos + (pos * half * 4) as u64, half);
+            let s = mem.f32s(sin + (pos * half * 4) as u64, half);
+            let prep = |mem: &mut Memory, addr: u64, nw: u64| -> Vec<f32> {
+                let mut x = mem.f32s(addr, d);
+                if nw != 0 {
+                    let wv = mem.f32s(nw, d);
+                    let r = rsqrt(dot_f32_reference(&x, &x) / d as f32 + eps);
+                    x = x.iter().zip(&wv).map(|(&xi, &wi)| wi * (xi * r)).collect();
+                }
+                for i in 0..half {
+                    let (p0, r0) = (x[i], x[i + half]);
+                    x[i] = p0 * c[i] - r0 * s[i];
+                    x[i + half] = r0 * c[i] + p0 * s[i];
+                }
+                x
+            };
+            for kh in 0..hkv {
+                let kx = prep(mem, kr + ((kh * d) * 4) as u64, kn);
+                mem.put_f32s(kc + (((kh * cap + pos) * d) * 4) as u64, &kx);
+                let vv = mem.f32s(vr + ((kh * d) * 4) as u64, d);
+                mem.put_f32s(vc + (((kh * cap + pos) * d) * 4) as u64, &vv);
+            }
+            let mut tmp = Vec::new();
+            for h in 0..hq {
+                let kvh = h / (hq / hkv);
+                let qv = prep(mem, qr + ((h * d) * 4) as u64, qn);
+                let keys = mem.f32s(kc + ((kvh * cap * d) * 4) as u64, n * d);
+                let vals = mem.f32s(vc + ((kvh * cap * d) * 4) as u64, n * d);
+                let sc: Vec<f32> = (0..n)
+                    .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * scale)
+                    .collect();
+                for sl in 0..gy {
+                    mem.put_f32s(scratch + (((h * gy + sl) * ns) * 4) as u64, &sc);
+                }
+                let pr = softmax(&sc);
+                let mut out = vec![0.0f32; d];
+                weighted_row_sum(Kernel::scalar(), &pr, &vals, &mut out, &mut tmp);
+                mem.put_f32s(o + (((h * d) * 4) as u64), &out);
             }
         }
         "probe_exp" | "probe_silu" | "probe_sigmoid" | "probe_rsqrt" => {
@@ -495,6 +886,141 @@ mod tests {
             let v = cfg.vocab_size;
             let prompts = vec![vec![3], (0..17).map(|i| (i * 31 % v) as u32).collect()];
             compare(family, cfg, Arc::new(src), prompts, 3);
+        }
+    }
+
+    #[test]
+    fn every_decode_mode_gives_the_cpus_bits_and_greedy_tokens() {
+        for family in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] {
+            decode_modes_match_the_cpu(family, SyntheticShape::small(family));
+        }
+    }
+
+    #[test]
+    fn the_decode_kernels_handle_wide_rows_and_partial_chunks() {
+        // rows of several 8-chunk load groups with a partial last chunk (hidden 2304 = 9 x 256;
+        // q values 12 x 200 = 2400 = 9 x 256 + 96), an expert width of 2 chunks + 8, a dense
+        // width of 3 chunks + 8, and a head dimension of 200 (7 slices of 32, the last of 8)
+        for family in ["qwen3_moe", "qwen2_moe"] {
+            let shape = SyntheticShape {
+                layers: 2,
+                hidden: 2304,
+                heads: 12,
+                kv_heads: 4,
+                head_dim: 200,
+                experts: 10,
+                top_k: 3,
+                expert_width: 520,
+                dense_width: 776,
+                vocab: 600,
+                decoder_sparse_step: 1,
+                mlp_only_layers: if family == "qwen3_moe" {
+                    vec![1]
+                } else {
+                    vec![]
+                },
+                ..SyntheticShape::small(family)
+            };
+            decode_modes_match_the_cpu(family, shape);
+        }
+    }
+
+    fn decode_modes_match_the_cpu(family: &str, shape: SyntheticShape) {
+        use crate::cpu::{ForwardOptions, LogitRows};
+        use crate::cuda::DecodeMode;
+        use crate::generate::argmax;
+        eprintln!(
+            "kernels: {}",
+            if super::emulated() {
+                "kernels/*.cu on the CUDA emulator"
+            } else {
+                "the reference functions"
+            }
+        );
+        {
+            let (cfg, src) = random_model(&shape, 12);
+            let src: Arc<dyn WeightSource> = Arc::new(src);
+            let v = cfg.vocab_size;
+            let prompt: Vec<u32> = (0..9).map(|i| (i * 37 % v) as u32).collect();
+            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+            let engine = CpuEngine::new(
+                cpu.clone(),
+                EngineOptions {
+                    threads: 2,
+                    kernel: Kernel::best(),
+                },
+            )
+            .unwrap();
+            let last = ForwardOptions {
+                logits: LogitRows::Last,
+                ..Default::default()
+            };
+            // the CPU's greedy run: the logits of the prefill and of 6 decode steps
+            let mut cc = cpu.new_cache();
+            let mut want = vec![engine.forward(&mut cc, &prompt, &last).unwrap().logits[0].clone()];
+            let mut toks = vec![argmax(&want[0])];
+            for _ in 0..6 {
+                let l = engine
+                    .forward(&mut cc, &[*toks.last().unwrap()], &last)
+                    .unwrap();
+                toks.push(argmax(&l.logits[0]));
+                want.push(l.logits[0].clone());
+            }
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone()).unwrap();
+            assert_eq!(gpu.decode_unsupported_reason(), None, "{family}");
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for mode in DecodeMode::ALL {
+                let mut gc = gpu.new_cache().unwrap();
+                gc.set_decode_mode(mode);
+                let out = gpu.forward(&mut gc, &prompt, &last).unwrap();
+                assert_eq!(
+                    bits(&out.logits[0]),
+                    bits(&want[0]),
+                    "{family} {mode:?} prefill"
+                );
+                for j in 0..2 {
+                    let out = gpu.forward(&mut gc, &[toks[j]], &last).unwrap();
+                    assert_eq!(
+                        bits(&out.logits[0]),
+                        bits(&want[j + 1]),
+                        "{family} {mode:?} decode step {j}"
+                    );
+                }
+                match (mode, gc.decode_running()) {
+                    (DecodeMode::Legacy, None) => {}
+                    (m, Some((r, note))) => assert_eq!(r, m, "{family}: {note}"),
+                    (m, None) => panic!("{family} {m:?}: the decode kernels did not run"),
+                }
+                let got = gpu.decode_greedy(&mut gc, toks[2], 4).unwrap();
+                assert_eq!(got, toks[3..7].to_vec(), "{family} {mode:?} device greedy");
+                assert_eq!(gc.len(), prompt.len() + 6);
+            }
+            // timed replays produce the same tokens; the copy rate is a number
+            let mut gc = gpu.new_cache().unwrap();
+            gpu.forward(&mut gc, &prompt, &last).unwrap();
+            gpu.reserve(&mut gc, 8).unwrap();
+            let ms = gpu.time_decode(&mut gc, toks[0], 3).unwrap();
+            assert!(ms >= 0.0 && gc.len() == prompt.len() + 3);
+            let got = gpu.decode_greedy(&mut gc, toks[3], 3).unwrap();
+            assert_eq!(
+                got,
+                toks[4..7].to_vec(),
+                "{family}: greedy after timed steps"
+            );
+            assert!(gpu.copy_rate(1 << 16, 3).unwrap() > 0.0);
+            // the profile runs the same launches, one by one
+            let mut gc = gpu.new_cache().unwrap();
+            gpu.forward(&mut gc, &prompt, &last).unwrap();
+            let rows = gpu.profile_decode(&mut gc, toks[0], 2).unwrap();
+            let launches: usize = rows.iter().map(|r| r.launches).sum();
+            assert_eq!(launches, gc.decode_launches(), "{family}");
+            let got = gpu.decode_greedy(&mut gc, toks[2], 4).unwrap();
+            assert_eq!(
+                got,
+                toks[3..7].to_vec(),
+                "{family}: greedy after the profile"
+            );
+            eprintln!("{family}: every decode mode bit-identical, {launches} launches per token");
         }
     }
 

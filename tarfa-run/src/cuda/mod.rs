@@ -145,6 +145,71 @@ pub struct CudaOptions {
     pub device: usize,
     /// Wait after every kernel so that a failure names it (slow; also `TARFA_CUDA_SYNC=1`).
     pub sync_each_kernel: bool,
+    /// How one-token (decode) steps run; `None`: `TARFA_CUDA_DECODE`, else [`DecodeMode::Graph`].
+    pub decode: Option<DecodeMode>,
+}
+
+/// How a decode step (one token) runs on the GPU. Every mode computes the same bits; they differ
+/// in kernels and launches only (docs/PERFORMANCE.md, "CUDA decode").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DecodeMode {
+    /// The per-operation kernels of a prefill step with one token (~14 launches per layer).
+    Legacy,
+    /// kernels/decode.cu (~6 launches per layer), launched one by one.
+    Direct,
+    /// kernels/decode.cu captured once into a CUDA graph, replayed per token.
+    Graph,
+    /// As `Graph`, with programmatic dependent launch between the kernels (Hopper and later).
+    /// Opt-in: on the H200 it measured no gain over `Graph` (docs/PHASE_LOG.md).
+    GraphPdl,
+}
+
+impl DecodeMode {
+    /// The name used by `TARFA_CUDA_DECODE` and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeMode::Legacy => "legacy",
+            DecodeMode::Direct => "direct",
+            DecodeMode::Graph => "graph",
+            DecodeMode::GraphPdl => "graph-pdl",
+        }
+    }
+
+    /// Parses a `TARFA_CUDA_DECODE` value.
+    pub fn parse(s: &str) -> Option<DecodeMode> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "legacy" => Some(DecodeMode::Legacy),
+            "direct" => Some(DecodeMode::Direct),
+            "graph" => Some(DecodeMode::Graph),
+            "graph-pdl" | "pdl" => Some(DecodeMode::GraphPdl),
+            _ => None,
+        }
+    }
+
+    /// Every mode, slowest first.
+    pub const ALL: [DecodeMode; 4] = [
+        DecodeMode::Legacy,
+        DecodeMode::Direct,
+        DecodeMode::Graph,
+        DecodeMode::GraphPdl,
+    ];
+}
+
+/// Time and bytes of one kind of kernel in a decode step ([`CudaModel::profile_decode`]).
+#[derive(Clone, Debug)]
+pub struct KernelTime {
+    /// What the kernels compute (qkv, attention, o_proj, router, experts gate+up, ...).
+    pub label: String,
+    /// The kernels' names.
+    pub kernels: String,
+    /// Launches per token.
+    pub launches: usize,
+    /// Microseconds per token, summed over its launches.
+    pub us_per_token: f64,
+    /// Bytes of weights they read per token.
+    pub weight_bytes: u64,
+    /// Registers per thread of the (first) kernel, as the driver compiled it.
+    pub registers: i32,
 }
 
 /// The GPU a backend runs on.

@@ -13,9 +13,12 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+#[path = "decode.rs"]
+mod decode;
+
 use super::device::{open_context, DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
-use super::{gib, CudaError, CudaOptions, DeviceInfo};
+use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo};
 use crate::config::MoeConfig;
 use crate::cpu::resident::{LayerMlp, Matrix, ResidentWeights};
 use crate::cpu::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
@@ -88,6 +91,10 @@ pub struct CudaModel {
     resident_bytes: u64,
     /// Identifies the caches this model made.
     id: usize,
+    /// How new caches run decode steps.
+    decode_mode: DecodeMode,
+    /// Why the decode kernels cannot run this model (then decode steps use the legacy ones).
+    decode_unsupported: Option<String>,
     gpu: Gpu,
 }
 
@@ -145,7 +152,22 @@ impl CudaModel {
         source: Arc<dyn WeightSource>,
         opts: &CudaOptions,
     ) -> Result<CudaModel, CudaError> {
-        CudaModel::load_on(Gpu::open(opts)?, cfg, source)
+        let mut m = CudaModel::load_on(Gpu::open(opts)?, cfg, source)?;
+        if let Some(mode) = opts.decode {
+            m.decode_mode = mode;
+        }
+        Ok(m)
+    }
+
+    /// The decode mode new caches start with ([`CudaOptions::decode`], else
+    /// `TARFA_CUDA_DECODE`, else [`DecodeMode::Graph`]).
+    pub fn default_decode_mode(&self) -> DecodeMode {
+        self.decode_mode
+    }
+
+    /// Why the decode kernels (kernels/decode.cu) cannot run this model, if they cannot.
+    pub fn decode_unsupported_reason(&self) -> Option<&str> {
+        self.decode_unsupported.as_deref()
     }
 
     /// [`CudaModel::load`] on an opened device.
@@ -202,10 +224,11 @@ impl CudaModel {
         for (l, lw) in host.layers.iter().enumerate() {
             let a = &lw.attention;
             let name = |s: &str| format!("layer {l} {s}");
+            let [q, k, v] = upload_stacked(&gpu, [&a.q, &a.k, &a.v], &name("q|k|v_proj"))?;
             let attn = DevAttention {
-                q: up_mat(&a.q, &name("q_proj"))?,
-                k: up_mat(&a.k, &name("k_proj"))?,
-                v: up_mat(&a.v, &name("v_proj"))?,
+                q,
+                k,
+                v,
                 o: up_mat(&a.o, &name("o_proj"))?,
                 q_bias: up_opt(&a.q_bias, &name("q bias"))?,
                 k_bias: up_opt(&a.k_bias, &name("k bias"))?,
@@ -256,7 +279,11 @@ impl CudaModel {
             });
         }
         gpu.sync("the weight upload")?;
-        Ok(CudaModel {
+        let decode_mode = std::env::var("TARFA_CUDA_DECODE")
+            .ok()
+            .and_then(|v| DecodeMode::parse(&v))
+            .unwrap_or(DecodeMode::Graph);
+        let mut m = CudaModel {
             embed,
             lm_head,
             final_norm,
@@ -266,8 +293,12 @@ impl CudaModel {
             moe_layers,
             resident_bytes: need,
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            decode_mode,
+            decode_unsupported: None,
             gpu,
-        })
+        };
+        m.decode_unsupported = m.decode_unsupported();
+        Ok(m)
     }
 
     /// The config.
@@ -307,6 +338,8 @@ impl CudaModel {
             rope_rows: 0,
             ws: Workspace::default(),
             model_id: self.id,
+            mode: self.decode_mode,
+            dec: None,
         };
         c.grow(self, self.cfg.max_position_embeddings.min(256))?;
         Ok(c)
@@ -351,6 +384,13 @@ impl CudaModel {
             return Err(CudaError::Unsupported(format!(
                 "{t_count} tokens in one step (at most 65,535)"
             )));
+        }
+        if t_count == 1
+            && cache.mode != DecodeMode::Legacy
+            && self.decode_unsupported.is_none()
+            && opts.final_hidden != FinalHidden::InvalidBf16BeforeLmHead
+        {
+            return self.forward_decode(cache, tokens[0], opts);
         }
         if end > cache.cap {
             let want = end.max(2 * cache.cap).min(cache.max_len);
@@ -707,7 +747,13 @@ impl CudaModel {
         )?;
         let stats = self.step_stats(t_count, &ids);
         let router = if opts.trace_router {
-            self.router_records(ws, pos0, t_count, &ids)?
+            let rec = RecordPtrs {
+                probs: ws.probs.ptr(),
+                weights: ws.weights.ptr(),
+                kth: ws.kth.ptr(),
+                next: ws.next.ptr(),
+            };
+            self.router_records_at(rec, pos0, t_count, &ids)?
         } else {
             Vec::new()
         };
@@ -759,26 +805,24 @@ impl CudaModel {
         s
     }
 
-    fn router_records(
+    fn router_records_at(
         &self,
-        ws: &Workspace,
+        rec: RecordPtrs,
         pos0: usize,
         t_count: usize,
         ids: &[u32],
     ) -> Result<Vec<RouterRecord>, CudaError> {
         let k = self.cfg.top_k;
         let n = self.moe_layers * t_count * k;
-        let probs: Vec<f32> = self
-            .gpu
-            .read(ws.probs.ptr(), n, "the router's probabilities")?;
-        let weights: Vec<f32> = self.gpu.read(ws.weights.ptr(), n, "the router's weights")?;
+        let probs: Vec<f32> = self.gpu.read(rec.probs, n, "the router's probabilities")?;
+        let weights: Vec<f32> = self.gpu.read(rec.weights, n, "the router's weights")?;
         let kth: Vec<f32> = self.gpu.read(
-            ws.kth.ptr(),
+            rec.kth,
             self.moe_layers * t_count,
             "the router's k-th probabilities",
         )?;
         let next: Vec<f32> = self.gpu.read(
-            ws.next.ptr(),
+            rec.next,
             self.moe_layers * t_count,
             "the router's next probabilities",
         )?;
@@ -806,20 +850,70 @@ impl CudaModel {
     }
 }
 
+/// Where a step's router records are on the device (ids are read separately).
+#[derive(Clone, Copy)]
+struct RecordPtrs {
+    probs: u64,
+    weights: u64,
+    kth: u64,
+    next: u64,
+}
+
+/// Uploads matrices of one dtype and width into one allocation, one after another (the decode
+/// kernels then read q, k and v as one matrix); otherwise each into its own.
+fn upload_stacked<const N: usize>(
+    gpu: &Gpu,
+    ms: [&Matrix; N],
+    what: &str,
+) -> Result<[DevMat; N], CudaError> {
+    let refs: Vec<MatrixRef> = ms.iter().map(|m| m.as_ref()).collect();
+    let same = refs.windows(2).all(|w| match (w[0], w[1]) {
+        (MatrixRef::Bf16 { cols: a, .. }, MatrixRef::Bf16 { cols: b, .. }) => a == b,
+        (MatrixRef::F32 { cols: a, .. }, MatrixRef::F32 { cols: b, .. }) => a == b,
+        _ => false,
+    });
+    if !same {
+        let mut v = Vec::with_capacity(N);
+        for m in ms {
+            v.push(upload_matrix(gpu, m, what)?);
+        }
+        return Ok(v.try_into().unwrap_or_else(|_| unreachable!("N matrices")));
+    }
+    let total: u64 = refs.iter().map(|r| r.bytes()).sum();
+    let buf = std::sync::Arc::new(gpu.alloc(total as usize, what)?);
+    let mut off = 0u64;
+    let mut v = Vec::with_capacity(N);
+    for r in refs {
+        let (rows, cols, dtype) = match r {
+            MatrixRef::Bf16 { rows, cols, data } => {
+                gpu.write(buf.ptr() + off, data, what)?;
+                (rows, cols, DType::Bf16)
+            }
+            MatrixRef::F32 { rows, cols, data } => {
+                gpu.write(buf.ptr() + off, data, what)?;
+                (rows, cols, DType::F32)
+            }
+        };
+        v.push(DevMat {
+            buf: buf.clone(),
+            off,
+            rows,
+            cols,
+            dtype,
+        });
+        off += r.bytes();
+    }
+    Ok(v.try_into().unwrap_or_else(|_| unreachable!("N matrices")))
+}
+
 fn upload_matrix(gpu: &Gpu, m: &Matrix, what: &str) -> Result<DevMat, CudaError> {
     Ok(match m.as_ref() {
-        MatrixRef::Bf16 { rows, cols, data } => DevMat {
-            buf: gpu.upload(data, what)?,
-            rows,
-            cols,
-            dtype: DType::Bf16,
-        },
-        MatrixRef::F32 { rows, cols, data } => DevMat {
-            buf: gpu.upload(data, what)?,
-            rows,
-            cols,
-            dtype: DType::F32,
-        },
+        MatrixRef::Bf16 { rows, cols, data } => {
+            DevMat::own(gpu.upload(data, what)?, rows, cols, DType::Bf16)
+        }
+        MatrixRef::F32 { rows, cols, data } => {
+            DevMat::own(gpu.upload(data, what)?, rows, cols, DType::F32)
+        }
     })
 }
 
@@ -889,6 +983,10 @@ pub struct CudaCache {
     rope_rows: usize,
     ws: Workspace,
     model_id: usize,
+    /// How decode steps run.
+    mode: DecodeMode,
+    /// The decode step's buffers, launches and graph (built on the first decode step).
+    dec: Option<Box<decode::DecodeCtx>>,
 }
 
 impl CudaCache {

@@ -21,17 +21,31 @@ impl DType {
     }
 }
 
-/// A row-major matrix in device memory.
+/// A row-major matrix in device memory: its own allocation, or a part of one shared with other
+/// matrices (the q, k and v projections of a layer, stacked for the decode kernels).
 pub(crate) struct DevMat {
-    pub(crate) buf: DevBuf,
+    pub(crate) buf: std::sync::Arc<DevBuf>,
+    /// Byte offset of the first row in `buf`.
+    pub(crate) off: u64,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) dtype: DType,
 }
 
 impl DevMat {
+    /// A matrix owning `buf`.
+    pub(crate) fn own(buf: DevBuf, rows: usize, cols: usize, dtype: DType) -> DevMat {
+        DevMat {
+            buf: std::sync::Arc::new(buf),
+            off: 0,
+            rows,
+            cols,
+            dtype,
+        }
+    }
+
     pub(crate) fn ptr(&self) -> u64 {
-        self.buf.ptr()
+        self.buf.ptr() + self.off
     }
 
     /// Bytes of weights (as the CPU's statistics count them).

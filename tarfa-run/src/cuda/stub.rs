@@ -4,7 +4,10 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use super::{CudaError, CudaOptions, DeviceInfo, KernelCheck, SelftestOptions, SelftestReport};
+use super::{
+    CudaError, CudaOptions, DecodeMode, DeviceInfo, KernelCheck, KernelTime, SelftestOptions,
+    SelftestReport,
+};
 use crate::config::MoeConfig;
 use crate::cpu::{ForwardOptions, ForwardOutput};
 use crate::generate::Greedy;
@@ -59,7 +62,58 @@ impl CudaModel {
     }
 }
 
+impl CudaModel {
+    pub fn default_decode_mode(&self) -> DecodeMode {
+        match self.never {}
+    }
+    pub fn decode_unsupported_reason(&self) -> Option<&str> {
+        match self.never {}
+    }
+    pub fn reserve(&self, _cache: &mut CudaCache, _n: usize) -> Result<(), CudaError> {
+        match self.never {}
+    }
+    pub fn decode_greedy(
+        &self,
+        _cache: &mut CudaCache,
+        _first: u32,
+        _n: usize,
+    ) -> Result<Vec<u32>, CudaError> {
+        match self.never {}
+    }
+    pub fn profile_decode(
+        &self,
+        _cache: &mut CudaCache,
+        _first: u32,
+        _steps: usize,
+    ) -> Result<Vec<KernelTime>, CudaError> {
+        match self.never {}
+    }
+    pub fn copy_rate(&self, _bytes: usize, _reps: usize) -> Result<f64, CudaError> {
+        match self.never {}
+    }
+    pub fn time_decode(
+        &self,
+        _cache: &mut CudaCache,
+        _first: u32,
+        _n: usize,
+    ) -> Result<f64, CudaError> {
+        match self.never {}
+    }
+}
+
 impl CudaCache {
+    pub fn set_decode_mode(&mut self, _mode: DecodeMode) {
+        match self.never {}
+    }
+    pub fn decode_mode(&self) -> DecodeMode {
+        match self.never {}
+    }
+    pub fn decode_running(&self) -> Option<(DecodeMode, String)> {
+        match self.never {}
+    }
+    pub fn decode_launches(&self) -> usize {
+        match self.never {}
+    }
     pub fn len(&self) -> usize {
         match self.never {}
     }

@@ -1,0 +1,940 @@
+//! The decode step (one token) as a launch list of kernels/decode.cu, captured once into a CUDA
+//! graph and replayed for every token (docs/PERFORMANCE.md, "CUDA decode").
+//!
+//! Per MoE layer: `dmv` q|k|v (input RMSNorm fused), `attn_decode` (q/k norm, RoPE, KV append,
+//! attention), `dmv` o_proj (+ residual), `router` (post-attention RMSNorm fused, top-k in its
+//! last block), `gate_up_dec` (the k experts' gate and up with SwiGLU), `moe_down_dec` (the k
+//! experts' down projections, mixed in ascending id, + residual): 6 launches. Then `lmhead`
+//! (final RMSNorm fused, greedy token in its last block). The token and the position live in a
+//! device-resident state, so the graph serves every position and a greedy loop needs no host
+//! round trip between tokens. (Models the kernels cannot take, `decode_unsupported`, keep the
+//! legacy per-operation kernels for their decode steps; so does the INVALID bf16 arm.)
+//!
+//! Nothing here changes an operation or its order relative to the legacy kernels (and so the
+//! CPU): the selftest compares every logit and router record of decode steps bit for bit.
+
+use super::*;
+use crate::cuda::device::{Arg, GpuGraph, Launch};
+use crate::cuda::{DecodeMode, KernelTime};
+
+/// The decode step's own buffers (one token), sized for `cap` positions.
+pub(super) struct DecBufs {
+    pub(super) cap: usize,
+    /// [token u32, position i32, step i32, pad]
+    pub(super) state: DevBuf,
+    /// The greedy token of each step since the state's step was reset.
+    pub(super) tok_log: DevBuf,
+    counters: DevBuf,
+    part_v: DevBuf,
+    part_i: DevBuf,
+    h: DevBuf,
+    xn: DevBuf,
+    qkv: DevBuf,
+    o: DevBuf,
+    router_logits: DevBuf,
+    act: DevBuf,
+    act_sh: DevBuf,
+    y_sh: DevBuf,
+    s_sh: DevBuf,
+    pub(super) ids: DevBuf,
+    pub(super) probs: DevBuf,
+    pub(super) weights: DevBuf,
+    by_id: DevBuf,
+    pub(super) kth: DevBuf,
+    pub(super) next: DevBuf,
+    pub(super) logits: DevBuf,
+    scores: DevBuf,
+    lm_grid: u32,
+}
+
+/// A sequence's decode step: buffers, launch list and (when captured) its graph.
+pub(super) struct DecodeCtx {
+    pub(super) bufs: DecBufs,
+    pub(super) launches: Vec<Launch>,
+    pub(super) graph: Option<GpuGraph>,
+    /// The mode asked for, and the one that runs (a failed capture falls back).
+    pub(super) asked: DecodeMode,
+    pub(super) running: DecodeMode,
+    pub(super) note: String,
+}
+
+const F: usize = 4;
+
+fn p(b: &DevBuf) -> Arg {
+    Arg::Ptr(b.ptr())
+}
+
+fn opt_ptr(b: &Option<DevBuf>) -> u64 {
+    b.as_ref().map_or(0, |b| b.ptr())
+}
+
+fn i32a(n: usize) -> Arg {
+    Arg::I32(n as i32)
+}
+
+impl CudaModel {
+    /// Why the decode kernels cannot run this model, if they cannot (the legacy kernels then
+    /// run its decode steps).
+    pub(super) fn decode_unsupported(&self) -> Option<String> {
+        let cfg = &self.cfg;
+        let (h, hq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
+        if !h.is_multiple_of(8) {
+            return Some(format!("hidden size {h} is not a multiple of 8"));
+        }
+        if !(hq * d).is_multiple_of(8) {
+            return Some(format!("{hq} x {d} query values are not a multiple of 8"));
+        }
+        if d > 256 || !d.is_multiple_of(2) {
+            return Some(format!(
+                "head dimension {d} (the decode attention takes even D <= 256)"
+            ));
+        }
+        for layer in &self.layers {
+            match &layer.mlp {
+                DevMlp::Dense(m) => {
+                    if !m.gate.rows.is_multiple_of(8) {
+                        return Some(format!(
+                            "dense width {} is not a multiple of 8",
+                            m.gate.rows
+                        ));
+                    }
+                }
+                DevMlp::Moe { shared, .. } => {
+                    if cfg.top_k > 8 {
+                        return Some(format!(
+                            "top-{} (the decode kernels mix at most 8)",
+                            cfg.top_k
+                        ));
+                    }
+                    if !cfg.expert_width.is_multiple_of(8) {
+                        return Some(format!(
+                            "expert width {} is not a multiple of 8",
+                            cfg.expert_width
+                        ));
+                    }
+                    if cfg.top_k * cfg.expert_width * F > 200 * 1024 {
+                        return Some("the experts' activations exceed shared memory".into());
+                    }
+                    if (2 * cfg.num_experts + cfg.top_k).max(h) * F > 200 * 1024
+                        || cfg.top_k > super::ops::MAX_TOP_K
+                    {
+                        return Some(format!("{} experts", cfg.num_experts));
+                    }
+                    if let Some(sh) = shared {
+                        if !sh.0.gate.rows.is_multiple_of(8) {
+                            return Some("shared expert width is not a multiple of 8".into());
+                        }
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    fn dec_bufs(&self, cap: usize) -> Result<DecBufs, CudaError> {
+        let cfg = &self.cfg;
+        let g = &self.gpu;
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let k = cfg.top_k.max(1);
+        let w = "the decode step's buffers";
+        let moe = self.moe_layers.max(1);
+        let act = (k * cfg.expert_width)
+            .max(cfg.dense_width.unwrap_or(0))
+            .max(1);
+        let lm_grid = self.lm_grid();
+        let slices = d.div_ceil(32);
+        Ok(DecBufs {
+            cap,
+            state: g.alloc(16, w)?,
+            tok_log: g.alloc(cap * 4, w)?,
+            counters: g.alloc((self.layers.len() + 1) * 4, w)?,
+            part_v: g.alloc(lm_grid as usize * 4, w)?,
+            part_i: g.alloc(lm_grid as usize * 4, w)?,
+            h: g.alloc(h * F, w)?,
+            xn: g.alloc(h * F, w)?,
+            qkv: g.alloc((hq + 2 * hkv) * d * F, w)?,
+            o: g.alloc(hq * d * F, w)?,
+            router_logits: g.alloc(cfg.num_experts.max(1) * F, w)?,
+            act: g.alloc(act * F, w)?,
+            act_sh: g.alloc(cfg.shared_expert_width.unwrap_or(0).max(1) * F, w)?,
+            y_sh: g.alloc(h * F, w)?,
+            s_sh: g.alloc(F, w)?,
+            ids: g.alloc(moe * k * 4, w)?,
+            probs: g.alloc(moe * k * 4, w)?,
+            weights: g.alloc(moe * k * 4, w)?,
+            by_id: g.alloc(moe * k * 4, w)?,
+            kth: g.alloc(moe * 4, w)?,
+            next: g.alloc(moe * 4, w)?,
+            logits: g.alloc(cfg.vocab_size * F, "the decode step's logits")?,
+            scores: g.alloc(hq * slices * cap * F, "the decode attention's scores")?,
+            lm_grid,
+        })
+    }
+
+    /// Blocks for a row kernel: one warp per row in one pass when the GPU holds that many
+    /// blocks at once, else as many as it holds (each warp then takes several rows).
+    fn row_grid(&self, name: &'static str, rows: usize, shared: u32) -> u32 {
+        let need = rows.div_ceil(8).max(1) as u32;
+        let resident = self.gpu.occupancy(name, 256, shared) * self.gpu.info.multiprocessors.max(1);
+        need.min(resident.max(1))
+    }
+
+    fn lm_name(&self) -> &'static str {
+        match self.lm_head.as_ref().unwrap_or(&self.embed).dtype {
+            DType::Bf16 => "lmhead_bf16",
+            DType::F32 => "lmhead_f32",
+        }
+    }
+
+    fn lm_grid(&self) -> u32 {
+        let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+        self.row_grid(self.lm_name(), lm.rows, (lm.cols * F) as u32)
+    }
+
+    /// `out = W x` (x = RMSNorm(x) with `norm`), one dmv launch.
+    #[allow(clippy::too_many_arguments)]
+    fn dmv(
+        &self,
+        w: &DevMat,
+        x: u64,
+        norm: u64,
+        biases: [u64; 3],
+        splits: (usize, usize),
+        out: u64,
+        residual: bool,
+        xn_out: u64,
+        label: &'static str,
+    ) -> Launch {
+        let name = match w.dtype {
+            DType::Bf16 => "dmv_bf16",
+            DType::F32 => "dmv_f32",
+        };
+        let shared = (w.cols * F) as u32;
+        Launch {
+            name,
+            grid: (self.row_grid(name, w.rows, shared), 1, 1),
+            block: (256, 1, 1),
+            shared,
+            args: vec![
+                Arg::Ptr(w.ptr()),
+                i32a(w.rows),
+                i32a(w.cols),
+                Arg::Ptr(x),
+                Arg::Ptr(norm),
+                Arg::F32(self.cfg.eps_f32()),
+                Arg::Ptr(biases[0]),
+                Arg::Ptr(biases[1]),
+                Arg::Ptr(biases[2]),
+                i32a(splits.0),
+                i32a(splits.1),
+                Arg::Ptr(out),
+                Arg::I32(i32::from(residual)),
+                Arg::Ptr(xn_out),
+            ],
+            pdl: true,
+            label,
+            bytes: w.bytes(),
+        }
+    }
+
+    /// The gate/up kernel: experts chosen by `ids` (k slots), or a dense MLP (`ids` = 0).
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_dec(
+        &self,
+        dtype: DType,
+        gate: u64,
+        up: u64,
+        rows: usize,
+        ids: u64,
+        slots: usize,
+        x: u64,
+        norm: u64,
+        act: u64,
+        label: &'static str,
+    ) -> Launch {
+        let name = match dtype {
+            DType::Bf16 => "gate_up_dec_bf16",
+            DType::F32 => "gate_up_dec_f32",
+        };
+        let cols = self.cfg.hidden_size;
+        let shared = (cols * F) as u32;
+        let need = rows.div_ceil(8).max(1) as u32;
+        let resident = self.gpu.occupancy(name, 256, shared) * self.gpu.info.multiprocessors.max(1);
+        let gx = need.min((resident / slots.max(1) as u32).max(1));
+        Launch {
+            name,
+            grid: (gx, slots as u32, 1),
+            block: (256, 1, 1),
+            shared,
+            args: vec![
+                Arg::Ptr(gate),
+                Arg::Ptr(up),
+                i32a(rows),
+                i32a(cols),
+                Arg::Ptr(ids),
+                Arg::Ptr(x),
+                Arg::Ptr(norm),
+                Arg::F32(self.cfg.eps_f32()),
+                Arg::Ptr(act),
+            ],
+            pdl: true,
+            label,
+            bytes: (2 * slots * rows * cols * dtype.size()) as u64,
+        }
+    }
+
+    /// The decode step's launch list (see the module doc). `cache` provides the KV cache and
+    /// the RoPE table (all `cap` rows uploaded), `b` the step's buffers.
+    pub(super) fn decode_plan(
+        &self,
+        cache: &CudaCache,
+        b: &DecBufs,
+    ) -> Result<Vec<Launch>, CudaError> {
+        let cfg = &self.cfg;
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let k_top = cfg.top_k;
+        let (cos, sin) = cache.rope_ptrs();
+        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+        let slices = d.div_ceil(32);
+        let mut v = Vec::new();
+
+        // Step 1: h = widen(embed[state.token])
+        v.push(Launch {
+            name: match self.embed.dtype {
+                DType::Bf16 => "embed_bf16",
+                DType::F32 => "embed_f32",
+            },
+            grid: (1, 1, 1),
+            block: (256, 1, 1),
+            shared: 0,
+            args: vec![Arg::Ptr(self.embed.ptr()), p(&b.state), i32a(h), p(&b.h)],
+            pdl: false,
+            label: "embedding",
+            bytes: (h * self.embed.dtype.size()) as u64,
+        });
+
+        let qkv_rows = (hq + 2 * hkv) * d;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let a = &layer.attn;
+            let qkv = b.qkv.ptr();
+            let k_raw = qkv + (hq * d * F) as u64;
+            let v_raw = qkv + ((hq + hkv) * d * F) as u64;
+            // q | k | v = W_qkv RMSNorm(h) (+ biases)
+            let biases = [opt_ptr(&a.q_bias), opt_ptr(&a.k_bias), opt_ptr(&a.v_bias)];
+            let stacked = std::sync::Arc::ptr_eq(&a.q.buf, &a.k.buf)
+                && std::sync::Arc::ptr_eq(&a.q.buf, &a.v.buf)
+                && a.k.off == a.q.off + a.q.bytes()
+                && a.v.off == a.k.off + a.k.bytes();
+            if stacked {
+                let all = DevMat {
+                    buf: a.q.buf.clone(),
+                    off: a.q.off,
+                    rows: qkv_rows,
+                    cols: h,
+                    dtype: a.q.dtype,
+                };
+                v.push(self.dmv(
+                    &all,
+                    b.h.ptr(),
+                    layer.input_norm.ptr(),
+                    biases,
+                    (hq * d, (hq + hkv) * d),
+                    qkv,
+                    false,
+                    0,
+                    "attention q|k|v (+input norm)",
+                ));
+            } else {
+                for (m, bias, out) in [
+                    (&a.q, biases[0], qkv),
+                    (&a.k, biases[1], k_raw),
+                    (&a.v, biases[2], v_raw),
+                ] {
+                    v.push(self.dmv(
+                        m,
+                        b.h.ptr(),
+                        layer.input_norm.ptr(),
+                        [bias, 0, 0],
+                        (m.rows, m.rows),
+                        out,
+                        false,
+                        0,
+                        "attention q|k|v (+input norm)",
+                    ));
+                }
+            }
+            // q/k norm: per head inside the attention kernel, over the whole projection here
+            let (qn, kn) = match (self.spec.qk_norm, &a.q_norm, &a.k_norm) {
+                (QkNorm::PerHead, Some(qn), Some(kn)) => (qn.ptr(), kn.ptr()),
+                (QkNorm::WholeProjection, Some(qn), Some(kn)) => {
+                    for (x, w, n) in [(qkv, qn, hq * d), (k_raw, kn, hkv * d)] {
+                        v.push(Launch {
+                            name: "rmsnorm",
+                            grid: (1, 1, 1),
+                            block: (256, 1, 1),
+                            shared: 0,
+                            args: vec![
+                                Arg::Ptr(x),
+                                Arg::I64(n as i64),
+                                Arg::Ptr(x),
+                                Arg::I64(n as i64),
+                                Arg::Ptr(w.ptr()),
+                                i32a(n),
+                                i32a(1),
+                                Arg::F32(cfg.eps_f32()),
+                            ],
+                            pdl: false,
+                            label: "q/k norm (whole projection)",
+                            bytes: 0,
+                        });
+                    }
+                    (0, 0)
+                }
+                _ => (0, 0),
+            };
+            v.push(Launch {
+                name: "attn_decode",
+                grid: (hq as u32, slices as u32, 1),
+                block: (256, 1, 1),
+                shared: (3 * d * F) as u32,
+                args: vec![
+                    Arg::Ptr(qkv),
+                    Arg::Ptr(k_raw),
+                    Arg::Ptr(v_raw),
+                    i32a(hq),
+                    i32a(hkv),
+                    i32a(d),
+                    Arg::Ptr(qn),
+                    Arg::Ptr(kn),
+                    Arg::F32(cfg.eps_f32()),
+                    Arg::Ptr(cos),
+                    Arg::Ptr(sin),
+                    p(&b.state),
+                    p(&cache.k[l]),
+                    p(&cache.v[l]),
+                    i32a(cache.cap),
+                    Arg::F32(scale),
+                    p(&b.scores),
+                    i32a(cache.cap),
+                    p(&b.o),
+                ],
+                pdl: true,
+                label: "attention (norm, RoPE, KV append, softmax)",
+                bytes: 0,
+            });
+            // h = h + W_o o (+ b_o)
+            v.push(self.dmv(
+                &a.o,
+                b.o.ptr(),
+                0,
+                [opt_ptr(&a.o_bias), 0, 0],
+                (h, h),
+                b.h.ptr(),
+                true,
+                0,
+                "attention o_proj (+residual)",
+            ));
+            match &layer.mlp {
+                DevMlp::Dense(m) => {
+                    let f = m.gate.rows;
+                    v.push(self.gate_up_dec(
+                        m.gate.dtype,
+                        m.gate.ptr(),
+                        m.up.ptr(),
+                        f,
+                        0,
+                        1,
+                        b.h.ptr(),
+                        layer.post_norm.ptr(),
+                        b.act.ptr(),
+                        "dense MLP gate+up (+post norm)",
+                    ));
+                    v.push(self.dmv(
+                        &m.down,
+                        b.act.ptr(),
+                        0,
+                        [0; 3],
+                        (h, h),
+                        b.h.ptr(),
+                        true,
+                        0,
+                        "dense MLP down (+residual)",
+                    ));
+                }
+                DevMlp::Moe {
+                    router,
+                    experts,
+                    shared,
+                    moe_index,
+                } => {
+                    let e_count = cfg.num_experts;
+                    let rec = (moe_index * k_top * 4) as u64;
+                    let one = (moe_index * 4) as u64;
+                    let name = match router.dtype {
+                        DType::Bf16 => "router_bf16",
+                        DType::F32 => "router_f32",
+                    };
+                    let shared_mem = ((2 * e_count + k_top).max(h) * F) as u32;
+                    v.push(Launch {
+                        name,
+                        grid: (e_count.div_ceil(8) as u32, 1, 1),
+                        block: (256, 1, 1),
+                        shared: shared_mem,
+                        args: vec![
+                            Arg::Ptr(router.ptr()),
+                            i32a(e_count),
+                            i32a(h),
+                            p(&b.h),
+                            Arg::Ptr(layer.post_norm.ptr()),
+                            Arg::F32(cfg.eps_f32()),
+                            p(&b.router_logits),
+                            p(&b.xn),
+                            Arg::Ptr(b.counters.ptr() + (l * 4) as u64),
+                            i32a(k_top),
+                            Arg::I32(i32::from(self.spec.renormalize_topk)),
+                            Arg::Ptr(b.ids.ptr() + rec),
+                            Arg::Ptr(b.probs.ptr() + rec),
+                            Arg::Ptr(b.weights.ptr() + rec),
+                            Arg::Ptr(b.by_id.ptr() + rec),
+                            Arg::Ptr(b.kth.ptr() + one),
+                            Arg::Ptr(b.next.ptr() + one),
+                        ],
+                        pdl: true,
+                        label: "router (+post norm, top-k)",
+                        bytes: router.bytes(),
+                    });
+                    let (mut y_sh, mut s_sh) = (0u64, 0u64);
+                    if let Some(sh) = shared {
+                        let (m, sg) = &**sh;
+                        let s = m.gate.rows;
+                        v.push(self.gate_up_dec(
+                            m.gate.dtype,
+                            m.gate.ptr(),
+                            m.up.ptr(),
+                            s,
+                            0,
+                            1,
+                            b.xn.ptr(),
+                            0,
+                            b.act_sh.ptr(),
+                            "shared expert",
+                        ));
+                        v.push(self.dmv(
+                            &m.down,
+                            b.act_sh.ptr(),
+                            0,
+                            [0; 3],
+                            (h, h),
+                            b.y_sh.ptr(),
+                            false,
+                            0,
+                            "shared expert",
+                        ));
+                        v.push(self.dmv(
+                            sg,
+                            b.xn.ptr(),
+                            0,
+                            [0; 3],
+                            (1, 1),
+                            b.s_sh.ptr(),
+                            false,
+                            0,
+                            "shared expert",
+                        ));
+                        y_sh = b.y_sh.ptr();
+                        s_sh = b.s_sh.ptr();
+                    }
+                    let i = cfg.expert_width;
+                    v.push(self.gate_up_dec(
+                        DType::Bf16,
+                        experts.gate.ptr(),
+                        experts.up.ptr(),
+                        i,
+                        b.ids.ptr() + rec,
+                        k_top,
+                        b.xn.ptr(),
+                        0,
+                        b.act.ptr(),
+                        "experts gate+up (k experts, SwiGLU)",
+                    ));
+                    let name = "moe_down_dec";
+                    let shared_mem = (k_top * i * F) as u32;
+                    self.gpu.allow_shared(name, shared_mem)?;
+                    v.push(Launch {
+                        name,
+                        grid: (self.row_grid(name, h, shared_mem), 1, 1),
+                        block: (256, 1, 1),
+                        shared: shared_mem,
+                        args: vec![
+                            Arg::Ptr(experts.down.ptr()),
+                            i32a(h),
+                            i32a(i),
+                            Arg::Ptr(b.ids.ptr() + rec),
+                            Arg::Ptr(b.weights.ptr() + rec),
+                            Arg::Ptr(b.by_id.ptr() + rec),
+                            i32a(k_top),
+                            p(&b.act),
+                            Arg::Ptr(y_sh),
+                            Arg::Ptr(s_sh),
+                            p(&b.h),
+                        ],
+                        pdl: true,
+                        label: "experts down (k experts, mix, +residual)",
+                        bytes: (k_top * h * i * 2) as u64,
+                    });
+                }
+            }
+        }
+
+        // Step 5: logits = W_lm RMSNorm(h); the greedy token into the state
+        let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let name = self.lm_name();
+        v.push(Launch {
+            name,
+            grid: (b.lm_grid, 1, 1),
+            block: (256, 1, 1),
+            shared: (lm.cols * F) as u32,
+            args: vec![
+                Arg::Ptr(lm.ptr()),
+                i32a(lm.rows),
+                i32a(lm.cols),
+                p(&b.h),
+                Arg::Ptr(self.final_norm.ptr()),
+                Arg::F32(cfg.eps_f32()),
+                p(&b.logits),
+                Arg::Ptr(b.counters.ptr() + (self.layers.len() * 4) as u64),
+                p(&b.part_v),
+                p(&b.part_i),
+                p(&b.state),
+                p(&b.tok_log),
+            ],
+            pdl: true,
+            label: "lm_head (+final norm, argmax)",
+            bytes: lm.bytes(),
+        });
+        for l in &v {
+            self.gpu.allow_shared(l.name, l.shared)?;
+        }
+        Ok(v)
+    }
+
+    /// Makes `cache`'s decode step ready for its capacity and mode: buffers, launch list and,
+    /// for the graph modes, the captured graph (a failed capture falls back to the next mode,
+    /// and says so in [`CudaCache::decode_note`]).
+    pub(super) fn ensure_decode(&self, cache: &mut CudaCache) -> Result<(), CudaError> {
+        if let Some(dc) = &cache.dec {
+            if dc.bufs.cap == cache.cap && dc.asked == cache.mode {
+                return Ok(());
+            }
+        }
+        cache.dec = None;
+        cache.upload_rope(&self.gpu, cache.cap)?;
+        let bufs = self.dec_bufs(cache.cap)?;
+        let launches = self.decode_plan(cache, &bufs)?;
+        let asked = cache.mode;
+        let mut note = String::new();
+        let mut graph = None;
+        let mut running = DecodeMode::Direct;
+        if matches!(asked, DecodeMode::Graph | DecodeMode::GraphPdl) && !self.gpu.sync_each_kernel()
+        {
+            let tries: &[bool] = if asked == DecodeMode::GraphPdl {
+                &[true, false]
+            } else {
+                &[false]
+            };
+            for &pdl in tries {
+                match self.gpu.capture(&launches, pdl) {
+                    Ok(g) => {
+                        graph = Some(g);
+                        running = if pdl {
+                            DecodeMode::GraphPdl
+                        } else {
+                            DecodeMode::Graph
+                        };
+                        break;
+                    }
+                    Err(e) => {
+                        note.push_str(&format!(
+                            "graph capture{} failed: {e}; ",
+                            if pdl { " with programmatic launch" } else { "" }
+                        ));
+                        self.gpu.sync("a failed graph capture").ok();
+                    }
+                }
+            }
+        }
+        cache.dec = Some(Box::new(DecodeCtx {
+            bufs,
+            launches,
+            graph,
+            asked,
+            running,
+            note,
+        }));
+        Ok(())
+    }
+
+    /// Runs the prepared decode step once (graph or launches), without waiting.
+    pub(super) fn run_decode_step(&self, dc: &DecodeCtx) -> Result<(), CudaError> {
+        match &dc.graph {
+            Some(g) => self.gpu.launch_graph(g),
+            None => {
+                for l in &dc.launches {
+                    self.gpu.launch_rec(l, false)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Makes room for `n` more positions in `cache` (it grows by doubling, up to its maximum),
+    /// so that no step of the next `n` reallocates it.
+    pub fn reserve(&self, cache: &mut CudaCache, n: usize) -> Result<(), CudaError> {
+        let end = cache.len + n;
+        if end > cache.max_len {
+            return Err(RunError::ContextFull {
+                needed: end,
+                max: cache.max_len,
+            }
+            .into());
+        }
+        if end > cache.cap {
+            let want = end.max(2 * cache.cap).min(cache.max_len);
+            cache.grow(self, want)?;
+        }
+        Ok(())
+    }
+
+    /// One decode step through the decode kernels: returns what [`CudaModel::forward`] returns.
+    pub(super) fn forward_decode(
+        &self,
+        cache: &mut CudaCache,
+        token: u32,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, CudaError> {
+        self.reserve(cache, 1)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        let b = &dc.bufs;
+        self.gpu.write_async(
+            b.state.ptr(),
+            &[token, pos0 as u32, 0, 0],
+            "the decode state",
+        )?;
+        self.run_decode_step(dc)?;
+        let vocab = self.cfg.vocab_size;
+        let logits: Vec<f32> = self.gpu.read(b.logits.ptr(), vocab, "the logits")?;
+        let k = self.cfg.top_k;
+        let ids: Vec<u32> =
+            self.gpu
+                .read(b.ids.ptr(), self.moe_layers * k, "the router's choices")?;
+        let stats = self.step_stats(1, &ids);
+        let router = if opts.trace_router {
+            let rec = RecordPtrs {
+                probs: b.probs.ptr(),
+                weights: b.weights.ptr(),
+                kth: b.kth.ptr(),
+                next: b.next.ptr(),
+            };
+            self.router_records_at(rec, pos0, 1, &ids)?
+        } else {
+            Vec::new()
+        };
+        cache.len = pos0 + 1;
+        Ok(ForwardOutput {
+            logits: vec![logits],
+            router,
+            stats,
+        })
+    }
+
+    /// Greedy decoding of `n` tokens on the device after `first` (the token at position
+    /// `cache.len()`, not yet in the cache): each step's token is the argmax of its logits,
+    /// chosen on the GPU and fed to the next step there; the host waits once, at the end.
+    /// Returns the `n` tokens chosen (what [`crate::generate::argmax`] would choose from each
+    /// step's logits). With [`DecodeMode::Legacy`] it runs [`CudaModel::forward`] per token.
+    pub fn decode_greedy(
+        &self,
+        cache: &mut CudaCache,
+        first: u32,
+        n: usize,
+    ) -> Result<Vec<u32>, CudaError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if first as usize >= self.cfg.vocab_size {
+            return Err(RunError::TokenOutOfRange {
+                token: first,
+                vocab: self.cfg.vocab_size,
+            }
+            .into());
+        }
+        if cache.model_id != self.id {
+            return Err(CudaError::Unsupported(
+                "a KV cache made by another model".into(),
+            ));
+        }
+        if cache.mode == DecodeMode::Legacy || self.decode_unsupported().is_some() {
+            let mut out = Vec::with_capacity(n);
+            let mut t = first;
+            for _ in 0..n {
+                let step = self.forward(cache, &[t], &ForwardOptions::default())?;
+                t = crate::generate::argmax(&step.logits[0]);
+                out.push(t);
+            }
+            return Ok(out);
+        }
+        self.reserve(cache, n)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        self.gpu.write_async(
+            dc.bufs.state.ptr(),
+            &[first, pos0 as u32, 0, 0],
+            "the decode state",
+        )?;
+        for _ in 0..n {
+            self.run_decode_step(dc)?;
+        }
+        let toks: Vec<u32> = self
+            .gpu
+            .read(dc.bufs.tok_log.ptr(), n, "the generated tokens")?;
+        cache.len = pos0 + n;
+        Ok(toks)
+    }
+
+    /// Times every kernel of `steps` decode steps after `first` (launched one by one, each
+    /// timed with events, no graph and no programmatic launch), grouped by what they compute.
+    /// The steps are real: they append to the cache and advance it like [`decode_greedy`].
+    ///
+    /// [`decode_greedy`]: CudaModel::decode_greedy
+    pub fn profile_decode(
+        &self,
+        cache: &mut CudaCache,
+        first: u32,
+        steps: usize,
+    ) -> Result<Vec<KernelTime>, CudaError> {
+        if let Some(why) = self.decode_unsupported() {
+            return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
+        }
+        let steps = steps.max(1);
+        self.reserve(cache, steps)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        self.gpu.write_async(
+            dc.bufs.state.ptr(),
+            &[first, pos0 as u32, 0, 0],
+            "the decode state",
+        )?;
+        let mut rows: Vec<KernelTime> = Vec::new();
+        for s in 0..steps {
+            let ms = self.gpu.time_launches(&dc.launches)?;
+            for (l, t) in dc.launches.iter().zip(ms) {
+                let i = match rows.iter().position(|r| r.label == l.label) {
+                    Some(i) => i,
+                    None => {
+                        rows.push(KernelTime {
+                            label: l.label.to_string(),
+                            kernels: String::new(),
+                            launches: 0,
+                            us_per_token: 0.0,
+                            weight_bytes: 0,
+                            registers: self.gpu.registers(l.name),
+                        });
+                        rows.len() - 1
+                    }
+                };
+                let r = &mut rows[i];
+                if s == 0 {
+                    r.launches += 1;
+                    r.weight_bytes += l.bytes;
+                    if !r.kernels.split(',').any(|k| k == l.name) {
+                        if !r.kernels.is_empty() {
+                            r.kernels.push(',');
+                        }
+                        r.kernels.push_str(l.name);
+                    }
+                }
+                r.us_per_token += t * 1e3 / steps as f64;
+            }
+        }
+        cache.len = pos0 + steps;
+        Ok(rows)
+    }
+}
+
+impl CudaModel {
+    /// The GPU's device-to-device copy rate in GB/s, counting bytes read plus bytes written
+    /// (the median of `reps` copies of `bytes`, timed with events): the bandwidth ceiling the
+    /// decode figures are compared with.
+    pub fn copy_rate(&self, bytes: usize, reps: usize) -> Result<f64, CudaError> {
+        self.gpu.copy_rate(bytes, reps)
+    }
+
+    /// Milliseconds of GPU time `n` decode steps take through the prepared launches or graph,
+    /// timed with events around them (the host does not wait between steps): the device-side
+    /// cost of decoding, with no host round trip. Advances the cache like
+    /// [`CudaModel::decode_greedy`].
+    pub fn time_decode(
+        &self,
+        cache: &mut CudaCache,
+        first: u32,
+        n: usize,
+    ) -> Result<f64, CudaError> {
+        if let Some(why) = self.decode_unsupported() {
+            return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
+        }
+        self.reserve(cache, n)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        self.gpu.write_async(
+            dc.bufs.state.ptr(),
+            &[first, pos0 as u32, 0, 0],
+            "the decode state",
+        )?;
+        let ms = self.gpu.time(|| {
+            for _ in 0..n {
+                self.run_decode_step(dc)?;
+            }
+            Ok(())
+        })?;
+        cache.len = pos0 + n;
+        Ok(ms)
+    }
+}
+
+impl CudaCache {
+    /// Chooses how this sequence's decode steps run (the next step rebuilds what it needs).
+    pub fn set_decode_mode(&mut self, mode: DecodeMode) {
+        self.mode = mode;
+    }
+
+    /// The decode mode asked for.
+    pub fn decode_mode(&self) -> DecodeMode {
+        self.mode
+    }
+
+    /// The decode mode that ran the last decode step (a failed graph capture falls back), and
+    /// why it differs from the one asked for, if it does.
+    pub fn decode_running(&self) -> Option<(DecodeMode, String)> {
+        self.dec.as_ref().map(|d| (d.running, d.note.clone()))
+    }
+
+    /// Kernel launches of one decode step (0 before the first).
+    pub fn decode_launches(&self) -> usize {
+        self.dec.as_ref().map_or(0, |d| d.launches.len())
+    }
+}
