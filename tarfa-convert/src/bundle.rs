@@ -74,6 +74,8 @@ pub struct WriteSummary {
 }
 
 const TMP_MARK: &str = ".tarfa-tmp-";
+/// Reads kept in flight while verifying the written bundle from the device.
+const READ_BACK_DEPTH: usize = 8;
 const OLD_MARK: &str = ".tarfa-old-";
 
 /// Names of temporaries beside `target` whose writing process is gone.
@@ -482,29 +484,40 @@ fn verify_written(dir: &Path, manifest: &Manifest) -> Result<ReadMode, ConvertEr
     }
     let total: u64 = regions.iter().map(|r| r.3).sum();
     let bar = bytes_bar(total, "verify");
-    regions
-        .par_iter()
-        .try_for_each(|&(name, offset, length, padded, expected)| {
-            if interrupted() {
-                return Err(ConvertError::Interrupted);
-            }
-            let mut buf = AlignedBuf::new(padded as usize);
-            crate::aligned::read_at(&file, &mut buf, offset)
-                .map_err(ConvertError::io(&jnf_path, "read back"))?;
-            let fail = |what| ConvertError::Verify {
-                path: jnf_path.clone(),
-                name: name.into(),
-                what,
-            };
-            if blake3::hash(&buf[..length as usize]).to_hex().as_str() != expected {
-                return Err(fail("BLAKE3 differs"));
-            }
-            if buf[length as usize..].iter().any(|&b| b != 0) {
-                return Err(fail("padding is not zero"));
-            }
-            bar.inc(padded);
-            Ok(())
+    // The read-back waits on the device far more than it hashes (BLAKE3 runs at several GB/s
+    // per core): keep several reads in flight, whatever the core count.
+    let readers = rayon::ThreadPoolBuilder::new()
+        .num_threads(READ_BACK_DEPTH.max(rayon::current_num_threads()))
+        .thread_name(|i| format!("tarfa-readback-{i}"))
+        .build()
+        .map_err(|e| {
+            ConvertError::io(&jnf_path, "start read-back threads")(std::io::Error::other(e))
         })?;
+    readers.install(|| {
+        regions
+            .par_iter()
+            .try_for_each(|&(name, offset, length, padded, expected)| {
+                if interrupted() {
+                    return Err(ConvertError::Interrupted);
+                }
+                let mut buf = AlignedBuf::new(padded as usize);
+                crate::aligned::read_at(&file, &mut buf, offset)
+                    .map_err(ConvertError::io(&jnf_path, "read back"))?;
+                let fail = |what| ConvertError::Verify {
+                    path: jnf_path.clone(),
+                    name: name.into(),
+                    what,
+                };
+                if blake3::hash(&buf[..length as usize]).to_hex().as_str() != expected {
+                    return Err(fail("BLAKE3 differs"));
+                }
+                if buf[length as usize..].iter().any(|&b| b != 0) {
+                    return Err(fail("padding is not zero"));
+                }
+                bar.inc(padded);
+                Ok(())
+            })
+    })?;
     bar.finish_and_clear();
     for f in &manifest.files {
         let path = dir.join(&f.name);
