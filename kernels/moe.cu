@@ -94,3 +94,76 @@ extern "C" __global__ void __launch_bounds__(256) down_mix(
         h[(long)t * hidden + r] = __fadd_rn(h[(long)t * hidden + r], acc);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Expert streaming (tarfa-run/src/cuda/hot.rs): the chosen experts live in slots of the hot
+// tier, not stacked by id. A slot holds one expert's gate [rows][cols], up [rows][cols] and
+// down [cols][rows], one after another, `slot_elems` BF16 values from the next slot. For this
+// launch, slot_of[e] is expert e's slot, or -1 when e is not in the group the host made
+// resident for it (a later launch computes that expert's rows). The operations and their
+// order are gate_up's and down_mix's: a row's dot is the same warp_dot_bf16, and the mix
+// (moe_mix) adds the same products in the same ascending-expert-id order, so a streamed step
+// has the bits of a resident one.
+
+// act[t][j][i] = silu(dot(gate_e[i], xn[t])) * dot(up_e[i], xn[t]) for the slots j whose expert
+// e = ids[t*k + j] has slot_of[e] >= 0. Grid (ceil(rows/8), k, T).
+extern "C" __global__ void __launch_bounds__(256) gate_up_slots(
+    const u16* __restrict__ pool, long slot_elems, const int* __restrict__ slot_of, int rows,
+    int cols, const u32* __restrict__ ids, int k, const float* __restrict__ xn,
+    float* __restrict__ act) {
+    const int p = threadIdx.x & 31;
+    const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int j = blockIdx.y;
+    const int t = blockIdx.z;
+    if (i >= rows) return;
+    const int s = slot_of[ids[(long)t * k + j]];
+    if (s < 0) return;
+    const u16* gate = pool + (long)s * slot_elems;
+    const u16* up = gate + (long)rows * cols;
+    const long row = (long)i * cols;
+    const float* x = xn + (long)t * cols;
+    const float g = warp_dot_bf16(gate + row, x, cols, p);
+    const float u = warp_dot_bf16(up + row, x, cols, p);
+    if (p == 0) act[((long)t * k + j) * rows + i] = __fmul_rn(det_silu(g), u);
+}
+
+// y[t][j][r] = dot(down_e[r], act[t][j]) for the slots j whose expert has slot_of[e] >= 0; the
+// down matrix of a slot follows its gate and up ([hidden][width], width = the gate's rows).
+// Grid (ceil(hidden/8), k, T).
+extern "C" __global__ void __launch_bounds__(256) down_slots(
+    const u16* __restrict__ pool, long slot_elems, const int* __restrict__ slot_of, int hidden,
+    int width, const u32* __restrict__ ids, int k, const float* __restrict__ act,
+    float* __restrict__ y) {
+    const int p = threadIdx.x & 31;
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int j = blockIdx.y;
+    const int t = blockIdx.z;
+    if (r >= hidden) return;
+    const int s = slot_of[ids[(long)t * k + j]];
+    if (s < 0) return;
+    const u16* down = pool + (long)s * slot_elems + 2L * width * hidden;
+    const float v = warp_dot_bf16(down + (long)r * width, act + ((long)t * k + j) * width, width, p);
+    if (p == 0) y[((long)t * k + j) * hidden + r] = v;
+}
+
+// down_mix's epilogue from the products down_slots wrote: a thread per (row r, token t):
+//   acc = +0; for the slots in ascending expert id: acc = acc + w_j * y[t][j][r]
+//   (shared expert: acc = acc + sigmoid(s_sh[t]) * y_sh[t][r]); h[t][r] = h[t][r] + acc
+// Grid (ceil(hidden/256), T).
+extern "C" __global__ void __launch_bounds__(256) moe_mix(
+    int hidden, const float* __restrict__ weights, const u32* __restrict__ by_id, int k,
+    const float* __restrict__ y, const float* __restrict__ y_sh, const float* __restrict__ s_sh,
+    float* __restrict__ h) {
+    const int r = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y;
+    if (r >= hidden) return;
+    float acc = 0.0f;
+    for (int jj = 0; jj < k; jj++) {
+        const int j = (int)by_id[(long)t * k + jj];
+        acc = __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], y[((long)t * k + j) * hidden + r]));
+    }
+    if (y_sh != nullptr) {
+        acc = __fadd_rn(acc, __fmul_rn(det_sigmoid(s_sh[t]), y_sh[(long)t * hidden + r]));
+    }
+    h[(long)t * hidden + r] = __fadd_rn(h[(long)t * hidden + r], acc);
+}

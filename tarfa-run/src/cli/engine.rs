@@ -5,27 +5,37 @@ use std::sync::Arc;
 
 use tarfa_run::config::MoeConfig;
 use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, ForwardOutput, KvCache};
-use tarfa_run::cuda::{self, CudaCache, CudaError, CudaModel, CudaOptions};
+use tarfa_run::cuda::{self, CudaCache, CudaError, CudaModel, CudaOptions, HotOptions, HotStats};
 use tarfa_run::numerics::Kernel;
+use tarfa_run::stream::format_bytes;
 use tarfa_run::weights::WeightSource;
 
 use super::generate::BackendArg;
 use super::CliError;
 
 pub enum Engine {
-    Cpu { engine: CpuEngine, cache: KvCache },
-    Cuda { model: CudaModel, cache: CudaCache },
+    Cpu {
+        engine: CpuEngine,
+        cache: KvCache,
+    },
+    // boxed: the model and its cache are far larger than the CPU engine's handles
+    Cuda {
+        model: Box<CudaModel>,
+        cache: Box<CudaCache>,
+    },
 }
 
 impl Engine {
     /// Load `cfg` from `source` on the chosen backend. `auto` takes CUDA when a GPU is usable
-    /// and says which it took, and why, through `log`.
+    /// and says which it took, and why, through `log`. `hot`: stream the experts through a GPU
+    /// hot tier (CUDA only; the CPU computes from the RAM tier directly).
     pub fn load(
         backend: BackendArg,
         cfg: MoeConfig,
         source: Arc<dyn WeightSource>,
         threads: usize,
         kernel: Kernel,
+        hot: Option<HotOptions>,
         log: &dyn Fn(String),
     ) -> Result<Engine, CliError> {
         let use_cuda = match backend {
@@ -43,11 +53,38 @@ impl Engine {
             },
         };
         if use_cuda {
-            let model = CudaModel::load(cfg, source, &CudaOptions::default())?;
+            let opts = CudaOptions {
+                hot,
+                ..CudaOptions::default()
+            };
+            let model = CudaModel::load(cfg, source, &opts)?;
             let cache = model.new_cache()?;
             log(format!("backend cuda: {}", model.device()));
-            Ok(Engine::Cuda { model, cache })
+            match model.hot_stats() {
+                Some(h) => log(format!(
+                    "cuda: {} of dense weights resident; experts stream through a hot tier of {} \
+                     slots ({})",
+                    format_bytes(model.resident_bytes()),
+                    h.slots,
+                    format_bytes(h.pool_bytes)
+                )),
+                None => log(format!(
+                    "cuda: every weight resident ({})",
+                    format_bytes(model.resident_bytes())
+                )),
+            }
+            Ok(Engine::Cuda {
+                model: Box::new(model),
+                cache: Box::new(cache),
+            })
         } else {
+            if hot.is_some() {
+                log(
+                    "note: --vram-budget applies to the CUDA backend; the CPU computes from the \
+                     RAM tier"
+                        .into(),
+                );
+            }
             let model = Arc::new(CpuModel::load(cfg, source)?);
             let cache = model.new_cache();
             let engine = CpuEngine::new(model, EngineOptions { threads, kernel })?;
@@ -68,6 +105,14 @@ impl Engine {
         match self {
             Engine::Cpu { engine, cache } => Ok(engine.forward(cache, tokens, opts)?),
             Engine::Cuda { model, cache } => Ok(model.forward(cache, tokens, opts)?),
+        }
+    }
+
+    /// The GPU hot tier's counters (CUDA streaming only).
+    pub fn hot_stats(&self) -> Option<HotStats> {
+        match self {
+            Engine::Cpu { .. } => None,
+            Engine::Cuda { model, .. } => model.hot_stats(),
         }
     }
 

@@ -274,6 +274,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         streamed.source.clone() as Arc<dyn WeightSource>,
         threads,
         kernel(a.kernel)?,
+        streamed.hot_options(),
         &log,
     )?;
     if a.preload {
@@ -298,9 +299,9 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         },
     };
     let t0 = Instant::now();
-    streamed.begin(true);
+    streamed.begin(true, engine.hot_stats());
     let pre = engine.forward(&prompt, &opts)?;
-    streamed.end(true, prompt.len());
+    streamed.end(true, prompt.len(), engine.hot_stats());
     let prefill_time = t0.elapsed();
     if let Some(t) = trace.as_mut() {
         t.records(&pre.router)?;
@@ -347,9 +348,9 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         if eos.contains(&next) || j + 1 == max_new {
             break;
         }
-        streamed.begin(false);
+        streamed.begin(false, engine.hot_stats());
         let step = engine.forward(&[next], &step_opts)?;
-        streamed.end(false, 1);
+        streamed.end(false, 1, engine.hot_stats());
         decode_weight_bytes += step.stats.weight_bytes;
         if let Some(t) = trace.as_mut() {
             t.records(&step.router)?;

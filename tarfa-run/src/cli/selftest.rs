@@ -38,6 +38,14 @@ pub struct SelftestArgs {
     /// Write the results as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also stream the experts: for each bundle, after the resident check, compare the CPU
+    /// reference with CUDA models whose experts go through GPU and RAM tiers of every budget
+    /// (everything, a quarter, one expert), with both I/O modes and every cache policy.
+    #[arg(long)]
+    pub stream_sweep: bool,
+    /// Skip the resident check (with --stream-sweep: only the streamed cases).
+    #[arg(long, requires = "stream_sweep")]
+    pub no_resident: bool,
 }
 
 /// Seeded token ids (SplitMix64), so that every run of the selftest checks the same prompts.
@@ -85,28 +93,88 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
             decode_steps: a.decode_steps,
             cpu_threads: a.threads.unwrap_or(0),
         };
-        let report = cuda::selftest(
-            &cfg,
-            source.clone() as Arc<dyn WeightSource>,
-            &opts,
-            &CudaOptions::default(),
-        )?;
-        let passed = report.passed();
-        all_passed &= passed;
-        println!(
-            "{} {}: {} ({:.1} s)",
-            if passed { "PASS" } else { "FAIL" },
-            b.display(),
-            report,
-            t.elapsed().as_secs_f64()
-        );
-        results.push(json!({
-            "bundle": b,
-            "root_digest": source.root_digest(),
-            "passed": passed,
-            "bytes_compared": report.bytes_compared(),
-            "report": report.to_string(),
-        }));
+        if !a.no_resident {
+            let report = cuda::selftest(
+                &cfg,
+                source.clone() as Arc<dyn WeightSource>,
+                &opts,
+                &CudaOptions::default(),
+            )?;
+            let passed = report.passed();
+            all_passed &= passed;
+            println!(
+                "{} {}: {} ({:.1} s)",
+                if passed { "PASS" } else { "FAIL" },
+                b.display(),
+                report,
+                t.elapsed().as_secs_f64()
+            );
+            results.push(json!({
+                "bundle": b,
+                "root_digest": source.root_digest(),
+                "mode": "resident",
+                "passed": passed,
+                "bytes_compared": report.bytes_compared(),
+                "report": report.to_string(),
+            }));
+        }
+        if a.stream_sweep {
+            let t = Instant::now();
+            let spec = tarfa_run::model::ArchSpec::new(&cfg);
+            let moe_layers = (0..cfg.num_layers)
+                .filter(|&l| spec.moe_index(l).is_some())
+                .count() as u64;
+            let extent = source
+                .expert_extents()
+                .iter()
+                .map(|(e, _)| e.padded_length)
+                .max()
+                .unwrap_or(0);
+            let cases = cuda::stream_sweep(
+                moe_layers * cfg.num_experts as u64,
+                cuda::min_vram_budget(&cfg),
+                extent,
+            );
+            let got = cuda::selftest_streaming(
+                &cfg,
+                source.clone(),
+                &opts,
+                &CudaOptions::default(),
+                &cases,
+            )?;
+            for (case, (report, hot, warm)) in cases.iter().zip(got) {
+                let passed = report.passed();
+                all_passed &= passed;
+                println!(
+                    "{} {} streamed ({case}): {report}; hot hits {}/{}, {} uploads, warm hits {}/{}, {} read",
+                    if passed { "PASS" } else { "FAIL" },
+                    b.display(),
+                    hot.hits,
+                    hot.requests,
+                    hot.uploads,
+                    warm.warm_hits,
+                    warm.requests,
+                    tarfa_run::stream::format_bytes(warm.bytes_read),
+                );
+                results.push(json!({
+                    "bundle": b,
+                    "root_digest": source.root_digest(),
+                    "mode": "streamed",
+                    "case": case.to_string(),
+                    "passed": passed,
+                    "bytes_compared": report.bytes_compared(),
+                    "report": report.to_string(),
+                    "hot": hot,
+                    "warm": warm,
+                }));
+            }
+            eprintln!(
+                "{}: streamed sweep of {} cases in {:.1} s",
+                b.display(),
+                cases.len(),
+                t.elapsed().as_secs_f64()
+            );
+        }
     }
     if let Some(p) = &a.json {
         write_json(

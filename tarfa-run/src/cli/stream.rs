@@ -10,6 +10,7 @@ use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 use tarfa_run::bundle::BundleSource;
 use tarfa_run::config::MoeConfig;
+use tarfa_run::cuda::{min_vram_budget, HotOptions, HotStats};
 use tarfa_run::stream::{
     format_bytes, mem_available, min_budget, parse_size, CachePolicy, HeatLedger, IoMode,
     ResidentPart, StreamError, StreamOptions, StreamSource, StreamStats, DEFAULT_IO_THREADS,
@@ -58,14 +59,15 @@ pub struct StreamArgs {
     /// machine's MemAvailable cannot hold them (then 80% of what the resident part leaves).
     #[arg(long, value_parser = size_arg, value_name = "SIZE")]
     pub ram_budget: Option<u64>,
-    /// GPU memory for experts (the hot tier, staging included), as --ram-budget. Checked (at
-    /// least one expert); the hot tier is not built yet, so it is otherwise unused.
+    /// GPU memory for experts (the hot tier, staging included), as --ram-budget. With the CUDA
+    /// backend only the dense weights are then uploaded, and experts are copied from the RAM
+    /// tier as the router picks them. Default: every expert is uploaded at load.
     #[arg(long, value_parser = size_arg, value_name = "SIZE")]
     pub vram_budget: Option<u64>,
     /// How experts are read from the bundle [default: cached].
     #[arg(long, value_enum)]
     pub io: Option<IoArg>,
-    /// What the RAM tier keeps [default: lru].
+    /// What the RAM tier (and the GPU tier) keeps [default: lru].
     #[arg(long, value_enum)]
     pub cache_policy: Option<PolicyArg>,
     /// Neither read nor update the heat ledger (per-expert use counts kept across runs in the
@@ -110,6 +112,8 @@ struct StepRecord {
     tokens: usize,
     wall: Duration,
     delta: StreamStats,
+    /// The GPU hot tier's counters for the step, when there is one.
+    hot: Option<HotStats>,
     peak_rss: u64,
 }
 
@@ -122,10 +126,13 @@ pub struct StreamRun {
     ledger: Option<(PathBuf, HeatLedger, bool)>,
     stats: bool,
     steps: Vec<StepRecord>,
-    step_start: Option<(Instant, StreamStats)>,
+    step_start: Option<(Instant, StreamStats, Option<HotStats>)>,
     /// Counters when the first step began: what was read before (a backend loading every
     /// expert, `--preload`) is the load's, not the steps'.
     first_step: Option<StreamStats>,
+    /// The hot tier's counters at the first step and after the last.
+    hot_first: Option<HotStats>,
+    hot_last: Option<HotStats>,
     progress: bool,
 }
 
@@ -171,6 +178,7 @@ pub fn open(
     }
     let minimum = min_budget(&bundle, io);
     if let Some(v) = a.vram_budget {
+        let minimum = min_vram_budget(cfg);
         if v < minimum {
             return Err(StreamError::BudgetTooSmall {
                 flag: "--vram-budget",
@@ -215,7 +223,7 @@ pub fn open(
     }
     // The ledger matters only when something has to be evicted; an unbounded run neither
     // reads nor writes it.
-    let ledger = if a.no_ledger || ram_budget.is_none() {
+    let ledger = if a.no_ledger || (ram_budget.is_none() && a.vram_budget.is_none()) {
         None
     } else {
         let root = super::demo::cache_root(None);
@@ -261,10 +269,11 @@ pub fn open(
         },
         match a.vram_budget {
             Some(v) => format!(
-                "{} (the hot tier is not built yet: unused)",
-                format_bytes(v)
+                "{} ({} experts; CUDA backend)",
+                format_bytes(v),
+                v / min_vram_budget(cfg)
             ),
-            None => "n/a".into(),
+            None => "none (CUDA: every expert uploaded at load)".into(),
         },
         io.name(),
         policy.name(),
@@ -289,6 +298,8 @@ pub fn open(
         steps: Vec::new(),
         step_start: None,
         first_step: None,
+        hot_first: None,
+        hot_last: None,
         progress: !quiet && is_terminal(2),
     })
 }
@@ -326,8 +337,23 @@ impl StreamRun {
         self.source.preload().map_err(|e| CliError::Run(e.into()))
     }
 
-    /// Before a forward step.
-    pub fn begin(&mut self, prefill: bool) {
+    /// The GPU hot tier the flags ask for (`--vram-budget`): the RAM tier's policy, and the
+    /// heat ledger's hottest experts as the pins of `ledger` and `static`.
+    pub fn hot_options(&self) -> Option<HotOptions> {
+        let budget = self.vram_budget?;
+        Some(HotOptions {
+            budget,
+            policy: self.source.store().policy(),
+            pins: self
+                .ledger
+                .as_ref()
+                .map(|(_, l, _)| l.hottest())
+                .unwrap_or_default(),
+        })
+    }
+
+    /// Before a forward step; `hot`: the hot tier's counters now (CUDA streaming).
+    pub fn begin(&mut self, prefill: bool, hot: Option<HotStats>) {
         if prefill && self.progress {
             self.source.set_progress(Some(Box::new(|layer, layers| {
                 eprint!("\rprefill: layer {}/{layers}\x1b[K", layer + 1);
@@ -335,23 +361,28 @@ impl StreamRun {
         }
         let now = self.source.stats();
         self.first_step.get_or_insert(now);
-        self.step_start = Some((Instant::now(), now));
+        if self.hot_first.is_none() {
+            self.hot_first = hot;
+        }
+        self.step_start = Some((Instant::now(), now, hot));
     }
 
     /// After a forward step of `tokens` tokens: records (and with `--stats` prints) its figures.
-    pub fn end(&mut self, prefill: bool, tokens: usize) {
+    pub fn end(&mut self, prefill: bool, tokens: usize, hot: Option<HotStats>) {
         if prefill && self.progress {
             self.source.set_progress(None);
             eprint!("\r\x1b[K");
         }
-        let Some((t0, before)) = self.step_start.take() else {
+        let Some((t0, before, hot_before)) = self.step_start.take() else {
             return;
         };
+        self.hot_last = hot;
         let rec = StepRecord {
             kind: if prefill { "prefill" } else { "decode" },
             tokens,
             wall: t0.elapsed(),
             delta: self.source.stats().since(&before),
+            hot: hot.zip(hot_before).map(|(a, b)| a.since(&b)),
             peak_rss: peak_rss_bytes(),
         };
         if self.stats {
@@ -392,7 +423,19 @@ impl StreamRun {
                 BudgetSource::Unbounded => "unbounded",
             },
             "vram_budget_bytes": self.vram_budget,
-            "hot_tier": Value::Null,
+            "hot_tier": self.hot_total().map(|h| json!({
+                "slots": h.slots,
+                "pool_bytes": h.pool_bytes,
+                "requests": h.requests,
+                "hits": h.hits,
+                "hit_rate": h.hit_rate(),
+                "uploads": h.uploads,
+                "h2d_bytes": h.h2d_bytes,
+                "h2d_ms": ms(h.h2d_ns),
+                "fetch_wait_ms": ms(h.fetch_wait_ns),
+                "evictions": h.evictions,
+                "peak_vram_bytes": h.peak_vram_bytes,
+            })),
             "resident": self.resident,
             "expert_bytes": store.total_buffer_bytes(),
             "pinned_experts": pins,
@@ -400,8 +443,8 @@ impl StreamRun {
             "ledger": self.ledger.as_ref().map(|(p, l, found)| json!({
                 "path": p, "found": found, "runs_before": l.runs,
             })),
-            "load": figures(&load, Duration::ZERO, peak_rss_bytes()),
-            "totals": figures(&total, wall, peak_rss_bytes()),
+            "load": figures(&load, None, Duration::ZERO, peak_rss_bytes()),
+            "totals": figures(&total, self.hot_total().as_ref(), wall, peak_rss_bytes()),
             "verification": {
                 "bytes_hashed": total.verified_bytes,
                 "hash_ms": ms(total.verify_ns),
@@ -409,12 +452,19 @@ impl StreamRun {
                 "share_of_run_wall": if wall.is_zero() { Value::Null } else { json!(total.verify_ns as f64 / wall.as_nanos() as f64) },
             },
             "steps": self.steps.iter().map(|s| {
-                let mut v = figures(&s.delta, s.wall, s.peak_rss);
+                let mut v = figures(&s.delta, s.hot.as_ref(), s.wall, s.peak_rss);
                 v["kind"] = json!(s.kind);
                 v["tokens"] = json!(s.tokens);
                 v
             }).collect::<Vec<_>>(),
         })
+    }
+
+    /// The hot tier's counters over the steps.
+    fn hot_total(&self) -> Option<HotStats> {
+        self.hot_last
+            .zip(self.hot_first)
+            .map(|(last, first)| last.since(&first))
     }
 
     /// After the run: prints the totals (`--stats`) and updates the heat ledger.
@@ -435,6 +485,7 @@ impl StreamRun {
                 tokens: 0,
                 wall,
                 delta: total,
+                hot: self.hot_total(),
                 peak_rss: peak_rss_bytes(),
             };
             eprintln!("[stats] total: {}", line(&rec));
@@ -462,8 +513,9 @@ impl StreamRun {
     }
 }
 
-fn figures(s: &StreamStats, wall: Duration, peak_rss: u64) -> Value {
+fn figures(s: &StreamStats, hot: Option<&HotStats>, wall: Duration, peak_rss: u64) -> Value {
     let wall_ns = wall.as_nanos().min(u64::MAX as u128) as u64;
+    let h2d_ns = hot.map_or(0, |h| h.h2d_ns);
     json!({
         "wall_ms": ms(wall_ns),
         "bytes_read": s.bytes_read,
@@ -473,26 +525,38 @@ fn figures(s: &StreamStats, wall: Duration, peak_rss: u64) -> Value {
         "warm_hits": s.warm_hits,
         "misses": s.misses,
         "warm_hit_rate": s.warm_hit_rate(),
-        "hot_hit_rate": Value::Null,
+        "hot_hit_rate": hot.and_then(HotStats::hit_rate),
+        "hot_requests": hot.map(|h| h.requests),
+        "hot_hits": hot.map(|h| h.hits),
         "disk_gb_s": s.disk_gb_s(),
         "read_busy_ms": ms(s.read_busy_ns),
         "io_wait_ms": ms(s.io_wait_ns),
-        "h2d_ms": Value::Null,
-        "compute_ms": ms(wall_ns.saturating_sub(s.io_wait_ns)),
+        "h2d_ms": hot.map(|h| ms(h.h2d_ns)),
+        "h2d_bytes": hot.map(|h| h.h2d_bytes),
+        "compute_ms": ms(wall_ns.saturating_sub(s.io_wait_ns).saturating_sub(h2d_ns)),
         "verify_ms": ms(s.verify_ns),
         "verified_bytes": s.verified_bytes,
         "evictions": s.evictions,
         "peak_warm_bytes": s.peak_warm_bytes,
         "peak_rss_bytes": peak_rss,
-        "peak_vram_bytes": Value::Null,
+        "peak_vram_bytes": hot.map(|h| h.peak_vram_bytes),
     })
 }
 
 fn line(r: &StepRecord) -> String {
     let s = &r.delta;
     let wall_ns = r.wall.as_nanos().min(u64::MAX as u128) as u64;
+    let h2d_ns = r.hot.map_or(0, |h| h.h2d_ns);
+    let (hot, h2d, vram) = match &r.hot {
+        Some(h) => (
+            format!("hot hits {}/{} ({})", h.hits, h.requests, pct(h.hit_rate())),
+            format!("h2d {:.1} ms ({})", ms(h.h2d_ns), format_bytes(h.h2d_bytes)),
+            format!(", peak VRAM {}", format_bytes(h.peak_vram_bytes)),
+        ),
+        None => ("hot n/a".into(), "h2d n/a".into(), String::new()),
+    };
     format!(
-        "disk {} in {} reads | warm hits {}/{} ({}) | hot n/a | disk {} | io-wait {:.1} ms, h2d n/a, compute {:.1} ms, verify {:.1} ms | peak RSS {}",
+        "disk {} in {} reads | warm hits {}/{} ({}) | {hot} | disk {} | io-wait {:.1} ms, {h2d}, compute {:.1} ms, verify {:.1} ms | peak RSS {}{vram}",
         format_bytes(s.bytes_read),
         s.reads,
         s.warm_hits,
@@ -500,7 +564,7 @@ fn line(r: &StepRecord) -> String {
         pct(s.warm_hit_rate()),
         gbs(s.disk_gb_s()),
         ms(s.io_wait_ns),
-        ms(wall_ns.saturating_sub(s.io_wait_ns)),
+        ms(wall_ns.saturating_sub(s.io_wait_ns).saturating_sub(h2d_ns)),
         ms(s.verify_ns),
         format_bytes(r.peak_rss),
     )

@@ -56,7 +56,15 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "moe.cu",
         source: include_str!("../../../kernels/moe.cu"),
-        entries: &["route_topk", "gate_up_bf16", "gate_up_f32", "down_mix"],
+        entries: &[
+            "route_topk",
+            "gate_up_bf16",
+            "gate_up_f32",
+            "down_mix",
+            "gate_up_slots",
+            "down_slots",
+            "moe_mix",
+        ],
     },
     KernelFile {
         name: "decode.cu",

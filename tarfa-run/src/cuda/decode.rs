@@ -99,6 +99,13 @@ impl CudaModel {
                         ));
                     }
                 }
+                DevMlp::Moe { experts: None, .. } => {
+                    return Some(
+                        "expert streaming (the host reads each layer's routes to fetch its \
+                         experts)"
+                            .into(),
+                    );
+                }
                 DevMlp::Moe { shared, .. } => {
                     if cfg.top_k > 8 {
                         return Some(format!(
@@ -477,6 +484,11 @@ impl CudaModel {
                     shared,
                     moe_index,
                 } => {
+                    let Some(experts) = experts else {
+                        return Err(CudaError::Unsupported(
+                            "the decode kernels with streamed experts".into(),
+                        ));
+                    };
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;

@@ -543,6 +543,82 @@ pub(crate) fn launch(
                 mem.put_f32s(h + ((t * hidden) * 4) as u64, &hv);
             }
         }
+        "gate_up_slots" => {
+            a.count(9);
+            let (pool, slot_elems, slot_of) = (a.ptr(0), a.long(1), a.ptr(2));
+            let (rows, cols, ids, k, xn, act) =
+                (a.int(3), a.int(4), a.ptr(5), a.int(6), a.ptr(7), a.ptr(8));
+            assert_eq!((gx, gy), (rows.div_ceil(8), k), "{name} geometry");
+            for t in 0..gz {
+                let x = mem.f32s(xn + ((t * cols) * 4) as u64, cols);
+                for j in 0..k {
+                    let e = mem.u32s(ids + ((t * k + j) * 4) as u64, 1)[0] as usize;
+                    let s = mem.u32s(slot_of + (e * 4) as u64, 1)[0] as i32;
+                    if s < 0 {
+                        continue;
+                    }
+                    let gate = pool + (s as usize * slot_elems * 2) as u64;
+                    let up = gate + (rows * cols * 2) as u64;
+                    let out: Vec<f32> = (0..rows)
+                        .map(|i| {
+                            let g = dot(&rows_of(mem, gate, true, i, cols), &x, true);
+                            let u = dot(&rows_of(mem, up, true, i, cols), &x, true);
+                            silu(g) * u
+                        })
+                        .collect();
+                    mem.put_f32s(act + (((t * k + j) * rows) * 4) as u64, &out);
+                }
+            }
+        }
+        "down_slots" => {
+            a.count(9);
+            let (pool, slot_elems, slot_of) = (a.ptr(0), a.long(1), a.ptr(2));
+            let (hidden, width, ids, k, act, y) =
+                (a.int(3), a.int(4), a.ptr(5), a.int(6), a.ptr(7), a.ptr(8));
+            assert_eq!((gx, gy), (hidden.div_ceil(8), k), "{name} geometry");
+            for t in 0..gz {
+                for j in 0..k {
+                    let e = mem.u32s(ids + ((t * k + j) * 4) as u64, 1)[0] as usize;
+                    let s = mem.u32s(slot_of + (e * 4) as u64, 1)[0] as i32;
+                    if s < 0 {
+                        continue;
+                    }
+                    let down = pool + ((s as usize * slot_elems + 2 * width * hidden) * 2) as u64;
+                    let x = mem.f32s(act + (((t * k + j) * width) * 4) as u64, width);
+                    let out: Vec<f32> = (0..hidden)
+                        .map(|r| dot(&rows_of(mem, down, true, r, width), &x, true))
+                        .collect();
+                    mem.put_f32s(y + (((t * k + j) * hidden) * 4) as u64, &out);
+                }
+            }
+        }
+        "moe_mix" => {
+            a.count(8);
+            let (hidden, weights, by_id, k) = (a.int(0), a.ptr(1), a.ptr(2), a.int(3));
+            let (y, y_sh, s_sh, h) = (a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7));
+            assert_eq!(gx, hidden.div_ceil(256), "{name} geometry");
+            for t in 0..gy {
+                let w = mem.f32s(weights + ((t * k) * 4) as u64, k);
+                let order = mem.u32s(by_id + ((t * k) * 4) as u64, k);
+                let ys: Vec<Vec<f32>> = (0..k)
+                    .map(|j| mem.f32s(y + (((t * k + j) * hidden) * 4) as u64, hidden))
+                    .collect();
+                let mut hv = mem.f32s(h + ((t * hidden) * 4) as u64, hidden);
+                for (r, hr) in hv.iter_mut().enumerate() {
+                    let mut acc = 0.0f32;
+                    for &jj in &order {
+                        let j = jj as usize;
+                        acc += w[j] * ys[j][r];
+                    }
+                    if y_sh != 0 {
+                        let s = mem.f32s(s_sh + (t * 4) as u64, 1)[0];
+                        acc += sigmoid(s) * mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0];
+                    }
+                    *hr += acc;
+                }
+                mem.put_f32s(h + ((t * hidden) * 4) as u64, &hv);
+            }
+        }
         // ---- kernels/decode.cu (one token) ----
         "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "lmhead_bf16" | "lmhead_f32" => {
             let bf16 = name.ends_with("bf16");
@@ -868,7 +944,7 @@ mod tests {
             },
         )
         .unwrap();
-        let gpu = CudaModel::load_on(Gpu::mock(), cfg, src).unwrap();
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg, src, None).unwrap();
         let opts = SelftestOptions {
             prompts,
             decode_steps: decode,
@@ -966,7 +1042,7 @@ mod tests {
                 toks.push(argmax(&l.logits[0]));
                 want.push(l.logits[0].clone());
             }
-            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone()).unwrap();
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
             assert_eq!(gpu.decode_unsupported_reason(), None, "{family}");
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             for mode in DecodeMode::ALL {
@@ -1038,10 +1114,11 @@ mod tests {
     #[test]
     fn weights_that_do_not_fit_are_a_clear_out_of_memory_error() {
         let (cfg, src) = random_model(&SyntheticShape::small("qwen3_moe"), 11);
-        let err = match CudaModel::load_on(Gpu::mock_with_memory(100 << 20), cfg, Arc::new(src)) {
-            Ok(_) => panic!("loaded into 100 MiB with 512 MiB of headroom"),
-            Err(e) => e,
-        };
+        let err =
+            match CudaModel::load_on(Gpu::mock_with_memory(100 << 20), cfg, Arc::new(src), None) {
+                Ok(_) => panic!("loaded into 100 MiB with 512 MiB of headroom"),
+                Err(e) => e,
+            };
         assert!(err.is_environment());
         assert!(
             matches!(err, super::super::CudaError::OutOfMemory { .. }),
@@ -1052,6 +1129,171 @@ mod tests {
             msg.contains("resident weights") && msg.contains("free"),
             "{msg}"
         );
+    }
+
+    /// A CUDA model whose experts stream through a hot tier of `slots` experts.
+    fn streamed(
+        cfg: &MoeConfig,
+        src: Arc<dyn WeightSource>,
+        slots: u64,
+        policy: crate::stream::CachePolicy,
+        pins: Vec<(usize, usize)>,
+    ) -> CudaModel {
+        let hot = super::super::HotOptions {
+            budget: slots * super::super::min_vram_budget(cfg) + 17,
+            policy,
+            pins,
+        };
+        CudaModel::load_on(Gpu::mock(), cfg.clone(), src, Some(&hot)).unwrap()
+    }
+
+    #[test]
+    fn streamed_experts_give_the_resident_bits_for_every_budget_and_policy() {
+        use crate::stream::CachePolicy;
+        for family in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] {
+            let (cfg, src) = random_model(&SyntheticShape::small(family), 21);
+            let src: Arc<dyn WeightSource> = Arc::new(src);
+            let v = cfg.vocab_size;
+            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+            let engine = CpuEngine::new(
+                cpu,
+                EngineOptions {
+                    threads: 2,
+                    kernel: Kernel::best(),
+                },
+            )
+            .unwrap();
+            let opts = SelftestOptions {
+                prompts: vec![(0..13).map(|i| (i * 29 % v) as u32).collect(), vec![5]],
+                decode_steps: 3,
+                cpu_threads: 2,
+            };
+            let moe_layers = ArchSpec::new(&cfg)
+                .layers
+                .iter()
+                .filter(|&&k| k == crate::model::MlpKind::Moe)
+                .count();
+            let all = (moe_layers * cfg.num_experts) as u64;
+            let hot_pins: Vec<(usize, usize)> = (0..cfg.num_layers)
+                .flat_map(|l| (0..cfg.num_experts).map(move |e| (l, e)))
+                .rev()
+                .collect();
+            let cases = [
+                (all, CachePolicy::Lru),
+                (all / 2, CachePolicy::Lru),
+                (cfg.top_k as u64 + 1, CachePolicy::Ledger),
+                (4, CachePolicy::Static),
+                (3, CachePolicy::None),
+                (1, CachePolicy::Lru),
+            ];
+            for (slots, policy) in cases {
+                let gpu = streamed(&cfg, src.clone(), slots, policy, hot_pins.clone());
+                assert!(gpu.decode_unsupported_reason().is_some());
+                let rep = selftest_models(&engine, &gpu, &opts).unwrap();
+                let st = gpu.hot_stats().unwrap();
+                eprintln!("{family}, {slots} slots, {}: {rep}; {st:?}", policy.name());
+                assert!(rep.passed(), "{family} {slots} {policy:?}: {rep}");
+                assert_eq!(st.slots, slots.min(all), "{family}");
+                assert!(st.requests > 0 && st.uploads > 0, "{st:?}");
+                assert_eq!(st.requests, st.hits + st.uploads, "{st:?}");
+                assert_eq!(
+                    st.h2d_bytes,
+                    st.uploads * 6 * (cfg.expert_width * cfg.hidden_size) as u64
+                );
+                if slots == all {
+                    // everything fits: each expert is copied once, then always hit
+                    assert!(st.uploads <= all && st.evictions == 0, "{st:?}");
+                }
+                if slots == 1 {
+                    // every use of a different expert than the last one copies it again
+                    assert!(st.evictions > 0 && st.hits < st.requests / 2, "{st:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_hot_tier_smaller_than_one_expert_is_refused() {
+        let (cfg, src) = random_model(&SyntheticShape::small("qwen3_moe"), 22);
+        let hot = super::super::HotOptions {
+            budget: super::super::min_vram_budget(&cfg) - 1,
+            policy: crate::stream::CachePolicy::Lru,
+            pins: Vec::new(),
+        };
+        let err = match CudaModel::load_on(Gpu::mock(), cfg.clone(), Arc::new(src), Some(&hot)) {
+            Ok(_) => panic!("a hot tier without a slot"),
+            Err(e) => e,
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.contains("smaller than one expert")
+                && msg.contains(&super::super::min_vram_budget(&cfg).to_string()),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn streaming_from_a_bundle_through_both_tiers_gives_the_resident_bits() {
+        use crate::bundle::BundleSource;
+        use crate::stream::{CachePolicy, IoMode, StreamOptions, StreamSource};
+        // On the target directory's file system (O_DIRECT needs one that supports it).
+        let exe = std::env::current_exe().unwrap();
+        let work = exe.parent().unwrap().join("tarfa-hot-tier-test");
+        let _ = std::fs::remove_dir_all(&work);
+        let base = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle");
+        let dir = work.join("qwen3moe-a");
+        tarfa_convert::convert(&base.join("qwen3moe-a"), &dir, &Default::default()).unwrap();
+        let bundle = Arc::new(BundleSource::open(&dir, None).unwrap());
+        let cfg = MoeConfig::from_json_str(
+            &String::from_utf8(bundle.read_file("config.json").unwrap()).unwrap(),
+        )
+        .unwrap();
+        let resident: Arc<dyn WeightSource> = bundle.clone();
+        let cpu = Arc::new(CpuModel::load(cfg.clone(), resident).unwrap());
+        let engine = CpuEngine::new(
+            cpu,
+            EngineOptions {
+                threads: 2,
+                kernel: Kernel::best(),
+            },
+        )
+        .unwrap();
+        let v = cfg.vocab_size;
+        let opts = SelftestOptions {
+            prompts: vec![(0..11).map(|i| (i * 17 % v) as u32).collect()],
+            decode_steps: 3,
+            cpu_threads: 2,
+        };
+        let one = bundle
+            .expert_extents()
+            .iter()
+            .map(|(e, _)| e.padded_length)
+            .max()
+            .unwrap();
+        for io in [IoMode::Direct, IoMode::Cached] {
+            for (ram, slots) in [(None, 1000u64), (Some(one), 1), (Some(3 * one), 2)] {
+                let so = StreamOptions {
+                    ram_budget: ram,
+                    io,
+                    policy: CachePolicy::Lru,
+                    io_threads: 4,
+                };
+                let src = Arc::new(StreamSource::new(bundle.clone(), &so, None).unwrap());
+                let gpu = streamed(&cfg, src.clone(), slots, CachePolicy::Lru, Vec::new());
+                let rep = selftest_models(&engine, &gpu, &opts).unwrap();
+                let st = gpu.hot_stats().unwrap();
+                let warm = src.stats();
+                eprintln!("{io:?} ram {ram:?} slots {slots}: {rep}; {st:?}; {warm:?}");
+                assert!(rep.passed(), "{io:?} {ram:?} {slots}: {rep}");
+                // every copy to the GPU was a verified expert handed out by the warm tier
+                assert_eq!(warm.requests, st.uploads, "{io:?} {ram:?} {slots}");
+                assert!(warm.verified_bytes > 0);
+                if let Some(b) = ram {
+                    assert!(warm.peak_warm_bytes <= b, "{warm:?}");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&work);
     }
 
     #[test]

@@ -55,7 +55,10 @@ pub use checks::kernel_checks;
 #[cfg(feature = "cuda")]
 pub use model::{greedy, probe, CudaCache, CudaModel};
 #[cfg(feature = "cuda")]
-pub use selftest::{locate_divergence, selftest, selftest_models};
+pub use selftest::{
+    compare_with, locate_divergence, reference_run, selftest, selftest_models, selftest_streaming,
+    ReferenceRun,
+};
 
 #[cfg(not(feature = "cuda"))]
 mod stub;
@@ -147,6 +150,76 @@ pub struct CudaOptions {
     pub sync_each_kernel: bool,
     /// How one-token (decode) steps run; `None`: `TARFA_CUDA_DECODE`, else [`DecodeMode::Graph`].
     pub decode: Option<DecodeMode>,
+    /// Expert streaming: keep only the dense weights resident and hold experts in a hot tier of
+    /// this much GPU memory, fetching the rest from the weight source (the warm tier and the
+    /// bundle) as the router chooses them. `None`: every expert is uploaded at load.
+    pub hot: Option<HotOptions>,
+}
+
+/// The hot tier of expert streaming: GPU memory for experts ([`CudaOptions::hot`]).
+#[derive(Clone, Debug)]
+pub struct HotOptions {
+    /// Bytes of GPU memory for experts, staging included: the tier holds
+    /// `budget / slot bytes` experts (a slot is one expert's three BF16 matrices, rounded up to
+    /// 256 bytes). At least one slot.
+    pub budget: u64,
+    /// What the tier keeps once a layer is done with an expert (the warm tier's policies).
+    pub policy: crate::stream::CachePolicy,
+    /// Experts (layer, id) to pin once loaded, hottest first (the heat ledger's ranking): up to
+    /// half the slots under `Ledger`, three quarters under `Static`, none otherwise.
+    pub pins: Vec<(usize, usize)>,
+}
+
+/// The smallest hot tier (`--vram-budget`) that holds one expert: a slot, the expert's three
+/// BF16 matrices rounded up to 256 bytes.
+pub fn min_vram_budget(cfg: &crate::config::MoeConfig) -> u64 {
+    (2 * 3 * cfg.expert_width * cfg.hidden_size).div_ceil(256) as u64 * 256
+}
+
+/// Counters of the hot tier since the model was loaded (subtract two snapshots for one step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct HotStats {
+    /// Slots (experts the tier holds at once) and the bytes they occupy.
+    pub slots: u64,
+    pub pool_bytes: u64,
+    /// Experts a layer needed (one per distinct expert per MoE layer per step).
+    pub requests: u64,
+    /// Of those, already in GPU memory.
+    pub hits: u64,
+    /// Copied from the host (the warm tier) to the GPU.
+    pub uploads: u64,
+    pub h2d_bytes: u64,
+    /// Host time in host-to-device copies (ns).
+    pub h2d_ns: u64,
+    /// Host time waiting for the warm tier to hand out experts (reads, verification) (ns).
+    pub fetch_wait_ns: u64,
+    /// Experts evicted from a slot to make room.
+    pub evictions: u64,
+    /// Largest device memory in use (total minus free) seen after a step, bytes.
+    pub peak_vram_bytes: u64,
+}
+
+impl HotStats {
+    /// Counters accumulated between `earlier` and `self` (sizes and the peak stay as they are).
+    pub fn since(&self, earlier: &HotStats) -> HotStats {
+        HotStats {
+            slots: self.slots,
+            pool_bytes: self.pool_bytes,
+            requests: self.requests - earlier.requests,
+            hits: self.hits - earlier.hits,
+            uploads: self.uploads - earlier.uploads,
+            h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
+            h2d_ns: self.h2d_ns - earlier.h2d_ns,
+            fetch_wait_ns: self.fetch_wait_ns - earlier.fetch_wait_ns,
+            evictions: self.evictions - earlier.evictions,
+            peak_vram_bytes: self.peak_vram_bytes,
+        }
+    }
+
+    /// Hits over requests, when there were requests.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.requests > 0).then(|| self.hits as f64 / self.requests as f64)
+    }
 }
 
 /// How a decode step (one token) runs on the GPU. Every mode computes the same bits; they differ
@@ -327,6 +400,52 @@ impl fmt::Display for SelftestReport {
         }
         Ok(())
     }
+}
+
+/// One configuration of the streamed selftest ([`selftest_streaming`]): the GPU hot tier and the
+/// RAM tier's budget, I/O mode and policy.
+#[derive(Clone, Debug)]
+pub struct StreamCase {
+    pub vram_budget: u64,
+    pub ram_budget: Option<u64>,
+    pub io: crate::stream::IoMode,
+    pub policy: crate::stream::CachePolicy,
+}
+
+impl fmt::Display for StreamCase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "VRAM {}, RAM {}, io {}, cache {}",
+            crate::stream::format_bytes(self.vram_budget),
+            self.ram_budget
+                .map_or("unbounded".into(), crate::stream::format_bytes),
+            self.io.name(),
+            self.policy.name()
+        )
+    }
+}
+
+/// The budget sweep of the streamed selftest for a bundle whose experts occupy
+/// `slots` hot-tier slots of `slot` bytes and `extent` bytes each in RAM: everything resident,
+/// a quarter, and one expert, with both I/O modes and every policy.
+pub fn stream_sweep(slots: u64, slot: u64, extent: u64) -> Vec<StreamCase> {
+    use crate::stream::{CachePolicy as P, IoMode as Io};
+    let quarter = (slots / 4).max(1);
+    let case = |v: u64, r: Option<u64>, io, policy| StreamCase {
+        vram_budget: v * slot,
+        ram_budget: r.map(|r| r * extent),
+        io,
+        policy,
+    };
+    vec![
+        case(slots, None, Io::Cached, P::Lru),
+        case(quarter, Some(quarter), Io::Direct, P::Lru),
+        case(quarter, Some(2 * quarter), Io::Cached, P::Ledger),
+        case(quarter, Some(quarter), Io::Direct, P::Static),
+        case(1, None, Io::Cached, P::None),
+        case(1, Some(1), Io::Direct, P::Lru),
+    ]
 }
 
 /// The result of one kernel check ([`kernel_checks`]).

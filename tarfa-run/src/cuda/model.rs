@@ -11,14 +11,17 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 #[path = "decode.rs"]
 mod decode;
+#[path = "hot.rs"]
+pub(crate) mod hot;
 
 use super::device::{open_context, DevBuf, Gpu};
-use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
-use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo};
+use super::ops::{self, AttnShape, DType, DevMat, RouteOut, SlotTable};
+use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo, HotOptions, HotStats};
 use crate::config::MoeConfig;
 use crate::cpu::resident::{LayerMlp, Matrix, ResidentWeights};
 use crate::cpu::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
@@ -27,6 +30,7 @@ use crate::model::{ArchSpec, MlpKind, QkNorm};
 use crate::numerics::{MatrixRef, RopeTable};
 use crate::weights::{ExpertWeights, WeightError, WeightSource};
 use crate::RunError;
+use hot::HotTier;
 
 /// Is a usable CUDA GPU here? Loads the driver and NVRTC libraries (checking first that they
 /// exist), opens device `ordinal` and describes it. `--backend auto` picks CUDA when this is Ok.
@@ -64,7 +68,8 @@ enum DevMlp {
     Dense(DevDense),
     Moe {
         router: DevMat,
-        experts: DevExperts,
+        /// `None` when streaming: the experts are in the hot tier's slots.
+        experts: Option<DevExperts>,
         shared: Option<Box<(DevDense, DevMat)>>,
         /// Index among MoE layers (router records, per-step record slots).
         moe_index: usize,
@@ -95,6 +100,9 @@ pub struct CudaModel {
     decode_mode: DecodeMode,
     /// Why the decode kernels cannot run this model (then decode steps use the legacy ones).
     decode_unsupported: Option<String>,
+    /// Expert streaming: the hot tier, and the source its experts come from.
+    hot: Option<Box<Mutex<HotTier>>>,
+    stream_source: Option<Arc<dyn WeightSource>>,
     gpu: Gpu,
 }
 
@@ -108,8 +116,9 @@ fn matrix_bytes(m: &Matrix) -> u64 {
     m.as_ref().bytes()
 }
 
-/// Bytes the resident upload needs (weights as stored, norms and biases as f32).
-fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights) -> u64 {
+/// Bytes the resident upload needs (weights as stored, norms and biases as f32); the routed
+/// experts only when `experts`.
+fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts: bool) -> u64 {
     let mut total = matrix_bytes(&w.embed) + host_f32_bytes(&w.final_norm);
     if !cfg.tie_word_embeddings {
         total += matrix_bytes(&w.lm_head);
@@ -133,7 +142,7 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights) -> u64 {
                         + matrix_bytes(&d.down)
                         + matrix_bytes(sg);
                 }
-                if spec.layers[l] == MlpKind::Moe {
+                if experts && spec.layers[l] == MlpKind::Moe {
                     total += 3 * 2 * (cfg.num_experts * cfg.expert_width * cfg.hidden_size) as u64;
                 }
             }
@@ -152,7 +161,7 @@ impl CudaModel {
         source: Arc<dyn WeightSource>,
         opts: &CudaOptions,
     ) -> Result<CudaModel, CudaError> {
-        let mut m = CudaModel::load_on(Gpu::open(opts)?, cfg, source)?;
+        let mut m = CudaModel::load_on(Gpu::open(opts)?, cfg, source, opts.hot.as_ref())?;
         if let Some(mode) = opts.decode {
             m.decode_mode = mode;
         }
@@ -175,6 +184,7 @@ impl CudaModel {
         gpu: Gpu,
         cfg: MoeConfig,
         source: Arc<dyn WeightSource>,
+        hot: Option<&HotOptions>,
     ) -> Result<CudaModel, CudaError> {
         let spec = ArchSpec::new(&cfg);
         let host = ResidentWeights::load(&cfg, &spec, source.as_ref())?;
@@ -189,19 +199,34 @@ impl CudaModel {
                 cfg.num_heads, cfg.num_kv_heads
             )));
         }
-        let need = resident_need(&cfg, &spec, &host);
+        let need = resident_need(&cfg, &spec, &host, hot.is_none());
         let (free, total) = gpu.mem_info()?;
         // headroom for the KV cache, the step's workspace and the driver
         let headroom = 512u64 << 20;
-        if need + headroom > free as u64 {
-            return Err(CudaError::oom(
+        let hot_bytes = hot.map_or(0, |h| {
+            let slot = super::min_vram_budget(&cfg);
+            (h.budget / slot).min((cfg.num_layers * cfg.num_experts).max(1) as u64) * slot
+        });
+        if need + hot_bytes + headroom > free as u64 {
+            let why = if hot.is_some() {
                 format!(
-                    "the resident weights ({}, plus {} of headroom); the expert-streaming mode \
-                     that would run this model is not implemented yet",
+                    "the resident part ({} of dense weights, plus {} of headroom) and the hot \
+                     tier ({}); lower --vram-budget",
+                    gib(need),
+                    gib(headroom),
+                    gib(hot_bytes)
+                )
+            } else {
+                format!(
+                    "the resident weights ({}, plus {} of headroom); stream the experts \
+                     instead (--vram-budget)",
                     gib(need),
                     gib(headroom)
-                ),
-                (need + headroom) as usize,
+                )
+            };
+            return Err(CudaError::oom(
+                why,
+                (need + hot_bytes + headroom) as usize,
                 free,
                 total,
             ));
@@ -261,7 +286,10 @@ impl CudaModel {
                         ))),
                         None => None,
                     };
-                    let experts = upload_experts(&gpu, &cfg, source.as_ref(), l)?;
+                    let experts = match hot {
+                        None => Some(upload_experts(&gpu, &cfg, source.as_ref(), l)?),
+                        Some(_) => None,
+                    };
                     moe_layers += 1;
                     DevMlp::Moe {
                         router: up_mat(&m.router, &name("router"))?,
@@ -283,6 +311,13 @@ impl CudaModel {
             .ok()
             .and_then(|v| DecodeMode::parse(&v))
             .unwrap_or(DecodeMode::Graph);
+        let hot = match hot {
+            Some(o) => Some(Box::new(Mutex::new(HotTier::new(
+                &gpu, &cfg, moe_layers, o,
+            )?))),
+            None => None,
+        };
+        let stream_source = hot.as_ref().map(|_| source.clone());
         let mut m = CudaModel {
             embed,
             lm_head,
@@ -295,6 +330,8 @@ impl CudaModel {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             decode_mode,
             decode_unsupported: None,
+            hot,
+            stream_source,
             gpu,
         };
         m.decode_unsupported = m.decode_unsupported();
@@ -676,6 +713,10 @@ impl CudaModel {
                         s_sh = ws.s_shared.ptr();
                     }
                     let i = cfg.expert_width;
+                    let Some(experts) = experts else {
+                        self.stream_moe(l, route, t_count, ws, y_sh, s_sh)?;
+                        continue;
+                    };
                     ops::gate_up(
                         gpu,
                         DType::Bf16,
@@ -746,6 +787,7 @@ impl CudaModel {
             "the router's choices",
         )?;
         let stats = self.step_stats(t_count, &ids);
+        self.note_vram()?;
         let router = if opts.trace_router {
             let rec = RecordPtrs {
                 probs: ws.probs.ptr(),
@@ -763,6 +805,180 @@ impl CudaModel {
             router,
             stats,
         })
+    }
+
+    /// The routed experts of MoE layer `l` from the hot tier (module `hot`): read the router's
+    /// choices back, make them resident group by group (copying the missing ones from the
+    /// weight source, whose reads for the whole layer start at once), compute each group's
+    /// products from the slots, then mix them in ascending expert id as `down_mix` does.
+    fn stream_moe(
+        &self,
+        l: usize,
+        route: RouteOut,
+        t_count: usize,
+        ws: &Workspace,
+        y_sh: u64,
+        s_sh: u64,
+    ) -> Result<(), CudaError> {
+        let (cfg, gpu) = (&self.cfg, &self.gpu);
+        let (h, i, k, e_count) = (
+            cfg.hidden_size,
+            cfg.expert_width,
+            cfg.top_k,
+            cfg.num_experts,
+        );
+        let (Some(hot), Some(source)) = (&self.hot, &self.stream_source) else {
+            return Err(CudaError::Unsupported(format!(
+                "layer {l} has neither resident experts nor a hot tier"
+            )));
+        };
+        let ids: Vec<u32> = gpu.read(route.ids, t_count * k, "the router's choices")?;
+        let mut need: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        need.sort_unstable();
+        need.dedup();
+        if let Some(&bad) = need.iter().find(|&&e| e >= e_count) {
+            return Err(CudaError::Unsupported(format!(
+                "layer {l}: the router chose expert {bad} of {e_count}"
+            )));
+        }
+        let mut hot = hot.lock().unwrap_or_else(|p| p.into_inner());
+        let groups = hot.plan(l, &need);
+        // What must be copied, in the warm tier's batches, announced for the whole layer at
+        // once: its reads run while the groups before compute.
+        let fetch: Vec<Vec<Vec<usize>>> = groups
+            .iter()
+            .map(|g| {
+                let miss: Vec<usize> = g
+                    .iter()
+                    .copied()
+                    .filter(|&x| hot.slot((l, x)).is_none())
+                    .collect();
+                if miss.is_empty() {
+                    Vec::new()
+                } else {
+                    source.expert_batches(l, &miss)
+                }
+            })
+            .collect();
+        let all: Vec<Vec<usize>> = fetch.iter().flatten().cloned().collect();
+        if !all.is_empty() {
+            source.prefetch(l, &all);
+        }
+        let misses: usize = all.iter().map(Vec::len).sum();
+        let hits: Vec<usize> = need
+            .iter()
+            .copied()
+            .filter(|&x| hot.slot((l, x)).is_some())
+            .collect();
+        if hits.len() + misses != need.len() {
+            return Err(CudaError::Unsupported(format!(
+                "layer {l}: the warm tier's batches do not cover the missing experts"
+            )));
+        }
+        source.record_uses(l, &hits);
+        hot.stats.requests += need.len() as u64;
+        hot.stats.hits += hits.len() as u64;
+        let slot_bytes = hot.slot_bytes();
+        let m_bytes = (2 * i * h) as u64;
+        let mut map = vec![-1i32; e_count];
+        for (g, batches) in groups.iter().zip(&fetch) {
+            for &x in g {
+                hot.touch((l, x));
+            }
+            for b in batches {
+                let t0 = Instant::now();
+                let handles = source.expert_data(l, b)?;
+                hot.stats.fetch_wait_ns += t0.elapsed().as_nanos() as u64;
+                if handles.len() != b.len() {
+                    return Err(CudaError::Unsupported(format!(
+                        "layer {l}: asked for {} experts, got {}",
+                        b.len(),
+                        handles.len()
+                    )));
+                }
+                let t1 = Instant::now();
+                for (&x, hd) in b.iter().zip(&handles) {
+                    let [gm, um, dm] = hd.matrices();
+                    let shapes = [(gm.rows, gm.cols), (um.rows, um.cols), (dm.rows, dm.cols)];
+                    if shapes != [(i, h), (i, h), (h, i)] {
+                        return Err(WeightError::ShapeMismatch {
+                            name: format!("layer {l} expert {x}"),
+                            expected: vec![i, h, i, h, h, i],
+                            found: shapes.iter().flat_map(|&(r, c)| [r, c]).collect(),
+                        }
+                        .into());
+                    }
+                    let slot = hot.place((l, x), g)?;
+                    let base = hot.pool.ptr() + slot as u64 * slot_bytes;
+                    // Queued behind the kernels of the groups before, which may still read
+                    // the expert this slot held.
+                    gpu.write_async(base, gm.data, "an expert's gate matrix")?;
+                    gpu.write_async(base + m_bytes, um.data, "an expert's up matrix")?;
+                    gpu.write_async(base + 2 * m_bytes, dm.data, "an expert's down matrix")?;
+                    hot.stats.uploads += 1;
+                    hot.stats.h2d_bytes += 3 * m_bytes;
+                }
+                hot.stats.h2d_ns += t1.elapsed().as_nanos() as u64;
+            }
+            map.fill(-1);
+            for &x in g {
+                let slot = hot.slot((l, x)).ok_or_else(|| {
+                    CudaError::Unsupported(format!(
+                        "layer {l}: expert {x} left the hot tier before its group ran"
+                    ))
+                })?;
+                map[x] = slot as i32;
+            }
+            gpu.write_async(hot.slot_of.ptr(), &map, "the hot tier's slot map")?;
+            let slots = SlotTable {
+                pool: hot.pool.ptr(),
+                slot_elems: hot.slot_elems,
+                slot_of: hot.slot_of.ptr(),
+            };
+            let xn = ws.xn.ptr();
+            ops::gate_up_slots(gpu, slots, i, h, route.ids, k, xn, ws.act.ptr(), t_count)?;
+            ops::down_slots(
+                gpu,
+                slots,
+                h,
+                i,
+                route.ids,
+                k,
+                ws.act.ptr(),
+                ws.y_experts.ptr(),
+                t_count,
+            )?;
+        }
+        hot.end_layer();
+        ops::moe_mix(
+            gpu,
+            h,
+            route,
+            k,
+            ws.y_experts.ptr(),
+            y_sh,
+            s_sh,
+            ws.h.ptr(),
+            t_count,
+        )
+    }
+
+    /// The hot tier's counters (`None` when every expert is resident).
+    pub fn hot_stats(&self) -> Option<HotStats> {
+        self.hot
+            .as_ref()
+            .map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).stats)
+    }
+
+    /// Records the device memory in use now in the hot tier's peak.
+    fn note_vram(&self) -> Result<(), CudaError> {
+        if let Some(hot) = &self.hot {
+            let (free, total) = self.gpu.mem_info()?;
+            let used = total.saturating_sub(free) as u64;
+            let mut hot = hot.lock().unwrap_or_else(|p| p.into_inner());
+            hot.stats.peak_vram_bytes = hot.stats.peak_vram_bytes.max(used);
+        }
+        Ok(())
     }
 
     /// The CPU's statistics for this step: every matrix applied once, each distinct expert a
@@ -1105,6 +1321,8 @@ struct Workspace {
     scores: Slot,
     router_logits: Slot,
     act: Slot,
+    /// Streaming: the experts' down products `[T][k][H]`, mixed by `moe_mix`.
+    y_experts: Slot,
     act_shared: Slot,
     y_shared: Slot,
     s_shared: Slot,
@@ -1174,6 +1392,7 @@ impl Workspace {
         self.router_logits
             .ensure(gpu, t * cfg.num_experts.max(1) * f, w)?;
         self.act.ensure(gpu, t * act * f, w)?;
+        self.y_experts.ensure(gpu, t * k * h * f, w)?;
         self.act_shared.ensure(gpu, t * sh * f, w)?;
         self.y_shared.ensure(gpu, t * h * f, w)?;
         self.s_shared.ensure(gpu, t * f, w)?;

@@ -369,6 +369,114 @@ pub(crate) fn down_mix(
     )
 }
 
+/// Where a streamed layer's experts are for one launch: the hot tier's slot pool, the BF16
+/// values from one slot to the next, and `slot_of` (`E` i32 on the device: expert -> slot, or
+/// -1 when the expert is not in this launch's group).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotTable {
+    pub pool: u64,
+    pub slot_elems: usize,
+    pub slot_of: u64,
+}
+
+/// Gate and up projections with the SwiGLU of the chosen experts that are in `slots`' group
+/// (kernels/moe.cu `gate_up_slots`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gate_up_slots(
+    gpu: &Gpu,
+    slots: SlotTable,
+    rows: usize,
+    cols: usize,
+    ids: u64,
+    k: usize,
+    xn: u64,
+    act: u64,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "gate_up_slots",
+        (blocks(rows, 8), k as u32, tokens as u32),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(slots.pool),
+            Arg::I64(slots.slot_elems as i64),
+            Arg::Ptr(slots.slot_of),
+            Arg::I32(i32_of(rows, "rows")?),
+            Arg::I32(i32_of(cols, "cols")?),
+            Arg::Ptr(ids),
+            Arg::I32(k as i32),
+            Arg::Ptr(xn),
+            Arg::Ptr(act),
+        ],
+    )
+}
+
+/// Down products `y[t][j]` of the chosen experts that are in `slots`' group, unmixed
+/// (kernels/moe.cu `down_slots`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn down_slots(
+    gpu: &Gpu,
+    slots: SlotTable,
+    hidden: usize,
+    width: usize,
+    ids: u64,
+    k: usize,
+    act: u64,
+    y: u64,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "down_slots",
+        (blocks(hidden, 8), k as u32, tokens as u32),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(slots.pool),
+            Arg::I64(slots.slot_elems as i64),
+            Arg::Ptr(slots.slot_of),
+            Arg::I32(i32_of(hidden, "hidden")?),
+            Arg::I32(i32_of(width, "expert width")?),
+            Arg::Ptr(ids),
+            Arg::I32(k as i32),
+            Arg::Ptr(act),
+            Arg::Ptr(y),
+        ],
+    )
+}
+
+/// The mix of the down products `y` in ascending expert id (then the shared expert's), added to
+/// `h` (kernels/moe.cu `moe_mix`): down_mix's epilogue.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_mix(
+    gpu: &Gpu,
+    hidden: usize,
+    route: RouteOut,
+    k: usize,
+    y: u64,
+    y_sh: u64,
+    s_sh: u64,
+    h: u64,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "moe_mix",
+        (blocks(hidden, 256), tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::I32(i32_of(hidden, "hidden")?),
+            Arg::Ptr(route.weights),
+            Arg::Ptr(route.by_id),
+            Arg::I32(k as i32),
+            Arg::Ptr(y),
+            Arg::Ptr(y_sh),
+            Arg::Ptr(s_sh),
+            Arg::Ptr(h),
+        ],
+    )
+}
+
 /// `x = widen(bf16(x))`: the INVALID validation arm.
 pub(crate) fn round_to_bf16(gpu: &Gpu, x: u64, n: usize) -> Result<(), CudaError> {
     gpu.launch(

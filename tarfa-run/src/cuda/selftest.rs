@@ -6,13 +6,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::model::CudaModel;
-use super::{CudaError, CudaOptions, SelftestOptions, SelftestReport};
+use super::{
+    CudaError, CudaOptions, HotOptions, HotStats, SelftestOptions, SelftestReport, StreamCase,
+};
 use crate::config::MoeConfig;
 use crate::cpu::{
     CpuEngine, CpuModel, EngineOptions, ForwardOptions, ForwardOutput, LogitRows, RouterRecord,
 };
 use crate::generate::argmax;
 use crate::numerics::Kernel;
+use crate::stream::{StreamOptions, StreamSource, StreamStats};
+use crate::weights::WeightError;
 use crate::weights::WeightSource;
 
 fn bits_str(v: f32) -> String {
@@ -131,11 +135,20 @@ pub fn selftest_models(
     gpu: &CudaModel,
     opts: &SelftestOptions,
 ) -> Result<SelftestReport, CudaError> {
-    let cpu_model = engine.model();
-    let mut rep = SelftestReport {
-        device: Some(gpu.device().to_string()),
-        ..Default::default()
-    };
+    let reference = reference_run(engine, opts)?;
+    compare_with(gpu, &reference, opts)
+}
+
+/// The CPU's outputs for [`SelftestOptions`]' prompts: per prompt, the prefill (every position)
+/// then each greedy decode step; computed once, compared with any number of GPU models
+/// ([`compare_with`]).
+pub struct ReferenceRun {
+    prompts: Vec<Vec<ForwardOutput>>,
+    tokens: Vec<Vec<u32>>,
+    cpu_seconds: f64,
+}
+
+fn selftest_forward_options() -> (ForwardOptions, ForwardOptions) {
     let all = ForwardOptions {
         logits: LogitRows::All,
         trace_router: true,
@@ -145,44 +158,134 @@ pub fn selftest_models(
         logits: LogitRows::Last,
         ..all
     };
-    for (pi, prompt) in opts.prompts.iter().enumerate() {
-        rep.prompts += 1;
+    (all, last)
+}
+
+/// Runs the CPU reference on `opts`' prompts.
+pub fn reference_run(
+    engine: &CpuEngine,
+    opts: &SelftestOptions,
+) -> Result<ReferenceRun, CudaError> {
+    let cpu_model = engine.model();
+    let (all, last) = selftest_forward_options();
+    let mut run = ReferenceRun {
+        prompts: Vec::new(),
+        tokens: Vec::new(),
+        cpu_seconds: 0.0,
+    };
+    let t = Instant::now();
+    for prompt in &opts.prompts {
         let mut cc = cpu_model.new_cache();
-        let mut gc = gpu.new_cache()?;
-        let t = Instant::now();
         let c = engine.forward(&mut cc, prompt, &all)?;
-        rep.cpu_seconds += t.elapsed().as_secs_f64();
+        let mut logits = c.logits.last().cloned().unwrap_or_default();
+        let mut steps = vec![c];
+        let mut tokens = Vec::new();
+        for _ in 0..opts.decode_steps {
+            let next = argmax(&logits);
+            tokens.push(next);
+            let c = engine.forward(&mut cc, &[next], &last)?;
+            logits = c.logits.first().cloned().unwrap_or_default();
+            steps.push(c);
+        }
+        run.prompts.push(steps);
+        run.tokens.push(tokens);
+    }
+    run.cpu_seconds = t.elapsed().as_secs_f64();
+    Ok(run)
+}
+
+/// Runs `gpu` on the prompts of `reference` (the CPU's greedy choices feed it) and compares
+/// every step with the CPU's, bit for bit.
+pub fn compare_with(
+    gpu: &CudaModel,
+    reference: &ReferenceRun,
+    opts: &SelftestOptions,
+) -> Result<SelftestReport, CudaError> {
+    let (all, last) = selftest_forward_options();
+    let mut rep = SelftestReport {
+        device: Some(gpu.device().to_string()),
+        cpu_seconds: reference.cpu_seconds,
+        ..Default::default()
+    };
+    for (pi, (prompt, (steps, tokens))) in opts
+        .prompts
+        .iter()
+        .zip(reference.prompts.iter().zip(&reference.tokens))
+        .enumerate()
+    {
+        rep.prompts += 1;
+        let mut gc = gpu.new_cache()?;
         let t = Instant::now();
         let g = gpu.forward(&mut gc, prompt, &all)?;
         rep.gpu_seconds += t.elapsed().as_secs_f64();
         compare_step(
             &mut rep,
             &format!("prompt {pi} prefill ({} tokens)", prompt.len()),
-            &c,
+            &steps[0],
             &g,
         );
-        let mut logits = c.logits.last().cloned().unwrap_or_default();
-        let mut tokens = Vec::new();
-        for step in 0..opts.decode_steps {
-            let next = argmax(&logits);
-            tokens.push(next);
-            let t = Instant::now();
-            let c = engine.forward(&mut cc, &[next], &last)?;
-            rep.cpu_seconds += t.elapsed().as_secs_f64();
+        for (step, (&next, c)) in tokens.iter().zip(&steps[1..]).enumerate() {
             let t = Instant::now();
             let g = gpu.forward(&mut gc, &[next], &last)?;
             rep.gpu_seconds += t.elapsed().as_secs_f64();
             compare_step(
                 &mut rep,
-                &format!("prompt {pi} decode step {step} (position {})", cc.len() - 1),
-                &c,
+                &format!(
+                    "prompt {pi} decode step {step} (position {})",
+                    prompt.len() + step
+                ),
+                c,
                 &g,
             );
-            logits = c.logits.into_iter().next().unwrap_or_default();
         }
-        rep.tokens.push(tokens);
+        rep.tokens.push(tokens.clone());
     }
     Ok(rep)
+}
+
+/// The streamed selftest: the CPU reference on `bundle` (every expert resident), then, for each
+/// case, a CUDA model whose experts stream through a hot tier and a RAM tier of the case's
+/// budgets, I/O mode and policy, compared with it bit for bit. Returns each case's report and
+/// the tiers' counters.
+pub fn selftest_streaming(
+    cfg: &MoeConfig,
+    bundle: Arc<crate::bundle::BundleSource>,
+    opts: &SelftestOptions,
+    cuda: &CudaOptions,
+    cases: &[StreamCase],
+) -> Result<Vec<(SelftestReport, HotStats, StreamStats)>, CudaError> {
+    let cpu_model = Arc::new(CpuModel::load(cfg.clone(), bundle.clone())?);
+    let engine = CpuEngine::new(
+        cpu_model,
+        EngineOptions {
+            threads: opts.cpu_threads,
+            kernel: Kernel::best(),
+        },
+    )?;
+    let reference = reference_run(&engine, opts)?;
+    let mut out = Vec::new();
+    for case in cases {
+        let so = StreamOptions {
+            ram_budget: case.ram_budget,
+            io: case.io,
+            policy: case.policy,
+            io_threads: crate::stream::DEFAULT_IO_THREADS,
+        };
+        let source =
+            Arc::new(StreamSource::new(bundle.clone(), &so, None).map_err(WeightError::from)?);
+        let copts = CudaOptions {
+            hot: Some(HotOptions {
+                budget: case.vram_budget,
+                policy: case.policy,
+                pins: Vec::new(),
+            }),
+            ..cuda.clone()
+        };
+        let gpu = CudaModel::load(cfg.clone(), source.clone(), &copts)?;
+        let rep = compare_with(&gpu, &reference, opts)?;
+        out.push((rep, gpu.hot_stats().unwrap_or_default(), source.stats()));
+    }
+    Ok(out)
 }
 
 /// After a failed [`selftest`]: the first layer whose inclusion makes the backends differ.

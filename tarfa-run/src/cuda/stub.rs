@@ -49,6 +49,9 @@ impl CudaModel {
     pub fn resident_bytes(&self) -> u64 {
         match self.never {}
     }
+    pub fn hot_stats(&self) -> Option<super::HotStats> {
+        match self.never {}
+    }
     pub fn new_cache(&self) -> Result<CudaCache, CudaError> {
         match self.never {}
     }
@@ -153,6 +156,16 @@ pub fn locate_divergence(
     _prompt: &[u32],
     _cuda: &CudaOptions,
 ) -> Result<Option<usize>, CudaError> {
+    Err(CudaError::NotCompiled)
+}
+
+pub fn selftest_streaming(
+    _cfg: &MoeConfig,
+    _bundle: Arc<crate::bundle::BundleSource>,
+    _opts: &SelftestOptions,
+    _cuda: &CudaOptions,
+    _cases: &[super::StreamCase],
+) -> Result<Vec<(SelftestReport, super::HotStats, crate::stream::StreamStats)>, CudaError> {
     Err(CudaError::NotCompiled)
 }
 

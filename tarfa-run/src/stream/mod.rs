@@ -355,6 +355,10 @@ impl WeightSource for StreamSource {
             .collect()
     }
 
+    fn record_uses(&self, layer: usize, ids: &[usize]) {
+        self.store.record_uses(layer, ids);
+    }
+
     fn expert_batches(&self, layer: usize, ids: &[usize]) -> Vec<Vec<usize>> {
         if let Some(f) = self
             .progress

@@ -637,6 +637,15 @@ impl ExpertStore {
         v
     }
 
+    /// Counts uses of experts that a tier above this one (the GPU's hot tier) served without
+    /// asking: the heat ledger learns every use, whichever tier served it.
+    pub fn record_uses(&self, layer: usize, ids: &[usize]) {
+        let mut st = self.shared.lock();
+        for &id in ids {
+            *st.heat.entry((layer, id)).or_insert(0) += 1;
+        }
+    }
+
     /// The RAM budget in bytes (`None`: unbounded).
     pub fn capacity(&self) -> Option<u64> {
         (self.shared.budget.capacity != u64::MAX).then_some(self.shared.budget.capacity)

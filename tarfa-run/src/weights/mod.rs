@@ -243,6 +243,13 @@ pub trait WeightSource: Send + Sync {
         let _ = (layer, batches);
     }
 
+    /// Use hint: the experts `ids` of `layer` were used by a step without being asked for,
+    /// because a tier above this source (the GPU's hot tier) held them. A source that learns
+    /// expert heat (the streaming store's ledger) counts them; nothing is read.
+    fn record_uses(&self, layer: usize, ids: &[usize]) {
+        let _ = (layer, ids);
+    }
+
     /// The experts `ids` of layer `layer`, in the order asked, as handles the forward computes
     /// from directly. The default hands out [`WeightSource::experts`]; a streaming source hands
     /// out views of the buffers it verified, without copying.
