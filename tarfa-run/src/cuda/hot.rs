@@ -129,15 +129,24 @@ impl HotTier {
         let mut groups = Vec::new();
         let mut cur: Vec<usize> = Vec::new();
         let mut pinned_in = 0;
+        // Pinned experts outside a group keep their slots while it runs, and an expert of the
+        // pin set becomes pinned when it is placed (while there is room for pins): count the
+        // pins as they will be when each group runs.
+        let mut pinned = self.pinned;
         for x in held.into_iter().chain(missing) {
-            let p = usize::from(self.is_pinned((layer, x)));
-            // pinned experts outside the group keep their slots while it runs
-            if !cur.is_empty() && cur.len() + 1 + (self.pinned - pinned_in - p) > n {
+            let key = (layer, x);
+            let will_pin = self.slot(key).is_none()
+                && self.pin_set.contains(&key)
+                && pinned < self.pin_cap;
+            let p = usize::from(will_pin || self.is_pinned(key));
+            if !cur.is_empty() && cur.len() + 1 + (pinned + usize::from(will_pin) - pinned_in - p) > n
+            {
                 groups.push(std::mem::take(&mut cur));
                 pinned_in = 0;
             }
             cur.push(x);
             pinned_in += p;
+            pinned += usize::from(will_pin);
         }
         if !cur.is_empty() {
             groups.push(cur);

@@ -1178,16 +1178,27 @@ mod tests {
                 .flat_map(|l| (0..cfg.num_experts).map(move |e| (l, e)))
                 .rev()
                 .collect();
+            // the first MoE layer's experts in id order: a layer whose experts become pinned
+            // while its later groups still need slots
+            let first_moe = ArchSpec::new(&cfg)
+                .layers
+                .iter()
+                .position(|&k| k == crate::model::MlpKind::Moe)
+                .unwrap();
+            let first_pins: Vec<(usize, usize)> =
+                (0..cfg.num_experts).map(|e| (first_moe, e)).collect();
             let cases = [
-                (all, CachePolicy::Lru),
-                (all / 2, CachePolicy::Lru),
-                (cfg.top_k as u64 + 1, CachePolicy::Ledger),
-                (4, CachePolicy::Static),
-                (3, CachePolicy::None),
-                (1, CachePolicy::Lru),
+                (all, CachePolicy::Lru, &hot_pins),
+                (all / 2, CachePolicy::Lru, &hot_pins),
+                (cfg.top_k as u64 + 1, CachePolicy::Ledger, &hot_pins),
+                (4, CachePolicy::Static, &hot_pins),
+                (4, CachePolicy::Static, &first_pins),
+                (3, CachePolicy::Ledger, &first_pins),
+                (3, CachePolicy::None, &hot_pins),
+                (1, CachePolicy::Lru, &hot_pins),
             ];
-            for (slots, policy) in cases {
-                let gpu = streamed(&cfg, src.clone(), slots, policy, hot_pins.clone());
+            for (slots, policy, pins) in cases {
+                let gpu = streamed(&cfg, src.clone(), slots, policy, pins.clone());
                 assert!(gpu.decode_unsupported_reason().is_some());
                 let rep = selftest_models(&engine, &gpu, &opts).unwrap();
                 let st = gpu.hot_stats().unwrap();
