@@ -25,7 +25,8 @@
 #      starts with the bundle evicted from the page cache (fadvise DONTNEED, no root needed).
 #      A smaller hot tier (12.5%) checks whether less cache is better
 #   4. the same for 4 layers of Qwen3-235B-A22B (512 experts of 28.3 MB)
-# STREAM_DECODE (default 32) decode steps per run. A dry run of the script on a CPU machine:
+# STREAM_DECODE (default 16) decode steps per run; RUNS_30 / RUNS_235 (space-separated labels,
+# default all six / "hot-lru hot-ledger warm-lru pagecache") choose the runs of each model. A dry run of the script on a CPU machine:
 #   BACKEND=cpu SYNTH_EXTRA="--experts 32 --vocab 4096" LAYERS_30=2 LAYERS_235=1 bench-stream.sh ...
 # (no selftests then: they compare a GPU with the CPU)
 set -u
@@ -45,7 +46,7 @@ TABLE=$OUTD/table.txt
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-560}
 RESERVE=15
-DECODE=${STREAM_DECODE:-32}
+DECODE=${STREAM_DECODE:-16}
 BACKEND=${BACKEND:-cuda}
 elapsed() { echo $(( $(date +%s) - T0 )); }
 budget() {
@@ -109,8 +110,8 @@ snapshot
 # --- 2..4. speed ------------------------------------------------------------------------------
 RUNS=()
 IOS=()
-run_model() {  # run_model NAME SHAPE LAYERS
-  local name=$1 shape=$2 layers=$3 b=$WORK/$1
+run_model() {  # run_model NAME SHAPE LAYERS RUNS
+  local name=$1 shape=$2 layers=$3 runs=" $4 " b=$WORK/$1
   # shellcheck disable=SC2086
   if ! step "synth-$name" 300 "$BIN/tarfa-convert" synth --shape "$shape" --layers "$layers" \
       --skew 1 --format bundle ${SYNTH_EXTRA:-} "$b"; then
@@ -136,6 +137,7 @@ run_model() {  # run_model NAME SHAPE LAYERS
                 --ignore-eos --quiet --stats)
   one() {  # one LABEL FLAGS...
     local label=$1; shift
+    case "$runs" in *" $label "*) ;; *) return ;; esac
     [ $(( DEADLINE - RESERVE - $(elapsed) )) -lt 45 ] && { row "$name $label" SKIPPED "no time left"; return; }
     python3 "$PC" evict "$b/model.jnf"
     step "run-$name-$label" 150 "$BIN/tarfa-run" "${common[@]}" "$@" --summary-json "$LOG/run-$name-$label.raw.json"
@@ -149,11 +151,13 @@ run_model() {  # run_model NAME SHAPE LAYERS
     fi
   }
   one "hot-lru" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy lru
+  TARFA_NO_HOST_PIN=1 one "hot-lru-pageable" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy lru
   one "hot-ledger" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy ledger
   one "hot-static" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy static
   one "warm-lru" --vram-budget $(( 16 * ext )) --ram-budget "$hot" --io direct --cache-policy lru
   # no cache of Tarfa's own: the page cache, held to the same 25% (the hog leaves that much
   # plus what the process itself needs: the hot-lru run's peak RSS, plus 512 MiB)
+  case "$runs" in *" pagecache "*) ;; *) one "hot-lru-12.5%" --vram-budget "$small" --ram-budget "$ram" --io direct --cache-policy lru; rm -rf "$b"; snapshot; return ;; esac
   local rss
   rss=$(python3 -c "import json; print(json.load(open('$LOG/run-$name-hot-lru.json'))['peak_rss_bytes'])" 2>/dev/null || echo $((4 << 30)))
   local leave=$(( hot + rss + (512 << 20) ))
@@ -164,17 +168,20 @@ run_model() {  # run_model NAME SHAPE LAYERS
     [ $(( avail - leave )) -gt $(( HOG_MAX_GIB << 30 )) ] && leave=$(( avail - (HOG_MAX_GIB << 30) ))
   fi
   python3 "$PC" hog "$leave" > "$LOG/hog-$name.log" 2>&1 &
-  local hog_pid=$!
-  sleep 20
-  cat "$LOG/hog-$name.log"
+  local hog_pid=$! waited=0
+  while ! grep -q holding "$LOG/hog-$name.log" && [ $waited -lt 150 ] && kill -0 "$hog_pid" 2>/dev/null; do
+    sleep 1; waited=$((waited + 1))
+  done
+  echo "[$(elapsed)s] $(cat "$LOG/hog-$name.log") (after ${waited}s)" | tee -a "$LOG/steps.txt"
   one "pagecache" --vram-budget $(( 16 * ext )) --ram-budget "$ram" --io cached --cache-policy none
   kill "$hog_pid" 2>/dev/null; wait "$hog_pid" 2>/dev/null
   one "hot-lru-12.5%" --vram-budget "$small" --ram-budget "$ram" --io direct --cache-policy lru
   rm -rf "$b"
   snapshot
 }
-run_model q30-16 qwen3-30b-a3b "${LAYERS_30:-16}"
-run_model q235-4 qwen3-235b-a22b "${LAYERS_235:-4}"
+run_model q30-16 qwen3-30b-a3b "${LAYERS_30:-16}" \
+  "${RUNS_30:-hot-lru hot-lru-pageable hot-ledger hot-static warm-lru pagecache hot-lru-12.5%}"
+run_model q235-4 qwen3-235b-a22b "${LAYERS_235:-4}" "${RUNS_235:-hot-lru hot-ledger warm-lru pagecache}"
 
 if [ ${#RUNS[@]} -gt 0 ] && [ ${#IOS[@]} -gt 0 ]; then
   python3 "$ROOT/validation/gpu/tools/stream_table.py" "$OUTD/stream.json" "$(IFS=,; echo "${IOS[*]}")" "${RUNS[@]}" \

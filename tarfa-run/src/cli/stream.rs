@@ -536,6 +536,7 @@ fn figures(s: &StreamStats, hot: Option<&HotStats>, wall: Duration, peak_rss: u6
         "compute_ms": ms(wall_ns.saturating_sub(s.io_wait_ns).saturating_sub(h2d_ns)),
         "verify_ms": ms(s.verify_ns),
         "verified_bytes": s.verified_bytes,
+        "pin_ms": ms(s.pin_ns),
         "evictions": s.evictions,
         "peak_warm_bytes": s.peak_warm_bytes,
         "peak_rss_bytes": peak_rss,

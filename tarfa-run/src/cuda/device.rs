@@ -848,8 +848,9 @@ impl Gpu {
         Ok(2.0 * bytes as f64 / (med * 1e-3) / 1e9)
     }
 
-    /// Copies `src` to device address `dst` without waiting (the source is staged by the driver
-    /// before this returns, so it may be dropped right after).
+    /// Copies `src` to device address `dst` without waiting. A pageable source is staged by the
+    /// driver before this returns and may be dropped right after; a page-locked one is read by
+    /// the copy itself, in stream order, and must live until the stream has passed it.
     pub(crate) fn write_async<T: Copy>(
         &self,
         dst: u64,
@@ -866,6 +867,113 @@ impl Gpu {
         // SAFETY: dst is sized by the caller; pageable sources are staged before the call returns.
         unsafe { cu::memcpy_htod_async(dst, src, stream.cu_stream()) }
             .map_err(|e| driver_err(e, format!("copy {what} to the device")))
+    }
+}
+
+/// Page-locks the warm tier's buffers in the device's context ([`crate::stream::HostPin`]):
+/// `cuMemHostRegister` (portable), called from the store's reader threads.
+struct CudaHostPin {
+    ctx: Arc<CudaContext>,
+}
+
+impl crate::stream::HostPin for CudaHostPin {
+    fn pin(&self, ptr: *mut u8, len: usize) -> bool {
+        if self.ctx.bind_to_thread().is_err() {
+            return false;
+        }
+        // SAFETY: `ptr..ptr+len` is a live mapping owned by the caller, which unpins it before
+        // unmapping it.
+        unsafe {
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        }
+        .result()
+        .is_ok()
+    }
+
+    fn unpin(&self, ptr: *mut u8) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` was registered by `pin` and is still mapped.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
+        }
+    }
+}
+
+/// Page-locked host memory (`cuMemAllocHost`): the source of asynchronous copies.
+pub(crate) struct PinnedBuf {
+    ptr: *mut u8,
+    len: usize,
+    /// The mock device's stand-in (plain memory), owned here while `ptr` points into it.
+    #[cfg(test)]
+    _plain: Option<Vec<u8>>,
+    ctx: Option<Arc<CudaContext>>,
+}
+
+// SAFETY: plain owned host memory.
+unsafe impl Send for PinnedBuf {}
+unsafe impl Sync for PinnedBuf {}
+
+impl PinnedBuf {
+    /// The buffer as `n` values of `T` from byte offset `off` (bounds-checked).
+    pub(crate) fn slice_mut<T: Copy>(&mut self, off: usize, n: usize) -> &mut [T] {
+        let bytes = n * std::mem::size_of::<T>();
+        assert!(
+            off + bytes <= self.len && off.is_multiple_of(std::mem::align_of::<T>()),
+            "pinned buffer overrun"
+        );
+        // SAFETY: in bounds and aligned (checked); the memory is owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off) as *mut T, n) }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        if let Some(ctx) = &self.ctx {
+            if ctx.bind_to_thread().is_ok() {
+                // SAFETY: allocated by cuMemAllocHost in `Gpu::alloc_pinned`, freed once.
+                let _ = unsafe { cu::free_host(self.ptr as *mut c_void) };
+            }
+        }
+    }
+}
+
+impl Gpu {
+    /// A page-locker for the warm tier's buffers (`None` on the mock device).
+    pub(crate) fn host_pin(&self) -> Option<Arc<dyn crate::stream::HostPin>> {
+        self.cuda().map(|(ctx, _)| {
+            Arc::new(CudaHostPin { ctx: ctx.clone() }) as Arc<dyn crate::stream::HostPin>
+        })
+    }
+
+    /// `bytes` of page-locked host memory.
+    pub(crate) fn alloc_pinned(&self, bytes: usize, what: &str) -> Result<PinnedBuf, CudaError> {
+        let len = bytes.max(16);
+        let Some((ctx, _)) = self.cuda() else {
+            #[cfg(test)]
+            {
+                let mut plain = vec![0u8; len + 16];
+                let ptr = plain.as_mut_ptr();
+                let ptr = unsafe { ptr.add(ptr.align_offset(16)) };
+                return Ok(PinnedBuf {
+                    ptr,
+                    len,
+                    _plain: Some(plain),
+                    ctx: None,
+                });
+            }
+            #[cfg(not(test))]
+            unreachable!()
+        };
+        self.bind()?;
+        // SAFETY: a plain page-locked allocation in the bound context.
+        let ptr = unsafe { cu::malloc_host(len, 0) }
+            .map_err(|e| driver_err(e, format!("allocate {len} bytes of page-locked {what}")))?;
+        Ok(PinnedBuf {
+            ptr: ptr as *mut u8,
+            len,
+            #[cfg(test)]
+            _plain: None,
+            ctx: Some(ctx.clone()),
+        })
     }
 }
 

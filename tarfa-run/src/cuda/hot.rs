@@ -20,9 +20,10 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::config::MoeConfig;
-use crate::cuda::device::{DevBuf, Gpu};
+use crate::cuda::device::{DevBuf, Gpu, PinnedBuf};
 use crate::cuda::{CudaError, HotOptions, HotStats};
 use crate::stream::{format_bytes, CachePolicy};
+use crate::weights::ExpertHandle;
 
 /// (layer, expert id).
 pub(crate) type Key = (usize, usize);
@@ -40,6 +41,15 @@ pub(crate) struct HotTier {
     pub slot_elems: usize,
     /// `E` i32 on the device: this launch group's expert -> slot map (-1: not in the group).
     pub slot_of: DevBuf,
+    /// Page-locked staging of the maps, one row of `E` i32 per group of a layer (`E + 1` rows):
+    /// a row is copied asynchronously and must stay untouched until the copy ran, which the
+    /// next layer's read of the router's choices (a stream synchronisation) guarantees.
+    pub maps: PinnedBuf,
+    /// The next free row of `maps` in this layer.
+    pub map_row: usize,
+    /// Experts whose copies to the device may still be in flight: their buffers (page-locked
+    /// by the warm tier) must live until the stream has passed the copies.
+    pub in_flight: Vec<ExpertHandle>,
     slots: Vec<Option<Entry>>,
     index: HashMap<Key, usize>,
     pin_set: HashSet<Key>,
@@ -77,7 +87,9 @@ impl HotTier {
         let all = (moe_layers * cfg.num_experts).max(1) as u64;
         let n = wanted.min(all) as usize;
         let pool = gpu.alloc(n * slot_bytes as usize, "the hot tier (expert slots)")?;
-        let slot_of = gpu.alloc(cfg.num_experts.max(1) * 4, "the hot tier's slot map")?;
+        let e = cfg.num_experts.max(1);
+        let slot_of = gpu.alloc(e * 4, "the hot tier's slot map")?;
+        let maps = gpu.alloc_pinned((e + 1) * e * 4, "staging of the hot tier's slot maps")?;
         // Pinned entries never leave, so at least one slot must stay free for the rest.
         let pin_cap = match opts.policy {
             CachePolicy::Ledger => n / 2,
@@ -89,6 +101,9 @@ impl HotTier {
             pool,
             slot_elems,
             slot_of,
+            maps,
+            map_row: 0,
+            in_flight: Vec::new(),
             slots: (0..n).map(|_| None).collect(),
             index: HashMap::new(),
             pin_set: opts.pins.iter().copied().take(pin_cap).collect(),
@@ -135,11 +150,11 @@ impl HotTier {
         let mut pinned = self.pinned;
         for x in held.into_iter().chain(missing) {
             let key = (layer, x);
-            let will_pin = self.slot(key).is_none()
-                && self.pin_set.contains(&key)
-                && pinned < self.pin_cap;
+            let will_pin =
+                self.slot(key).is_none() && self.pin_set.contains(&key) && pinned < self.pin_cap;
             let p = usize::from(will_pin || self.is_pinned(key));
-            if !cur.is_empty() && cur.len() + 1 + (pinned + usize::from(will_pin) - pinned_in - p) > n
+            if !cur.is_empty()
+                && cur.len() + 1 + (pinned + usize::from(will_pin) - pinned_in - p) > n
             {
                 groups.push(std::mem::take(&mut cur));
                 pinned_in = 0;

@@ -318,6 +318,14 @@ impl CudaModel {
             None => None,
         };
         let stream_source = hot.as_ref().map(|_| source.clone());
+        // Copies from page-locked buffers are asynchronous, at the bus's speed.
+        // TARFA_NO_HOST_PIN=1 keeps them pageable (the A/B's other arm).
+        let no_pin = std::env::var("TARFA_NO_HOST_PIN").is_ok_and(|v| v.trim() == "1");
+        if hot.is_some() && !no_pin {
+            if let Some(pin) = gpu.host_pin() {
+                source.use_host_pin(pin);
+            }
+        }
         let mut m = CudaModel {
             embed,
             lm_head,
@@ -788,6 +796,13 @@ impl CudaModel {
         )?;
         let stats = self.step_stats(t_count, &ids);
         self.note_vram()?;
+        if let Some(hot) = &self.hot {
+            // the logits' read waited for the stream: the last copies have run
+            hot.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .in_flight
+                .clear();
+        }
         let router = if opts.trace_router {
             let rec = RecordPtrs {
                 probs: ws.probs.ptr(),
@@ -832,7 +847,11 @@ impl CudaModel {
                 "layer {l} has neither resident experts nor a hot tier"
             )));
         };
+        // Waits for the stream: every copy queued by the layer before has run.
         let ids: Vec<u32> = gpu.read(route.ids, t_count * k, "the router's choices")?;
+        let mut hot = hot.lock().unwrap_or_else(|p| p.into_inner());
+        hot.in_flight.clear();
+        hot.map_row = 0;
         let mut need: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
         need.sort_unstable();
         need.dedup();
@@ -841,7 +860,6 @@ impl CudaModel {
                 "layer {l}: the router chose expert {bad} of {e_count}"
             )));
         }
-        let mut hot = hot.lock().unwrap_or_else(|p| p.into_inner());
         let groups = hot.plan(l, &need);
         // What must be copied, in the warm tier's batches, announced for the whole layer at
         // once: its reads run while the groups before compute.
@@ -886,6 +904,14 @@ impl CudaModel {
                 hot.touch((l, x));
             }
             for b in batches {
+                if !hot.in_flight.is_empty() {
+                    // The warm tier may need the room of the experts just copied before it can
+                    // hand out the next ones: let their copies finish, then give them back.
+                    let t = Instant::now();
+                    gpu.sync("the copies of experts to the device")?;
+                    hot.in_flight.clear();
+                    hot.stats.h2d_ns += t.elapsed().as_nanos() as u64;
+                }
                 let t0 = Instant::now();
                 let handles = source.expert_data(l, b)?;
                 hot.stats.fetch_wait_ns += t0.elapsed().as_nanos() as u64;
@@ -918,6 +944,7 @@ impl CudaModel {
                     hot.stats.uploads += 1;
                     hot.stats.h2d_bytes += 3 * m_bytes;
                 }
+                hot.in_flight.extend(handles);
                 hot.stats.h2d_ns += t1.elapsed().as_nanos() as u64;
             }
             map.fill(-1);
@@ -929,7 +956,18 @@ impl CudaModel {
                 })?;
                 map[x] = slot as i32;
             }
-            gpu.write_async(hot.slot_of.ptr(), &map, "the hot tier's slot map")?;
+            if hot.map_row > e_count {
+                // more groups than rows (cannot happen: a group holds at least one expert)
+                gpu.sync("the hot tier's slot maps")?;
+                hot.map_row = 0;
+            }
+            let row = hot.map_row;
+            hot.map_row += 1;
+            let slot_of = hot.slot_of.ptr();
+            let staged = hot.maps.slice_mut::<i32>(row * e_count * 4, e_count);
+            staged.copy_from_slice(&map);
+            let staged: &[i32] = staged;
+            gpu.write_async(slot_of, staged, "the hot tier's slot map")?;
             let slots = SlotTable {
                 pool: hot.pool.ptr(),
                 slot_elems: hot.slot_elems,

@@ -137,6 +137,17 @@ impl Default for StreamOptions {
 /// needs top-k of them per layer), without an unbounded number of threads.
 pub const DEFAULT_IO_THREADS: usize = 16;
 
+/// Page-locks host memory for a GPU backend, so that copies from the warm tier's buffers to the
+/// device are asynchronous DMA at the bus's speed instead of staged through the driver. The
+/// store calls `pin` on each buffer once it is verified (on a reader thread) and `unpin` before
+/// the buffer is unmapped. Pinning never changes a byte.
+pub trait HostPin: Send + Sync {
+    /// Page-locks `len` bytes at `ptr`; false when it could not (the buffer stays pageable).
+    fn pin(&self, ptr: *mut u8, len: usize) -> bool;
+    /// Undoes a successful `pin` of the buffer at `ptr`.
+    fn unpin(&self, ptr: *mut u8);
+}
+
 /// Why streaming cannot start or go on.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -357,6 +368,10 @@ impl WeightSource for StreamSource {
 
     fn record_uses(&self, layer: usize, ids: &[usize]) {
         self.store.record_uses(layer, ids);
+    }
+
+    fn use_host_pin(&self, pin: Arc<dyn HostPin>) {
+        self.store.set_host_pin(pin);
     }
 
     fn expert_batches(&self, layer: usize, ids: &[usize]) -> Vec<Vec<usize>> {

@@ -27,6 +27,8 @@ pub struct StreamStats {
     pub verify_ns: u64,
     /// Bytes hashed.
     pub verified_bytes: u64,
+    /// Reader-thread time spent page-locking buffers for a GPU backend (ns).
+    pub pin_ns: u64,
     /// Time the forward spent waiting for experts (ns).
     pub io_wait_ns: u64,
     /// Entries evicted to make room.
@@ -48,6 +50,7 @@ impl StreamStats {
             read_busy_ns: self.read_busy_ns - earlier.read_busy_ns,
             verify_ns: self.verify_ns - earlier.verify_ns,
             verified_bytes: self.verified_bytes - earlier.verified_bytes,
+            pin_ns: self.pin_ns - earlier.pin_ns,
             io_wait_ns: self.io_wait_ns - earlier.io_wait_ns,
             evictions: self.evictions - earlier.evictions,
             peak_warm_bytes: self.peak_warm_bytes,
@@ -81,6 +84,7 @@ pub(crate) struct Counters {
     pub read_busy_ns: AtomicU64,
     pub verify_ns: AtomicU64,
     pub verified_bytes: AtomicU64,
+    pub pin_ns: AtomicU64,
     pub io_wait_ns: AtomicU64,
     pub evictions: AtomicU64,
 }
@@ -106,6 +110,7 @@ impl Counters {
             read_busy_ns: g(&self.read_busy_ns),
             verify_ns: g(&self.verify_ns),
             verified_bytes: g(&self.verified_bytes),
+            pin_ns: g(&self.pin_ns),
             io_wait_ns: g(&self.io_wait_ns),
             evictions: g(&self.evictions),
             peak_warm_bytes,

@@ -32,7 +32,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::stats::{add, add_time, Counters};
-use super::{CachePolicy, HeatLedger, IoMode, StreamError, StreamOptions, StreamStats};
+use super::{CachePolicy, HeatLedger, HostPin, IoMode, StreamError, StreamOptions, StreamStats};
 use crate::bundle::BundleSource;
 use crate::weights::{Bf16View, ExpertData, WeightError};
 
@@ -77,6 +77,8 @@ struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
     mapped: usize,
+    /// Who page-locked the mapping ([`HostPin`]), to undo it before it is unmapped.
+    pinned_by: Option<Arc<dyn HostPin>>,
 }
 
 // SAFETY: the buffer is plain owned memory; it is written only through `&mut self` (by the one
@@ -106,7 +108,12 @@ impl AlignedBuf {
         if p == libc::MAP_FAILED {
             return None;
         }
-        NonNull::new(p as *mut u8).map(|ptr| AlignedBuf { ptr, len, mapped })
+        NonNull::new(p as *mut u8).map(|ptr| AlignedBuf {
+            ptr,
+            len,
+            mapped,
+            pinned_by: None,
+        })
     }
 
     fn as_slice(&self) -> &[u8] {
@@ -120,8 +127,53 @@ impl AlignedBuf {
     }
 }
 
+/// A page-locked mapping to unpin and unmap.
+struct Doomed {
+    ptr: NonNull<u8>,
+    mapped: usize,
+    pin: Arc<dyn HostPin>,
+}
+
+// SAFETY: the mapping is owned by this value alone once its buffer is dropped.
+unsafe impl Send for Doomed {}
+
+/// Unpinning and unmapping a page-locked buffer costs about a millisecond (the driver unmaps it
+/// from the device too); one thread does it, so that whoever drops the last handle — the
+/// forward, on its critical path — does not wait. The memory is released moments later.
+fn reaper() -> &'static Mutex<Sender<Doomed>> {
+    static REAPER: std::sync::OnceLock<Mutex<Sender<Doomed>>> = std::sync::OnceLock::new();
+    REAPER.get_or_init(|| {
+        let (tx, rx) = channel::<Doomed>();
+        let _ = std::thread::Builder::new()
+            .name("tarfa-unpin".into())
+            .spawn(move || {
+                for d in rx {
+                    d.pin.unpin(d.ptr.as_ptr());
+                    // SAFETY: the mapping made in `AlignedBuf::zeroed`, unmapped once.
+                    unsafe {
+                        libc::munmap(d.ptr.as_ptr() as *mut libc::c_void, d.mapped);
+                    }
+                }
+            });
+        Mutex::new(tx)
+    })
+}
+
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if let Some(pin) = self.pinned_by.take() {
+            let d = Doomed {
+                ptr: self.ptr,
+                mapped: self.mapped,
+                pin,
+            };
+            let tx = reaper().lock().unwrap_or_else(|e| e.into_inner());
+            match tx.send(d) {
+                Ok(()) => return,
+                // no reaper thread: do it here
+                Err(e) => e.0.pin.unpin(self.ptr.as_ptr()),
+            }
+        }
         // SAFETY: the mapping made in `zeroed`, unmapped once.
         unsafe {
             libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.mapped);
@@ -368,6 +420,8 @@ struct Shared {
     pinned: HashSet<Key>,
     pinned_bytes: u64,
     bundle: Arc<BundleSource>,
+    /// Page-locks each buffer once it is verified, when a backend asked ([`HostPin`]).
+    host_pin: std::sync::OnceLock<Arc<dyn HostPin>>,
 }
 
 /// The warm tier of one bundle's experts.
@@ -598,6 +652,7 @@ impl ExpertStore {
             pinned,
             pinned_bytes,
             bundle,
+            host_pin: std::sync::OnceLock::new(),
         });
         // More readers than buffers the budget holds would only wait for room.
         let slots = (capacity / minimum.max(1)).max(1);
@@ -635,6 +690,12 @@ impl ExpertStore {
         let mut v: Vec<_> = st.heat.iter().map(|(&k, &n)| (k, n)).collect();
         v.sort_unstable();
         v
+    }
+
+    /// From now on, page-lock every buffer once it is read and verified (a GPU backend copies
+    /// from page-locked memory asynchronously, at the bus's speed). The first call wins.
+    pub fn set_host_pin(&self, pin: Arc<dyn HostPin>) {
+        let _ = self.shared.host_pin.set(pin);
     }
 
     /// Counts uses of experts that a tier above this one (the GPU's hot tier) served without
@@ -868,6 +929,13 @@ impl Shared {
             }
             self.bundle
                 .note_expert_verified(&info.name, info.length, &info.blake3_hex);
+            if let Some(p) = self.host_pin.get() {
+                let t = Instant::now();
+                if p.pin(buf.ptr.as_ptr(), buf.mapped) {
+                    buf.pinned_by = Some(p.clone());
+                }
+                add_time(&self.counters.pin_ns, t.elapsed());
+            }
             Ok(Extent {
                 buf,
                 info: info.clone(),

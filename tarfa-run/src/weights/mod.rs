@@ -250,6 +250,12 @@ pub trait WeightSource: Send + Sync {
         let _ = (layer, ids);
     }
 
+    /// Pinning hint: a GPU backend copies experts from the handles this source hands out;
+    /// a source that allocates their buffers page-locks them with `pin` (the streaming store).
+    fn use_host_pin(&self, pin: Arc<dyn crate::stream::HostPin>) {
+        let _ = pin;
+    }
+
     /// The experts `ids` of layer `layer`, in the order asked, as handles the forward computes
     /// from directly. The default hands out [`WeightSource::experts`]; a streaming source hands
     /// out views of the buffers it verified, without copying.

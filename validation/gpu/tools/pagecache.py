@@ -65,16 +65,21 @@ def mem_available():
 
 
 def hog(leave):
-    want = mem_available() - leave
-    chunks = []
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     chunk = 1 << 30
     held = 0
-    while held + chunk <= want:
-        m = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        block = b"\x01" * (1 << 24)
-        for off in range(0, chunk, len(block)):
-            m[off:off + len(block)] = block
-        chunks.append(m)
+    # Touch memory a GiB at a time (memset: every page becomes resident), re-reading
+    # MemAvailable as the kernel drops page cache to make room.
+    while mem_available() - leave >= chunk:
+        addr = libc.mmap(None, chunk, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            break
+        libc.memset(addr, 1, chunk)
         held += chunk
     print(f"hog: holding {held / 2**30:.1f} GiB; MemAvailable now {mem_available() / 2**30:.1f} GiB",
           flush=True)

@@ -47,7 +47,11 @@ def main():
         roof = bw4 * 1e9 / bytes_tok if bytes_tok > 0 else float("inf")
         hot_req, hot_hits = tot("hot_requests"), tot("hot_hits")
         req, warm = tot("requests"), tot("warm_hits")
+        walls = sorted(s["wall_ms"] for s in steps)
+        pick = lambda q: walls[min(len(walls) - 1, int(q * len(walls)))]
         row = {
+            "wall_ms_per_token_median": pick(0.5),
+            "wall_ms_per_token_p10_p90": [pick(0.1), pick(0.9)],
             "model": d["model"],
             "label": d["label"],
             "decode_tokens": n,
@@ -93,7 +97,8 @@ def main():
               f"warm {pct(r['warm_hit_rate'])}, roofline(QD4) {r['roofline_tok_s_qd4']:.2f} tok/s = "
               f"{pct(r['share_of_roofline_qd4'])} (QD16 {pct(r['share_of_roofline_qd16'])}); ms/token: "
               f"io-wait {t['io_wait']:.0f}, h2d {t['h2d']:.0f}, compute {t['compute']:.0f}, "
-              f"verify(cpu) {t['verify_cpu']:.0f}"
+              f"verify(cpu) {t['verify_cpu']:.0f}; per token median {r['wall_ms_per_token_median']:.0f} ms "
+              f"(p10-p90 {r['wall_ms_per_token_p10_p90'][0]:.0f}-{r['wall_ms_per_token_p10_p90'][1]:.0f})"
               + (f"; prefill {pf['tokens']} tok {pf['wall_ms'] / 1e3:.1f} s, "
                  f"{pf['reads_per_missed_expert']:.2f} reads/missed expert, {pf['experts_needed']} experts needed" if pf else ""))
 
