@@ -22,7 +22,7 @@
 #   4. cuda_bench on the bundle: copy rate, weight bytes per token, decode in every mode, paired
 #      A/B legacy vs default, per-kernel profile, prefill 512 and 2048, CPU-vs-CUDA selftest
 #   5. the old build's decode figure on the same bundle (when time is left)
-# SM clocks are sampled during step 4 (logs/clocks.csv); NCU=1 adds Nsight Compute on the decode
+# HF=0 skips step 3. SM clocks are sampled during step 4 (logs/clocks.csv); NCU=1 adds Nsight Compute on the decode
 # kernels of two profiled steps (logs/ncu.log).
 set -u
 NEW=$(cd "${1:?usage: bench.sh NEW_BIN_DIR [OLD_BIN_DIR] [OUT_DIR]}" && pwd)
@@ -147,7 +147,9 @@ for tool in memcheck racecheck initcheck synccheck; do
 done
 
 # --- 3. transformers on the same shape (GPU otherwise idle) ---------------------------------
-if command -v python3 >/dev/null; then
+if [ "${HF:-1}" = 0 ]; then
+  row "transformers BF16 (same shape)" SKIPPED "HF=0 (measured before: docs/PERFORMANCE.md)"
+elif command -v python3 >/dev/null; then
   PYTHONUNBUFFERED=1 step hf-baseline 100 python3 "$ROOT/validation/gpu/hf_baseline.py" "${BIG_LAYERS:-16}" "$OUTD/hf.json"
   if [ -f "$OUTD/hf.json" ]; then
     row "transformers BF16 (same shape)" "-" "$(python3 -c "import json; d=json.load(open('$OUTD/hf.json')); print(f\"decode {d['decode_tok_s']:.1f} tok/s, prefill 512 {d['prefill_512_tok_s']:.0f} tok/s, 2048 {d['prefill_2048_tok_s']:.0f} tok/s ({d['engine']})\")")"
