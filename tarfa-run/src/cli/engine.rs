@@ -12,6 +12,8 @@ use tarfa_run::weights::WeightSource;
 use super::generate::BackendArg;
 use super::CliError;
 
+// One engine per process: the size difference of the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Engine {
     Cpu { engine: CpuEngine, cache: KvCache },
     Cuda { model: CudaModel, cache: CudaCache },

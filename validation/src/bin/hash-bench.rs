@@ -27,7 +27,14 @@ fn main() {
     let threads = rayon::current_num_threads();
     // Non-trivial bytes, one buffer per thread so that the all-core run shares nothing.
     let bufs: Vec<Vec<u8>> = (0..threads)
-        .map(|t| (0..a.bytes).map(|i| (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15 + t as u64) as u8 ^ (i >> 13) as u8).collect())
+        .map(|t| {
+            (0..a.bytes)
+                .map(|i| {
+                    (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15 + t as u64) as u8
+                        ^ (i >> 13) as u8
+                })
+                .collect()
+        })
         .collect();
     let rate = |all: bool, f: fn(&[u8]) -> u8| {
         best(a.reps, || {

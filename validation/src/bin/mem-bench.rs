@@ -22,7 +22,9 @@ struct Args {
 fn main() {
     let a = Args::parse();
     if let Some(t) = a.threads {
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(t).build_global();
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global();
     }
     let threads = rayon::current_num_threads();
     let words = a.mib << 17; // u64 words
@@ -52,5 +54,8 @@ fn main() {
         std::hint::black_box(x);
         best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
-    println!("{{\"threads\": {threads}, \"buffer_mib\": {}, \"read_gbs\": {best:.2}}}", a.mib);
+    println!(
+        "{{\"threads\": {threads}, \"buffer_mib\": {}, \"read_gbs\": {best:.2}}}",
+        a.mib
+    );
 }
