@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 #[path = "decode.rs"]
-mod decode;
+pub(super) mod decode;
 
 use super::device::{open_context, DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
