@@ -841,8 +841,10 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode(
 //   (warp_tree, the same pairs as block_tree_256);
 // - warp w computes the 4 outputs d0 + 4w .. d0 + 4w + 3 of the slice: thread p holds lanes
 //   8p..8p+7 (positions 8p + s + 256c, c increasing), acc = fma(p_j, v_j[d], acc), then
-//   warp_tree: the same lane sums and tree as the 256 x 32 shared tile of attn_decode. The
-//   values of the first 256 positions are loaded before the scores, so their latency overlaps.
+//   warp_tree: the same lane sums and tree as the 256 x 32 shared tile of attn_decode.
+// Loads are issued early: a warp's first 8 keys and a thread's first 8 positions' values at the
+// start (their latency overlaps the norm and RoPE), the next 8 keys before each 8's tree. This
+// takes ~230 registers (one block of 256 per multiprocessor; ptx_report.py).
 // Every value is computed by the operations attn_decode uses, in the same order; only the
 // thread that computes it changes. Requires D <= 256 and even.
 
@@ -862,6 +864,21 @@ __device__ __forceinline__ float att_rope(const float* x, const float* __restric
     const int i = e - half;
     const float a = att_normed(x, nw, r, i), b = att_normed(x, nw, r, e);
     return __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+}
+
+// Keys of positions j0 .. j0 + ATT_U - 1 below pos at this thread's score lanes p + 32i (0
+// elsewhere: those lanes take k_P from registers, or nothing).
+__device__ __forceinline__ void att_load_keys(float (&kb)[ATT_U][8], const float* keys, int j0,
+                                              int pos, int d, int p) {
+#pragma unroll
+    for (int u = 0; u < ATT_U; u++) {
+        const int j = j0 + u;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = p + 32 * i;
+            kb[u][i] = (j < pos && e < d) ? keys[(long)j * d + e] : 0.0f;
+        }
+    }
 }
 
 #define ATT2_COLS 4  // output columns per warp (8 warps x 4 = ATT_TILE)
@@ -889,7 +906,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
     const float* vals = v_cache + (long)kvh * cap * d;
     const int d0 = slice * ATT_TILE + ATT2_COLS * warp;
 
-    // the values of this thread's first lanes (positions 8p + s; v_P is v_raw itself)
+    // the first keys this warp scores, and the values of this thread's first output lanes
+    // (positions 8p + s; v_P is v_raw itself): loaded now, used after the dependent steps
+    float kb[ATT_U][8];
+    att_load_keys(kb, keys, ATT_U * warp, pos, d, p);
     float vpre[8][ATT2_COLS];
 #pragma unroll
     for (int t = 0; t < 8; t++) {
@@ -928,20 +948,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
         }
     }
 
-    // scores (attn_decode's loop; k_P from registers)
+    // scores (attn_decode's loop; k_P from registers; the next 8 positions' keys are loaded
+    // before this 8's tree)
     float* sc = scratch != nullptr ? scratch + (long)(qh * gridDim.y + slice) * n_stride : sm;
     for (int j0 = ATT_U * warp; j0 < n; j0 += 8 * ATT_U) {
         float a[ATT_U][8];
 #pragma unroll
         for (int u = 0; u < ATT_U; u++) {
             const int j = j0 + u;
-            const float* kj = keys + (long)j * d;
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 const int e = p + 32 * i;
-                a[u][i] = (j < n && e < d) ? fmaf(qv[i], j < pos ? kj[e] : kv[i], 0.0f) : 0.0f;
+                a[u][i] = (j < n && e < d) ? fmaf(qv[i], j < pos ? kb[u][i] : kv[i], 0.0f) : 0.0f;
             }
         }
+        att_load_keys(kb, keys, j0 + 8 * ATT_U, pos, d, p);
 #pragma unroll
         for (int u = 0; u < ATT_U; u++) {
 #pragma unroll
