@@ -74,8 +74,8 @@ __device__ __forceinline__ void fma8(float a[8], const Pack8<W>& w, const float*
     a[7] = fmaf(w.at(7), x1.w, a[7]);
 }
 
-#define DEC_GROUP 8
-#define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)  // chunks of 256 elements loaded together per row
+#define DEC_GROUP 8  // chunks of 256 elements loaded together per row
+#define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)
 
 // Loads group c0 (chunks c0 .. c0+7) of a row of n elements: thread p's 8 elements of each.
 template <typename W>
