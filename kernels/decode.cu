@@ -75,6 +75,7 @@ __device__ __forceinline__ void fma8(float a[8], const Pack8<W>& w, const float*
 }
 
 #define DEC_GROUP 8  // chunks of 256 elements loaded together per row
+#define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)
 
 // Loads group c0 (chunks c0 .. c0+7) of a row of n elements: thread p's 8 elements of each.
 template <typename W>
@@ -120,6 +121,161 @@ __device__ __forceinline__ void stage_input(float* xs, const float* x, int n,
     if (xn_out != nullptr && blockIdx.x == 0) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) xn_out[i] = xs[i];
     }
+}
+
+// stage_input's result (the same xs, xn_out and final barrier) with one barrier instead of
+// three: x and norm_w are read together, and every warp computes the sum of squares itself
+// from x (warp_dot_f32, the same dot as stage_input's warp 0), so each thread can write its own
+// normalised elements at once. Used by router2 (TARFA_CUDA_ROUTER=v1 keeps stage_input).
+#define STAGE_REG 8
+__device__ __forceinline__ void stage_input_fast(float* xs, const float* x, int n,
+                                                 const float* __restrict__ norm_w, float eps,
+                                                 float* xn_out) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    float xr[STAGE_REG], wr[STAGE_REG];
+#pragma unroll
+    for (int c = 0; c < STAGE_REG; c++) {
+        const int i = tid + c * nt;
+        xr[c] = i < n ? x[i] : 0.0f;
+        wr[c] = (norm_w != nullptr && i < n) ? norm_w[i] : 0.0f;
+    }
+    if (norm_w == nullptr) {
+#pragma unroll
+        for (int c = 0; c < STAGE_REG; c++) {
+            if (tid + c * nt < n) xs[tid + c * nt] = xr[c];
+        }
+        for (int i = tid + STAGE_REG * nt; i < n; i += nt) xs[i] = x[i];
+        __syncthreads();
+        return;
+    }
+    const float ss = warp_dot_f32(x, x, n, tid & 31);
+    const float r =
+        __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)n), eps)), 0);
+#pragma unroll
+    for (int c = 0; c < STAGE_REG; c++) {
+        if (tid + c * nt < n) xs[tid + c * nt] = __fmul_rn(wr[c], __fmul_rn(xr[c], r));
+    }
+    for (int i = tid + STAGE_REG * nt; i < n; i += nt) xs[i] = __fmul_rn(norm_w[i], __fmul_rn(x[i], r));
+    __syncthreads();
+    if (xn_out != nullptr && blockIdx.x == 0) {
+        for (int i = tid; i < n; i += nt) xn_out[i] = xs[i];
+    }
+}
+
+// route_block's outputs (common.cuh: the same operations in the same order) computed by one
+// warp, with no block-wide barrier: the maximum by shuffles (order-free, NaN ignored); e_i and
+// the canonical sum with thread p holding lanes 8p..8p+7 (warp_tree); then the selection as k + 1
+// rounds of a warp argmax in the order route_block ranks by (larger total_order_key(p) first,
+// the lower id among equals: a strict total order, so every round's winner is unique and the
+// same whichever lane finds it): round r takes the best expert below round r-1's winner, which
+// is route_block's rank r; round k gives `next`. Then the renormalising canonical sum over the
+// selection (warp_tree again) and the slots in ascending id. l: E logits (shared or global),
+// pe: E floats and sel: k ints of shared memory. Every lane of the warp calls it.
+__device__ __forceinline__ void route_warp(const float* l, int e_count, int k, int renorm,
+                                           u32* __restrict__ ids, float* __restrict__ probs,
+                                           float* __restrict__ weights,
+                                           u32* __restrict__ by_id, float* __restrict__ kth,
+                                           float* __restrict__ next, float* pe, int* sel) {
+    const int p = threadIdx.x & 31;
+    float m = f32_bits(0xff800000u);
+    for (int i = p; i < e_count; i += 32) m = fmaxf(m, l[i]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TARFA_FULL_MASK, m, off));
+    float a[8];
+    zero8(a);
+    for (int base = 8 * p; base < e_count; base += TARFA_LANES) {
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int i = base + t;
+            if (i < e_count) {
+                const float e = det_exp(__fsub_rn(l[i], m));
+                pe[i] = e;
+                a[t] = __fadd_rn(a[t], e);
+            }
+        }
+    }
+    const float total = __shfl_sync(TARFA_FULL_MASK, warp_tree(a), 0);
+    for (int base = 8 * p; base < e_count; base += TARFA_LANES) {
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int i = base + t;
+            if (i < e_count) pe[i] = __fdiv_rn(pe[i], total);
+        }
+    }
+    __syncwarp();
+
+    // the keys of experts p + 32t (t < 8) in registers; the rest are read from pe
+    int key[8];
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int i = p + 32 * t;
+        key[t] = i < e_count ? total_order_key(pe[i]) : 0;
+    }
+    const int rounds = e_count > k ? k + 1 : k;
+    int pk = 0, pi = -1;  // the previous round's winner (none before round 0)
+    for (int r = 0; r < rounds; r++) {
+        int bk = 0, bi = 0x7fffffff;  // bi = 0x7fffffff: no candidate yet
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int i = p + 32 * t;
+            const int ki = key[t];
+            const bool below = pi < 0 || ki < pk || (ki == pk && i > pi);
+            if (i < e_count && below && (bi == 0x7fffffff || ki > bk || (ki == bk && i < bi))) {
+                bk = ki;
+                bi = i;
+            }
+        }
+        for (int i = p + 32 * 8; i < e_count; i += 32) {
+            const int ki = total_order_key(pe[i]);
+            const bool below = pi < 0 || ki < pk || (ki == pk && i > pi);
+            if (below && (bi == 0x7fffffff || ki > bk || (ki == bk && i < bi))) {
+                bk = ki;
+                bi = i;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) {
+            const int ok = __shfl_xor_sync(TARFA_FULL_MASK, bk, off);
+            const int oi = __shfl_xor_sync(TARFA_FULL_MASK, bi, off);
+            if (oi != 0x7fffffff && (bi == 0x7fffffff || ok > bk || (ok == bk && oi < bi))) {
+                bk = ok;
+                bi = oi;
+            }
+        }
+        if (p == 0) {
+            if (r < k) {
+                sel[r] = bi;
+            } else {
+                next[0] = pe[bi];
+            }
+        }
+        pk = bk;
+        pi = bi;
+    }
+    if (p == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
+    __syncwarp();
+    float s = 1.0f;
+    if (renorm) {
+        zero8(a);
+        for (int base = 8 * p; base < k; base += TARFA_LANES) {
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                if (base + t < k) a[t] = __fadd_rn(a[t], pe[sel[base + t]]);
+            }
+        }
+        s = __shfl_sync(TARFA_FULL_MASK, warp_tree(a), 0);
+    }
+    for (int j = p; j < k; j += 32) {
+        const int e = sel[j];
+        const float pj = pe[e];
+        ids[j] = (u32)e;
+        probs[j] = pj;
+        weights[j] = renorm ? __fdiv_rn(pj, s) : pj;
+        int at = 0;  // the slot's place in ascending expert id (ids are distinct)
+        for (int jj = 0; jj < k; jj++) at += (sel[jj] < e) ? 1 : 0;
+        by_id[at] = (u32)j;
+    }
+    if (p == 0) kth[0] = pe[sel[k - 1]];
 }
 
 // (v1, i1) is the better greedy candidate than (v2, i2): a number beats NaN, a larger number
@@ -180,7 +336,11 @@ __device__ __forceinline__ void dmv_body(
     if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
     grid_dep_wait();
     grid_dep_launch();
-    stage_input(xs, x, cols, norm_w, eps, xn_out);
+    if (KIND == 3) {
+        stage_input_fast(xs, x, cols, norm_w, eps, xn_out);
+    } else {
+        stage_input(xs, x, cols, norm_w, eps, xn_out);
+    }
 
     float best_v = f32_bits(0x7fc00000u);
     int best_i = 0x7fffffff;
@@ -227,6 +387,18 @@ __device__ __forceinline__ void dmv_body(
         __syncthreads();
         route_block(l, rows, k, renorm, 0, ids, probs, weights, by_id, kth, next, pe, sp, sel, red);
         if (threadIdx.x == 0) *counter = 0u;
+    }
+    if (KIND == 3) {
+        if (!last_block(counter)) return;
+        // the last block's first warp routes (route_warp: route_block's bits, no block barrier)
+        if (warp != 0) return;
+        __shared__ int sel3[DEC_ROUTE_MAX_K];
+        float* l = xs;          // [rows]: the other blocks' logits, read from L2
+        float* pe = xs + rows;  // [rows]
+        for (int i = p; i < rows; i += 32) l[i] = __ldcg(out + i);
+        __syncwarp();
+        route_warp(l, rows, k, renorm, ids, probs, weights, by_id, kth, next, pe, sel3);
+        if (p == 0) *counter = 0u;
     }
     if (KIND == 2) {
         // the block's best, then the grid's in the last block
@@ -318,6 +490,20 @@ extern "C" __global__ void __launch_bounds__(256) router_bf16(ROUTER_ARGS(u16)) 
 
 extern "C" __global__ void __launch_bounds__(256) router_f32(ROUTER_ARGS(float)) {
     dmv_body<float, 1>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
+                       logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
+                       next, nullptr, nullptr, nullptr, nullptr);
+}
+
+// router_bf16/_f32 with stage_input_fast and route_warp (the default; TARFA_CUDA_ROUTER=v1
+// selects router_bf16/_f32): the same arguments and outputs, bit for bit. k <= 8.
+extern "C" __global__ void __launch_bounds__(256) router2_bf16(ROUTER_ARGS(u16)) {
+    dmv_body<u16, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
+                     0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth, next, nullptr,
+                     nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)) {
+    dmv_body<float, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                        logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
                        next, nullptr, nullptr, nullptr, nullptr);
 }
@@ -637,4 +823,220 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode(
     }
     __syncthreads();
     if (v < ATT_TILE && d0 + v < d) o[(long)qh * d + d0 + v] = tile[0][v];
+}
+
+// ---------------------------------------------------------------------------------------------
+// attn_decode2: attn_decode's outputs, bit for bit, with one block-wide barrier and no global
+// round trip between its phases (the default; TARFA_CUDA_ATTN=v1 selects attn_decode). Same
+// grid (query head, 32-wide slice of D), same arguments; what changes is who holds what:
+// - no staging of q, k, v: each thread reads the raw values its lanes need (the element and
+//   its RoPE partner) and applies the per-head RMSNorm and RoPE in registers, every warp
+//   computing the norm's sum of squares itself (warp_dot_f32, the rmsnorm kernel's dot);
+// - the scores as attn_decode (a warp per 8 positions, thread p holds lanes p + 32i), k_P from
+//   the thread's registers, into shared memory (scratch null; dynamic shared memory of
+//   n_stride floats) or the global scratch row (when the context does not fit shared memory);
+//   then the one barrier;
+// - every warp then computes the softmax statistics itself: the maximum (order-free, NaN
+//   ignored, as block_max_256), and the canonical sum with thread p holding lanes 8p..8p+7
+//   (warp_tree, the same pairs as block_tree_256);
+// - warp w computes the 4 outputs d0 + 4w .. d0 + 4w + 3 of the slice: thread p holds lanes
+//   8p..8p+7 (positions 8p + s + 256c, c increasing), acc = fma(p_j, v_j[d], acc), then
+//   warp_tree: the same lane sums and tree as the 256 x 32 shared tile of attn_decode.
+// Loads are issued early: a warp's first 8 keys and a thread's first 8 positions' values at the
+// start (their latency overlaps the norm and RoPE), the next 8 keys before each 8's tree. This
+// takes ~230 registers (one block of 256 per multiprocessor; ptx_report.py).
+// Every value is computed by the operations attn_decode uses, in the same order; only the
+// thread that computes it changes. Requires D <= 256 and even.
+
+// x[i] with the per-head RMSNorm applied (nw not null: w_i * (x_i * r)).
+__device__ __forceinline__ float att_normed(const float* x, const float* __restrict__ nw, float r,
+                                            int i) {
+    return nw != nullptr ? __fmul_rn(nw[i], __fmul_rn(x[i], r)) : x[i];
+}
+
+// Element e of RMSNorm-then-RoPE of x (attn_decode's pair update, seen from either element).
+__device__ __forceinline__ float att_rope(const float* x, const float* __restrict__ nw, float r,
+                                          const float* c, const float* s, int half, int e) {
+    if (e < half) {
+        const float a = att_normed(x, nw, r, e), b = att_normed(x, nw, r, e + half);
+        return __fsub_rn(__fmul_rn(a, c[e]), __fmul_rn(b, s[e]));
+    }
+    const int i = e - half;
+    const float a = att_normed(x, nw, r, i), b = att_normed(x, nw, r, e);
+    return __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+}
+
+// Keys of positions j0 .. j0 + ATT_U - 1 below pos at this thread's score lanes p + 32i (0
+// elsewhere: those lanes take k_P from registers, or nothing).
+__device__ __forceinline__ void att_load_keys(float (&kb)[ATT_U][8], const float* keys, int j0,
+                                              int pos, int d, int p) {
+#pragma unroll
+    for (int u = 0; u < ATT_U; u++) {
+        const int j = j0 + u;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = p + 32 * i;
+            kb[u][i] = (j < pos && e < d) ? keys[(long)j * d + e] : 0.0f;
+        }
+    }
+}
+
+#define ATT2_COLS 4  // output columns per warp (8 warps x 4 = ATT_TILE)
+extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
+    const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv, int d,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
+    float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
+    float* __restrict__ o) {
+    TARFA_DYN_SMEM(float, sm);
+    grid_dep_wait();
+    grid_dep_launch();
+    const int p = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int qh = blockIdx.x;
+    const int slice = blockIdx.y;
+    const int group = hq / hkv;
+    const int kvh = qh / group;
+    const int pos = st->pos;
+    const int n = pos + 1;
+    const float* qg = q_raw + (long)qh * d;
+    const float* kg = k_raw + (long)kvh * d;
+    const float* vg = v_raw + (long)kvh * d;
+    const float* keys = k_cache + (long)kvh * cap * d;
+    const float* vals = v_cache + (long)kvh * cap * d;
+    const int d0 = slice * ATT_TILE + ATT2_COLS * warp;
+
+    // the first keys this warp scores, and the values of this thread's first output lanes
+    // (positions 8p + s; v_P is v_raw itself): loaded now, used after the dependent steps
+    float kb[ATT_U][8];
+    att_load_keys(kb, keys, ATT_U * warp, pos, d, p);
+    float vpre[8][ATT2_COLS];
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int j = 8 * p + t;
+        const float* vr = j < pos ? vals + (long)j * d : vg;
+#pragma unroll
+        for (int cc = 0; cc < ATT2_COLS; cc++) vpre[t][cc] = (j < n && d0 + cc < d) ? vr[d0 + cc] : 0.0f;
+    }
+
+    // q and k of this thread's score lanes p + 32i, normalised and rotated
+    float rq = 1.0f, rk = 1.0f;
+    if (q_norm != nullptr) {
+        const float sq = warp_dot_f32(qg, qg, d, p);
+        const float sk = warp_dot_f32(kg, kg, d, p);
+        rq = __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(sq, (float)d), eps)), 0);
+        rk = __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(sk, (float)d), eps)), 0);
+    }
+    const int half = d / 2;
+    const float* cr = cos_t + (long)pos * half;
+    const float* sr = sin_t + (long)pos * half;
+    float qv[8], kv[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = p + 32 * i;
+        qv[i] = e < d ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
+        kv[i] = e < d ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+    }
+    if (qh % group == 0 && slice == 0 && warp == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = p + 32 * i;
+            if (e < d) {
+                k_cache[((long)kvh * cap + pos) * d + e] = kv[i];
+                v_cache[((long)kvh * cap + pos) * d + e] = vg[e];
+            }
+        }
+    }
+
+    // scores (attn_decode's loop; k_P from registers; the next 8 positions' keys are loaded
+    // before this 8's tree)
+    float* sc = scratch != nullptr ? scratch + (long)(qh * gridDim.y + slice) * n_stride : sm;
+    for (int j0 = ATT_U * warp; j0 < n; j0 += 8 * ATT_U) {
+        float a[ATT_U][8];
+#pragma unroll
+        for (int u = 0; u < ATT_U; u++) {
+            const int j = j0 + u;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int e = p + 32 * i;
+                a[u][i] = (j < n && e < d) ? fmaf(qv[i], j < pos ? kb[u][i] : kv[i], 0.0f) : 0.0f;
+            }
+        }
+        att_load_keys(kb, keys, j0 + 8 * ATT_U, pos, d, p);
+#pragma unroll
+        for (int u = 0; u < ATT_U; u++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[u][i] = __fadd_rn(a[u][i], a[u][i + 4]);
+#pragma unroll
+            for (int i = 0; i < 2; i++) a[u][i] = __fadd_rn(a[u][i], a[u][i + 2]);
+            a[u][0] = __fadd_rn(a[u][0], a[u][1]);
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) {
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++)
+                a[u][0] = __fadd_rn(a[u][0], __shfl_down_sync(TARFA_FULL_MASK, a[u][0], off));
+        }
+        if (p == 0) {
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++) {
+                if (j0 + u < n) sc[j0 + u] = __fmul_rn(a[u][0], scale);
+            }
+        }
+    }
+    __syncthreads();  // the only block-wide barrier: every score is written
+
+    // the maximum (any order gives the same value: common.cuh block_max_256)
+    float m = f32_bits(0xff800000u);
+    for (int j = p; j < n; j += 32) m = fmaxf(m, sc[j]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TARFA_FULL_MASK, m, off));
+    // the canonical sum of e_j: lane 8p + s sums j = 8p + s, + 256, ... in increasing order
+    float e0[8], a[8];
+    zero8(a);
+    zero8(e0);
+    for (int base = 8 * p; base < n; base += TARFA_LANES) {
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int j = base + t;
+            if (j < n) {
+                const float e = det_exp(__fsub_rn(sc[j], m));
+                if (base == 8 * p) e0[t] = e;
+                a[t] = __fadd_rn(a[t], e);
+            }
+        }
+    }
+    const float total = __shfl_sync(TARFA_FULL_MASK, warp_tree(a), 0);
+
+    // the outputs: lane 8p + t over positions j = 8p + t, + 256, ...; then the tree
+    float acc[ATT2_COLS][8];
+#pragma unroll
+    for (int cc = 0; cc < ATT2_COLS; cc++) zero8(acc[cc]);
+    for (int base = 8 * p; base < n; base += TARFA_LANES) {
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int j = base + t;
+            if (j < n) {
+                if (base == 8 * p) {
+                    const float pj = __fdiv_rn(e0[t], total);
+#pragma unroll
+                    for (int cc = 0; cc < ATT2_COLS; cc++) {
+                        if (d0 + cc < d) acc[cc][t] = fmaf(pj, vpre[t][cc], acc[cc][t]);
+                    }
+                } else {
+                    const float pj = __fdiv_rn(det_exp(__fsub_rn(sc[j], m)), total);
+                    const float* vr = j < pos ? vals + (long)j * d : vg;
+#pragma unroll
+                    for (int cc = 0; cc < ATT2_COLS; cc++) {
+                        if (d0 + cc < d) acc[cc][t] = fmaf(pj, vr[d0 + cc], acc[cc][t]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int cc = 0; cc < ATT2_COLS; cc++) {
+        const float r = warp_tree(acc[cc]);
+        if (p == 0 && d0 + cc < d) o[(long)qh * d + d0 + cc] = r;
+    }
 }

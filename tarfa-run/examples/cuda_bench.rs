@@ -15,8 +15,11 @@
 //!    and `gpu` (event time of the steps alone); every mode must choose the same tokens and the
 //!    same last logits, bit for bit, as the legacy kernels;
 //! 3. a paired A/B, legacy `api` against the default mode's `api` (AB/BA alternation, median
-//!    paired change, 95% bootstrap interval);
-//! 4. each decode kernel timed with events: microseconds per token and GB/s of weights;
+//!    paired change, 95% bootstrap interval); then the same A/B of the decode kernel versions in
+//!    the default mode (A: `TARFA_CUDA_ATTN=v1 TARFA_CUDA_ROUTER=v1`, B: the environment's
+//!    choice, by default the second versions), with tokens and last logits compared bit for bit;
+//! 4. each decode kernel timed with events: microseconds per token and GB/s of weights (first
+//!    with the v1 attention and router kernels, then with the environment's choice);
 //! 5. prefill of each `--prefill` length;
 //! 6. the CPU-vs-CUDA selftest on this model (prefill and decode, every logit and router record).
 //!
@@ -213,6 +216,22 @@ impl Bench<'_> {
         self.model
             .time_decode(&mut c, *toks.last().expect("two tokens"), n)
             .unwrap_or_else(|e| fail(format!("{} time_decode: {e}", mode.name())))
+    }
+}
+
+/// The variables that select the first attention and router decode kernels.
+const KERNEL_VARS: [&str; 2] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER"];
+
+/// The A/B's arm B: the kernels the environment chose when the bench started.
+fn kernel_arm(saved: &[(&str, Option<String>)]) -> String {
+    let set: Vec<String> = saved
+        .iter()
+        .filter_map(|(v, x)| x.as_ref().map(|x| format!("{v}={x}")))
+        .collect();
+    if set.is_empty() {
+        "default kernels".into()
+    } else {
+        set.join(" ")
     }
 }
 
@@ -416,7 +435,109 @@ fn main() {
         );
     }
 
-    // 4. per-kernel profile
+    // 3b. paired A/B of the decode kernel versions in the default mode: A the first attention
+    // and router kernels (TARFA_CUDA_ATTN=v1, TARFA_CUDA_ROUTER=v1), B as the environment says
+    // (unset: the second versions); every run must give the same tokens and last logits
+    let saved: Vec<(&str, Option<String>)> = KERNEL_VARS
+        .iter()
+        .map(|&v| (v, std::env::var(v).ok()))
+        .collect();
+    let kernels_v1 = |v1: bool| {
+        for (var, val) in &saved {
+            match (v1, val) {
+                (true, _) => std::env::set_var(var, "v1"),
+                (false, Some(x)) => std::env::set_var(var, x),
+                (false, None) => std::env::remove_var(var),
+            }
+        }
+    };
+    if !only_profile && b_mode != DecodeMode::Legacy {
+        let n_ab = n_decode.min(64);
+        let mut changes = Vec::new();
+        let (mut a_t, mut b_t) = (Vec::new(), Vec::new());
+        let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
+        let mut same = true;
+        for i in 0..pairs {
+            let order = if i % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            };
+            let (mut ta, mut tb) = (0.0, 0.0);
+            for is_a in order {
+                kernels_v1(is_a);
+                let (s, toks, last) = bench.api(b_mode, n_ab);
+                let bits: Vec<u32> = last.iter().map(|x| x.to_bits()).collect();
+                match &reference {
+                    None => reference = Some((toks, bits)),
+                    Some((t, b)) => same &= *t == toks && *b == bits,
+                }
+                if is_a {
+                    ta = s;
+                } else {
+                    tb = s;
+                }
+            }
+            a_t.push(ta);
+            b_t.push(tb);
+            changes.push((tb - ta) / ta);
+        }
+        kernels_v1(false);
+        let med = median(&mut changes.clone());
+        let (lo, hi) = bootstrap(&changes);
+        let ab = format!(
+            "{pairs} pairs AB/BA, {n_ab} tokens each, {}: A attention+router v1 {:.3} ms/token, B {} {:.3} ms/token; median paired change {:+.1}% (95% CI {:+.1}% .. {:+.1}%); tokens and last logits {}",
+            b_mode.name(),
+            1e3 * median(&mut a_t.clone()) / n_ab as f64,
+            kernel_arm(&saved),
+            1e3 * median(&mut b_t.clone()) / n_ab as f64,
+            100.0 * med,
+            100.0 * lo,
+            100.0 * hi,
+            if same { "bit-identical" } else { "DIFFER" }
+        );
+        println!("A/B kernels: {ab}");
+        table(
+            "A/B decode kernels (attention+router v1 vs default)",
+            if !same {
+                "DIFFER"
+            } else if hi < 0.0 {
+                "ACCEPT"
+            } else {
+                "REJECT"
+            },
+            &ab,
+        );
+        js.insert(
+            "ab_kernels".into(),
+            json!({"pairs": pairs, "tokens": n_ab, "a_s": a_t, "b_s": b_t, "median_change": med, "ci": [lo, hi], "mode": b_mode.name(), "b": kernel_arm(&saved), "identical": same}),
+        );
+    }
+
+    // 4. per-kernel profile: first with the v1 attention and router kernels (the A/B's
+    // per-kernel view; not under ncu), then with the environment's choice
+    if !only_profile {
+        kernels_v1(true);
+        let (mut c, toks) = bench.start(DecodeMode::Direct, prof_steps);
+        match model.profile_decode(&mut c, *toks.last().expect("two tokens"), prof_steps) {
+            Ok(rows) => {
+                let mut pj = Vec::new();
+                for r in &rows {
+                    let d = format!(
+                        "{:>3} launches, {:>8.1} us/token, {} regs ({})",
+                        r.launches, r.us_per_token, r.registers, r.kernels
+                    );
+                    println!("profile v1 {:<41} {d}", r.label);
+                    pj.push(json!({"label": r.label, "kernels": r.kernels,
+                        "launches": r.launches, "us_per_token": r.us_per_token,
+                        "registers": r.registers}));
+                }
+                js.insert("profile_v1".into(), json!(pj));
+            }
+            Err(e) => println!("profile v1: {e}"),
+        }
+        kernels_v1(false);
+    }
     {
         let (mut c, toks) = bench.start(DecodeMode::Direct, prof_steps);
         match model.profile_decode(&mut c, *toks.last().expect("two tokens"), prof_steps) {

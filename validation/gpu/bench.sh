@@ -171,7 +171,7 @@ if [ -f "$BIG/model.jnf" ]; then
   row "SM clock during the benchmark" "-" "$(awk -F', ' 'NR>1 && $2+0>0 {n++; s+=$2; if ($2+0<m || m==0) m=$2+0; if ($2+0>M) M=$2+0} END {if (n) printf "%d samples: mean %.0f MHz, min %d, max %d", n, s/n, m, M}' "$LOG/clocks.csv")"
   # optional: Nsight Compute on the decode kernels of a few steps (NCU=1)
   if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-    step ncu 150 ncu --clock-control none --kernel-name regex:"attn_decode|dmv_bf16|router_bf16|gate_up_dec_bf16|moe_down_dec|lmhead_bf16" \
+    step ncu 150 ncu --clock-control none --kernel-name regex:"attn_decode|dmv_bf16|router_bf16|router2_bf16|gate_up_dec_bf16|moe_down_dec|lmhead_bf16" \
       --launch-skip 40 --launch-count 14 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
       "$NEW/cuda_bench" "$BIG" --only-profile --profile-steps 2

@@ -56,9 +56,63 @@ pub(super) struct DecodeCtx {
     pub(super) asked: DecodeMode,
     pub(super) running: DecodeMode,
     pub(super) note: String,
+    /// The attention and router kernels of the launch list (rebuilt when the environment
+    /// asks for others: `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER`).
+    pub(super) kernels: DecodeKernels,
 }
 
 const F: usize = 4;
+
+/// The most shared memory attn_decode2 takes for its scores (larger contexts use the global
+/// scratch rows, as attn_decode always does).
+const ATTN_SHARED_MAX: usize = 96 * 1024;
+
+/// Which version of a decode kernel the launch list uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KernelVersion {
+    /// The first decode kernels (attn_decode, router_bf16/_f32).
+    V1,
+    /// The default: attn_decode2 (one block barrier, scores in shared memory, warp-level
+    /// softmax statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
+    V2,
+}
+
+/// The attention and router kernels of the decode step, chosen when the launch list is built
+/// (an in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
+/// `TARFA_CUDA_ATTN=v1` and `TARFA_CUDA_ROUTER=v1` select the first versions; anything else (or
+/// unset) the default, v2. Both compute the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DecodeKernels {
+    pub(crate) attn: KernelVersion,
+    pub(crate) router: KernelVersion,
+    /// The most bytes of scores attn_decode2 keeps in shared memory.
+    pub(crate) attn_shared_max: usize,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A test's choice, instead of the environment (tests run in parallel threads).
+    pub(crate) static KERNELS_FOR_TEST: std::cell::Cell<Option<DecodeKernels>> =
+        const { std::cell::Cell::new(None) };
+}
+
+impl DecodeKernels {
+    pub(crate) fn from_env() -> Self {
+        #[cfg(test)]
+        if let Some(k) = KERNELS_FOR_TEST.with(|c| c.get()) {
+            return k;
+        }
+        let pick = |var: &str| match std::env::var(var) {
+            Ok(v) if v.trim().eq_ignore_ascii_case("v1") => KernelVersion::V1,
+            _ => KernelVersion::V2,
+        };
+        DecodeKernels {
+            attn: pick("TARFA_CUDA_ATTN"),
+            router: pick("TARFA_CUDA_ROUTER"),
+            attn_shared_max: ATTN_SHARED_MAX,
+        }
+    }
+}
 
 fn p(b: &DevBuf) -> Arg {
     Arg::Ptr(b.ptr())
@@ -301,6 +355,7 @@ impl CudaModel {
         &self,
         cache: &CudaCache,
         b: &DecBufs,
+        kernels: DecodeKernels,
     ) -> Result<Vec<Launch>, CudaError> {
         let cfg = &self.cfg;
         let (h, hq, hkv, d) = (
@@ -409,11 +464,19 @@ impl CudaModel {
                 }
                 _ => (0, 0),
             };
+            // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0)
+            let (att_name, att_shared, att_scratch) = match kernels.attn {
+                KernelVersion::V1 => ("attn_decode", (3 * d * F) as u32, b.scores.ptr()),
+                KernelVersion::V2 if cache.cap * F <= kernels.attn_shared_max => {
+                    ("attn_decode2", (cache.cap * F) as u32, 0)
+                }
+                KernelVersion::V2 => ("attn_decode2", 0, b.scores.ptr()),
+            };
             v.push(Launch {
-                name: "attn_decode",
+                name: att_name,
                 grid: (hq as u32, slices as u32, 1),
                 block: (256, 1, 1),
-                shared: (3 * d * F) as u32,
+                shared: att_shared,
                 args: vec![
                     Arg::Ptr(qkv),
                     Arg::Ptr(k_raw),
@@ -431,7 +494,7 @@ impl CudaModel {
                     p(&cache.v[l]),
                     i32a(cache.cap),
                     Arg::F32(scale),
-                    p(&b.scores),
+                    Arg::Ptr(att_scratch),
                     i32a(cache.cap),
                     p(&b.o),
                 ],
@@ -492,9 +555,11 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
-                    let name = match router.dtype {
-                        DType::Bf16 => "router_bf16",
-                        DType::F32 => "router_f32",
+                    let name = match (router.dtype, kernels.router) {
+                        (DType::Bf16, KernelVersion::V1) => "router_bf16",
+                        (DType::F32, KernelVersion::V1) => "router_f32",
+                        (DType::Bf16, KernelVersion::V2) => "router2_bf16",
+                        (DType::F32, KernelVersion::V2) => "router2_f32",
                     };
                     let shared_mem = ((2 * e_count + k_top).max(h) * F) as u32;
                     v.push(Launch {
@@ -644,15 +709,16 @@ impl CudaModel {
     /// for the graph modes, the captured graph (a failed capture falls back to the next mode,
     /// and says so in [`CudaCache::decode_note`]).
     pub(super) fn ensure_decode(&self, cache: &mut CudaCache) -> Result<(), CudaError> {
+        let kernels = DecodeKernels::from_env();
         if let Some(dc) = &cache.dec {
-            if dc.bufs.cap == cache.cap && dc.asked == cache.mode {
+            if dc.bufs.cap == cache.cap && dc.asked == cache.mode && dc.kernels == kernels {
                 return Ok(());
             }
         }
         cache.dec = None;
         cache.upload_rope(&self.gpu, cache.cap)?;
         let bufs = self.dec_bufs(cache.cap)?;
-        let launches = self.decode_plan(cache, &bufs)?;
+        let launches = self.decode_plan(cache, &bufs, kernels)?;
         let asked = cache.mode;
         let mut note = String::new();
         let mut graph = None;
@@ -686,6 +752,7 @@ impl CudaModel {
             }
         }
         cache.dec = Some(Box::new(DecodeCtx {
+            kernels,
             bufs,
             launches,
             graph,

@@ -620,7 +620,8 @@ pub(crate) fn launch(
             }
         }
         // ---- kernels/decode.cu (one token) ----
-        "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "lmhead_bf16" | "lmhead_f32" => {
+        "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "router2_bf16" | "router2_f32"
+        | "lmhead_bf16" | "lmhead_f32" => {
             let bf16 = name.ends_with("bf16");
             let kind = if name.starts_with("router") {
                 1
@@ -806,7 +807,7 @@ pub(crate) fn launch(
             }
             mem.put_f32s(h, &hv);
         }
-        "attn_decode" => {
+        "attn_decode" | "attn_decode2" => {
             a.count(19);
             let (qr, kr, vr, hq, hkv, d) =
                 (a.ptr(0), a.ptr(1), a.ptr(2), a.int(3), a.int(4), a.int(5));
@@ -832,7 +833,16 @@ pub(crate) fn launch(
                 (hq, d.div_ceil(32), 256),
                 "{name} geometry"
             );
-            assert!(shared_bytes as usize >= 3 * d * 4, "{name}: shared memory");
+            if name == "attn_decode" {
+                assert!(shared_bytes as usize >= 3 * d * 4, "{name}: shared memory");
+                assert!(scratch != 0, "{name}: no scratch");
+            } else {
+                // attn_decode2: the scores in shared memory unless a scratch row is given
+                assert!(
+                    scratch != 0 || shared_bytes as usize >= ns * 4,
+                    "{name}: shared memory for {ns} scores"
+                );
+            }
             let pos = mem.u32s(st + 4, 1)[0] as usize;
             let n = pos + 1;
             assert!(
@@ -872,8 +882,10 @@ pub(crate) fn launch(
                 let sc: Vec<f32> = (0..n)
                     .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * scale)
                     .collect();
-                for sl in 0..gy {
-                    mem.put_f32s(scratch + (((h * gy + sl) * ns) * 4) as u64, &sc);
+                if scratch != 0 {
+                    for sl in 0..gy {
+                        mem.put_f32s(scratch + (((h * gy + sl) * ns) * 4) as u64, &sc);
+                    }
                 }
                 let pr = softmax(&sc);
                 let mut out = vec![0.0f32; d];
@@ -998,6 +1010,61 @@ mod tests {
                 ..SyntheticShape::small(family)
             };
             decode_modes_match_the_cpu(family, shape);
+        }
+    }
+
+    #[test]
+    fn every_decode_kernel_version_gives_the_cpus_bits() {
+        // the first attention and router kernels (TARFA_CUDA_ATTN=v1, TARFA_CUDA_ROUTER=v1), and
+        // attn_decode2 with its scores in the global scratch rows (a context too long for shared
+        // memory), on a short and a wide shape
+        use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
+        let wide = SyntheticShape {
+            layers: 2,
+            hidden: 2304,
+            heads: 12,
+            kv_heads: 4,
+            head_dim: 200,
+            experts: 10,
+            top_k: 3,
+            expert_width: 520,
+            dense_width: 776,
+            vocab: 600,
+            decoder_sparse_step: 1,
+            mlp_only_layers: vec![1],
+            ..SyntheticShape::small("qwen3_moe")
+        };
+        for (attn, router, attn_shared_max) in [
+            (KernelVersion::V1, KernelVersion::V1, 0),
+            (KernelVersion::V2, KernelVersion::V2, 0),
+        ] {
+            KERNELS_FOR_TEST.with(|c| {
+                c.set(Some(DecodeKernels {
+                    attn,
+                    router,
+                    attn_shared_max,
+                }))
+            });
+            eprintln!("attention {attn:?}, router {router:?}, shared max {attn_shared_max}");
+            decode_modes_match_the_cpu("qwen3_moe", SyntheticShape::small("qwen3_moe"));
+            decode_modes_match_the_cpu("qwen3_moe", wide.clone());
+        }
+        KERNELS_FOR_TEST.with(|c| c.set(None));
+    }
+
+    #[test]
+    fn the_router_kernels_take_many_experts_and_top_k_of_all() {
+        // more experts than one warp's registers hold (300 > 256: the keys read from shared
+        // memory, two 256-chunks in the softmax sum), and k = E (next is NaN)
+        for (experts, top_k) in [(300, 8), (4, 4)] {
+            for family in ["qwen3_moe", "mixtral"] {
+                let shape = SyntheticShape {
+                    experts,
+                    top_k,
+                    ..SyntheticShape::small(family)
+                };
+                decode_modes_match_the_cpu(family, shape);
+            }
         }
     }
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 #[path = "decode.rs"]
-mod decode;
+pub(super) mod decode;
 #[path = "hot.rs"]
 pub(crate) mod hot;
 

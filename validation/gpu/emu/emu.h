@@ -59,6 +59,23 @@ inline float __shfl_down_sync(unsigned, float v, int off) {
     return emu_xchg(v, l + off, l + off < 32);
 }
 inline float __shfl_sync(unsigned, float v, int src) { return emu_xchg(v, src & 31, true); }
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+    return emu_xchg(v, (emu_lane() ^ mask) & 31, true);
+}
+// Integer shuffles: the bits travel through the float exchange unchanged (memcpy, no arithmetic).
+inline int emu_xchg_int(int v, int src_lane) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    f = emu_xchg(f, src_lane, true);
+    int r;
+    std::memcpy(&r, &f, 4);
+    return r;
+}
+inline int __shfl_sync(unsigned, int v, int src) { return emu_xchg_int(v, src & 31); }
+inline int __shfl_xor_sync(unsigned, int v, int mask) {
+    return emu_xchg_int(v, (emu_lane() ^ mask) & 31);
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier(); }
 
 inline void __threadfence() {}
 inline unsigned atomicAdd(unsigned* p, unsigned v) {

@@ -67,9 +67,10 @@ def main():
             m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
             if m and cur:
                 spill = f"stack {m.group(1)} spill {m.group(2)}/{m.group(3)}"
-            m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)
+            m = re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)
             if m and cur:
-                print(f"{f:14} {cur:22} regs {m.group(1):>3}  smem {m.group(2):>6}  {spill}")
+                smem = m.group(2) or "0"
+                print(f"{f:14} {cur:22} regs {m.group(1):>3}  smem {smem:>6}  {spill}")
                 cur = None
 
 
