@@ -26,7 +26,8 @@
 #      A smaller hot tier (12.5%) checks whether less cache is better
 #   4. the same for 4 layers of Qwen3-235B-A22B (512 experts of 28.3 MB)
 # STREAM_DECODE (default 16) decode steps per run; RUNS_30 / RUNS_235 (space-separated labels,
-# default all six / "hot-lru hot-ledger warm-lru pagecache") choose the runs of each model. A dry run of the script on a CPU machine:
+# default all / "hot-lru hot-ledger warm-lru pagecache"; "none" skips the model) choose the runs
+# of each model; SELFTESTS=0 skips step 1. A dry run of the script on a CPU machine:
 #   BACKEND=cpu SYNTH_EXTRA="--experts 32 --vocab 4096" LAYERS_30=2 LAYERS_235=1 bench-stream.sh ...
 # (no selftests then: they compare a GPU with the CPU)
 set -u
@@ -77,7 +78,7 @@ export TARFA_CACHE_DIR=$WORK/cache
 
 # --- 1. correctness: streamed selftests on the fixtures, sanitizers -------------------------
 for f in qwen3moe-a qwen3moe-code qwen3moe-dense qwen3moe-odd; do
-  [ -d "$FIX/$f" ] && [ "$BACKEND" = cuda ] || continue
+  [ -d "$FIX/$f" ] && [ "$BACKEND" = cuda ] && [ "${SELFTESTS:-1}" = 1 ] || continue
   step "convert-$f" 60 "$BIN/tarfa-convert" "$FIX/$f" "$WORK/$f" || continue
   if step "sweep-$f" 120 "$BIN/tarfa-run" selftest --backend "$BACKEND" --stream-sweep "$WORK/$f" \
       --prompt-lengths 1,9,40 --decode-steps 6 --json "$LOG/sweep-$f.json"; then
@@ -86,8 +87,8 @@ for f in qwen3moe-a qwen3moe-code qwen3moe-dense qwen3moe-odd; do
     row "streamed selftest $f" FAIL "$(grep -m1 -E '^FAIL|error' "$LOG/sweep-$f.log" | cut -c1-200)"
   fi
 done
-if [ "$BACKEND" != cuda ]; then
-  row "selftests" SKIPPED "BACKEND=$BACKEND"
+if [ "$BACKEND" != cuda ] || [ "${SELFTESTS:-1}" != 1 ]; then
+  row "selftests" SKIPPED "BACKEND=$BACKEND SELFTESTS=${SELFTESTS:-1}"
 elif command -v compute-sanitizer >/dev/null && [ -d "$WORK/qwen3moe-a" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     extra=""; [ "$tool" = memcheck ] && extra="--leak-check full"
@@ -112,6 +113,7 @@ RUNS=()
 IOS=()
 run_model() {  # run_model NAME SHAPE LAYERS RUNS
   local name=$1 shape=$2 layers=$3 runs=" $4 " b=$WORK/$1
+  [ "$4" = none ] && return
   # shellcheck disable=SC2086
   if ! step "synth-$name" 300 "$BIN/tarfa-convert" synth --shape "$shape" --layers "$layers" \
       --skew 1 --format bundle ${SYNTH_EXTRA:-} "$b"; then
