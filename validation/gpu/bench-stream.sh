@@ -24,7 +24,7 @@
 #      (tools/pagecache.py: MemAvailable is pinned so the kernel cannot cache more). Every run
 #      starts with the bundle evicted from the page cache (fadvise DONTNEED, no root needed).
 #      A smaller hot tier (12.5%) checks whether less cache is better
-#   4. the same for 4 layers of Qwen3-235B-A22B (512 experts of 28.3 MB)
+#   4. the same for 4 layers of Qwen3-235B-A22B (512 experts of 37.7 MB)
 # STREAM_DECODE (default 16) decode steps per run; RUNS_30 / RUNS_235 (space-separated labels,
 # default all / "hot-lru hot-ledger warm-lru pagecache"; "none" skips the model) choose the runs
 # of each model; SELFTESTS=0 skips step 1. A dry run of the script on a CPU machine:

@@ -86,7 +86,7 @@ def main():
     with open(out_path, "w") as f:
         json.dump({"io_bench": io, "runs": rows}, f, indent=1)
     for m, bw in io.items():
-        print(f"TABLE|disk {m}|-|9.4-28 MB extents, O_DIRECT: " +
+        print(f"TABLE|disk {m}|-|whole extents, O_DIRECT: " +
               ", ".join(f"QD{q} {g:.2f} GB/s" for q, g in sorted(bw.items())))
     for r in rows:
         pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
