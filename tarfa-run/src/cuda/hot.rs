@@ -226,6 +226,15 @@ impl HotTier {
         Ok(slot)
     }
 
+    /// Drops `key` from its slot (its copy failed: the slot's bytes are not that expert's).
+    pub(crate) fn forget(&mut self, key: Key) {
+        if let Some(s) = self.index.remove(&key) {
+            if let Some(e) = self.slots[s].take() {
+                self.pinned -= usize::from(e.pinned);
+            }
+        }
+    }
+
     /// After a layer: `Static` and `None` keep nothing but the pinned experts.
     pub(crate) fn end_layer(&mut self) {
         if matches!(self.policy, CachePolicy::Static | CachePolicy::None) {

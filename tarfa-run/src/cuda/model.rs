@@ -938,9 +938,19 @@ impl CudaModel {
                     let base = hot.pool.ptr() + slot as u64 * slot_bytes;
                     // Queued behind the kernels of the groups before, which may still read
                     // the expert this slot held.
-                    gpu.write_async(base, gm.data, "an expert's gate matrix")?;
-                    gpu.write_async(base + m_bytes, um.data, "an expert's up matrix")?;
-                    gpu.write_async(base + 2 * m_bytes, dm.data, "an expert's down matrix")?;
+                    let copied = gpu
+                        .write_async(base, gm.data, "an expert's gate matrix")
+                        .and_then(|_| {
+                            gpu.write_async(base + m_bytes, um.data, "an expert's up matrix")
+                        })
+                        .and_then(|_| {
+                            gpu.write_async(base + 2 * m_bytes, dm.data, "an expert's down matrix")
+                        });
+                    if let Err(e) = copied {
+                        // never let a later step take this slot for the expert
+                        hot.forget((l, x));
+                        return Err(e);
+                    }
                     hot.stats.uploads += 1;
                     hot.stats.h2d_bytes += 3 * m_bytes;
                 }
