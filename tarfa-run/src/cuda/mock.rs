@@ -193,6 +193,47 @@ fn dot(w: &[f32], x: &[f32], bf16: bool) -> f32 {
     }
 }
 
+/// `silu(dot(gate[row0 + i], x)) * dot(up[row0 + i], x)` for `i < rows`: one expert's SwiGLU
+/// rows (the reference of every gate/up kernel).
+#[allow(clippy::too_many_arguments)]
+fn swiglu_rows(
+    mem: &mut Memory,
+    gate: u64,
+    up: u64,
+    bf16: bool,
+    row0: usize,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    (0..rows)
+        .map(|i| {
+            let g = dot(&rows_of(mem, gate, bf16, row0 + i, cols), x, bf16);
+            let u = dot(&rows_of(mem, up, bf16, row0 + i, cols), x, bf16);
+            silu(g) * u
+        })
+        .collect()
+}
+
+/// The mix of one output row (every down/mix kernel's epilogue): +0, then `w_j * y(j)` for the
+/// slots in `order` (ascending expert id), then the shared expert's `sigmoid(s) * y_sh`.
+fn mix_row(
+    order: &[u32],
+    w: &[f32],
+    mut y: impl FnMut(usize) -> f32,
+    shared: Option<(f32, f32)>,
+) -> f32 {
+    let mut acc = 0.0f32;
+    for &j in order {
+        let j = j as usize;
+        acc += w[j] * y(j);
+    }
+    if let Some((s, y_sh)) = shared {
+        acc += sigmoid(s) * y_sh;
+    }
+    acc
+}
+
 fn softmax(l: &[f32]) -> Vec<f32> {
     let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = l.iter().map(|&x| exp(x - m)).collect();
@@ -491,13 +532,7 @@ pub(crate) fn launch(
                     } else {
                         0
                     };
-                    let out: Vec<f32> = (0..rows)
-                        .map(|i| {
-                            let g = dot(&rows_of(mem, gate, bf16, e * rows + i, cols), &x, bf16);
-                            let u = dot(&rows_of(mem, up, bf16, e * rows + i, cols), &x, bf16);
-                            silu(g) * u
-                        })
-                        .collect();
+                    let out = swiglu_rows(mem, gate, up, bf16, e * rows, rows, cols, &x);
                     mem.put_f32s(act + (((t * k + j) * rows) * 4) as u64, &out);
                 }
             }
@@ -524,21 +559,15 @@ pub(crate) fn launch(
                     .collect();
                 let mut hv = mem.f32s(h + ((t * hidden) * 4) as u64, hidden);
                 for (r, hr) in hv.iter_mut().enumerate() {
-                    let mut acc = 0.0f32;
-                    for &jj in &order {
-                        let j = jj as usize;
-                        let y = dot(
-                            &rows_of(mem, down, true, id[j] as usize * hidden + r, width),
-                            &acts[j],
-                            true,
-                        );
-                        acc += w[j] * y;
-                    }
-                    if y_sh != 0 {
+                    let shared = (y_sh != 0).then(|| {
                         let s = mem.f32s(s_sh + (t * 4) as u64, 1)[0];
-                        acc += sigmoid(s) * mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0];
-                    }
-                    *hr += acc;
+                        (s, mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0])
+                    });
+                    let y = |j: usize| {
+                        let row = rows_of(mem, down, true, id[j] as usize * hidden + r, width);
+                        dot(&row, &acts[j], true)
+                    };
+                    *hr += mix_row(&order, &w, y, shared);
                 }
                 mem.put_f32s(h + ((t * hidden) * 4) as u64, &hv);
             }
@@ -559,13 +588,7 @@ pub(crate) fn launch(
                     }
                     let gate = pool + (s as usize * slot_elems * 2) as u64;
                     let up = gate + (rows * cols * 2) as u64;
-                    let out: Vec<f32> = (0..rows)
-                        .map(|i| {
-                            let g = dot(&rows_of(mem, gate, true, i, cols), &x, true);
-                            let u = dot(&rows_of(mem, up, true, i, cols), &x, true);
-                            silu(g) * u
-                        })
-                        .collect();
+                    let out = swiglu_rows(mem, gate, up, true, 0, rows, cols, &x);
                     mem.put_f32s(act + (((t * k + j) * rows) * 4) as u64, &out);
                 }
             }
@@ -605,16 +628,11 @@ pub(crate) fn launch(
                     .collect();
                 let mut hv = mem.f32s(h + ((t * hidden) * 4) as u64, hidden);
                 for (r, hr) in hv.iter_mut().enumerate() {
-                    let mut acc = 0.0f32;
-                    for &jj in &order {
-                        let j = jj as usize;
-                        acc += w[j] * ys[j][r];
-                    }
-                    if y_sh != 0 {
+                    let shared = (y_sh != 0).then(|| {
                         let s = mem.f32s(s_sh + (t * 4) as u64, 1)[0];
-                        acc += sigmoid(s) * mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0];
-                    }
-                    *hr += acc;
+                        (s, mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0])
+                    });
+                    *hr += mix_row(&order, &w, |j| ys[j][r], shared);
                 }
                 mem.put_f32s(h + ((t * hidden) * 4) as u64, &hv);
             }
@@ -754,13 +772,7 @@ pub(crate) fn launch(
                 } else {
                     0
                 };
-                let out: Vec<f32> = (0..rows)
-                    .map(|i| {
-                        let g = dot(&rows_of(mem, gate, bf16, e * rows + i, cols), &xv, bf16);
-                        let u = dot(&rows_of(mem, up, bf16, e * rows + i, cols), &xv, bf16);
-                        silu(g) * u
-                    })
-                    .collect();
+                let out = swiglu_rows(mem, gate, up, bf16, e * rows, rows, cols, &xv);
                 mem.put_f32s(act + ((j * rows) * 4) as u64, &out);
             }
         }
@@ -789,21 +801,13 @@ pub(crate) fn launch(
                 .collect();
             let mut hv = mem.f32s(h, hidden);
             for (r, hr) in hv.iter_mut().enumerate() {
-                let mut acc = 0.0f32;
-                for &jj in &order {
-                    let j = jj as usize;
-                    let y = dot(
-                        &rows_of(mem, down, true, id[j] as usize * hidden + r, width),
-                        &acts[j],
-                        true,
-                    );
-                    acc += w[j] * y;
-                }
-                if y_sh != 0 {
-                    let s = mem.f32s(s_sh, 1)[0];
-                    acc += sigmoid(s) * mem.f32s(y_sh + (r * 4) as u64, 1)[0];
-                }
-                *hr += acc;
+                let shared = (y_sh != 0)
+                    .then(|| (mem.f32s(s_sh, 1)[0], mem.f32s(y_sh + (r * 4) as u64, 1)[0]));
+                let y = |j: usize| {
+                    let row = rows_of(mem, down, true, id[j] as usize * hidden + r, width);
+                    dot(&row, &acts[j], true)
+                };
+                *hr += mix_row(&order, &w, y, shared);
             }
             mem.put_f32s(h, &hv);
         }
