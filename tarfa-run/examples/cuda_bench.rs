@@ -4,8 +4,12 @@
 //! ```text
 //! cuda_bench DIR [--prompt 128] [--decode 128] [--prefill 512,2048] [--pairs 8]
 //!                [--profile-steps 16] [--selftest-prompts 3] [--json OUT] [--only-profile]
+//!                [--graph-diag REPS [--only-graph-diag]]
 //! ```
 //! `--only-profile`: load, then step 4 alone (for a run under ncu).
+//! `--graph-diag REPS`: first, the decode graph's time with each kind of launch left out and of
+//! each kind alone (a timing diagnostic; `--only-graph-diag` stops after it; `--graph-diag-all`:
+//! the whole graph only, for a run under nsys).
 //! 1. the HBM copy rate (cuMemcpyDtoD of 2 GiB, events; bytes read + written) and the weight
 //!    bytes a decode step reads (the step's own statistics): the roofline;
 //! 2. decode at batch 1 after a `--prompt`-token prompt in every decode mode (legacy kernels,
@@ -314,6 +318,44 @@ fn main() {
     js.insert("roofline_ms".into(), json!(roof_ms));
 
     let only_profile = args.iter().any(|a| a == "--only-profile");
+    // diagnostic: the graph with each kind of launch left out, and each kind alone
+    if let Some(reps) = arg(&args, "--graph-diag") {
+        let reps: usize = reps
+            .parse()
+            .unwrap_or_else(|_| fail("bad --graph-diag".into()));
+        let (mut c, toks) = bench.start(DecodeMode::Graph, reps + 2);
+        match model.graph_costs(
+            &mut c,
+            *toks.last().expect("two tokens"),
+            reps,
+            !args.iter().any(|a| a == "--graph-diag-all"),
+        ) {
+            Ok(rows) => {
+                let all = rows.first().map_or(0.0, |r| r.1);
+                let mut gj = Vec::new();
+                for (label, without, only) in &rows {
+                    let d = format!(
+                        "without {:>7.1} us (saves {:>6.1}), alone {:>7.1} us",
+                        without * 1e3,
+                        (all - without) * 1e3,
+                        only * 1e3
+                    );
+                    println!("graph-diag {label:<44} {d}");
+                    table(&format!("graph {label}"), "-", &d);
+                    gj.push(json!({"label": label, "without_ms": without, "alone_ms": only}));
+                }
+                js.insert("graph_diag".into(), json!(gj));
+            }
+            Err(e) => println!("graph-diag: {e}"),
+        }
+        if args.iter().any(|a| a == "--only-graph-diag") {
+            if let Some(p) = &json_out {
+                std::fs::write(p, serde_json::to_string_pretty(&js).expect("json"))
+                    .unwrap_or_else(|e| fail(format!("{}: {e}", p.display())));
+            }
+            return;
+        }
+    }
     // 2. decode in every mode; the legacy mode's tokens and logits are the reference
     let mut ref_toks: Option<Vec<u32>> = None;
     let mut ref_logits: Option<Vec<f32>> = None;

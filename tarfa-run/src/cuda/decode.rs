@@ -955,6 +955,72 @@ impl CudaModel {
 }
 
 impl CudaModel {
+    /// Where the graph's time goes (a diagnostic for the benchmark, never for output): for each
+    /// kind of launch (its label), milliseconds per step of the decode graph with that kind's
+    /// launches left out, and of a graph of that kind's launches alone; first row: the whole
+    /// graph (`"all"`, both figures the same). `n` replays each, every replay from the same
+    /// position (the state is reset before each timed run), so attention always sees the same
+    /// context (`per_kind` false: the first row alone). Left-out launches make the step's numbers meaningless: the cache's contents
+    /// past its length are overwritten (its length is unchanged) and nothing here is read back.
+    pub fn graph_costs(
+        &self,
+        cache: &mut CudaCache,
+        first: u32,
+        n: usize,
+        per_kind: bool,
+    ) -> Result<Vec<(String, f64, f64)>, CudaError> {
+        if let Some(why) = self.decode_unsupported() {
+            return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
+        }
+        let n = n.max(1);
+        self.reserve(cache, n)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        let mut labels: Vec<&'static str> = Vec::new();
+        for l in &dc.launches {
+            if !labels.contains(&l.label) {
+                labels.push(l.label);
+            }
+        }
+        let time = |launches: &[Launch]| -> Result<f64, CudaError> {
+            if launches.is_empty() {
+                return Ok(0.0);
+            }
+            let g = self.gpu.capture(launches, false)?;
+            let state = [first, pos0 as u32, 0, 0];
+            // one untimed replay (first use of the graph), then n timed ones
+            self.gpu
+                .write_async(dc.bufs.state.ptr(), &state, "the decode state")?;
+            self.gpu.launch_graph(&g)?;
+            let mut total = 0.0;
+            for _ in 0..n {
+                self.gpu
+                    .write_async(dc.bufs.state.ptr(), &state, "the decode state")?;
+                total += self.gpu.time(|| self.gpu.launch_graph(&g))?;
+            }
+            Ok(total / n as f64)
+        };
+        let all = time(&dc.launches)?;
+        let mut rows = vec![("all".to_string(), all, all)];
+        for label in labels.into_iter().filter(|_| per_kind) {
+            let without: Vec<Launch> = dc
+                .launches
+                .iter()
+                .filter(|l| l.label != label)
+                .cloned()
+                .collect();
+            let only: Vec<Launch> = dc
+                .launches
+                .iter()
+                .filter(|l| l.label == label)
+                .cloned()
+                .collect();
+            rows.push((label.to_string(), time(&without)?, time(&only)?));
+        }
+        Ok(rows)
+    }
+
     /// The GPU's device-to-device copy rate in GB/s, counting bytes read plus bytes written
     /// (the median of `reps` copies of `bytes`, timed with events): the bandwidth ceiling the
     /// decode figures are compared with.
