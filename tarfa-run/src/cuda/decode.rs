@@ -72,9 +72,23 @@ const ATTN_SHARED_MAX: usize = 96 * 1024;
 pub(crate) enum KernelVersion {
     /// The first decode kernels (attn_decode, router_bf16/_f32).
     V1,
-    /// The default: attn_decode2 (one block barrier, scores in shared memory, warp-level
-    /// softmax statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
+    /// attn_decode2 (one block barrier, scores in shared memory, warp-level softmax
+    /// statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
     V2,
+    /// The third versions (where a kernel family has one).
+    V3,
+}
+
+impl KernelVersion {
+    /// `v1`, `v2` or `v3` (any case, surrounding spaces ignored); anything else: `default`.
+    fn parse(v: Option<&str>, default: KernelVersion) -> KernelVersion {
+        match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            Some("v1") => KernelVersion::V1,
+            Some("v2") => KernelVersion::V2,
+            Some("v3") => KernelVersion::V3,
+            _ => default,
+        }
+    }
 }
 
 /// The attention and router kernels of the decode step, chosen when the launch list is built
@@ -85,6 +99,8 @@ pub(crate) enum KernelVersion {
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
     pub(crate) router: KernelVersion,
+    /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS`.
+    pub(crate) rows: KernelVersion,
     /// The most bytes of scores attn_decode2 keeps in shared memory.
     pub(crate) attn_shared_max: usize,
 }
@@ -102,13 +118,12 @@ impl DecodeKernels {
         if let Some(k) = KERNELS_FOR_TEST.with(|c| c.get()) {
             return k;
         }
-        let pick = |var: &str| match std::env::var(var) {
-            Ok(v) if v.trim().eq_ignore_ascii_case("v1") => KernelVersion::V1,
-            _ => KernelVersion::V2,
-        };
+        let pick =
+            |var: &str, default| KernelVersion::parse(std::env::var(var).ok().as_deref(), default);
         DecodeKernels {
-            attn: pick("TARFA_CUDA_ATTN"),
-            router: pick("TARFA_CUDA_ROUTER"),
+            attn: pick("TARFA_CUDA_ATTN", KernelVersion::V2),
+            router: pick("TARFA_CUDA_ROUTER", KernelVersion::V2),
+            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V1),
             attn_shared_max: ATTN_SHARED_MAX,
         }
     }
@@ -467,10 +482,13 @@ impl CudaModel {
             // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0)
             let (att_name, att_shared, att_scratch) = match kernels.attn {
                 KernelVersion::V1 => ("attn_decode", (3 * d * F) as u32, b.scores.ptr()),
-                KernelVersion::V2 if cache.cap * F <= kernels.attn_shared_max => {
+                // (no third version yet: v3 runs v2)
+                KernelVersion::V2 | KernelVersion::V3
+                    if cache.cap * F <= kernels.attn_shared_max =>
+                {
                     ("attn_decode2", (cache.cap * F) as u32, 0)
                 }
-                KernelVersion::V2 => ("attn_decode2", 0, b.scores.ptr()),
+                KernelVersion::V2 | KernelVersion::V3 => ("attn_decode2", 0, b.scores.ptr()),
             };
             v.push(Launch {
                 name: att_name,
@@ -558,8 +576,8 @@ impl CudaModel {
                     let name = match (router.dtype, kernels.router) {
                         (DType::Bf16, KernelVersion::V1) => "router_bf16",
                         (DType::F32, KernelVersion::V1) => "router_f32",
-                        (DType::Bf16, KernelVersion::V2) => "router2_bf16",
-                        (DType::F32, KernelVersion::V2) => "router2_f32",
+                        (DType::Bf16, KernelVersion::V2 | KernelVersion::V3) => "router2_bf16",
+                        (DType::F32, KernelVersion::V2 | KernelVersion::V3) => "router2_f32",
                     };
                     let shared_mem = ((2 * e_count + k_top).max(h) * F) as u32;
                     v.push(Launch {

@@ -1046,6 +1046,7 @@ mod tests {
                 c.set(Some(DecodeKernels {
                     attn,
                     router,
+                    rows: KernelVersion::V1,
                     attn_shared_max,
                 }))
             });
