@@ -35,6 +35,17 @@ __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.w
 __device__ __forceinline__ void grid_dep_launch() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
+
+// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+;
+// .cg: cached in L2 only). Nothing is computed: the bytes arrive unchanged. Complete after
+// async_copy_wait() in the issuing thread; other threads see them after a barrier that follows.
+__device__ __forceinline__ void async_copy16(void* smem, const void* gmem) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void async_copy_wait() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
 #endif
 
 __device__ __forceinline__ float f32_bits(u32 b) { return __uint_as_float(b); }
@@ -173,6 +184,47 @@ __device__ __forceinline__ float warp_tree(float a[8]) {
     a[0] = __fadd_rn(a[0], a[2]);
     a[1] = __fadd_rn(a[1], a[3]);
     return __fadd_rn(a[0], a[1]);
+}
+
+// warp_tree's result (the same pairs a[v] + a[v+h], level by level, each sum with the lower
+// lane's value first) with 12 shuffles instead of 40: the first three levels split the work
+// between the two threads that hold a pair's operands (recursive halving), so after them every
+// thread holds one partial sum instead of shuffling all 8 at every level. Thread t = (b4..b0):
+// - h = 128: threads t and t^16 hold lanes 8p+s and 8p+s+128 (p = t & 15) for every s; the
+//   lower keeps s = 0..3, the upper s = 4..7, each receiving the 4 operands it lacks;
+// - h = 64 (partner t^8) and h = 32 (t^4) halve again: thread t then holds lane
+//   v = 8 (t & 3) + 4 b4 + 2 b3 + b2 of the 32 lanes left;
+// - h = 16, 8 (partners t^2, t^1), then h = 4, 2, 1 (lanes 4 b4 + 2 b3 + b2 left: partners t^16,
+//   t^8, t^4), the lower thread adding its own value first.
+// The result is valid in thread 0 only. Every thread of the warp must call it.
+__device__ __forceinline__ float warp_tree_fast(const float a[8]) {
+    const int t = threadIdx.x & 31;
+    float b[4], c[2];
+    const bool lo4 = (t & 16) == 0;
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        const float r = __shfl_xor_sync(TARFA_FULL_MASK, lo4 ? a[s + 4] : a[s], 16);
+        b[s] = lo4 ? __fadd_rn(a[s], r) : __fadd_rn(r, a[s + 4]);
+    }
+    const bool lo3 = (t & 8) == 0;
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        const float r = __shfl_xor_sync(TARFA_FULL_MASK, lo3 ? b[s + 2] : b[s], 8);
+        c[s] = lo3 ? __fadd_rn(b[s], r) : __fadd_rn(r, b[s + 2]);
+    }
+    const bool lo2 = (t & 4) == 0;
+    float d;
+    {
+        const float r = __shfl_xor_sync(TARFA_FULL_MASK, lo2 ? c[1] : c[0], 4);
+        d = lo2 ? __fadd_rn(c[0], r) : __fadd_rn(r, c[1]);
+    }
+    // h = 16, 8, then 4, 2, 1: one value per thread, the lower thread of each pair adds
+    d = __fadd_rn(d, __shfl_xor_sync(TARFA_FULL_MASK, d, 2));
+    d = __fadd_rn(d, __shfl_xor_sync(TARFA_FULL_MASK, d, 1));
+    d = __fadd_rn(d, __shfl_xor_sync(TARFA_FULL_MASK, d, 16));
+    d = __fadd_rn(d, __shfl_xor_sync(TARFA_FULL_MASK, d, 8));
+    d = __fadd_rn(d, __shfl_xor_sync(TARFA_FULL_MASK, d, 4));
+    return d;
 }
 
 __device__ __forceinline__ void zero8(float a[8]) {

@@ -162,6 +162,67 @@ __device__ __forceinline__ void stage_input_fast(float* xs, const float* x, int 
     }
 }
 
+// The row kernels' second version (TARFA_CUDA_ROWS=v2: dmv2, lmhead2, router3, gate_up_dec2,
+// moe_down_dec2) stage their input the same way, in two halves around the first weight loads:
+// - stage_issue: async 16-byte copies (cp.async, no registers) of x into xs[0..n) and of the
+//   RMSNorm weights into xs[n..2n), issued before any weight load, so these few kilobytes are
+//   not queued behind the kernel's megabytes of weights (the first version loaded x, then
+//   norm_w, in two dependent round trips behind them: ~4 us per kernel on the H200, ncu);
+// - stage_finish: wait, one barrier; with a norm, thread v accumulates lane v of the sum of
+//   squares (the canonical dot of stage_input's warp 0), one barrier, every warp runs the tree
+//   (warp_tree_fast) and each thread writes its own normalised elements y_i = w_i * (x_i * r)
+//   over w_i in place, one more barrier (a first try had every warp compute the whole sum: 32
+//   warps x 8 KB of shared reads per multiprocessor made q|k|v 10% slower). Returns the
+//   vector the rows use: the same bits stage_input leaves in xs (block 0 also writes it to
+//   xn_out). Needs 2n floats of dynamic shared memory with a norm, n without; n % 4 == 0 and
+//   16-byte aligned x and norm_w, else stage_finish falls back to stage_input.
+__device__ __forceinline__ bool stage_issue(float* xs, const float* x, int n,
+                                            const float* __restrict__ norm_w) {
+    const bool fast = (n & 3) == 0 && ((((u64)x) | ((u64)norm_w)) & 15) == 0;
+    if (fast) {
+        float* ws = xs + n;
+        for (int i = 4 * (int)threadIdx.x; i < n; i += 4 * (int)blockDim.x) {
+            async_copy16(xs + i, x + i);
+            if (norm_w != nullptr) async_copy16(ws + i, norm_w + i);
+        }
+    }
+    return fast;
+}
+
+__device__ __forceinline__ const float* stage_finish(float* xs, const float* x, int n,
+                                                     const float* __restrict__ norm_w, float eps,
+                                                     float* xn_out, bool fast) {
+    if (!fast) {
+        stage_input(xs, x, n, norm_w, eps, xn_out);
+        return xs;
+    }
+    async_copy_wait();
+    __syncthreads();
+    if (norm_w == nullptr) return xs;
+    float* ws = xs + n;
+    // the sum of squares: thread v accumulates lane v of the canonical dot (x_v^2, x_{v+256}^2,
+    // ... in increasing order; blocks are 256 threads), then every warp runs the tree over the
+    // 256 lanes (thread p holding lanes 8p..8p+7, warp_tree_fast)
+    __shared__ __align__(16) float lanes[TARFA_LANES];
+    float l = 0.0f;
+    for (int i = threadIdx.x; i < n; i += TARFA_LANES) l = fmaf(xs[i], xs[i], l);
+    lanes[threadIdx.x] = l;
+    __syncthreads();
+    const int p = threadIdx.x & 31;
+    const float4 l0 = *reinterpret_cast<const float4*>(lanes + 8 * p);
+    const float4 l1 = *reinterpret_cast<const float4*>(lanes + 8 * p + 4);
+    const float a[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+    const float ss = warp_tree_fast(a);
+    const float r =
+        __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)n), eps)), 0);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ws[i] = __fmul_rn(ws[i], __fmul_rn(xs[i], r));
+    __syncthreads();
+    if (xn_out != nullptr && blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) xn_out[i] = ws[i];
+    }
+    return ws;
+}
+
 // route_block's outputs (common.cuh: the same operations in the same order) computed by one
 // warp, with no block-wide barrier: the maximum by shuffles (order-free, NaN ignored); e_i and
 // the canonical sum with thread p holding lanes 8p..8p+7 (warp_tree); then the selection as k + 1
@@ -312,7 +373,7 @@ __device__ __forceinline__ bool last_block(u32* counter) {
 // KIND 2 (lm_head): no bias; the last block writes the greedy token of out[0..rows) to st->token
 // and tok_log[st->step], then advances st (pos + 1, step + 1).
 // Block 256 threads; dynamic shared memory: max(cols, KIND 1 ? 2 * rows + k : 0) floats.
-template <typename W, int KIND>
+template <typename W, int KIND, int V = 1>
 __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x, const float* __restrict__ norm_w,
     float eps, const float* __restrict__ bias0, const float* __restrict__ bias1,
@@ -333,13 +394,23 @@ __device__ __forceinline__ void dmv_body(
     int r = blockIdx.x * 8 + warp;
     int c0 = 0;
     Pack8<W> wv[DEC_GROUP];
-    if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
-    grid_dep_wait();
-    grid_dep_launch();
-    if (KIND == 3) {
-        stage_input_fast(xs, x, cols, norm_w, eps, xn_out);
+    const float* xin = xs;
+    if (V == 2) {
+        // the input first, then the weights (stage_issue says why)
+        grid_dep_wait();
+        grid_dep_launch();
+        const bool fast = stage_issue(xs, x, cols, norm_w);
+        if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);
+        xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
     } else {
-        stage_input(xs, x, cols, norm_w, eps, xn_out);
+        if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
+        grid_dep_wait();
+        grid_dep_launch();
+        if (KIND == 3) {
+            stage_input_fast(xs, x, cols, norm_w, eps, xn_out);
+        } else {
+            stage_input(xs, x, cols, norm_w, eps, xn_out);
+        }
     }
 
     float best_v = f32_bits(0x7fc00000u);
@@ -347,7 +418,7 @@ __device__ __forceinline__ void dmv_body(
     float a[8];
     zero8(a);
     while (r < rows) {
-        fma_group<W>(a, wv, xs, c0, cols, p);
+        fma_group<W>(a, wv, xin, c0, cols, p);
         int r2 = r, c2 = c0 + DEC_GROUP;
         if ((c2 << 8) >= cols) {
             c2 = 0;
@@ -355,7 +426,7 @@ __device__ __forceinline__ void dmv_body(
         }
         if (r2 < rows) load_group<W>(wv, w + (long)r2 * cols, c2, cols, p);
         if (c2 == 0) {
-            float y = warp_tree(a);
+            float y = V == 2 ? warp_tree_fast(a) : warp_tree(a);
             if (p == 0) {
                 if (KIND != 2) {
                     const float* b = r < split1 ? (bias0 ? bias0 + r : nullptr)
@@ -472,6 +543,21 @@ extern "C" __global__ void __launch_bounds__(256) dmv_f32(DMV_ARGS(float)) {
                        nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
+// The second versions (TARFA_CUDA_ROWS=v2): the input staged by stage_issue/stage_finish and
+// the rows' trees by warp_tree_fast; the same outputs, bit for bit. Dynamic shared memory: 2 *
+// cols floats with a norm.
+extern "C" __global__ void __launch_bounds__(256, 4) dmv2_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 2>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
+                        mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
+                        nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) dmv2_f32(DMV_ARGS(float)) {
+    dmv_body<float, 0, 2>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
+                          mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
+                          nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+
 #define ROUTER_ARGS(W)                                                                          \
     const W* __restrict__ w, int rows, int cols, const float* x,                                \
         const float* __restrict__ norm_w, float eps, float* logits, float* xn_out,              \
@@ -508,6 +594,20 @@ extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)
                        next, nullptr, nullptr, nullptr, nullptr);
 }
 
+// router2 with the second version's staging and trees (TARFA_CUDA_ROUTER=v3). Dynamic shared
+// memory: max(2 * cols, 2 * rows + k) floats.
+extern "C" __global__ void __launch_bounds__(256) router3_bf16(ROUTER_ARGS(u16)) {
+    dmv_body<u16, 3, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
+                        logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
+                        next, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) router3_f32(ROUTER_ARGS(float)) {
+    dmv_body<float, 3, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
+                          logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
+                          next, nullptr, nullptr, nullptr, nullptr);
+}
+
 #define LMHEAD_ARGS(W)                                                                          \
     const W* __restrict__ w, int rows, int cols, const float* x,                                \
         const float* __restrict__ norm_w, float eps, float* logits, u32* counter,               \
@@ -527,12 +627,26 @@ extern "C" __global__ void __launch_bounds__(256) lmhead_f32(LMHEAD_ARGS(float))
                        nullptr, nullptr, part_v, part_i, st, tok_log);
 }
 
+// lmhead with the second version's staging and trees (TARFA_CUDA_ROWS=v2). Dynamic shared
+// memory: 2 * cols floats.
+extern "C" __global__ void __launch_bounds__(256, 4) lmhead2_bf16(LMHEAD_ARGS(u16)) {
+    dmv_body<u16, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
+                        logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
+                        nullptr, nullptr, part_v, part_i, st, tok_log);
+}
+
+extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)) {
+    dmv_body<float, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
+                          logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
+                          nullptr, nullptr, part_v, part_i, st, tok_log);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Gate and up projections with the SwiGLU for one token (moe.cu gate_up_*):
 //   act[j*rows + i] = silu(dot(W_gate[e][i], xs)) * dot(W_up[e][i], xs),  e = ids[j] (0 if null)
 // with xs = x or RMSNorm(x) (norm_w not null: a dense layer normalising h itself). Grid (G, k):
 // slot j = blockIdx.y; rows i = blockIdx.x*8 + warp, + 8*G, ... Dynamic shared memory: cols floats.
-template <typename W>
+template <typename W, int V = 1>
 __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
                                                  const W* __restrict__ up, int rows, int cols,
                                                  const u32* ids, const float* x,
@@ -545,6 +659,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     const int nw = gridDim.x * 8;
     grid_dep_wait();
     grid_dep_launch();
+    // V == 2: the input's copy is issued before the ids and the weights (stage_issue)
+    const bool fast = V == 2 && stage_issue(xs, x, cols, norm_w);
     const long e = ids != nullptr ? (long)ids[j] : 0;
     const W* gbase = gate + e * rows * (long)cols;
     const W* ubase = up + e * rows * (long)cols;
@@ -555,13 +671,18 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
         load_group<W>(wg, gbase + (long)i * cols, 0, cols, p);
         load_group<W>(wu, ubase + (long)i * cols, 0, cols, p);
     }
-    stage_input(xs, x, cols, norm_w, eps, nullptr);
+    const float* xin = xs;
+    if (V == 2) {
+        xin = stage_finish(xs, x, cols, norm_w, eps, nullptr, fast);
+    } else {
+        stage_input(xs, x, cols, norm_w, eps, nullptr);
+    }
     float ag[8], au[8];
     zero8(ag);
     zero8(au);
     while (i < rows) {
-        fma_group<W>(ag, wg, xs, c0, cols, p);
-        fma_group<W>(au, wu, xs, c0, cols, p);
+        fma_group<W>(ag, wg, xin, c0, cols, p);
+        fma_group<W>(au, wu, xin, c0, cols, p);
         int i2 = i, c2 = c0 + DEC_GROUP;
         if ((c2 << 8) >= cols) {
             c2 = 0;
@@ -572,8 +693,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
             load_group<W>(wu, ubase + (long)i2 * cols, c2, cols, p);
         }
         if (c2 == 0) {
-            const float g = warp_tree(ag);
-            const float u = warp_tree(au);
+            const float g = V == 2 ? warp_tree_fast(ag) : warp_tree(ag);
+            const float u = V == 2 ? warp_tree_fast(au) : warp_tree(au);
             if (p == 0) act[(long)j * rows + i] = __fmul_rn(det_silu(g), u);
             zero8(ag);
             zero8(au);
@@ -595,6 +716,16 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec_f32(GATE_UP_DEC_AR
     gate_up_dec_body<float>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
+// The second version (TARFA_CUDA_ROWS=v2): stage_issue/stage_finish, warp_tree_fast. Dynamic
+// shared memory: 2 * cols floats with a norm.
+extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_bf16(GATE_UP_DEC_ARGS(u16)) {
+    gate_up_dec_body<u16, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_ARGS(float)) {
+    gate_up_dec_body<float, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Down projections of the chosen experts for one token, mixed and added to the residual
 // (moe.cu down_mix): a warp per output row r, all k experts' dots at once:
@@ -604,7 +735,10 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec_f32(GATE_UP_DEC_AR
 // k <= 8. Grid G blocks of 256; rows r = blockIdx.x*8 + warp, + 8*G, ...
 // Dynamic shared memory: k*width floats (the activations).
 #define DOWN_MAX_K 8
-extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
+// V == 2 (moe_down_dec2, TARFA_CUDA_ROWS=v2): everything after the wait; the activations' copy
+// (stage_issue) issued before the ids and the weights; warp_tree_fast.
+template <int V>
+__device__ __forceinline__ void moe_down_dec_body(
     const u16* __restrict__ down, int hidden, int width, const u32* ids,
     const float* weights, const u32* by_id, int k, const float* act, const float* y_sh,
     const float* s_sh, float* h) {
@@ -614,6 +748,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
     const int p = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nw = gridDim.x * 8;
+    bool fast = false;
+    if (V == 2) {
+        grid_dep_wait();
+        grid_dep_launch();
+        fast = stage_issue(as, act, k * width, nullptr);
+    }
     // The router's choices were written two kernels back (see the file's header): read from L2.
     if (threadIdx.x < k) {
         const int j = (int)__ldcg(by_id + threadIdx.x);
@@ -629,10 +769,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
         const int e = 8 * p;
         if (s < k && r < hidden && e < width) wv[s].load(down + ebase[s] + (long)r * width + e);
     }
-    grid_dep_wait();
-    grid_dep_launch();
-    for (int i = threadIdx.x; i < k * width; i += blockDim.x) as[i] = act[i];
-    __syncthreads();
+    if (V == 2) {
+        stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
+    } else {
+        grid_dep_wait();
+        grid_dep_launch();
+        for (int i = threadIdx.x; i < k * width; i += blockDim.x) as[i] = act[i];
+        __syncthreads();
+    }
     float acc[DOWN_MAX_K][8];
 #pragma unroll
     for (int s = 0; s < DOWN_MAX_K; s++) zero8(acc[s]);
@@ -656,7 +800,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
         if (c2 == 0) {
             float y[DOWN_MAX_K];
 #pragma unroll
-            for (int s = 0; s < DOWN_MAX_K; s++) y[s] = s < k ? warp_tree(acc[s]) : 0.0f;
+            for (int s = 0; s < DOWN_MAX_K; s++) {
+                y[s] = s < k ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s])) : 0.0f;
+            }
             if (p == 0) {
                 float mix = 0.0f;
 #pragma unroll
@@ -672,6 +818,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
         r = r2;
         c = c2;
     }
+}
+
+#define MOE_DOWN_DEC_ARGS                                                                       \
+    const u16* __restrict__ down, int hidden, int width, const u32* ids, const float* weights, \
+        const u32* by_id, int k, const float* act, const float* y_sh, const float* s_sh,       \
+        float* h
+
+extern "C" __global__ void __launch_bounds__(256) moe_down_dec(MOE_DOWN_DEC_ARGS) {
+    moe_down_dec_body<1>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARGS) {
+    moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 //! ```text
 //! cuda_bench DIR [--prompt 128] [--decode 128] [--prefill 512,2048] [--pairs 8]
 //!                [--profile-steps 16] [--selftest-prompts 3] [--json OUT] [--only-profile]
-//!                [--graph-diag REPS [--only-graph-diag]]
+//!                [--graph-diag REPS [--only-graph-diag]] [--ab-a "VAR=v ..."]
 //! ```
 //! `--only-profile`: load, then step 4 alone (for a run under ncu).
 //! `--graph-diag REPS`: first, the decode graph's time with each kind of launch left out and of
@@ -20,10 +20,10 @@
 //!    same last logits, bit for bit, as the legacy kernels;
 //! 3. a paired A/B, legacy `api` against the default mode's `api` (AB/BA alternation, median
 //!    paired change, 95% bootstrap interval); then the same A/B of the decode kernel versions in
-//!    the default mode (A: `TARFA_CUDA_ATTN=v1 TARFA_CUDA_ROUTER=v1`, B: the environment's
-//!    choice, by default the second versions), with tokens and last logits compared bit for bit;
+//!    the default mode (A: `--ab-a "VAR=v VAR=v"`, default the kernels of PHASE_LOG P6, ARM_A;
+//!    B: the environment's choice), with tokens and last logits compared bit for bit;
 //! 4. each decode kernel timed with events: microseconds per token and GB/s of weights (first
-//!    with the v1 attention and router kernels, then with the environment's choice);
+//!    with arm A's kernels, then with the environment's choice);
 //! 5. prefill of each `--prefill` length;
 //! 6. the CPU-vs-CUDA selftest on this model (prefill and decode, every logit and router record).
 //!
@@ -224,7 +224,10 @@ impl Bench<'_> {
 }
 
 /// The variables that select the first attention and router decode kernels.
-const KERNEL_VARS: [&str; 2] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER"];
+const KERNEL_VARS: [&str; 3] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER", "TARFA_CUDA_ROWS"];
+
+/// The A/B's arm A unless `--ab-a` says otherwise: the kernels of PHASE_LOG P6.
+const ARM_A: &str = "TARFA_CUDA_ATTN=v2 TARFA_CUDA_ROUTER=v2 TARFA_CUDA_ROWS=v1";
 
 /// The A/B's arm B: the kernels the environment chose when the bench started.
 fn kernel_arm(saved: &[(&str, Option<String>)]) -> String {
@@ -477,19 +480,36 @@ fn main() {
         );
     }
 
-    // 3b. paired A/B of the decode kernel versions in the default mode: A the first attention
-    // and router kernels (TARFA_CUDA_ATTN=v1, TARFA_CUDA_ROUTER=v1), B as the environment says
-    // (unset: the second versions); every run must give the same tokens and last logits
+    // 3b. paired A/B of the decode kernel versions in the default mode: A the kernels
+    // `--ab-a` names (default ARM_A; variables it leaves out are unset), B as the environment
+    // says; every run must give the same tokens and last logits
     let saved: Vec<(&str, Option<String>)> = KERNEL_VARS
         .iter()
         .map(|&v| (v, std::env::var(v).ok()))
         .collect();
-    let kernels_v1 = |v1: bool| {
+    let arm_a_text = arg(&args, "--ab-a").unwrap_or(ARM_A).to_string();
+    let arm_a: Vec<(String, String)> = arm_a_text
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv
+                .split_once('=')
+                .unwrap_or_else(|| fail(format!("--ab-a: {kv} is not VAR=value")));
+            if !KERNEL_VARS.contains(&k) {
+                fail(format!("--ab-a: {k} is not one of {KERNEL_VARS:?}"));
+            }
+            (k.to_string(), v.to_string())
+        })
+        .collect();
+    let kernels_v1 = |a: bool| {
         for (var, val) in &saved {
-            match (v1, val) {
-                (true, _) => std::env::set_var(var, "v1"),
-                (false, Some(x)) => std::env::set_var(var, x),
-                (false, None) => std::env::remove_var(var),
+            let want = if a {
+                arm_a.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone())
+            } else {
+                val.clone()
+            };
+            match want {
+                Some(x) => std::env::set_var(var, x),
+                None => std::env::remove_var(var),
             }
         }
     };
@@ -528,7 +548,7 @@ fn main() {
         let med = median(&mut changes.clone());
         let (lo, hi) = bootstrap(&changes);
         let ab = format!(
-            "{pairs} pairs AB/BA, {n_ab} tokens each, {}: A attention+router v1 {:.3} ms/token, B {} {:.3} ms/token; median paired change {:+.1}% (95% CI {:+.1}% .. {:+.1}%); tokens and last logits {}",
+            "{pairs} pairs AB/BA, {n_ab} tokens each, {}: A {arm_a_text} {:.3} ms/token, B {} {:.3} ms/token; median paired change {:+.1}% (95% CI {:+.1}% .. {:+.1}%); tokens and last logits {}",
             b_mode.name(),
             1e3 * median(&mut a_t.clone()) / n_ab as f64,
             kernel_arm(&saved),
@@ -540,7 +560,7 @@ fn main() {
         );
         println!("A/B kernels: {ab}");
         table(
-            "A/B decode kernels (attention+router v1 vs default)",
+            "A/B decode kernels (arm A vs default)",
             if !same {
                 "DIFFER"
             } else if hi < 0.0 {
@@ -552,11 +572,11 @@ fn main() {
         );
         js.insert(
             "ab_kernels".into(),
-            json!({"pairs": pairs, "tokens": n_ab, "a_s": a_t, "b_s": b_t, "median_change": med, "ci": [lo, hi], "mode": b_mode.name(), "b": kernel_arm(&saved), "identical": same}),
+            json!({"pairs": pairs, "tokens": n_ab, "a_s": a_t, "b_s": b_t, "median_change": med, "ci": [lo, hi], "mode": b_mode.name(), "a": arm_a_text, "b": kernel_arm(&saved), "identical": same}),
         );
     }
 
-    // 4. per-kernel profile: first with the v1 attention and router kernels (the A/B's
+    // 4. per-kernel profile: first with arm A's kernels (the A/B's
     // per-kernel view; not under ncu), then with the environment's choice
     if !only_profile {
         kernels_v1(true);
@@ -569,14 +589,14 @@ fn main() {
                         "{:>3} launches, {:>8.1} us/token, {} regs ({})",
                         r.launches, r.us_per_token, r.registers, r.kernels
                     );
-                    println!("profile v1 {:<41} {d}", r.label);
+                    println!("profile A {:<42} {d}", r.label);
                     pj.push(json!({"label": r.label, "kernels": r.kernels,
                         "launches": r.launches, "us_per_token": r.us_per_token,
                         "registers": r.registers}));
                 }
-                js.insert("profile_v1".into(), json!(pj));
+                js.insert("profile_a".into(), json!(pj));
             }
-            Err(e) => println!("profile v1: {e}"),
+            Err(e) => println!("profile A: {e}"),
         }
         kernels_v1(false);
     }

@@ -11,7 +11,7 @@
 #      (";"-separated environment assignments; "" is the default)
 #   3. nsys, when installed: the graph's nodes (kernel durations and the gaps between them)
 #   4. ncu, when installed: one layer's decode kernels and the lm_head (speed of light, warp
-#      stalls, occupancy), launched one by one, caches not flushed
+#      stalls, occupancy), launched one by one, caches not flushed, with $NCU_ENV set
 set -u
 BIN=$(cd "${1:?usage: diag.sh BIN_DIR [OUT_DIR]}" && pwd)
 OUTD=${2:-${OUT:-./gpu-out}}
@@ -63,8 +63,8 @@ else
   say "nsys: not installed"
 fi
 if command -v ncu >/dev/null; then
-  timeout 150 ncu --cache-control none --clock-control none \
-    --kernel-name regex:"attn_decode|dmv_bf16|router2_bf16|gate_up_dec_bf16|moe_down_dec|lmhead_bf16" \
+  env ${NCU_ENV:-} timeout 150 ncu --cache-control none --clock-control none \
+    --kernel-name regex:"attn_decode|dmv|router|gate_up_dec|moe_down_dec|lmhead" \
     --launch-skip 30 --launch-count 13 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis \

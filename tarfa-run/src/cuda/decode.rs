@@ -207,7 +207,7 @@ impl CudaModel {
         None
     }
 
-    fn dec_bufs(&self, cap: usize) -> Result<DecBufs, CudaError> {
+    fn dec_bufs(&self, cap: usize, kernels: DecodeKernels) -> Result<DecBufs, CudaError> {
         let cfg = &self.cfg;
         let g = &self.gpu;
         let (h, hq, hkv, d) = (
@@ -222,7 +222,7 @@ impl CudaModel {
         let act = (k * cfg.expert_width)
             .max(cfg.dense_width.unwrap_or(0))
             .max(1);
-        let lm_grid = self.lm_grid();
+        let lm_grid = self.lm_grid(kernels.rows);
         let slices = d.div_ceil(32);
         Ok(DecBufs {
             cap,
@@ -260,16 +260,33 @@ impl CudaModel {
         need.min(resident.max(1))
     }
 
-    fn lm_name(&self) -> &'static str {
-        match self.lm_head.as_ref().unwrap_or(&self.embed).dtype {
-            DType::Bf16 => "lmhead_bf16",
-            DType::F32 => "lmhead_f32",
+    fn lm_name(&self, rows: KernelVersion) -> &'static str {
+        match (self.lm_head.as_ref().unwrap_or(&self.embed).dtype, rows) {
+            (DType::Bf16, KernelVersion::V1) => "lmhead_bf16",
+            (DType::F32, KernelVersion::V1) => "lmhead_f32",
+            (DType::Bf16, _) => "lmhead2_bf16",
+            (DType::F32, _) => "lmhead2_f32",
         }
     }
 
-    fn lm_grid(&self) -> u32 {
+    /// Dynamic shared memory of a row kernel over `cols` inputs: the second versions stage the
+    /// RMSNorm weights beside the input (kernels/decode.cu `stage_issue`).
+    fn row_shared(cols: usize, norm: bool, rows: KernelVersion) -> u32 {
+        let n = if norm && rows != KernelVersion::V1 {
+            2 * cols
+        } else {
+            cols
+        };
+        (n * F) as u32
+    }
+
+    fn lm_grid(&self, rows: KernelVersion) -> u32 {
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-        self.row_grid(self.lm_name(), lm.rows, (lm.cols * F) as u32)
+        self.row_grid(
+            self.lm_name(rows),
+            lm.rows,
+            Self::row_shared(lm.cols, true, rows),
+        )
     }
 
     /// `out = W x` (x = RMSNorm(x) with `norm`), one dmv launch.
@@ -285,12 +302,15 @@ impl CudaModel {
         residual: bool,
         xn_out: u64,
         label: &'static str,
+        rows: KernelVersion,
     ) -> Launch {
-        let name = match w.dtype {
-            DType::Bf16 => "dmv_bf16",
-            DType::F32 => "dmv_f32",
+        let name = match (w.dtype, rows) {
+            (DType::Bf16, KernelVersion::V1) => "dmv_bf16",
+            (DType::F32, KernelVersion::V1) => "dmv_f32",
+            (DType::Bf16, _) => "dmv2_bf16",
+            (DType::F32, _) => "dmv2_f32",
         };
-        let shared = (w.cols * F) as u32;
+        let shared = Self::row_shared(w.cols, norm != 0, rows);
         Launch {
             name,
             grid: (self.row_grid(name, w.rows, shared), 1, 1),
@@ -332,13 +352,16 @@ impl CudaModel {
         norm: u64,
         act: u64,
         label: &'static str,
+        version: KernelVersion,
     ) -> Launch {
-        let name = match dtype {
-            DType::Bf16 => "gate_up_dec_bf16",
-            DType::F32 => "gate_up_dec_f32",
+        let name = match (dtype, version) {
+            (DType::Bf16, KernelVersion::V1) => "gate_up_dec_bf16",
+            (DType::F32, KernelVersion::V1) => "gate_up_dec_f32",
+            (DType::Bf16, _) => "gate_up_dec2_bf16",
+            (DType::F32, _) => "gate_up_dec2_f32",
         };
         let cols = self.cfg.hidden_size;
-        let shared = (cols * F) as u32;
+        let shared = Self::row_shared(cols, norm != 0, version);
         let need = rows.div_ceil(8).max(1) as u32;
         let resident = self.gpu.occupancy(name, 256, shared) * self.gpu.info.multiprocessors.max(1);
         let gx = need.min((resident / slots.max(1) as u32).max(1));
@@ -430,6 +453,7 @@ impl CudaModel {
                     false,
                     0,
                     "attention q|k|v (+input norm)",
+                    kernels.rows,
                 ));
             } else {
                 for (m, bias, out) in [
@@ -447,6 +471,7 @@ impl CudaModel {
                         false,
                         0,
                         "attention q|k|v (+input norm)",
+                        kernels.rows,
                     ));
                 }
             }
@@ -531,6 +556,7 @@ impl CudaModel {
                 true,
                 0,
                 "attention o_proj (+residual)",
+                kernels.rows,
             ));
             match &layer.mlp {
                 DevMlp::Dense(m) => {
@@ -546,6 +572,7 @@ impl CudaModel {
                         layer.post_norm.ptr(),
                         b.act.ptr(),
                         "dense MLP gate+up (+post norm)",
+                        kernels.rows,
                     ));
                     v.push(self.dmv(
                         &m.down,
@@ -557,6 +584,7 @@ impl CudaModel {
                         true,
                         0,
                         "dense MLP down (+residual)",
+                        kernels.rows,
                     ));
                 }
                 DevMlp::Moe {
@@ -576,10 +604,18 @@ impl CudaModel {
                     let name = match (router.dtype, kernels.router) {
                         (DType::Bf16, KernelVersion::V1) => "router_bf16",
                         (DType::F32, KernelVersion::V1) => "router_f32",
-                        (DType::Bf16, KernelVersion::V2 | KernelVersion::V3) => "router2_bf16",
-                        (DType::F32, KernelVersion::V2 | KernelVersion::V3) => "router2_f32",
+                        (DType::Bf16, KernelVersion::V2) => "router2_bf16",
+                        (DType::F32, KernelVersion::V2) => "router2_f32",
+                        (DType::Bf16, KernelVersion::V3) => "router3_bf16",
+                        (DType::F32, KernelVersion::V3) => "router3_f32",
                     };
-                    let shared_mem = ((2 * e_count + k_top).max(h) * F) as u32;
+                    // router3 stages the norm's weights beside the input
+                    let staged = if kernels.router == KernelVersion::V3 {
+                        2 * h
+                    } else {
+                        h
+                    };
+                    let shared_mem = ((2 * e_count + k_top).max(staged) * F) as u32;
                     v.push(Launch {
                         name,
                         grid: (e_count.div_ceil(8) as u32, 1, 1),
@@ -623,6 +659,7 @@ impl CudaModel {
                             0,
                             b.act_sh.ptr(),
                             "shared expert",
+                            kernels.rows,
                         ));
                         v.push(self.dmv(
                             &m.down,
@@ -634,6 +671,7 @@ impl CudaModel {
                             false,
                             0,
                             "shared expert",
+                            kernels.rows,
                         ));
                         v.push(self.dmv(
                             sg,
@@ -645,6 +683,7 @@ impl CudaModel {
                             false,
                             0,
                             "shared expert",
+                            kernels.rows,
                         ));
                         y_sh = b.y_sh.ptr();
                         s_sh = b.s_sh.ptr();
@@ -661,8 +700,12 @@ impl CudaModel {
                         0,
                         b.act.ptr(),
                         "experts gate+up (k experts, SwiGLU)",
+                        kernels.rows,
                     ));
-                    let name = "moe_down_dec";
+                    let name = match kernels.rows {
+                        KernelVersion::V1 => "moe_down_dec",
+                        _ => "moe_down_dec2",
+                    };
                     let shared_mem = (k_top * i * F) as u32;
                     self.gpu.allow_shared(name, shared_mem)?;
                     v.push(Launch {
@@ -693,12 +736,12 @@ impl CudaModel {
 
         // Step 5: logits = W_lm RMSNorm(h); the greedy token into the state
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let name = self.lm_name();
+        let name = self.lm_name(kernels.rows);
         v.push(Launch {
             name,
             grid: (b.lm_grid, 1, 1),
             block: (256, 1, 1),
-            shared: (lm.cols * F) as u32,
+            shared: Self::row_shared(lm.cols, true, kernels.rows),
             args: vec![
                 Arg::Ptr(lm.ptr()),
                 i32a(lm.rows),
@@ -735,7 +778,7 @@ impl CudaModel {
         }
         cache.dec = None;
         cache.upload_rope(&self.gpu, cache.cap)?;
-        let bufs = self.dec_bufs(cache.cap)?;
+        let bufs = self.dec_bufs(cache.cap, kernels)?;
         let launches = self.decode_plan(cache, &bufs, kernels)?;
         let asked = cache.mode;
         let mut note = String::new();

@@ -639,7 +639,8 @@ pub(crate) fn launch(
         }
         // ---- kernels/decode.cu (one token) ----
         "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "router2_bf16" | "router2_f32"
-        | "lmhead_bf16" | "lmhead_f32" => {
+        | "lmhead_bf16" | "lmhead_f32" | "dmv2_bf16" | "dmv2_f32" | "router3_bf16"
+        | "router3_f32" | "lmhead2_bf16" | "lmhead2_f32" => {
             let bf16 = name.ends_with("bf16");
             let kind = if name.starts_with("router") {
                 1
@@ -652,8 +653,13 @@ pub(crate) fn launch(
             let (w, rows, cols, x, norm, eps) =
                 (a.ptr(0), a.int(1), a.int(2), a.ptr(3), a.ptr(4), a.float(5));
             assert!(block.0 == 256 && gy == 1 && gz == 1, "{name} geometry");
+            // the second versions stage the norm's weights beside the input
+            let staged = ["dmv2", "router3", "lmhead2"]
+                .iter()
+                .any(|v| name.starts_with(v));
+            let need = if staged && norm != 0 { 2 * cols } else { cols };
             assert!(
-                shared_bytes as usize >= cols * 4,
+                shared_bytes as usize >= need * 4,
                 "{name}: shared memory for the input"
             );
             let mut xv = mem.f32s(x, cols);
@@ -743,7 +749,7 @@ pub(crate) fn launch(
                 }
             }
         }
-        "gate_up_dec_bf16" | "gate_up_dec_f32" => {
+        "gate_up_dec_bf16" | "gate_up_dec_f32" | "gate_up_dec2_bf16" | "gate_up_dec2_f32" => {
             a.count(9);
             let bf16 = name.ends_with("bf16");
             let (gate, up, rows, cols, ids, x, norm, eps, act) = (
@@ -758,7 +764,11 @@ pub(crate) fn launch(
                 a.ptr(8),
             );
             assert!(block.0 == 256 && gz == 1, "{name} geometry");
-            assert!(shared_bytes as usize >= cols * 4, "{name}: shared memory");
+            let staged = name.starts_with("gate_up_dec2") && norm != 0;
+            assert!(
+                shared_bytes as usize >= if staged { 2 } else { 1 } * cols * 4,
+                "{name}: shared memory"
+            );
             let mut xv = mem.f32s(x, cols);
             if norm != 0 {
                 let wv = mem.f32s(norm, cols);
@@ -776,7 +786,7 @@ pub(crate) fn launch(
                 mem.put_f32s(act + ((j * rows) * 4) as u64, &out);
             }
         }
-        "moe_down_dec" => {
+        "moe_down_dec" | "moe_down_dec2" => {
             a.count(11);
             let (down, hidden, width, ids, weights, by_id, k) = (
                 a.ptr(0),
@@ -1053,6 +1063,49 @@ mod tests {
             eprintln!("attention {attn:?}, router {router:?}, shared max {attn_shared_max}");
             decode_modes_match_the_cpu("qwen3_moe", SyntheticShape::small("qwen3_moe"));
             decode_modes_match_the_cpu("qwen3_moe", wide.clone());
+        }
+        KERNELS_FOR_TEST.with(|c| c.set(None));
+    }
+
+    #[test]
+    fn the_second_row_kernels_give_the_cpus_bits() {
+        // TARFA_CUDA_ROWS=v2 with TARFA_CUDA_ROUTER=v3 (inputs staged by async copies ahead of
+        // the weights, warp_tree_fast): every family (BF16 and F32 matrices, a shared expert,
+        // dense layers) and wide rows with partial chunks (the decode kernels take widths that
+        // are multiples of 8, so the staging's fallback for other vectors is not reachable here)
+        use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
+        KERNELS_FOR_TEST.with(|c| {
+            c.set(Some(DecodeKernels {
+                rows: KernelVersion::V2,
+                router: KernelVersion::V3,
+                ..DecodeKernels::from_env()
+            }))
+        });
+        let mut shapes: Vec<(&str, SyntheticShape)> =
+            ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+                .iter()
+                .map(|&f| (f, SyntheticShape::small(f)))
+                .collect();
+        shapes.push((
+            "qwen2_moe",
+            SyntheticShape {
+                layers: 2,
+                hidden: 2304,
+                heads: 12,
+                kv_heads: 4,
+                head_dim: 200,
+                experts: 10,
+                top_k: 3,
+                expert_width: 520,
+                dense_width: 776,
+                vocab: 600,
+                decoder_sparse_step: 1,
+                ..SyntheticShape::small("qwen2_moe")
+            },
+        ));
+        for (family, shape) in shapes {
+            eprintln!("{family}: hidden {}", shape.hidden);
+            decode_modes_match_the_cpu(family, shape);
         }
         KERNELS_FOR_TEST.with(|c| c.set(None));
     }
