@@ -43,6 +43,11 @@ __device__ __forceinline__ void async_copy16(void* smem, const void* gmem) {
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
 }
+// 4 bytes the same way (.ca: the only variant for 4-byte copies).
+__device__ __forceinline__ void async_copy4(void* smem, const void* gmem) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void async_copy_wait() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }

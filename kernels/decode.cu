@@ -78,24 +78,46 @@ __device__ __forceinline__ void fma8(float a[8], const Pack8<W>& w, const float*
 #define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)
 
 // Loads group c0 (chunks c0 .. c0+7) of a row of n elements: thread p's 8 elements of each.
-template <typename W>
-__device__ __forceinline__ void load_group(Pack8<W> (&w)[DEC_GROUP], const W* __restrict__ row,
-                                           int c0, int n, int p) {
+template <typename W, int G = DEC_GROUP>
+__device__ __forceinline__ void load_group(Pack8<W> (&w)[G], const W* __restrict__ row, int c0,
+                                           int n, int p) {
 #pragma unroll
-    for (int i = 0; i < DEC_GROUP; i++) {
+    for (int i = 0; i < G; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
         if (e < n) w[i].load(row + e);
     }
 }
 
 // Accumulates group c0 of a row with x (shared or global, 16-byte aligned).
+template <typename W, int G = DEC_GROUP>
+__device__ __forceinline__ void fma_group(float a[8], const Pack8<W> (&w)[G], const float* x,
+                                          int c0, int n, int p) {
+#pragma unroll
+    for (int i = 0; i < G; i++) {
+        const int e = ((c0 + i) << 8) + 8 * p;
+        if (e < n) fma8<W>(a, w[i], x + e);
+    }
+}
+
+// fma_group for two rows over the same x (gate and up): each 16-byte x load serves both.
 template <typename W>
-__device__ __forceinline__ void fma_group(float a[8], const Pack8<W> (&w)[DEC_GROUP],
-                                          const float* x, int c0, int n, int p) {
+__device__ __forceinline__ void fma_group_pair(float a[8], float b[8],
+                                               const Pack8<W> (&wa)[DEC_GROUP],
+                                               const Pack8<W> (&wb)[DEC_GROUP], const float* x,
+                                               int c0, int n, int p) {
 #pragma unroll
     for (int i = 0; i < DEC_GROUP; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
-        if (e < n) fma8<W>(a, w[i], x + e);
+        if (e < n) {
+            const float4 x0 = *reinterpret_cast<const float4*>(x + e);
+            const float4 x1 = *reinterpret_cast<const float4*>(x + e + 4);
+            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                a[t] = fmaf(wa[i].at(t), xv[t], a[t]);
+                b[t] = fmaf(wb[i].at(t), xv[t], b[t]);
+            }
+        }
     }
 }
 
@@ -168,11 +190,11 @@ __device__ __forceinline__ void stage_input_fast(float* xs, const float* x, int 
 //   RMSNorm weights into xs[n..2n), issued before any weight load, so these few kilobytes are
 //   not queued behind the kernel's megabytes of weights (the first version loaded x, then
 //   norm_w, in two dependent round trips behind them: ~4 us per kernel on the H200, ncu);
-// - stage_finish: wait, one barrier; with a norm, thread v accumulates lane v of the sum of
-//   squares (the canonical dot of stage_input's warp 0), one barrier, every warp runs the tree
-//   (warp_tree_fast) and each thread writes its own normalised elements y_i = w_i * (x_i * r)
-//   over w_i in place, one more barrier (a first try had every warp compute the whole sum: 32
-//   warps x 8 KB of shared reads per multiprocessor made q|k|v 10% slower). Returns the
+// - stage_finish: wait, one barrier; with a norm, the lanes of the sum of squares (the canonical
+//   dot of stage_input's warp 0) by 64 threads, the tree and rsqrt by warp 0, the normalised
+//   elements y_i = w_i * (x_i * r) written over w_i by every thread, 4 at a time (a first try
+//   had every warp compute the whole sum: 32 warps x 8 KB of shared reads per multiprocessor
+//   made q|k|v 10% slower; the kernels are bound by issue slots). Returns the
 //   vector the rows use: the same bits stage_input leaves in xs (block 0 also writes it to
 //   xn_out). Needs 2n floats of dynamic shared memory with a norm, n without; n % 4 == 0 and
 //   16-byte aligned x and norm_w, else stage_finish falls back to stage_input.
@@ -200,25 +222,51 @@ __device__ __forceinline__ const float* stage_finish(float* xs, const float* x, 
     __syncthreads();
     if (norm_w == nullptr) return xs;
     float* ws = xs + n;
-    // the sum of squares: thread v accumulates lane v of the canonical dot (x_v^2, x_{v+256}^2,
-    // ... in increasing order; blocks are 256 threads), then every warp runs the tree over the
-    // 256 lanes (thread p holding lanes 8p..8p+7, warp_tree_fast)
+    // the sum of squares: thread t < 64 accumulates lanes 4t..4t+3 of the canonical dot (x_v^2,
+    // x_{v+256}^2, ... in increasing order; one 16-byte shared load per 256-chunk), then warp 0
+    // runs the tree over the 256 lanes (thread p holding lanes 8p..8p+7, warp_tree_fast) and the
+    // rsqrt, and every thread scales four elements at a time: the issue slots this takes are a
+    // quarter of the per-warp version's (the q|k|v kernel's 4 blocks per multiprocessor each
+    // stage the same vector, so this cost adds up)
     __shared__ __align__(16) float lanes[TARFA_LANES];
-    float l = 0.0f;
-    for (int i = threadIdx.x; i < n; i += TARFA_LANES) l = fmaf(xs[i], xs[i], l);
-    lanes[threadIdx.x] = l;
+    __shared__ float r_s;
+    const int tid = threadIdx.x;
+    if (tid < TARFA_LANES / 4) {
+        float4 l;
+        l.x = l.y = l.z = l.w = 0.0f;
+        for (int i = 4 * tid; i < n; i += TARFA_LANES) {
+            const float4 v = *reinterpret_cast<const float4*>(xs + i);
+            l.x = fmaf(v.x, v.x, l.x);
+            l.y = fmaf(v.y, v.y, l.y);
+            l.z = fmaf(v.z, v.z, l.z);
+            l.w = fmaf(v.w, v.w, l.w);
+        }
+        *reinterpret_cast<float4*>(lanes + 4 * tid) = l;
+    }
     __syncthreads();
-    const int p = threadIdx.x & 31;
-    const float4 l0 = *reinterpret_cast<const float4*>(lanes + 8 * p);
-    const float4 l1 = *reinterpret_cast<const float4*>(lanes + 8 * p + 4);
-    const float a[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
-    const float ss = warp_tree_fast(a);
-    const float r =
-        __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)n), eps)), 0);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ws[i] = __fmul_rn(ws[i], __fmul_rn(xs[i], r));
+    if (tid < 32) {
+        const float4 l0 = *reinterpret_cast<const float4*>(lanes + 8 * tid);
+        const float4 l1 = *reinterpret_cast<const float4*>(lanes + 8 * tid + 4);
+        const float a[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+        const float ss = warp_tree_fast(a);
+        if (tid == 0) r_s = det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)n), eps));
+    }
+    __syncthreads();
+    const float r = r_s;
+    for (int i = 4 * tid; i < n; i += 4 * (int)blockDim.x) {
+        const float4 x4 = *reinterpret_cast<const float4*>(xs + i);
+        float4 w4 = *reinterpret_cast<const float4*>(ws + i);
+        w4.x = __fmul_rn(w4.x, __fmul_rn(x4.x, r));
+        w4.y = __fmul_rn(w4.y, __fmul_rn(x4.y, r));
+        w4.z = __fmul_rn(w4.z, __fmul_rn(x4.z, r));
+        w4.w = __fmul_rn(w4.w, __fmul_rn(x4.w, r));
+        *reinterpret_cast<float4*>(ws + i) = w4;
+    }
     __syncthreads();
     if (xn_out != nullptr && blockIdx.x == 0) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) xn_out[i] = ws[i];
+        for (int i = 4 * tid; i < n; i += 4 * (int)blockDim.x) {
+            *reinterpret_cast<float4*>(xn_out + i) = *reinterpret_cast<const float4*>(ws + i);
+        }
     }
     return ws;
 }
@@ -339,6 +387,104 @@ __device__ __forceinline__ void route_warp(const float* l, int e_count, int k, i
     if (p == 0) kth[0] = pe[sel[k - 1]];
 }
 
+// The router's softmax and top-k as a kernel of its own (TARFA_CUDA_ROUTER=v3: the router's
+// logits come from a plain dmv2 launch before it): route_block's outputs, bit for bit, for
+// token 0 at the given record pointers, from one block of 256 threads with 4 barriers instead
+// of route_block's ~30 (and of router2's last-block handshake: a threadfence, an atomic and a
+// single warp's k + 1 argmax rounds, ~4 us together on the H200):
+// - every warp computes the maximum of the logits itself (order-free, NaN ignored: fmaxf from
+//   -inf, as block_max_256); thread v computes e_i for i = v, v + 256, ... and accumulates lane v
+//   of the canonical sum; warp 0 runs the tree over the 256 lanes (warp_tree_fast: the pairs of
+//   block_tree_256); p_i = e_i / S and its total-order key by the thread that computed e_i;
+// - the rank of expert i (how many experts come first: a larger key, or an equal key and a lower
+//   id, route_block's strict total order) counted by thread v over all keys, as route_block;
+// - the renormalising sum over the selection in rank order (lane r = +0 + p of rank r, as
+//   route_block's block_sum_256 of sp) by warp 0, and the records as route_block writes them.
+// Dynamic shared memory: 3 * E floats (logits, p, keys).
+extern "C" __global__ void __launch_bounds__(256) route_dec(
+    const float* logits, int e_count, int k, int renorm, u32* __restrict__ ids,
+    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
+    float* __restrict__ kth, float* __restrict__ next) {
+    TARFA_DYN_SMEM(float, sm);
+    __shared__ __align__(16) float lanes[TARFA_LANES];
+    __shared__ int sel[DEC_ROUTE_MAX_K];
+    __shared__ float total_s;
+    grid_dep_wait();
+    grid_dep_launch();
+    const int v = threadIdx.x;
+    const int p = v & 31;
+    const int warp = v >> 5;
+    float* l = sm;
+    float* pe = sm + e_count;
+    int* key = reinterpret_cast<int*>(sm + 2 * e_count);
+    for (int i = v; i < e_count; i += TARFA_LANES) l[i] = __ldcg(logits + i);
+    __syncthreads();
+    float m = f32_bits(0xff800000u);
+    for (int i = p; i < e_count; i += 32) m = fmaxf(m, l[i]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TARFA_FULL_MASK, m, off));
+    float a = 0.0f;
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        const float e = det_exp(__fsub_rn(l[i], m));
+        pe[i] = e;
+        a = __fadd_rn(a, e);
+    }
+    lanes[v] = a;
+    __syncthreads();
+    if (warp == 0) {
+        const float4 l0 = *reinterpret_cast<const float4*>(lanes + 8 * p);
+        const float4 l1 = *reinterpret_cast<const float4*>(lanes + 8 * p + 4);
+        const float t8[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+        const float total = warp_tree_fast(t8);
+        if (p == 0) total_s = total;
+    }
+    __syncthreads();
+    const float total = total_s;
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        const float pi = __fdiv_rn(pe[i], total);
+        pe[i] = pi;
+        key[i] = total_order_key(pi);
+    }
+    __syncthreads();
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        const int ki = key[i];
+        int rank = 0;
+        for (int j = 0; j < e_count; j++) {
+            const int kj = key[j];
+            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
+        }
+        if (rank < k) sel[rank] = i;
+        if (rank == k) next[0] = pe[i];
+    }
+    if (v == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
+    __syncthreads();
+    if (warp == 0) {
+        float s = 1.0f;
+        if (renorm) {
+            float t8[8];
+            zero8(t8);
+            for (int base = 8 * p; base < k; base += TARFA_LANES) {
+#pragma unroll
+                for (int t = 0; t < 8; t++) {
+                    if (base + t < k) t8[t] = __fadd_rn(t8[t], pe[sel[base + t]]);
+                }
+            }
+            s = __shfl_sync(TARFA_FULL_MASK, warp_tree_fast(t8), 0);
+        }
+        for (int j = p; j < k; j += 32) {
+            const int e = sel[j];
+            const float pj = pe[e];
+            ids[j] = (u32)e;
+            probs[j] = pj;
+            weights[j] = renorm ? __fdiv_rn(pj, s) : pj;
+            int at = 0;  // the slot's place in ascending expert id (ids are distinct)
+            for (int jj = 0; jj < k; jj++) at += (sel[jj] < e) ? 1 : 0;
+            by_id[at] = (u32)j;
+        }
+        if (p == 0) kth[0] = pe[sel[k - 1]];
+    }
+}
+
 // (v1, i1) is the better greedy candidate than (v2, i2): a number beats NaN, a larger number
 // wins, and among equal values (or two NaNs) the lower index.
 __device__ __forceinline__ bool arg_better(float v1, int i1, float v2, int i2) {
@@ -373,7 +519,7 @@ __device__ __forceinline__ bool last_block(u32* counter) {
 // KIND 2 (lm_head): no bias; the last block writes the greedy token of out[0..rows) to st->token
 // and tok_log[st->step], then advances st (pos + 1, step + 1).
 // Block 256 threads; dynamic shared memory: max(cols, KIND 1 ? 2 * rows + k : 0) floats.
-template <typename W, int KIND, int V = 1>
+template <typename W, int KIND, int V = 1, int G = DEC_GROUP>
 __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x, const float* __restrict__ norm_w,
     float eps, const float* __restrict__ bias0, const float* __restrict__ bias1,
@@ -393,14 +539,14 @@ __device__ __forceinline__ void dmv_body(
     const int nw = gridDim.x * 8;
     int r = blockIdx.x * 8 + warp;
     int c0 = 0;
-    Pack8<W> wv[DEC_GROUP];
+    Pack8<W> wv[G];
     const float* xin = xs;
     if (V == 2) {
         // the input first, then the weights (stage_issue says why)
         grid_dep_wait();
         grid_dep_launch();
         const bool fast = stage_issue(xs, x, cols, norm_w);
-        if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);
+        if (r < rows) load_group<W, G>(wv, w + (long)r * cols, 0, cols, p);
         xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
     } else {
         if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
@@ -417,17 +563,39 @@ __device__ __forceinline__ void dmv_body(
     int best_i = 0x7fffffff;
     float a[8];
     zero8(a);
+    // the row's residual: V == 2 copies it to shared memory with the row's first weights
+    // (cp.async: no register held; one more live register spills at the 64 that 4 blocks per
+    // multiprocessor allow), so the epilogue does not wait for it; nothing else writes out[r]
+    // during the kernel. A bias stays a load in the epilogue.
+    __shared__ float pre_o[8];
+    auto prefetch_epilogue = [&](int rr) {
+        if (V == 2 && KIND != 2 && mode == 1 && p == 0 && rr < rows) async_copy4(pre_o + warp, out + rr);
+    };
+    prefetch_epilogue(r);
     while (r < rows) {
-        fma_group<W>(a, wv, xin, c0, cols, p);
-        int r2 = r, c2 = c0 + DEC_GROUP;
+        fma_group<W, G>(a, wv, xin, c0, cols, p);
+        int r2 = r, c2 = c0 + G;
         if ((c2 << 8) >= cols) {
             c2 = 0;
             r2 = r + nw;
         }
-        if (r2 < rows) load_group<W>(wv, w + (long)r2 * cols, c2, cols, p);
+        if (r2 < rows) load_group<W, G>(wv, w + (long)r2 * cols, c2, cols, p);
         if (c2 == 0) {
             float y = V == 2 ? warp_tree_fast(a) : warp_tree(a);
-            if (p == 0) {
+            if (V == 2 && KIND != 2) {
+                if (p == 0) {
+                    const float* b = r < split1 ? (bias0 ? bias0 + r : nullptr)
+                                   : r < split2 ? (bias1 ? bias1 + (r - split1) : nullptr)
+                                                : (bias2 ? bias2 + (r - split2) : nullptr);
+                    if (b != nullptr) y = __fadd_rn(y, *b);
+                    if (mode == 1) {
+                        async_copy_wait();
+                        y = __fadd_rn(pre_o[warp], y);
+                    }
+                    out[r] = y;
+                }
+                prefetch_epilogue(r2);  // after this row's read of pre_o
+            } else if (p == 0) {
                 if (KIND != 2) {
                     const float* b = r < split1 ? (bias0 ? bias0 + r : nullptr)
                                    : r < split2 ? (bias1 ? bias1 + (r - split1) : nullptr)
@@ -558,6 +726,16 @@ extern "C" __global__ void __launch_bounds__(256) dmv2_f32(DMV_ARGS(float)) {
                           nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
+// dmv2_bf16 with 16 chunks (4,096 weights) of a row in flight per warp instead of 8, for rows
+// wider than 2,048 (the o projection's 4,096: a whole row in one round trip instead of two);
+// 128 registers, 2 blocks per multiprocessor. The same operations in the same order: the group
+// size only decides how many of a row's chunks are loaded before the first is used.
+extern "C" __global__ void __launch_bounds__(256, 2) dmv2w_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 2, 16>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2,
+                            out, mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr,
+                            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+
 #define ROUTER_ARGS(W)                                                                          \
     const W* __restrict__ w, int rows, int cols, const float* x,                                \
         const float* __restrict__ norm_w, float eps, float* logits, float* xn_out,              \
@@ -592,20 +770,6 @@ extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)
     dmv_body<float, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                        logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
                        next, nullptr, nullptr, nullptr, nullptr);
-}
-
-// router2 with the second version's staging and trees (TARFA_CUDA_ROUTER=v3). Dynamic shared
-// memory: max(2 * cols, 2 * rows + k) floats.
-extern "C" __global__ void __launch_bounds__(256) router3_bf16(ROUTER_ARGS(u16)) {
-    dmv_body<u16, 3, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                        logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
-                        next, nullptr, nullptr, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) router3_f32(ROUTER_ARGS(float)) {
-    dmv_body<float, 3, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                          logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
-                          next, nullptr, nullptr, nullptr, nullptr);
 }
 
 #define LMHEAD_ARGS(W)                                                                          \
@@ -681,8 +845,12 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     zero8(ag);
     zero8(au);
     while (i < rows) {
-        fma_group<W>(ag, wg, xin, c0, cols, p);
-        fma_group<W>(au, wu, xin, c0, cols, p);
+        if (V == 2) {
+            fma_group_pair<W>(ag, au, wg, wu, xin, c0, cols, p);
+        } else {
+            fma_group<W>(ag, wg, xin, c0, cols, p);
+            fma_group<W>(au, wu, xin, c0, cols, p);
+        }
         int i2 = i, c2 = c0 + DEC_GROUP;
         if ((c2 << 8) >= cols) {
             c2 = 0;
@@ -755,14 +923,23 @@ __device__ __forceinline__ void moe_down_dec_body(
         fast = stage_issue(as, act, k * width, nullptr);
     }
     // The router's choices were written two kernels back (see the file's header): read from L2.
+    __shared__ float wslot[DOWN_MAX_K];  // V == 2: the mixing weights, read once per block
     if (threadIdx.x < k) {
         const int j = (int)__ldcg(by_id + threadIdx.x);
         jslot[threadIdx.x] = j;
         ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
+        if (V == 2) wslot[threadIdx.x] = __ldcg(weights + j);
     }
     __syncthreads();
     int r = blockIdx.x * 8 + warp;
     int c = 0;
+    // V == 2: the row's residual (and shared expert output) loaded with its first weights, so
+    // the epilogue waits for nothing (nothing else writes h[r] during the kernel)
+    float pre_h = 0.0f, pre_sh = 0.0f;
+    if (V == 2 && p == 0 && r < hidden) {
+        pre_h = h[r];
+        if (y_sh != nullptr) pre_sh = y_sh[r];
+    }
     Pack8<u16> wv[DOWN_MAX_K];
 #pragma unroll
     for (int s = 0; s < DOWN_MAX_K; s++) {
@@ -803,7 +980,22 @@ __device__ __forceinline__ void moe_down_dec_body(
             for (int s = 0; s < DOWN_MAX_K; s++) {
                 y[s] = s < k ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s])) : 0.0f;
             }
-            if (p == 0) {
+            if (V == 2) {
+                const float h_r = pre_h, sh_r = pre_sh;
+                if (p == 0 && r2 < hidden) {
+                    pre_h = h[r2];
+                    if (y_sh != nullptr) pre_sh = y_sh[r2];
+                }
+                if (p == 0) {
+                    float mix = 0.0f;
+#pragma unroll
+                    for (int s = 0; s < DOWN_MAX_K; s++) {
+                        if (s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
+                    }
+                    if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
+                    h[r] = __fadd_rn(h_r, mix);
+                }
+            } else if (p == 0) {
                 float mix = 0.0f;
 #pragma unroll
                 for (int s = 0; s < DOWN_MAX_K; s++) {
@@ -831,6 +1023,87 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(MOE_DOWN_DEC_ARGS
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARGS) {
     moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+}
+
+// moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v2:
+// all of a row's chunks for all k experts are loaded at once (one round trip instead of one per
+// chunk; 96 registers of weights), then each expert's dot is accumulated chunk by chunk (lane
+// 8p+t over c = 0, 1, 2: the same order) and reduced by warp_tree_fast, and the mix is
+// moe_down_dec2's. 2 blocks per multiprocessor; rows r = blockIdx.x*8 + warp, + 8*G, ...
+#define DOWN3_C 3
+extern "C" __global__ void __launch_bounds__(256, 1) moe_down_dec3(MOE_DOWN_DEC_ARGS) {
+    TARFA_DYN_SMEM(float, as);
+    __shared__ long ebase[DOWN_MAX_K];
+    __shared__ int jslot[DOWN_MAX_K];
+    __shared__ float wslot[DOWN_MAX_K];
+    const int p = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = gridDim.x * 8;
+    grid_dep_wait();
+    grid_dep_launch();
+    const bool fast = stage_issue(as, act, k * width, nullptr);
+    if (threadIdx.x < k) {
+        const int j = (int)__ldcg(by_id + threadIdx.x);
+        jslot[threadIdx.x] = j;
+        ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
+        wslot[threadIdx.x] = __ldcg(weights + j);
+    }
+    __syncthreads();
+    int r = blockIdx.x * 8 + warp;
+    float pre_h = 0.0f, pre_sh = 0.0f;
+    if (p == 0 && r < hidden) {
+        pre_h = h[r];
+        if (y_sh != nullptr) pre_sh = y_sh[r];
+    }
+    Pack8<u16> wa[DOWN_MAX_K][DOWN3_C];
+#pragma unroll
+    for (int s = 0; s < DOWN_MAX_K; s++) {
+#pragma unroll
+        for (int c = 0; c < DOWN3_C; c++) {
+            const int e = (c << 8) + 8 * p;
+            if (s < k && r < hidden && e < width) wa[s][c].load(down + ebase[s] + (long)r * width + e);
+        }
+    }
+    stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
+    while (r < hidden) {
+        float y[DOWN_MAX_K];
+#pragma unroll
+        for (int s = 0; s < DOWN_MAX_K; s++) {
+            float acc[8];
+            zero8(acc);
+#pragma unroll
+            for (int c = 0; c < DOWN3_C; c++) {
+                const int e = (c << 8) + 8 * p;
+                if (s < k && e < width) fma8<u16>(acc, wa[s][c], as + jslot[s] * width + e);
+            }
+            y[s] = s < k ? warp_tree_fast(acc) : 0.0f;
+        }
+        const int r2 = r + nw;
+#pragma unroll
+        for (int s = 0; s < DOWN_MAX_K; s++) {
+#pragma unroll
+            for (int c = 0; c < DOWN3_C; c++) {
+                const int e = (c << 8) + 8 * p;
+                if (s < k && r2 < hidden && e < width)
+                    wa[s][c].load(down + ebase[s] + (long)r2 * width + e);
+            }
+        }
+        const float h_r = pre_h, sh_r = pre_sh;
+        if (p == 0 && r2 < hidden) {
+            pre_h = h[r2];
+            if (y_sh != nullptr) pre_sh = y_sh[r2];
+        }
+        if (p == 0) {
+            float mix = 0.0f;
+#pragma unroll
+            for (int s = 0; s < DOWN_MAX_K; s++) {
+                if (s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
+            }
+            if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
+            h[r] = __fadd_rn(h_r, mix);
+        }
+        r = r2;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

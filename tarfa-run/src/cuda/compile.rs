@@ -83,13 +83,14 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "moe_down_dec",
             "dmv2_bf16",
             "dmv2_f32",
-            "router3_bf16",
-            "router3_f32",
+            "dmv2w_bf16",
+            "route_dec",
             "lmhead2_bf16",
             "lmhead2_f32",
             "gate_up_dec2_bf16",
             "gate_up_dec2_f32",
             "moe_down_dec2",
+            "moe_down_dec3",
             "attn_decode",
             "attn_decode2",
         ],
@@ -97,7 +98,13 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "probe.cu",
         source: include_str!("../../../kernels/probe.cu"),
-        entries: &["probe_exp", "probe_silu", "probe_sigmoid", "probe_rsqrt"],
+        entries: &[
+            "probe_exp",
+            "probe_silu",
+            "probe_sigmoid",
+            "probe_rsqrt",
+            "probe_nop",
+        ],
     },
 ];
 

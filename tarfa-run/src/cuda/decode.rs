@@ -75,7 +75,8 @@ pub(crate) enum KernelVersion {
     /// attn_decode2 (one block barrier, scores in shared memory, warp-level softmax
     /// statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
     V2,
-    /// The third versions (where a kernel family has one).
+    /// The third versions (where a kernel family has one): for the router, its logits by a
+    /// dmv2 launch and the top-k by route_dec.
     V3,
 }
 
@@ -99,7 +100,8 @@ impl KernelVersion {
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
     pub(crate) router: KernelVersion,
-    /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS`.
+    /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS` (v3: v2 with the experts'
+    /// down rows of at most 3 chunks all in flight, moe_down_dec3).
     pub(crate) rows: KernelVersion,
     /// The most bytes of scores attn_decode2 keeps in shared memory.
     pub(crate) attn_shared_max: usize,
@@ -191,7 +193,11 @@ impl CudaModel {
                     if cfg.top_k * cfg.expert_width * F > 200 * 1024 {
                         return Some("the experts' activations exceed shared memory".into());
                     }
-                    if (2 * cfg.num_experts + cfg.top_k).max(h) * F > 200 * 1024
+                    if (3 * cfg.num_experts)
+                        .max(2 * cfg.num_experts + cfg.top_k)
+                        .max(h)
+                        * F
+                        > 200 * 1024
                         || cfg.top_k > super::ops::MAX_TOP_K
                     {
                         return Some(format!("{} experts", cfg.num_experts));
@@ -307,6 +313,8 @@ impl CudaModel {
         let name = match (w.dtype, rows) {
             (DType::Bf16, KernelVersion::V1) => "dmv_bf16",
             (DType::F32, KernelVersion::V1) => "dmv_f32",
+            // rows of more than 8 chunks: the whole row in flight (kernels/decode.cu dmv2w)
+            (DType::Bf16, _) if w.cols > 8 * 256 => "dmv2w_bf16",
             (DType::Bf16, _) => "dmv2_bf16",
             (DType::F32, _) => "dmv2_f32",
         };
@@ -601,49 +609,79 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
-                    let name = match (router.dtype, kernels.router) {
-                        (DType::Bf16, KernelVersion::V1) => "router_bf16",
-                        (DType::F32, KernelVersion::V1) => "router_f32",
-                        (DType::Bf16, KernelVersion::V2) => "router2_bf16",
-                        (DType::F32, KernelVersion::V2) => "router2_f32",
-                        (DType::Bf16, KernelVersion::V3) => "router3_bf16",
-                        (DType::F32, KernelVersion::V3) => "router3_f32",
-                    };
-                    // router3 stages the norm's weights beside the input
-                    let staged = if kernels.router == KernelVersion::V3 {
-                        2 * h
+                    if kernels.router == KernelVersion::V3 {
+                        // the logits by a plain row kernel, then the top-k as a kernel of its
+                        // own (kernels/decode.cu route_dec)
+                        v.push(self.dmv(
+                            router,
+                            b.h.ptr(),
+                            layer.post_norm.ptr(),
+                            [0; 3],
+                            (e_count, e_count),
+                            b.router_logits.ptr(),
+                            false,
+                            b.xn.ptr(),
+                            "router (+post norm, top-k)",
+                            KernelVersion::V2,
+                        ));
+                        v.push(Launch {
+                            name: "route_dec",
+                            grid: (1, 1, 1),
+                            block: (256, 1, 1),
+                            shared: (3 * e_count * F) as u32,
+                            args: vec![
+                                p(&b.router_logits),
+                                i32a(e_count),
+                                i32a(k_top),
+                                Arg::I32(i32::from(self.spec.renormalize_topk)),
+                                Arg::Ptr(b.ids.ptr() + rec),
+                                Arg::Ptr(b.probs.ptr() + rec),
+                                Arg::Ptr(b.weights.ptr() + rec),
+                                Arg::Ptr(b.by_id.ptr() + rec),
+                                Arg::Ptr(b.kth.ptr() + one),
+                                Arg::Ptr(b.next.ptr() + one),
+                            ],
+                            pdl: true,
+                            label: "router (+post norm, top-k)",
+                            bytes: 0,
+                        });
                     } else {
-                        h
-                    };
-                    let shared_mem = ((2 * e_count + k_top).max(staged) * F) as u32;
-                    v.push(Launch {
-                        name,
-                        grid: (e_count.div_ceil(8) as u32, 1, 1),
-                        block: (256, 1, 1),
-                        shared: shared_mem,
-                        args: vec![
-                            Arg::Ptr(router.ptr()),
-                            i32a(e_count),
-                            i32a(h),
-                            p(&b.h),
-                            Arg::Ptr(layer.post_norm.ptr()),
-                            Arg::F32(cfg.eps_f32()),
-                            p(&b.router_logits),
-                            p(&b.xn),
-                            Arg::Ptr(b.counters.ptr() + (l * 4) as u64),
-                            i32a(k_top),
-                            Arg::I32(i32::from(self.spec.renormalize_topk)),
-                            Arg::Ptr(b.ids.ptr() + rec),
-                            Arg::Ptr(b.probs.ptr() + rec),
-                            Arg::Ptr(b.weights.ptr() + rec),
-                            Arg::Ptr(b.by_id.ptr() + rec),
-                            Arg::Ptr(b.kth.ptr() + one),
-                            Arg::Ptr(b.next.ptr() + one),
-                        ],
-                        pdl: true,
-                        label: "router (+post norm, top-k)",
-                        bytes: router.bytes(),
-                    });
+                        let name = match (router.dtype, kernels.router) {
+                            (DType::Bf16, KernelVersion::V1) => "router_bf16",
+                            (DType::F32, KernelVersion::V1) => "router_f32",
+                            (DType::Bf16, _) => "router2_bf16",
+                            (DType::F32, _) => "router2_f32",
+                        };
+                        let shared_mem = ((2 * e_count + k_top).max(h) * F) as u32;
+                        v.push(Launch {
+                            name,
+                            grid: (e_count.div_ceil(8) as u32, 1, 1),
+                            block: (256, 1, 1),
+                            shared: shared_mem,
+                            args: vec![
+                                Arg::Ptr(router.ptr()),
+                                i32a(e_count),
+                                i32a(h),
+                                p(&b.h),
+                                Arg::Ptr(layer.post_norm.ptr()),
+                                Arg::F32(cfg.eps_f32()),
+                                p(&b.router_logits),
+                                p(&b.xn),
+                                Arg::Ptr(b.counters.ptr() + (l * 4) as u64),
+                                i32a(k_top),
+                                Arg::I32(i32::from(self.spec.renormalize_topk)),
+                                Arg::Ptr(b.ids.ptr() + rec),
+                                Arg::Ptr(b.probs.ptr() + rec),
+                                Arg::Ptr(b.weights.ptr() + rec),
+                                Arg::Ptr(b.by_id.ptr() + rec),
+                                Arg::Ptr(b.kth.ptr() + one),
+                                Arg::Ptr(b.next.ptr() + one),
+                            ],
+                            pdl: true,
+                            label: "router (+post norm, top-k)",
+                            bytes: router.bytes(),
+                        });
+                    }
                     let (mut y_sh, mut s_sh) = (0u64, 0u64);
                     if let Some(sh) = shared {
                         let (m, sg) = &**sh;
@@ -704,6 +742,8 @@ impl CudaModel {
                     ));
                     let name = match kernels.rows {
                         KernelVersion::V1 => "moe_down_dec",
+                        // v3: rows of at most 3 chunks all in flight at once
+                        KernelVersion::V3 if i <= 3 * 256 => "moe_down_dec3",
                         _ => "moe_down_dec2",
                     };
                     let shared_mem = (k_top * i * F) as u32;
@@ -1044,11 +1084,11 @@ impl CudaModel {
                 labels.push(l.label);
             }
         }
-        let time = |launches: &[Launch]| -> Result<f64, CudaError> {
+        let time_with = |launches: &[Launch], pdl: bool| -> Result<f64, CudaError> {
             if launches.is_empty() {
                 return Ok(0.0);
             }
-            let g = self.gpu.capture(launches, false)?;
+            let g = self.gpu.capture(launches, pdl)?;
             let state = [first, pos0 as u32, 0, 0];
             // one untimed replay (first use of the graph), then n timed ones
             self.gpu
@@ -1062,8 +1102,35 @@ impl CudaModel {
             }
             Ok(total / n as f64)
         };
+        let time = |launches: &[Launch]| time_with(launches, false);
         let all = time(&dc.launches)?;
         let mut rows = vec![("all".to_string(), all, all)];
+        // what the boundaries alone cost: an empty kernel per launch, same geometry
+        let nops: Vec<Launch> = dc
+            .launches
+            .iter()
+            .map(|l| Launch {
+                name: "probe_nop",
+                shared: 0,
+                args: vec![Arg::I32(0)],
+                pdl: false,
+                label: "empty kernels",
+                bytes: 0,
+                ..l.clone()
+            })
+            .collect();
+        let nop = time(&nops)?;
+        rows.push(("empty kernel per launch".to_string(), nop, nop));
+        let nops_pdl: Vec<Launch> = nops
+            .into_iter()
+            .map(|l| Launch { pdl: true, ..l })
+            .collect();
+        let nop = time_with(&nops_pdl, true)?;
+        rows.push((
+            "empty kernel per launch, programmatic launch".to_string(),
+            nop,
+            nop,
+        ));
         for label in labels.into_iter().filter(|_| per_kind) {
             let without: Vec<Launch> = dc
                 .launches

@@ -639,8 +639,8 @@ pub(crate) fn launch(
         }
         // ---- kernels/decode.cu (one token) ----
         "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "router2_bf16" | "router2_f32"
-        | "lmhead_bf16" | "lmhead_f32" | "dmv2_bf16" | "dmv2_f32" | "router3_bf16"
-        | "router3_f32" | "lmhead2_bf16" | "lmhead2_f32" => {
+        | "lmhead_bf16" | "lmhead_f32" | "dmv2_bf16" | "dmv2_f32" | "dmv2w_bf16"
+        | "lmhead2_bf16" | "lmhead2_f32" => {
             let bf16 = name.ends_with("bf16");
             let kind = if name.starts_with("router") {
                 1
@@ -654,9 +654,7 @@ pub(crate) fn launch(
                 (a.ptr(0), a.int(1), a.int(2), a.ptr(3), a.ptr(4), a.float(5));
             assert!(block.0 == 256 && gy == 1 && gz == 1, "{name} geometry");
             // the second versions stage the norm's weights beside the input
-            let staged = ["dmv2", "router3", "lmhead2"]
-                .iter()
-                .any(|v| name.starts_with(v));
+            let staged = ["dmv2", "lmhead2"].iter().any(|v| name.starts_with(v));
             let need = if staged && norm != 0 { 2 * cols } else { cols };
             assert!(
                 shared_bytes as usize >= need * 4,
@@ -786,7 +784,25 @@ pub(crate) fn launch(
                 mem.put_f32s(act + ((j * rows) * 4) as u64, &out);
             }
         }
-        "moe_down_dec" | "moe_down_dec2" => {
+        "route_dec" => {
+            a.count(10);
+            let (logits, e_count, k, renorm) = (a.ptr(0), a.int(1), a.int(2), a.int(3) == 1);
+            assert!(
+                (gx, gy, block.0) == (1, 1, 256) && k <= 8,
+                "{name} geometry"
+            );
+            assert!(shared_bytes as usize >= 3 * e_count * 4, "{name}: shared");
+            let l = mem.f32s(logits, e_count);
+            route_reference(
+                mem,
+                &l,
+                k,
+                renorm,
+                0,
+                [a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7), a.ptr(8), a.ptr(9)],
+            );
+        }
+        "moe_down_dec" | "moe_down_dec2" | "moe_down_dec3" => {
             a.count(11);
             let (down, hidden, width, ids, weights, by_id, k) = (
                 a.ptr(0),
@@ -907,6 +923,7 @@ pub(crate) fn launch(
                 mem.put_f32s(o + (((h * d) * 4) as u64), &out);
             }
         }
+        "probe_nop" => a.count(1),
         "probe_exp" | "probe_silu" | "probe_sigmoid" | "probe_rsqrt" => {
             a.count(3);
             let (x, y, n) = (a.ptr(0), a.ptr(1), a.long(2));
@@ -1069,18 +1086,20 @@ mod tests {
 
     #[test]
     fn the_second_row_kernels_give_the_cpus_bits() {
-        // TARFA_CUDA_ROWS=v2 with TARFA_CUDA_ROUTER=v3 (inputs staged by async copies ahead of
+        // TARFA_CUDA_ROWS=v2 and v3 with TARFA_CUDA_ROUTER=v3 (inputs staged by async copies ahead of
         // the weights, warp_tree_fast): every family (BF16 and F32 matrices, a shared expert,
         // dense layers) and wide rows with partial chunks (the decode kernels take widths that
         // are multiples of 8, so the staging's fallback for other vectors is not reachable here)
         use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
-        KERNELS_FOR_TEST.with(|c| {
-            c.set(Some(DecodeKernels {
-                rows: KernelVersion::V2,
-                router: KernelVersion::V3,
-                ..DecodeKernels::from_env()
-            }))
-        });
+        let set = |rows| {
+            KERNELS_FOR_TEST.with(|c| {
+                c.set(Some(DecodeKernels {
+                    rows,
+                    router: KernelVersion::V3,
+                    ..DecodeKernels::from_env()
+                }))
+            })
+        };
         let mut shapes: Vec<(&str, SyntheticShape)> =
             ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
                 .iter()
@@ -1103,9 +1122,26 @@ mod tests {
                 ..SyntheticShape::small("qwen2_moe")
             },
         ));
+        // experts wider than 3 chunks (moe_down_dec2 instead of moe_down_dec3)
+        shapes.push((
+            "qwen3_moe",
+            SyntheticShape {
+                layers: 2,
+                expert_width: 1032,
+                mlp_only_layers: vec![],
+                ..SyntheticShape::small("qwen3_moe")
+            },
+        ));
+        // v2 everywhere, v3 (moe_down_dec3) where it differs: experts of at most 3 chunks
         for (family, shape) in shapes {
-            eprintln!("{family}: hidden {}", shape.hidden);
-            decode_modes_match_the_cpu(family, shape);
+            for rows in [KernelVersion::V2, KernelVersion::V3] {
+                if rows == KernelVersion::V3 && shape.expert_width > 768 {
+                    continue;
+                }
+                set(rows);
+                eprintln!("{family}: hidden {}, rows {rows:?}", shape.hidden);
+                decode_modes_match_the_cpu(family, shape.clone());
+            }
         }
         KERNELS_FOR_TEST.with(|c| c.set(None));
     }
@@ -1113,17 +1149,28 @@ mod tests {
     #[test]
     fn the_router_kernels_take_many_experts_and_top_k_of_all() {
         // more experts than one warp's registers hold (300 > 256: the keys read from shared
-        // memory, two 256-chunks in the softmax sum), and k = E (next is NaN)
-        for (experts, top_k) in [(300, 8), (4, 4)] {
-            for family in ["qwen3_moe", "mixtral"] {
-                let shape = SyntheticShape {
-                    experts,
-                    top_k,
-                    ..SyntheticShape::small(family)
-                };
-                decode_modes_match_the_cpu(family, shape);
+        // memory, two 256-chunks in the softmax sum), and k = E (next is NaN); the default
+        // router kernels, then route_dec (TARFA_CUDA_ROUTER=v3)
+        use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
+        for router in [None, Some(KernelVersion::V3)] {
+            KERNELS_FOR_TEST.with(|c| {
+                c.set(router.map(|router| DecodeKernels {
+                    router,
+                    ..DecodeKernels::from_env()
+                }))
+            });
+            for (experts, top_k) in [(300, 8), (4, 4)] {
+                for family in ["qwen3_moe", "mixtral"] {
+                    let shape = SyntheticShape {
+                        experts,
+                        top_k,
+                        ..SyntheticShape::small(family)
+                    };
+                    decode_modes_match_the_cpu(family, shape);
+                }
             }
         }
+        KERNELS_FOR_TEST.with(|c| c.set(None));
     }
 
     fn decode_modes_match_the_cpu(family: &str, shape: SyntheticShape) {

@@ -21,7 +21,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3e {
     unsigned x, y, z;
@@ -47,6 +47,7 @@ inline void grid_dep_wait() {}
 inline void grid_dep_launch() {}
 // cp.async: the copy happens at once (a fiber runs alone until its next barrier or shuffle).
 inline void async_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+inline void async_copy4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4); }
 inline void async_copy_wait() {}
 
 inline void __syncthreads() { emu_block_barrier(); }
