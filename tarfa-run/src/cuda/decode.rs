@@ -63,8 +63,8 @@ pub(super) struct DecodeCtx {
 
 const F: usize = 4;
 
-/// The most shared memory attn_decode2 takes for its scores (larger contexts use the global
-/// scratch rows, as attn_decode always does).
+/// The most shared memory attn_decode2 and attn_decode3 take for their scores (larger contexts
+/// use the global scratch rows, as attn_decode always does).
 const ATTN_SHARED_MAX: usize = 96 * 1024;
 
 /// Which version of a decode kernel the launch list uses.
@@ -75,7 +75,8 @@ pub(crate) enum KernelVersion {
     /// attn_decode2 (one block barrier, scores in shared memory, warp-level softmax
     /// statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
     V2,
-    /// The third versions (where a kernel family has one).
+    /// The third versions where a kernel family has one: attn_decode3 (blocks of 512, fewer
+    /// instructions per warp); the router's v3 is its v2.
     V3,
 }
 
@@ -93,15 +94,15 @@ impl KernelVersion {
 
 /// The attention and router kernels of the decode step, chosen when the launch list is built
 /// (an in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
-/// `TARFA_CUDA_ATTN=v1` and `TARFA_CUDA_ROUTER=v1` select the first versions; anything else (or
-/// unset) the default, v2. Both compute the same bits.
+/// `TARFA_CUDA_ATTN=v1` and `TARFA_CUDA_ROUTER=v1` select the first versions, `TARFA_CUDA_ATTN=v3`
+/// attn_decode3; anything else (or unset) the default, v2. All compute the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
     pub(crate) router: KernelVersion,
     /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS`.
     pub(crate) rows: KernelVersion,
-    /// The most bytes of scores attn_decode2 keeps in shared memory.
+    /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
     pub(crate) attn_shared_max: usize,
 }
 
@@ -126,6 +127,17 @@ impl DecodeKernels {
             rows: pick("TARFA_CUDA_ROWS", KernelVersion::V1),
             attn_shared_max: ATTN_SHARED_MAX,
         }
+    }
+}
+
+/// The attn_decode3 kernel for head dimension `d` (even, at most 256): the one for the smallest
+/// of 32, 64, 128, 256 that is at least `d`.
+pub(crate) fn attn_decode3_name(d: usize) -> &'static str {
+    match d {
+        0..=32 => "attn_decode3_d32",
+        33..=64 => "attn_decode3_d64",
+        65..=128 => "attn_decode3_d128",
+        _ => "attn_decode3_d256",
     }
 }
 
@@ -247,7 +259,8 @@ impl CudaModel {
             kth: g.alloc(moe * 4, w)?,
             next: g.alloc(moe * 4, w)?,
             logits: g.alloc(cfg.vocab_size * F, "the decode step's logits")?,
-            scores: g.alloc(hq * slices * cap * F, "the decode attention's scores")?,
+            // a row per (query head, slice) for attn_decode/_decode2, a pair for attn_decode3
+            scores: g.alloc(hq * slices * 2 * cap * F, "the decode attention's scores")?,
             lm_grid,
         })
     }
@@ -479,21 +492,27 @@ impl CudaModel {
                 }
                 _ => (0, 0),
             };
-            // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0)
-            let (att_name, att_shared, att_scratch) = match kernels.attn {
-                KernelVersion::V1 => ("attn_decode", (3 * d * F) as u32, b.scores.ptr()),
-                // (no third version yet: v3 runs v2)
-                KernelVersion::V2 | KernelVersion::V3
-                    if cache.cap * F <= kernels.attn_shared_max =>
-                {
-                    ("attn_decode2", (cache.cap * F) as u32, 0)
+            // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0);
+            // attn_decode3 too (scores and probabilities: 2 x cap floats), in blocks of 512
+            let (att_name, att_block, att_shared, att_scratch) = match kernels.attn {
+                KernelVersion::V1 => ("attn_decode", 256, (3 * d * F) as u32, b.scores.ptr()),
+                KernelVersion::V2 if cache.cap * F <= kernels.attn_shared_max => {
+                    ("attn_decode2", 256, (cache.cap * F) as u32, 0)
                 }
-                KernelVersion::V2 | KernelVersion::V3 => ("attn_decode2", 0, b.scores.ptr()),
+                KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
+                KernelVersion::V3 => {
+                    let name = attn_decode3_name(d);
+                    if 2 * cache.cap * F <= kernels.attn_shared_max {
+                        (name, 512, (2 * cache.cap * F) as u32, 0)
+                    } else {
+                        (name, 512, 0, b.scores.ptr())
+                    }
+                }
             };
             v.push(Launch {
                 name: att_name,
                 grid: (hq as u32, slices as u32, 1),
-                block: (256, 1, 1),
+                block: (att_block, 1, 1),
                 shared: att_shared,
                 args: vec![
                     Arg::Ptr(qkv),
