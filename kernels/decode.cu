@@ -1119,17 +1119,48 @@ __device__ __forceinline__ float att3_tree_b(float (&a)[ATT3_K]) {
 }
 
 // Keys of this thread's layout-B lanes for the ATT3_U steps s0, s0 + ATT3_WARPS, ... (positions
-// j = (32/T)*s + g below pos; 0 elsewhere).
+// j = (32/T)*s + g; 0 at lanes >= D). A position j >= pos reads row min(j, pos - 1) (row 0 when
+// pos = 0; the cache has at least one row): its score is never stored, and the loads need no
+// predicate.
 template <int T, bool EXACT>
 __device__ __forceinline__ void att3_load_keys(float (&kb)[ATT3_U][ATT3_K], const float* keys,
                                                int s0, int pos, int d, int t, int g) {
 #pragma unroll
     for (int u = 0; u < ATT3_U; u++) {
-        const int j = (32 / T) * (s0 + ATT3_WARPS * u) + g;
+        int j = (32 / T) * (s0 + ATT3_WARPS * u) + g;
+        j = j < pos - 1 ? j : pos - 1;
+        j = j > 0 ? j : 0;
         const float* kr = keys + (long)j * d + t;
 #pragma unroll
-        for (int k = 0; k < ATT3_K; k++)
-            kb[u][k] = (j < pos && (EXACT || t + T * k < d)) ? kr[T * k] : 0.0f;
+        for (int k = 0; k < ATT3_K; k++) kb[u][k] = (EXACT || t + T * k < d) ? kr[T * k] : 0.0f;
+    }
+}
+
+// One iteration of the score loop: the ATT3_U steps s0, s0 + ATT3_WARPS, ... with the keys in
+// kb, while the next iteration's keys are loaded into kn. Thread t = 0 of each group stores
+// s_j = tree * scale for j < pos and keeps the maximum.
+template <int T, bool EXACT>
+__device__ __forceinline__ void att3_score_iter(float (&kb)[ATT3_U][ATT3_K],
+                                                float (&kn)[ATT3_U][ATT3_K],
+                                                const float (&qb)[ATT3_K], const float* keys,
+                                                int s0, int pos, int d, int t, int g, float scale,
+                                                float* sc, float& mx) {
+    float a[ATT3_U][ATT3_K];
+#pragma unroll
+    for (int u = 0; u < ATT3_U; u++) {
+#pragma unroll
+        for (int k = 0; k < ATT3_K; k++) a[u][k] = fmaf(qb[k], kb[u][k], 0.0f);
+    }
+    att3_load_keys<T, EXACT>(kn, keys, s0 + ATT3_WARPS * ATT3_U, pos, d, t, g);
+#pragma unroll
+    for (int u = 0; u < ATT3_U; u++) {
+        const float r = att3_tree_b<T>(a[u]);
+        const int j = (32 / T) * (s0 + ATT3_WARPS * u) + g;
+        if (t == 0 && j < pos) {
+            const float s = __fmul_rn(r, scale);
+            sc[j] = s;
+            mx = fmaxf(mx, s);
+        }
     }
 }
 
@@ -1173,16 +1204,20 @@ __device__ __forceinline__ void att3_body(
     grid_dep_launch();
 
     // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
+    float xq[NI], xk[NI];  // raw q and k
+#pragma unroll
+    for (int i = 0; i < NI; i++) {
+        const int e = p + 32 * i;
+        xq[i] = (EXACT || e < dd) ? qg[e] : 0.0f;
+        xk[i] = (EXACT || e < dd) ? kg[e] : 0.0f;
+    }
     float rq = 1.0f, rk = 1.0f;
     if (q_norm != nullptr) {
         float sq[NI], sk[NI];
 #pragma unroll
         for (int i = 0; i < NI; i++) {
-            const int e = p + 32 * i;
-            const float xq = (EXACT || e < dd) ? qg[e] : 0.0f;
-            const float xk = (EXACT || e < dd) ? kg[e] : 0.0f;
-            sq[i] = fmaf(xq, xq, 0.0f);
-            sk[i] = fmaf(xk, xk, 0.0f);
+            sq[i] = fmaf(xq[i], xq[i], 0.0f);
+            sk[i] = fmaf(xk[i], xk[i], 0.0f);
         }
         const float ssq = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sq), 0);
         const float ssk = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sk), 0);
@@ -1193,12 +1228,47 @@ __device__ __forceinline__ void att3_body(
     const float* cr = cos_t + (long)pos * half;
     const float* sr = sin_t + (long)pos * half;
     float qa[NI], ka[NI];
+    if constexpr (EXACT) {
+        // D = X: the RoPE partner of element e = p + 32i is e +- D/2, slot i +- NI/2 of this
+        // thread (NI >= 2) or slot 0 of thread p ^ 16 (NI = 1): attn_decode2's pair update on
+        // the same normalised values (att_normed's operations), taken from registers
+        float qn[NI], kn[NI];
 #pragma unroll
-    for (int i = 0; i < NI; i++) {
-        const int e = p + 32 * i;
-        const bool in = EXACT || e < dd;
-        qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
-        ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+        for (int i = 0; i < NI; i++) {
+            const int e = p + 32 * i;
+            qn[i] = q_norm != nullptr ? __fmul_rn(q_norm[e], __fmul_rn(xq[i], rq)) : xq[i];
+            kn[i] = k_norm != nullptr ? __fmul_rn(k_norm[e], __fmul_rn(xk[i], rk)) : xk[i];
+        }
+        if constexpr (NI == 1) {
+            const float qo = __shfl_xor_sync(TARFA_FULL_MASK, qn[0], 16);
+            const float ko = __shfl_xor_sync(TARFA_FULL_MASK, kn[0], 16);
+            const float c = cr[p & 15], s = sr[p & 15];
+            if (p < 16) {  // e < half: own value a, partner b
+                qa[0] = __fsub_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
+                ka[0] = __fsub_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
+            } else {  // e >= half: own value b, partner a
+                qa[0] = __fadd_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
+                ka[0] = __fadd_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
+            }
+        } else {
+            constexpr int H = NI / 2;
+#pragma unroll
+            for (int i = 0; i < H; i++) {
+                const float c = cr[p + 32 * i], s = sr[p + 32 * i];
+                qa[i] = __fsub_rn(__fmul_rn(qn[i], c), __fmul_rn(qn[i + H], s));
+                qa[i + H] = __fadd_rn(__fmul_rn(qn[i + H], c), __fmul_rn(qn[i], s));
+                ka[i] = __fsub_rn(__fmul_rn(kn[i], c), __fmul_rn(kn[i + H], s));
+                ka[i + H] = __fadd_rn(__fmul_rn(kn[i + H], c), __fmul_rn(kn[i], s));
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < NI; i++) {
+            const int e = p + 32 * i;
+            const bool in = e < dd;
+            qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
+            ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+        }
     }
     if (qh % group == 0 && slice == 0 && warp == 0) {
 #pragma unroll
@@ -1228,25 +1298,16 @@ __device__ __forceinline__ void att3_body(
     for (int k = 0; k < ATT3_K; k++)
         qb[k] = __shfl_sync(TARFA_FULL_MASK, qa[k / G], t + T * (k % G));
 
-    // scores of positions j < P, layout B: steps s = warp + ATT3_WARPS * (ATT3_U*r + u)
-    for (int s0 = warp; G * s0 < pos; s0 += ATT3_WARPS * ATT3_U) {
-        float a[ATT3_U][ATT3_K];
-#pragma unroll
-        for (int u = 0; u < ATT3_U; u++) {
-#pragma unroll
-            for (int k = 0; k < ATT3_K; k++) a[u][k] = fmaf(qb[k], kb[u][k], 0.0f);
-        }
-        att3_load_keys<T, EXACT>(kb, keys, s0 + ATT3_WARPS * ATT3_U, pos, dd, t, g);
-#pragma unroll
-        for (int u = 0; u < ATT3_U; u++) {
-            const float r = att3_tree_b<T>(a[u]);
-            const int j = G * (s0 + ATT3_WARPS * u) + g;
-            if (t == 0 && j < pos) {
-                const float s = __fmul_rn(r, scale);
-                sc[j] = s;
-                mx = fmaxf(mx, s);
-            }
-        }
+    // scores of positions j < P, layout B: steps s = warp + ATT3_WARPS * (ATT3_U*r + u); two
+    // key buffers in turn (the next iteration's keys are loaded into the other one before this
+    // iteration's trees)
+    float kb2[ATT3_U][ATT3_K];
+    for (int s0 = warp; G * s0 < pos;) {
+        att3_score_iter<T, EXACT>(kb, kb2, qb, keys, s0, pos, dd, t, g, scale, sc, mx);
+        s0 += ATT3_WARPS * ATT3_U;
+        if (G * s0 >= pos) break;
+        att3_score_iter<T, EXACT>(kb2, kb, qb, keys, s0, pos, dd, t, g, scale, sc, mx);
+        s0 += ATT3_WARPS * ATT3_U;
     }
 #pragma unroll
     for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(TARFA_FULL_MASK, mx, off));
@@ -1255,13 +1316,18 @@ __device__ __forceinline__ void att3_body(
     // the values of this warp's two output columns at positions p + 32i (v_P is v_raw itself)
     const int dc = slice * ATT_TILE + 2 * warp;
     const bool cols = dc < dd;  // D even, dc even: dc + 1 < D too
-    float vpre[8][2];
+    // (vpre of a position j > P is never used)
+    float vp0 = 0.0f, vp1 = 0.0f, vpre[8][2];
+    if (cols) {
+        vp0 = vg[dc];
+        vp1 = vg[dc + 1];
+        const float* vb = vals + (long)p * dd + dc;  // row p
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int j = p + 32 * i;
-        const float* vr = (j < pos ? vals + (long)j * dd : vg) + dc;
-        vpre[i][0] = (cols && j < n) ? vr[0] : 0.0f;
-        vpre[i][1] = (cols && j < n) ? vr[1] : 0.0f;
+        for (int i = 0; i < 8; i++) {
+            const bool below = p + 32 * i < pos;
+            vpre[i][0] = below ? vb[(long)32 * i * dd] : vp0;
+            vpre[i][1] = below ? vb[(long)32 * i * dd + 1] : vp1;
+        }
     }
     __syncthreads();  // every score and warp maximum is written
 
@@ -1301,14 +1367,17 @@ __device__ __forceinline__ void att3_body(
             }
         }
         for (int base = p + TARFA_LANES; base < n; base += TARFA_LANES) {
+            const float* vb = vals + (long)base * dd + dc;  // row base
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 const int j = base + 32 * i;
                 if (j < n) {
                     const float pj = pr[j];
-                    const float* vr = (j < pos ? vals + (long)j * dd : vg) + dc;
-                    a0[i] = fmaf(pj, vr[0], a0[i]);
-                    a1[i] = fmaf(pj, vr[1], a1[i]);
+                    const bool below = j < pos;
+                    const float v0 = below ? vb[(long)32 * i * dd] : vp0;
+                    const float v1 = below ? vb[(long)32 * i * dd + 1] : vp1;
+                    a0[i] = fmaf(pj, v0, a0[i]);
+                    a1[i] = fmaf(pj, v1, a1[i]);
                 }
             }
         }

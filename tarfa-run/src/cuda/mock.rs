@@ -1105,20 +1105,24 @@ mod tests {
                 })
                 .collect()
         };
-        let cases: &[(usize, usize, usize, bool, usize, bool)] = &[
-            // (head dim, query heads, KV heads, q/k norms, position, scores in shared memory)
-            (128, 4, 1, true, 300, true),
-            (128, 4, 2, false, 0, false),
-            (128, 2, 1, true, 600, false),
-            (256, 2, 1, true, 257, true),
-            (200, 3, 1, false, 40, true),
-            (64, 4, 2, true, 255, true),
-            (48, 2, 1, true, 520, false),
-            (32, 4, 2, false, 256, true),
-            (24, 4, 2, true, 33, false),
-            (16, 2, 2, true, 1, true),
+        let cases: &[(usize, usize, usize, bool, usize, bool, f32)] = &[
+            // (head dim, query heads, KV heads, q/k norms, position, scores in shared memory,
+            // |q| bound: 40 spreads the scores so that many e_j are +0.0 or subnormal)
+            (128, 4, 1, true, 300, true, 2.0),
+            (128, 4, 2, false, 0, false, 2.0),
+            (128, 2, 1, true, 600, false, 2.0),
+            (128, 2, 1, false, 900, true, 40.0),
+            (256, 2, 1, true, 257, true, 2.0),
+            (200, 3, 1, false, 40, true, 2.0),
+            (64, 4, 2, true, 255, true, 2.0),
+            (64, 2, 1, false, 1000, false, 2.0),
+            (48, 2, 1, true, 520, false, 2.0),
+            (32, 4, 2, false, 256, true, 2.0),
+            (32, 2, 1, true, 1300, true, 2.0),
+            (24, 4, 2, true, 33, false, 2.0),
+            (16, 2, 2, true, 1, true, 2.0),
         ];
-        for &(d, hq, hkv, norms, pos, shared) in cases {
+        for &(d, hq, hkv, norms, pos, shared, qmax) in cases {
             let cap = pos + 3;
             let half = d / 2;
             let slices = d.div_ceil(32);
@@ -1128,7 +1132,7 @@ mod tests {
                 mem.put_f32s(a, v);
                 a
             };
-            let qr = buf(&mut mem, &rnd(hq * d, -2.0, 2.0));
+            let qr = buf(&mut mem, &rnd(hq * d, -qmax, qmax));
             let kr = buf(&mut mem, &rnd(hkv * d, -2.0, 2.0));
             let vr = buf(&mut mem, &rnd(hkv * d, -1.0, 1.0));
             let (qn, kn) = if norms {
@@ -1175,8 +1179,15 @@ mod tests {
                     Arg::Ptr(o),
                 ];
                 let sh = if shared { sh } else { 0 };
-                launch(mem, name, (hq as u32, slices as u32, 1), (block, 1, 1), sh, &args)
-                    .unwrap();
+                launch(
+                    mem,
+                    name,
+                    (hq as u32, slices as u32, 1),
+                    (block, 1, 1),
+                    sh,
+                    &args,
+                )
+                .unwrap();
                 let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 (
                     bits(mem.f32s(o, hq * d)),
@@ -1187,8 +1198,14 @@ mod tests {
             let want = run(&mut mem, "attn_decode2", 256, (cap * 4) as u32);
             let name = attn_decode3_name(d);
             let got = run(&mut mem, name, 512, (2 * cap * 4) as u32);
-            let case = format!("{name}: D {d}, {hq}/{hkv} heads, norms {norms}, position {pos}");
-            assert!(want.0.iter().all(|&b| !f32::from_bits(b).is_nan()), "{case}");
+            let case = format!(
+                "{name}: D {d}, {hq}/{hkv} heads, norms {norms}, position {pos}, |q| < {qmax}, \
+                 shared {shared}"
+            );
+            assert!(
+                want.0.iter().all(|&b| !f32::from_bits(b).is_nan()),
+                "{case}"
+            );
             for (what, g, w) in [
                 ("output", &got.0, &want.0),
                 ("key cache", &got.1, &want.1),
