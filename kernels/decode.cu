@@ -1048,22 +1048,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
 // scale with X. Same grid (query head, 32-wide slice of D) and arguments as attn_decode2, but
 // blocks of 512 threads (16 warps) and 2 x n_stride floats of scores (dynamic shared memory, or
 // scratch row pair (qh*gridDim.y + slice) of 2 x n_stride floats when scratch is not null):
-// sc[] (scores, then e_j) and pr[] (p_j).
-// - prologue (every warp): thread p holds elements p + 32i (i < X/32, "layout A"): raw q and k,
-//   the per-head RMSNorm's sum of squares as a canonical dot with these lanes (the tree levels
-//   128, 64, 32 in-thread: slot i with i+4, i+2, i+1; 16..1 shfl_down; the levels a thread's
-//   slots do not reach pair a lane with lanes >= X >= D, which hold +0.0: pruned, since a lane
-//   accumulator is never -0.0), then RMSNorm-then-RoPE per element (att_rope, as attn_decode2);
-//   one block per KV head appends k_P and v_P; the last warp scores position P in layout A.
+// sc[] (scores, then e_j) and pr[] (p_j). Four barriers:
+// - every warp loads its first keys (before grid_dep_wait: the cache rows below P and the state
+//   were written before this step began). The last warp (it has the fewest score steps) does the
+//   prologue, thread p holding elements p + 32i (i < X/32, "layout A"): raw q and k, the
+//   per-head RMSNorm's sum of squares as a canonical dot with these lanes (the tree levels 128,
+//   64, 32 in-thread: slot i with i+4, i+2, i+1; 16..1 shfl_down; the levels a thread's slots do
+//   not reach pair a lane with lanes >= X >= D, which hold +0.0: pruned, since a lane
+//   accumulator is never -0.0), then RMSNorm-then-RoPE per element (attn_decode2's operations;
+//   when D = X the RoPE partner e +- D/2 is in the same thread, or thread p ^ 16 for X = 32); in
+//   one block per KV head it appends k_P and v_P; it scores position P in layout A and writes q
+//   to shared memory. Barrier.
 // - scores of positions j < P ("layout B"): T = X/16 threads per position, thread t of a group
 //   holds the 16 lanes t + T*k of one position (k < 16), so a warp scores 32/T positions per
 //   step, two steps per iteration (the next two steps' keys are loaded before this pair's
 //   tree). The tree: levels h = X/2 .. T in-thread (slot k with k + h/T), h = T/2 .. 1 by
 //   shfl_down inside the group of T threads (thread t < h takes lane t + h of its own group);
-//   levels h >= X are pruned as above. q reaches layout B by one shuffle per slot (element
-//   t + T*k is slot k/(32/T) of thread t + T*(k % (32/T))). Warp w takes the steps w, w + 16,
-//   ...; each warp keeps the maximum of its scores (order-free, NaN ignored, as fmaxf from
-//   -inf: block_max_256's value). Barrier.
+//   levels h >= X are pruned as above. Warp w takes the steps w, w + 16, ...; each warp keeps
+//   the maximum of its scores (order-free, NaN ignored, as fmaxf from -inf: block_max_256's
+//   value). The values of each warp's output columns at positions < 256 are loaded. Barrier.
 // - m = max of the 16 warp maxima; thread v (of 512) turns sc[j] into e_j = exp(s_j - m) for
 //   j = v, v + 512, ... (in place: no other thread touches sc[j] in this phase). Barrier.
 // - every warp: S = canonical sum of e_j, thread p holding lanes p + 32i (i < 8; lane v sums
@@ -1071,11 +1074,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
 //   pr[j] = e_j / S for j = v, v + 512, .... Barrier.
 // - warp w: the outputs d0 + 2w, d0 + 2w + 1 of the slice (D even: both or neither exist), lanes
 //   p + 32i over positions j = p + 32i + 256c (c increasing): acc = fma(p_j, v_j[d], acc), then
-//   the same tree. Values of the first 256 positions are loaded before the first barrier.
+//   the same tree.
 // Every value is computed by the operations attn_decode2 uses, in the same order, and every
 // reduction has attn_decode2's lanes and tree pairs; only the thread that computes it changes.
 // Each kernel runs a copy of the body specialised for D == X (no per-lane bounds checks).
-// Registers: see ptx_report.py (at most 128: __launch_bounds__(512, 1)).
+// Registers (ptx_report.py): 119-122 of at most 128 (__launch_bounds__(512, 1)), no spills.
 #define ATT3_WARPS 16
 #define ATT3_THREADS 512  // 32 * ATT3_WARPS (a literal: validation/gpu/emu/gen.py reads it)
 #define ATT3_K 16  // score lanes per thread (layout B)
@@ -1175,6 +1178,7 @@ __device__ __forceinline__ void att3_body(
     constexpr int T = X / 16;   // layout B threads per position
     constexpr int G = 32 / T;   // positions per warp-step
     __shared__ float wmax[ATT3_WARPS];
+    __shared__ float qs[X];  // q, normalised and rotated (0 at elements >= D)
     const int tid = threadIdx.x;
     const int p = tid & 31;
     const int warp = tid >> 5;
@@ -1203,100 +1207,106 @@ __device__ __forceinline__ void att3_body(
     grid_dep_wait();
     grid_dep_launch();
 
-    // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
-    float xq[NI], xk[NI];  // raw q and k
-#pragma unroll
-    for (int i = 0; i < NI; i++) {
-        const int e = p + 32 * i;
-        xq[i] = (EXACT || e < dd) ? qg[e] : 0.0f;
-        xk[i] = (EXACT || e < dd) ? kg[e] : 0.0f;
-    }
-    float rq = 1.0f, rk = 1.0f;
-    if (q_norm != nullptr) {
-        float sq[NI], sk[NI];
-#pragma unroll
-        for (int i = 0; i < NI; i++) {
-            sq[i] = fmaf(xq[i], xq[i], 0.0f);
-            sk[i] = fmaf(xk[i], xk[i], 0.0f);
-        }
-        const float ssq = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sq), 0);
-        const float ssk = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sk), 0);
-        rq = det_rsqrt(__fadd_rn(__fdiv_rn(ssq, (float)dd), eps));
-        rk = det_rsqrt(__fadd_rn(__fdiv_rn(ssk, (float)dd), eps));
-    }
-    const int half = dd / 2;
-    const float* cr = cos_t + (long)pos * half;
-    const float* sr = sin_t + (long)pos * half;
-    float qa[NI], ka[NI];
-    if constexpr (EXACT) {
-        // D = X: the RoPE partner of element e = p + 32i is e +- D/2, slot i +- NI/2 of this
-        // thread (NI >= 2) or slot 0 of thread p ^ 16 (NI = 1): attn_decode2's pair update on
-        // the same normalised values (att_normed's operations), taken from registers
-        float qn[NI], kn[NI];
-#pragma unroll
-        for (int i = 0; i < NI; i++) {
-            const int e = p + 32 * i;
-            qn[i] = q_norm != nullptr ? __fmul_rn(q_norm[e], __fmul_rn(xq[i], rq)) : xq[i];
-            kn[i] = k_norm != nullptr ? __fmul_rn(k_norm[e], __fmul_rn(xk[i], rk)) : xk[i];
-        }
-        if constexpr (NI == 1) {
-            const float qo = __shfl_xor_sync(TARFA_FULL_MASK, qn[0], 16);
-            const float ko = __shfl_xor_sync(TARFA_FULL_MASK, kn[0], 16);
-            const float c = cr[p & 15], s = sr[p & 15];
-            if (p < 16) {  // e < half: own value a, partner b
-                qa[0] = __fsub_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
-                ka[0] = __fsub_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
-            } else {  // e >= half: own value b, partner a
-                qa[0] = __fadd_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
-                ka[0] = __fadd_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
-            }
-        } else {
-            constexpr int H = NI / 2;
-#pragma unroll
-            for (int i = 0; i < H; i++) {
-                const float c = cr[p + 32 * i], s = sr[p + 32 * i];
-                qa[i] = __fsub_rn(__fmul_rn(qn[i], c), __fmul_rn(qn[i + H], s));
-                qa[i + H] = __fadd_rn(__fmul_rn(qn[i + H], c), __fmul_rn(qn[i], s));
-                ka[i] = __fsub_rn(__fmul_rn(kn[i], c), __fmul_rn(kn[i + H], s));
-                ka[i + H] = __fadd_rn(__fmul_rn(kn[i + H], c), __fmul_rn(kn[i], s));
-            }
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < NI; i++) {
-            const int e = p + 32 * i;
-            const bool in = e < dd;
-            qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
-            ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
-        }
-    }
-    if (qh % group == 0 && slice == 0 && warp == 0) {
-#pragma unroll
-        for (int i = 0; i < NI; i++) {
-            const int e = p + 32 * i;
-            if (EXACT || e < dd) {
-                k_cache[((long)kvh * cap + pos) * dd + e] = ka[i];
-                v_cache[((long)kvh * cap + pos) * dd + e] = vg[e];
-            }
-        }
-    }
+    // the prologue (the last warp, which has the fewest score steps; the others wait with their
+    // first keys loading): q and k in layout A, the KV append, the score of P, q to shared memory
     float mx = f32_bits(0xff800000u);  // this thread's maximum of the scores it wrote
     if (warp == ATT3_WARPS - 1) {
-        // position P (k_P from registers): the score in layout A
-        float a[NI];
+        // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
+        float xq[NI], xk[NI];  // raw q and k
 #pragma unroll
-        for (int i = 0; i < NI; i++) a[i] = fmaf(qa[i], ka[i], 0.0f);
-        const float s = att3_tree_a<NI>(a);
-        if (p == 0) {
-            mx = __fmul_rn(s, scale);
-            sc[pos] = mx;
+        for (int i = 0; i < NI; i++) {
+            const int e = p + 32 * i;
+            xq[i] = (EXACT || e < dd) ? qg[e] : 0.0f;
+            xk[i] = (EXACT || e < dd) ? kg[e] : 0.0f;
         }
+        float rq = 1.0f, rk = 1.0f;
+        if (q_norm != nullptr) {
+            float sq[NI], sk[NI];
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                sq[i] = fmaf(xq[i], xq[i], 0.0f);
+                sk[i] = fmaf(xk[i], xk[i], 0.0f);
+            }
+            const float ssq = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sq), 0);
+            const float ssk = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sk), 0);
+            rq = det_rsqrt(__fadd_rn(__fdiv_rn(ssq, (float)dd), eps));
+            rk = det_rsqrt(__fadd_rn(__fdiv_rn(ssk, (float)dd), eps));
+        }
+        const int half = dd / 2;
+        const float* cr = cos_t + (long)pos * half;
+        const float* sr = sin_t + (long)pos * half;
+        float qa[NI], ka[NI];
+        if constexpr (EXACT) {
+            // D = X: the RoPE partner of element e = p + 32i is e +- D/2, slot i +- NI/2 of this
+            // thread (NI >= 2) or slot 0 of thread p ^ 16 (NI = 1): attn_decode2's pair update on
+            // the same normalised values (att_normed's operations), taken from registers
+            float qn[NI], kn[NI];
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                qn[i] = q_norm != nullptr ? __fmul_rn(q_norm[e], __fmul_rn(xq[i], rq)) : xq[i];
+                kn[i] = k_norm != nullptr ? __fmul_rn(k_norm[e], __fmul_rn(xk[i], rk)) : xk[i];
+            }
+            if constexpr (NI == 1) {
+                const float qo = __shfl_xor_sync(TARFA_FULL_MASK, qn[0], 16);
+                const float ko = __shfl_xor_sync(TARFA_FULL_MASK, kn[0], 16);
+                const float c = cr[p & 15], s = sr[p & 15];
+                if (p < 16) {  // e < half: own value a, partner b
+                    qa[0] = __fsub_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
+                    ka[0] = __fsub_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
+                } else {  // e >= half: own value b, partner a
+                    qa[0] = __fadd_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
+                    ka[0] = __fadd_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
+                }
+            } else {
+                constexpr int H = NI / 2;
+#pragma unroll
+                for (int i = 0; i < H; i++) {
+                    const float c = cr[p + 32 * i], s = sr[p + 32 * i];
+                    qa[i] = __fsub_rn(__fmul_rn(qn[i], c), __fmul_rn(qn[i + H], s));
+                    qa[i + H] = __fadd_rn(__fmul_rn(qn[i + H], c), __fmul_rn(qn[i], s));
+                    ka[i] = __fsub_rn(__fmul_rn(kn[i], c), __fmul_rn(kn[i + H], s));
+                    ka[i + H] = __fadd_rn(__fmul_rn(kn[i + H], c), __fmul_rn(kn[i], s));
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                const bool in = e < dd;
+                qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
+                ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+            }
+        }
+        if (qh % group == 0 && slice == 0) {
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                if (EXACT || e < dd) {
+                    k_cache[((long)kvh * cap + pos) * dd + e] = ka[i];
+                    v_cache[((long)kvh * cap + pos) * dd + e] = vg[e];
+                }
+            }
+        }
+        {
+            // position P (k_P from registers): the score in layout A
+            float a[NI];
+#pragma unroll
+            for (int i = 0; i < NI; i++) a[i] = fmaf(qa[i], ka[i], 0.0f);
+            const float s = att3_tree_a<NI>(a);
+            if (p == 0) {
+                mx = __fmul_rn(s, scale);
+                sc[pos] = mx;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NI; i++) qs[p + 32 * i] = qa[i];
     }
-    // q in layout B: element t + T*k is slot k / G of thread t + T*(k % G)
+    __syncthreads();  // q is in qs[]
+    // q in layout B: element t + T*k
     float qb[ATT3_K];
 #pragma unroll
-    for (int k = 0; k < ATT3_K; k++)
-        qb[k] = __shfl_sync(TARFA_FULL_MASK, qa[k / G], t + T * (k % G));
+    for (int k = 0; k < ATT3_K; k++) qb[k] = qs[t + T * k];
 
     // scores of positions j < P, layout B: steps s = warp + ATT3_WARPS * (ATT3_U*r + u); two
     // key buffers in turn (the next iteration's keys are loaded into the other one before this
