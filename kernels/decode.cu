@@ -1472,3 +1472,385 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
         if (p == 0 && d0 + cc < d) o[(long)qh * d + d0 + cc] = r;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// attn_decode3_d32/_d64/_d128/_d256: attn_decode2's outputs (and KV append), bit for bit, with
+// far fewer instructions per warp (TARFA_CUDA_ATTN=v3). The kernel named _dX takes head
+// dimensions D <= X (even; decode.rs picks the smallest X >= D); registers and instructions
+// scale with X. Same grid (query head, 32-wide slice of D) and arguments as attn_decode2, but
+// blocks of 512 threads (16 warps) and 2 x n_stride floats of scores (dynamic shared memory, or
+// scratch row pair (qh*gridDim.y + slice) of 2 x n_stride floats when scratch is not null):
+// sc[] (scores, then e_j) and pr[] (p_j). Four barriers:
+// - every warp loads its first keys (before grid_dep_wait: the cache rows below P and the state
+//   were written before this step began). The last warp (it has the fewest score steps) does the
+//   prologue, thread p holding elements p + 32i (i < X/32, "layout A"): raw q and k, the
+//   per-head RMSNorm's sum of squares as a canonical dot with these lanes (the tree levels 128,
+//   64, 32 in-thread: slot i with i+4, i+2, i+1; 16..1 shfl_down; the levels a thread's slots do
+//   not reach pair a lane with lanes >= X >= D, which hold +0.0: pruned, since a lane
+//   accumulator is never -0.0), then RMSNorm-then-RoPE per element (attn_decode2's operations;
+//   when D = X the RoPE partner e +- D/2 is in the same thread, or thread p ^ 16 for X = 32); in
+//   one block per KV head it appends k_P and v_P; it scores position P in layout A and writes q
+//   to shared memory. Barrier.
+// - scores of positions j < P ("layout B"): T = X/16 threads per position, thread t of a group
+//   holds the 16 lanes t + T*k of one position (k < 16), so a warp scores 32/T positions per
+//   step, two steps per iteration (the next two steps' keys are loaded before this pair's
+//   tree). The tree: levels h = X/2 .. T in-thread (slot k with k + h/T), h = T/2 .. 1 by
+//   shfl_down inside the group of T threads (thread t < h takes lane t + h of its own group);
+//   levels h >= X are pruned as above. Warp w takes the steps w, w + 16, ...; each warp keeps
+//   the maximum of its scores (order-free, NaN ignored, as fmaxf from -inf: block_max_256's
+//   value). The values of each warp's output columns at positions < 256 are loaded. Barrier.
+// - m = max of the 16 warp maxima; thread v (of 512) turns sc[j] into e_j = exp(s_j - m) for
+//   j = v, v + 512, ... (in place: no other thread touches sc[j] in this phase). Barrier.
+// - every warp: S = canonical sum of e_j, thread p holding lanes p + 32i (i < 8; lane v sums
+//   j = v, v + 256, ... in increasing order), the tree as in the prologue; thread v writes
+//   pr[j] = e_j / S for j = v, v + 512, .... Barrier.
+// - warp w: the outputs d0 + 2w, d0 + 2w + 1 of the slice (D even: both or neither exist), lanes
+//   p + 32i over positions j = p + 32i + 256c (c increasing): acc = fma(p_j, v_j[d], acc), then
+//   the same tree.
+// Every value is computed by the operations attn_decode2 uses, in the same order, and every
+// reduction has attn_decode2's lanes and tree pairs; only the thread that computes it changes.
+// Each kernel runs a copy of the body specialised for D == X (no per-lane bounds checks).
+// Registers (ptx_report.py): 119-122 of at most 128 (__launch_bounds__(512, 1)), no spills.
+#define ATT3_WARPS 16
+#define ATT3_THREADS 512  // 32 * ATT3_WARPS (a literal: validation/gpu/emu/gen.py reads it)
+#define ATT3_K 16  // score lanes per thread (layout B)
+#define ATT3_U 2   // warp-steps per iteration of the score loop
+
+// The canonical tree over lanes p + 32i (i < NI): valid in thread 0. Slots i >= NI are lanes
+// >= 32*NI, which hold +0.0 (pruned).
+template <int NI>
+__device__ __forceinline__ float att3_tree_a(float (&a)[NI]) {
+    if constexpr (NI > 4) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = __fadd_rn(a[i], a[i + 4]);
+    }
+    if constexpr (NI > 2) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) a[i] = __fadd_rn(a[i], a[i + 2]);
+    }
+    if constexpr (NI > 1) a[0] = __fadd_rn(a[0], a[1]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1)
+        a[0] = __fadd_rn(a[0], __shfl_down_sync(TARFA_FULL_MASK, a[0], off));
+    return a[0];
+}
+
+// The canonical tree over lanes t + T*k (k < ATT3_K) of the T threads of a group (t = p % T):
+// valid in thread t = 0 of each group. Lanes >= T*ATT3_K hold +0.0 (pruned).
+template <int T>
+__device__ __forceinline__ float att3_tree_b(float (&a)[ATT3_K]) {
+    static_assert(ATT3_K == 16, "the in-thread levels below are written for 16 slots");
+#pragma unroll
+    for (int k = 0; k < 8; k++) a[k] = __fadd_rn(a[k], a[k + 8]);  // h = 8T
+#pragma unroll
+    for (int k = 0; k < 4; k++) a[k] = __fadd_rn(a[k], a[k + 4]);  // h = 4T
+#pragma unroll
+    for (int k = 0; k < 2; k++) a[k] = __fadd_rn(a[k], a[k + 2]);  // h = 2T
+    a[0] = __fadd_rn(a[0], a[1]);                                     // h = T
+#pragma unroll
+    for (int off = T / 2; off >= 1; off >>= 1)  // h = off
+        a[0] = __fadd_rn(a[0], __shfl_down_sync(TARFA_FULL_MASK, a[0], off));
+    return a[0];
+}
+
+// Keys of this thread's layout-B lanes for the ATT3_U steps s0, s0 + ATT3_WARPS, ... (positions
+// j = (32/T)*s + g; 0 at lanes >= D). A position j >= pos reads row min(j, pos - 1) (row 0 when
+// pos = 0; the cache has at least one row): its score is never stored, and the loads need no
+// predicate.
+template <int T, bool EXACT>
+__device__ __forceinline__ void att3_load_keys(float (&kb)[ATT3_U][ATT3_K], const float* keys,
+                                               int s0, int pos, int d, int t, int g) {
+#pragma unroll
+    for (int u = 0; u < ATT3_U; u++) {
+        int j = (32 / T) * (s0 + ATT3_WARPS * u) + g;
+        j = j < pos - 1 ? j : pos - 1;
+        j = j > 0 ? j : 0;
+        const float* kr = keys + (long)j * d + t;
+#pragma unroll
+        for (int k = 0; k < ATT3_K; k++) kb[u][k] = (EXACT || t + T * k < d) ? kr[T * k] : 0.0f;
+    }
+}
+
+// One iteration of the score loop: the ATT3_U steps s0, s0 + ATT3_WARPS, ... with the keys in
+// kb, while the next iteration's keys are loaded into kn. Thread t = 0 of each group stores
+// s_j = tree * scale for j < pos and keeps the maximum.
+template <int T, bool EXACT>
+__device__ __forceinline__ void att3_score_iter(float (&kb)[ATT3_U][ATT3_K],
+                                                float (&kn)[ATT3_U][ATT3_K],
+                                                const float (&qb)[ATT3_K], const float* keys,
+                                                int s0, int pos, int d, int t, int g, float scale,
+                                                float* sc, float& mx) {
+    float a[ATT3_U][ATT3_K];
+#pragma unroll
+    for (int u = 0; u < ATT3_U; u++) {
+#pragma unroll
+        for (int k = 0; k < ATT3_K; k++) a[u][k] = fmaf(qb[k], kb[u][k], 0.0f);
+    }
+    att3_load_keys<T, EXACT>(kn, keys, s0 + ATT3_WARPS * ATT3_U, pos, d, t, g);
+#pragma unroll
+    for (int u = 0; u < ATT3_U; u++) {
+        const float r = att3_tree_b<T>(a[u]);
+        const int j = (32 / T) * (s0 + ATT3_WARPS * u) + g;
+        if (t == 0 && j < pos) {
+            const float s = __fmul_rn(r, scale);
+            sc[j] = s;
+            mx = fmaxf(mx, s);
+        }
+    }
+}
+
+template <int X, bool EXACT>
+__device__ __forceinline__ void att3_body(
+    float* sm, const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv,
+    int d, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
+    float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
+    float* __restrict__ o) {
+    constexpr int NI = X / 32;  // layout A slots
+    constexpr int T = X / 16;   // layout B threads per position
+    constexpr int G = 32 / T;   // positions per warp-step
+    __shared__ float wmax[ATT3_WARPS];
+    __shared__ float qs[X];  // q, normalised and rotated (0 at elements >= D)
+    const int tid = threadIdx.x;
+    const int p = tid & 31;
+    const int warp = tid >> 5;
+    const int t = p % T;
+    const int g = p / T;
+    const int qh = blockIdx.x;
+    const int slice = blockIdx.y;
+    const int group = hq / hkv;
+    const int kvh = qh / group;
+    const int pos = st->pos;
+    const int n = pos + 1;
+    const int dd = EXACT ? X : d;
+    const float* qg = q_raw + (long)qh * dd;
+    const float* kg = k_raw + (long)kvh * dd;
+    const float* vg = v_raw + (long)kvh * dd;
+    const float* keys = k_cache + (long)kvh * cap * dd;
+    const float* vals = v_cache + (long)kvh * cap * dd;
+    float* sc = scratch != nullptr ? scratch + (long)(qh * gridDim.y + slice) * 2 * n_stride : sm;
+    float* pr = sc + n_stride;
+
+    // the first keys this warp scores: loaded now, used after the dependent steps below. The
+    // cache rows below P and the state were written before this step began (the step's first
+    // kernel is launched without programmatic serialisation), so they are read before the wait.
+    float kb[ATT3_U][ATT3_K];
+    att3_load_keys<T, EXACT>(kb, keys, warp, pos, dd, t, g);
+    grid_dep_wait();
+    grid_dep_launch();
+
+    // the prologue (the last warp, which has the fewest score steps; the others wait with their
+    // first keys loading): q and k in layout A, the KV append, the score of P, q to shared memory
+    float mx = f32_bits(0xff800000u);  // this thread's maximum of the scores it wrote
+    if (warp == ATT3_WARPS - 1) {
+        // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
+        float xq[NI], xk[NI];  // raw q and k
+#pragma unroll
+        for (int i = 0; i < NI; i++) {
+            const int e = p + 32 * i;
+            xq[i] = (EXACT || e < dd) ? qg[e] : 0.0f;
+            xk[i] = (EXACT || e < dd) ? kg[e] : 0.0f;
+        }
+        float rq = 1.0f, rk = 1.0f;
+        if (q_norm != nullptr) {
+            float sq[NI], sk[NI];
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                sq[i] = fmaf(xq[i], xq[i], 0.0f);
+                sk[i] = fmaf(xk[i], xk[i], 0.0f);
+            }
+            const float ssq = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sq), 0);
+            const float ssk = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<NI>(sk), 0);
+            rq = det_rsqrt(__fadd_rn(__fdiv_rn(ssq, (float)dd), eps));
+            rk = det_rsqrt(__fadd_rn(__fdiv_rn(ssk, (float)dd), eps));
+        }
+        const int half = dd / 2;
+        const float* cr = cos_t + (long)pos * half;
+        const float* sr = sin_t + (long)pos * half;
+        float qa[NI], ka[NI];
+        if constexpr (EXACT) {
+            // D = X: the RoPE partner of element e = p + 32i is e +- D/2, slot i +- NI/2 of this
+            // thread (NI >= 2) or slot 0 of thread p ^ 16 (NI = 1): attn_decode2's pair update on
+            // the same normalised values (att_normed's operations), taken from registers
+            float qn[NI], kn[NI];
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                qn[i] = q_norm != nullptr ? __fmul_rn(q_norm[e], __fmul_rn(xq[i], rq)) : xq[i];
+                kn[i] = k_norm != nullptr ? __fmul_rn(k_norm[e], __fmul_rn(xk[i], rk)) : xk[i];
+            }
+            if constexpr (NI == 1) {
+                const float qo = __shfl_xor_sync(TARFA_FULL_MASK, qn[0], 16);
+                const float ko = __shfl_xor_sync(TARFA_FULL_MASK, kn[0], 16);
+                const float c = cr[p & 15], s = sr[p & 15];
+                if (p < 16) {  // e < half: own value a, partner b
+                    qa[0] = __fsub_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
+                    ka[0] = __fsub_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
+                } else {  // e >= half: own value b, partner a
+                    qa[0] = __fadd_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
+                    ka[0] = __fadd_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
+                }
+            } else {
+                constexpr int H = NI / 2;
+#pragma unroll
+                for (int i = 0; i < H; i++) {
+                    const float c = cr[p + 32 * i], s = sr[p + 32 * i];
+                    qa[i] = __fsub_rn(__fmul_rn(qn[i], c), __fmul_rn(qn[i + H], s));
+                    qa[i + H] = __fadd_rn(__fmul_rn(qn[i + H], c), __fmul_rn(qn[i], s));
+                    ka[i] = __fsub_rn(__fmul_rn(kn[i], c), __fmul_rn(kn[i + H], s));
+                    ka[i + H] = __fadd_rn(__fmul_rn(kn[i + H], c), __fmul_rn(kn[i], s));
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                const bool in = e < dd;
+                qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
+                ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+            }
+        }
+        if (qh % group == 0 && slice == 0) {
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                if (EXACT || e < dd) {
+                    k_cache[((long)kvh * cap + pos) * dd + e] = ka[i];
+                    v_cache[((long)kvh * cap + pos) * dd + e] = vg[e];
+                }
+            }
+        }
+        {
+            // position P (k_P from registers): the score in layout A
+            float a[NI];
+#pragma unroll
+            for (int i = 0; i < NI; i++) a[i] = fmaf(qa[i], ka[i], 0.0f);
+            const float s = att3_tree_a<NI>(a);
+            if (p == 0) {
+                mx = __fmul_rn(s, scale);
+                sc[pos] = mx;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NI; i++) qs[p + 32 * i] = qa[i];
+    }
+    __syncthreads();  // q is in qs[]
+    // q in layout B: element t + T*k
+    float qb[ATT3_K];
+#pragma unroll
+    for (int k = 0; k < ATT3_K; k++) qb[k] = qs[t + T * k];
+
+    // scores of positions j < P, layout B: steps s = warp + ATT3_WARPS * (ATT3_U*r + u); two
+    // key buffers in turn (the next iteration's keys are loaded into the other one before this
+    // iteration's trees)
+    float kb2[ATT3_U][ATT3_K];
+    for (int s0 = warp; G * s0 < pos;) {
+        att3_score_iter<T, EXACT>(kb, kb2, qb, keys, s0, pos, dd, t, g, scale, sc, mx);
+        s0 += ATT3_WARPS * ATT3_U;
+        if (G * s0 >= pos) break;
+        att3_score_iter<T, EXACT>(kb2, kb, qb, keys, s0, pos, dd, t, g, scale, sc, mx);
+        s0 += ATT3_WARPS * ATT3_U;
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(TARFA_FULL_MASK, mx, off));
+    if (p == 0) wmax[warp] = mx;
+
+    // the values of this warp's two output columns at positions p + 32i (v_P is v_raw itself)
+    const int dc = slice * ATT_TILE + 2 * warp;
+    const bool cols = dc < dd;  // D even, dc even: dc + 1 < D too
+    // (vpre of a position j > P is never used)
+    float vp0 = 0.0f, vp1 = 0.0f, vpre[8][2];
+    if (cols) {
+        vp0 = vg[dc];
+        vp1 = vg[dc + 1];
+        const float* vb = vals + (long)p * dd + dc;  // row p
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const bool below = p + 32 * i < pos;
+            vpre[i][0] = below ? vb[(long)32 * i * dd] : vp0;
+            vpre[i][1] = below ? vb[(long)32 * i * dd + 1] : vp1;
+        }
+    }
+    __syncthreads();  // every score and warp maximum is written
+
+    // e_j in place (the maximum: any order gives the same value)
+    float m = f32_bits(0xff800000u);
+#pragma unroll
+    for (int w = 0; w < ATT3_WARPS; w++) m = fmaxf(m, wmax[w]);
+    for (int j = tid; j < n; j += ATT3_THREADS) sc[j] = det_exp(__fsub_rn(sc[j], m));
+    __syncthreads();  // every e_j is written
+
+    // S = canonical sum of e_j (every warp), then p_j
+    float sa[8];
+    zero8(sa);
+    for (int base = p; base < n; base += TARFA_LANES) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int j = base + 32 * i;
+            if (j < n) sa[i] = __fadd_rn(sa[i], sc[j]);
+        }
+    }
+    const float total = __shfl_sync(TARFA_FULL_MASK, att3_tree_a<8>(sa), 0);
+    for (int j = tid; j < n; j += ATT3_THREADS) pr[j] = __fdiv_rn(sc[j], total);
+    __syncthreads();  // every p_j is written
+
+    // the outputs dc, dc + 1: lane p + 32i over positions j = p + 32i + 256c, c increasing
+    float a0[8], a1[8];
+    zero8(a0);
+    zero8(a1);
+    if (cols) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int j = p + 32 * i;
+            if (j < n) {
+                const float pj = pr[j];
+                a0[i] = fmaf(pj, vpre[i][0], a0[i]);
+                a1[i] = fmaf(pj, vpre[i][1], a1[i]);
+            }
+        }
+        for (int base = p + TARFA_LANES; base < n; base += TARFA_LANES) {
+            const float* vb = vals + (long)base * dd + dc;  // row base
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int j = base + 32 * i;
+                if (j < n) {
+                    const float pj = pr[j];
+                    const bool below = j < pos;
+                    const float v0 = below ? vb[(long)32 * i * dd] : vp0;
+                    const float v1 = below ? vb[(long)32 * i * dd + 1] : vp1;
+                    a0[i] = fmaf(pj, v0, a0[i]);
+                    a1[i] = fmaf(pj, v1, a1[i]);
+                }
+            }
+        }
+    }
+    const float o0 = att3_tree_a<8>(a0);
+    const float o1 = att3_tree_a<8>(a1);
+    if (p == 0 && cols) {
+        o[(long)qh * dd + dc] = o0;
+        o[(long)qh * dd + dc + 1] = o1;
+    }
+}
+
+#define ATT3_PARAMS                                                                              \
+    const float *q_raw, const float *k_raw, const float *v_raw, int hq, int hkv, int d,          \
+        const float *__restrict__ q_norm, const float *__restrict__ k_norm, float eps,           \
+        const float *__restrict__ cos_t, const float *__restrict__ sin_t, const DecodeState *st, \
+        float *k_cache, float *v_cache, int cap, float scale, float *scratch, int n_stride,       \
+        float *__restrict__ o
+#define ATT3_ARGS                                                                              \
+    q_raw, k_raw, v_raw, hq, hkv, d, q_norm, k_norm, eps, cos_t, sin_t, st, k_cache, v_cache, \
+        cap, scale, scratch, n_stride, o
+#define ATT3_KERNEL(X)                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode3_d##X( \
+        ATT3_PARAMS) {                                                               \
+        TARFA_DYN_SMEM(float, sm);                                                   \
+        if (d == X)                                                                  \
+            att3_body<X, true>(sm, ATT3_ARGS);                                       \
+        else                                                                         \
+            att3_body<X, false>(sm, ATT3_ARGS);                                      \
+    }
+ATT3_KERNEL(32)
+ATT3_KERNEL(64)
+ATT3_KERNEL(128)
+ATT3_KERNEL(256)

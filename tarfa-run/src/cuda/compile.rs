@@ -93,6 +93,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "moe_down_dec3",
             "attn_decode",
             "attn_decode2",
+            "attn_decode3_d32",
+            "attn_decode3_d64",
+            "attn_decode3_d128",
+            "attn_decode3_d256",
         ],
     },
     KernelFile {

@@ -63,8 +63,8 @@ pub(super) struct DecodeCtx {
 
 const F: usize = 4;
 
-/// The most shared memory attn_decode2 takes for its scores (larger contexts use the global
-/// scratch rows, as attn_decode always does).
+/// The most shared memory attn_decode2 and attn_decode3 take for their scores (larger contexts
+/// use the global scratch rows, as attn_decode always does).
 const ATTN_SHARED_MAX: usize = 96 * 1024;
 
 /// Which version of a decode kernel the launch list uses.
@@ -75,8 +75,9 @@ pub(crate) enum KernelVersion {
     /// attn_decode2 (one block barrier, scores in shared memory, warp-level softmax
     /// statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
     V2,
-    /// The third versions (where a kernel family has one): for the router, its logits by a
-    /// dmv2 launch and the top-k by route_dec.
+    /// The third versions where a kernel family has one: attn_decode3 (blocks of 512, fewer
+    /// instructions per warp); for the router, its logits by a dmv2 launch and the top-k by
+    /// route_dec; for the row kernels, moe_down_dec3.
     V3,
 }
 
@@ -92,10 +93,10 @@ impl KernelVersion {
     }
 }
 
-/// The attention and router kernels of the decode step, chosen when the launch list is built
-/// (an in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
-/// `TARFA_CUDA_ATTN=v1` and `TARFA_CUDA_ROUTER=v1` select the first versions; anything else (or
-/// unset) the default, v2. Both compute the same bits.
+/// The versions of the decode step's kernels, chosen when the launch list is built (an
+/// in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
+/// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1`, `v2` or `v3`; unset (or
+/// anything else): v3 for all three (PHASE_LOG P7-P9). Every version computes the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
@@ -103,7 +104,7 @@ pub(crate) struct DecodeKernels {
     /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS` (v3: v2 with the experts'
     /// down rows of at most 3 chunks all in flight, moe_down_dec3).
     pub(crate) rows: KernelVersion,
-    /// The most bytes of scores attn_decode2 keeps in shared memory.
+    /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
     pub(crate) attn_shared_max: usize,
 }
 
@@ -123,11 +124,22 @@ impl DecodeKernels {
         let pick =
             |var: &str, default| KernelVersion::parse(std::env::var(var).ok().as_deref(), default);
         DecodeKernels {
-            attn: pick("TARFA_CUDA_ATTN", KernelVersion::V2),
-            router: pick("TARFA_CUDA_ROUTER", KernelVersion::V2),
-            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V1),
+            attn: pick("TARFA_CUDA_ATTN", KernelVersion::V3),
+            router: pick("TARFA_CUDA_ROUTER", KernelVersion::V3),
+            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V3),
             attn_shared_max: ATTN_SHARED_MAX,
         }
+    }
+}
+
+/// The attn_decode3 kernel for head dimension `d` (even, at most 256): the one for the smallest
+/// of 32, 64, 128, 256 that is at least `d`.
+pub(crate) fn attn_decode3_name(d: usize) -> &'static str {
+    match d {
+        0..=32 => "attn_decode3_d32",
+        33..=64 => "attn_decode3_d64",
+        65..=128 => "attn_decode3_d128",
+        _ => "attn_decode3_d256",
     }
 }
 
@@ -253,7 +265,8 @@ impl CudaModel {
             kth: g.alloc(moe * 4, w)?,
             next: g.alloc(moe * 4, w)?,
             logits: g.alloc(cfg.vocab_size * F, "the decode step's logits")?,
-            scores: g.alloc(hq * slices * cap * F, "the decode attention's scores")?,
+            // a row per (query head, slice) for attn_decode/_decode2, a pair for attn_decode3
+            scores: g.alloc(hq * slices * 2 * cap * F, "the decode attention's scores")?,
             lm_grid,
         })
     }
@@ -512,21 +525,27 @@ impl CudaModel {
                 }
                 _ => (0, 0),
             };
-            // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0)
-            let (att_name, att_shared, att_scratch) = match kernels.attn {
-                KernelVersion::V1 => ("attn_decode", (3 * d * F) as u32, b.scores.ptr()),
-                // (no third version yet: v3 runs v2)
-                KernelVersion::V2 | KernelVersion::V3
-                    if cache.cap * F <= kernels.attn_shared_max =>
-                {
-                    ("attn_decode2", (cache.cap * F) as u32, 0)
+            // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0);
+            // attn_decode3 too (scores and probabilities: 2 x cap floats), in blocks of 512
+            let (att_name, att_block, att_shared, att_scratch) = match kernels.attn {
+                KernelVersion::V1 => ("attn_decode", 256, (3 * d * F) as u32, b.scores.ptr()),
+                KernelVersion::V2 if cache.cap * F <= kernels.attn_shared_max => {
+                    ("attn_decode2", 256, (cache.cap * F) as u32, 0)
                 }
-                KernelVersion::V2 | KernelVersion::V3 => ("attn_decode2", 0, b.scores.ptr()),
+                KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
+                KernelVersion::V3 => {
+                    let name = attn_decode3_name(d);
+                    if 2 * cache.cap * F <= kernels.attn_shared_max {
+                        (name, 512, (2 * cache.cap * F) as u32, 0)
+                    } else {
+                        (name, 512, 0, b.scores.ptr())
+                    }
+                }
             };
             v.push(Launch {
                 name: att_name,
                 grid: (hq as u32, slices as u32, 1),
-                block: (256, 1, 1),
+                block: (att_block, 1, 1),
                 shared: att_shared,
                 args: vec![
                     Arg::Ptr(qkv),

@@ -837,7 +837,8 @@ pub(crate) fn launch(
             }
             mem.put_f32s(h, &hv);
         }
-        "attn_decode" | "attn_decode2" => {
+        "attn_decode" | "attn_decode2" | "attn_decode3_d32" | "attn_decode3_d64"
+        | "attn_decode3_d128" | "attn_decode3_d256" => {
             a.count(19);
             let (qr, kr, vr, hq, hkv, d) =
                 (a.ptr(0), a.ptr(1), a.ptr(2), a.int(3), a.int(4), a.int(5));
@@ -858,14 +859,29 @@ pub(crate) fn launch(
                 a.int(17),
                 a.ptr(18),
             );
+            // attn_decode3_dX: blocks of 512, D <= X (the smallest X that takes D)
+            let v3 = name.starts_with("attn_decode3");
             assert_eq!(
                 (gx, gy, block.0),
-                (hq, d.div_ceil(32), 256),
+                (hq, d.div_ceil(32), if v3 { 512 } else { 256 }),
                 "{name} geometry"
             );
             if name == "attn_decode" {
                 assert!(shared_bytes as usize >= 3 * d * 4, "{name}: shared memory");
                 assert!(scratch != 0, "{name}: no scratch");
+            } else if v3 {
+                assert_eq!(
+                    name,
+                    super::model::decode::attn_decode3_name(d),
+                    "{name}: head dimension {d}"
+                );
+                assert!(d <= 256 && d % 2 == 0, "{name}: head dimension {d}");
+                // scores and probabilities (2 x ns floats) in shared memory unless a scratch
+                // row pair is given
+                assert!(
+                    scratch != 0 || shared_bytes as usize >= 2 * ns * 4,
+                    "{name}: shared memory for {ns} scores"
+                );
             } else {
                 // attn_decode2: the scores in shared memory unless a scratch row is given
                 assert!(
@@ -912,12 +928,21 @@ pub(crate) fn launch(
                 let sc: Vec<f32> = (0..n)
                     .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * scale)
                     .collect();
-                if scratch != 0 {
+                let pr = softmax(&sc);
+                if scratch != 0 && v3 {
+                    // what attn_decode3 leaves in its row pair: e_j, then p_j
+                    let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = sc.iter().map(|&x| exp(x - m)).collect();
+                    for sl in 0..gy {
+                        let row = scratch + (((h * gy + sl) * 2 * ns) * 4) as u64;
+                        mem.put_f32s(row, &e);
+                        mem.put_f32s(row + (ns * 4) as u64, &pr);
+                    }
+                } else if scratch != 0 {
                     for sl in 0..gy {
                         mem.put_f32s(scratch + (((h * gy + sl) * ns) * 4) as u64, &sc);
                     }
                 }
-                let pr = softmax(&sc);
                 let mut out = vec![0.0f32; d];
                 weighted_row_sum(Kernel::scalar(), &pr, &vals, &mut out, &mut tmp);
                 mem.put_f32s(o + (((h * d) * 4) as u64), &out);
@@ -1046,9 +1071,10 @@ mod tests {
 
     #[test]
     fn every_decode_kernel_version_gives_the_cpus_bits() {
-        // the first attention and router kernels (TARFA_CUDA_ATTN=v1, TARFA_CUDA_ROUTER=v1), and
+        // the first attention and router kernels (TARFA_CUDA_ATTN=v1, TARFA_CUDA_ROUTER=v1),
         // attn_decode2 with its scores in the global scratch rows (a context too long for shared
-        // memory), on a short and a wide shape
+        // memory), and attn_decode3 (TARFA_CUDA_ATTN=v3) with its scores in shared memory and in
+        // the scratch rows, on a short and a wide shape
         use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
         let wide = SyntheticShape {
             layers: 2,
@@ -1068,6 +1094,8 @@ mod tests {
         for (attn, router, attn_shared_max) in [
             (KernelVersion::V1, KernelVersion::V1, 0),
             (KernelVersion::V2, KernelVersion::V2, 0),
+            (KernelVersion::V3, KernelVersion::V3, 96 * 1024),
+            (KernelVersion::V3, KernelVersion::V3, 0),
         ] {
             KERNELS_FOR_TEST.with(|c| {
                 c.set(Some(DecodeKernels {
@@ -1082,6 +1110,146 @@ mod tests {
             decode_modes_match_the_cpu("qwen3_moe", wide.clone());
         }
         KERNELS_FOR_TEST.with(|c| c.set(None));
+    }
+
+    #[test]
+    fn attn_decode3_writes_attn_decode2s_bits() {
+        // one launch of each on the same inputs, for every head-dimension kernel (exactly its
+        // width and below it, rotation pairs across threads), with and without q/k norms,
+        // contexts of one to several 256-lane chunks and of more positions than a block has
+        // threads, scores in shared memory and in the scratch rows. With the CUDA emulator these
+        // are the real kernels; without it, the reference's geometry and bounds checks.
+        use super::super::model::decode::attn_decode3_name;
+        use super::{launch, Arg, Memory};
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    lo + (hi - lo) * ((seed >> 40) as f32 / (1u64 << 24) as f32)
+                })
+                .collect()
+        };
+        let cases: &[(usize, usize, usize, bool, usize, bool, f32)] = &[
+            // (head dim, query heads, KV heads, q/k norms, position, scores in shared memory,
+            // |q| bound: 40 spreads the scores so that many e_j are +0.0 or subnormal)
+            (128, 4, 1, true, 300, true, 2.0),
+            (128, 4, 2, false, 0, false, 2.0),
+            (128, 2, 1, true, 600, false, 2.0),
+            (128, 2, 1, false, 900, true, 40.0),
+            (256, 2, 1, true, 257, true, 2.0),
+            (200, 3, 1, false, 40, true, 2.0),
+            (64, 4, 2, true, 255, true, 2.0),
+            (64, 2, 1, false, 1000, false, 2.0),
+            (48, 2, 1, true, 520, false, 2.0),
+            (32, 4, 2, false, 256, true, 2.0),
+            (32, 2, 1, true, 1300, true, 2.0),
+            (24, 4, 2, true, 33, false, 2.0),
+            (16, 2, 2, true, 1, true, 2.0),
+        ];
+        for &(d, hq, hkv, norms, pos, shared, qmax) in cases {
+            let cap = pos + 3;
+            let half = d / 2;
+            let slices = d.div_ceil(32);
+            let mut mem = Memory::default();
+            let buf = |mem: &mut Memory, v: &[f32]| {
+                let a = mem.alloc(v.len() * 4);
+                mem.put_f32s(a, v);
+                a
+            };
+            let qr = buf(&mut mem, &rnd(hq * d, -qmax, qmax));
+            let kr = buf(&mut mem, &rnd(hkv * d, -2.0, 2.0));
+            let vr = buf(&mut mem, &rnd(hkv * d, -1.0, 1.0));
+            let (qn, kn) = if norms {
+                (
+                    buf(&mut mem, &rnd(d, 0.5, 1.5)),
+                    buf(&mut mem, &rnd(d, 0.5, 1.5)),
+                )
+            } else {
+                (0, 0)
+            };
+            let cos = buf(&mut mem, &rnd((pos + 1) * half, -1.0, 1.0));
+            let sin = buf(&mut mem, &rnd((pos + 1) * half, -1.0, 1.0));
+            let st = mem.alloc(16);
+            mem.put_u32s(st, &[7, pos as u32, 0, 0]);
+            let kc = buf(&mut mem, &rnd(hkv * cap * d, -2.0, 2.0));
+            let vc = buf(&mut mem, &rnd(hkv * cap * d, -1.0, 1.0));
+            let scratch = mem.alloc(hq * slices * 2 * cap * 4);
+            let o = mem.alloc(hq * d * 4);
+            let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+            let kv_before = (mem.f32s(kc, hkv * cap * d), mem.f32s(vc, hkv * cap * d));
+            let run = |mem: &mut Memory, name: &'static str, block: u32, sh: u32| {
+                mem.put_f32s(kc, &kv_before.0);
+                mem.put_f32s(vc, &kv_before.1);
+                mem.put_f32s(o, &vec![f32::NAN; hq * d]);
+                let args = [
+                    Arg::Ptr(qr),
+                    Arg::Ptr(kr),
+                    Arg::Ptr(vr),
+                    Arg::I32(hq as i32),
+                    Arg::I32(hkv as i32),
+                    Arg::I32(d as i32),
+                    Arg::Ptr(qn),
+                    Arg::Ptr(kn),
+                    Arg::F32(1e-6),
+                    Arg::Ptr(cos),
+                    Arg::Ptr(sin),
+                    Arg::Ptr(st),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::I32(cap as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(if shared { 0 } else { scratch }),
+                    Arg::I32(cap as i32),
+                    Arg::Ptr(o),
+                ];
+                let sh = if shared { sh } else { 0 };
+                launch(
+                    mem,
+                    name,
+                    (hq as u32, slices as u32, 1),
+                    (block, 1, 1),
+                    sh,
+                    &args,
+                )
+                .unwrap();
+                let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                (
+                    bits(mem.f32s(o, hq * d)),
+                    bits(mem.f32s(kc, hkv * cap * d)),
+                    bits(mem.f32s(vc, hkv * cap * d)),
+                )
+            };
+            let want = run(&mut mem, "attn_decode2", 256, (cap * 4) as u32);
+            let name = attn_decode3_name(d);
+            let got = run(&mut mem, name, 512, (2 * cap * 4) as u32);
+            let case = format!(
+                "{name}: D {d}, {hq}/{hkv} heads, norms {norms}, position {pos}, |q| < {qmax}, \
+                 shared {shared}"
+            );
+            assert!(
+                want.0.iter().all(|&b| !f32::from_bits(b).is_nan()),
+                "{case}"
+            );
+            for (what, g, w) in [
+                ("output", &got.0, &want.0),
+                ("key cache", &got.1, &want.1),
+                ("value cache", &got.2, &want.2),
+            ] {
+                if let Some(i) = (0..w.len()).find(|&i| g[i] != w[i]) {
+                    panic!(
+                        "{case}: {what} [{i}] is {} ({:#010x}), attn_decode2 {} ({:#010x})",
+                        f32::from_bits(g[i]),
+                        g[i],
+                        f32::from_bits(w[i]),
+                        w[i]
+                    );
+                }
+            }
+            eprintln!("{case}: bit-identical");
+        }
     }
 
     #[test]
