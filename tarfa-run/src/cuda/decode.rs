@@ -96,7 +96,8 @@ impl KernelVersion {
 /// The versions of the decode step's kernels, chosen when the launch list is built (an
 /// in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
 /// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1`, `v2` or `v3`; unset (or
-/// anything else): v3 for all three (PHASE_LOG P7-P9). Every version computes the same bits.
+/// anything else): v3 attention and router, v2 row kernels (PHASE_LOG P7-P10; rows v3 measured
+/// slower). Every version computes the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
@@ -126,7 +127,7 @@ impl DecodeKernels {
         DecodeKernels {
             attn: pick("TARFA_CUDA_ATTN", KernelVersion::V3),
             router: pick("TARFA_CUDA_ROUTER", KernelVersion::V3),
-            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V3),
+            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V2),
             attn_shared_max: ATTN_SHARED_MAX,
         }
     }
