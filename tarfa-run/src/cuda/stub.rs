@@ -94,6 +94,15 @@ impl CudaModel {
     pub fn copy_rate(&self, _bytes: usize, _reps: usize) -> Result<f64, CudaError> {
         match self.never {}
     }
+    pub fn graph_costs(
+        &self,
+        _cache: &mut CudaCache,
+        _first: u32,
+        _n: usize,
+        _per_kind: bool,
+    ) -> Result<Vec<(String, f64, f64)>, CudaError> {
+        match self.never {}
+    }
     pub fn time_decode(
         &self,
         _cache: &mut CudaCache,
