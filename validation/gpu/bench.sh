@@ -20,7 +20,9 @@
 #      and through the CLI (`tarfa-run selftest --backend cuda` on a converted fixture)
 #   3. transformers BF16 on the same 16-layer shape (hf_baseline.py), the GPU otherwise idle
 #   4. cuda_bench on the bundle: copy rate, weight bytes per token, decode in every mode, paired
-#      A/B legacy vs default, per-kernel profile, prefill 512 and 2048, CPU-vs-CUDA selftest
+#      A/B legacy vs default, paired A/B of the decode kernel versions (arm A: cuda_bench's
+#      ARM_A, PHASE_LOG P6's kernels), per-kernel profile, prefill 512 and 2048, CPU-vs-CUDA
+#      selftest
 #   5. the old build's decode figure on the same bundle (when time is left)
 # HF=0 skips step 3. SM clocks are sampled during step 4 (logs/clocks.csv); NCU=1 adds Nsight Compute on the decode
 # kernels of two profiled steps (logs/ncu.log).
