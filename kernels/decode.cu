@@ -1106,6 +1106,102 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_down_dec3(MOE_DOWN_DEC_
     }
 }
 
+// moe_down_dec2 for expert widths of at most 3 chunks with a row's experts split over two warps
+// (TARFA_CUDA_ROWS=v4): warp 2q + h of a block takes row blockIdx.x*4 + q (+ 4*G, ...) and the
+// slots 4h .. 4h+3 in ascending expert id, all their chunks in flight at once (48 registers of
+// weights, one round trip per row instead of moe_down_dec2's one per chunk, at half
+// moe_down_dec3's registers); each expert's dot is accumulated chunk by chunk (lane 8p+t over
+// c = 0, 1, 2: the same order) and reduced by warp_tree_fast; the 8 results meet in shared
+// memory and lane 0 of warp 2q mixes them in ascending id, as moe_down_dec2. Rows per block: 4.
+#define DOWN4_ROWS 4
+extern "C" __global__ void __launch_bounds__(256, 3) moe_down_dec4(MOE_DOWN_DEC_ARGS) {
+    TARFA_DYN_SMEM(float, as);
+    __shared__ long ebase[DOWN_MAX_K];
+    __shared__ int jslot[DOWN_MAX_K];
+    __shared__ float wslot[DOWN_MAX_K];
+    __shared__ float ys[DOWN4_ROWS][DOWN_MAX_K];
+    const int p = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int q = warp >> 1, half = warp & 1;
+    const int stride = gridDim.x * DOWN4_ROWS;
+    grid_dep_wait();
+    grid_dep_launch();
+    const bool fast = stage_issue(as, act, k * width, nullptr);
+    if (threadIdx.x < k) {
+        const int j = (int)__ldcg(by_id + threadIdx.x);
+        jslot[threadIdx.x] = j;
+        ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
+        wslot[threadIdx.x] = __ldcg(weights + j);
+    }
+    __syncthreads();
+    const int s0 = 4 * half;
+    int r = blockIdx.x * DOWN4_ROWS + q;
+    float pre_h = 0.0f, pre_sh = 0.0f;
+    if (half == 0 && p == 0 && r < hidden) {
+        pre_h = h[r];
+        if (y_sh != nullptr) pre_sh = y_sh[r];
+    }
+    Pack8<u16> wa[4][DOWN3_C];
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+#pragma unroll
+        for (int c = 0; c < DOWN3_C; c++) {
+            const int e = (c << 8) + 8 * p;
+            if (s0 + s < k && r < hidden && e < width)
+                wa[s][c].load(down + ebase[s0 + s] + (long)r * width + e);
+        }
+    }
+    stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
+    // every block runs the same number of rounds (the loop ends on the block's first row), so
+    // the barriers below are met by all its warps
+    for (int r0 = blockIdx.x * DOWN4_ROWS; r0 < hidden; r0 += stride) {
+        float y[4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            float acc[8];
+            zero8(acc);
+#pragma unroll
+            for (int c = 0; c < DOWN3_C; c++) {
+                const int e = (c << 8) + 8 * p;
+                if (s0 + s < k && e < width)
+                    fma8<u16>(acc, wa[s][c], as + jslot[s0 + s] * width + e);
+            }
+            y[s] = s0 + s < k ? warp_tree_fast(acc) : 0.0f;
+        }
+        const int r2 = r + stride;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+#pragma unroll
+            for (int c = 0; c < DOWN3_C; c++) {
+                const int e = (c << 8) + 8 * p;
+                if (s0 + s < k && r2 < hidden && e < width)
+                    wa[s][c].load(down + ebase[s0 + s] + (long)r2 * width + e);
+            }
+        }
+        if (p == 0) {
+#pragma unroll
+            for (int s = 0; s < 4; s++) ys[q][s0 + s] = y[s];
+        }
+        __syncthreads();
+        if (half == 0 && p == 0 && r < hidden) {
+            const float h_r = pre_h, sh_r = pre_sh;
+            if (r2 < hidden) {
+                pre_h = h[r2];
+                if (y_sh != nullptr) pre_sh = y_sh[r2];
+            }
+            float mix = 0.0f;
+#pragma unroll
+            for (int s = 0; s < DOWN_MAX_K; s++) {
+                if (s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], ys[q][s]));
+            }
+            if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
+            h[r] = __fadd_rn(h_r, mix);
+        }
+        __syncthreads();  // ys is rewritten next round
+        r = r2;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention of one token at position P = st->pos (norm_rope.cu rope_append_kv + attention.cu,
 // T = 1), a block per (query head, 32-wide slice of the head dimension):

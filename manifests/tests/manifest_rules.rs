@@ -105,9 +105,12 @@ fn tampered_entry_breaks_root() {
     ));
 }
 
+/// A corruption of a valid manifest, and the error its validation must report.
+type Case = (Box<dyn Fn(&mut Manifest)>, fn(&ManifestError) -> bool);
+
 #[test]
 fn rules() {
-    let cases: Vec<(Box<dyn Fn(&mut Manifest)>, fn(&ManifestError) -> bool)> = vec![
+    let cases: Vec<Case> = vec![
         (Box::new(|m| m.manifest_version = 2), |e| {
             matches!(e, ManifestError::UnsupportedVersion(2))
         }),

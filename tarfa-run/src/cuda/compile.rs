@@ -91,6 +91,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gate_up_dec2_f32",
             "moe_down_dec2",
             "moe_down_dec3",
+            "moe_down_dec4",
             "attn_decode",
             "attn_decode2",
             "attn_decode3_d32",

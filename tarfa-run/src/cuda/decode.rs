@@ -79,15 +79,18 @@ pub(crate) enum KernelVersion {
     /// instructions per warp); for the router, its logits by a dmv2 launch and the top-k by
     /// route_dec; for the row kernels, moe_down_dec3.
     V3,
+    /// The fourth (row kernels only: moe_down_dec4; elsewhere the same as v3).
+    V4,
 }
 
 impl KernelVersion {
-    /// `v1`, `v2` or `v3` (any case, surrounding spaces ignored); anything else: `default`.
+    /// `v1` .. `v4` (any case, surrounding spaces ignored); anything else: `default`.
     fn parse(v: Option<&str>, default: KernelVersion) -> KernelVersion {
         match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
             Some("v1") => KernelVersion::V1,
             Some("v2") => KernelVersion::V2,
             Some("v3") => KernelVersion::V3,
+            Some("v4") => KernelVersion::V4,
             _ => default,
         }
     }
@@ -96,8 +99,9 @@ impl KernelVersion {
 /// The versions of the decode step's kernels, chosen when the launch list is built (an
 /// in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
 /// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1`, `v2` or `v3`; unset (or
-/// anything else): v3 attention and router, v2 row kernels (PHASE_LOG P7-P10; rows v3 measured
-/// slower). Every version computes the same bits.
+/// anything else): v3 attention and router, v2 row kernels (PHASE_LOG P7-P11; rows v3 and v4,
+/// which only change the experts' down kernel, measured slower). Every version computes the
+/// same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
@@ -534,7 +538,7 @@ impl CudaModel {
                     ("attn_decode2", 256, (cache.cap * F) as u32, 0)
                 }
                 KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
-                KernelVersion::V3 => {
+                KernelVersion::V3 | KernelVersion::V4 => {
                     let name = attn_decode3_name(d);
                     if 2 * cache.cap * F <= kernels.attn_shared_max {
                         (name, 512, (2 * cache.cap * F) as u32, 0)
@@ -629,7 +633,7 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
-                    if kernels.router == KernelVersion::V3 {
+                    if matches!(kernels.router, KernelVersion::V3 | KernelVersion::V4) {
                         // the logits by a plain row kernel, then the top-k as a kernel of its
                         // own (kernels/decode.cu route_dec)
                         v.push(self.dmv(
@@ -764,13 +768,23 @@ impl CudaModel {
                         KernelVersion::V1 => "moe_down_dec",
                         // v3: rows of at most 3 chunks all in flight at once
                         KernelVersion::V3 if i <= 3 * 256 => "moe_down_dec3",
+                        // v4: rows of at most 3 chunks, a row's experts over two warps
+                        KernelVersion::V4 if i <= 3 * 256 => "moe_down_dec4",
                         _ => "moe_down_dec2",
                     };
                     let shared_mem = (k_top * i * F) as u32;
                     self.gpu.allow_shared(name, shared_mem)?;
+                    // moe_down_dec4 takes 4 rows per block (2 warps a row), the others 8
+                    let grid = if name == "moe_down_dec4" {
+                        let resident = self.gpu.occupancy(name, 256, shared_mem)
+                            * self.gpu.info.multiprocessors.max(1);
+                        (h.div_ceil(4).max(1) as u32).min(resident.max(1))
+                    } else {
+                        self.row_grid(name, h, shared_mem)
+                    };
                     v.push(Launch {
                         name,
-                        grid: (self.row_grid(name, h, shared_mem), 1, 1),
+                        grid: (grid, 1, 1),
                         block: (256, 1, 1),
                         shared: shared_mem,
                         args: vec![

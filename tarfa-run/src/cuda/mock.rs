@@ -802,7 +802,7 @@ pub(crate) fn launch(
                 [a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7), a.ptr(8), a.ptr(9)],
             );
         }
-        "moe_down_dec" | "moe_down_dec2" | "moe_down_dec3" => {
+        "moe_down_dec" | "moe_down_dec2" | "moe_down_dec3" | "moe_down_dec4" => {
             a.count(11);
             let (down, hidden, width, ids, weights, by_id, k) = (
                 a.ptr(0),
@@ -1300,11 +1300,14 @@ mod tests {
                 ..SyntheticShape::small("qwen3_moe")
             },
         ));
-        // v2 everywhere; v3 (moe_down_dec3, not the default: PHASE_LOG P8) on the first shape
-        // and the wide one (experts of at most 3 chunks)
+        // v2 everywhere; v3 (moe_down_dec3) and v4 (moe_down_dec4), both slower and not the
+        // default (PHASE_LOG P8, P11), on two shapes each, the wide one included
         for (n, (family, shape)) in shapes.into_iter().enumerate() {
-            for rows in [KernelVersion::V2, KernelVersion::V3] {
-                if rows == KernelVersion::V3 && (shape.expert_width > 768 || !(n == 0 || n == 4)) {
+            for rows in [KernelVersion::V2, KernelVersion::V3, KernelVersion::V4] {
+                let fits = shape.expert_width <= 768;
+                if (rows == KernelVersion::V3 && !(fits && (n == 0 || n == 4)))
+                    || (rows == KernelVersion::V4 && !(fits && (n == 1 || n == 4)))
+                {
                     continue;
                 }
                 set(rows);
