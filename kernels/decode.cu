@@ -1025,11 +1025,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARG
     moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
-// moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v2:
-// all of a row's chunks for all k experts are loaded at once (one round trip instead of one per
-// chunk; 96 registers of weights), then each expert's dot is accumulated chunk by chunk (lane
-// 8p+t over c = 0, 1, 2: the same order) and reduced by warp_tree_fast, and the mix is
-// moe_down_dec2's. 2 blocks per multiprocessor; rows r = blockIdx.x*8 + warp, + 8*G, ...
+// moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v3
+// (not the default: slower on the H200, PHASE_LOG P8): all of a row's chunks for all k experts
+// are loaded at once (one round trip instead of one per chunk; 96 registers of weights), then
+// each expert's dot is accumulated chunk by chunk (lane 8p+t over c = 0, 1, 2: the same order)
+// and reduced by warp_tree_fast, and the mix is moe_down_dec2's. 203 registers: one block per
+// multiprocessor; rows r = blockIdx.x*8 + warp, + 8*G, ...
 #define DOWN3_C 3
 extern "C" __global__ void __launch_bounds__(256, 1) moe_down_dec3(MOE_DOWN_DEC_ARGS) {
     TARFA_DYN_SMEM(float, as);
@@ -1107,7 +1108,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_down_dec3(MOE_DOWN_DEC_
 }
 
 // moe_down_dec2 for expert widths of at most 3 chunks with a row's experts split over two warps
-// (TARFA_CUDA_ROWS=v4): warp 2q + h of a block takes row blockIdx.x*4 + q (+ 4*G, ...) and the
+// (TARFA_CUDA_ROWS=v4, not the default: slower on the H200, PHASE_LOG P11): warp 2q + h of a block takes row blockIdx.x*4 + q (+ 4*G, ...) and the
 // slots 4h .. 4h+3 in ascending expert id, all their chunks in flight at once (48 registers of
 // weights, one round trip per row instead of moe_down_dec2's one per chunk, at half
 // moe_down_dec3's registers); each expert's dot is accumulated chunk by chunk (lane 8p+t over
