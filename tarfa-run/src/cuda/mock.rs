@@ -1301,12 +1301,13 @@ mod tests {
             },
         ));
         // v2 everywhere; v3 (moe_down_dec3) and v4 (moe_down_dec4), both slower and not the
-        // default (PHASE_LOG P8, P11), on two shapes each, the wide one included
+        // default (PHASE_LOG P8, P11), on one shape each (CI time; both ran on the wide shape
+        // and on the H200 when they were measured)
         for (n, (family, shape)) in shapes.into_iter().enumerate() {
             for rows in [KernelVersion::V2, KernelVersion::V3, KernelVersion::V4] {
                 let fits = shape.expert_width <= 768;
-                if (rows == KernelVersion::V3 && !(fits && (n == 0 || n == 4)))
-                    || (rows == KernelVersion::V4 && !(fits && (n == 1 || n == 4)))
+                if (rows == KernelVersion::V3 && !(fits && n == 0))
+                    || (rows == KernelVersion::V4 && !(fits && n == 1))
                 {
                     continue;
                 }
