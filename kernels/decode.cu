@@ -271,6 +271,42 @@ __device__ __forceinline__ const float* stage_finish(float* xs, const float* x, 
     return ws;
 }
 
+// The router's records from the selection (sel: the k chosen experts in rank order, pe: the
+// probabilities, both in shared memory), by one warp: the renormalising canonical sum over the
+// selection in rank order (lane r = +0 + p of rank r, route_block's block_sum_256 of sp), then
+// ids, probs, weights, by_id (ascending id) and kth, as route_block writes them for token 0.
+__device__ __forceinline__ void route_records_warp(const float* pe, const int* sel, int k,
+                                                   int renorm, u32* __restrict__ ids,
+                                                   float* __restrict__ probs,
+                                                   float* __restrict__ weights,
+                                                   u32* __restrict__ by_id,
+                                                   float* __restrict__ kth) {
+    const int p = threadIdx.x & 31;
+    float s = 1.0f;
+    if (renorm) {
+        float a[8];
+        zero8(a);
+        for (int base = 8 * p; base < k; base += TARFA_LANES) {
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                if (base + t < k) a[t] = __fadd_rn(a[t], pe[sel[base + t]]);
+            }
+        }
+        s = __shfl_sync(TARFA_FULL_MASK, warp_tree_fast(a), 0);
+    }
+    for (int j = p; j < k; j += 32) {
+        const int e = sel[j];
+        const float pj = pe[e];
+        ids[j] = (u32)e;
+        probs[j] = pj;
+        weights[j] = renorm ? __fdiv_rn(pj, s) : pj;
+        int at = 0;  // the slot's place in ascending expert id (ids are distinct)
+        for (int jj = 0; jj < k; jj++) at += (sel[jj] < e) ? 1 : 0;
+        by_id[at] = (u32)j;
+    }
+    if (p == 0) kth[0] = pe[sel[k - 1]];
+}
+
 // route_block's outputs (common.cuh: the same operations in the same order) computed by one
 // warp, with no block-wide barrier: the maximum by shuffles (order-free, NaN ignored); e_i and
 // the canonical sum with thread p holding lanes 8p..8p+7 (warp_tree); then the selection as k + 1
@@ -363,28 +399,7 @@ __device__ __forceinline__ void route_warp(const float* l, int e_count, int k, i
     }
     if (p == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
     __syncwarp();
-    float s = 1.0f;
-    if (renorm) {
-        zero8(a);
-        for (int base = 8 * p; base < k; base += TARFA_LANES) {
-#pragma unroll
-            for (int t = 0; t < 8; t++) {
-                if (base + t < k) a[t] = __fadd_rn(a[t], pe[sel[base + t]]);
-            }
-        }
-        s = __shfl_sync(TARFA_FULL_MASK, warp_tree(a), 0);
-    }
-    for (int j = p; j < k; j += 32) {
-        const int e = sel[j];
-        const float pj = pe[e];
-        ids[j] = (u32)e;
-        probs[j] = pj;
-        weights[j] = renorm ? __fdiv_rn(pj, s) : pj;
-        int at = 0;  // the slot's place in ascending expert id (ids are distinct)
-        for (int jj = 0; jj < k; jj++) at += (sel[jj] < e) ? 1 : 0;
-        by_id[at] = (u32)j;
-    }
-    if (p == 0) kth[0] = pe[sel[k - 1]];
+    route_records_warp(pe, sel, k, renorm, ids, probs, weights, by_id, kth);
 }
 
 // The router's softmax and top-k as a kernel of its own (TARFA_CUDA_ROUTER=v3: the router's
@@ -458,31 +473,7 @@ extern "C" __global__ void __launch_bounds__(256) route_dec(
     }
     if (v == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
     __syncthreads();
-    if (warp == 0) {
-        float s = 1.0f;
-        if (renorm) {
-            float t8[8];
-            zero8(t8);
-            for (int base = 8 * p; base < k; base += TARFA_LANES) {
-#pragma unroll
-                for (int t = 0; t < 8; t++) {
-                    if (base + t < k) t8[t] = __fadd_rn(t8[t], pe[sel[base + t]]);
-                }
-            }
-            s = __shfl_sync(TARFA_FULL_MASK, warp_tree_fast(t8), 0);
-        }
-        for (int j = p; j < k; j += 32) {
-            const int e = sel[j];
-            const float pj = pe[e];
-            ids[j] = (u32)e;
-            probs[j] = pj;
-            weights[j] = renorm ? __fdiv_rn(pj, s) : pj;
-            int at = 0;  // the slot's place in ascending expert id (ids are distinct)
-            for (int jj = 0; jj < k; jj++) at += (sel[jj] < e) ? 1 : 0;
-            by_id[at] = (u32)j;
-        }
-        if (p == 0) kth[0] = pe[sel[k - 1]];
-    }
+    if (warp == 0) route_records_warp(pe, sel, k, renorm, ids, probs, weights, by_id, kth);
 }
 
 // (v1, i1) is the better greedy candidate than (v2, i2): a number beats NaN, a larger number
