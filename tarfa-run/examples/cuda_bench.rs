@@ -5,7 +5,13 @@
 //! cuda_bench DIR [--prompt 128] [--decode 128] [--prefill 512,2048] [--pairs 8]
 //!                [--profile-steps 16] [--selftest-prompts 3] [--json OUT] [--only-profile]
 //!                [--graph-diag REPS [--only-graph-diag]] [--ab-a "VAR=v ..."]
+//!                [--sweep "VAR=v ...;VAR=v ...;..." [--sweep-rounds 5]]
 //! ```
+//! `--sweep`: first, the decode graph's time per step under each of the `;`-separated kernel
+//! settings (variables a setting leaves out are unset), in interleaved rounds (the median of
+//! each setting's rounds, `--graph-diag` replays each, default 30; change against the first
+//! setting), each setting's greedy tokens and last logits compared bit for bit with the first's;
+//! then stops.
 //! `--only-profile`: load, then step 4 alone (for a run under ncu).
 //! `--graph-diag REPS`: first, the decode graph's time with each kind of launch left out and of
 //! each kind alone (a timing diagnostic; `--only-graph-diag` stops after it; `--graph-diag-all`:
@@ -224,10 +230,89 @@ impl Bench<'_> {
 }
 
 /// The variables that select the first attention and router decode kernels.
-const KERNEL_VARS: [&str; 3] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER", "TARFA_CUDA_ROWS"];
+const KERNEL_VARS: [&str; 4] = [
+    "TARFA_CUDA_ATTN",
+    "TARFA_CUDA_ROUTER",
+    "TARFA_CUDA_ROWS",
+    "TARFA_CUDA_PREFETCH",
+];
 
 /// The A/B's arm A unless `--ab-a` says otherwise: the kernels of PHASE_LOG P6.
 const ARM_A: &str = "TARFA_CUDA_ATTN=v2 TARFA_CUDA_ROUTER=v2 TARFA_CUDA_ROWS=v1";
+
+/// Sets the kernel variables to `setting` ("VAR=v VAR=v", each one of KERNEL_VARS); the others
+/// are unset.
+fn set_kernel_vars(setting: &str) {
+    let mut want: Vec<(&str, &str)> = Vec::new();
+    for kv in setting.split_whitespace() {
+        let (k, v) = kv
+            .split_once('=')
+            .unwrap_or_else(|| fail(format!("{kv} is not VAR=value")));
+        if !KERNEL_VARS.contains(&k) {
+            fail(format!("{k} is not one of {KERNEL_VARS:?}"));
+        }
+        want.push((k, v));
+    }
+    for var in KERNEL_VARS {
+        match want.iter().find(|(k, _)| *k == var) {
+            Some((_, v)) => std::env::set_var(var, v),
+            None => std::env::remove_var(var),
+        }
+    }
+}
+
+/// `--sweep`: the decode graph's time per step under each setting, interleaved rounds.
+fn sweep(
+    bench: &Bench,
+    settings: &str,
+    reps: usize,
+    rounds: usize,
+    js: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let sets: Vec<&str> = settings.split(';').map(str::trim).collect();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); sets.len()];
+    let mut same = vec![true; sets.len()];
+    let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
+    for round in 0..rounds {
+        for (i, set) in sets.iter().enumerate() {
+            set_kernel_vars(set);
+            if round == 0 {
+                let (_, toks, last) = bench.api(DecodeMode::Graph, 16);
+                let bits: Vec<u32> = last.iter().map(|x| x.to_bits()).collect();
+                match &reference {
+                    None => reference = Some((toks, bits)),
+                    Some((t, b)) => same[i] = *t == toks && *b == bits,
+                }
+            }
+            let (mut c, toks) = bench.start(DecodeMode::Graph, reps + 2);
+            let rows = bench
+                .model
+                .graph_costs(&mut c, *toks.last().expect("two tokens"), reps, false)
+                .unwrap_or_else(|e| fail(format!("sweep [{set}]: {e}")));
+            times[i].push(rows[0].1);
+        }
+    }
+    set_kernel_vars("");
+    let base = median(&mut times[0].clone());
+    let mut out = Vec::new();
+    for (i, set) in sets.iter().enumerate() {
+        let m = median(&mut times[i].clone());
+        let d = format!(
+            "graph {:>7.1} us/token (median of {rounds} rounds x {reps} replays; {:+.1}% vs the first), tokens and last logits {}",
+            m * 1e3,
+            100.0 * (m - base) / base,
+            if same[i] { "bit-identical" } else { "DIFFER" }
+        );
+        println!("sweep [{set}] {d}");
+        table(
+            &format!("sweep [{set}]"),
+            if same[i] { "SAME" } else { "DIFFER" },
+            &d,
+        );
+        out.push(json!({"setting": set, "graph_ms": m, "rounds_ms": times[i], "same": same[i]}));
+    }
+    js.insert("sweep".into(), json!(out));
+}
 
 /// The A/B's arm B: the kernels the environment chose when the bench started.
 fn kernel_arm(saved: &[(&str, Option<String>)]) -> String {
@@ -321,6 +406,22 @@ fn main() {
     js.insert("roofline_ms".into(), json!(roof_ms));
 
     let only_profile = args.iter().any(|a| a == "--only-profile");
+    if let Some(sw) = arg(&args, "--sweep") {
+        let reps: usize = arg(&args, "--graph-diag").map_or(30, |r| {
+            r.parse()
+                .unwrap_or_else(|_| fail("bad --graph-diag".into()))
+        });
+        let rounds: usize = arg(&args, "--sweep-rounds").map_or(5, |r| {
+            r.parse()
+                .unwrap_or_else(|_| fail("bad --sweep-rounds".into()))
+        });
+        sweep(&bench, sw, reps, rounds.max(1), &mut js);
+        if let Some(p) = &json_out {
+            std::fs::write(p, serde_json::to_string_pretty(&js).expect("json"))
+                .unwrap_or_else(|e| fail(format!("{}: {e}", p.display())));
+        }
+        return;
+    }
     // diagnostic: the graph with each kind of launch left out, and each kind alone
     if let Some(reps) = arg(&args, "--graph-diag") {
         let reps: usize = reps

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Kernel settings compared in one process, on the GPU machine (one call, ~4 min): a screening run
+# for kernel work before the benchmark of record (validation/gpu/bench.sh).
+#
+#   validation/gpu/sweep.sh BIN_DIR [OUT_DIR]
+#
+# BIN_DIR: tarfa-convert, cuda_bench and cuda_selftest built here (see bench.sh). Environment:
+#   SETTINGS  ";"-separated kernel settings ("VAR=v VAR=v", variables of cuda_bench's
+#             KERNEL_VARS; those a setting leaves out are unset); the first is the reference
+#   CHECK_ENV settings (";"-separated) under which the CPU-vs-CUDA selftests run (fixtures and
+#             random families) while the bundle is written, and compute-sanitizer memcheck on
+#             one fixture
+#   DIAG_ENV  settings (";"-separated) for which cuda_bench --graph-diag gives per-kind costs
+#   ROUNDS, REPS  the sweep's interleaved rounds and graph replays per round (5, 30)
+# Steps: 1. the 16-layer synthetic Qwen3-30B-A3B bundle (background) and the selftests;
+# 2. cuda_bench --sweep (graph time per setting, tokens and last logits compared with the first
+# setting's); 3. --graph-diag per DIAG_ENV setting. Prints a short table last.
+set -u
+BIN=$(cd "${1:?usage: sweep.sh BIN_DIR [OUT_DIR]}" && pwd)
+OUTD=${2:-${OUT:-./gpu-out}}
+mkdir -p "$OUTD"
+OUTD=$(cd "$OUTD" && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+FIX=$ROOT/fixtures/oracle
+LOG=$OUTD/sweep
+mkdir -p "$LOG"
+TABLE=$LOG/table.txt
+: > "$TABLE"
+T0=$(date +%s)
+for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do [ -d "$d" ] && export PATH="$PATH:$d"; done
+export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-16}
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+row() { echo "$1|$2|$3" >> "$TABLE"; }
+
+BIG=${BIG_DIR:-/tmp/tarfa-q30-16}
+SYNTH_PID=""
+if [ ! -f "$BIG/model.jnf" ]; then
+  rm -rf "$BIG"
+  ( timeout 240 "$BIN/tarfa-convert" synth --shape qwen3-30b-a3b --layers 16 --skew 1 \
+      --format bundle "$BIG" > "$LOG/synth.log" 2>&1; echo "rc=$?" >> "$LOG/synth.log" ) &
+  SYNTH_PID=$!
+fi
+
+# 1. exactness under the settings to check (while the bundle is written)
+IFS=';' read -r -a CHECKS <<< "${CHECK_ENV:-}"
+i=0
+for set in "${CHECKS[@]}"; do
+  [ -z "$set" ] && continue
+  i=$((i + 1))
+  pass=0; total=0; bad=""
+  for f in qwen3moe-a qwen3moe-code qwen3moe-dense qwen3moe-odd; do
+    [ -d "$FIX/$f" ] || continue
+    total=$((total + 1))
+    if env $set timeout 120 "$BIN/cuda_selftest" fixture "$FIX/$f" --decode 8 > "$LOG/check$i-$f.log" 2>&1; then
+      pass=$((pass + 1)); else bad="$bad $f"; fi
+  done
+  for fam in qwen3_moe qwen2_moe mixtral olmoe; do
+    total=$((total + 1))
+    if env $set timeout 120 "$BIN/cuda_selftest" synth "$fam" > "$LOG/check$i-$fam.log" 2>&1; then
+      pass=$((pass + 1)); else bad="$bad $fam"; fi
+  done
+  row "selftests [$set]" "$([ $pass = $total ] && echo PASS || echo FAIL)" "$pass/$total CPU-vs-CUDA selftests (4 fixtures, 4 random families)$bad"
+  if command -v compute-sanitizer >/dev/null; then
+    env $set timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$BIN/cuda_selftest" generate "$FIX/qwen3moe-code" > "$LOG/memcheck$i.log" 2>&1
+    rc=$?
+    row "memcheck [$set]" "$([ $rc = 0 ] && grep -q 'ERROR SUMMARY: 0 errors' "$LOG/memcheck$i.log" && echo CLEAN || echo DIRTY)" \
+      "qwen3moe-code greedy, rc=$rc, $(grep -o 'ERROR SUMMARY: [0-9]* errors' "$LOG/memcheck$i.log" | tail -1)"
+  fi
+  say "checks [$set] $pass/$total"
+done
+[ -n "$SYNTH_PID" ] && wait "$SYNTH_PID"
+say "bundle: $(tail -1 "$LOG/synth.log" 2>/dev/null)"
+
+# 2. the sweep
+if [ -n "${SETTINGS:-}" ]; then
+  timeout 300 "$BIN/cuda_bench" "$BIG" --prompt 128 --sweep "$SETTINGS" --sweep-rounds "${ROUNDS:-5}" \
+    --graph-diag "${REPS:-30}" --json "$LOG/sweep.json" > "$LOG/sweep.log" 2>&1
+  say "sweep rc=$?"
+  grep -E "^roofline" "$LOG/sweep.log"
+  grep -h '^TABLE|' "$LOG/sweep.log" | sed 's/^TABLE|//' >> "$TABLE"
+fi
+
+# 3. per-kind costs
+IFS=';' read -r -a DIAGS <<< "${DIAG_ENV:-}"
+i=0
+for set in "${DIAGS[@]}"; do
+  i=$((i + 1))
+  env $set timeout 120 "$BIN/cuda_bench" "$BIG" --prompt 128 --graph-diag "${REPS:-30}" --only-graph-diag \
+    --json "$LOG/diag$i.json" > "$LOG/diag$i.log" 2>&1
+  say "graph-diag [$set] rc=$?"
+  grep -E "^graph-diag" "$LOG/diag$i.log" | sed "s/^/[$i] /"
+done
+say "done"
+echo "=== table ==="
+column -t -s'|' "$TABLE" 2>/dev/null || cat "$TABLE"
