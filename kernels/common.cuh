@@ -51,35 +51,6 @@ __device__ __forceinline__ void async_copy4(void* smem, const void* gmem) {
 __device__ __forceinline__ void async_copy_wait() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
-
-// L2 prefetch hints: ask L2 to fetch bytes from HBM ahead of the loads that will read them. A
-// hint only: nothing is read into the kernel and no memory is written, so no value anywhere can
-// change (the later loads read the same bytes, from L2 or from HBM). Used on weights, which no
-// kernel writes, so a prefetch is never ordered against a write.
-// Bulk (sm_90, the multiprocessor's copy engine): [p, p + bytes), p 16-byte aligned, bytes a
-// multiple of 16.
-__device__ __forceinline__ void l2_prefetch_bulk(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-}
-// The 128-byte line holding p (one per thread of the instruction).
-__device__ __forceinline__ void l2_prefetch_line(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-// An L2 policy that marks the lines a load brings in as the first to evict (weights read once
-// per token: they should not push out lines prefetched for a later kernel), and a 16-byte
-// read-only load under such a policy. The bytes loaded are the same as __ldg's.
-__device__ __forceinline__ u64 l2_policy_evict_first() {
-    u64 pol;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
-__device__ __forceinline__ uint4 ldg16_policy(const void* p, u64 pol) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-    return v;
-}
 #endif
 
 __device__ __forceinline__ float f32_bits(u32 b) { return __uint_as_float(b); }

@@ -39,7 +39,6 @@ template <>
 struct Pack8<u16> {
     uint4 v;
     __device__ __forceinline__ void load(const u16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
-    __device__ __forceinline__ void load_pol(const u16* p, u64 pol) { v = ldg16_policy(p, pol); }
     __device__ __forceinline__ float at(int s) const {
         const u32 w = (s >> 1) == 0 ? v.x : (s >> 1) == 1 ? v.y : (s >> 1) == 2 ? v.z : v.w;
         return (s & 1) ? bf16_hi(w) : bf16_lo(w);
@@ -52,10 +51,6 @@ struct Pack8<float> {
     __device__ __forceinline__ void load(const float* p) {
         v0 = __ldg(reinterpret_cast<const uint4*>(p));
         v1 = __ldg(reinterpret_cast<const uint4*>(p) + 1);
-    }
-    __device__ __forceinline__ void load_pol(const float* p, u64 pol) {
-        v0 = ldg16_policy(p, pol);
-        v1 = ldg16_policy(p + 4, pol);
     }
     __device__ __forceinline__ float at(int s) const {
         const uint4& q = s < 4 ? v0 : v1;
@@ -90,63 +85,6 @@ __device__ __forceinline__ void load_group(Pack8<W> (&w)[G], const W* __restrict
     for (int i = 0; i < G; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
         if (e < n) w[i].load(row + e);
-    }
-}
-
-// load_group with an L2 policy on the loads (the same bytes).
-template <typename W, int G = DEC_GROUP>
-__device__ __forceinline__ void load_group_pol(Pack8<W> (&w)[G], const W* __restrict__ row,
-                                               int c0, int n, int p, u64 pol) {
-#pragma unroll
-    for (int i = 0; i < G; i++) {
-        const int e = ((c0 + i) << 8) + 8 * p;
-        if (e < n) w[i].load_pol(row + e, pol);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// L2 prefetch of weights (TARFA_CUDA_PREFETCH, decode.rs; PHASE_LOG P12). Hints only
-// (common.cuh l2_prefetch_*): no value read or written changes, only when bytes reach L2.
-// Every kernel that takes PF_PARAMS may prefetch
-// - two ranges of another kernel's weights [pf0, pf0 + pf0_n), [pf1, pf1 + pf1_n) (null/0: none),
-//   spread over the grid's blocks first, so that many multiprocessors issue them: used where a
-//   kernel leaves HBM idle (attention: the layer's o_proj and router weights next);
-// - with PF_SELF in pf_mode, each warp's own later rows, (pf_mode >> 8) rows ahead (a rolling
-//   window: a row's bytes are requested that many rows before the warp loads them), and in
-//   moe_down_dec, whose rows take one round trip per 256-column chunk, the current row too.
-// PF_LINES: prefetch.global.L2 per 128-byte line (every lane) instead of cp.async.bulk.prefetch.
-#define PF_SELF 1
-#define PF_LINES 2
-#define PF_PARAMS const char *pf0, long pf0_n, const char *pf1, long pf1_n, int pf_mode
-#define PF_PASS pf0, pf0_n, pf1, pf1_n, pf_mode
-#define PF_NONE nullptr, 0L, nullptr, 0L, 0
-
-__device__ __forceinline__ int pf_ahead(int mode) { return (mode & PF_SELF) ? (mode >> 8) : 0; }
-
-// The grid's share of [p, p + n): chunk c (16 KiB, or a 128-byte line) by block c % blocks.
-__device__ __forceinline__ void pf_range_grid(const char* p, long n, int mode) {
-    if (p == nullptr || n <= 0) return;
-    const long nb = (long)gridDim.x * gridDim.y * gridDim.z;
-    const long b = blockIdx.x + (long)gridDim.x * (blockIdx.y + (long)gridDim.y * blockIdx.z);
-    const long first = b + nb * threadIdx.x, step = nb * blockDim.x;
-    if (mode & PF_LINES) {
-        for (long c = first; c < ((n + 127) >> 7); c += step) l2_prefetch_line(p + (c << 7));
-    } else {
-        const long CH = 16384;
-        for (long c = first; c < (n + CH - 1) / CH; c += step) {
-            const long len = (n - c * CH < CH ? n - c * CH : CH) & ~15L;
-            if (len > 0) l2_prefetch_bulk(p + c * CH, (u32)len);
-        }
-    }
-}
-
-// One row of `bytes` bytes, by a warp (lane p): one bulk prefetch by lane 0, or its lines.
-__device__ __forceinline__ void pf_row_warp(const void* row, long bytes, int mode, int p) {
-    const char* r = static_cast<const char*>(row);
-    if (mode & PF_LINES) {
-        for (long o = (long)p << 7; o < bytes; o += 32L << 7) l2_prefetch_line(r + o);
-    } else if (p == 0) {
-        l2_prefetch_bulk(r, (u32)(bytes & ~15L));
     }
 }
 
@@ -583,7 +521,7 @@ __device__ __forceinline__ void dmv_body(
     float* __restrict__ next,
     // KIND 2
     float* __restrict__ part_v, int* __restrict__ part_i, DecodeState* st,
-    u32* __restrict__ tok_log, PF_PARAMS) {
+    u32* __restrict__ tok_log) {
     TARFA_DYN_SMEM(float, xs);
     __shared__ float red[TARFA_LANES];
     __shared__ int redi[TARFA_LANES];
@@ -594,17 +532,6 @@ __device__ __forceinline__ void dmv_body(
     int c0 = 0;
     Pack8<W> wv[G];
     const float* xin = xs;
-    // prefetches (KIND 0 only: the router and lm_head entries take none): weights, which no
-    // kernel writes, so before the wait
-    const int ahead = KIND == 0 ? pf_ahead(pf_mode) : 0;
-    const long row_bytes = (long)cols * sizeof(W);
-    if (KIND == 0) {
-        pf_range_grid(pf0, pf0_n, pf_mode);
-        pf_range_grid(pf1, pf1_n, pf_mode);
-        for (int j = 1; j <= ahead; j++) {
-            if (r + j * nw < rows) pf_row_warp(w + (long)(r + j * nw) * cols, row_bytes, pf_mode, p);
-        }
-    }
     if (V == 2) {
         // the input first, then the weights (stage_issue says why)
         grid_dep_wait();
@@ -644,9 +571,6 @@ __device__ __forceinline__ void dmv_body(
             r2 = r + nw;
         }
         if (r2 < rows) load_group<W, G>(wv, w + (long)r2 * cols, c2, cols, p);
-        if (KIND == 0 && c2 == 0 && ahead > 0 && r2 + ahead * nw < rows) {
-            pf_row_warp(w + (long)(r2 + ahead * nw) * cols, row_bytes, pf_mode, p);
-        }
         if (c2 == 0) {
             float y = V == 2 ? warp_tree_fast(a) : warp_tree(a);
             if (V == 2 && KIND != 2) {
@@ -764,18 +688,18 @@ __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x,                                \
         const float* __restrict__ norm_w, float eps, const float* __restrict__ bias0,           \
         const float* __restrict__ bias1, const float* __restrict__ bias2, int split1,           \
-        int split2, float* out, int mode, float* xn_out, PF_PARAMS
+        int split2, float* out, int mode, float* xn_out
 
 extern "C" __global__ void __launch_bounds__(256, 4) dmv_bf16(DMV_ARGS(u16)) {
     dmv_body<u16, 0>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out, mode,
                      xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                     nullptr, nullptr, nullptr, nullptr, PF_PASS);
+                     nullptr, nullptr, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) dmv_f32(DMV_ARGS(float)) {
     dmv_body<float, 0>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
                        mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                       nullptr, nullptr, nullptr, nullptr, nullptr, PF_PASS);
+                       nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 // The second versions (TARFA_CUDA_ROWS=v2): the input staged by stage_issue/stage_finish and
@@ -784,13 +708,13 @@ extern "C" __global__ void __launch_bounds__(256) dmv_f32(DMV_ARGS(float)) {
 extern "C" __global__ void __launch_bounds__(256, 4) dmv2_bf16(DMV_ARGS(u16)) {
     dmv_body<u16, 0, 2>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
                         mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                        nullptr, nullptr, nullptr, nullptr, nullptr, PF_PASS);
+                        nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) dmv2_f32(DMV_ARGS(float)) {
     dmv_body<float, 0, 2>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
                           mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                          nullptr, nullptr, nullptr, nullptr, nullptr, PF_PASS);
+                          nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 // dmv2_bf16 with 16 chunks (4,096 weights) of a row in flight per warp instead of 8, for rows
@@ -800,7 +724,7 @@ extern "C" __global__ void __launch_bounds__(256) dmv2_f32(DMV_ARGS(float)) {
 extern "C" __global__ void __launch_bounds__(256, 2) dmv2w_bf16(DMV_ARGS(u16)) {
     dmv_body<u16, 0, 2, 16>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2,
                             out, mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, PF_PASS);
+                            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
 #define ROUTER_ARGS(W)                                                                          \
@@ -816,13 +740,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) dmv2w_bf16(DMV_ARGS(u16)) {
 extern "C" __global__ void __launch_bounds__(256) router_bf16(ROUTER_ARGS(u16)) {
     dmv_body<u16, 1>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
                      0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth, next, nullptr,
-                     nullptr, nullptr, nullptr, PF_NONE);
+                     nullptr, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) router_f32(ROUTER_ARGS(float)) {
     dmv_body<float, 1>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                        logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
-                       next, nullptr, nullptr, nullptr, nullptr, PF_NONE);
+                       next, nullptr, nullptr, nullptr, nullptr);
 }
 
 // router_bf16/_f32 with stage_input_fast and route_warp (the default; TARFA_CUDA_ROUTER=v1
@@ -830,13 +754,13 @@ extern "C" __global__ void __launch_bounds__(256) router_f32(ROUTER_ARGS(float))
 extern "C" __global__ void __launch_bounds__(256) router2_bf16(ROUTER_ARGS(u16)) {
     dmv_body<u16, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
                      0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth, next, nullptr,
-                     nullptr, nullptr, nullptr, PF_NONE);
+                     nullptr, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)) {
     dmv_body<float, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                        logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
-                       next, nullptr, nullptr, nullptr, nullptr, PF_NONE);
+                       next, nullptr, nullptr, nullptr, nullptr);
 }
 
 #define LMHEAD_ARGS(W)                                                                          \
@@ -849,13 +773,13 @@ extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)
 extern "C" __global__ void __launch_bounds__(256, 4) lmhead_bf16(LMHEAD_ARGS(u16)) {
     dmv_body<u16, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
                      0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                     nullptr, part_v, part_i, st, tok_log, PF_NONE);
+                     nullptr, part_v, part_i, st, tok_log);
 }
 
 extern "C" __global__ void __launch_bounds__(256) lmhead_f32(LMHEAD_ARGS(float)) {
     dmv_body<float, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                        logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                       nullptr, nullptr, part_v, part_i, st, tok_log, PF_NONE);
+                       nullptr, nullptr, part_v, part_i, st, tok_log);
 }
 
 // lmhead with the second version's staging and trees (TARFA_CUDA_ROWS=v2). Dynamic shared
@@ -863,13 +787,13 @@ extern "C" __global__ void __launch_bounds__(256) lmhead_f32(LMHEAD_ARGS(float))
 extern "C" __global__ void __launch_bounds__(256, 4) lmhead2_bf16(LMHEAD_ARGS(u16)) {
     dmv_body<u16, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                         logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                        nullptr, nullptr, part_v, part_i, st, tok_log, PF_NONE);
+                        nullptr, nullptr, part_v, part_i, st, tok_log);
 }
 
 extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)) {
     dmv_body<float, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                           logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                          nullptr, nullptr, part_v, part_i, st, tok_log, PF_NONE);
+                          nullptr, nullptr, part_v, part_i, st, tok_log);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -877,21 +801,17 @@ extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)
 //   act[j*rows + i] = silu(dot(W_gate[e][i], xs)) * dot(W_up[e][i], xs),  e = ids[j] (0 if null)
 // with xs = x or RMSNorm(x) (norm_w not null: a dense layer normalising h itself). Grid (G, k):
 // slot j = blockIdx.y; rows i = blockIdx.x*8 + warp, + 8*G, ... Dynamic shared memory: cols floats.
-// EF (gate_up_dec2e_bf16): the weight loads under an evict-first L2 policy (PF_PARAMS above).
-template <typename W, int V = 1, bool EF = false>
+template <typename W, int V = 1>
 __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
                                                  const W* __restrict__ up, int rows, int cols,
                                                  const u32* ids, const float* x,
                                                  const float* __restrict__ norm_w, float eps,
-                                                 float* __restrict__ act, PF_PARAMS) {
+                                                 float* __restrict__ act) {
     TARFA_DYN_SMEM(float, xs);
     const int p = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int j = blockIdx.y;
     const int nw = gridDim.x * 8;
-    const u64 pol = EF ? l2_policy_evict_first() : 0;
-    pf_range_grid(pf0, pf0_n, pf_mode);
-    pf_range_grid(pf1, pf1_n, pf_mode);
     grid_dep_wait();
     grid_dep_launch();
     // V == 2: the input's copy is issued before the ids and the weights (stage_issue)
@@ -903,21 +823,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     int c0 = 0;
     Pack8<W> wg[DEC_GROUP], wu[DEC_GROUP];
     if (i < rows) {
-        if (EF) {
-            load_group_pol<W>(wg, gbase + (long)i * cols, 0, cols, p, pol);
-            load_group_pol<W>(wu, ubase + (long)i * cols, 0, cols, p, pol);
-        } else {
-            load_group<W>(wg, gbase + (long)i * cols, 0, cols, p);
-            load_group<W>(wu, ubase + (long)i * cols, 0, cols, p);
-        }
-    }
-    const int ahead = pf_ahead(pf_mode);
-    const long row_bytes = (long)cols * sizeof(W);
-    for (int a = 1; a <= ahead; a++) {
-        if (i + a * nw < rows) {
-            pf_row_warp(gbase + (long)(i + a * nw) * cols, row_bytes, pf_mode, p);
-            pf_row_warp(ubase + (long)(i + a * nw) * cols, row_bytes, pf_mode, p);
-        }
+        load_group<W>(wg, gbase + (long)i * cols, 0, cols, p);
+        load_group<W>(wu, ubase + (long)i * cols, 0, cols, p);
     }
     const float* xin = xs;
     if (V == 2) {
@@ -941,17 +848,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
             i2 = i + nw;
         }
         if (i2 < rows) {
-            if (EF) {
-                load_group_pol<W>(wg, gbase + (long)i2 * cols, c2, cols, p, pol);
-                load_group_pol<W>(wu, ubase + (long)i2 * cols, c2, cols, p, pol);
-            } else {
-                load_group<W>(wg, gbase + (long)i2 * cols, c2, cols, p);
-                load_group<W>(wu, ubase + (long)i2 * cols, c2, cols, p);
-            }
-        }
-        if (c2 == 0 && ahead > 0 && i2 + ahead * nw < rows) {
-            pf_row_warp(gbase + (long)(i2 + ahead * nw) * cols, row_bytes, pf_mode, p);
-            pf_row_warp(ubase + (long)(i2 + ahead * nw) * cols, row_bytes, pf_mode, p);
+            load_group<W>(wg, gbase + (long)i2 * cols, c2, cols, p);
+            load_group<W>(wu, ubase + (long)i2 * cols, c2, cols, p);
         }
         if (c2 == 0) {
             const float g = V == 2 ? warp_tree_fast(ag) : warp_tree(ag);
@@ -967,31 +865,24 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
 
 #define GATE_UP_DEC_ARGS(W)                                                                     \
     const W* __restrict__ gate, const W* __restrict__ up, int rows, int cols, const u32* ids,   \
-        const float* x, const float* __restrict__ norm_w, float eps, float* __restrict__ act,     \
-        PF_PARAMS
+        const float* x, const float* __restrict__ norm_w, float eps, float* __restrict__ act
 
 extern "C" __global__ void __launch_bounds__(256) gate_up_dec_bf16(GATE_UP_DEC_ARGS(u16)) {
-    gate_up_dec_body<u16>(gate, up, rows, cols, ids, x, norm_w, eps, act, PF_PASS);
+    gate_up_dec_body<u16>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gate_up_dec_f32(GATE_UP_DEC_ARGS(float)) {
-    gate_up_dec_body<float>(gate, up, rows, cols, ids, x, norm_w, eps, act, PF_PASS);
+    gate_up_dec_body<float>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
 // The second version (TARFA_CUDA_ROWS=v2): stage_issue/stage_finish, warp_tree_fast. Dynamic
 // shared memory: 2 * cols floats with a norm.
 extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_bf16(GATE_UP_DEC_ARGS(u16)) {
-    gate_up_dec_body<u16, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act, PF_PASS);
+    gate_up_dec_body<u16, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_ARGS(float)) {
-    gate_up_dec_body<float, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act, PF_PASS);
-}
-
-// gate_up_dec2_bf16 with its weight loads evict-first in L2 (TARFA_CUDA_PREFETCH=...,ef): the
-// same bytes, so the same outputs.
-extern "C" __global__ void __launch_bounds__(256) gate_up_dec2e_bf16(GATE_UP_DEC_ARGS(u16)) {
-    gate_up_dec_body<u16, 2, true>(gate, up, rows, cols, ids, x, norm_w, eps, act, PF_PASS);
+    gate_up_dec_body<float, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1005,21 +896,17 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2e_bf16(GATE_UP_DEC
 #define DOWN_MAX_K 8
 // V == 2 (moe_down_dec2, TARFA_CUDA_ROWS=v2): everything after the wait; the activations' copy
 // (stage_issue) issued before the ids and the weights; warp_tree_fast.
-// EF (moe_down_dec2e): the weight loads under an evict-first L2 policy (PF_PARAMS above).
-template <int V, bool EF = false>
+template <int V>
 __device__ __forceinline__ void moe_down_dec_body(
     const u16* __restrict__ down, int hidden, int width, const u32* ids,
     const float* weights, const u32* by_id, int k, const float* act, const float* y_sh,
-    const float* s_sh, float* h, PF_PARAMS) {
+    const float* s_sh, float* h) {
     TARFA_DYN_SMEM(float, as);
     __shared__ long ebase[DOWN_MAX_K];
     __shared__ int jslot[DOWN_MAX_K];
     const int p = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nw = gridDim.x * 8;
-    const u64 pol = EF ? l2_policy_evict_first() : 0;
-    pf_range_grid(pf0, pf0_n, pf_mode);
-    pf_range_grid(pf1, pf1_n, pf_mode);
     bool fast = false;
     if (V == 2) {
         grid_dep_wait();
@@ -1048,24 +935,7 @@ __device__ __forceinline__ void moe_down_dec_body(
 #pragma unroll
     for (int s = 0; s < DOWN_MAX_K; s++) {
         const int e = 8 * p;
-        if (s < k && r < hidden && e < width) {
-            if (EF) {
-                wv[s].load_pol(down + ebase[s] + (long)r * width + e, pol);
-            } else {
-                wv[s].load(down + ebase[s] + (long)r * width + e);
-            }
-        }
-    }
-    // PF_SELF: the rest of this row (its later chunks) and `ahead` rows more, every expert
-    const int ahead = pf_ahead(pf_mode);
-    const long row_bytes = (long)width * 2;
-    if (pf_mode & PF_SELF) {
-        for (int a = 0; a <= ahead; a++) {
-            if (r + a * nw >= hidden) break;
-            for (int s = 0; s < k; s++) {
-                pf_row_warp(down + ebase[s] + (long)(r + a * nw) * width, row_bytes, pf_mode, p);
-            }
-        }
+        if (s < k && r < hidden && e < width) wv[s].load(down + ebase[s] + (long)r * width + e);
     }
     if (V == 2) {
         stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
@@ -1092,19 +962,8 @@ __device__ __forceinline__ void moe_down_dec_body(
         const int e2 = (c2 << 8) + 8 * p;
 #pragma unroll
         for (int s = 0; s < DOWN_MAX_K; s++) {
-            if (s < k && r2 < hidden && e2 < width) {
-                if (EF) {
-                    wv[s].load_pol(down + ebase[s] + (long)r2 * width + e2, pol);
-                } else {
-                    wv[s].load(down + ebase[s] + (long)r2 * width + e2);
-                }
-            }
-        }
-        if (c2 == 0 && ahead > 0 && r2 + ahead * nw < hidden) {
-            for (int s = 0; s < k; s++) {
-                pf_row_warp(down + ebase[s] + (long)(r2 + ahead * nw) * width, row_bytes, pf_mode,
-                            p);
-            }
+            if (s < k && r2 < hidden && e2 < width)
+                wv[s].load(down + ebase[s] + (long)r2 * width + e2);
         }
         if (c2 == 0) {
             float y[DOWN_MAX_K];
@@ -1147,20 +1006,14 @@ __device__ __forceinline__ void moe_down_dec_body(
 #define MOE_DOWN_DEC_ARGS                                                                       \
     const u16* __restrict__ down, int hidden, int width, const u32* ids, const float* weights, \
         const u32* by_id, int k, const float* act, const float* y_sh, const float* s_sh,       \
-        float* h, PF_PARAMS
+        float* h
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<1>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h, PF_PASS);
+    moe_down_dec_body<1>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h, PF_PASS);
-}
-
-// moe_down_dec2 with its weight loads evict-first in L2 (TARFA_CUDA_PREFETCH=...,ef).
-extern "C" __global__ void __launch_bounds__(256) moe_down_dec2e(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<2, true>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h,
-                               PF_PASS);
+    moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
 // moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v3
@@ -1840,7 +1693,7 @@ __device__ __forceinline__ void att3_body(
     int d, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
     float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
-    float* __restrict__ o, PF_PARAMS) {
+    float* __restrict__ o) {
     constexpr int NI = X / 32;  // layout A slots
     constexpr int T = X / 16;   // layout B threads per position
     constexpr int G = 32 / T;   // positions per warp-step
@@ -1870,10 +1723,6 @@ __device__ __forceinline__ void att3_body(
     // cache rows below P and the state were written before this step began (the step's first
     // kernel is launched without programmatic serialisation), so they are read before the wait.
     float kb[ATT3_U][ATT3_K];
-    // the next kernels' weights (decode.rs: o_proj and the router), fetched into L2 while this
-    // kernel, which reads no weights, runs
-    pf_range_grid(pf0, pf0_n, pf_mode);
-    pf_range_grid(pf1, pf1_n, pf_mode);
     att3_load_keys<T, EXACT>(kb, keys, warp, pos, dd, t, g);
     grid_dep_wait();
     grid_dep_launch();
@@ -2076,10 +1925,10 @@ __device__ __forceinline__ void att3_body(
         const float *__restrict__ q_norm, const float *__restrict__ k_norm, float eps,           \
         const float *__restrict__ cos_t, const float *__restrict__ sin_t, const DecodeState *st, \
         float *k_cache, float *v_cache, int cap, float scale, float *scratch, int n_stride,       \
-        float *__restrict__ o, PF_PARAMS
+        float *__restrict__ o
 #define ATT3_ARGS                                                                              \
     q_raw, k_raw, v_raw, hq, hkv, d, q_norm, k_norm, eps, cos_t, sin_t, st, k_cache, v_cache, \
-        cap, scale, scratch, n_stride, o, PF_PASS
+        cap, scale, scratch, n_stride, o
 #define ATT3_KERNEL(X)                                                               \
     extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode3_d##X( \
         ATT3_PARAMS) {                                                               \

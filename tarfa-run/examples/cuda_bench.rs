@@ -230,12 +230,7 @@ impl Bench<'_> {
 }
 
 /// The variables that select the first attention and router decode kernels.
-const KERNEL_VARS: [&str; 4] = [
-    "TARFA_CUDA_ATTN",
-    "TARFA_CUDA_ROUTER",
-    "TARFA_CUDA_ROWS",
-    "TARFA_CUDA_PREFETCH",
-];
+const KERNEL_VARS: [&str; 3] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER", "TARFA_CUDA_ROWS"];
 
 /// The A/B's arm A unless `--ab-a` says otherwise: the kernels of PHASE_LOG P6.
 const ARM_A: &str = "TARFA_CUDA_ATTN=v2 TARFA_CUDA_ROUTER=v2 TARFA_CUDA_ROWS=v1";

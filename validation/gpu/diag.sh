@@ -67,7 +67,7 @@ if command -v ncu >/dev/null; then
     --kernel-name regex:"attn_decode|dmv|router|gate_up_dec|moe_down_dec|lmhead" \
     --launch-skip 30 --launch-count 13 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \
-    --section MemoryWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section SourceCounters \
     "$BIN/cuda_bench" "$BIG" --prompt 128 --only-profile --profile-steps 2 > "$LOG/ncu.log" 2>&1
   say "ncu rc=$?"
   grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$LOG/ncu.log" | head -150

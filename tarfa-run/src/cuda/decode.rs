@@ -111,108 +111,6 @@ pub(crate) struct DecodeKernels {
     pub(crate) rows: KernelVersion,
     /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
     pub(crate) attn_shared_max: usize,
-    /// L2 prefetch of weights (`TARFA_CUDA_PREFETCH`).
-    pub(crate) prefetch: Prefetch,
-}
-
-/// Which kernel prefetches the next layer's q|k|v weights into L2.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum NextQkv {
-    #[default]
-    None,
-    /// The o projection (which, with `attn`, reads its own weights from L2, leaving HBM idle).
-    OProj,
-    /// The experts' down kernel (the layer's last).
-    Down,
-}
-
-/// L2 prefetch of weights in the decode step (kernels/decode.cu, `PF_PARAMS`; PHASE_LOG P12).
-/// Prefetches are hints: they change when a weight's bytes reach L2, never a value, so every
-/// setting computes the same bits. `TARFA_CUDA_PREFETCH`: `none`, or a comma-separated list of
-/// - `attn`: the attention kernel (which reads no weights) prefetches its layer's o_proj and
-///   router weights;
-/// - `self` or `self=N`: the row kernels' warps prefetch their own later rows, N rows ahead
-///   (default 2; the experts' down kernel also the rest of its current rows);
-/// - `qkv-o` or `qkv-down`: the o projection or the experts' down kernel prefetches the next
-///   layer's q|k|v weights;
-/// - `lines`: one prefetch instruction per 128-byte line instead of bulk prefetches;
-/// - `ef`: the experts' weight loads are marked evict-first in L2 (so that they do not push out
-///   what was prefetched for later kernels).
-///
-/// Unset: [`Prefetch::DEFAULT`]; a list with an unknown item: none at all (and
-/// [`Prefetch::parse`] says which item).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Prefetch {
-    pub(crate) attn: bool,
-    /// Rows ahead for the warps' own rows (`self`), if any.
-    pub(crate) ahead: Option<u32>,
-    pub(crate) next_qkv: NextQkv,
-    pub(crate) lines: bool,
-    pub(crate) ef: bool,
-}
-
-impl Prefetch {
-    /// What an unset `TARFA_CUDA_PREFETCH` means.
-    pub(crate) const DEFAULT: Prefetch = Prefetch {
-        attn: false,
-        ahead: None,
-        next_qkv: NextQkv::None,
-        lines: false,
-        ef: false,
-    };
-
-    /// Parses a `TARFA_CUDA_PREFETCH` value (see the type's doc).
-    pub(crate) fn parse(v: &str) -> Result<Prefetch, String> {
-        let mut pf = Prefetch::default();
-        for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            match item.to_ascii_lowercase().as_str() {
-                "none" => {}
-                "attn" => pf.attn = true,
-                "self" => pf.ahead = Some(2),
-                "qkv-o" => pf.next_qkv = NextQkv::OProj,
-                "qkv-down" => pf.next_qkv = NextQkv::Down,
-                "lines" => pf.lines = true,
-                "ef" => pf.ef = true,
-                other => match other.strip_prefix("self=").map(str::parse::<u32>) {
-                    Some(Ok(n)) if n <= 64 => pf.ahead = Some(n),
-                    _ => return Err(format!("unknown TARFA_CUDA_PREFETCH item {item:?}")),
-                },
-            }
-        }
-        Ok(pf)
-    }
-
-    fn from_env() -> Prefetch {
-        match std::env::var("TARFA_CUDA_PREFETCH") {
-            Ok(v) => Prefetch::parse(&v).unwrap_or_default(),
-            Err(_) => Prefetch::DEFAULT,
-        }
-    }
-
-    /// The kernels' `pf_mode` argument (kernels/decode.cu PF_SELF, PF_LINES).
-    fn mode(&self) -> i32 {
-        let own = self.ahead.map_or(0, |n| 1 | ((n.min(64) as i32) << 8));
-        own | if self.lines { 2 } else { 0 }
-    }
-}
-
-/// The five trailing arguments of a kernel that takes `PF_PARAMS`: no ranges, mode 0 (set by
-/// [`CudaModel::apply_prefetch`]).
-fn pf_none() -> [Arg; 5] {
-    [
-        Arg::Ptr(0),
-        Arg::I64(0),
-        Arg::Ptr(0),
-        Arg::I64(0),
-        Arg::I32(0),
-    ]
-}
-
-/// Whether kernel `name` takes `PF_PARAMS` (kernels/decode.cu).
-pub(crate) fn takes_prefetch(name: &str) -> bool {
-    ["dmv", "gate_up_dec", "moe_down_dec", "attn_decode3"]
-        .iter()
-        .any(|k| name.starts_with(k))
 }
 
 #[cfg(test)]
@@ -235,7 +133,6 @@ impl DecodeKernels {
             router: pick("TARFA_CUDA_ROUTER", KernelVersion::V3),
             rows: pick("TARFA_CUDA_ROWS", KernelVersion::V2),
             attn_shared_max: ATTN_SHARED_MAX,
-            prefetch: Prefetch::from_env(),
         }
     }
 }
@@ -257,12 +154,6 @@ fn p(b: &DevBuf) -> Arg {
 
 fn opt_ptr(b: &Option<DevBuf>) -> u64 {
     b.as_ref().map_or(0, |b| b.ptr())
-}
-
-/// `(ptr, bytes)` when `ptr` is 16-byte aligned and `bytes` > 0 (the kernels prefetch whole
-/// 16-byte units inside the range).
-fn aligned_range(ptr: u64, bytes: u64) -> Option<(u64, u64)> {
-    (ptr.is_multiple_of(16) && bytes > 0).then_some((ptr, bytes))
 }
 
 fn i32a(n: usize) -> Arg {
@@ -466,10 +357,7 @@ impl CudaModel {
                 Arg::Ptr(out),
                 Arg::I32(i32::from(residual)),
                 Arg::Ptr(xn_out),
-            ]
-            .into_iter()
-            .chain(pf_none())
-            .collect(),
+            ],
             pdl: true,
             label,
             bytes: w.bytes(),
@@ -518,10 +406,7 @@ impl CudaModel {
                 Arg::Ptr(norm),
                 Arg::F32(self.cfg.eps_f32()),
                 Arg::Ptr(act),
-            ]
-            .into_iter()
-            .chain(pf_none())
-            .collect(),
+            ],
             pdl: true,
             label,
             bytes: (2 * slots * rows * cols * dtype.size()) as u64,
@@ -662,36 +547,32 @@ impl CudaModel {
                     }
                 }
             };
-            let mut att_args = vec![
-                Arg::Ptr(qkv),
-                Arg::Ptr(k_raw),
-                Arg::Ptr(v_raw),
-                i32a(hq),
-                i32a(hkv),
-                i32a(d),
-                Arg::Ptr(qn),
-                Arg::Ptr(kn),
-                Arg::F32(cfg.eps_f32()),
-                Arg::Ptr(cos),
-                Arg::Ptr(sin),
-                p(&b.state),
-                p(&cache.k[l]),
-                p(&cache.v[l]),
-                i32a(cache.cap),
-                Arg::F32(scale),
-                Arg::Ptr(att_scratch),
-                i32a(cache.cap),
-                p(&b.o),
-            ];
-            if takes_prefetch(att_name) {
-                att_args.extend(pf_none());
-            }
             v.push(Launch {
                 name: att_name,
                 grid: (hq as u32, slices as u32, 1),
                 block: (att_block, 1, 1),
                 shared: att_shared,
-                args: att_args,
+                args: vec![
+                    Arg::Ptr(qkv),
+                    Arg::Ptr(k_raw),
+                    Arg::Ptr(v_raw),
+                    i32a(hq),
+                    i32a(hkv),
+                    i32a(d),
+                    Arg::Ptr(qn),
+                    Arg::Ptr(kn),
+                    Arg::F32(cfg.eps_f32()),
+                    Arg::Ptr(cos),
+                    Arg::Ptr(sin),
+                    p(&b.state),
+                    p(&cache.k[l]),
+                    p(&cache.v[l]),
+                    i32a(cache.cap),
+                    Arg::F32(scale),
+                    Arg::Ptr(att_scratch),
+                    i32a(cache.cap),
+                    p(&b.o),
+                ],
                 pdl: true,
                 label: "attention (norm, RoPE, KV append, softmax)",
                 bytes: 0,
@@ -918,10 +799,7 @@ impl CudaModel {
                             Arg::Ptr(y_sh),
                             Arg::Ptr(s_sh),
                             p(&b.h),
-                        ]
-                        .into_iter()
-                        .chain(pf_none())
-                        .collect(),
+                        ],
                         pdl: true,
                         label: "experts down (k experts, mix, +residual)",
                         bytes: (k_top * h * i * 2) as u64,
@@ -956,79 +834,10 @@ impl CudaModel {
             label: "lm_head (+final norm, argmax)",
             bytes: lm.bytes(),
         });
-        self.apply_prefetch(&mut v, kernels.prefetch);
         for l in &v {
             self.gpu.allow_shared(l.name, l.shared)?;
         }
         Ok(v)
-    }
-
-    /// A layer's q|k|v weights as one byte range (q's alone when they are not stacked), if its
-    /// start is 16-byte aligned (bulk prefetches need it).
-    fn qkv_range(&self, layer: usize) -> Option<(u64, u64)> {
-        let a = &self.layers.get(layer)?.attn;
-        let stacked = std::sync::Arc::ptr_eq(&a.q.buf, &a.k.buf)
-            && std::sync::Arc::ptr_eq(&a.q.buf, &a.v.buf)
-            && a.k.off == a.q.off + a.q.bytes()
-            && a.v.off == a.k.off + a.k.bytes();
-        let bytes = if stacked {
-            a.q.bytes() + a.k.bytes() + a.v.bytes()
-        } else {
-            a.q.bytes()
-        };
-        aligned_range(a.q.ptr(), bytes)
-    }
-
-    /// Sets the prefetch arguments of the launch list (`Prefetch`): every kernel that takes
-    /// them gets the mode; the attention kernels the o projection's and router's weights; the
-    /// o projection or the experts' down kernel the next layer's q|k|v; with `ef`, the experts'
-    /// kernels become their evict-first twins. Launches are matched by their labels, in order.
-    fn apply_prefetch(&self, v: &mut [Launch], pf: Prefetch) {
-        let mode = pf.mode();
-        let set = |l: &mut Launch, slot: usize, range: Option<(u64, u64)>| {
-            if let Some((ptr, bytes)) = range {
-                let n = l.args.len();
-                l.args[n - 5 + 2 * slot] = Arg::Ptr(ptr);
-                l.args[n - 4 + 2 * slot] = Arg::I64(bytes as i64);
-            }
-        };
-        let mut layer = 0usize;
-        for l in v.iter_mut() {
-            if !takes_prefetch(l.name) {
-                continue;
-            }
-            let n = l.args.len();
-            l.args[n - 1] = Arg::I32(mode);
-            let label = l.label;
-            if label.starts_with("attention (norm") {
-                if pf.attn {
-                    let lay = &self.layers[layer];
-                    set(l, 0, aligned_range(lay.attn.o.ptr(), lay.attn.o.bytes()));
-                    if let DevMlp::Moe { router, .. } = &lay.mlp {
-                        set(l, 1, aligned_range(router.ptr(), router.bytes()));
-                    }
-                }
-            } else if label.starts_with("attention o_proj") {
-                if pf.next_qkv == NextQkv::OProj {
-                    set(l, 0, self.qkv_range(layer + 1));
-                }
-            } else if label.starts_with("experts gate+up") {
-                if pf.ef && l.name == "gate_up_dec2_bf16" {
-                    l.name = "gate_up_dec2e_bf16";
-                }
-            } else if label.starts_with("experts down") {
-                if pf.ef && l.name == "moe_down_dec2" {
-                    l.name = "moe_down_dec2e";
-                }
-                if pf.next_qkv == NextQkv::Down {
-                    set(l, 0, self.qkv_range(layer + 1));
-                }
-            }
-            // a layer ends with its MLP's last launch
-            if label.starts_with("experts down") || label.starts_with("dense MLP down") {
-                layer += 1;
-            }
-        }
     }
 
     /// Makes `cache`'s decode step ready for its capacity and mode: buffers, launch list and,
@@ -1434,36 +1243,5 @@ impl CudaCache {
     /// Kernel launches of one decode step (0 before the first).
     pub fn decode_launches(&self) -> usize {
         self.dec.as_ref().map_or(0, |d| d.launches.len())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{NextQkv, Prefetch};
-
-    #[test]
-    fn prefetch_settings_parse_into_the_kernels_mode() {
-        let pf = Prefetch::parse(" attn , self=3,qkv-down,lines,EF").unwrap();
-        assert_eq!(
-            pf,
-            Prefetch {
-                attn: true,
-                ahead: Some(3),
-                next_qkv: NextQkv::Down,
-                lines: true,
-                ef: true,
-            }
-        );
-        // PF_SELF | PF_LINES | 3 rows ahead (kernels/decode.cu)
-        assert_eq!(pf.mode(), 1 | 2 | (3 << 8));
-        assert_eq!(Prefetch::parse("self").unwrap().mode(), 1 | (2 << 8));
-        assert_eq!(Prefetch::parse("self=0").unwrap().mode(), 1);
-        assert_eq!(Prefetch::parse("none").unwrap(), Prefetch::default());
-        assert_eq!(Prefetch::parse("").unwrap(), Prefetch::default());
-        assert_eq!(Prefetch::parse("qkv-o").unwrap().next_qkv, NextQkv::OProj);
-        for bad in ["atn", "self=x", "self=65", "self=-1", "attn,,bogus"] {
-            let e = Prefetch::parse(bad).unwrap_err();
-            assert!(e.contains("TARFA_CUDA_PREFETCH"), "{bad}: {e}");
-        }
     }
 }

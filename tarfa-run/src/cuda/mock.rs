@@ -276,48 +276,6 @@ fn emulator() -> Option<EmuLaunch> {
     f.map(|a| unsafe { std::mem::transmute::<usize, EmuLaunch>(a) })
 }
 
-type EmuPrefetches = unsafe extern "C" fn(*mut u64, i64) -> i64;
-
-/// The emulator's log of the prefetches the kernels issued (validation/gpu/emu/runner.cpp).
-fn emulator_prefetches() -> Option<EmuPrefetches> {
-    static EMU: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let f = *EMU.get_or_init(|| {
-        let path = std::env::var("TARFA_CUDA_EMU").ok()?;
-        let c = std::ffi::CString::new(path).ok()?;
-        // SAFETY: as in `emulator` (the library is already loaded; dlopen returns it again).
-        unsafe {
-            let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW);
-            let sym = libc::dlsym(h, c"emu_prefetches".as_ptr());
-            (!sym.is_null()).then_some(sym as usize)
-        }
-    });
-    // SAFETY: the address of emu_prefetches, whose signature is EmuPrefetches.
-    f.map(|a| unsafe { std::mem::transmute::<usize, EmuPrefetches>(a) })
-}
-
-/// Every prefetch an emulated launch issued (the GPU would fetch those bytes into L2) lies
-/// inside one allocation; a bulk one starts 16-byte aligned and covers whole 16-byte units.
-fn check_emulated_prefetches(mem: &mut Memory, name: &str) {
-    let Some(log) = emulator_prefetches() else {
-        return;
-    };
-    // SAFETY: a null buffer asks for the count only.
-    let n = unsafe { log(std::ptr::null_mut(), 0) };
-    let mut v = vec![0u64; 3 * n.max(0) as usize];
-    // SAFETY: `v` holds n triples.
-    unsafe { log(v.as_mut_ptr(), n) };
-    for t in v.chunks_exact(3) {
-        let (ptr, bytes, bulk) = (t[0], t[1], t[2] != 0);
-        if bulk {
-            assert!(
-                ptr.is_multiple_of(16) && bytes.is_multiple_of(16) && bytes > 0,
-                "{name}: bulk prefetch of {bytes} bytes at {ptr:#x}"
-            );
-        }
-        mem.span(ptr, bytes as usize);
-    }
-}
-
 /// Whether the mock device runs the emulated CUDA kernels.
 pub(crate) fn emulated() -> bool {
     emulator().is_some()
@@ -356,32 +314,6 @@ fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize
     );
 }
 
-/// The prefetch ranges of a kernel that takes `PF_PARAMS` (its last five arguments) each lie
-/// inside one allocation and start 16-byte aligned, as bulk prefetches need. (The emulator's
-/// prefetches do nothing, so this is what checks them off the GPU.)
-fn check_prefetch(mem: &mut Memory, name: &str, args: &[Arg]) {
-    let n = args.len();
-    assert!(n >= 5, "{name}: no prefetch arguments");
-    for slot in 0..2 {
-        let (ptr, bytes) = match (args[n - 5 + 2 * slot], args[n - 4 + 2 * slot]) {
-            (Arg::Ptr(p), Arg::I64(b)) => (p, b),
-            a => panic!("{name}: prefetch range {slot} is {a:?}"),
-        };
-        if ptr != 0 && bytes > 0 {
-            assert!(
-                ptr.is_multiple_of(16),
-                "{name}: prefetch range at {ptr:#x} unaligned"
-            );
-            mem.span(ptr, bytes as usize);
-        }
-    }
-    assert!(
-        matches!(args[n - 1], Arg::I32(m) if m >= 0),
-        "{name}: prefetch mode {:?}",
-        args[n - 1]
-    );
-}
-
 /// Runs kernel `name` as the reference functions define it (or, with the emulator, as the CUDA
 /// source does).
 pub(crate) fn launch(
@@ -392,9 +324,6 @@ pub(crate) fn launch(
     shared_bytes: u32,
     args: &[Arg],
 ) -> Result<(), CudaError> {
-    if super::model::decode::takes_prefetch(name) {
-        check_prefetch(mem, name, args);
-    }
     if let Some(emu) = emulator() {
         let vals: Vec<u64> = args
             .iter()
@@ -428,7 +357,6 @@ pub(crate) fn launch(
             )));
         }
         mem.check_guards(name);
-        check_emulated_prefetches(mem, name);
         return Ok(());
     }
     let a = Args(args, name);
@@ -721,7 +649,7 @@ pub(crate) fn launch(
             } else {
                 0
             };
-            a.count([19, 17, 12][kind]);
+            a.count([14, 17, 12][kind]);
             let (w, rows, cols, x, norm, eps) =
                 (a.ptr(0), a.int(1), a.int(2), a.ptr(3), a.ptr(4), a.float(5));
             assert!(block.0 == 256 && gy == 1 && gz == 1, "{name} geometry");
@@ -819,9 +747,8 @@ pub(crate) fn launch(
                 }
             }
         }
-        "gate_up_dec_bf16" | "gate_up_dec_f32" | "gate_up_dec2_bf16" | "gate_up_dec2_f32"
-        | "gate_up_dec2e_bf16" => {
-            a.count(14);
+        "gate_up_dec_bf16" | "gate_up_dec_f32" | "gate_up_dec2_bf16" | "gate_up_dec2_f32" => {
+            a.count(9);
             let bf16 = name.ends_with("bf16");
             let (gate, up, rows, cols, ids, x, norm, eps, act) = (
                 a.ptr(0),
@@ -875,8 +802,8 @@ pub(crate) fn launch(
                 [a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7), a.ptr(8), a.ptr(9)],
             );
         }
-        "moe_down_dec" | "moe_down_dec2" | "moe_down_dec2e" | "moe_down_dec3" | "moe_down_dec4" => {
-            a.count(16);
+        "moe_down_dec" | "moe_down_dec2" | "moe_down_dec3" | "moe_down_dec4" => {
+            a.count(11);
             let (down, hidden, width, ids, weights, by_id, k) = (
                 a.ptr(0),
                 a.int(1),
@@ -912,11 +839,7 @@ pub(crate) fn launch(
         }
         "attn_decode" | "attn_decode2" | "attn_decode3_d32" | "attn_decode3_d64"
         | "attn_decode3_d128" | "attn_decode3_d256" => {
-            a.count(if name.starts_with("attn_decode3") {
-                24
-            } else {
-                19
-            });
+            a.count(19);
             let (qr, kr, vr, hq, hkv, d) =
                 (a.ptr(0), a.ptr(1), a.ptr(2), a.int(3), a.int(4), a.int(5));
             let (qn, kn, eps, cos, sin, st) = (
@@ -1180,7 +1103,6 @@ mod tests {
                     router,
                     rows: KernelVersion::V1,
                     attn_shared_max,
-                    prefetch: Default::default(),
                 }))
             });
             eprintln!("attention {attn:?}, router {router:?}, shared max {attn_shared_max}");
@@ -1262,7 +1184,7 @@ mod tests {
                 mem.put_f32s(kc, &kv_before.0);
                 mem.put_f32s(vc, &kv_before.1);
                 mem.put_f32s(o, &vec![f32::NAN; hq * d]);
-                let mut args = vec![
+                let args = [
                     Arg::Ptr(qr),
                     Arg::Ptr(kr),
                     Arg::Ptr(vr),
@@ -1283,16 +1205,6 @@ mod tests {
                     Arg::I32(cap as i32),
                     Arg::Ptr(o),
                 ];
-                if name.starts_with("attn_decode3") {
-                    // no prefetch ranges (PF_PARAMS)
-                    args.extend([
-                        Arg::Ptr(0),
-                        Arg::I64(0),
-                        Arg::Ptr(0),
-                        Arg::I64(0),
-                        Arg::I32(0),
-                    ]);
-                }
                 let sh = if shared { sh } else { 0 };
                 launch(
                     mem,
@@ -1338,46 +1250,6 @@ mod tests {
             }
             eprintln!("{case}: bit-identical");
         }
-    }
-
-    #[test]
-    fn prefetch_settings_give_the_cpus_bits() {
-        // TARFA_CUDA_PREFETCH (L2 hints and evict-first loads): every decode mode bit-identical
-        // to the CPU, and (check_prefetch, check_emulated_prefetches) every range a kernel asks
-        // L2 to fetch inside one allocation -- the cross-kernel ranges (o_proj, router, the next
-        // layer's q|k|v) and each warp's own rows ahead, bulk and per line. Families with F32
-        // matrices, a shared expert and dense layers; experts of 3 partial chunks.
-        use super::super::model::decode::{DecodeKernels, Prefetch, KERNELS_FOR_TEST};
-        let wide = SyntheticShape {
-            layers: 2,
-            expert_width: 520,
-            mlp_only_layers: vec![],
-            ..SyntheticShape::small("qwen3_moe")
-        };
-        for (setting, family, shape) in [
-            ("attn,self,qkv-o,ef", "qwen3_moe", wide),
-            (
-                "attn,self=1,qkv-down,lines,ef",
-                "qwen2_moe",
-                SyntheticShape::small("qwen2_moe"),
-            ),
-            (
-                "attn,self=3,qkv-o",
-                "mixtral",
-                SyntheticShape::small("mixtral"),
-            ),
-        ] {
-            let prefetch = Prefetch::parse(setting).unwrap();
-            KERNELS_FOR_TEST.with(|c| {
-                c.set(Some(DecodeKernels {
-                    prefetch,
-                    ..DecodeKernels::from_env()
-                }))
-            });
-            eprintln!("TARFA_CUDA_PREFETCH={setting}: {family}");
-            decode_modes_match_the_cpu(family, shape);
-        }
-        KERNELS_FOR_TEST.with(|c| c.set(None));
     }
 
     #[test]

@@ -49,18 +49,6 @@ inline void grid_dep_launch() {}
 inline void async_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
 inline void async_copy4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4); }
 inline void async_copy_wait() {}
-// L2 hints: nothing to fetch on the CPU, but every range is logged (runner.cpp emu_prefetches)
-// so that the mock device can check it lies inside an allocation; the policy load is a plain
-// load.
-void emu_prefetch(const void* p, unsigned long long bytes, int bulk);
-inline void l2_prefetch_bulk(const void* p, unsigned bytes) { emu_prefetch(p, bytes, 1); }
-inline void l2_prefetch_line(const void* p) { emu_prefetch(p, 1, 0); }
-inline unsigned long long l2_policy_evict_first() { return 0; }
-inline uint4 ldg16_policy(const void* p, unsigned long long) {
-    uint4 v;
-    std::memcpy(&v, p, 16);
-    return v;
-}
 
 inline void __syncthreads() { emu_block_barrier(); }
 inline float emu_xchg(float v, int src_lane, bool valid) {

@@ -127,23 +127,6 @@ void emu_warp_barrier() { barrier(B.warps[B.cur / 32]); }
 float* emu_warp_buf() { return B.xchg.data() + 32 * (B.cur / 32); }
 int emu_lane() { return (int)(B.cur & 31); }
 
-// The prefetches of this OS thread's launches since the last emu_prefetches call: triples
-// (address, bytes, bulk). Fibers run on the launching thread, so this is per launch caller.
-static thread_local std::vector<unsigned long long> pf_log;
-void emu_prefetch(const void* p, unsigned long long bytes, int bulk) {
-    pf_log.push_back((unsigned long long)p);
-    pf_log.push_back(bytes);
-    pf_log.push_back((unsigned long long)bulk);
-}
-// The number of logged prefetches; with `out`, copies up to `max` triples there and clears the log.
-extern "C" long long emu_prefetches(unsigned long long* out, long long max) {
-    const long long n = (long long)pf_log.size() / 3;
-    if (out == nullptr) return n;
-    for (long long i = 0; i < 3 * (n < max ? n : max); i++) out[i] = pf_log[i];
-    pf_log.clear();
-    return n;
-}
-
 extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                           unsigned by, unsigned bz, unsigned smem, const unsigned long long* args,
                           int nargs) {
