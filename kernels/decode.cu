@@ -74,37 +74,6 @@ __device__ __forceinline__ void fma8(float a[8], const Pack8<W>& w, const float*
     a[7] = fmaf(w.at(7), x1.w, a[7]);
 }
 
-// The conflict-free shared layout of the row kernels' input (TARFA_CUDA_ROWS=v5, the `s`
-// entry points): in each chunk of 256 elements, the 16-byte unit g = 2p + h (lane p's half h
-// of its 8 elements) sits at unit 32h + p. A warp's two 16-byte reads per chunk (x[8p..8p+3]
-// and x[8p+4..8p+7]) then each cover 512 contiguous bytes, where the natural layout's 32-byte
-// stride makes every one a 2-way bank conflict (ncu on the H200: 42% excess shared wavefronts
-// in q|k|v, MIO stalls 39% of the experts' down kernel). Only where values sit changes: every
-// operation reads the same element as before. Used for vectors of whole chunks (n % 256 == 0).
-__device__ __forceinline__ int swz(int i) {  // i: an element index, a multiple of 4
-    const int g = (i & 255) >> 2;
-    return (i & ~255) | ((((g & 1) << 5) | (g >> 1)) << 2);
-}
-
-// fma8 with lane p's 8 elements of chunk e >> 8 of x read from the natural (sw false) or the
-// conflict-free layout.
-template <typename W>
-__device__ __forceinline__ void fma8s(float a[8], const Pack8<W>& w, const float* x, int e, int p,
-                                      bool sw) {
-    const float* x0 = sw ? x + (e & ~255) + 4 * p : x + e;
-    const float* x1 = sw ? x0 + 128 : x0 + 4;
-    const float4 v0 = *reinterpret_cast<const float4*>(x0);
-    const float4 v1 = *reinterpret_cast<const float4*>(x1);
-    a[0] = fmaf(w.at(0), v0.x, a[0]);
-    a[1] = fmaf(w.at(1), v0.y, a[1]);
-    a[2] = fmaf(w.at(2), v0.z, a[2]);
-    a[3] = fmaf(w.at(3), v0.w, a[3]);
-    a[4] = fmaf(w.at(4), v1.x, a[4]);
-    a[5] = fmaf(w.at(5), v1.y, a[5]);
-    a[6] = fmaf(w.at(6), v1.z, a[6]);
-    a[7] = fmaf(w.at(7), v1.w, a[7]);
-}
-
 #define DEC_GROUP 8  // chunks of 256 elements loaded together per row
 #define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)
 
@@ -122,11 +91,11 @@ __device__ __forceinline__ void load_group(Pack8<W> (&w)[G], const W* __restrict
 // Accumulates group c0 of a row with x (shared or global, 16-byte aligned).
 template <typename W, int G = DEC_GROUP>
 __device__ __forceinline__ void fma_group(float a[8], const Pack8<W> (&w)[G], const float* x,
-                                          int c0, int n, int p, bool sw = false) {
+                                          int c0, int n, int p) {
 #pragma unroll
     for (int i = 0; i < G; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
-        if (e < n) fma8s<W>(a, w[i], x, e, p, sw);
+        if (e < n) fma8<W>(a, w[i], x + e);
     }
 }
 
@@ -135,14 +104,13 @@ template <typename W>
 __device__ __forceinline__ void fma_group_pair(float a[8], float b[8],
                                                const Pack8<W> (&wa)[DEC_GROUP],
                                                const Pack8<W> (&wb)[DEC_GROUP], const float* x,
-                                               int c0, int n, int p, bool sw = false) {
+                                               int c0, int n, int p) {
 #pragma unroll
     for (int i = 0; i < DEC_GROUP; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
         if (e < n) {
-            const float* p0 = sw ? x + (e & ~255) + 4 * p : x + e;
-            const float4 x0 = *reinterpret_cast<const float4*>(p0);
-            const float4 x1 = *reinterpret_cast<const float4*>(sw ? p0 + 128 : p0 + 4);
+            const float4 x0 = *reinterpret_cast<const float4*>(x + e);
+            const float4 x1 = *reinterpret_cast<const float4*>(x + e + 4);
             const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
             for (int t = 0; t < 8; t++) {
@@ -230,17 +198,14 @@ __device__ __forceinline__ void stage_input_fast(float* xs, const float* x, int 
 //   vector the rows use: the same bits stage_input leaves in xs (block 0 also writes it to
 //   xn_out). Needs 2n floats of dynamic shared memory with a norm, n without; n % 4 == 0 and
 //   16-byte aligned x and norm_w, else stage_finish falls back to stage_input.
-// sw (n % 256 == 0): x and the norm weights in the conflict-free layout (swz); xs then holds the
-// result in that layout (stage_input's fallback, when not fast, leaves the natural one).
 __device__ __forceinline__ bool stage_issue(float* xs, const float* x, int n,
-                                            const float* __restrict__ norm_w, bool sw = false) {
+                                            const float* __restrict__ norm_w) {
     const bool fast = (n & 3) == 0 && ((((u64)x) | ((u64)norm_w)) & 15) == 0;
     if (fast) {
         float* ws = xs + n;
         for (int i = 4 * (int)threadIdx.x; i < n; i += 4 * (int)blockDim.x) {
-            const int j = sw ? swz(i) : i;
-            async_copy16(xs + j, x + i);
-            if (norm_w != nullptr) async_copy16(ws + j, norm_w + i);
+            async_copy16(xs + i, x + i);
+            if (norm_w != nullptr) async_copy16(ws + i, norm_w + i);
         }
     }
     return fast;
@@ -248,7 +213,7 @@ __device__ __forceinline__ bool stage_issue(float* xs, const float* x, int n,
 
 __device__ __forceinline__ const float* stage_finish(float* xs, const float* x, int n,
                                                      const float* __restrict__ norm_w, float eps,
-                                                     float* xn_out, bool fast, bool sw = false) {
+                                                     float* xn_out, bool fast) {
     if (!fast) {
         stage_input(xs, x, n, norm_w, eps, xn_out);
         return xs;
@@ -270,7 +235,7 @@ __device__ __forceinline__ const float* stage_finish(float* xs, const float* x, 
         float4 l;
         l.x = l.y = l.z = l.w = 0.0f;
         for (int i = 4 * tid; i < n; i += TARFA_LANES) {
-            const float4 v = *reinterpret_cast<const float4*>(xs + (sw ? swz(i) : i));
+            const float4 v = *reinterpret_cast<const float4*>(xs + i);
             l.x = fmaf(v.x, v.x, l.x);
             l.y = fmaf(v.y, v.y, l.y);
             l.z = fmaf(v.z, v.z, l.z);
@@ -300,8 +265,7 @@ __device__ __forceinline__ const float* stage_finish(float* xs, const float* x, 
     __syncthreads();
     if (xn_out != nullptr && blockIdx.x == 0) {
         for (int i = 4 * tid; i < n; i += 4 * (int)blockDim.x) {
-            *reinterpret_cast<float4*>(xn_out + i) =
-                *reinterpret_cast<const float4*>(ws + (sw ? swz(i) : i));
+            *reinterpret_cast<float4*>(xn_out + i) = *reinterpret_cast<const float4*>(ws + i);
         }
     }
     return ws;
@@ -546,7 +510,7 @@ __device__ __forceinline__ bool last_block(u32* counter) {
 // KIND 2 (lm_head): no bias; the last block writes the greedy token of out[0..rows) to st->token
 // and tok_log[st->step], then advances st (pos + 1, step + 1).
 // Block 256 threads; dynamic shared memory: max(cols, KIND 1 ? 2 * rows + k : 0) floats.
-template <typename W, int KIND, int V = 1, int G = DEC_GROUP, bool SW = false>
+template <typename W, int KIND, int V = 1, int G = DEC_GROUP>
 __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x, const float* __restrict__ norm_w,
     float eps, const float* __restrict__ bias0, const float* __restrict__ bias1,
@@ -568,15 +532,13 @@ __device__ __forceinline__ void dmv_body(
     int c0 = 0;
     Pack8<W> wv[G];
     const float* xin = xs;
-    bool sw = SW && V == 2 && (cols & 255) == 0;  // the conflict-free layout (swz)
     if (V == 2) {
         // the input first, then the weights (stage_issue says why)
         grid_dep_wait();
         grid_dep_launch();
-        const bool fast = stage_issue(xs, x, cols, norm_w, sw);
+        const bool fast = stage_issue(xs, x, cols, norm_w);
         if (r < rows) load_group<W, G>(wv, w + (long)r * cols, 0, cols, p);
-        xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast, sw);
-        sw = sw && fast;
+        xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
     } else {
         if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
         grid_dep_wait();
@@ -602,7 +564,7 @@ __device__ __forceinline__ void dmv_body(
     };
     prefetch_epilogue(r);
     while (r < rows) {
-        fma_group<W, G>(a, wv, xin, c0, cols, p, sw);
+        fma_group<W, G>(a, wv, xin, c0, cols, p);
         int r2 = r, c2 = c0 + G;
         if ((c2 << 8) >= cols) {
             c2 = 0;
@@ -765,22 +727,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) dmv2w_bf16(DMV_ARGS(u16)) {
                             nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
-// dmv2_bf16 and dmv2w_bf16 with the input in the conflict-free shared layout (swz;
-// TARFA_CUDA_ROWS=v5): the same arguments and outputs, bit for bit.
-extern "C" __global__ void __launch_bounds__(256, 4) dmv2s_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, DEC_GROUP, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
-                                         split1, split2, out, mode, xn_out, nullptr, 0, 0,
-                                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                         nullptr, nullptr, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2) dmv2ws_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, 16, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1,
-                                  split2, out, mode, xn_out, nullptr, 0, 0, nullptr, nullptr,
-                                  nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                  nullptr);
-}
-
 #define ROUTER_ARGS(W)                                                                          \
     const W* __restrict__ w, int rows, int cols, const float* x,                                \
         const float* __restrict__ norm_w, float eps, float* logits, float* xn_out,              \
@@ -844,14 +790,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) lmhead2_bf16(LMHEAD_ARGS(u1
                         nullptr, nullptr, part_v, part_i, st, tok_log);
 }
 
-// lmhead2_bf16 with the conflict-free shared layout (TARFA_CUDA_ROWS=v5).
-extern "C" __global__ void __launch_bounds__(256, 4) lmhead2s_bf16(LMHEAD_ARGS(u16)) {
-    dmv_body<u16, 2, 2, DEC_GROUP, true>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr,
-                                         rows, rows, logits, 0, nullptr, counter, 0, 0, nullptr,
-                                         nullptr, nullptr, nullptr, nullptr, nullptr, part_v,
-                                         part_i, st, tok_log);
-}
-
 extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)) {
     dmv_body<float, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                           logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
@@ -863,7 +801,7 @@ extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)
 //   act[j*rows + i] = silu(dot(W_gate[e][i], xs)) * dot(W_up[e][i], xs),  e = ids[j] (0 if null)
 // with xs = x or RMSNorm(x) (norm_w not null: a dense layer normalising h itself). Grid (G, k):
 // slot j = blockIdx.y; rows i = blockIdx.x*8 + warp, + 8*G, ... Dynamic shared memory: cols floats.
-template <typename W, int V = 1, bool SW = false>
+template <typename W, int V = 1>
 __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
                                                  const W* __restrict__ up, int rows, int cols,
                                                  const u32* ids, const float* x,
@@ -877,8 +815,7 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     grid_dep_wait();
     grid_dep_launch();
     // V == 2: the input's copy is issued before the ids and the weights (stage_issue)
-    bool sw = SW && V == 2 && (cols & 255) == 0;  // the conflict-free layout (swz)
-    const bool fast = V == 2 && stage_issue(xs, x, cols, norm_w, sw);
+    const bool fast = V == 2 && stage_issue(xs, x, cols, norm_w);
     const long e = ids != nullptr ? (long)ids[j] : 0;
     const W* gbase = gate + e * rows * (long)cols;
     const W* ubase = up + e * rows * (long)cols;
@@ -891,8 +828,7 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     }
     const float* xin = xs;
     if (V == 2) {
-        xin = stage_finish(xs, x, cols, norm_w, eps, nullptr, fast, sw);
-        sw = sw && fast;
+        xin = stage_finish(xs, x, cols, norm_w, eps, nullptr, fast);
     } else {
         stage_input(xs, x, cols, norm_w, eps, nullptr);
     }
@@ -901,7 +837,7 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     zero8(au);
     while (i < rows) {
         if (V == 2) {
-            fma_group_pair<W>(ag, au, wg, wu, xin, c0, cols, p, sw);
+            fma_group_pair<W>(ag, au, wg, wu, xin, c0, cols, p);
         } else {
             fma_group<W>(ag, wg, xin, c0, cols, p);
             fma_group<W>(au, wu, xin, c0, cols, p);
@@ -949,11 +885,6 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_A
     gate_up_dec_body<float, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
-// gate_up_dec2_bf16 with the conflict-free shared layout (TARFA_CUDA_ROWS=v5).
-extern "C" __global__ void __launch_bounds__(256) gate_up_dec2s_bf16(GATE_UP_DEC_ARGS(u16)) {
-    gate_up_dec_body<u16, 2, true>(gate, up, rows, cols, ids, x, norm_w, eps, act);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Down projections of the chosen experts for one token, mixed and added to the residual
 // (moe.cu down_mix): a warp per output row r, all k experts' dots at once:
@@ -965,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2s_bf16(GATE_UP_DEC
 #define DOWN_MAX_K 8
 // V == 2 (moe_down_dec2, TARFA_CUDA_ROWS=v2): everything after the wait; the activations' copy
 // (stage_issue) issued before the ids and the weights; warp_tree_fast.
-template <int V, bool SW = false>
+template <int V>
 __device__ __forceinline__ void moe_down_dec_body(
     const u16* __restrict__ down, int hidden, int width, const u32* ids,
     const float* weights, const u32* by_id, int k, const float* act, const float* y_sh,
@@ -977,11 +908,10 @@ __device__ __forceinline__ void moe_down_dec_body(
     const int warp = threadIdx.x >> 5;
     const int nw = gridDim.x * 8;
     bool fast = false;
-    bool sw = SW && V == 2 && (width & 255) == 0;  // the conflict-free layout (swz)
     if (V == 2) {
         grid_dep_wait();
         grid_dep_launch();
-        fast = stage_issue(as, act, k * width, nullptr, sw);
+        fast = stage_issue(as, act, k * width, nullptr);
     }
     // The router's choices were written two kernels back (see the file's header): read from L2.
     __shared__ float wslot[DOWN_MAX_K];  // V == 2: the mixing weights, read once per block
@@ -1008,8 +938,7 @@ __device__ __forceinline__ void moe_down_dec_body(
         if (s < k && r < hidden && e < width) wv[s].load(down + ebase[s] + (long)r * width + e);
     }
     if (V == 2) {
-        stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast, sw);
-        sw = sw && fast;
+        stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
     } else {
         grid_dep_wait();
         grid_dep_launch();
@@ -1023,7 +952,7 @@ __device__ __forceinline__ void moe_down_dec_body(
         const int e = (c << 8) + 8 * p;
 #pragma unroll
         for (int s = 0; s < DOWN_MAX_K; s++) {
-            if (s < k && e < width) fma8s<u16>(acc[s], wv[s], as + jslot[s] * width, e, p, sw);
+            if (s < k && e < width) fma8<u16>(acc[s], wv[s], as + jslot[s] * width + e);
         }
         int r2 = r, c2 = c + 1;
         if ((c2 << 8) >= width) {
@@ -1085,12 +1014,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(MOE_DOWN_DEC_ARGS
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARGS) {
     moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
-}
-
-// moe_down_dec2 with the activations in the conflict-free shared layout (TARFA_CUDA_ROWS=v5;
-// expert widths of whole chunks, else moe_down_dec2's layout).
-extern "C" __global__ void __launch_bounds__(256) moe_down_dec2s(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<2, true>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
 // moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v3

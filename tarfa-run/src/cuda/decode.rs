@@ -81,10 +81,6 @@ pub(crate) enum KernelVersion {
     V3,
     /// The fourth (row kernels only: moe_down_dec4; elsewhere the same as v3).
     V4,
-    /// The fifth (row kernels only: the second versions with their input in the conflict-free
-    /// shared layout, the `s` entry points of kernels/decode.cu `swz`, for BF16 matrices;
-    /// elsewhere the same as v3).
-    V5,
 }
 
 impl KernelVersion {
@@ -95,7 +91,6 @@ impl KernelVersion {
             Some("v2") => KernelVersion::V2,
             Some("v3") => KernelVersion::V3,
             Some("v4") => KernelVersion::V4,
-            Some("v5") => KernelVersion::V5,
             _ => default,
         }
     }
@@ -293,7 +288,6 @@ impl CudaModel {
         match (self.lm_head.as_ref().unwrap_or(&self.embed).dtype, rows) {
             (DType::Bf16, KernelVersion::V1) => "lmhead_bf16",
             (DType::F32, KernelVersion::V1) => "lmhead_f32",
-            (DType::Bf16, KernelVersion::V5) => "lmhead2s_bf16",
             (DType::Bf16, _) => "lmhead2_bf16",
             (DType::F32, _) => "lmhead2_f32",
         }
@@ -338,8 +332,6 @@ impl CudaModel {
             (DType::Bf16, KernelVersion::V1) => "dmv_bf16",
             (DType::F32, KernelVersion::V1) => "dmv_f32",
             // rows of more than 8 chunks: the whole row in flight (kernels/decode.cu dmv2w)
-            (DType::Bf16, KernelVersion::V5) if w.cols > 8 * 256 => "dmv2ws_bf16",
-            (DType::Bf16, KernelVersion::V5) => "dmv2s_bf16",
             (DType::Bf16, _) if w.cols > 8 * 256 => "dmv2w_bf16",
             (DType::Bf16, _) => "dmv2_bf16",
             (DType::F32, _) => "dmv2_f32",
@@ -391,7 +383,6 @@ impl CudaModel {
         let name = match (dtype, version) {
             (DType::Bf16, KernelVersion::V1) => "gate_up_dec_bf16",
             (DType::F32, KernelVersion::V1) => "gate_up_dec_f32",
-            (DType::Bf16, KernelVersion::V5) => "gate_up_dec2s_bf16",
             (DType::Bf16, _) => "gate_up_dec2_bf16",
             (DType::F32, _) => "gate_up_dec2_f32",
         };
@@ -547,7 +538,7 @@ impl CudaModel {
                     ("attn_decode2", 256, (cache.cap * F) as u32, 0)
                 }
                 KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
-                KernelVersion::V3 | KernelVersion::V4 | KernelVersion::V5 => {
+                KernelVersion::V3 | KernelVersion::V4 => {
                     let name = attn_decode3_name(d);
                     if 2 * cache.cap * F <= kernels.attn_shared_max {
                         (name, 512, (2 * cache.cap * F) as u32, 0)
@@ -642,10 +633,7 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
-                    if matches!(
-                        kernels.router,
-                        KernelVersion::V3 | KernelVersion::V4 | KernelVersion::V5
-                    ) {
+                    if matches!(kernels.router, KernelVersion::V3 | KernelVersion::V4) {
                         // the logits by a plain row kernel, then the top-k as a kernel of its
                         // own (kernels/decode.cu route_dec)
                         v.push(self.dmv(
@@ -658,11 +646,7 @@ impl CudaModel {
                             false,
                             b.xn.ptr(),
                             "router (+post norm, top-k)",
-                            if kernels.rows == KernelVersion::V5 {
-                                KernelVersion::V5
-                            } else {
-                                KernelVersion::V2
-                            },
+                            KernelVersion::V2,
                         ));
                         v.push(Launch {
                             name: "route_dec",
@@ -786,8 +770,6 @@ impl CudaModel {
                         KernelVersion::V3 if i <= 3 * 256 => "moe_down_dec3",
                         // v4: rows of at most 3 chunks, a row's experts over two warps
                         KernelVersion::V4 if i <= 3 * 256 => "moe_down_dec4",
-                        // v5: the activations in the conflict-free shared layout
-                        KernelVersion::V5 => "moe_down_dec2s",
                         _ => "moe_down_dec2",
                     };
                     let shared_mem = (k_top * i * F) as u32;
