@@ -82,21 +82,6 @@ pub fn open_uncached(path: &Path) -> io::Result<(File, ReadMode)> {
     }
 }
 
-/// Open `path` (already created) a second time for writes that bypass the page cache
-/// (O_DIRECT: buffer, offset and length 4096-aligned). `None` when the file system refuses
-/// O_DIRECT (tmpfs, some overlays): the caller then writes through its buffered handle.
-pub fn open_direct_write(path: &Path) -> io::Result<Option<File>> {
-    match OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
 /// Ask the kernel to drop the file's clean cached pages (the file must be fsynced first).
 pub fn drop_cache(f: &File) -> io::Result<()> {
     use std::os::fd::AsRawFd;

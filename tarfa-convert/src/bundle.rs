@@ -19,7 +19,7 @@ use tarfa_manifest::{
     MANIFEST_VERSION,
 };
 
-use crate::aligned::{open_direct_write, open_uncached, AlignedBuf, ReadMode};
+use crate::aligned::{open_uncached, AlignedBuf, ReadMode};
 use crate::progress::bytes_bar;
 use crate::{interrupted, ConvertError};
 
@@ -70,9 +70,6 @@ pub struct WriteSummary {
     pub sync_time: Duration,
     pub verify_time: Duration,
     pub read_mode: ReadMode,
-    /// Whether the regions were written with O_DIRECT (false: the file system refused it, and
-    /// they went through the page cache).
-    pub direct_writes: bool,
     pub removed_stale: Vec<PathBuf>,
 }
 
@@ -145,9 +142,7 @@ enum JobOut {
 }
 
 thread_local! {
-    /// A page-aligned buffer per thread, as large as the largest padded region it has filled
-    /// (O_DIRECT writes need the alignment; buffered writes do not mind it).
-    static SCRATCH: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Write a bundle at `target`. See the module doc for the sequence; on any error or interrupt
@@ -236,78 +231,53 @@ pub fn write_bundle(
     let bar = bytes_bar(data_bytes + shard_total, "convert");
     let hashed = AtomicU64::new(0);
 
-    // Regions go to the device with O_DIRECT where the file system allows it: every region is
-    // 4096-aligned and zero-padded to a multiple of 4096 (the format), and the bundle is read
-    // back from the device before the rename anyway, so caching what is written buys nothing.
-    // Going around the page cache saves a copy of every byte and, on machines where first-touch
-    // page-cache memory is slow, most of the phase's time. A thread blocked in such a write uses
-    // no CPU, so the phase runs twice as many threads as cores: the others hash meanwhile.
-    let direct = open_direct_write(&jnf_path)
-        .map_err(ConvertError::io(&jnf_path, "open for direct writes"))?;
-    let cores = rayon::current_num_threads();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(if direct.is_some() { 2 * cores } else { cores })
-        .thread_name(|i| format!("tarfa-convert-{i}"))
-        .build()
-        .map_err(|e| ConvertError::io(&jnf_path, "start copy threads")(std::io::Error::other(e)))?;
-
-    let results: Vec<JobOut> = pool.install(|| {
-        jobs.par_iter()
-            .map(|job| -> Result<JobOut, ConvertError> {
-                if interrupted() {
-                    return Err(ConvertError::Interrupted);
+    let results: Vec<JobOut> = jobs
+        .par_iter()
+        .map(|job| -> Result<JobOut, ConvertError> {
+            if interrupted() {
+                return Err(ConvertError::Interrupted);
+            }
+            let (offset, length, padded) = match *job {
+                Job::Shard(i) => {
+                    let rec = src.hash_shard(i)?;
+                    hashed.fetch_add(rec.size, Ordering::Relaxed);
+                    bar.inc(rec.size);
+                    return Ok(JobOut::Shard(rec));
                 }
-                let (offset, length, padded) = match *job {
-                    Job::Shard(i) => {
-                        let rec = src.hash_shard(i)?;
-                        hashed.fetch_add(rec.size, Ordering::Relaxed);
-                        bar.inc(rec.size);
-                        return Ok(JobOut::Shard(rec));
-                    }
-                    Job::Tensor(i) => {
-                        let t = &header.tensors[i];
-                        (t.offset, t.length, align_up(t.length).expect("validated"))
-                    }
-                    Job::Expert(i) => {
-                        let e = &header.experts[i];
-                        (e.offset, e.length, e.padded_length)
-                    }
-                };
-                // Take the buffer out of the cell for the duration: filling may run nested parallel
-                // work (the synthetic generator does), and rayon can then start another job on this
-                // thread, which must find the cell free rather than borrowed.
-                let mut buf = SCRATCH
-                    .with(|cell| cell.borrow_mut().take())
-                    .filter(|b| b.len() >= padded as usize)
-                    .unwrap_or_else(|| AlignedBuf::new(padded as usize));
-                let result = (|| {
-                    let region = &mut buf[..padded as usize];
-                    region[length as usize..].fill(0);
-                    let data = &mut region[..length as usize];
-                    match *job {
-                        Job::Tensor(i) => src.fill_tensor(&header.tensors[i], data)?,
-                        Job::Expert(i) => src.fill_expert(&header.experts[i], data)?,
-                        Job::Shard(_) => unreachable!(),
-                    }
-                    let sha256: [u8; 32] = Sha256::digest(&*data).into();
-                    let blake3: [u8; 32] = *blake3::hash(data).as_bytes();
-                    direct
-                        .as_ref()
-                        .unwrap_or(&out)
-                        .write_all_at(region, offset)
-                        .map_err(ConvertError::io(&jnf_path, "write"))?;
-                    hashed.fetch_add(length, Ordering::Relaxed);
-                    bar.inc(length);
-                    Ok(JobOut::Region { sha256, blake3 })
-                })();
-                SCRATCH.with(|cell| *cell.borrow_mut() = Some(buf));
-                result
-            })
-            .collect::<Result<_, _>>()
-    })?;
-    let direct_writes = direct.is_some();
-    drop(direct);
-    drop(pool);
+                Job::Tensor(i) => {
+                    let t = &header.tensors[i];
+                    (t.offset, t.length, align_up(t.length).expect("validated"))
+                }
+                Job::Expert(i) => {
+                    let e = &header.experts[i];
+                    (e.offset, e.length, e.padded_length)
+                }
+            };
+            // Take the buffer out of the cell for the duration: filling may run nested parallel
+            // work (the synthetic generator does), and rayon can then start another job on this
+            // thread, which must find the cell free rather than borrowed.
+            let mut buf = SCRATCH.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+            let result = (|| {
+                buf.resize(padded as usize, 0);
+                buf[length as usize..].fill(0);
+                let data = &mut buf[..length as usize];
+                match *job {
+                    Job::Tensor(i) => src.fill_tensor(&header.tensors[i], data)?,
+                    Job::Expert(i) => src.fill_expert(&header.experts[i], data)?,
+                    Job::Shard(_) => unreachable!(),
+                }
+                let sha256: [u8; 32] = Sha256::digest(&*data).into();
+                let blake3: [u8; 32] = *blake3::hash(data).as_bytes();
+                out.write_all_at(&buf, offset)
+                    .map_err(ConvertError::io(&jnf_path, "write"))?;
+                hashed.fetch_add(length, Ordering::Relaxed);
+                bar.inc(length);
+                Ok(JobOut::Region { sha256, blake3 })
+            })();
+            SCRATCH.with(|cell| *cell.borrow_mut() = buf);
+            result
+        })
+        .collect::<Result<_, _>>()?;
     bar.finish_and_clear();
     let write_time = t0.elapsed();
 
@@ -382,7 +352,6 @@ pub fn write_bundle(
         sync_time,
         verify_time,
         read_mode,
-        direct_writes,
         removed_stale,
     })
 }

@@ -161,7 +161,6 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
             "sync_s": s.sync_time.as_secs_f64(),
             "verify_s": s.verify_time.as_secs_f64(),
             "read_back": format!("{:?}", s.read_mode),
-            "direct_writes": s.direct_writes,
             "removed_stale": s.removed_stale,
         });
         println!("{v}");
@@ -173,15 +172,10 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
         }
         println!("root digest {}", s.root_digest);
         println!(
-            "{:.1} MB in {:.2} s (copy+hash {:.2} s{}, fsync {:.2} s, read-back {:.2} s, {})",
+            "{:.1} MB in {:.2} s (copy+hash {:.2} s, fsync {:.2} s, read-back {:.2} s, {})",
             s.data_bytes as f64 / 1e6,
             total.as_secs_f64(),
             s.write_time.as_secs_f64(),
-            if s.direct_writes {
-                " with O_DIRECT writes"
-            } else {
-                ""
-            },
             s.sync_time.as_secs_f64(),
             s.verify_time.as_secs_f64(),
             match s.read_mode {
