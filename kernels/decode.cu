@@ -78,29 +78,32 @@ __device__ __forceinline__ void fma8(float a[8], const Pack8<W>& w, const float*
 #define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)
 
 // Loads group c0 (chunks c0 .. c0+7) of a row of n elements: thread p's 8 elements of each.
-template <typename W, int G = DEC_GROUP>
+// FULL (the `f` entry points, TARFA_CUDA_ROWS=v5): n is a multiple of 256 * G, so every chunk
+// of every group exists and the per-chunk guards (a branch and a reconvergence point around
+// each chunk's 8 FMAs) go away; the same loads and FMAs in the same order.
+template <typename W, int G = DEC_GROUP, bool FULL = false>
 __device__ __forceinline__ void load_group(Pack8<W> (&w)[G], const W* __restrict__ row, int c0,
                                            int n, int p) {
 #pragma unroll
     for (int i = 0; i < G; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
-        if (e < n) w[i].load(row + e);
+        if (FULL || e < n) w[i].load(row + e);
     }
 }
 
 // Accumulates group c0 of a row with x (shared or global, 16-byte aligned).
-template <typename W, int G = DEC_GROUP>
+template <typename W, int G = DEC_GROUP, bool FULL = false>
 __device__ __forceinline__ void fma_group(float a[8], const Pack8<W> (&w)[G], const float* x,
                                           int c0, int n, int p) {
 #pragma unroll
     for (int i = 0; i < G; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
-        if (e < n) fma8<W>(a, w[i], x + e);
+        if (FULL || e < n) fma8<W>(a, w[i], x + e);
     }
 }
 
 // fma_group for two rows over the same x (gate and up): each 16-byte x load serves both.
-template <typename W>
+template <typename W, bool FULL = false>
 __device__ __forceinline__ void fma_group_pair(float a[8], float b[8],
                                                const Pack8<W> (&wa)[DEC_GROUP],
                                                const Pack8<W> (&wb)[DEC_GROUP], const float* x,
@@ -108,7 +111,7 @@ __device__ __forceinline__ void fma_group_pair(float a[8], float b[8],
 #pragma unroll
     for (int i = 0; i < DEC_GROUP; i++) {
         const int e = ((c0 + i) << 8) + 8 * p;
-        if (e < n) {
+        if (FULL || e < n) {
             const float4 x0 = *reinterpret_cast<const float4*>(x + e);
             const float4 x1 = *reinterpret_cast<const float4*>(x + e + 4);
             const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
@@ -510,7 +513,7 @@ __device__ __forceinline__ bool last_block(u32* counter) {
 // KIND 2 (lm_head): no bias; the last block writes the greedy token of out[0..rows) to st->token
 // and tok_log[st->step], then advances st (pos + 1, step + 1).
 // Block 256 threads; dynamic shared memory: max(cols, KIND 1 ? 2 * rows + k : 0) floats.
-template <typename W, int KIND, int V = 1, int G = DEC_GROUP>
+template <typename W, int KIND, int V = 1, int G = DEC_GROUP, bool FULL = false>
 __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x, const float* __restrict__ norm_w,
     float eps, const float* __restrict__ bias0, const float* __restrict__ bias1,
@@ -537,7 +540,7 @@ __device__ __forceinline__ void dmv_body(
         grid_dep_wait();
         grid_dep_launch();
         const bool fast = stage_issue(xs, x, cols, norm_w);
-        if (r < rows) load_group<W, G>(wv, w + (long)r * cols, 0, cols, p);
+        if (r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
         xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
     } else {
         if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
@@ -564,13 +567,13 @@ __device__ __forceinline__ void dmv_body(
     };
     prefetch_epilogue(r);
     while (r < rows) {
-        fma_group<W, G>(a, wv, xin, c0, cols, p);
+        fma_group<W, G, FULL>(a, wv, xin, c0, cols, p);
         int r2 = r, c2 = c0 + G;
         if ((c2 << 8) >= cols) {
             c2 = 0;
             r2 = r + nw;
         }
-        if (r2 < rows) load_group<W, G>(wv, w + (long)r2 * cols, c2, cols, p);
+        if (r2 < rows) load_group<W, G, FULL>(wv, w + (long)r2 * cols, c2, cols, p);
         if (c2 == 0) {
             float y = V == 2 ? warp_tree_fast(a) : warp_tree(a);
             if (V == 2 && KIND != 2) {
@@ -717,6 +720,22 @@ extern "C" __global__ void __launch_bounds__(256) dmv2_f32(DMV_ARGS(float)) {
                           nullptr, nullptr, nullptr, nullptr, nullptr);
 }
 
+// dmv2_bf16 and dmv2w_bf16 for rows of whole groups (cols a multiple of 2,048 and 4,096):
+// no per-chunk guards (load_group's FULL; TARFA_CUDA_ROWS=v5). The same outputs, bit for bit.
+extern "C" __global__ void __launch_bounds__(256, 4) dmv2f_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 2, DEC_GROUP, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
+                                         split1, split2, out, mode, xn_out, nullptr, 0, 0,
+                                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                         nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) dmv2wf_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 2, 16, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1,
+                                  split2, out, mode, xn_out, nullptr, 0, 0, nullptr, nullptr,
+                                  nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                  nullptr);
+}
+
 // dmv2_bf16 with 16 chunks (4,096 weights) of a row in flight per warp instead of 8, for rows
 // wider than 2,048 (the o projection's 4,096: a whole row in one round trip instead of two);
 // 128 registers, 2 blocks per multiprocessor. The same operations in the same order: the group
@@ -790,6 +809,14 @@ extern "C" __global__ void __launch_bounds__(256, 4) lmhead2_bf16(LMHEAD_ARGS(u1
                         nullptr, nullptr, part_v, part_i, st, tok_log);
 }
 
+// lmhead2_bf16 for rows of whole groups (cols a multiple of 2,048; TARFA_CUDA_ROWS=v5).
+extern "C" __global__ void __launch_bounds__(256, 4) lmhead2f_bf16(LMHEAD_ARGS(u16)) {
+    dmv_body<u16, 2, 2, DEC_GROUP, true>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr,
+                                         rows, rows, logits, 0, nullptr, counter, 0, 0, nullptr,
+                                         nullptr, nullptr, nullptr, nullptr, nullptr, part_v,
+                                         part_i, st, tok_log);
+}
+
 extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)) {
     dmv_body<float, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                           logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
@@ -801,7 +828,7 @@ extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)
 //   act[j*rows + i] = silu(dot(W_gate[e][i], xs)) * dot(W_up[e][i], xs),  e = ids[j] (0 if null)
 // with xs = x or RMSNorm(x) (norm_w not null: a dense layer normalising h itself). Grid (G, k):
 // slot j = blockIdx.y; rows i = blockIdx.x*8 + warp, + 8*G, ... Dynamic shared memory: cols floats.
-template <typename W, int V = 1>
+template <typename W, int V = 1, bool FULL = false>
 __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
                                                  const W* __restrict__ up, int rows, int cols,
                                                  const u32* ids, const float* x,
@@ -823,8 +850,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     int c0 = 0;
     Pack8<W> wg[DEC_GROUP], wu[DEC_GROUP];
     if (i < rows) {
-        load_group<W>(wg, gbase + (long)i * cols, 0, cols, p);
-        load_group<W>(wu, ubase + (long)i * cols, 0, cols, p);
+        load_group<W, DEC_GROUP, FULL>(wg, gbase + (long)i * cols, 0, cols, p);
+        load_group<W, DEC_GROUP, FULL>(wu, ubase + (long)i * cols, 0, cols, p);
     }
     const float* xin = xs;
     if (V == 2) {
@@ -837,7 +864,7 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     zero8(au);
     while (i < rows) {
         if (V == 2) {
-            fma_group_pair<W>(ag, au, wg, wu, xin, c0, cols, p);
+            fma_group_pair<W, FULL>(ag, au, wg, wu, xin, c0, cols, p);
         } else {
             fma_group<W>(ag, wg, xin, c0, cols, p);
             fma_group<W>(au, wu, xin, c0, cols, p);
@@ -848,8 +875,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
             i2 = i + nw;
         }
         if (i2 < rows) {
-            load_group<W>(wg, gbase + (long)i2 * cols, c2, cols, p);
-            load_group<W>(wu, ubase + (long)i2 * cols, c2, cols, p);
+            load_group<W, DEC_GROUP, FULL>(wg, gbase + (long)i2 * cols, c2, cols, p);
+            load_group<W, DEC_GROUP, FULL>(wu, ubase + (long)i2 * cols, c2, cols, p);
         }
         if (c2 == 0) {
             const float g = V == 2 ? warp_tree_fast(ag) : warp_tree(ag);
@@ -885,6 +912,11 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_A
     gate_up_dec_body<float, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
+// gate_up_dec2_bf16 for rows of whole groups (cols a multiple of 2,048; TARFA_CUDA_ROWS=v5).
+extern "C" __global__ void __launch_bounds__(256) gate_up_dec2f_bf16(GATE_UP_DEC_ARGS(u16)) {
+    gate_up_dec_body<u16, 2, true>(gate, up, rows, cols, ids, x, norm_w, eps, act);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Down projections of the chosen experts for one token, mixed and added to the residual
 // (moe.cu down_mix): a warp per output row r, all k experts' dots at once:
@@ -896,7 +928,9 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_A
 #define DOWN_MAX_K 8
 // V == 2 (moe_down_dec2, TARFA_CUDA_ROWS=v2): everything after the wait; the activations' copy
 // (stage_issue) issued before the ids and the weights; warp_tree_fast.
-template <int V>
+// KF = 8 (moe_down_dec2f8, TARFA_CUDA_ROWS=v5): k = 8 and the width a multiple of 256, so the
+// per-slot and per-chunk guards go away (load_group's FULL); the same loads and operations.
+template <int V, int KF = 0>
 __device__ __forceinline__ void moe_down_dec_body(
     const u16* __restrict__ down, int hidden, int width, const u32* ids,
     const float* weights, const u32* by_id, int k, const float* act, const float* y_sh,
@@ -935,7 +969,7 @@ __device__ __forceinline__ void moe_down_dec_body(
 #pragma unroll
     for (int s = 0; s < DOWN_MAX_K; s++) {
         const int e = 8 * p;
-        if (s < k && r < hidden && e < width) wv[s].load(down + ebase[s] + (long)r * width + e);
+        if ((KF || s < k) && r < hidden && (KF || e < width)) wv[s].load(down + ebase[s] + (long)r * width + e);
     }
     if (V == 2) {
         stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
@@ -952,7 +986,7 @@ __device__ __forceinline__ void moe_down_dec_body(
         const int e = (c << 8) + 8 * p;
 #pragma unroll
         for (int s = 0; s < DOWN_MAX_K; s++) {
-            if (s < k && e < width) fma8<u16>(acc[s], wv[s], as + jslot[s] * width + e);
+            if ((KF || s < k) && (KF || e < width)) fma8<u16>(acc[s], wv[s], as + jslot[s] * width + e);
         }
         int r2 = r, c2 = c + 1;
         if ((c2 << 8) >= width) {
@@ -962,14 +996,14 @@ __device__ __forceinline__ void moe_down_dec_body(
         const int e2 = (c2 << 8) + 8 * p;
 #pragma unroll
         for (int s = 0; s < DOWN_MAX_K; s++) {
-            if (s < k && r2 < hidden && e2 < width)
+            if ((KF || s < k) && r2 < hidden && (KF || e2 < width))
                 wv[s].load(down + ebase[s] + (long)r2 * width + e2);
         }
         if (c2 == 0) {
             float y[DOWN_MAX_K];
 #pragma unroll
             for (int s = 0; s < DOWN_MAX_K; s++) {
-                y[s] = s < k ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s])) : 0.0f;
+                y[s] = (KF || s < k) ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s])) : 0.0f;
             }
             if (V == 2) {
                 const float h_r = pre_h, sh_r = pre_sh;
@@ -981,7 +1015,7 @@ __device__ __forceinline__ void moe_down_dec_body(
                     float mix = 0.0f;
 #pragma unroll
                     for (int s = 0; s < DOWN_MAX_K; s++) {
-                        if (s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
+                        if (KF || s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
                     }
                     if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
                     h[r] = __fadd_rn(h_r, mix);
@@ -990,7 +1024,7 @@ __device__ __forceinline__ void moe_down_dec_body(
                 float mix = 0.0f;
 #pragma unroll
                 for (int s = 0; s < DOWN_MAX_K; s++) {
-                    if (s < k) mix = __fadd_rn(mix, __fmul_rn(weights[jslot[s]], y[s]));
+                    if (KF || s < k) mix = __fadd_rn(mix, __fmul_rn(weights[jslot[s]], y[s]));
                 }
                 if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), y_sh[r]));
                 h[r] = __fadd_rn(h[r], mix);
@@ -1014,6 +1048,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec(MOE_DOWN_DEC_ARGS
 
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARGS) {
     moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+}
+
+// moe_down_dec2 for k = 8 and expert widths of whole chunks, without the guards
+// (TARFA_CUDA_ROWS=v5).
+extern "C" __global__ void __launch_bounds__(256) moe_down_dec2f8(MOE_DOWN_DEC_ARGS) {
+    moe_down_dec_body<2, 8>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
 // moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v3

@@ -81,6 +81,18 @@ pub(crate) enum KernelVersion {
     V3,
     /// The fourth (row kernels only: moe_down_dec4; elsewhere the same as v3).
     V4,
+    /// The fifth (row kernels only: the second versions without per-chunk guards where a
+    /// launch's rows are whole groups -- the `f` entry points of kernels/decode.cu, BF16, and
+    /// moe_down_dec2f8 for top-8 over widths of whole chunks; v2 elsewhere; for attention and
+    /// the router the same as v3).
+    V5,
+}
+
+impl KernelVersion {
+    /// The row kernels without per-chunk guards where the shapes allow (v5).
+    fn unguarded(self) -> bool {
+        self == KernelVersion::V5
+    }
 }
 
 impl KernelVersion {
@@ -91,6 +103,7 @@ impl KernelVersion {
             Some("v2") => KernelVersion::V2,
             Some("v3") => KernelVersion::V3,
             Some("v4") => KernelVersion::V4,
+            Some("v5") => KernelVersion::V5,
             _ => default,
         }
     }
@@ -98,16 +111,17 @@ impl KernelVersion {
 
 /// The versions of the decode step's kernels, chosen when the launch list is built (an
 /// in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
-/// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1`, `v2` or `v3`; unset (or
-/// anything else): v3 attention and router, v2 row kernels (PHASE_LOG P7-P11; rows v3 and v4,
-/// which only change the experts' down kernel, measured slower). Every version computes the
-/// same bits.
+/// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1` .. `v5`; unset (or
+/// anything else): v3 attention and router, v5 row kernels (PHASE_LOG P7-P14: v2's kernels,
+/// unguarded where a launch's shape allows; rows v3 and v4, which only change the experts' down
+/// kernel, measured slower). Every version computes the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
     pub(crate) router: KernelVersion,
     /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS` (v3: v2 with the experts'
-    /// down rows of at most 3 chunks all in flight, moe_down_dec3).
+    /// down rows of at most 3 chunks all in flight, moe_down_dec3; v5, the default: v2 without
+    /// per-chunk guards where the shapes allow).
     pub(crate) rows: KernelVersion,
     /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
     pub(crate) attn_shared_max: usize,
@@ -131,7 +145,7 @@ impl DecodeKernels {
         DecodeKernels {
             attn: pick("TARFA_CUDA_ATTN", KernelVersion::V3),
             router: pick("TARFA_CUDA_ROUTER", KernelVersion::V3),
-            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V2),
+            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V5),
             attn_shared_max: ATTN_SHARED_MAX,
         }
     }
@@ -285,9 +299,11 @@ impl CudaModel {
     }
 
     fn lm_name(&self, rows: KernelVersion) -> &'static str {
-        match (self.lm_head.as_ref().unwrap_or(&self.embed).dtype, rows) {
+        let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+        match (lm.dtype, rows) {
             (DType::Bf16, KernelVersion::V1) => "lmhead_bf16",
             (DType::F32, KernelVersion::V1) => "lmhead_f32",
+            (DType::Bf16, v) if v.unguarded() && lm.cols.is_multiple_of(2048) => "lmhead2f_bf16",
             (DType::Bf16, _) => "lmhead2_bf16",
             (DType::F32, _) => "lmhead2_f32",
         }
@@ -331,6 +347,13 @@ impl CudaModel {
         let name = match (w.dtype, rows) {
             (DType::Bf16, KernelVersion::V1) => "dmv_bf16",
             (DType::F32, KernelVersion::V1) => "dmv_f32",
+            // v5: rows of whole groups without the per-chunk guards
+            (DType::Bf16, v)
+                if v.unguarded() && w.cols > 8 * 256 && w.cols.is_multiple_of(4096) =>
+            {
+                "dmv2wf_bf16"
+            }
+            (DType::Bf16, v) if v.unguarded() && w.cols.is_multiple_of(2048) => "dmv2f_bf16",
             // rows of more than 8 chunks: the whole row in flight (kernels/decode.cu dmv2w)
             (DType::Bf16, _) if w.cols > 8 * 256 => "dmv2w_bf16",
             (DType::Bf16, _) => "dmv2_bf16",
@@ -383,6 +406,9 @@ impl CudaModel {
         let name = match (dtype, version) {
             (DType::Bf16, KernelVersion::V1) => "gate_up_dec_bf16",
             (DType::F32, KernelVersion::V1) => "gate_up_dec_f32",
+            (DType::Bf16, v) if v.unguarded() && self.cfg.hidden_size.is_multiple_of(2048) => {
+                "gate_up_dec2f_bf16"
+            }
             (DType::Bf16, _) => "gate_up_dec2_bf16",
             (DType::F32, _) => "gate_up_dec2_f32",
         };
@@ -538,7 +564,7 @@ impl CudaModel {
                     ("attn_decode2", 256, (cache.cap * F) as u32, 0)
                 }
                 KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
-                KernelVersion::V3 | KernelVersion::V4 => {
+                _ => {
                     let name = attn_decode3_name(d);
                     if 2 * cache.cap * F <= kernels.attn_shared_max {
                         (name, 512, (2 * cache.cap * F) as u32, 0)
@@ -633,7 +659,7 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
-                    if matches!(kernels.router, KernelVersion::V3 | KernelVersion::V4) {
+                    if !matches!(kernels.router, KernelVersion::V1 | KernelVersion::V2) {
                         // the logits by a plain row kernel, then the top-k as a kernel of its
                         // own (kernels/decode.cu route_dec)
                         v.push(self.dmv(
@@ -646,7 +672,11 @@ impl CudaModel {
                             false,
                             b.xn.ptr(),
                             "router (+post norm, top-k)",
-                            KernelVersion::V2,
+                            if kernels.rows.unguarded() {
+                                KernelVersion::V5
+                            } else {
+                                KernelVersion::V2
+                            },
                         ));
                         v.push(Launch {
                             name: "route_dec",
@@ -770,6 +800,10 @@ impl CudaModel {
                         KernelVersion::V3 if i <= 3 * 256 => "moe_down_dec3",
                         // v4: rows of at most 3 chunks, a row's experts over two warps
                         KernelVersion::V4 if i <= 3 * 256 => "moe_down_dec4",
+                        // v5: top-8 over whole chunks, no guards
+                        v if v.unguarded() && k_top == 8 && i.is_multiple_of(256) => {
+                            "moe_down_dec2f8"
+                        }
                         _ => "moe_down_dec2",
                     };
                     let shared_mem = (k_top * i * F) as u32;
