@@ -969,7 +969,8 @@ __device__ __forceinline__ void moe_down_dec_body(
 #pragma unroll
     for (int s = 0; s < DOWN_MAX_K; s++) {
         const int e = 8 * p;
-        if ((KF || s < k) && r < hidden && (KF || e < width)) wv[s].load(down + ebase[s] + (long)r * width + e);
+        if ((KF || s < k) && r < hidden && (KF || e < width))
+            wv[s].load(down + ebase[s] + (long)r * width + e);
     }
     if (V == 2) {
         stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
@@ -986,7 +987,8 @@ __device__ __forceinline__ void moe_down_dec_body(
         const int e = (c << 8) + 8 * p;
 #pragma unroll
         for (int s = 0; s < DOWN_MAX_K; s++) {
-            if ((KF || s < k) && (KF || e < width)) fma8<u16>(acc[s], wv[s], as + jslot[s] * width + e);
+            if ((KF || s < k) && (KF || e < width))
+                fma8<u16>(acc[s], wv[s], as + jslot[s] * width + e);
         }
         int r2 = r, c2 = c + 1;
         if ((c2 << 8) >= width) {
@@ -1003,7 +1005,8 @@ __device__ __forceinline__ void moe_down_dec_body(
             float y[DOWN_MAX_K];
 #pragma unroll
             for (int s = 0; s < DOWN_MAX_K; s++) {
-                y[s] = (KF || s < k) ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s])) : 0.0f;
+                y[s] = (KF || s < k) ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s]))
+                                     : 0.0f;
             }
             if (V == 2) {
                 const float h_r = pre_h, sh_r = pre_sh;

@@ -93,9 +93,7 @@ impl KernelVersion {
     fn unguarded(self) -> bool {
         self == KernelVersion::V5
     }
-}
 
-impl KernelVersion {
     /// `v1` .. `v4` (any case, surrounding spaces ignored); anything else: `default`.
     fn parse(v: Option<&str>, default: KernelVersion) -> KernelVersion {
         match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
