@@ -14,7 +14,8 @@
 #   ROUNDS, REPS  the sweep's interleaved rounds and graph replays per round (5, 30)
 # Steps: 1. the 16-layer synthetic Qwen3-30B-A3B bundle (background) and the selftests;
 # 2. cuda_bench --sweep (graph time per setting, tokens and last logits compared with the first
-# setting's); 3. --graph-diag per DIAG_ENV setting. Prints a short table last.
+# setting's); 3. --graph-diag per DIAG_ENV setting. Prints a short table last. OUT_DIR gets
+# three files (table.txt, sweep.json, logs.tgz with every log), which the GPU tool can return.
 set -u
 BIN=$(cd "${1:?usage: sweep.sh BIN_DIR [OUT_DIR]}" && pwd)
 OUTD=${2:-${OUT:-./gpu-out}}
@@ -22,9 +23,9 @@ mkdir -p "$OUTD"
 OUTD=$(cd "$OUTD" && pwd)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 FIX=$ROOT/fixtures/oracle
-LOG=$OUTD/sweep
+LOG=$(mktemp -d /tmp/tarfa-sweep.XXXX)/logs
 mkdir -p "$LOG"
-TABLE=$LOG/table.txt
+TABLE=$OUTD/table.txt
 : > "$TABLE"
 T0=$(date +%s)
 for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
@@ -94,6 +95,8 @@ for set in "${DIAGS[@]}"; do
   say "graph-diag [$set] rc=$?"
   grep -E "^graph-diag" "$LOG/diag$i.log" | sed "s/^/[$i] /"
 done
+cp "$LOG/sweep.json" "$OUTD/" 2>/dev/null
+(cd "$(dirname "$LOG")" && tar czf "$OUTD/logs.tgz" logs)
 say "done"
 echo "=== table ==="
 column -t -s'|' "$TABLE" 2>/dev/null || cat "$TABLE"
