@@ -1730,7 +1730,7 @@ __device__ __forceinline__ void att3_score_iter(float (&kb)[ATT3_U][ATT3_K],
     }
 }
 
-template <int X, bool EXACT>
+template <int X, bool EXACT, bool EARLY = false>
 __device__ __forceinline__ void att3_body(
     float* sm, const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv,
     int d, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
@@ -1776,11 +1776,32 @@ __device__ __forceinline__ void att3_body(
     if (warp == ATT3_WARPS - 1) {
         // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
         float xq[NI], xk[NI];  // raw q and k
+        // EARLY (attn_decode4, TARFA_CUDA_ATTN=v4), D = X: everything else the prologue reads --
+        // the norm weights, the RoPE factors of position P, v_P -- is loaded with q and k, so the
+        // prologue waits for one round trip instead of three (the compiler does not move these
+        // loads above the norm's shuffles); the same values, the same operations
+        constexpr int HR = NI > 1 ? NI / 2 : 1;  // RoPE factors per thread
+        float wq[NI], wk[NI], xv[NI], rc[HR], rs[HR];
 #pragma unroll
         for (int i = 0; i < NI; i++) {
             const int e = p + 32 * i;
             xq[i] = (EXACT || e < dd) ? qg[e] : 0.0f;
             xk[i] = (EXACT || e < dd) ? kg[e] : 0.0f;
+            if constexpr (EXACT && EARLY) {
+                wq[i] = q_norm != nullptr ? q_norm[e] : 0.0f;
+                wk[i] = k_norm != nullptr ? k_norm[e] : 0.0f;
+                xv[i] = vg[e];
+            }
+        }
+        if constexpr (EXACT && EARLY) {
+            const float* cr0 = cos_t + (long)pos * (dd / 2);
+            const float* sr0 = sin_t + (long)pos * (dd / 2);
+#pragma unroll
+            for (int i = 0; i < HR; i++) {
+                const int e = NI == 1 ? (p & 15) : p + 32 * i;
+                rc[i] = cr0[e];
+                rs[i] = sr0[e];
+            }
         }
         float rq = 1.0f, rk = 1.0f;
         if (q_norm != nullptr) {
@@ -1807,13 +1828,15 @@ __device__ __forceinline__ void att3_body(
 #pragma unroll
             for (int i = 0; i < NI; i++) {
                 const int e = p + 32 * i;
-                qn[i] = q_norm != nullptr ? __fmul_rn(q_norm[e], __fmul_rn(xq[i], rq)) : xq[i];
-                kn[i] = k_norm != nullptr ? __fmul_rn(k_norm[e], __fmul_rn(xk[i], rk)) : xk[i];
+                const float nq = EARLY ? wq[i] : (q_norm != nullptr ? q_norm[e] : 0.0f);
+                const float nk = EARLY ? wk[i] : (k_norm != nullptr ? k_norm[e] : 0.0f);
+                qn[i] = q_norm != nullptr ? __fmul_rn(nq, __fmul_rn(xq[i], rq)) : xq[i];
+                kn[i] = k_norm != nullptr ? __fmul_rn(nk, __fmul_rn(xk[i], rk)) : xk[i];
             }
             if constexpr (NI == 1) {
                 const float qo = __shfl_xor_sync(TARFA_FULL_MASK, qn[0], 16);
                 const float ko = __shfl_xor_sync(TARFA_FULL_MASK, kn[0], 16);
-                const float c = cr[p & 15], s = sr[p & 15];
+                const float c = EARLY ? rc[0] : cr[p & 15], s = EARLY ? rs[0] : sr[p & 15];
                 if (p < 16) {  // e < half: own value a, partner b
                     qa[0] = __fsub_rn(__fmul_rn(qn[0], c), __fmul_rn(qo, s));
                     ka[0] = __fsub_rn(__fmul_rn(kn[0], c), __fmul_rn(ko, s));
@@ -1825,7 +1848,8 @@ __device__ __forceinline__ void att3_body(
                 constexpr int H = NI / 2;
 #pragma unroll
                 for (int i = 0; i < H; i++) {
-                    const float c = cr[p + 32 * i], s = sr[p + 32 * i];
+                    const float c = EARLY ? rc[i] : cr[p + 32 * i];
+                    const float s = EARLY ? rs[i] : sr[p + 32 * i];
                     qa[i] = __fsub_rn(__fmul_rn(qn[i], c), __fmul_rn(qn[i + H], s));
                     qa[i + H] = __fadd_rn(__fmul_rn(qn[i + H], c), __fmul_rn(qn[i], s));
                     ka[i] = __fsub_rn(__fmul_rn(kn[i], c), __fmul_rn(kn[i + H], s));
@@ -1847,7 +1871,7 @@ __device__ __forceinline__ void att3_body(
                 const int e = p + 32 * i;
                 if (EXACT || e < dd) {
                     k_cache[((long)kvh * cap + pos) * dd + e] = ka[i];
-                    v_cache[((long)kvh * cap + pos) * dd + e] = vg[e];
+                    v_cache[((long)kvh * cap + pos) * dd + e] = (EXACT && EARLY) ? xv[i] : vg[e];
                 }
             }
         }
@@ -1972,16 +1996,22 @@ __device__ __forceinline__ void att3_body(
 #define ATT3_ARGS                                                                              \
     q_raw, k_raw, v_raw, hq, hkv, d, q_norm, k_norm, eps, cos_t, sin_t, st, k_cache, v_cache, \
         cap, scale, scratch, n_stride, o
-#define ATT3_KERNEL(X)                                                               \
-    extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode3_d##X( \
-        ATT3_PARAMS) {                                                               \
-        TARFA_DYN_SMEM(float, sm);                                                   \
-        if (d == X)                                                                  \
-            att3_body<X, true>(sm, ATT3_ARGS);                                       \
-        else                                                                         \
-            att3_body<X, false>(sm, ATT3_ARGS);                                      \
+// attn_decode3_dX, and attn_decode4_dX (TARFA_CUDA_ATTN=v4): the same kernel with the
+// prologue's loads issued together (att3_body's EARLY; at D = X)
+#define ATT3_KERNEL(V, X, EARLY)                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode##V##_d##X( \
+        ATT3_PARAMS) {                                                                 \
+        TARFA_DYN_SMEM(float, sm);                                                     \
+        if (d == X)                                                                    \
+            att3_body<X, true, EARLY>(sm, ATT3_ARGS);                                  \
+        else                                                                           \
+            att3_body<X, false>(sm, ATT3_ARGS);                                        \
     }
-ATT3_KERNEL(32)
-ATT3_KERNEL(64)
-ATT3_KERNEL(128)
-ATT3_KERNEL(256)
+ATT3_KERNEL(3, 32, false)
+ATT3_KERNEL(3, 64, false)
+ATT3_KERNEL(3, 128, false)
+ATT3_KERNEL(3, 256, false)
+ATT3_KERNEL(4, 32, true)
+ATT3_KERNEL(4, 64, true)
+ATT3_KERNEL(4, 128, true)
+ATT3_KERNEL(4, 256, true)

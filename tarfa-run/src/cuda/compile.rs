@@ -103,6 +103,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "attn_decode3_d64",
             "attn_decode3_d128",
             "attn_decode3_d256",
+            "attn_decode4_d32",
+            "attn_decode4_d64",
+            "attn_decode4_d128",
+            "attn_decode4_d256",
         ],
     },
     KernelFile {

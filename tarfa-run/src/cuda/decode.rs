@@ -79,7 +79,9 @@ pub(crate) enum KernelVersion {
     /// instructions per warp); for the router, its logits by a dmv2 launch and the top-k by
     /// route_dec; for the row kernels, moe_down_dec3.
     V3,
-    /// The fourth (row kernels only: moe_down_dec4; elsewhere the same as v3).
+    /// The fourth: for attention attn_decode4 (attn_decode3 with its prologue's loads issued
+    /// together; not the default: -0.7% paired, below the bar, PHASE_LOG P15); for the row
+    /// kernels moe_down_dec4; for the router the same as v3.
     V4,
     /// The fifth (row kernels only: the second versions without per-chunk guards where a
     /// launch's rows are whole groups -- the `f` entry points of kernels/decode.cu, BF16, and
@@ -157,6 +159,17 @@ pub(crate) fn attn_decode3_name(d: usize) -> &'static str {
         33..=64 => "attn_decode3_d64",
         65..=128 => "attn_decode3_d128",
         _ => "attn_decode3_d256",
+    }
+}
+
+/// attn_decode4 (TARFA_CUDA_ATTN=v4: attn_decode3 with its prologue's loads issued together)
+/// for head dimension `d`, as [`attn_decode3_name`] chooses.
+pub(crate) fn attn_decode4_name(d: usize) -> &'static str {
+    match d {
+        0..=32 => "attn_decode4_d32",
+        33..=64 => "attn_decode4_d64",
+        65..=128 => "attn_decode4_d128",
+        _ => "attn_decode4_d256",
     }
 }
 
@@ -562,8 +575,12 @@ impl CudaModel {
                     ("attn_decode2", 256, (cache.cap * F) as u32, 0)
                 }
                 KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
-                _ => {
-                    let name = attn_decode3_name(d);
+                v => {
+                    let name = if v == KernelVersion::V4 {
+                        attn_decode4_name(d)
+                    } else {
+                        attn_decode3_name(d)
+                    };
                     if 2 * cache.cap * F <= kernels.attn_shared_max {
                         (name, 512, (2 * cache.cap * F) as u32, 0)
                     } else {

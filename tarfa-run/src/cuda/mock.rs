@@ -854,7 +854,8 @@ pub(crate) fn launch(
             mem.put_f32s(h, &hv);
         }
         "attn_decode" | "attn_decode2" | "attn_decode3_d32" | "attn_decode3_d64"
-        | "attn_decode3_d128" | "attn_decode3_d256" => {
+        | "attn_decode3_d128" | "attn_decode3_d256" | "attn_decode4_d32" | "attn_decode4_d64"
+        | "attn_decode4_d128" | "attn_decode4_d256" => {
             a.count(19);
             let (qr, kr, vr, hq, hkv, d) =
                 (a.ptr(0), a.ptr(1), a.ptr(2), a.int(3), a.int(4), a.int(5));
@@ -876,7 +877,7 @@ pub(crate) fn launch(
                 a.ptr(18),
             );
             // attn_decode3_dX: blocks of 512, D <= X (the smallest X that takes D)
-            let v3 = name.starts_with("attn_decode3");
+            let v3 = name.starts_with("attn_decode3") || name.starts_with("attn_decode4");
             assert_eq!(
                 (gx, gy, block.0),
                 (hq, d.div_ceil(32), if v3 { 512 } else { 256 }),
@@ -886,9 +887,9 @@ pub(crate) fn launch(
                 assert!(shared_bytes as usize >= 3 * d * 4, "{name}: shared memory");
                 assert!(scratch != 0, "{name}: no scratch");
             } else if v3 {
-                assert_eq!(
-                    name,
-                    super::model::decode::attn_decode3_name(d),
+                assert!(
+                    name == super::model::decode::attn_decode3_name(d)
+                        || name == super::model::decode::attn_decode4_name(d),
                     "{name}: head dimension {d}"
                 );
                 assert!(d <= 256 && d % 2 == 0, "{name}: head dimension {d}");
@@ -1373,7 +1374,7 @@ mod tests {
         // contexts of one to several 256-lane chunks and of more positions than a block has
         // threads, scores in shared memory and in the scratch rows. With the CUDA emulator these
         // are the real kernels; without it, the reference's geometry and bounds checks.
-        use super::super::model::decode::attn_decode3_name;
+        use super::super::model::decode::{attn_decode3_name, attn_decode4_name};
         use super::{launch, Arg, Memory};
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut rnd = move |n: usize, lo: f32, hi: f32| -> Vec<f32> {
@@ -1477,32 +1478,33 @@ mod tests {
                 )
             };
             let want = run(&mut mem, "attn_decode2", 256, (cap * 4) as u32);
-            let name = attn_decode3_name(d);
-            let got = run(&mut mem, name, 512, (2 * cap * 4) as u32);
-            let case = format!(
+            for name in [attn_decode3_name(d), attn_decode4_name(d)] {
+                let got = run(&mut mem, name, 512, (2 * cap * 4) as u32);
+                let case = format!(
                 "{name}: D {d}, {hq}/{hkv} heads, norms {norms}, position {pos}, |q| < {qmax}, \
                  shared {shared}"
             );
-            assert!(
-                want.0.iter().all(|&b| !f32::from_bits(b).is_nan()),
-                "{case}"
-            );
-            for (what, g, w) in [
-                ("output", &got.0, &want.0),
-                ("key cache", &got.1, &want.1),
-                ("value cache", &got.2, &want.2),
-            ] {
-                if let Some(i) = (0..w.len()).find(|&i| g[i] != w[i]) {
-                    panic!(
-                        "{case}: {what} [{i}] is {} ({:#010x}), attn_decode2 {} ({:#010x})",
-                        f32::from_bits(g[i]),
-                        g[i],
-                        f32::from_bits(w[i]),
-                        w[i]
-                    );
+                assert!(
+                    want.0.iter().all(|&b| !f32::from_bits(b).is_nan()),
+                    "{case}"
+                );
+                for (what, g, w) in [
+                    ("output", &got.0, &want.0),
+                    ("key cache", &got.1, &want.1),
+                    ("value cache", &got.2, &want.2),
+                ] {
+                    if let Some(i) = (0..w.len()).find(|&i| g[i] != w[i]) {
+                        panic!(
+                            "{case}: {what} [{i}] is {} ({:#010x}), attn_decode2 {} ({:#010x})",
+                            f32::from_bits(g[i]),
+                            g[i],
+                            f32::from_bits(w[i]),
+                            w[i]
+                        );
+                    }
                 }
+                eprintln!("{case}: bit-identical");
             }
-            eprintln!("{case}: bit-identical");
         }
     }
 
