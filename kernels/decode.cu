@@ -1828,10 +1828,13 @@ __device__ __forceinline__ void att3_body(
 #pragma unroll
             for (int i = 0; i < NI; i++) {
                 const int e = p + 32 * i;
-                const float nq = EARLY ? wq[i] : (q_norm != nullptr ? q_norm[e] : 0.0f);
-                const float nk = EARLY ? wk[i] : (k_norm != nullptr ? k_norm[e] : 0.0f);
-                qn[i] = q_norm != nullptr ? __fmul_rn(nq, __fmul_rn(xq[i], rq)) : xq[i];
-                kn[i] = k_norm != nullptr ? __fmul_rn(nk, __fmul_rn(xk[i], rk)) : xk[i];
+                if constexpr (EARLY) {
+                    qn[i] = q_norm != nullptr ? __fmul_rn(wq[i], __fmul_rn(xq[i], rq)) : xq[i];
+                    kn[i] = k_norm != nullptr ? __fmul_rn(wk[i], __fmul_rn(xk[i], rk)) : xk[i];
+                } else {
+                    qn[i] = q_norm != nullptr ? __fmul_rn(q_norm[e], __fmul_rn(xq[i], rq)) : xq[i];
+                    kn[i] = k_norm != nullptr ? __fmul_rn(k_norm[e], __fmul_rn(xk[i], rk)) : xk[i];
+                }
             }
             if constexpr (NI == 1) {
                 const float qo = __shfl_xor_sync(TARFA_FULL_MASK, qn[0], 16);
