@@ -235,19 +235,25 @@ const KERNEL_VARS: [&str; 3] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER", "TARFA_C
 /// The A/B's arm A unless `--ab-a` says otherwise: the kernels of PHASE_LOG P6.
 const ARM_A: &str = "TARFA_CUDA_ATTN=v2 TARFA_CUDA_ROUTER=v2 TARFA_CUDA_ROWS=v1";
 
-/// Sets the kernel variables to `setting` ("VAR=v VAR=v", each one of KERNEL_VARS); the others
-/// are unset.
+/// The assignments of a kernel setting ("VAR=v VAR=v", each VAR one of KERNEL_VARS).
+fn kernel_setting(setting: &str) -> Vec<(&str, &str)> {
+    setting
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv
+                .split_once('=')
+                .unwrap_or_else(|| fail(format!("{kv} is not VAR=value")));
+            if !KERNEL_VARS.contains(&k) {
+                fail(format!("{k} is not one of {KERNEL_VARS:?}"));
+            }
+            (k, v)
+        })
+        .collect()
+}
+
+/// Sets the kernel variables to `setting` (see [`kernel_setting`]); the others are unset.
 fn set_kernel_vars(setting: &str) {
-    let mut want: Vec<(&str, &str)> = Vec::new();
-    for kv in setting.split_whitespace() {
-        let (k, v) = kv
-            .split_once('=')
-            .unwrap_or_else(|| fail(format!("{kv} is not VAR=value")));
-        if !KERNEL_VARS.contains(&k) {
-            fail(format!("{k} is not one of {KERNEL_VARS:?}"));
-        }
-        want.push((k, v));
-    }
+    let want = kernel_setting(setting);
     for var in KERNEL_VARS {
         match want.iter().find(|(k, _)| *k == var) {
             Some((_, v)) => std::env::set_var(var, v),
@@ -584,31 +590,14 @@ fn main() {
         .map(|&v| (v, std::env::var(v).ok()))
         .collect();
     let arm_a_text = arg(&args, "--ab-a").unwrap_or(ARM_A).to_string();
-    let arm_a: Vec<(String, String)> = arm_a_text
-        .split_whitespace()
-        .map(|kv| {
-            let (k, v) = kv
-                .split_once('=')
-                .unwrap_or_else(|| fail(format!("--ab-a: {kv} is not VAR=value")));
-            if !KERNEL_VARS.contains(&k) {
-                fail(format!("--ab-a: {k} is not one of {KERNEL_VARS:?}"));
-            }
-            (k.to_string(), v.to_string())
-        })
-        .collect();
-    let kernels_v1 = |a: bool| {
-        for (var, val) in &saved {
-            let want = if a {
-                arm_a.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone())
-            } else {
-                val.clone()
-            };
-            match want {
-                Some(x) => std::env::set_var(var, x),
-                None => std::env::remove_var(var),
-            }
-        }
-    };
+    kernel_setting(&arm_a_text); // a bad --ab-a fails here, before any run
+                                 // arm B: what the environment set when the bench started
+    let arm_b_text: String = saved
+        .iter()
+        .filter_map(|(v, x)| x.as_ref().map(|x| format!("{v}={x}")))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let kernels_v1 = |a: bool| set_kernel_vars(if a { &arm_a_text } else { &arm_b_text });
     if !only_profile && b_mode != DecodeMode::Legacy {
         let n_ab = n_decode.min(64);
         let mut changes = Vec::new();
