@@ -68,11 +68,7 @@ step() {  # step NAME TIMEOUT CMD...  (log: $LOG/NAME.log)
   echo "[$(elapsed)s] $name: rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$LOG/steps.txt"
   return $rc
 }
-for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do [ -d "$d" ] && export PATH="$PATH:$d"; done
+. "$ROOT/validation/gpu/cuda-env.sh"
 export TARFA_CACHE_DIR=$WORK/cache
 { date -u; nproc; free -g; df -h /tmp; cat /proc/swaps; nvidia-smi 2>&1 | head -15; } > "$LOG/env.txt" 2>&1
 

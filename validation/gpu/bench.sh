@@ -67,12 +67,7 @@ step() {  # step NAME TIMEOUT CMD...  (log: $LOG/NAME.log)
   return $rc
 }
 
-for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do [ -d "$d" ] && export PATH="$PATH:$d"; done
-export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-16}
+. "$ROOT/validation/gpu/cuda-env.sh"
 {
   date -u; uname -a; nproc; free -g
   nvidia-smi || true

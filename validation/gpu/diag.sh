@@ -21,14 +21,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LOG=$OUTD/diag
 mkdir -p "$LOG"
 T0=$(date +%s)
-for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin /opt/nvidia/nsight-systems/*/bin \
-         /usr/local/cuda/nsight-systems-*/bin /opt/nvidia/nsight-compute/*; do
-  [ -d "$d" ] && export PATH="$PATH:$d"
-done
-export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-16}
+. "$ROOT/validation/gpu/cuda-env.sh"
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 BIG=${BIG_DIR:-/tmp/tarfa-q30-16}
 if [ ! -f "$BIG/model.jnf" ]; then

@@ -28,11 +28,7 @@ mkdir -p "$LOG"
 TABLE=$OUTD/table.txt
 : > "$TABLE"
 T0=$(date +%s)
-for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do [ -d "$d" ] && export PATH="$PATH:$d"; done
-export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-16}
+. "$ROOT/validation/gpu/cuda-env.sh"
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 row() { echo "$1|$2|$3" >> "$TABLE"; }
 

@@ -1129,6 +1129,21 @@ mod tests {
         KERNELS_FOR_TEST.with(|c| c.set(None));
     }
 
+    /// `n` floats in [lo, hi) from a xorshift64 stream: test inputs that are the same on every
+    /// run and machine.
+    fn uniform_floats(mut seed: u64) -> impl FnMut(usize, f32, f32) -> Vec<f32> {
+        move |n, lo, hi| {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    lo + (hi - lo) * ((seed >> 40) as f32 / (1u64 << 24) as f32)
+                })
+                .collect()
+        }
+    }
+
     #[test]
     fn unguarded_row_kernels_write_the_guarded_kernels_bits() {
         // TARFA_CUDA_ROWS=v5's entry points against the second versions they specialise, one
@@ -1138,17 +1153,7 @@ mod tests {
         // whole-model tests cover v5 on small shapes, where it falls back to v2; the H200
         // selftests cover it at the benchmark's shape.)
         use super::{launch, Arg, Memory};
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move |n: usize, lo: f32, hi: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    lo + (hi - lo) * ((seed >> 40) as f32 / (1u64 << 24) as f32)
-                })
-                .collect()
-        };
+        let mut rnd = uniform_floats(0x9e37_79b9_7f4a_7c15u64);
         let mut mem = Memory::default();
         let mut f32buf = |mem: &mut Memory, n: usize, lo: f32, hi: f32| {
             let a = mem.alloc(4 * n);
@@ -1376,17 +1381,7 @@ mod tests {
         // are the real kernels; without it, the reference's geometry and bounds checks.
         use super::super::model::decode::{attn_decode3_name, attn_decode4_name};
         use super::{launch, Arg, Memory};
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = move |n: usize, lo: f32, hi: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    lo + (hi - lo) * ((seed >> 40) as f32 / (1u64 << 24) as f32)
-                })
-                .collect()
-        };
+        let mut rnd = uniform_floats(0x2545_f491_4f6c_dd1du64);
         let cases: &[(usize, usize, usize, bool, usize, bool, f32)] = &[
             // (head dim, query heads, KV heads, q/k norms, position, scores in shared memory,
             // |q| bound: 40 spreads the scores so that many e_j are +0.0 or subnormal)
