@@ -926,6 +926,22 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2f_bf16(GATE_UP_DEC
 // k <= 8. Grid G blocks of 256; rows r = blockIdx.x*8 + warp, + 8*G, ...
 // Dynamic shared memory: k*width floats (the activations).
 #define DOWN_MAX_K 8
+// The k slots of the experts' down kernels, by threads 0 .. k-1 (the caller's barrier follows):
+// jslot[s] = by_id[s] (slot s in ascending expert id), ebase[s] the chosen expert's offset in the
+// stacked down matrices and, with WEIGHTS, its mixing weight. The router's choices were written
+// two kernels back (see the file's header): read from L2.
+template <bool WEIGHTS>
+__device__ __forceinline__ void down_slots(const u32* by_id, const u32* ids, const float* weights,
+                                           int k, int hidden, int width, int* jslot, long* ebase,
+                                           float* wslot) {
+    if (threadIdx.x < k) {
+        const int j = (int)__ldcg(by_id + threadIdx.x);
+        jslot[threadIdx.x] = j;
+        ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
+        if (WEIGHTS) wslot[threadIdx.x] = __ldcg(weights + j);
+    }
+}
+
 // V == 2 (moe_down_dec2, TARFA_CUDA_ROWS=v2): everything after the wait; the activations' copy
 // (stage_issue) issued before the ids and the weights; warp_tree_fast.
 // KF = 8 (moe_down_dec2f8, TARFA_CUDA_ROWS=v5): k = 8 and the width a multiple of 256, so the
@@ -947,14 +963,8 @@ __device__ __forceinline__ void moe_down_dec_body(
         grid_dep_launch();
         fast = stage_issue(as, act, k * width, nullptr);
     }
-    // The router's choices were written two kernels back (see the file's header): read from L2.
     __shared__ float wslot[DOWN_MAX_K];  // V == 2: the mixing weights, read once per block
-    if (threadIdx.x < k) {
-        const int j = (int)__ldcg(by_id + threadIdx.x);
-        jslot[threadIdx.x] = j;
-        ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
-        if (V == 2) wslot[threadIdx.x] = __ldcg(weights + j);
-    }
+    down_slots<V == 2>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
     __syncthreads();
     int r = blockIdx.x * 8 + warp;
     int c = 0;
@@ -1077,12 +1087,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_down_dec3(MOE_DOWN_DEC_
     grid_dep_wait();
     grid_dep_launch();
     const bool fast = stage_issue(as, act, k * width, nullptr);
-    if (threadIdx.x < k) {
-        const int j = (int)__ldcg(by_id + threadIdx.x);
-        jslot[threadIdx.x] = j;
-        ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
-        wslot[threadIdx.x] = __ldcg(weights + j);
-    }
+    down_slots<true>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
     __syncthreads();
     int r = blockIdx.x * 8 + warp;
     float pre_h = 0.0f, pre_sh = 0.0f;
@@ -1162,12 +1167,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down_dec4(MOE_DOWN_DEC_
     grid_dep_wait();
     grid_dep_launch();
     const bool fast = stage_issue(as, act, k * width, nullptr);
-    if (threadIdx.x < k) {
-        const int j = (int)__ldcg(by_id + threadIdx.x);
-        jslot[threadIdx.x] = j;
-        ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
-        wslot[threadIdx.x] = __ldcg(weights + j);
-    }
+    down_slots<true>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
     __syncthreads();
     const int s0 = 4 * half;
     int r = blockIdx.x * DOWN4_ROWS + q;
