@@ -96,7 +96,7 @@ impl KernelVersion {
         self == KernelVersion::V5
     }
 
-    /// `v1` .. `v4` (any case, surrounding spaces ignored); anything else: `default`.
+    /// `v1` .. `v5` (any case, surrounding spaces ignored); anything else: `default`.
     fn parse(v: Option<&str>, default: KernelVersion) -> KernelVersion {
         match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
             Some("v1") => KernelVersion::V1,
@@ -151,26 +151,36 @@ impl DecodeKernels {
     }
 }
 
-/// The attn_decode3 kernel for head dimension `d` (even, at most 256): the one for the smallest
-/// of 32, 64, 128, 256 that is at least `d`.
-pub(crate) fn attn_decode3_name(d: usize) -> &'static str {
+/// Which of the head-dimension caps 32, 64, 128, 256 serves head dimension `d`: the smallest at
+/// least `d` (attn_decode3 and attn_decode4 have one kernel per cap).
+fn attn_cap(d: usize) -> usize {
     match d {
-        0..=32 => "attn_decode3_d32",
-        33..=64 => "attn_decode3_d64",
-        65..=128 => "attn_decode3_d128",
-        _ => "attn_decode3_d256",
+        0..=32 => 0,
+        33..=64 => 1,
+        65..=128 => 2,
+        _ => 3,
     }
 }
 
+/// The attn_decode3 kernel for head dimension `d` (even, at most 256).
+pub(crate) fn attn_decode3_name(d: usize) -> &'static str {
+    [
+        "attn_decode3_d32",
+        "attn_decode3_d64",
+        "attn_decode3_d128",
+        "attn_decode3_d256",
+    ][attn_cap(d)]
+}
+
 /// attn_decode4 (TARFA_CUDA_ATTN=v4: attn_decode3 with its prologue's loads issued together)
-/// for head dimension `d`, as [`attn_decode3_name`] chooses.
+/// for head dimension `d`.
 pub(crate) fn attn_decode4_name(d: usize) -> &'static str {
-    match d {
-        0..=32 => "attn_decode4_d32",
-        33..=64 => "attn_decode4_d64",
-        65..=128 => "attn_decode4_d128",
-        _ => "attn_decode4_d256",
-    }
+    [
+        "attn_decode4_d32",
+        "attn_decode4_d64",
+        "attn_decode4_d128",
+        "attn_decode4_d256",
+    ][attn_cap(d)]
 }
 
 fn p(b: &DevBuf) -> Arg {
