@@ -274,6 +274,21 @@ __device__ __forceinline__ const float* stage_finish(float* xs, const float* x, 
     return ws;
 }
 
+// The renormalising canonical sum over the selection in rank order (lane r = +0 + p of rank r,
+// route_block's block_sum_256 of sp), by one warp (every lane calls it; every lane gets it).
+__device__ __forceinline__ float route_renorm_sum(const float* pe, const int* sel, int k) {
+    const int p = threadIdx.x & 31;
+    float a[8];
+    zero8(a);
+    for (int base = 8 * p; base < k; base += TARFA_LANES) {
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            if (base + t < k) a[t] = __fadd_rn(a[t], pe[sel[base + t]]);
+        }
+    }
+    return __shfl_sync(TARFA_FULL_MASK, warp_tree_fast(a), 0);
+}
+
 // The router's records from the selection (sel: the k chosen experts in rank order, pe: the
 // probabilities, both in shared memory), by one warp: the renormalising canonical sum over the
 // selection in rank order (lane r = +0 + p of rank r, route_block's block_sum_256 of sp), then
@@ -285,18 +300,7 @@ __device__ __forceinline__ void route_records_warp(const float* pe, const int* s
                                                    u32* __restrict__ by_id,
                                                    float* __restrict__ kth) {
     const int p = threadIdx.x & 31;
-    float s = 1.0f;
-    if (renorm) {
-        float a[8];
-        zero8(a);
-        for (int base = 8 * p; base < k; base += TARFA_LANES) {
-#pragma unroll
-            for (int t = 0; t < 8; t++) {
-                if (base + t < k) a[t] = __fadd_rn(a[t], pe[sel[base + t]]);
-            }
-        }
-        s = __shfl_sync(TARFA_FULL_MASK, warp_tree_fast(a), 0);
-    }
+    const float s = renorm ? route_renorm_sum(pe, sel, k) : 1.0f;
     for (int j = p; j < k; j += 32) {
         const int e = sel[j];
         const float pj = pe[e];
@@ -405,30 +409,16 @@ __device__ __forceinline__ void route_warp(const float* l, int e_count, int k, i
     route_records_warp(pe, sel, k, renorm, ids, probs, weights, by_id, kth);
 }
 
-// The router's softmax and top-k as a kernel of its own (TARFA_CUDA_ROUTER=v3: the router's
-// logits come from a plain dmv2 launch before it): route_block's outputs, bit for bit, for
-// token 0 at the given record pointers, from one block of 256 threads with 4 barriers instead
-// of route_block's ~30 (and of router2's last-block handshake: a threadfence, an atomic and a
-// single warp's k + 1 argmax rounds, ~4 us together on the H200):
-// - every warp computes the maximum of the logits itself (order-free, NaN ignored: fmaxf from
-//   -inf, as block_max_256); thread v computes e_i for i = v, v + 256, ... and accumulates lane v
-//   of the canonical sum; warp 0 runs the tree over the 256 lanes (warp_tree_fast: the pairs of
-//   block_tree_256); p_i = e_i / S and its total-order key by the thread that computed e_i;
-// - the rank of expert i (how many experts come first: a larger key, or an equal key and a lower
-//   id, route_block's strict total order) counted by thread v over all keys, as route_block;
-// - the renormalising sum over the selection in rank order (lane r = +0 + p of rank r, as
-//   route_block's block_sum_256 of sp) by warp 0, and the records as route_block writes them.
-// Dynamic shared memory: 3 * E floats (logits, p, keys).
-extern "C" __global__ void __launch_bounds__(256) route_dec(
-    const float* logits, int e_count, int k, int renorm, u32* __restrict__ ids,
-    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
-    float* __restrict__ kth, float* __restrict__ next) {
-    TARFA_DYN_SMEM(float, sm);
+// route_dec's selection (below), shared with gate_up_route2: the logits into l (shared), the
+// probabilities p_i into pe, their total-order keys into key (3 x E floats of shared memory at
+// sm, in that order), and sel[r] = the expert of rank r (r < k); `next` (when not null) gets the
+// probability of rank k (NaN when E = k). Every thread of the 256-thread block calls it; it ends
+// with a barrier. The rank loop reads the keys 4 at a time when E % 4 == 0 (a count: any order
+// of the comparisons gives the same rank).
+__device__ __forceinline__ void route_select(const float* logits, int e_count, int k, float* sm,
+                                             int* sel, float* __restrict__ next) {
     __shared__ __align__(16) float lanes[TARFA_LANES];
-    __shared__ int sel[DEC_ROUTE_MAX_K];
     __shared__ float total_s;
-    grid_dep_wait();
-    grid_dep_launch();
     const int v = threadIdx.x;
     const int p = v & 31;
     const int warp = v >> 5;
@@ -464,19 +454,57 @@ extern "C" __global__ void __launch_bounds__(256) route_dec(
         key[i] = total_order_key(pi);
     }
     __syncthreads();
+    const bool quad = (e_count & 3) == 0 && (((u64)key) & 15) == 0;
     for (int i = v; i < e_count; i += TARFA_LANES) {
         const int ki = key[i];
         int rank = 0;
-        for (int j = 0; j < e_count; j++) {
-            const int kj = key[j];
-            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
+        if (quad) {
+#pragma unroll 4
+            for (int j = 0; j < e_count; j += 4) {
+                const int4 kj = *reinterpret_cast<const int4*>(key + j);
+                rank += (kj.x > ki || (kj.x == ki && j < i)) ? 1 : 0;
+                rank += (kj.y > ki || (kj.y == ki && j + 1 < i)) ? 1 : 0;
+                rank += (kj.z > ki || (kj.z == ki && j + 2 < i)) ? 1 : 0;
+                rank += (kj.w > ki || (kj.w == ki && j + 3 < i)) ? 1 : 0;
+            }
+        } else {
+            for (int j = 0; j < e_count; j++) {
+                const int kj = key[j];
+                rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
+            }
         }
         if (rank < k) sel[rank] = i;
-        if (rank == k) next[0] = pe[i];
+        if (next != nullptr && rank == k) next[0] = pe[i];
     }
-    if (v == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
+    if (next != nullptr && v == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
     __syncthreads();
-    if (warp == 0) route_records_warp(pe, sel, k, renorm, ids, probs, weights, by_id, kth);
+}
+
+// The router's softmax and top-k as a kernel of its own (TARFA_CUDA_ROUTER=v3: the router's
+// logits come from a plain dmv2 launch before it): route_block's outputs, bit for bit, for
+// token 0 at the given record pointers, from one block of 256 threads with 4 barriers instead
+// of route_block's ~30 (and of router2's last-block handshake: a threadfence, an atomic and a
+// single warp's k + 1 argmax rounds, ~4 us together on the H200):
+// - every warp computes the maximum of the logits itself (order-free, NaN ignored: fmaxf from
+//   -inf, as block_max_256); thread v computes e_i for i = v, v + 256, ... and accumulates lane v
+//   of the canonical sum; warp 0 runs the tree over the 256 lanes (warp_tree_fast: the pairs of
+//   block_tree_256); p_i = e_i / S and its total-order key by the thread that computed e_i;
+// - the rank of expert i (how many experts come first: a larger key, or an equal key and a lower
+//   id, route_block's strict total order) counted by thread v over all keys, as route_block;
+// - the renormalising sum over the selection in rank order (lane r = +0 + p of rank r, as
+//   route_block's block_sum_256 of sp) by warp 0, and the records as route_block writes them.
+// Dynamic shared memory: 3 * E floats (logits, p, keys).
+extern "C" __global__ void __launch_bounds__(256) route_dec(
+    const float* logits, int e_count, int k, int renorm, u32* __restrict__ ids,
+    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
+    float* __restrict__ kth, float* __restrict__ next) {
+    TARFA_DYN_SMEM(float, sm);
+    __shared__ int sel[DEC_ROUTE_MAX_K];
+    grid_dep_wait();
+    grid_dep_launch();
+    route_select(logits, e_count, k, sm, sel, next);
+    if ((threadIdx.x >> 5) == 0)
+        route_records_warp(sm + e_count, sel, k, renorm, ids, probs, weights, by_id, kth);
 }
 
 // (v1, i1) is the better greedy candidate than (v2, i2): a number beats NaN, a larger number
@@ -513,7 +541,11 @@ __device__ __forceinline__ bool last_block(u32* counter) {
 // KIND 2 (lm_head): no bias; the last block writes the greedy token of out[0..rows) to st->token
 // and tok_log[st->step], then advances st (pos + 1, step + 1).
 // Block 256 threads; dynamic shared memory: max(cols, KIND 1 ? 2 * rows + k : 0) floats.
-template <typename W, int KIND, int V = 1, int G = DEC_GROUP, bool FULL = false>
+// EW (the `e` entry points, TARFA_CUDA_ROWS=v6, for TARFA_CUDA_DECODE=graph-pdl): V == 2 with
+// each warp's first weights loaded before grid_dep_wait, so a block that starts while the
+// previous kernel drains fetches its weights during that kernel's tail; the input is staged
+// after the wait, behind them. The same loads and operations.
+template <typename W, int KIND, int V = 1, int G = DEC_GROUP, bool FULL = false, bool EW = false>
 __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x, const float* __restrict__ norm_w,
     float eps, const float* __restrict__ bias0, const float* __restrict__ bias1,
@@ -536,11 +568,12 @@ __device__ __forceinline__ void dmv_body(
     Pack8<W> wv[G];
     const float* xin = xs;
     if (V == 2) {
-        // the input first, then the weights (stage_issue says why)
+        // the input first, then the weights (stage_issue says why); EW: the weights first
+        if (EW && r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
         grid_dep_wait();
         grid_dep_launch();
         const bool fast = stage_issue(xs, x, cols, norm_w);
-        if (r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
+        if (!EW && r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
         xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
     } else {
         if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
@@ -736,6 +769,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) dmv2wf_bf16(DMV_ARGS(u16)) 
                                   nullptr);
 }
 
+// dmv2f_bf16 and dmv2wf_bf16 with their first weights loaded before the wait (EW above;
+// TARFA_CUDA_ROWS=v6).
+extern "C" __global__ void __launch_bounds__(256, 4) dmv2fe_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 2, DEC_GROUP, true, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
+                                               split1, split2, out, mode, xn_out, nullptr, 0, 0,
+                                               nullptr, nullptr, nullptr, nullptr, nullptr,
+                                               nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) dmv2wfe_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 2, 16, true, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
+                                        split1, split2, out, mode, xn_out, nullptr, 0, 0, nullptr,
+                                        nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr);
+}
+
 // dmv2_bf16 with 16 chunks (4,096 weights) of a row in flight per warp instead of 8, for rows
 // wider than 2,048 (the o projection's 4,096: a whole row in one round trip instead of two);
 // 128 registers, 2 blocks per multiprocessor. The same operations in the same order: the group
@@ -817,6 +866,14 @@ extern "C" __global__ void __launch_bounds__(256, 4) lmhead2f_bf16(LMHEAD_ARGS(u
                                          part_i, st, tok_log);
 }
 
+// lmhead2f_bf16 with its first weights loaded before the wait (EW; TARFA_CUDA_ROWS=v6).
+extern "C" __global__ void __launch_bounds__(256, 4) lmhead2fe_bf16(LMHEAD_ARGS(u16)) {
+    dmv_body<u16, 2, 2, DEC_GROUP, true, true>(w, rows, cols, x, norm_w, eps, nullptr, nullptr,
+                                               nullptr, rows, rows, logits, 0, nullptr, counter,
+                                               0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                               nullptr, part_v, part_i, st, tok_log);
+}
+
 extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)) {
     dmv_body<float, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
                           logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
@@ -828,12 +885,30 @@ extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)
 //   act[j*rows + i] = silu(dot(W_gate[e][i], xs)) * dot(W_up[e][i], xs),  e = ids[j] (0 if null)
 // with xs = x or RMSNorm(x) (norm_w not null: a dense layer normalising h itself). Grid (G, k):
 // slot j = blockIdx.y; rows i = blockIdx.x*8 + warp, + 8*G, ... Dynamic shared memory: cols floats.
-template <typename W, int V = 1, bool FULL = false>
+//
+// ROUTE (gate_up_route2/2f, TARFA_CUDA_ROUTER=v4): route_dec folded in. Every block computes the
+// selection itself from the router's logits (route_select: route_dec's operations, so every
+// block holds route_dec's sel[]) and takes e = sel[j]; block (0, 0) also writes the router's
+// records (route_dec's outputs: ids, probs, weights, by_id, kth, next) while its first weights
+// load. Saves route_dec's launch and the round trip for ids. Dynamic shared memory: cols + 3E
+// floats (no norm: the experts read the router kernel's normalised vector).
+struct RouteOut {
+    const float* logits;
+    int e_count, k, renorm;
+    u32* ids;
+    float* probs;
+    float* weights;
+    u32* by_id;
+    float* kth;
+    float* next;
+};
+
+template <typename W, int V = 1, bool FULL = false, bool ROUTE = false>
 __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
                                                  const W* __restrict__ up, int rows, int cols,
                                                  const u32* ids, const float* x,
                                                  const float* __restrict__ norm_w, float eps,
-                                                 float* __restrict__ act) {
+                                                 float* __restrict__ act, RouteOut ro = {}) {
     TARFA_DYN_SMEM(float, xs);
     const int p = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -843,7 +918,10 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     grid_dep_launch();
     // V == 2: the input's copy is issued before the ids and the weights (stage_issue)
     const bool fast = V == 2 && stage_issue(xs, x, cols, norm_w);
-    const long e = ids != nullptr ? (long)ids[j] : 0;
+    __shared__ int sel[ROUTE ? DEC_ROUTE_MAX_K : 1];
+    const bool records = ROUTE && blockIdx.x == 0 && blockIdx.y == 0;
+    if constexpr (ROUTE) route_select(ro.logits, ro.e_count, ro.k, xs + cols, sel, records ? ro.next : nullptr);
+    const long e = ROUTE ? (long)sel[j] : ids != nullptr ? (long)ids[j] : 0;
     const W* gbase = gate + e * rows * (long)cols;
     const W* ubase = up + e * rows * (long)cols;
     int i = blockIdx.x * 8 + warp;
@@ -853,6 +931,9 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
         load_group<W, DEC_GROUP, FULL>(wg, gbase + (long)i * cols, 0, cols, p);
         load_group<W, DEC_GROUP, FULL>(wu, ubase + (long)i * cols, 0, cols, p);
     }
+    if (records && warp == 0)
+        route_records_warp(xs + cols + ro.e_count, sel, ro.k, ro.renorm, ro.ids, ro.probs,
+                           ro.weights, ro.by_id, ro.kth);
     const float* xin = xs;
     if (V == 2) {
         xin = stage_finish(xs, x, cols, norm_w, eps, nullptr, fast);
@@ -917,6 +998,21 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2f_bf16(GATE_UP_DEC
     gate_up_dec_body<u16, 2, true>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
+// gate_up_dec2_bf16 / gate_up_dec2f_bf16 with route_dec folded in (ROUTE above; no norm).
+#define GATE_UP_ROUTE_ARGS                                                                      \
+    const u16* __restrict__ gate, const u16* __restrict__ up, int rows, int cols, const float* x, \
+        float* __restrict__ act, const float* logits, int e_count, int k, int renorm,            \
+        u32* __restrict__ ids, float* __restrict__ probs, float* __restrict__ weights,            \
+        u32* __restrict__ by_id, float* __restrict__ kth, float* __restrict__ next
+#define GATE_UP_ROUTE_KERNEL(NAME, FULL)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(GATE_UP_ROUTE_ARGS) {               \
+        gate_up_dec_body<u16, 2, FULL, true>(                                                   \
+            gate, up, rows, cols, nullptr, x, nullptr, 0.0f, act,                               \
+            RouteOut{logits, e_count, k, renorm, ids, probs, weights, by_id, kth, next});      \
+    }
+GATE_UP_ROUTE_KERNEL(gate_up_route2_bf16, false)
+GATE_UP_ROUTE_KERNEL(gate_up_route2f_bf16, true)
+
 // ---------------------------------------------------------------------------------------------
 // Down projections of the chosen experts for one token, mixed and added to the residual
 // (moe.cu down_mix): a warp per output row r, all k experts' dots at once:
@@ -946,11 +1042,19 @@ __device__ __forceinline__ void down_slots(const u32* by_id, const u32* ids, con
 // (stage_issue) issued before the ids and the weights; warp_tree_fast.
 // KF = 8 (moe_down_dec2f8, TARFA_CUDA_ROWS=v5): k = 8 and the width a multiple of 256, so the
 // per-slot and per-chunk guards go away (load_group's FULL); the same loads and operations.
-template <int V, int KF = 0>
+// EARLY (TARFA_CUDA_ROWS=v7, for TARFA_CUDA_DECODE=graph-pdl; V == 2, KF = 8): the slots, the
+// residuals and the first weights before grid_dep_wait, the activations (written by the kernel
+// just before) after it. EARLY = 1 (moe_down_dec2f8e) reads the router's choices, written two
+// kernels back by route_dec; EARLY = 2 (moe_down_route2f8e, with TARFA_CUDA_ROUTER=v4, where
+// the kernel just before writes them) recomputes them from the router's logits (route_select,
+// then warp 0 the renormalising sum and each slot's weight and place in ascending id, as
+// route_records_warp computes them); dynamic shared memory then k * width + 3E floats.
+template <int V, int KF = 0, int EARLY = 0>
 __device__ __forceinline__ void moe_down_dec_body(
     const u16* __restrict__ down, int hidden, int width, const u32* ids,
     const float* weights, const u32* by_id, int k, const float* act, const float* y_sh,
-    const float* s_sh, float* h) {
+    const float* s_sh, float* h, const float* logits = nullptr, int e_count = 0,
+    int renorm = 0) {
     TARFA_DYN_SMEM(float, as);
     __shared__ long ebase[DOWN_MAX_K];
     __shared__ int jslot[DOWN_MAX_K];
@@ -958,13 +1062,32 @@ __device__ __forceinline__ void moe_down_dec_body(
     const int warp = threadIdx.x >> 5;
     const int nw = gridDim.x * 8;
     bool fast = false;
-    if (V == 2) {
+    if (V == 2 && EARLY == 0) {
         grid_dep_wait();
         grid_dep_launch();
         fast = stage_issue(as, act, k * width, nullptr);
     }
     __shared__ float wslot[DOWN_MAX_K];  // V == 2: the mixing weights, read once per block
-    down_slots<V == 2>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
+    if constexpr (EARLY == 2) {
+        __shared__ int sel[DEC_ROUTE_MAX_K];
+        float* rs = as + k * width;
+        route_select(logits, e_count, k, rs, sel, nullptr);
+        if (warp == 0) {
+            const float* pe = rs + e_count;
+            const float s = renorm ? route_renorm_sum(pe, sel, k) : 1.0f;
+            if (p < k) {
+                const int e = sel[p];
+                const float pj = pe[e];
+                int at = 0;  // the slot's place in ascending expert id (ids are distinct)
+                for (int jj = 0; jj < k; jj++) at += (sel[jj] < e) ? 1 : 0;
+                jslot[at] = p;
+                ebase[at] = (long)e * hidden * (long)width;
+                wslot[at] = renorm ? __fdiv_rn(pj, s) : pj;
+            }
+        }
+    } else {
+        down_slots<V == 2>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
+    }
     __syncthreads();
     int r = blockIdx.x * 8 + warp;
     int c = 0;
@@ -981,6 +1104,11 @@ __device__ __forceinline__ void moe_down_dec_body(
         const int e = 8 * p;
         if ((KF || s < k) && r < hidden && (KF || e < width))
             wv[s].load(down + ebase[s] + (long)r * width + e);
+    }
+    if (EARLY != 0) {
+        grid_dep_wait();
+        grid_dep_launch();
+        fast = stage_issue(as, act, k * width, nullptr);
     }
     if (V == 2) {
         stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
@@ -1067,6 +1195,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARG
 // (TARFA_CUDA_ROWS=v5).
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2f8(MOE_DOWN_DEC_ARGS) {
     moe_down_dec_body<2, 8>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+}
+
+// moe_down_dec2f8 with the slots and first weights before the wait (EARLY above;
+// TARFA_CUDA_ROWS=v7): the router's choices from route_dec, two kernels back
+extern "C" __global__ void __launch_bounds__(256) moe_down_dec2f8e(MOE_DOWN_DEC_ARGS) {
+    moe_down_dec_body<2, 8, 1>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+}
+
+// the same with the router's choices recomputed from its logits (TARFA_CUDA_ROUTER=v4)
+extern "C" __global__ void __launch_bounds__(256) moe_down_route2f8e(
+    MOE_DOWN_DEC_ARGS, const float* logits, int e_count, int renorm) {
+    moe_down_dec_body<2, 8, 2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h,
+                               logits, e_count, renorm);
 }
 
 // moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v3
@@ -1767,6 +1908,29 @@ __device__ __forceinline__ void att3_body(
     // kernel is launched without programmatic serialisation), so they are read before the wait.
     float kb[ATT3_U][ATT3_K];
     att3_load_keys<T, EXACT>(kb, keys, warp, pos, dd, t, g);
+    // EARLY (attn_decode4), D = X: the prologue's constants -- the norm weights and the RoPE
+    // factors of position P -- are loaded before the wait too (the last warp; the table rows
+    // and the state were written before this step began)
+    constexpr int HR = NI > 1 ? NI / 2 : 1;  // RoPE factors per thread
+    float wq[NI], wk[NI], rc[HR], rs[HR];
+    if constexpr (EXACT && EARLY) {
+        if (warp == ATT3_WARPS - 1) {
+#pragma unroll
+            for (int i = 0; i < NI; i++) {
+                const int e = p + 32 * i;
+                wq[i] = q_norm != nullptr ? q_norm[e] : 0.0f;
+                wk[i] = k_norm != nullptr ? k_norm[e] : 0.0f;
+            }
+            const float* cr0 = cos_t + (long)pos * (dd / 2);
+            const float* sr0 = sin_t + (long)pos * (dd / 2);
+#pragma unroll
+            for (int i = 0; i < HR; i++) {
+                const int e = NI == 1 ? (p & 15) : p + 32 * i;
+                rc[i] = cr0[e];
+                rs[i] = sr0[e];
+            }
+        }
+    }
     grid_dep_wait();
     grid_dep_launch();
 
@@ -1776,32 +1940,17 @@ __device__ __forceinline__ void att3_body(
     if (warp == ATT3_WARPS - 1) {
         // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
         float xq[NI], xk[NI];  // raw q and k
-        // EARLY (attn_decode4, TARFA_CUDA_ATTN=v4), D = X: everything else the prologue reads --
-        // the norm weights, the RoPE factors of position P, v_P -- is loaded with q and k, so the
-        // prologue waits for one round trip instead of three (the compiler does not move these
-        // loads above the norm's shuffles); the same values, the same operations
-        constexpr int HR = NI > 1 ? NI / 2 : 1;  // RoPE factors per thread
-        float wq[NI], wk[NI], xv[NI], rc[HR], rs[HR];
+        // EARLY (attn_decode4, TARFA_CUDA_ATTN=v4), D = X: v_P is loaded with q and k (and the
+        // norm weights and RoPE factors were loaded before the wait), so the prologue waits for
+        // one round trip instead of three (the compiler does not move these loads above the
+        // norm's shuffles); the same values, the same operations
+        float xv[NI];
 #pragma unroll
         for (int i = 0; i < NI; i++) {
             const int e = p + 32 * i;
             xq[i] = (EXACT || e < dd) ? qg[e] : 0.0f;
             xk[i] = (EXACT || e < dd) ? kg[e] : 0.0f;
-            if constexpr (EXACT && EARLY) {
-                wq[i] = q_norm != nullptr ? q_norm[e] : 0.0f;
-                wk[i] = k_norm != nullptr ? k_norm[e] : 0.0f;
-                xv[i] = vg[e];
-            }
-        }
-        if constexpr (EXACT && EARLY) {
-            const float* cr0 = cos_t + (long)pos * (dd / 2);
-            const float* sr0 = sin_t + (long)pos * (dd / 2);
-#pragma unroll
-            for (int i = 0; i < HR; i++) {
-                const int e = NI == 1 ? (p & 15) : p + 32 * i;
-                rc[i] = cr0[e];
-                rs[i] = sr0[e];
-            }
+            if constexpr (EXACT && EARLY) xv[i] = vg[e];
         }
         float rq = 1.0f, rk = 1.0f;
         if (q_norm != nullptr) {

@@ -11,7 +11,8 @@
 //! settings (variables a setting leaves out are unset), in interleaved rounds (the median of
 //! each setting's rounds, `--graph-diag` replays each, default 30; change against the first
 //! setting), each setting's greedy tokens and last logits compared bit for bit with the first's;
-//! then stops.
+//! then stops. A setting may also name `TARFA_CUDA_DECODE` (the decode mode its graph runs as,
+//! default the model's) and `TARFA_CUDA_QKV_BLOCKS` (the q|k|v launch's blocks, a timing knob).
 //! `--only-profile`: load, then step 4 alone (for a run under ncu).
 //! `--graph-diag REPS`: first, the decode graph's time with each kind of launch left out and of
 //! each kind alone (a timing diagnostic; `--only-graph-diag` stops after it; `--graph-diag-all`:
@@ -27,7 +28,8 @@
 //! 3. a paired A/B, legacy `api` against the default mode's `api` (AB/BA alternation, median
 //!    paired change, 95% bootstrap interval); then the same A/B of the decode kernel versions in
 //!    the default mode (A: `--ab-a "VAR=v VAR=v"`, default the kernels of PHASE_LOG P6, ARM_A;
-//!    B: the environment's choice), with tokens and last logits compared bit for bit;
+//!    B: the environment's choice; an arm that names `TARFA_CUDA_DECODE` runs in that mode),
+//!    with tokens and last logits compared bit for bit;
 //! 4. each decode kernel timed with events: microseconds per token and GB/s of weights (first
 //!    with arm A's kernels, then with the environment's choice);
 //! 5. prefill of each `--prefill` length;
@@ -229,8 +231,25 @@ impl Bench<'_> {
     }
 }
 
-/// The variables that select the first attention and router decode kernels.
-const KERNEL_VARS: [&str; 3] = ["TARFA_CUDA_ATTN", "TARFA_CUDA_ROUTER", "TARFA_CUDA_ROWS"];
+/// The variables that select the decode kernels (and, in `--sweep` settings, the decode mode
+/// and the q|k|v grid).
+const KERNEL_VARS: [&str; 5] = [
+    "TARFA_CUDA_ATTN",
+    "TARFA_CUDA_ROUTER",
+    "TARFA_CUDA_ROWS",
+    "TARFA_CUDA_DECODE",
+    "TARFA_CUDA_QKV_BLOCKS",
+];
+
+/// The decode mode a setting asks for (`TARFA_CUDA_DECODE=...`; `default` otherwise).
+fn setting_mode(setting: &str, default: DecodeMode) -> DecodeMode {
+    kernel_setting(setting)
+        .iter()
+        .find(|(k, _)| *k == "TARFA_CUDA_DECODE")
+        .map_or(default, |(_, v)| {
+            DecodeMode::parse(v).unwrap_or_else(|| fail(format!("bad decode mode {v}")))
+        })
+}
 
 /// The A/B's arm A unless `--ab-a` says otherwise: the kernels of PHASE_LOG P6.
 const ARM_A: &str = "TARFA_CUDA_ATTN=v2 TARFA_CUDA_ROUTER=v2 TARFA_CUDA_ROWS=v1";
@@ -277,15 +296,16 @@ fn sweep(
     for round in 0..rounds {
         for (i, set) in sets.iter().enumerate() {
             set_kernel_vars(set);
+            let mode = setting_mode(set, bench.model.default_decode_mode());
             if round == 0 {
-                let (_, toks, last) = bench.api(DecodeMode::Graph, 16);
+                let (_, toks, last) = bench.api(mode, 16);
                 let bits: Vec<u32> = last.iter().map(|x| x.to_bits()).collect();
                 match &reference {
                     None => reference = Some((toks, bits)),
                     Some((t, b)) => same[i] = *t == toks && *b == bits,
                 }
             }
-            let (mut c, toks) = bench.start(DecodeMode::Graph, reps + 2);
+            let (mut c, toks) = bench.start(mode, reps + 2);
             let rows = bench
                 .model
                 .graph_costs(&mut c, *toks.last().expect("two tokens"), reps, false)
@@ -428,7 +448,8 @@ fn main() {
         let reps: usize = reps
             .parse()
             .unwrap_or_else(|_| fail("bad --graph-diag".into()));
-        let (mut c, toks) = bench.start(DecodeMode::Graph, reps + 2);
+        // the default mode's graph (graph-pdl keeps programmatic launch in every graph timed)
+        let (mut c, toks) = bench.start(model.default_decode_mode(), reps + 2);
         match model.graph_costs(
             &mut c,
             *toks.last().expect("two tokens"),
@@ -613,7 +634,8 @@ fn main() {
             let (mut ta, mut tb) = (0.0, 0.0);
             for is_a in order {
                 kernels_v1(is_a);
-                let (s, toks, last) = bench.api(b_mode, n_ab);
+                let arm = if is_a { &arm_a_text } else { &arm_b_text };
+                let (s, toks, last) = bench.api(setting_mode(arm, b_mode), n_ab);
                 let bits: Vec<u32> = last.iter().map(|x| x.to_bits()).collect();
                 match &reference {
                     None => reference = Some((toks, bits)),

@@ -88,15 +88,33 @@ pub(crate) enum KernelVersion {
     /// moe_down_dec2f8 for top-8 over widths of whole chunks; v2 elsewhere; for attention and
     /// the router the same as v3).
     V5,
+    /// The sixth (row kernels only): v5 with the q|k|v, o_proj, router-logit and lm_head
+    /// kernels loading their first weights before the programmatic-launch wait (the `e` entry
+    /// points), for `TARFA_CUDA_DECODE=graph-pdl`; v5 elsewhere.
+    V6,
+    /// The seventh (row kernels only): v6 with the experts' down kernel also loading its slots,
+    /// residuals and first weights before the wait (moe_down_dec2f8e, or moe_down_route2f8e
+    /// recomputing the router's choice when the router is v4); v6 elsewhere.
+    V7,
 }
 
 impl KernelVersion {
-    /// The row kernels without per-chunk guards where the shapes allow (v5).
+    /// The row kernels without per-chunk guards where the shapes allow (v5, v6).
     fn unguarded(self) -> bool {
-        self == KernelVersion::V5
+        matches!(self, KernelVersion::V5 | KernelVersion::V6 | KernelVersion::V7)
     }
 
-    /// `v1` .. `v5` (any case, surrounding spaces ignored); anything else: `default`.
+    /// The row kernels that load their first weights before the wait (v6, v7).
+    fn early_weights(self) -> bool {
+        matches!(self, KernelVersion::V6 | KernelVersion::V7)
+    }
+
+    /// The experts' down kernel too (v7).
+    fn early_down(self) -> bool {
+        self == KernelVersion::V7
+    }
+
+    /// `v1` .. `v7` (any case, surrounding spaces ignored); anything else: `default`.
     fn parse(v: Option<&str>, default: KernelVersion) -> KernelVersion {
         match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
             Some("v1") => KernelVersion::V1,
@@ -104,6 +122,8 @@ impl KernelVersion {
             Some("v3") => KernelVersion::V3,
             Some("v4") => KernelVersion::V4,
             Some("v5") => KernelVersion::V5,
+            Some("v6") => KernelVersion::V6,
+            Some("v7") => KernelVersion::V7,
             _ => default,
         }
     }
@@ -111,10 +131,12 @@ impl KernelVersion {
 
 /// The versions of the decode step's kernels, chosen when the launch list is built (an
 /// in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
-/// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1` .. `v5`; unset (or
-/// anything else): v3 attention and router, v5 row kernels (PHASE_LOG P7-P14: v2's kernels,
-/// unguarded where a launch's shape allows; rows v3 and v4, which only change the experts' down
-/// kernel, measured slower). Every version computes the same bits.
+/// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1` .. `v7`; unset (or
+/// anything else): v4 attention and router, v7 row kernels (PHASE_LOG P7-P16: v2's kernels,
+/// unguarded where a launch's shape allows, loading their first weights before the
+/// programmatic-launch wait when the step runs as graph-pdl, v5 otherwise; the top-k folded into
+/// the experts' kernels; rows v3 and v4, which only change the experts' down kernel, measured
+/// slower). Every version computes the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
@@ -125,6 +147,10 @@ pub(crate) struct DecodeKernels {
     pub(crate) rows: KernelVersion,
     /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
     pub(crate) attn_shared_max: usize,
+    /// Blocks of the stacked q|k|v launch (`TARFA_CUDA_QKV_BLOCKS`, a timing knob: which warp
+    /// takes which rows, never a value; `None`: two rows per warp, at most what the GPU holds at
+    /// once, PHASE_LOG P16).
+    pub(crate) qkv_blocks: Option<u32>,
 }
 
 #[cfg(test)]
@@ -135,6 +161,20 @@ thread_local! {
 }
 
 impl DecodeKernels {
+    /// The kernels of a step whose launches run with (`pdl`) or without programmatic launch:
+    /// the row kernels that load their first weights before the wait (v6, v7) gain only from
+    /// the overlap, and without it are slower than v5 (PHASE_LOG P16), so they become v5.
+    pub(crate) fn for_launch(self, pdl: bool) -> Self {
+        if !pdl && self.rows.early_weights() {
+            DecodeKernels {
+                rows: KernelVersion::V5,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
     pub(crate) fn from_env() -> Self {
         #[cfg(test)]
         if let Some(k) = KERNELS_FOR_TEST.with(|c| c.get()) {
@@ -143,10 +183,14 @@ impl DecodeKernels {
         let pick =
             |var: &str, default| KernelVersion::parse(std::env::var(var).ok().as_deref(), default);
         DecodeKernels {
-            attn: pick("TARFA_CUDA_ATTN", KernelVersion::V3),
-            router: pick("TARFA_CUDA_ROUTER", KernelVersion::V3),
-            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V5),
+            attn: pick("TARFA_CUDA_ATTN", KernelVersion::V4),
+            router: pick("TARFA_CUDA_ROUTER", KernelVersion::V4),
+            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V7),
             attn_shared_max: ATTN_SHARED_MAX,
+            qkv_blocks: std::env::var("TARFA_CUDA_QKV_BLOCKS")
+                .ok()
+                .and_then(|v| v.trim().parse::<u32>().ok())
+                .filter(|&n| n > 0),
         }
     }
 }
@@ -324,6 +368,9 @@ impl CudaModel {
         match (lm.dtype, rows) {
             (DType::Bf16, KernelVersion::V1) => "lmhead_bf16",
             (DType::F32, KernelVersion::V1) => "lmhead_f32",
+            (DType::Bf16, v) if v.early_weights() && lm.cols.is_multiple_of(2048) => {
+                "lmhead2fe_bf16"
+            }
             (DType::Bf16, v) if v.unguarded() && lm.cols.is_multiple_of(2048) => "lmhead2f_bf16",
             (DType::Bf16, _) => "lmhead2_bf16",
             (DType::F32, _) => "lmhead2_f32",
@@ -372,9 +419,19 @@ impl CudaModel {
             (DType::Bf16, v)
                 if v.unguarded() && w.cols > 8 * 256 && w.cols.is_multiple_of(4096) =>
             {
-                "dmv2wf_bf16"
+                if v.early_weights() {
+                    "dmv2wfe_bf16"
+                } else {
+                    "dmv2wf_bf16"
+                }
             }
-            (DType::Bf16, v) if v.unguarded() && w.cols.is_multiple_of(2048) => "dmv2f_bf16",
+            (DType::Bf16, v) if v.unguarded() && w.cols.is_multiple_of(2048) => {
+                if v.early_weights() {
+                    "dmv2fe_bf16"
+                } else {
+                    "dmv2f_bf16"
+                }
+            }
             // rows of more than 8 chunks: the whole row in flight (kernels/decode.cu dmv2w)
             (DType::Bf16, _) if w.cols > 8 * 256 => "dmv2w_bf16",
             (DType::Bf16, _) => "dmv2_bf16",
@@ -408,6 +465,61 @@ impl CudaModel {
         }
     }
 
+    /// Blocks per slot of a gate/up kernel: one warp per row in one pass when the GPU holds
+    /// that many blocks at once for all `slots`, else as many as it holds.
+    fn gate_up_grid(&self, name: &'static str, rows: usize, slots: usize, shared: u32) -> u32 {
+        let need = rows.div_ceil(8).max(1) as u32;
+        let resident = self.gpu.occupancy(name, 256, shared) * self.gpu.info.multiprocessors.max(1);
+        need.min((resident / slots.max(1) as u32).max(1))
+    }
+
+    /// The experts' gate/up kernel with the router's top-k folded in (TARFA_CUDA_ROUTER=v4,
+    /// kernels/decode.cu gate_up_route2): every block selects the experts from the router's
+    /// logits itself; the first block writes the router's `records` (route_dec's outputs).
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_route(
+        &self,
+        gate: u64,
+        up: u64,
+        rows: usize,
+        x: u64,
+        act: u64,
+        logits: u64,
+        records: &[Arg; 6],
+        version: KernelVersion,
+    ) -> Launch {
+        let (cols, e_count, k) = (self.cfg.hidden_size, self.cfg.num_experts, self.cfg.top_k);
+        let name = if version.unguarded() && cols.is_multiple_of(2048) {
+            "gate_up_route2f_bf16"
+        } else {
+            "gate_up_route2_bf16"
+        };
+        let shared = ((cols + 3 * e_count) * F) as u32;
+        let mut args = vec![
+            Arg::Ptr(gate),
+            Arg::Ptr(up),
+            i32a(rows),
+            i32a(cols),
+            Arg::Ptr(x),
+            Arg::Ptr(act),
+            Arg::Ptr(logits),
+            i32a(e_count),
+            i32a(k),
+            Arg::I32(i32::from(self.spec.renormalize_topk)),
+        ];
+        args.extend(records.iter().cloned());
+        Launch {
+            name,
+            grid: (self.gate_up_grid(name, rows, k, shared), k as u32, 1),
+            block: (256, 1, 1),
+            shared,
+            args,
+            pdl: true,
+            label: "experts gate+up (+top-k, k experts, SwiGLU)",
+            bytes: (2 * k * rows * cols * 2) as u64,
+        }
+    }
+
     /// The gate/up kernel: experts chosen by `ids` (k slots), or a dense MLP (`ids` = 0).
     #[allow(clippy::too_many_arguments)]
     fn gate_up_dec(
@@ -435,12 +547,9 @@ impl CudaModel {
         };
         let cols = self.cfg.hidden_size;
         let shared = Self::row_shared(cols, norm != 0, version);
-        let need = rows.div_ceil(8).max(1) as u32;
-        let resident = self.gpu.occupancy(name, 256, shared) * self.gpu.info.multiprocessors.max(1);
-        let gx = need.min((resident / slots.max(1) as u32).max(1));
         Launch {
             name,
-            grid: (gx, slots as u32, 1),
+            grid: (self.gate_up_grid(name, rows, slots, shared), slots as u32, 1),
             block: (256, 1, 1),
             shared,
             args: vec![
@@ -516,7 +625,7 @@ impl CudaModel {
                     cols: h,
                     dtype: a.q.dtype,
                 };
-                v.push(self.dmv(
+                let mut launch = self.dmv(
                     &all,
                     b.h.ptr(),
                     layer.input_norm.ptr(),
@@ -527,7 +636,14 @@ impl CudaModel {
                     0,
                     "attention q|k|v (+input norm)",
                     kernels.rows,
-                ));
+                );
+                // two rows per warp (the second row's loads are issued before the first row's
+                // tree): faster than one pass of one row per warp (PHASE_LOG P16)
+                launch.grid.0 = match kernels.qkv_blocks {
+                    Some(n) => n.min(qkv_rows.div_ceil(8) as u32),
+                    None => self.row_grid(launch.name, qkv_rows.div_ceil(2), launch.shared),
+                };
+                v.push(launch);
             } else {
                 for (m, bias, out) in [
                     (&a.q, biases[0], qkv),
@@ -684,6 +800,18 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
+                    // the router's records for this layer (route_dec's and gate_up_route2's
+                    // last six arguments)
+                    let records = [
+                        Arg::Ptr(b.ids.ptr() + rec),
+                        Arg::Ptr(b.probs.ptr() + rec),
+                        Arg::Ptr(b.weights.ptr() + rec),
+                        Arg::Ptr(b.by_id.ptr() + rec),
+                        Arg::Ptr(b.kth.ptr() + one),
+                        Arg::Ptr(b.next.ptr() + one),
+                    ];
+                    // v4: the top-k folded into the experts' gate+up kernel
+                    let fused_route = kernels.router == KernelVersion::V4;
                     if !matches!(kernels.router, KernelVersion::V1 | KernelVersion::V2) {
                         // the logits by a plain row kernel, then the top-k as a kernel of its
                         // own (kernels/decode.cu route_dec)
@@ -698,32 +826,30 @@ impl CudaModel {
                             b.xn.ptr(),
                             "router (+post norm, top-k)",
                             if kernels.rows.unguarded() {
-                                KernelVersion::V5
+                                kernels.rows
                             } else {
                                 KernelVersion::V2
                             },
                         ));
-                        v.push(Launch {
-                            name: "route_dec",
-                            grid: (1, 1, 1),
-                            block: (256, 1, 1),
-                            shared: (3 * e_count * F) as u32,
-                            args: vec![
+                        if !fused_route {
+                            let mut args = vec![
                                 p(&b.router_logits),
                                 i32a(e_count),
                                 i32a(k_top),
                                 Arg::I32(i32::from(self.spec.renormalize_topk)),
-                                Arg::Ptr(b.ids.ptr() + rec),
-                                Arg::Ptr(b.probs.ptr() + rec),
-                                Arg::Ptr(b.weights.ptr() + rec),
-                                Arg::Ptr(b.by_id.ptr() + rec),
-                                Arg::Ptr(b.kth.ptr() + one),
-                                Arg::Ptr(b.next.ptr() + one),
-                            ],
-                            pdl: true,
-                            label: "router (+post norm, top-k)",
-                            bytes: 0,
-                        });
+                            ];
+                            args.extend(records.iter().cloned());
+                            v.push(Launch {
+                                name: "route_dec",
+                                grid: (1, 1, 1),
+                                block: (256, 1, 1),
+                                shared: (3 * e_count * F) as u32,
+                                args,
+                                pdl: true,
+                                label: "router (+post norm, top-k)",
+                                bytes: 0,
+                            });
+                        }
                     } else {
                         let name = match (router.dtype, kernels.router) {
                             (DType::Bf16, KernelVersion::V1) => "router_bf16",
@@ -806,32 +932,56 @@ impl CudaModel {
                         s_sh = b.s_sh.ptr();
                     }
                     let i = cfg.expert_width;
-                    v.push(self.gate_up_dec(
-                        DType::Bf16,
-                        experts.gate.ptr(),
-                        experts.up.ptr(),
-                        i,
-                        b.ids.ptr() + rec,
-                        k_top,
-                        b.xn.ptr(),
-                        0,
-                        b.act.ptr(),
-                        "experts gate+up (k experts, SwiGLU)",
-                        kernels.rows,
-                    ));
+                    if fused_route {
+                        v.push(self.gate_up_route(
+                            experts.gate.ptr(),
+                            experts.up.ptr(),
+                            i,
+                            b.xn.ptr(),
+                            b.act.ptr(),
+                            b.router_logits.ptr(),
+                            &records,
+                            kernels.rows,
+                        ));
+                    } else {
+                        v.push(self.gate_up_dec(
+                            DType::Bf16,
+                            experts.gate.ptr(),
+                            experts.up.ptr(),
+                            i,
+                            b.ids.ptr() + rec,
+                            k_top,
+                            b.xn.ptr(),
+                            0,
+                            b.act.ptr(),
+                            "experts gate+up (k experts, SwiGLU)",
+                            kernels.rows,
+                        ));
+                    }
                     let name = match kernels.rows {
                         KernelVersion::V1 => "moe_down_dec",
                         // v3: rows of at most 3 chunks all in flight at once
                         KernelVersion::V3 if i <= 3 * 256 => "moe_down_dec3",
                         // v4: rows of at most 3 chunks, a row's experts over two warps
                         KernelVersion::V4 if i <= 3 * 256 => "moe_down_dec4",
+                        // v7: top-8 over whole chunks, slots and first weights before the
+                        // wait (the router's choice recomputed when the kernel just before
+                        // writes it: router v4)
+                        v if v.early_down() && k_top == 8 && i.is_multiple_of(256) => {
+                            if fused_route {
+                                "moe_down_route2f8e"
+                            } else {
+                                "moe_down_dec2f8e"
+                            }
+                        }
                         // v5: top-8 over whole chunks, no guards
                         v if v.unguarded() && k_top == 8 && i.is_multiple_of(256) => {
                             "moe_down_dec2f8"
                         }
                         _ => "moe_down_dec2",
                     };
-                    let shared_mem = (k_top * i * F) as u32;
+                    let route_args = name == "moe_down_route2f8e";
+                    let shared_mem = ((k_top * i + if route_args { 3 * e_count } else { 0 }) * F) as u32;
                     self.gpu.allow_shared(name, shared_mem)?;
                     // moe_down_dec4 takes 4 rows per block (2 warps a row), the others 8
                     let grid = if name == "moe_down_dec4" {
@@ -858,7 +1008,18 @@ impl CudaModel {
                             Arg::Ptr(y_sh),
                             Arg::Ptr(s_sh),
                             p(&b.h),
-                        ],
+                        ]
+                        .into_iter()
+                        .chain(route_args.then(|| {
+                            [
+                                p(&b.router_logits),
+                                i32a(e_count),
+                                Arg::I32(i32::from(self.spec.renormalize_topk)),
+                            ]
+                        })
+                        .into_iter()
+                        .flatten())
+                        .collect(),
                         pdl: true,
                         label: "experts down (k experts, mix, +residual)",
                         bytes: (k_top * h * i * 2) as u64,
@@ -912,19 +1073,27 @@ impl CudaModel {
         cache.dec = None;
         cache.upload_rope(&self.gpu, cache.cap)?;
         let bufs = self.dec_bufs(cache.cap, kernels)?;
-        let launches = self.decode_plan(cache, &bufs, kernels)?;
         let asked = cache.mode;
+        // the launches for programmatic launch when it is asked for (a failed capture rebuilds
+        // them for the fallback below)
+        let graph_asked = matches!(asked, DecodeMode::Graph | DecodeMode::GraphPdl)
+            && !self.gpu.sync_each_kernel();
+        let mut pdl_plan = graph_asked && asked == DecodeMode::GraphPdl;
+        let mut launches = self.decode_plan(cache, &bufs, kernels.for_launch(pdl_plan))?;
         let mut note = String::new();
         let mut graph = None;
         let mut running = DecodeMode::Direct;
-        if matches!(asked, DecodeMode::Graph | DecodeMode::GraphPdl) && !self.gpu.sync_each_kernel()
-        {
+        if graph_asked {
             let tries: &[bool] = if asked == DecodeMode::GraphPdl {
                 &[true, false]
             } else {
                 &[false]
             };
             for &pdl in tries {
+                if pdl_plan && !pdl {
+                    launches = self.decode_plan(cache, &bufs, kernels.for_launch(false))?;
+                    pdl_plan = false;
+                }
                 match self.gpu.capture(&launches, pdl) {
                     Ok(g) => {
                         graph = Some(g);
@@ -1154,7 +1323,8 @@ impl CudaModel {
     /// launches left out, and of a graph of that kind's launches alone; first row: the whole
     /// graph (`"all"`, both figures the same). `n` replays each, every replay from the same
     /// position (the state is reset before each timed run), so attention always sees the same
-    /// context (`per_kind` false: the first row alone). Left-out launches make the step's numbers meaningless: the cache's contents
+    /// context (`per_kind` false: the first row alone); graphs keep programmatic launch when the
+    /// cache's steps run as graph-pdl. Left-out launches make the step's numbers meaningless: the cache's contents
     /// past its length are overwritten (its length is unchanged) and nothing here is read back.
     pub fn graph_costs(
         &self,
@@ -1195,7 +1365,9 @@ impl CudaModel {
             }
             Ok(total / n as f64)
         };
-        let time = |launches: &[Launch]| time_with(launches, false);
+        // the mode that runs this cache's steps: graph-pdl's graphs keep programmatic launch
+        let pdl = dc.running == DecodeMode::GraphPdl;
+        let time = |launches: &[Launch]| time_with(launches, pdl);
         let all = time(&dc.launches)?;
         let mut rows = vec![("all".to_string(), all, all)];
         // what the boundaries alone cost: an empty kernel per launch, same geometry

@@ -281,10 +281,19 @@ pub(crate) fn emulated() -> bool {
     emulator().is_some()
 }
 
-/// The router's softmax and top-k of one token's logits `l` (route_topk), written at token
-/// `t`'s slots of `[ids, probs, weights, by_id, kth, next]`.
-fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize, out: [u64; 6]) {
-    let [ids, probs, weights, by_id, kth, next] = out;
+/// The router's choice for one token's logits `l` (route_topk): the chosen experts in rank
+/// order, their probabilities, their mixing weights, the slots in ascending expert id, the
+/// probability of rank k - 1 and of rank k (NaN when there is none).
+struct RouteChoice {
+    ids: Vec<u32>,
+    probs: Vec<f32>,
+    weights: Vec<f32>,
+    by_id: Vec<u32>,
+    kth: f32,
+    next: f32,
+}
+
+fn route_choice(l: &[f32], k: usize, renorm: bool) -> RouteChoice {
     let e = l.len();
     let p = softmax(l);
     let mut order: Vec<usize> = (0..e).collect();
@@ -299,19 +308,27 @@ fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize
     };
     let mut asc: Vec<u32> = (0..k as u32).collect();
     asc.sort_by_key(|&j| sel[j as usize]);
+    RouteChoice {
+        ids: sel.iter().map(|&i| i as u32).collect(),
+        probs: sp,
+        weights: w,
+        by_id: asc,
+        kth: p[order[k - 1]],
+        next: order.get(k).map_or(f32::NAN, |&i| p[i]),
+    }
+}
+
+/// [`route_choice`] written at token `t`'s slots of `[ids, probs, weights, by_id, kth, next]`.
+fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize, out: [u64; 6]) {
+    let [ids, probs, weights, by_id, kth, next] = out;
+    let c = route_choice(l, k, renorm);
     let base = (t * k * 4) as u64;
-    mem.put_u32s(
-        ids + base,
-        &sel.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-    );
-    mem.put_f32s(probs + base, &sp);
-    mem.put_f32s(weights + base, &w);
-    mem.put_u32s(by_id + base, &asc);
-    mem.put_f32s(kth + (t * 4) as u64, &[p[order[k - 1]]]);
-    mem.put_f32s(
-        next + (t * 4) as u64,
-        &[order.get(k).map_or(f32::NAN, |&i| p[i])],
-    );
+    mem.put_u32s(ids + base, &c.ids);
+    mem.put_f32s(probs + base, &c.probs);
+    mem.put_f32s(weights + base, &c.weights);
+    mem.put_u32s(by_id + base, &c.by_id);
+    mem.put_f32s(kth + (t * 4) as u64, &[c.kth]);
+    mem.put_f32s(next + (t * 4) as u64, &[c.next]);
 }
 
 /// Runs kernel `name` as the reference functions define it (or, with the emulator, as the CUDA
@@ -640,7 +657,8 @@ pub(crate) fn launch(
         // ---- kernels/decode.cu (one token) ----
         "dmv_bf16" | "dmv_f32" | "router_bf16" | "router_f32" | "router2_bf16" | "router2_f32"
         | "lmhead_bf16" | "lmhead_f32" | "dmv2_bf16" | "dmv2_f32" | "dmv2w_bf16"
-        | "lmhead2_bf16" | "lmhead2_f32" | "dmv2f_bf16" | "dmv2wf_bf16" | "lmhead2f_bf16" => {
+        | "lmhead2_bf16" | "lmhead2_f32" | "dmv2f_bf16" | "dmv2wf_bf16" | "lmhead2f_bf16"
+        | "dmv2fe_bf16" | "dmv2wfe_bf16" | "lmhead2fe_bf16" => {
             let bf16 = name.ends_with("bf16");
             let kind = if name.starts_with("router") {
                 1
@@ -654,9 +672,9 @@ pub(crate) fn launch(
                 (a.ptr(0), a.int(1), a.int(2), a.ptr(3), a.ptr(4), a.float(5));
             assert!(block.0 == 256 && gy == 1 && gz == 1, "{name} geometry");
             // the unguarded entry points take rows of whole groups only
-            let group = if name == "dmv2wf_bf16" { 4096 } else { 2048 };
+            let group = if name.starts_with("dmv2wf") { 4096 } else { 2048 };
             assert!(
-                !name.contains("f_bf16") || cols.is_multiple_of(group),
+                !(name.contains("f_bf16") || name.contains("fe_bf16")) || cols.is_multiple_of(group),
                 "{name}: {cols} columns are not whole groups of {group}"
             );
             // the second versions stage the norm's weights beside the input
@@ -795,6 +813,33 @@ pub(crate) fn launch(
                 mem.put_f32s(act + ((j * rows) * 4) as u64, &out);
             }
         }
+        "gate_up_route2_bf16" | "gate_up_route2f_bf16" => {
+            a.count(16);
+            let (gate, up, rows, cols, x, act) =
+                (a.ptr(0), a.ptr(1), a.int(2), a.int(3), a.ptr(4), a.ptr(5));
+            let (logits, e_count, k, renorm) = (a.ptr(6), a.int(7), a.int(8), a.int(9) == 1);
+            assert!(
+                block.0 == 256 && gz == 1 && gy == k && k <= 8,
+                "{name} geometry"
+            );
+            assert!(
+                name != "gate_up_route2f_bf16" || cols.is_multiple_of(2048),
+                "{name}: {cols} columns are not whole groups"
+            );
+            assert!(
+                shared_bytes as usize >= (cols + 3 * e_count) * 4,
+                "{name}: shared memory"
+            );
+            let l = mem.f32s(logits, e_count);
+            let out = [a.ptr(10), a.ptr(11), a.ptr(12), a.ptr(13), a.ptr(14), a.ptr(15)];
+            route_reference(mem, &l, k, renorm, 0, out);
+            let ids = mem.u32s(out[0], k);
+            let xv = mem.f32s(x, cols);
+            for (j, &e) in ids.iter().enumerate() {
+                let y = swiglu_rows(mem, gate, up, true, e as usize * rows, rows, cols, &xv);
+                mem.put_f32s(act + ((j * rows) * 4) as u64, &y);
+            }
+        }
         "route_dec" => {
             a.count(10);
             let (logits, e_count, k, renorm) = (a.ptr(0), a.int(1), a.int(2), a.int(3) == 1);
@@ -814,8 +859,11 @@ pub(crate) fn launch(
             );
         }
         "moe_down_dec" | "moe_down_dec2" | "moe_down_dec2f8" | "moe_down_dec3"
-        | "moe_down_dec4" => {
-            a.count(11);
+        | "moe_down_dec4" | "moe_down_dec2f8e" | "moe_down_route2f8e" => {
+            // moe_down_route2f8e: the router's choice recomputed from its logits (3 more
+            // arguments), the records unused
+            let route = name == "moe_down_route2f8e";
+            a.count(if route { 14 } else { 11 });
             let (down, hidden, width, ids, weights, by_id, k) = (
                 a.ptr(0),
                 a.int(1),
@@ -828,16 +876,21 @@ pub(crate) fn launch(
             let (act, y_sh, s_sh, h) = (a.ptr(7), a.ptr(8), a.ptr(9), a.ptr(10));
             assert!(block.0 == 256 && gy == 1, "{name} geometry");
             assert!(
-                name != "moe_down_dec2f8" || (k == 8 && width.is_multiple_of(256)),
+                !name.contains("2f8") || (k == 8 && width.is_multiple_of(256)),
                 "{name}: k {k}, width {width}"
             );
+            let e_count = if route { a.int(12) } else { 0 };
             assert!(
-                k <= 8 && shared_bytes as usize >= k * width * 4,
+                k <= 8 && shared_bytes as usize >= (k * width + 3 * e_count) * 4,
                 "{name}: shared"
             );
-            let id = mem.u32s(ids, k);
-            let w = mem.f32s(weights, k);
-            let order = mem.u32s(by_id, k);
+            let (id, w, order) = if route {
+                let l = mem.f32s(a.ptr(11), e_count);
+                let c = route_choice(&l, k, a.int(13) == 1);
+                (c.ids, c.weights, c.by_id)
+            } else {
+                (mem.u32s(ids, k), mem.f32s(weights, k), mem.u32s(by_id, k))
+            };
             let acts: Vec<Vec<f32>> = (0..k)
                 .map(|j| mem.f32s(act + ((j * width) * 4) as u64, width))
                 .collect();
@@ -1120,6 +1173,7 @@ mod tests {
                     router,
                     rows: KernelVersion::V1,
                     attn_shared_max,
+                    qkv_blocks: None,
                 }))
             });
             eprintln!("attention {attn:?}, router {router:?}, shared max {attn_shared_max}");
@@ -1344,6 +1398,22 @@ mod tests {
                 outs,
             ));
         }
+        // TARFA_CUDA_ROWS=v6's `e` entry points (first weights before the wait) against the v5
+        // kernels they reorder
+        let early: Vec<Case> = cases
+            .iter()
+            .filter_map(|c| {
+                let e = match c.0[1] {
+                    "dmv2f_bf16" => "dmv2fe_bf16",
+                    "dmv2wf_bf16" => "dmv2wfe_bf16",
+                    "lmhead2f_bf16" => "lmhead2fe_bf16",
+                    _ => return None,
+                };
+                Some(([c.0[1], e], c.1, c.2, c.3.clone(), c.4.clone()))
+            })
+            .collect();
+        assert_eq!(early.len(), 3);
+        cases.extend(early);
         for (pair, grid, shared, args, outs) in &cases {
             let mut got: Vec<Vec<u32>> = Vec::new();
             for name in pair {
@@ -1369,6 +1439,218 @@ mod tests {
                 .filter(|(a, b)| a != b)
                 .count();
             assert!(changed > 0, "{}: no output written", pair[0]);
+        }
+    }
+
+    #[test]
+    fn the_folded_top_k_writes_route_decs_records_and_gate_ups_bits() {
+        // gate_up_route2/2f (TARFA_CUDA_ROUTER=v4) against route_dec then gate_up_dec2/2f on
+        // the same logits and weights: the six records and every activation bit equal. Shapes:
+        // 128 experts top-8 (the benchmark's), 300 experts (keys read 4 at a time over more
+        // than 256 experts), 10 experts top-3 with equal logits (ties broken by the lower id),
+        // 6 experts top-6 (next is NaN). With the CUDA emulator these are the real kernels.
+        use super::{launch, Arg, Memory};
+        let mut rnd = uniform_floats(0x2545_f491_4f6c_dd1du64);
+        let mut mem = Memory::default();
+        let i = |v: usize| Arg::I32(v as i32);
+        for (experts, k, rows, cols, ties) in [
+            (128usize, 8usize, 24usize, 2048usize, false),
+            (300, 8, 16, 2048, false),
+            (10, 3, 20, 512 + 8, true),
+            (6, 6, 8, 256, false),
+        ] {
+            let mut l = rnd(experts, -4.0, 4.0);
+            if ties {
+                for e in [3, 5, 8] {
+                    l[e] = l[1];
+                }
+                l[1] = 5.0;
+                l[3] = 5.0;
+            }
+            let logits = mem.alloc(4 * experts);
+            mem.put_f32s(logits, &l);
+            let bf16 = |v: Vec<f32>| -> Vec<u8> {
+                v.iter()
+                    .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect()
+            };
+            let n = experts * rows * cols;
+            let (gate, up) = (mem.alloc(2 * n), mem.alloc(2 * n));
+            let g = bf16(rnd(n, -1.0, 1.0));
+            mem.write(gate, &g);
+            let u = bf16(rnd(n, -1.0, 1.0));
+            mem.write(up, &u);
+            let x = mem.alloc(4 * cols);
+            mem.put_f32s(x, &rnd(cols, -2.0, 2.0));
+            // records: ids, probs, weights, by_id (k each), kth, next; then the activations
+            let sizes = [k, k, k, k, 1, 1, k * rows];
+            let run = |mem: &mut Memory, fold: bool| -> Vec<Vec<u32>> {
+                let outs: Vec<u64> = sizes
+                    .iter()
+                    .map(|&n| {
+                        let a = mem.alloc(4 * n);
+                        mem.put_u32s(a, &vec![0x7fbf_ffff; n]);
+                        a
+                    })
+                    .collect();
+                let recs: Vec<Arg> = outs[..6].iter().map(|&a| Arg::Ptr(a)).collect();
+                let full = cols.is_multiple_of(2048);
+                let gx = rows.div_ceil(8).min(2) as u32;
+                if fold {
+                    let mut args = vec![
+                        Arg::Ptr(gate),
+                        Arg::Ptr(up),
+                        i(rows),
+                        i(cols),
+                        Arg::Ptr(x),
+                        Arg::Ptr(outs[6]),
+                        Arg::Ptr(logits),
+                        i(experts),
+                        i(k),
+                        i(1),
+                    ];
+                    args.extend(recs);
+                    let name = if full {
+                        "gate_up_route2f_bf16"
+                    } else {
+                        "gate_up_route2_bf16"
+                    };
+                    let shared = (4 * (cols + 3 * experts)) as u32;
+                    launch(mem, name, (gx, k as u32, 1), (256, 1, 1), shared, &args).unwrap();
+                } else {
+                    let mut args = vec![Arg::Ptr(logits), i(experts), i(k), i(1)];
+                    args.extend(recs);
+                    let shared = (12 * experts) as u32;
+                    launch(mem, "route_dec", (1, 1, 1), (256, 1, 1), shared, &args).unwrap();
+                    let args = vec![
+                        Arg::Ptr(gate),
+                        Arg::Ptr(up),
+                        i(rows),
+                        i(cols),
+                        Arg::Ptr(outs[0]),
+                        Arg::Ptr(x),
+                        Arg::Ptr(0),
+                        Arg::F32(1e-6),
+                        Arg::Ptr(outs[6]),
+                    ];
+                    let name = if full {
+                        "gate_up_dec2f_bf16"
+                    } else {
+                        "gate_up_dec2_bf16"
+                    };
+                    let shared = (4 * cols) as u32;
+                    launch(mem, name, (gx, k as u32, 1), (256, 1, 1), shared, &args).unwrap();
+                }
+                outs.iter()
+                    .zip(sizes)
+                    .map(|(&a, n)| mem.u32s(a, n))
+                    .collect()
+            };
+            let want = run(&mut mem, false);
+            let got = run(&mut mem, true);
+            let names = ["ids", "probs", "weights", "by_id", "kth", "next", "act"];
+            for ((w, g), name) in want.iter().zip(&got).zip(names) {
+                assert_eq!(w, g, "{experts} experts top-{k}: {name} differs");
+                assert!(
+                    w.iter().any(|&b| b != 0x7fbf_ffff),
+                    "{experts} experts top-{k}: {name} not written"
+                );
+            }
+            if ties {
+                assert_eq!(&want[0][..2], &[1, 3], "ties go to the lower id");
+            }
+            if experts == k {
+                assert!(f32::from_bits(want[5][0]).is_nan(), "next with E = k");
+            }
+        }
+    }
+
+    #[test]
+    fn the_early_down_kernels_write_moe_down_dec2f8s_bits() {
+        // TARFA_CUDA_ROWS=v7's experts' down kernels against moe_down_dec2f8 on the same
+        // inputs: moe_down_dec2f8e (the router's records read before the wait) and
+        // moe_down_route2f8e (the choice recomputed from the logits, renormalised or not):
+        // every bit of h equal. 128 and 300 experts, widths of 1 and 3 chunks, with and without
+        // a shared expert. With the CUDA emulator these are the real kernels.
+        use super::{launch, Arg, Memory};
+        let mut rnd = uniform_floats(0x7f4a_7c15_9e37_79b9u64);
+        let mut mem = Memory::default();
+        let i = |v: usize| Arg::I32(v as i32);
+        let k = 8usize;
+        for (experts, width, hidden, shared_expert, renorm) in [
+            (128usize, 768usize, 40usize, false, true),
+            (300, 256, 24, true, false),
+        ] {
+            let logits = mem.alloc(4 * experts);
+            mem.put_f32s(logits, &rnd(experts, -4.0, 4.0));
+            let recs: Vec<u64> = [k, k, k, k, 1, 1].iter().map(|&n| mem.alloc(4 * n)).collect();
+            launch(
+                &mut mem,
+                "route_dec",
+                (1, 1, 1),
+                (256, 1, 1),
+                (12 * experts) as u32,
+                &[
+                    Arg::Ptr(logits),
+                    i(experts),
+                    i(k),
+                    i(usize::from(renorm)),
+                    Arg::Ptr(recs[0]),
+                    Arg::Ptr(recs[1]),
+                    Arg::Ptr(recs[2]),
+                    Arg::Ptr(recs[3]),
+                    Arg::Ptr(recs[4]),
+                    Arg::Ptr(recs[5]),
+                ],
+            )
+            .unwrap();
+            let n = experts * hidden * width;
+            let down = mem.alloc(2 * n);
+            let bytes: Vec<u8> = rnd(n, -1.0, 1.0)
+                .iter()
+                .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            mem.write(down, &bytes);
+            let act = mem.alloc(4 * k * width);
+            mem.put_f32s(act, &rnd(k * width, -1.0, 1.0));
+            let (y_sh, s_sh) = if shared_expert {
+                let (y, s) = (mem.alloc(4 * hidden), mem.alloc(4));
+                mem.put_f32s(y, &rnd(hidden, -1.0, 1.0));
+                mem.put_f32s(s, &rnd(1, -1.0, 1.0));
+                (y, s)
+            } else {
+                (0, 0)
+            };
+            let h = mem.alloc(4 * hidden);
+            let h0 = rnd(hidden, -1.0, 1.0);
+            let mut got: Vec<Vec<u32>> = Vec::new();
+            for name in ["moe_down_dec2f8", "moe_down_dec2f8e", "moe_down_route2f8e"] {
+                mem.put_f32s(h, &h0);
+                let mut args = vec![
+                    Arg::Ptr(down),
+                    i(hidden),
+                    i(width),
+                    Arg::Ptr(recs[0]),
+                    Arg::Ptr(recs[2]),
+                    Arg::Ptr(recs[3]),
+                    i(k),
+                    Arg::Ptr(act),
+                    Arg::Ptr(y_sh),
+                    Arg::Ptr(s_sh),
+                    Arg::Ptr(h),
+                ];
+                let mut shared = 4 * k * width;
+                if name == "moe_down_route2f8e" {
+                    args.extend([Arg::Ptr(logits), i(experts), i(usize::from(renorm))]);
+                    shared += 12 * experts;
+                }
+                launch(&mut mem, name, (2, 1, 1), (256, 1, 1), shared as u32, &args).unwrap();
+                got.push(mem.u32s(h, hidden));
+            }
+            let before: Vec<u32> = h0.iter().map(|x| x.to_bits()).collect();
+            assert_ne!(got[0], before, "{experts} experts: h unchanged");
+            assert_eq!(got[0], got[1], "{experts} experts: moe_down_dec2f8e differs");
+            assert_eq!(got[0], got[2], "{experts} experts: moe_down_route2f8e differs");
         }
     }
 
@@ -1620,9 +1902,10 @@ mod tests {
     fn the_router_kernels_take_many_experts_and_top_k_of_all() {
         // more experts than one warp's registers hold (300 > 256: the keys read from shared
         // memory, two 256-chunks in the softmax sum), and k = E (next is NaN); the default
-        // router kernels, then route_dec (TARFA_CUDA_ROUTER=v3)
+        // router kernels, route_dec (TARFA_CUDA_ROUTER=v3) and the top-k folded into the
+        // experts' gate+up (v4)
         use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
-        for router in [None, Some(KernelVersion::V3)] {
+        for router in [None, Some(KernelVersion::V3), Some(KernelVersion::V4)] {
             KERNELS_FOR_TEST.with(|c| {
                 c.set(router.map(|router| DecodeKernels {
                     router,

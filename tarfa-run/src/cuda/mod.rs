@@ -148,7 +148,7 @@ pub struct CudaOptions {
     pub device: usize,
     /// Wait after every kernel so that a failure names it (slow; also `TARFA_CUDA_SYNC=1`).
     pub sync_each_kernel: bool,
-    /// How one-token (decode) steps run; `None`: `TARFA_CUDA_DECODE`, else [`DecodeMode::Graph`].
+    /// How one-token (decode) steps run; `None`: `TARFA_CUDA_DECODE`, else [`DecodeMode::GraphPdl`].
     pub decode: Option<DecodeMode>,
     /// Expert streaming: keep only the dense weights resident and hold experts in a hot tier of
     /// this much GPU memory, fetching the rest from the weight source (the warm tier and the
@@ -232,8 +232,10 @@ pub enum DecodeMode {
     Direct,
     /// kernels/decode.cu captured once into a CUDA graph, replayed per token.
     Graph,
-    /// As `Graph`, with programmatic dependent launch between the kernels (Hopper and later).
-    /// Opt-in: on the H200 it measured no gain over `Graph` (docs/PHASE_LOG.md).
+    /// As `Graph`, with programmatic dependent launch between the kernels (Hopper and later):
+    /// the default. Each kernel's blocks start as the previous kernel drains and load their
+    /// first weights before they wait for it (TARFA_CUDA_ROWS=v7; PHASE_LOG P16). Where the
+    /// capture fails, the step falls back to `Graph` with kernels that load after the wait.
     GraphPdl,
 }
 

@@ -169,7 +169,7 @@ impl CudaModel {
     }
 
     /// The decode mode new caches start with ([`CudaOptions::decode`], else
-    /// `TARFA_CUDA_DECODE`, else [`DecodeMode::Graph`]).
+    /// `TARFA_CUDA_DECODE`, else [`DecodeMode::GraphPdl`]).
     pub fn default_decode_mode(&self) -> DecodeMode {
         self.decode_mode
     }
@@ -310,7 +310,7 @@ impl CudaModel {
         let decode_mode = std::env::var("TARFA_CUDA_DECODE")
             .ok()
             .and_then(|v| DecodeMode::parse(&v))
-            .unwrap_or(DecodeMode::Graph);
+            .unwrap_or(DecodeMode::GraphPdl);
         let hot = match hot {
             Some(o) => Some(Box::new(Mutex::new(HotTier::new(
                 &gpu, &cfg, moe_layers, o,

@@ -32,6 +32,9 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+struct alignas(16) int4 {
+    int x, y, z, w;
+};
 
 // The running fiber's view (set by the scheduler before it switches to a fiber).
 extern dim3e threadIdx, blockIdx, blockDim, gridDim;
