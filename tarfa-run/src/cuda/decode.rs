@@ -1,11 +1,13 @@
 //! The decode step (one token) as a launch list of kernels/decode.cu, captured once into a CUDA
 //! graph and replayed for every token (docs/PERFORMANCE.md, "CUDA decode").
 //!
-//! Per MoE layer: `dmv` q|k|v (input RMSNorm fused), `attn_decode` (q/k norm, RoPE, KV append,
-//! attention), `dmv` o_proj (+ residual), `router` (post-attention RMSNorm fused, top-k in its
-//! last block), `gate_up_dec` (the k experts' gate and up with SwiGLU), `moe_down_dec` (the k
-//! experts' down projections, mixed in ascending id, + residual): 6 launches. Then `lmhead`
-//! (final RMSNorm fused, greedy token in its last block). The token and the position live in a
+//! Per MoE layer (the defaults, PHASE_LOG P16): `dmv` q|k|v (input RMSNorm fused), `attn_decode`
+//! (q/k norm, RoPE, KV append, attention), `dmv` o_proj (+ residual), `dmv` router logits
+//! (post-attention RMSNorm fused), `gate_up_route` (the top-k in every block, then the k
+//! experts' gate and up with SwiGLU), `moe_down` (the k experts' down projections, mixed in
+//! ascending id, + residual): 6 launches, captured with programmatic dependent launch, each
+//! kernel loading its first weights before it waits for the previous one. Then `lmhead` (final
+//! RMSNorm fused, greedy token in its last block). The token and the position live in a
 //! device-resident state, so the graph serves every position and a greedy loop needs no host
 //! round trip between tokens. (Models the kernels cannot take, `decode_unsupported`, keep the
 //! legacy per-operation kernels for their decode steps; so does the INVALID bf16 arm.)
@@ -80,13 +82,15 @@ pub(crate) enum KernelVersion {
     /// route_dec; for the row kernels, moe_down_dec3.
     V3,
     /// The fourth: for attention attn_decode4 (attn_decode3 with its prologue's loads issued
-    /// together; not the default: -0.7% paired, below the bar, PHASE_LOG P15); for the row
-    /// kernels moe_down_dec4; for the router the same as v3.
+    /// together and its constants loaded before the programmatic-launch wait; the default,
+    /// PHASE_LOG P15, P16); for the router the top-k folded into the experts' kernels
+    /// (gate_up_route2, moe_down_route2f8e; the default, P16); for the row kernels
+    /// moe_down_dec4.
     V4,
     /// The fifth (row kernels only: the second versions without per-chunk guards where a
     /// launch's rows are whole groups -- the `f` entry points of kernels/decode.cu, BF16, and
     /// moe_down_dec2f8 for top-8 over widths of whole chunks; v2 elsewhere; for attention and
-    /// the router the same as v3).
+    /// the router, and for v6 and v7 also, the same as v3).
     V5,
     /// The sixth (row kernels only): v5 with the q|k|v, o_proj, router-logit and lm_head
     /// kernels loading their first weights before the programmatic-launch wait (the `e` entry
@@ -101,7 +105,10 @@ pub(crate) enum KernelVersion {
 impl KernelVersion {
     /// The row kernels without per-chunk guards where the shapes allow (v5, v6).
     fn unguarded(self) -> bool {
-        matches!(self, KernelVersion::V5 | KernelVersion::V6 | KernelVersion::V7)
+        matches!(
+            self,
+            KernelVersion::V5 | KernelVersion::V6 | KernelVersion::V7
+        )
     }
 
     /// The row kernels that load their first weights before the wait (v6, v7).
@@ -142,8 +149,9 @@ pub(crate) struct DecodeKernels {
     pub(crate) attn: KernelVersion,
     pub(crate) router: KernelVersion,
     /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS` (v3: v2 with the experts'
-    /// down rows of at most 3 chunks all in flight, moe_down_dec3; v5, the default: v2 without
-    /// per-chunk guards where the shapes allow).
+    /// down rows of at most 3 chunks all in flight, moe_down_dec3; v5: v2 without per-chunk
+    /// guards where the shapes allow; v7, the default: v5 loading first weights before the
+    /// programmatic-launch wait when the step has one, see [`DecodeKernels::for_launch`]).
     pub(crate) rows: KernelVersion,
     /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
     pub(crate) attn_shared_max: usize,
@@ -549,7 +557,11 @@ impl CudaModel {
         let shared = Self::row_shared(cols, norm != 0, version);
         Launch {
             name,
-            grid: (self.gate_up_grid(name, rows, slots, shared), slots as u32, 1),
+            grid: (
+                self.gate_up_grid(name, rows, slots, shared),
+                slots as u32,
+                1,
+            ),
             block: (256, 1, 1),
             shared,
             args: vec![
@@ -981,7 +993,8 @@ impl CudaModel {
                         _ => "moe_down_dec2",
                     };
                     let route_args = name == "moe_down_route2f8e";
-                    let shared_mem = ((k_top * i + if route_args { 3 * e_count } else { 0 }) * F) as u32;
+                    let shared_mem =
+                        ((k_top * i + if route_args { 3 * e_count } else { 0 }) * F) as u32;
                     self.gpu.allow_shared(name, shared_mem)?;
                     // moe_down_dec4 takes 4 rows per block (2 warps a row), the others 8
                     let grid = if name == "moe_down_dec4" {
@@ -1010,15 +1023,18 @@ impl CudaModel {
                             p(&b.h),
                         ]
                         .into_iter()
-                        .chain(route_args.then(|| {
-                            [
-                                p(&b.router_logits),
-                                i32a(e_count),
-                                Arg::I32(i32::from(self.spec.renormalize_topk)),
-                            ]
-                        })
-                        .into_iter()
-                        .flatten())
+                        .chain(
+                            route_args
+                                .then(|| {
+                                    [
+                                        p(&b.router_logits),
+                                        i32a(e_count),
+                                        Arg::I32(i32::from(self.spec.renormalize_topk)),
+                                    ]
+                                })
+                                .into_iter()
+                                .flatten(),
+                        )
                         .collect(),
                         pdl: true,
                         label: "experts down (k experts, mix, +residual)",

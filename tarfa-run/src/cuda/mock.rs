@@ -672,9 +672,14 @@ pub(crate) fn launch(
                 (a.ptr(0), a.int(1), a.int(2), a.ptr(3), a.ptr(4), a.float(5));
             assert!(block.0 == 256 && gy == 1 && gz == 1, "{name} geometry");
             // the unguarded entry points take rows of whole groups only
-            let group = if name.starts_with("dmv2wf") { 4096 } else { 2048 };
+            let group = if name.starts_with("dmv2wf") {
+                4096
+            } else {
+                2048
+            };
             assert!(
-                !(name.contains("f_bf16") || name.contains("fe_bf16")) || cols.is_multiple_of(group),
+                !(name.contains("f_bf16") || name.contains("fe_bf16"))
+                    || cols.is_multiple_of(group),
                 "{name}: {cols} columns are not whole groups of {group}"
             );
             // the second versions stage the norm's weights beside the input
@@ -831,7 +836,14 @@ pub(crate) fn launch(
                 "{name}: shared memory"
             );
             let l = mem.f32s(logits, e_count);
-            let out = [a.ptr(10), a.ptr(11), a.ptr(12), a.ptr(13), a.ptr(14), a.ptr(15)];
+            let out = [
+                a.ptr(10),
+                a.ptr(11),
+                a.ptr(12),
+                a.ptr(13),
+                a.ptr(14),
+                a.ptr(15),
+            ];
             route_reference(mem, &l, k, renorm, 0, out);
             let ids = mem.u32s(out[0], k);
             let xv = mem.f32s(x, cols);
@@ -1583,7 +1595,10 @@ mod tests {
         ] {
             let logits = mem.alloc(4 * experts);
             mem.put_f32s(logits, &rnd(experts, -4.0, 4.0));
-            let recs: Vec<u64> = [k, k, k, k, 1, 1].iter().map(|&n| mem.alloc(4 * n)).collect();
+            let recs: Vec<u64> = [k, k, k, k, 1, 1]
+                .iter()
+                .map(|&n| mem.alloc(4 * n))
+                .collect();
             launch(
                 &mut mem,
                 "route_dec",
@@ -1649,8 +1664,14 @@ mod tests {
             }
             let before: Vec<u32> = h0.iter().map(|x| x.to_bits()).collect();
             assert_ne!(got[0], before, "{experts} experts: h unchanged");
-            assert_eq!(got[0], got[1], "{experts} experts: moe_down_dec2f8e differs");
-            assert_eq!(got[0], got[2], "{experts} experts: moe_down_route2f8e differs");
+            assert_eq!(
+                got[0], got[1],
+                "{experts} experts: moe_down_dec2f8e differs"
+            );
+            assert_eq!(
+                got[0], got[2],
+                "{experts} experts: moe_down_route2f8e differs"
+            );
         }
     }
 
