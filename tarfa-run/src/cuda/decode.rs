@@ -235,6 +235,19 @@ pub(crate) fn attn_decode4_name(d: usize) -> &'static str {
     ][attn_cap(d)]
 }
 
+/// Blocks (of 8 warps) of the stacked q|k|v launch over `rows` rows when the GPU holds
+/// `resident` such blocks at once: two rows per warp (each warp issues its second row's loads
+/// before its first row's tree), which measured faster than one pass of one row per warp
+/// (PHASE_LOG P16), never more than it holds; `blocks` (`TARFA_CUDA_QKV_BLOCKS`) overrides, up to
+/// one row per warp.
+fn qkv_grid(rows: usize, resident: u32, blocks: Option<u32>) -> u32 {
+    let one_per_warp = rows.div_ceil(8).max(1) as u32;
+    match blocks {
+        Some(n) => n.clamp(1, one_per_warp),
+        None => (rows.div_ceil(16).max(1) as u32).min(resident.max(1)),
+    }
+}
+
 fn p(b: &DevBuf) -> Arg {
     Arg::Ptr(b.ptr())
 }
@@ -649,12 +662,9 @@ impl CudaModel {
                     "attention q|k|v (+input norm)",
                     kernels.rows,
                 );
-                // two rows per warp (the second row's loads are issued before the first row's
-                // tree): faster than one pass of one row per warp (PHASE_LOG P16)
-                launch.grid.0 = match kernels.qkv_blocks {
-                    Some(n) => n.min(qkv_rows.div_ceil(8) as u32),
-                    None => self.row_grid(launch.name, qkv_rows.div_ceil(2), launch.shared),
-                };
+                let resident = self.gpu.occupancy(launch.name, 256, launch.shared)
+                    * self.gpu.info.multiprocessors.max(1);
+                launch.grid.0 = qkv_grid(qkv_rows, resident, kernels.qkv_blocks);
                 v.push(launch);
             } else {
                 for (m, bias, out) in [
@@ -1471,6 +1481,15 @@ impl CudaModel {
 }
 
 impl CudaCache {
+    /// The kernels of the prepared decode step, in launch order, with their grids (tests).
+    #[cfg(test)]
+    pub(crate) fn decode_kernels(&self) -> Vec<(&'static str, (u32, u32, u32))> {
+        self.dec
+            .as_ref()
+            .map(|d| d.launches.iter().map(|l| (l.name, l.grid)).collect())
+            .unwrap_or_default()
+    }
+
     /// Chooses how this sequence's decode steps run (the next step rebuilds what it needs).
     pub fn set_decode_mode(&mut self, mode: DecodeMode) {
         self.mode = mode;
@@ -1490,5 +1509,25 @@ impl CudaCache {
     /// Kernel launches of one decode step (0 before the first).
     pub fn decode_launches(&self) -> usize {
         self.dec.as_ref().map_or(0, |d| d.launches.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::qkv_grid;
+
+    #[test]
+    fn the_qkv_launch_takes_two_rows_per_warp_within_what_the_gpu_holds() {
+        // Qwen3-30B-A3B's 5,120 q|k|v rows on the H200 (528 resident blocks): 320 blocks
+        assert_eq!(qkv_grid(5120, 528, None), 320);
+        // a GPU that holds fewer: all it holds (each warp then takes more rows)
+        assert_eq!(qkv_grid(5120, 132, None), 132);
+        // a partial last block and a tiny model
+        assert_eq!(qkv_grid(5121, 528, None), 321);
+        assert_eq!(qkv_grid(3, 528, None), 1);
+        // the override, at most one row per warp and at least one block
+        assert_eq!(qkv_grid(5120, 528, Some(264)), 264);
+        assert_eq!(qkv_grid(5120, 528, Some(10_000)), 640);
+        assert_eq!(qkv_grid(5120, 528, Some(0)), 1);
     }
 }

@@ -1920,6 +1920,84 @@ mod tests {
     }
 
     #[test]
+    fn the_early_kernels_run_only_with_programmatic_launch() {
+        // At hidden 2,048, top-8 over whole chunks (where the `f` and `e` entry points apply):
+        // graph-pdl runs rows v7's `e` kernels and the folded top-k; the plain graph and the
+        // one-by-one launches run v5's `f` kernels (the `e` ones are slower without the overlap);
+        // router v3 brings back route_dec and moe_down_dec2f8e. Every arrangement gives the same
+        // logits and tokens, bit for bit.
+        use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
+        use crate::cpu::{ForwardOptions, LogitRows};
+        use crate::cuda::DecodeMode;
+        let shape = SyntheticShape {
+            layers: 1,
+            hidden: 2048,
+            heads: 16,
+            kv_heads: 2,
+            head_dim: 128,
+            experts: 9,
+            top_k: 8,
+            expert_width: 256,
+            vocab: 300,
+            mlp_only_layers: vec![],
+            ..SyntheticShape::small("qwen3_moe")
+        };
+        let (cfg, src) = random_model(&shape, 31);
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg, Arc::new(src), None).unwrap();
+        let last = ForwardOptions {
+            logits: LogitRows::Last,
+            ..Default::default()
+        };
+        let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
+        for (mode, router) in [
+            (DecodeMode::GraphPdl, None),
+            (DecodeMode::Graph, None),
+            (DecodeMode::Direct, None),
+            (DecodeMode::GraphPdl, Some(KernelVersion::V3)),
+        ] {
+            KERNELS_FOR_TEST.with(|c| {
+                c.set(router.map(|router| DecodeKernels {
+                    router,
+                    ..DecodeKernels::from_env()
+                }))
+            });
+            let mut gc = gpu.new_cache().unwrap();
+            gc.set_decode_mode(mode);
+            let out = gpu.forward(&mut gc, &[5, 77], &last).unwrap();
+            let t = crate::generate::argmax(&out.logits[0]);
+            let step = gpu.forward(&mut gc, &[t], &last).unwrap();
+            let toks = gpu.decode_greedy(&mut gc, 9, 3).unwrap();
+            let bits: Vec<u32> = step.logits[0].iter().map(|x| x.to_bits()).collect();
+            match &reference {
+                None => reference = Some((bits, toks)),
+                Some(r) => assert!(r.0 == bits && r.1 == toks, "{mode:?} {router:?} differs"),
+            }
+            assert_eq!(gc.decode_running().unwrap().0, mode, "{mode:?}");
+            let kernels = gc.decode_kernels();
+            let names: Vec<&str> = kernels.iter().map(|k| k.0).collect();
+            let has = |n: &str| names.contains(&n);
+            let early = mode == DecodeMode::GraphPdl;
+            let folded = router.is_none();
+            assert_eq!(has("dmv2fe_bf16"), early, "{mode:?}: {names:?}");
+            assert_eq!(has("lmhead2fe_bf16"), early, "{names:?}");
+            assert_eq!(has("dmv2f_bf16"), !early, "{names:?}");
+            assert_eq!(has("route_dec"), !folded, "{names:?}");
+            assert_eq!(has("gate_up_route2f_bf16"), folded, "{names:?}");
+            let down = match (early, folded) {
+                (true, true) => "moe_down_route2f8e",
+                (true, false) => "moe_down_dec2f8e",
+                (false, _) => "moe_down_dec2f8",
+            };
+            assert!(has(down), "{mode:?} {router:?}: {names:?}");
+            assert!(has("attn_decode4_d128"), "{names:?}");
+            // q|k|v: (16 + 2 * 2) * 128 = 2,560 rows, two per warp (160 blocks), capped at the
+            // 2 blocks the mock device holds (decode.rs qkv_grid has the H200's numbers)
+            assert_eq!(kernels[1].1 .0, 2, "{names:?}");
+        }
+        KERNELS_FOR_TEST.with(|c| c.set(None));
+    }
+
+    #[test]
     fn the_router_kernels_take_many_experts_and_top_k_of_all() {
         // more experts than one warp's registers hold (300 > 256: the keys read from shared
         // memory, two 256-chunks in the softmax sum), and k = E (next is NaN); the default
