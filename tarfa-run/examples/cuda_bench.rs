@@ -12,7 +12,8 @@
 //! each setting's rounds, `--graph-diag` replays each, default 30; change against the first
 //! setting), each setting's greedy tokens and last logits compared bit for bit with the first's;
 //! then stops. A setting may also name `TARFA_CUDA_DECODE` (the decode mode its graph runs as,
-//! default the model's) and `TARFA_CUDA_QKV_BLOCKS` (the q|k|v launch's blocks, a timing knob).
+//! default the model's) and `TARFA_CUDA_QKV_BLOCKS`, `TARFA_CUDA_OPROJ_BLOCKS`,
+//! `TARFA_CUDA_DOWN_BLOCKS` (those launches' blocks: timing knobs).
 //! `--only-profile`: load, then step 4 alone (for a run under ncu).
 //! `--graph-diag REPS`: first, the decode graph's time with each kind of launch left out and of
 //! each kind alone (a timing diagnostic; `--only-graph-diag` stops after it; `--graph-diag-all`:
@@ -233,12 +234,14 @@ impl Bench<'_> {
 
 /// The variables that select the decode kernels (and, in `--sweep` settings, the decode mode
 /// and the q|k|v grid).
-const KERNEL_VARS: [&str; 5] = [
+const KERNEL_VARS: [&str; 7] = [
     "TARFA_CUDA_ATTN",
     "TARFA_CUDA_ROUTER",
     "TARFA_CUDA_ROWS",
     "TARFA_CUDA_DECODE",
     "TARFA_CUDA_QKV_BLOCKS",
+    "TARFA_CUDA_OPROJ_BLOCKS",
+    "TARFA_CUDA_DOWN_BLOCKS",
 ];
 
 /// The decode mode a setting asks for (`TARFA_CUDA_DECODE=...`; `default` otherwise).

@@ -159,6 +159,10 @@ pub(crate) struct DecodeKernels {
     /// takes which rows, never a value; `None`: two rows per warp, at most what the GPU holds at
     /// once, PHASE_LOG P16).
     pub(crate) qkv_blocks: Option<u32>,
+    /// Blocks of the o_proj and the experts' down launches (`TARFA_CUDA_OPROJ_BLOCKS`,
+    /// `TARFA_CUDA_DOWN_BLOCKS`: timing knobs as `qkv_blocks`; `None`: [`CudaModel::row_grid`]).
+    pub(crate) oproj_blocks: Option<u32>,
+    pub(crate) down_blocks: Option<u32>,
 }
 
 #[cfg(test)]
@@ -195,10 +199,9 @@ impl DecodeKernels {
             router: pick("TARFA_CUDA_ROUTER", KernelVersion::V4),
             rows: pick("TARFA_CUDA_ROWS", KernelVersion::V7),
             attn_shared_max: ATTN_SHARED_MAX,
-            qkv_blocks: std::env::var("TARFA_CUDA_QKV_BLOCKS")
-                .ok()
-                .and_then(|v| v.trim().parse::<u32>().ok())
-                .filter(|&n| n > 0),
+            qkv_blocks: blocks_var("TARFA_CUDA_QKV_BLOCKS"),
+            oproj_blocks: blocks_var("TARFA_CUDA_OPROJ_BLOCKS"),
+            down_blocks: blocks_var("TARFA_CUDA_DOWN_BLOCKS"),
         }
     }
 }
@@ -242,10 +245,22 @@ pub(crate) fn attn_decode4_name(d: usize) -> &'static str {
 /// one row per warp.
 fn qkv_grid(rows: usize, resident: u32, blocks: Option<u32>) -> u32 {
     let one_per_warp = rows.div_ceil(8).max(1) as u32;
-    match blocks {
-        Some(n) => n.clamp(1, one_per_warp),
-        None => (rows.div_ceil(16).max(1) as u32).min(resident.max(1)),
-    }
+    let two_per_warp = (rows.div_ceil(16).max(1) as u32).min(resident.max(1));
+    override_blocks(two_per_warp, rows, blocks).min(one_per_warp)
+}
+
+/// A positive block count from the environment variable `var`, if it holds one.
+fn blocks_var(var: &str) -> Option<u32> {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|&n| n > 0)
+}
+
+/// The blocks of a row launch over `rows` rows: `blocks` (a timing override) when set, at most
+/// one row per warp, else `grid`.
+fn override_blocks(grid: u32, rows: usize, blocks: Option<u32>) -> u32 {
+    blocks.map_or(grid, |n| n.clamp(1, rows.div_ceil(8).max(1) as u32))
 }
 
 fn p(b: &DevBuf) -> Arg {
@@ -767,7 +782,7 @@ impl CudaModel {
                 bytes: 0,
             });
             // h = h + W_o o (+ b_o)
-            v.push(self.dmv(
+            let mut o_proj = self.dmv(
                 &a.o,
                 b.o.ptr(),
                 0,
@@ -778,7 +793,9 @@ impl CudaModel {
                 0,
                 "attention o_proj (+residual)",
                 kernels.rows,
-            ));
+            );
+            o_proj.grid.0 = override_blocks(o_proj.grid.0, h, kernels.oproj_blocks);
+            v.push(o_proj);
             match &layer.mlp {
                 DevMlp::Dense(m) => {
                     let f = m.gate.rows;
@@ -1014,6 +1031,7 @@ impl CudaModel {
                     } else {
                         self.row_grid(name, h, shared_mem)
                     };
+                    let grid = override_blocks(grid, h, kernels.down_blocks);
                     v.push(Launch {
                         name,
                         grid: (grid, 1, 1),

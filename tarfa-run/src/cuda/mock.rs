@@ -1186,6 +1186,8 @@ mod tests {
                     rows: KernelVersion::V1,
                     attn_shared_max,
                     qkv_blocks: None,
+                    oproj_blocks: None,
+                    down_blocks: None,
                 }))
             });
             eprintln!("attention {attn:?}, router {router:?}, shared max {attn_shared_max}");
