@@ -175,6 +175,19 @@ fn logits_file_is_exact_and_reproducible() {
         .map(|t| t.parse().unwrap())
         .collect();
     assert_eq!(printed, greedy);
+    // Without --logits-out the engine chooses each token itself (no logits kept): the same
+    // tokens.
+    let (code, stdout2, err2) = run(&[
+        "generate",
+        b.to_str().unwrap(),
+        "--tokens",
+        &tokens_arg(&prompt),
+        "--max-new-tokens",
+        &greedy.len().to_string(),
+        "--ignore-eos",
+    ]);
+    assert_eq!(code, 0, "{err2}");
+    assert_eq!(stdout2, stdout, "tokens without --logits-out");
 
     let st = SafeTensors::deserialize(&a).unwrap();
     let (_, meta) = SafeTensors::read_metadata(&a).unwrap();

@@ -4,8 +4,12 @@
 use std::sync::Arc;
 
 use tarfa_run::config::MoeConfig;
-use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, ForwardOutput, KvCache};
+use tarfa_run::cpu::{
+    CpuEngine, CpuModel, EngineOptions, ForwardOptions, ForwardOutput, KvCache, LogitRows,
+    StepStats,
+};
 use tarfa_run::cuda::{self, CudaCache, CudaError, CudaModel, CudaOptions, HotOptions, HotStats};
+use tarfa_run::generate::argmax;
 use tarfa_run::numerics::Kernel;
 use tarfa_run::stream::format_bytes;
 use tarfa_run::weights::WeightSource;
@@ -105,6 +109,24 @@ impl Engine {
         match self {
             Engine::Cpu { engine, cache } => Ok(engine.forward(cache, tokens, opts)?),
             Engine::Cuda { model, cache } => Ok(model.forward(cache, tokens, opts)?),
+        }
+    }
+
+    /// One greedy decode step after `token`: the next token (the argmax of the step's logits)
+    /// and the step's statistics, for callers that keep neither the logits nor the router's
+    /// records. CUDA chooses the token on the GPU and copies no logits back
+    /// (`CudaModel::greedy_step`); the CPU runs its forward step.
+    pub fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), CliError> {
+        match self {
+            Engine::Cpu { engine, cache } => {
+                let opts = ForwardOptions {
+                    logits: LogitRows::Last,
+                    ..ForwardOptions::default()
+                };
+                let out = engine.forward(cache, &[token], &opts)?;
+                Ok((argmax(&out.logits[0]), out.stats))
+            }
+            Engine::Cuda { model, cache } => Ok(model.greedy_step(cache, token)?),
         }
     }
 

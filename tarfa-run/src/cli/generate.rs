@@ -324,15 +324,22 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         logits: LogitRows::Last,
         ..opts
     };
+    // Without --logits-out, a router trace or the INVALID arm, a step's logits are only needed
+    // for its greedy token: the engine chooses it (CUDA on the GPU, with no logits copied back:
+    // the decode step's own speed, docs/PERFORMANCE.md "CUDA decode"), and none are kept.
+    let token_only = a.logits_out.is_none() && trace.is_none() && !a.invalid_bf16_before_lm_head;
+    let mut chosen: Option<u32> = None;
     let mut tokens = Vec::new();
     let mut step_logits = Vec::new();
     // Weight bytes the decode steps touched (every matrix applied, experts fetched, embeddings).
     let mut decode_weight_bytes = 0u64;
     let t1 = Instant::now();
     for j in 0..max_new {
-        let next = argmax(&last);
+        let next = chosen.take().unwrap_or_else(|| argmax(&last));
         tokens.push(next);
-        step_logits.push(std::mem::take(&mut last));
+        if !token_only {
+            step_logits.push(std::mem::take(&mut last));
+        }
         // A closed stdout (a pipe to `head`) ends the stream, not the run.
         match text.as_mut() {
             Some(ts) => {
@@ -349,6 +356,13 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             break;
         }
         streamed.begin(false, engine.hot_stats());
+        if token_only {
+            let (t, stats) = engine.greedy_step(next)?;
+            streamed.end(false, 1, engine.hot_stats());
+            decode_weight_bytes += stats.weight_bytes;
+            chosen = Some(t);
+            continue;
+        }
         let step = engine.forward(&[next], &step_opts)?;
         streamed.end(false, 1, engine.hot_stats());
         decode_weight_bytes += step.stats.weight_bytes;

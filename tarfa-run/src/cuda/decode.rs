@@ -1245,6 +1245,54 @@ impl CudaModel {
         })
     }
 
+    /// One greedy decode step: `token` at position `cache.len()`, then the next token -- the
+    /// argmax of this step's logits chosen on the GPU (what [`crate::generate::argmax`] chooses
+    /// from them) -- and the step's statistics, with no logits copied to the host (what
+    /// `tarfa-run generate` needs when it writes no logits and no router trace). With
+    /// [`DecodeMode::Legacy`], or a model the decode kernels cannot run, it runs
+    /// [`CudaModel::forward`] and the host's argmax.
+    pub fn greedy_step(
+        &self,
+        cache: &mut CudaCache,
+        token: u32,
+    ) -> Result<(u32, StepStats), CudaError> {
+        if cache.mode == DecodeMode::Legacy || self.decode_unsupported().is_some() {
+            let out = self.forward(cache, &[token], &ForwardOptions::default())?;
+            return Ok((crate::generate::argmax(&out.logits[0]), out.stats));
+        }
+        if token as usize >= self.cfg.vocab_size {
+            return Err(RunError::TokenOutOfRange {
+                token,
+                vocab: self.cfg.vocab_size,
+            }
+            .into());
+        }
+        if cache.model_id != self.id {
+            return Err(CudaError::Unsupported(
+                "a KV cache made by another model".into(),
+            ));
+        }
+        self.reserve(cache, 1)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        let b = &dc.bufs;
+        // step 0 of the token log: the lm_head kernel writes this step's choice there
+        self.gpu.write_async(
+            b.state.ptr(),
+            &[token, pos0 as u32, 0, 0],
+            "the decode state",
+        )?;
+        self.run_decode_step(dc)?;
+        let next: Vec<u32> = self.gpu.read(b.tok_log.ptr(), 1, "the chosen token")?;
+        let k = self.cfg.top_k;
+        let ids: Vec<u32> =
+            self.gpu
+                .read(b.ids.ptr(), self.moe_layers * k, "the router's choices")?;
+        cache.len = pos0 + 1;
+        Ok((next[0], self.step_stats(1, &ids)))
+    }
+
     /// Greedy decoding of `n` tokens on the device after `first` (the token at position
     /// `cache.len()`, not yet in the cache): each step's token is the argmax of its logits,
     /// chosen on the GPU and fed to the next step there; the host waits once, at the end.

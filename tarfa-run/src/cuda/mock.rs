@@ -1123,6 +1123,61 @@ mod tests {
     }
 
     #[test]
+    fn greedy_steps_choose_the_cpus_tokens_without_copying_logits() {
+        // CudaModel::greedy_step (tarfa-run generate's path when it writes no logits): in every
+        // decode mode, each step's token is the CPU's greedy token and its statistics are those
+        // forward() reports for the same step
+        use crate::cpu::{ForwardOptions, LogitRows};
+        use crate::cuda::DecodeMode;
+        use crate::generate::argmax;
+        let last = ForwardOptions {
+            logits: LogitRows::Last,
+            ..Default::default()
+        };
+        for family in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] {
+            let (cfg, src) = random_model(&SyntheticShape::small(family), 13);
+            let src: Arc<dyn WeightSource> = Arc::new(src);
+            let prompt: Vec<u32> = (0..7).map(|i| (i * 53 % cfg.vocab_size) as u32).collect();
+            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+            let engine = CpuEngine::new(
+                cpu.clone(),
+                EngineOptions {
+                    threads: 2,
+                    kernel: Kernel::best(),
+                },
+            )
+            .unwrap();
+            let mut cc = cpu.new_cache();
+            let mut toks = vec![argmax(
+                &engine.forward(&mut cc, &prompt, &last).unwrap().logits[0],
+            )];
+            for j in 0..3 {
+                let l = engine.forward(&mut cc, &[toks[j]], &last).unwrap();
+                toks.push(argmax(&l.logits[0]));
+            }
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            for mode in DecodeMode::ALL {
+                let (mut a, mut b) = (gpu.new_cache().unwrap(), gpu.new_cache().unwrap());
+                a.set_decode_mode(mode);
+                b.set_decode_mode(mode);
+                gpu.forward(&mut a, &prompt, &last).unwrap();
+                gpu.forward(&mut b, &prompt, &last).unwrap();
+                for j in 0..3 {
+                    let (t, stats) = gpu.greedy_step(&mut a, toks[j]).unwrap();
+                    assert_eq!(t, toks[j + 1], "{family} {mode:?} step {j}");
+                    let f = gpu.forward(&mut b, &[toks[j]], &last).unwrap();
+                    assert_eq!(stats, f.stats, "{family} {mode:?} step {j}");
+                    assert!(stats.weight_bytes > 0);
+                }
+                assert_eq!(a.len(), prompt.len() + 3);
+            }
+            let mut a = gpu.new_cache().unwrap();
+            gpu.forward(&mut a, &prompt, &last).unwrap();
+            assert!(gpu.greedy_step(&mut a, cfg.vocab_size as u32).is_err());
+        }
+    }
+
+    #[test]
     fn the_decode_kernels_handle_wide_rows_and_partial_chunks() {
         // rows of several 8-chunk load groups with a partial last chunk (hidden 2304 = 9 x 256;
         // q values 12 x 200 = 2400 = 9 x 256 + 96), an expert width of 2 chunks + 8, a dense

@@ -83,6 +83,13 @@ impl CudaModel {
     ) -> Result<Vec<u32>, CudaError> {
         match self.never {}
     }
+    pub fn greedy_step(
+        &self,
+        _cache: &mut CudaCache,
+        _token: u32,
+    ) -> Result<(u32, crate::cpu::StepStats), CudaError> {
+        match self.never {}
+    }
     pub fn profile_decode(
         &self,
         _cache: &mut CudaCache,
