@@ -84,8 +84,8 @@ pub(crate) enum KernelVersion {
     /// The fourth: for attention attn_decode4 (attn_decode3 with its prologue's loads issued
     /// together and its constants loaded before the programmatic-launch wait; the default,
     /// PHASE_LOG P15, P16); for the router the top-k folded into the experts' kernels
-    /// (gate_up_route2, moe_down_route2f8e; the default, P16); for the row kernels
-    /// moe_down_dec4.
+    /// (gate_up_route2, moe_down_route2f8e; the default, P16; with rows v1 as v3); for the row
+    /// kernels moe_down_dec4.
     V4,
     /// The fifth (row kernels only: the second versions without per-chunk guards where a
     /// launch's rows are whole groups -- the `f` entry points of kernels/decode.cu, BF16, and
@@ -849,8 +849,11 @@ impl CudaModel {
                         Arg::Ptr(b.kth.ptr() + one),
                         Arg::Ptr(b.next.ptr() + one),
                     ];
-                    // v4: the top-k folded into the experts' gate+up kernel
-                    let fused_route = kernels.router == KernelVersion::V4;
+                    // v4: the top-k folded into the experts' gate+up kernel (not with rows v1,
+                    // whose moe_down_dec reads the router's choices before its programmatic-
+                    // launch wait, so they must be written two kernels back: route_dec's)
+                    let fused_route =
+                        kernels.router == KernelVersion::V4 && kernels.rows != KernelVersion::V1;
                     if !matches!(kernels.router, KernelVersion::V1 | KernelVersion::V2) {
                         // the logits by a plain row kernel, then the top-k as a kernel of its
                         // own (kernels/decode.cu route_dec)
