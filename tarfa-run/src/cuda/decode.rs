@@ -1211,23 +1211,11 @@ impl CudaModel {
         token: u32,
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, CudaError> {
-        self.reserve(cache, 1)?;
-        self.ensure_decode(cache)?;
-        let pos0 = cache.len;
-        let dc = cache.dec.as_ref().expect("prepared above");
-        let b = &dc.bufs;
-        self.gpu.write_async(
-            b.state.ptr(),
-            &[token, pos0 as u32, 0, 0],
-            "the decode state",
-        )?;
-        self.run_decode_step(dc)?;
+        let pos0 = self.launch_one_step(cache, token)?;
+        let b = &cache.dec.as_ref().expect("prepared above").bufs;
         let vocab = self.cfg.vocab_size;
         let logits: Vec<f32> = self.gpu.read(b.logits.ptr(), vocab, "the logits")?;
-        let k = self.cfg.top_k;
-        let ids: Vec<u32> =
-            self.gpu
-                .read(b.ids.ptr(), self.moe_layers * k, "the router's choices")?;
+        let ids = self.step_ids(b)?;
         let stats = self.step_stats(1, &ids);
         let router = if opts.trace_router {
             let rec = RecordPtrs {
@@ -1248,6 +1236,49 @@ impl CudaModel {
         })
     }
 
+    /// `token` is in the vocabulary and `cache` was made by this model.
+    fn check_step_input(&self, cache: &CudaCache, token: u32) -> Result<(), CudaError> {
+        if token as usize >= self.cfg.vocab_size {
+            return Err(RunError::TokenOutOfRange {
+                token,
+                vocab: self.cfg.vocab_size,
+            }
+            .into());
+        }
+        if cache.model_id != self.id {
+            return Err(CudaError::Unsupported(
+                "a KV cache made by another model".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Launches one decode step of `token` at position `cache.len()` (room reserved, the step
+    /// prepared; the token log restarts at step 0), without waiting; returns that position
+    /// (`cache.len()` is not advanced).
+    fn launch_one_step(&self, cache: &mut CudaCache, token: u32) -> Result<usize, CudaError> {
+        self.reserve(cache, 1)?;
+        self.ensure_decode(cache)?;
+        let pos0 = cache.len;
+        let dc = cache.dec.as_ref().expect("prepared above");
+        self.gpu.write_async(
+            dc.bufs.state.ptr(),
+            &[token, pos0 as u32, 0, 0],
+            "the decode state",
+        )?;
+        self.run_decode_step(dc)?;
+        Ok(pos0)
+    }
+
+    /// The router's choices of the step just run: every MoE layer's k experts (waits for it).
+    fn step_ids(&self, b: &DecBufs) -> Result<Vec<u32>, CudaError> {
+        self.gpu.read(
+            b.ids.ptr(),
+            self.moe_layers * self.cfg.top_k,
+            "the router's choices",
+        )
+    }
+
     /// One greedy decode step: `token` at position `cache.len()`, then the next token -- the
     /// argmax of this step's logits chosen on the GPU (what [`crate::generate::argmax`] chooses
     /// from them) -- and the step's statistics, with no logits copied to the host (what
@@ -1263,35 +1294,12 @@ impl CudaModel {
             let out = self.forward(cache, &[token], &ForwardOptions::default())?;
             return Ok((crate::generate::argmax(&out.logits[0]), out.stats));
         }
-        if token as usize >= self.cfg.vocab_size {
-            return Err(RunError::TokenOutOfRange {
-                token,
-                vocab: self.cfg.vocab_size,
-            }
-            .into());
-        }
-        if cache.model_id != self.id {
-            return Err(CudaError::Unsupported(
-                "a KV cache made by another model".into(),
-            ));
-        }
-        self.reserve(cache, 1)?;
-        self.ensure_decode(cache)?;
-        let pos0 = cache.len;
-        let dc = cache.dec.as_ref().expect("prepared above");
-        let b = &dc.bufs;
-        // step 0 of the token log: the lm_head kernel writes this step's choice there
-        self.gpu.write_async(
-            b.state.ptr(),
-            &[token, pos0 as u32, 0, 0],
-            "the decode state",
-        )?;
-        self.run_decode_step(dc)?;
+        self.check_step_input(cache, token)?;
+        let pos0 = self.launch_one_step(cache, token)?;
+        let b = &cache.dec.as_ref().expect("prepared above").bufs;
+        // step 0 of the token log: the lm_head kernel wrote this step's choice there
         let next: Vec<u32> = self.gpu.read(b.tok_log.ptr(), 1, "the chosen token")?;
-        let k = self.cfg.top_k;
-        let ids: Vec<u32> =
-            self.gpu
-                .read(b.ids.ptr(), self.moe_layers * k, "the router's choices")?;
+        let ids = self.step_ids(b)?;
         cache.len = pos0 + 1;
         Ok((next[0], self.step_stats(1, &ids)))
     }
@@ -1310,18 +1318,7 @@ impl CudaModel {
         if n == 0 {
             return Ok(Vec::new());
         }
-        if first as usize >= self.cfg.vocab_size {
-            return Err(RunError::TokenOutOfRange {
-                token: first,
-                vocab: self.cfg.vocab_size,
-            }
-            .into());
-        }
-        if cache.model_id != self.id {
-            return Err(CudaError::Unsupported(
-                "a KV cache made by another model".into(),
-            ));
-        }
+        self.check_step_input(cache, first)?;
         if cache.mode == DecodeMode::Legacy || self.decode_unsupported().is_some() {
             let mut out = Vec::with_capacity(n);
             let mut t = first;
