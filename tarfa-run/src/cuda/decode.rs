@@ -1253,11 +1253,11 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Launches one decode step of `token` at position `cache.len()` (room reserved, the step
-    /// prepared; the token log restarts at step 0), without waiting; returns that position
-    /// (`cache.len()` is not advanced).
-    fn launch_one_step(&self, cache: &mut CudaCache, token: u32) -> Result<usize, CudaError> {
-        self.reserve(cache, 1)?;
+    /// Prepares `n` decode steps from `token` at position `cache.len()`: room reserved, the step
+    /// (buffers, launches, graph) ready, the state set to that token and position with the token
+    /// log at step 0. Returns the position (`cache.len()` is not advanced).
+    fn start_steps(&self, cache: &mut CudaCache, token: u32, n: usize) -> Result<usize, CudaError> {
+        self.reserve(cache, n)?;
         self.ensure_decode(cache)?;
         let pos0 = cache.len;
         let dc = cache.dec.as_ref().expect("prepared above");
@@ -1266,7 +1266,15 @@ impl CudaModel {
             &[token, pos0 as u32, 0, 0],
             "the decode state",
         )?;
-        self.run_decode_step(dc)?;
+        Ok(pos0)
+    }
+
+    /// Launches one decode step of `token` at position `cache.len()` (room reserved, the step
+    /// prepared; the token log restarts at step 0), without waiting; returns that position
+    /// (`cache.len()` is not advanced).
+    fn launch_one_step(&self, cache: &mut CudaCache, token: u32) -> Result<usize, CudaError> {
+        let pos0 = self.start_steps(cache, token, 1)?;
+        self.run_decode_step(cache.dec.as_ref().expect("prepared"))?;
         Ok(pos0)
     }
 
@@ -1329,15 +1337,8 @@ impl CudaModel {
             }
             return Ok(out);
         }
-        self.reserve(cache, n)?;
-        self.ensure_decode(cache)?;
-        let pos0 = cache.len;
+        let pos0 = self.start_steps(cache, first, n)?;
         let dc = cache.dec.as_ref().expect("prepared above");
-        self.gpu.write_async(
-            dc.bufs.state.ptr(),
-            &[first, pos0 as u32, 0, 0],
-            "the decode state",
-        )?;
         for _ in 0..n {
             self.run_decode_step(dc)?;
         }
@@ -1363,15 +1364,8 @@ impl CudaModel {
             return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
         }
         let steps = steps.max(1);
-        self.reserve(cache, steps)?;
-        self.ensure_decode(cache)?;
-        let pos0 = cache.len;
+        let pos0 = self.start_steps(cache, first, steps)?;
         let dc = cache.dec.as_ref().expect("prepared above");
-        self.gpu.write_async(
-            dc.bufs.state.ptr(),
-            &[first, pos0 as u32, 0, 0],
-            "the decode state",
-        )?;
         let mut rows: Vec<KernelTime> = Vec::new();
         for s in 0..steps {
             let ms = self.gpu.time_launches(&dc.launches)?;
@@ -1526,15 +1520,8 @@ impl CudaModel {
         if let Some(why) = self.decode_unsupported() {
             return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
         }
-        self.reserve(cache, n)?;
-        self.ensure_decode(cache)?;
-        let pos0 = cache.len;
+        let pos0 = self.start_steps(cache, first, n)?;
         let dc = cache.dec.as_ref().expect("prepared above");
-        self.gpu.write_async(
-            dc.bufs.state.ptr(),
-            &[first, pos0 as u32, 0, 0],
-            "the decode state",
-        )?;
         let ms = self.gpu.time(|| {
             for _ in 0..n {
                 self.run_decode_step(dc)?;
