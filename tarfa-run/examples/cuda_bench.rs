@@ -232,8 +232,8 @@ impl Bench<'_> {
     }
 }
 
-/// The variables that select the decode kernels (and, in `--sweep` settings, the decode mode
-/// and the q|k|v grid).
+/// The variables that select the decode kernels, the decode mode (read per arm or setting:
+/// [`setting_mode`]) and the q|k|v, o_proj and down grids (timing knobs).
 const KERNEL_VARS: [&str; 7] = [
     "TARFA_CUDA_ATTN",
     "TARFA_CUDA_ROUTER",

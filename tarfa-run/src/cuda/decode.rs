@@ -1035,38 +1035,32 @@ impl CudaModel {
                         self.row_grid(name, h, shared_mem)
                     };
                     let grid = override_blocks(grid, h, kernels.down_blocks);
+                    let mut args = vec![
+                        Arg::Ptr(experts.down.ptr()),
+                        i32a(h),
+                        i32a(i),
+                        Arg::Ptr(b.ids.ptr() + rec),
+                        Arg::Ptr(b.weights.ptr() + rec),
+                        Arg::Ptr(b.by_id.ptr() + rec),
+                        i32a(k_top),
+                        p(&b.act),
+                        Arg::Ptr(y_sh),
+                        Arg::Ptr(s_sh),
+                        p(&b.h),
+                    ];
+                    if route_args {
+                        args.extend([
+                            p(&b.router_logits),
+                            i32a(e_count),
+                            Arg::I32(i32::from(self.spec.renormalize_topk)),
+                        ]);
+                    }
                     v.push(Launch {
                         name,
                         grid: (grid, 1, 1),
                         block: (256, 1, 1),
                         shared: shared_mem,
-                        args: vec![
-                            Arg::Ptr(experts.down.ptr()),
-                            i32a(h),
-                            i32a(i),
-                            Arg::Ptr(b.ids.ptr() + rec),
-                            Arg::Ptr(b.weights.ptr() + rec),
-                            Arg::Ptr(b.by_id.ptr() + rec),
-                            i32a(k_top),
-                            p(&b.act),
-                            Arg::Ptr(y_sh),
-                            Arg::Ptr(s_sh),
-                            p(&b.h),
-                        ]
-                        .into_iter()
-                        .chain(
-                            route_args
-                                .then(|| {
-                                    [
-                                        p(&b.router_logits),
-                                        i32a(e_count),
-                                        Arg::I32(i32::from(self.spec.renormalize_topk)),
-                                    ]
-                                })
-                                .into_iter()
-                                .flatten(),
-                        )
-                        .collect(),
+                        args,
                         pdl: true,
                         label: "experts down (k experts, mix, +residual)",
                         bytes: (k_top * h * i * 2) as u64,

@@ -1129,7 +1129,6 @@ mod tests {
         // forward() reports for the same step
         use crate::cpu::{ForwardOptions, LogitRows};
         use crate::cuda::DecodeMode;
-        use crate::generate::argmax;
         let last = ForwardOptions {
             logits: LogitRows::Last,
             ..Default::default()
@@ -1138,23 +1137,7 @@ mod tests {
             let (cfg, src) = random_model(&SyntheticShape::small(family), 13);
             let src: Arc<dyn WeightSource> = Arc::new(src);
             let prompt: Vec<u32> = (0..7).map(|i| (i * 53 % cfg.vocab_size) as u32).collect();
-            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
-            let engine = CpuEngine::new(
-                cpu.clone(),
-                EngineOptions {
-                    threads: 2,
-                    kernel: Kernel::best(),
-                },
-            )
-            .unwrap();
-            let mut cc = cpu.new_cache();
-            let mut toks = vec![argmax(
-                &engine.forward(&mut cc, &prompt, &last).unwrap().logits[0],
-            )];
-            for j in 0..3 {
-                let l = engine.forward(&mut cc, &[toks[j]], &last).unwrap();
-                toks.push(argmax(&l.logits[0]));
-            }
+            let (_, toks) = cpu_greedy(&cfg, &src, &prompt, 3);
             let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
             for mode in DecodeMode::ALL {
                 let (mut a, mut b) = (gpu.new_cache().unwrap(), gpu.new_cache().unwrap());
@@ -2082,10 +2065,45 @@ mod tests {
         KERNELS_FOR_TEST.with(|c| c.set(None));
     }
 
+    /// The CPU's greedy run after `prompt`: the last-row logits of the prefill and of `steps`
+    /// decode steps, and the token each chose.
+    fn cpu_greedy(
+        cfg: &MoeConfig,
+        src: &Arc<dyn WeightSource>,
+        prompt: &[u32],
+        steps: usize,
+    ) -> (Vec<Vec<f32>>, Vec<u32>) {
+        use crate::cpu::{ForwardOptions, LogitRows};
+        use crate::generate::argmax;
+        let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+        let engine = CpuEngine::new(
+            cpu.clone(),
+            EngineOptions {
+                threads: 2,
+                kernel: Kernel::best(),
+            },
+        )
+        .unwrap();
+        let last = ForwardOptions {
+            logits: LogitRows::Last,
+            ..Default::default()
+        };
+        let mut cc = cpu.new_cache();
+        let mut logits = vec![engine.forward(&mut cc, prompt, &last).unwrap().logits[0].clone()];
+        let mut toks = vec![argmax(&logits[0])];
+        for _ in 0..steps {
+            let l = engine
+                .forward(&mut cc, &[*toks.last().unwrap()], &last)
+                .unwrap();
+            toks.push(argmax(&l.logits[0]));
+            logits.push(l.logits[0].clone());
+        }
+        (logits, toks)
+    }
+
     fn decode_modes_match_the_cpu(family: &str, shape: SyntheticShape) {
         use crate::cpu::{ForwardOptions, LogitRows};
         use crate::cuda::DecodeMode;
-        use crate::generate::argmax;
         eprintln!(
             "kernels: {}",
             if super::emulated() {
@@ -2099,30 +2117,12 @@ mod tests {
             let src: Arc<dyn WeightSource> = Arc::new(src);
             let v = cfg.vocab_size;
             let prompt: Vec<u32> = (0..9).map(|i| (i * 37 % v) as u32).collect();
-            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
-            let engine = CpuEngine::new(
-                cpu.clone(),
-                EngineOptions {
-                    threads: 2,
-                    kernel: Kernel::best(),
-                },
-            )
-            .unwrap();
             let last = ForwardOptions {
                 logits: LogitRows::Last,
                 ..Default::default()
             };
             // the CPU's greedy run: the logits of the prefill and of 6 decode steps
-            let mut cc = cpu.new_cache();
-            let mut want = vec![engine.forward(&mut cc, &prompt, &last).unwrap().logits[0].clone()];
-            let mut toks = vec![argmax(&want[0])];
-            for _ in 0..6 {
-                let l = engine
-                    .forward(&mut cc, &[*toks.last().unwrap()], &last)
-                    .unwrap();
-                toks.push(argmax(&l.logits[0]));
-                want.push(l.logits[0].clone());
-            }
+            let (want, toks) = cpu_greedy(&cfg, &src, &prompt, 6);
             let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
             assert_eq!(gpu.decode_unsupported_reason(), None, "{family}");
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
