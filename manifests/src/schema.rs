@@ -88,6 +88,13 @@ pub struct TensorRecord {
     pub length: u64,
     pub sha256: String,
     pub blake3: String,
+    /// How many elements are NaN or infinite (carried exactly, but an auditor is told).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub nonfinite: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One matrix inside an expert extent; `offset` is relative to the extent start.
@@ -112,6 +119,9 @@ pub struct ExpertRecord {
     pub length: u64,
     pub sha256: String,
     pub blake3: String,
+    /// How many elements of its three matrices are NaN or infinite.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub nonfinite: u64,
     pub matrices: Vec<MatrixRecord>,
 }
 

@@ -26,6 +26,7 @@ fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
         length: bytes.len() as u64,
         sha256: sha256_hex(bytes),
         blake3: blake3_hex(bytes),
+        nonfinite: 0,
         matrices: mats,
     }
 }
@@ -55,6 +56,7 @@ fn sample() -> Manifest {
             length: 32,
             sha256: sha256_hex(&emb),
             blake3: blake3_hex(&emb),
+            nonfinite: 0,
         }],
         experts: (0..2)
             .flat_map(|l| (0..4).map(move |e| expert(l, e, &[(l * 4 + e) as u8; 24])))

@@ -395,6 +395,7 @@ fn build_manifest(
                 length: t.length,
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
+                nonfinite: 0,
             }
         })
         .collect();
@@ -411,6 +412,7 @@ fn build_manifest(
                 length: e.length,
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
+                nonfinite: 0,
                 matrices: e
                     .matrices
                     .iter()

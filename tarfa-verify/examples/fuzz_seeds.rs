@@ -114,6 +114,7 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
                 length: t.length,
                 sha256: sha256_hex(bytes(t.offset, t.length)),
                 blake3: blake3_hex(bytes(t.offset, t.length)),
+                nonfinite: 0,
             })
             .collect(),
         experts: h
@@ -126,6 +127,7 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
                 length: e.length,
                 sha256: sha256_hex(bytes(e.offset, e.length)),
                 blake3: blake3_hex(bytes(e.offset, e.length)),
+                nonfinite: 0,
                 matrices: e
                     .matrices
                     .iter()

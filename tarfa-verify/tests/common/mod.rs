@@ -290,6 +290,7 @@ fn tensor_record(name: &str, dtype: &str, shape: &[u64], bytes: &[u8]) -> Tensor
         length: bytes.len() as u64,
         sha256: sha256_hex(bytes),
         blake3: blake3_hex(bytes),
+        nonfinite: 0,
     }
 }
 
@@ -301,6 +302,7 @@ fn expert_record(e: &jnf_format::ExpertExtent, bytes: &[u8]) -> ExpertRecord {
         length: e.length,
         sha256: sha256_hex(bytes),
         blake3: blake3_hex(bytes),
+        nonfinite: 0,
         matrices: e
             .matrices
             .iter()
