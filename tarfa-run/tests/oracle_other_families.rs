@@ -1,35 +1,57 @@
-//! Mixtral, Qwen2-MoE and OLMoE against transformers' float32 runs. Their fixtures are not in the
-//! repository (size); these tests run when TARFA_EXTRA_ORACLES names a directory holding
-//! mixtral-a, qwen2moe-a and olmoe-a (the project's shared oracle), and are ignored otherwise:
+//! Mixtral, Qwen2-MoE and OLMoE against transformers' float32 runs.
+//!
+//! The small twins `mixtral-s`, `qwen2moe-s` and `olmoe-s` ship in fixtures/oracle (made by
+//! validation/oracle/make_oracle.py), so every clone checks the three families. The larger
+//! `mixtral-a`, `qwen2moe-a` and `olmoe-a` live in the project's shared oracle: those tests run
+//! when TARFA_EXTRA_ORACLES names its directory (`.ci/run` sets it to ../shared/oracle and runs
+//! them), and are ignored, with that reason, otherwise:
 //! `TARFA_EXTRA_ORACLES=/path/to/oracle cargo test -p tarfa-run --test oracle_other_families -- --ignored`
 
 mod common;
 
 use common::*;
 
-fn check(name: &str) {
+fn check_shared(name: &str) {
     let root = std::env::var("TARFA_EXTRA_ORACLES")
         .expect("set TARFA_EXTRA_ORACLES to the directory holding the extra oracle fixtures");
-    check_against_oracle(&load_fixture_from(
-        &std::path::Path::new(&root).join(name),
-        name,
-    ));
+    let dir = std::path::Path::new(&root).join(name);
+    assert!(
+        dir.join("reference.safetensors").is_file(),
+        "{}: no reference.safetensors (TARFA_EXTRA_ORACLES={root})",
+        dir.display()
+    );
+    check_against_oracle(&load_fixture_from(&dir, name));
 }
 
 #[test]
-#[ignore = "needs TARFA_EXTRA_ORACLES"]
+fn mixtral_small_matches_transformers() {
+    check_against_oracle(&load_fixture("mixtral-s"));
+}
+
+#[test]
+fn qwen2_moe_small_matches_transformers() {
+    check_against_oracle(&load_fixture("qwen2moe-s"));
+}
+
+#[test]
+fn olmoe_small_matches_transformers() {
+    check_against_oracle(&load_fixture("olmoe-s"));
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
 fn mixtral_matches_transformers() {
-    check("mixtral-a");
+    check_shared("mixtral-a");
 }
 
 #[test]
-#[ignore = "needs TARFA_EXTRA_ORACLES"]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
 fn qwen2_moe_matches_transformers() {
-    check("qwen2moe-a");
+    check_shared("qwen2moe-a");
 }
 
 #[test]
-#[ignore = "needs TARFA_EXTRA_ORACLES"]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
 fn olmoe_matches_transformers() {
-    check("olmoe-a");
+    check_shared("olmoe-a");
 }

@@ -62,10 +62,33 @@ CONFIGS = {
         num_experts=12, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=True, rope_theta=50000.0,
         initializer_range=0.06, **COMMON)),
+    # Small twins of mixtral-a, qwen2moe-a and olmoe-a, kept in the repository (fixtures/oracle) so
+    # that a fresh clone checks every family against transformers; the -a ones stay in the shared
+    # oracle. Same semantics, a quarter of the bytes; shards of 128 KB so that experts still span
+    # several files.
+    "mixtral-s": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1000000.0,
+        initializer_range=0.06, **COMMON)),
+    "qwen2moe-s": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        rope_theta=1000000.0, initializer_range=0.06, **COMMON)),
+    "olmoe-s": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4,
+        norm_topk_prob=False, tie_word_embeddings=False, rope_theta=10000.0,
+        initializer_range=0.06, **COMMON)),
 }
 
 # Configs whose saved config.json gets rope_theta at the top level instead of rope_parameters.
 TOPLEVEL_ROPE = {"qwen3moe-odd"}
+
+# Configs saved in smaller shards than the default 1 MB.
+SHARD_SIZE = {"mixtral-s": "128KB", "qwen2moe-s": "128KB", "olmoe-s": "128KB"}
 
 PROMPT_LENS = [1, 7, 33, 100]
 NEW_TOKENS = 24
@@ -100,7 +123,7 @@ def build(name, cfg_cls, model_cls, kw, seed):
     cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
-    model.save_pretrained(d, safe_serialization=True, max_shard_size="1MB")
+    model.save_pretrained(d, safe_serialization=True, max_shard_size=SHARD_SIZE.get(name, "1MB"))
     if name in TOPLEVEL_ROPE:
         cpath = os.path.join(d, "config.json")
         c = json.load(open(cpath))
