@@ -786,10 +786,48 @@ fn prompt_plus_new_tokens_must_fit_the_context() {
     ]);
     assert_eq!(code, 2, "{err}");
     let line = last_line(&err);
-    for want in ["2000", "100", "2048", "max_position_embeddings"] {
+    for want in ["2000", "100", "2099 positions", "2048", "max_position_embeddings"] {
         assert!(line.contains(want), "names {want}: {err}");
     }
     assert!(!err.contains("tokens generated"), "{err}");
+    // At the limit, on a copy of qwen3moe-a whose config allows 16 positions: 10 + 7 tokens
+    // compute 16 positions (the last token is never fed back) and run; 10 + 8 are refused.
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    fs::create_dir(&src).unwrap();
+    for e in fs::read_dir(fixture("qwen3moe-a")).unwrap().flatten() {
+        fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let cfg = fs::read_to_string(src.join("config.json")).unwrap();
+    let edited = cfg.replace(
+        "\"max_position_embeddings\": 4096",
+        "\"max_position_embeddings\": 16",
+    );
+    assert_ne!(edited, cfg, "the edit applies");
+    fs::write(src.join("config.json"), edited).unwrap();
+    let small = d.path().join("b");
+    tarfa_convert::convert(&src, &small, &Default::default()).unwrap();
+    let s = d.path().join("s.json");
+    let gen = |new: &str| {
+        run(&[
+            "generate",
+            small.to_str().unwrap(),
+            "--tokens",
+            "1,2,3,4,5,6,7,8,9,10",
+            "--max-new-tokens",
+            new,
+            "--ignore-eos",
+            "--summary-json",
+            s.to_str().unwrap(),
+        ])
+    };
+    let (code, _, err) = gen("7");
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&s).unwrap()).unwrap();
+    assert_eq!(v["generated_tokens"], 7);
+    let (code, _, err) = gen("8");
+    assert_eq!(code, 2, "{err}");
+    assert!(last_line(&err).contains("17 positions"), "{err}");
 }
 
 /// Thread counts are capped (exit 2 naming the flag, the value and the cap); --threads 0 is one

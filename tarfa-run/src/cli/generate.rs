@@ -55,8 +55,8 @@ pub struct GenerateArgs {
     /// Prompt token ids, comma-separated (for bundles without a tokenizer, and for audits).
     #[arg(long, value_delimiter = ',')]
     pub tokens: Option<Vec<u64>>,
-    /// Tokens to generate. The prompt plus these must fit in the config's
-    /// max_position_embeddings (else exit 2).
+    /// Tokens to generate. The prompt plus these, less one (the last token is never fed back),
+    /// must fit in the config's max_position_embeddings (else exit 2).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Worker threads: 1 to 1024, or 0 for one per core (the default). Results are
@@ -252,10 +252,13 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         )));
     }
     let max_new = a.max_new_tokens;
-    if prompt.len().saturating_add(max_new) > max_pos {
+    // The last generated token is never fed back: the run computes prompt + max_new - 1
+    // positions (what the validation suite's prefill = decode check relies on at the limit).
+    let positions = prompt.len().saturating_add(max_new.saturating_sub(1));
+    if positions > max_pos {
         return Err(CliError::Usage(format!(
-            "the prompt's {} tokens plus --max-new-tokens {max_new} exceed the model's \
-             max_position_embeddings = {max_pos} (config.json)",
+            "the prompt's {} tokens plus --max-new-tokens {max_new} need {positions} positions; \
+             the model's max_position_embeddings (config.json) is {max_pos}",
             prompt.len()
         )));
     }
