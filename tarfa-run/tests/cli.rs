@@ -786,7 +786,13 @@ fn prompt_plus_new_tokens_must_fit_the_context() {
     ]);
     assert_eq!(code, 2, "{err}");
     let line = last_line(&err);
-    for want in ["2000", "100", "2099 positions", "2048", "max_position_embeddings"] {
+    for want in [
+        "2000",
+        "100",
+        "2099 positions",
+        "2048",
+        "max_position_embeddings",
+    ] {
         assert!(line.contains(want), "names {want}: {err}");
     }
     assert!(!err.contains("tokens generated"), "{err}");
