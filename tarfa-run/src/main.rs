@@ -13,8 +13,10 @@ const EXIT_CODES: &str = "\
 Exit codes:
   0  success
   1  verification failure (a byte of the bundle does not match its manifest, a wrong root digest)
-  2  bad input or usage (missing bundle, token id outside the vocabulary, empty or too long prompt)
-  3  runtime or environment failure (I/O error, no GPU, unavailable SIMD path)";
+  2  bad input or usage (missing bundle, token id outside the vocabulary, empty or too long prompt,
+     an output path that is not a regular file or lies inside the bundle)
+  3  runtime or environment failure (I/O error, a failed output write, no GPU, unavailable SIMD
+     path, a thread that cannot start)";
 
 /// Tarfa's runtime: exact inference for Mixture-of-Experts models from verified JNF bundles.
 ///
@@ -31,6 +33,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate greedily from a bundle, streaming the decoded text.
+    ///
+    /// Every weight is verified against the bundle's manifest before it is computed with, an
+    /// expert when it is first read: a corrupted expert the prompt never routes to goes
+    /// unnoticed. --preload reads and verifies every expert before the first step.
     #[command(after_help = EXIT_CODES)]
     Generate(GenerateArgs),
     /// Convert, verify and run the small demo model that ships with Tarfa.

@@ -3,9 +3,12 @@
 //! documented exit codes.
 
 use std::fs;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use safetensors::SafeTensors;
 
@@ -38,12 +41,70 @@ fn bundle(name: &'static str) -> PathBuf {
 }
 
 fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(BIN).args(args).output().unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    let mut c = Command::new(BIN);
+    c.args(args);
+    run_cmd(c, None)
+}
+
+/// Runs `c` to its end, feeding it `stdin`; kills it and fails the test after 60 s (a hang), and
+/// fails it on a panic message.
+fn run_cmd(mut c: Command, stdin: Option<&[u8]>) -> (i32, String, String) {
+    c.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    if let Some(bytes) = stdin {
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(bytes).unwrap();
+    }
+    // Drained on threads, so that a chatty child never blocks on a full pipe.
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            String::from_utf8_lossy(&v).into_owned()
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{c:?} hung (killed after 60 s)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    assert!(!err.contains("panicked"), "{c:?} panicked: {err}");
+    (status.code().unwrap_or(-1), out, err)
+}
+
+/// The last line of stderr: the error a failed run ends with.
+fn last_line(err: &str) -> &str {
+    err.trim_end().lines().last().unwrap_or("")
+}
+
+fn mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    // SAFETY: a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+}
+
+/// This process's umask, from /proc (reading it with umask(2) would change it for a moment, for
+/// every test thread).
+fn umask() -> u32 {
+    let s = fs::read_to_string("/proc/self/status").unwrap();
+    let l = s.lines().find(|l| l.starts_with("Umask:")).unwrap();
+    u32::from_str_radix(l.split_whitespace().nth(1).unwrap(), 8).unwrap()
 }
 
 fn i64s(st: &SafeTensors, name: &str) -> Vec<i64> {
@@ -123,6 +184,26 @@ fn demo_generates_transformers_tokens() {
     ]);
     assert_eq!(code, 0);
     assert!(err.contains("reusing"), "{err}");
+    // Another model in the same cache is converted, not the first one's bundle reused: its
+    // step 2 verifies qwen3moe-a's root digest (generation then stops: it has no tokenizer).
+    let (code, _, err) = run(&[
+        "demo",
+        "--cache-dir",
+        d.path().to_str().unwrap(),
+        "--model",
+        fixture("qwen3moe-a").to_str().unwrap(),
+        "--max-new-tokens",
+        "2",
+    ]);
+    assert!(!err.contains("reusing"), "{err}");
+    assert!(err.contains("copied and hashed"), "{err}");
+    let a = tarfa_manifest::Manifest::load(&bundle("qwen3moe-a").join("manifest.toml")).unwrap();
+    assert!(
+        err.contains(&a.root_digest),
+        "verifies qwen3moe-a's bundle: {err}"
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(last_line(&err).contains("no tokenizer"), "{err}");
 }
 
 #[test]
@@ -196,6 +277,16 @@ fn logits_file_is_exact_and_reproducible() {
         manifest.root_digest
     );
     assert_eq!(i64s(&st, "tokens"), greedy);
+    assert_eq!(
+        i64s(&st, "prompt_tokens"),
+        prompt,
+        "the prompt's ids are recorded"
+    );
+    let mode = fs::metadata(d.path().join("a.safetensors"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o644 & !umask(), "0644 before the umask");
     let (shape, steps) = f32s(&st, "logits");
     assert_eq!(shape, [greedy.len(), 512]);
     let (pshape, prefill) = f32s(&st, "prefill_logits");
@@ -247,6 +338,11 @@ fn router_trace_and_verify_report() {
         .collect();
     assert_eq!(lines[0]["kind"], "header");
     assert_eq!(lines[0]["num_experts_per_tok"], 8);
+    assert_eq!(lines[0]["prompt_tokens"], serde_json::json!([1, 2, 3]));
+    for f in [&trace, &report] {
+        let mode = fs::metadata(f).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644 & !umask(), "{}", f.display());
+    }
     // 4 MoE layers x (3 prompt tokens + 2 decode steps).
     assert_eq!(lines.len() - 1, 4 * 5);
     for l in &lines[1..] {
@@ -467,4 +563,359 @@ fn backends_without_a_gpu() {
     );
     let (code, _, err) = run(&["selftest", "--backend", "cuda", bs]);
     assert_eq!(code, 3, "{err}");
+}
+
+/// Output paths that are not regular files, or lie inside the bundle, are refused (exit 2, naming
+/// the path and the flag) before the run, and left as they were.
+#[test]
+fn outputs_are_written_only_to_regular_files_outside_the_bundle() {
+    let b = bundle("qwen3moe-a");
+    let bs = b.to_str().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let gen = |extra: &[&str]| {
+        let mut args = vec!["generate", bs, "--tokens", "1,2,3", "--max-new-tokens", "2"];
+        args.extend(extra);
+        run(&args)
+    };
+    let refused = |flag: &str, path: &Path, why: &str| {
+        let (code, _, err) = gen(&[flag, path.to_str().unwrap()]);
+        assert_eq!(code, 2, "{flag} {}: {err}", path.display());
+        let line = last_line(&err);
+        assert!(
+            line.contains(&path.display().to_string()) && line.contains(flag) && line.contains(why),
+            "{flag} {}: {err}",
+            path.display()
+        );
+        assert!(
+            !err.contains("tokens generated"),
+            "refused before the run: {err}"
+        );
+    };
+    // A character device: never opened for writing, still a device.
+    let full = Path::new("/dev/full");
+    if full.exists() {
+        refused("--logits-out", full, "a character device");
+        assert!(fs::metadata(full).unwrap().file_type().is_char_device());
+    }
+    // A FIFO (with no reader: opening it for writing would block).
+    let fifo = d.path().join("fifo");
+    mkfifo(&fifo);
+    refused("--router-trace", &fifo, "a FIFO");
+    assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+    // A directory, and a dangling symbolic link.
+    refused("--summary-json", d.path(), "a directory");
+    let dangling = d.path().join("dangling");
+    std::os::unix::fs::symlink(d.path().join("nowhere"), &dangling).unwrap();
+    refused("--verify-report", &dangling, "dangling");
+    assert!(!d.path().join("nowhere").exists());
+    // A missing directory.
+    refused(
+        "--summary-json",
+        &d.path().join("no/such/dir/s.json"),
+        "does not exist",
+    );
+    // The bundle's own files, directly, through a symbolic link, and through a hard link.
+    let manifest = b.join("manifest.toml");
+    let before = fs::read(&manifest).unwrap();
+    refused("--logits-out", &manifest, "inside the bundle");
+    let link = d.path().join("link.toml");
+    std::os::unix::fs::symlink(&manifest, &link).unwrap();
+    refused("--summary-json", &link, "inside the bundle");
+    let hard = d.path().join("hard.toml");
+    if fs::hard_link(&manifest, &hard).is_ok() {
+        refused("--verify-report", &hard, "hard link");
+    }
+    refused("--router-trace", &b.join("new.jsonl"), "inside the bundle");
+    assert_eq!(
+        fs::read(&manifest).unwrap(),
+        before,
+        "the manifest is untouched"
+    );
+    assert!(!b.join("new.jsonl").exists());
+    // Two flags naming one file.
+    let s = d.path().join("s.json");
+    let (code, _, err) = gen(&[
+        "--summary-json",
+        s.to_str().unwrap(),
+        "--verify-report",
+        s.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        last_line(&err).contains("the same file as --verify-report"),
+        "{err}"
+    );
+
+    // A symbolic link to a regular file is written through: the link stays, the target holds the
+    // logits, the target's mode is kept.
+    let target = d.path().join("target.safetensors");
+    fs::write(&target, b"old").unwrap();
+    fs::set_permissions(&target, fs::Permissions::from_mode(0o600)).unwrap();
+    let via = d.path().join("via.safetensors");
+    std::os::unix::fs::symlink(&target, &via).unwrap();
+    let (code, _, err) = gen(&["--logits-out", via.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(fs::symlink_metadata(&via).unwrap().file_type().is_symlink());
+    let bytes = fs::read(&target).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(i64s(&st, "prompt_tokens"), [1, 2, 3]);
+    assert_eq!(
+        fs::metadata(&target).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+}
+
+/// A write that fails (here EFBIG, from a 512-byte RLIMIT_FSIZE) is exit 3 naming the file, and
+/// leaves no partial output: a new file is removed, an existing one left empty.
+#[test]
+fn a_failed_output_write_is_exit_3_naming_the_file() {
+    let b = bundle("qwen3moe-a");
+    let d = tempfile::tempdir().unwrap();
+    let limited = |flag: &str, path: &Path| {
+        let mut c = Command::new("sh");
+        c.arg("-c")
+            .arg("trap '' XFSZ; ulimit -f 1; exec \"$@\"")
+            .arg("sh")
+            .arg(BIN)
+            .args(["generate", b.to_str().unwrap(), "--tokens", "1,2,3"])
+            .args(["--max-new-tokens", "4", "--ignore-eos"])
+            .arg(flag)
+            .arg(path);
+        run_cmd(c, None)
+    };
+    for flag in ["--logits-out", "--router-trace"] {
+        let p = d.path().join(format!("new{flag}"));
+        let (code, _, err) = limited(flag, &p);
+        assert_eq!(code, 3, "{flag}: {err}");
+        let line = last_line(&err);
+        assert!(
+            line.contains(&p.display().to_string()) && line.contains("File too large"),
+            "{flag}: {err}"
+        );
+        assert!(!p.exists(), "{flag}: no partial file is left");
+
+        let old = d.path().join(format!("old{flag}"));
+        fs::write(&old, b"previous contents").unwrap();
+        let (code, _, err) = limited(flag, &old);
+        assert_eq!(code, 3, "{flag}: {err}");
+        assert_eq!(
+            fs::read(&old).unwrap(),
+            b"",
+            "{flag}: left empty, not half-written"
+        );
+    }
+}
+
+/// `--prompt-file` takes the bytes as they are (trailing newlines kept), from a file or stdin,
+/// and refuses what is not UTF-8, naming the file.
+#[test]
+fn prompt_file_is_read_byte_for_byte() {
+    let b = bundle("qwen3moe-code");
+    let bs = b.to_str().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let text = "def add(a, b):\n\n";
+    let f = d.path().join("prompt.py");
+    fs::write(&f, text).unwrap();
+    let trace = d.path().join("t.jsonl");
+    let prompt_ids = |input: &[&str], stdin: Option<&[u8]>| {
+        let mut c = Command::new(BIN);
+        c.args(["generate", bs, "--max-new-tokens", "1", "--router-trace"])
+            .arg(&trace)
+            .args(input);
+        let (code, _, err) = run_cmd(c, stdin);
+        assert_eq!(code, 0, "{input:?}: {err}");
+        let header: serde_json::Value =
+            serde_json::from_str(fs::read_to_string(&trace).unwrap().lines().next().unwrap())
+                .unwrap();
+        header["prompt_tokens"].clone()
+    };
+    let from_file = prompt_ids(&["--prompt-file", f.to_str().unwrap()], None);
+    assert_eq!(from_file, prompt_ids(&["--prompt", text], None));
+    assert_eq!(
+        from_file,
+        prompt_ids(&["--prompt-file", "-"], Some(text.as_bytes())),
+        "stdin"
+    );
+    assert_ne!(
+        from_file,
+        prompt_ids(&["--prompt", text.trim_end()], None),
+        "the trailing newlines are tokens of the prompt"
+    );
+
+    let bad = d.path().join("latin1.txt");
+    fs::write(&bad, b"caf\xe9\n").unwrap();
+    let (code, _, err) = run(&["generate", bs, "--prompt-file", bad.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    let line = last_line(&err);
+    assert!(
+        line.contains(&bad.display().to_string()) && line.contains("not UTF-8"),
+        "{err}"
+    );
+    let missing = d.path().join("missing.txt");
+    let (code, _, err) = run(&["generate", bs, "--prompt-file", missing.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        last_line(&err).contains(&missing.display().to_string()),
+        "{err}"
+    );
+    // One prompt source only.
+    let (code, _, err) = run(&[
+        "generate",
+        bs,
+        "--prompt",
+        "x",
+        "--prompt-file",
+        f.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
+}
+
+/// A prompt plus --max-new-tokens beyond max_position_embeddings is refused before the run.
+#[test]
+fn prompt_plus_new_tokens_must_fit_the_context() {
+    let b = bundle("qwen3moe-code");
+    let prompt: Vec<String> = (0..2000).map(|i| (i % 4096).to_string()).collect();
+    let (code, _, err) = run(&[
+        "generate",
+        b.to_str().unwrap(),
+        "--tokens",
+        &prompt.join(","),
+        "--max-new-tokens",
+        "100",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    let line = last_line(&err);
+    for want in [
+        "2000",
+        "100",
+        "2099 positions",
+        "2048",
+        "max_position_embeddings",
+    ] {
+        assert!(line.contains(want), "names {want}: {err}");
+    }
+    assert!(!err.contains("tokens generated"), "{err}");
+    // At the limit, on a copy of qwen3moe-a whose config allows 16 positions: 10 + 7 tokens
+    // compute 16 positions (the last token is never fed back) and run; 10 + 8 are refused.
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    fs::create_dir(&src).unwrap();
+    for e in fs::read_dir(fixture("qwen3moe-a")).unwrap().flatten() {
+        fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let cfg = fs::read_to_string(src.join("config.json")).unwrap();
+    let edited = cfg.replace(
+        "\"max_position_embeddings\": 4096",
+        "\"max_position_embeddings\": 16",
+    );
+    assert_ne!(edited, cfg, "the edit applies");
+    fs::write(src.join("config.json"), edited).unwrap();
+    let small = d.path().join("b");
+    tarfa_convert::convert(&src, &small, &Default::default()).unwrap();
+    let s = d.path().join("s.json");
+    let gen = |new: &str| {
+        run(&[
+            "generate",
+            small.to_str().unwrap(),
+            "--tokens",
+            "1,2,3,4,5,6,7,8,9,10",
+            "--max-new-tokens",
+            new,
+            "--ignore-eos",
+            "--summary-json",
+            s.to_str().unwrap(),
+        ])
+    };
+    let (code, _, err) = gen("7");
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&s).unwrap()).unwrap();
+    assert_eq!(v["generated_tokens"], 7);
+    let (code, _, err) = gen("8");
+    assert_eq!(code, 2, "{err}");
+    assert!(last_line(&err).contains("17 positions"), "{err}");
+}
+
+/// Thread counts are capped (exit 2 naming the flag, the value and the cap); --threads 0 is one
+/// thread per core.
+#[test]
+fn thread_counts_are_capped() {
+    let b = bundle("qwen3moe-a");
+    let bs = b.to_str().unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["generate", bs, "--tokens", "1", "--threads", "100000"],
+            "1024",
+        ),
+        (
+            &["generate", bs, "--tokens", "1", "--io-threads", "1000000"],
+            "256",
+        ),
+        (&["demo", "--threads", "5000"], "1024"),
+        (&["io-bench", bs, "--queue-depths", "1,100000"], "256"),
+    ];
+    for (args, cap) in cases {
+        let (code, _, err) = run(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        let flag = args[args.len() - 2];
+        let value = args[args.len() - 1].rsplit(',').next().unwrap();
+        assert!(
+            err.contains(flag) && err.contains(value) && err.contains(cap),
+            "{args:?}: {err}"
+        );
+    }
+    let (_, help, _) = run(&["generate", "--help"]);
+    assert!(help.contains("1 to 1024, or 0 for one per core"), "{help}");
+    assert!(help.contains("--preload"), "{help}");
+    let d = tempfile::tempdir().unwrap();
+    let s = d.path().join("s.json");
+    let (code, _, err) = run(&[
+        "generate",
+        bs,
+        "--tokens",
+        "1",
+        "--max-new-tokens",
+        "1",
+        "--backend",
+        "cpu",
+        "--threads",
+        "0",
+        "--summary-json",
+        s.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&s).unwrap()).unwrap();
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(v["threads"], cores, "--threads 0: one per core");
+}
+
+/// A FIFO where the heat ledger lives is ignored with a warning, without hanging, and kept.
+#[test]
+fn a_fifo_as_the_heat_ledger_is_ignored() {
+    let b = bundle("qwen3moe-a");
+    let root = tarfa_manifest::Manifest::load(&b.join("manifest.toml"))
+        .unwrap()
+        .root_digest;
+    let cache = tempfile::tempdir().unwrap();
+    fs::create_dir(cache.path().join("ledger")).unwrap();
+    let fifo = cache.path().join("ledger").join(format!("{root}.json"));
+    mkfifo(&fifo);
+    let mut c = Command::new(BIN);
+    c.env("TARFA_CACHE_DIR", cache.path())
+        .args(["generate", b.to_str().unwrap(), "--tokens", "1,2,3"])
+        .args([
+            "--max-new-tokens",
+            "2",
+            "--ram-budget",
+            "64M",
+            "--backend",
+            "cpu",
+        ]);
+    let (code, _, err) = run_cmd(c, None);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(&fifo.display().to_string()) && err.contains("not a regular file"),
+        "{err}"
+    );
+    assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
 }

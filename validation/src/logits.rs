@@ -124,7 +124,8 @@ impl LogitsFile {
         };
         let meta = metadata(bytes)?;
         for name in st.names() {
-            if !["tokens", "logits", "prefill_logits"].contains(&name) {
+            // prompt_tokens: the ids the run was given (tarfa-run records them for audits).
+            if !["prompt_tokens", "tokens", "logits", "prefill_logits"].contains(&name) {
                 bail!("unexpected tensor `{name}`");
             }
         }

@@ -1,11 +1,11 @@
 //! `tarfa-run generate`: greedy generation from a verified bundle.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Args, ValueEnum};
+use clap::{ArgGroup, Args, ValueEnum};
 use serde_json::json;
 use tarfa_run::bundle::BundleSource;
 use tarfa_run::config::MoeConfig;
@@ -15,9 +15,9 @@ use tarfa_run::numerics::Kernel;
 use tarfa_run::weights::WeightSource;
 
 use super::engine::Engine;
-use super::output::{write_json, write_logits, RouterTrace};
+use super::output::{write_logits, OutputRules, RouterTrace};
 use super::stream::StreamArgs;
-use super::{peak_rss_bytes, CliError};
+use super::{peak_rss_bytes, threads_arg, CliError};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum KernelArg {
@@ -37,21 +37,31 @@ pub enum BackendArg {
     Cuda,
 }
 
+/// The most bytes `--prompt-file` reads (a prompt is at most `max_position_embeddings` tokens).
+const MAX_PROMPT_FILE_BYTES: u64 = 64 << 20;
+
 #[derive(Args, Debug, Clone)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "tokens"])))]
 pub struct GenerateArgs {
     /// The bundle directory (made by tarfa-convert).
     pub bundle: PathBuf,
     /// Prompt text, encoded with the bundle's tokenizer.json.
-    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    #[arg(long)]
     pub prompt: Option<String>,
+    /// Prompt text read from a file (`-`: standard input), byte for byte (trailing newlines
+    /// kept); it must be UTF-8.
+    #[arg(long, value_name = "PATH")]
+    pub prompt_file: Option<PathBuf>,
     /// Prompt token ids, comma-separated (for bundles without a tokenizer, and for audits).
     #[arg(long, value_delimiter = ',')]
     pub tokens: Option<Vec<u64>>,
-    /// Tokens to generate.
+    /// Tokens to generate. The prompt plus these, less one (the last token is never fed back),
+    /// must fit in the config's max_position_embeddings (else exit 2).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
-    /// Worker threads (default: one per core). Results are bit-identical for every count.
-    #[arg(long)]
+    /// Worker threads: 1 to 1024, or 0 for one per core (the default). Results are
+    /// bit-identical for every count.
+    #[arg(long, value_parser = threads_arg)]
     pub threads: Option<usize>,
     /// SIMD path. Results are bit-identical for every path.
     #[arg(long, value_enum, default_value_t = KernelArg::Auto)]
@@ -80,7 +90,8 @@ pub struct GenerateArgs {
     /// Write timings and counts (JSON).
     #[arg(long)]
     pub summary_json: Option<PathBuf>,
-    /// Read every expert before the first step (resident mode: steady-state timings).
+    /// Read and verify every expert before the first step. Without it an expert is verified
+    /// when first read, so a corrupted expert the prompt never routes to goes unnoticed.
     #[arg(long)]
     pub preload: bool,
     /// Print nothing but the generated text (no progress, no summary line).
@@ -194,7 +205,11 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         } else {
             None
         };
-    let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
+    let file_text = match &a.prompt_file {
+        Some(p) => Some(read_prompt_file(p)?),
+        None => None,
+    };
+    let prompt: Vec<u32> = match (a.prompt.as_ref().or(file_text.as_ref()), &a.tokens) {
         (Some(text), _) => {
             let tok = tokenizer.as_ref().ok_or_else(|| {
                 CliError::Usage(format!(
@@ -220,7 +235,11 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             }
             out
         }
-        (None, None) => return Err(CliError::Usage("give --prompt or --tokens".into())),
+        (None, None) => {
+            return Err(CliError::Usage(
+                "give --prompt, --prompt-file or --tokens".into(),
+            ))
+        }
     };
     if prompt.is_empty() {
         return Err(CliError::Usage("the prompt is empty".into()));
@@ -232,12 +251,29 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             prompt.len()
         )));
     }
-    let mut max_new = a.max_new_tokens;
-    if prompt.len() + max_new > max_pos + 1 {
-        max_new = max_pos + 1 - prompt.len();
-        log(format!(
-            "warning: generation capped at {max_new} tokens by max_position_embeddings = {max_pos}"
-        ));
+    let max_new = a.max_new_tokens;
+    // The last generated token is never fed back: the run computes prompt + max_new - 1
+    // positions (what the validation suite's prefill = decode check relies on at the limit).
+    let positions = prompt.len().saturating_add(max_new.saturating_sub(1));
+    if positions > max_pos {
+        return Err(CliError::Usage(format!(
+            "the prompt's {} tokens plus --max-new-tokens {max_new} need {positions} positions; \
+             the model's max_position_embeddings (config.json) is {max_pos}",
+            prompt.len()
+        )));
+    }
+    // Outputs are checked before the model is loaded: a bad path is refused in a moment, not
+    // after the run.
+    let rules = OutputRules::new(&[&a.bundle]);
+    for (path, flag) in [
+        (&a.logits_out, "--logits-out"),
+        (&a.router_trace, "--router-trace"),
+        (&a.verify_report, "--verify-report"),
+        (&a.summary_json, "--summary-json"),
+    ] {
+        if let Some(p) = path {
+            rules.check(p, flag)?;
+        }
     }
 
     let vocab = cfg.vocab_size;
@@ -256,6 +292,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             .and_then(|v| v.get("norm_topk_prob").cloned())
             .unwrap_or(serde_json::Value::Null),
         "moe_layers": moe_layers,
+        // The ids the run was given (after tokenisation), which an audit needs to replay it.
+        "prompt_tokens": prompt,
     });
     // Experts come through the streaming tiers (unbounded unless a budget says otherwise); the
     // KV cache is accounted for at the whole requested context.
@@ -282,7 +320,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     }
     log(format!("prompt {} tokens", prompt.len()));
     let mut trace = match &a.router_trace {
-        Some(p) => Some(RouterTrace::create(p, router_header)?),
+        Some(p) => Some(RouterTrace::create(&rules, p, router_header)?),
         None => None,
     };
     let opts = ForwardOptions {
@@ -380,16 +418,18 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     }
     if let Some(p) = &a.logits_out {
         write_logits(
+            &rules,
             p,
             source.root_digest(),
             vocab,
+            &prompt,
             &tokens,
             &step_logits,
             prefill_rows.as_deref(),
         )?;
     }
     if let Some(p) = &a.verify_report {
-        write_json(p, &source.report())?;
+        rules.write_json(p, "--verify-report", &source.report())?;
     }
     // The first token comes from the prefill logits: decode time covers the other n - 1.
     let decode_steps = tokens.len().saturating_sub(1);
@@ -400,8 +440,9 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         0.0
     };
     if let Some(p) = &a.summary_json {
-        write_json(
+        rules.write_json(
             p,
+            "--summary-json",
             &json!({
                 "root_digest": source.root_digest(),
                 "backend": engine.name(),
@@ -429,4 +470,53 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         decode_tok_s
     ));
     Ok(())
+}
+
+/// `--prompt-file`: the file's bytes (standard input for `-`), which must be UTF-8. A pipe or a
+/// FIFO is read to its end (that is what `<(cmd)` gives); a directory or device is refused.
+fn read_prompt_file(path: &Path) -> Result<String, CliError> {
+    let mut bytes = Vec::new();
+    let shown = if path == Path::new("-") {
+        std::io::stdin()
+            .lock()
+            .take(MAX_PROMPT_FILE_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(CliError::io("<stdin>", "read --prompt-file"))?;
+        "<stdin>".to_string()
+    } else {
+        let m = std::fs::metadata(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CliError::Usage(format!("{}: --prompt-file: no such file", path.display()))
+            }
+            _ => CliError::Io {
+                path: path.to_path_buf(),
+                op: "read --prompt-file",
+                source: e,
+            },
+        })?;
+        let ft = m.file_type();
+        use std::os::unix::fs::FileTypeExt;
+        if !(ft.is_file() || ft.is_fifo()) {
+            return Err(CliError::Usage(format!(
+                "{}: --prompt-file: not a regular file or a pipe",
+                path.display()
+            )));
+        }
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_PROMPT_FILE_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(CliError::io(path, "read --prompt-file"))?;
+        path.display().to_string()
+    };
+    if bytes.len() as u64 > MAX_PROMPT_FILE_BYTES {
+        return Err(CliError::Usage(format!(
+            "{shown}: --prompt-file: larger than {} MiB",
+            MAX_PROMPT_FILE_BYTES >> 20
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        CliError::Usage(format!(
+            "{shown}: --prompt-file: not UTF-8 (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
 }

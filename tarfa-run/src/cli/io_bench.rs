@@ -12,7 +12,7 @@ use clap::{Args, ValueEnum};
 use jnf_format::{JnfFile, CONTAINER_FILE};
 use serde_json::json;
 
-use super::output::write_json;
+use super::output::OutputRules;
 use super::CliError;
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -27,8 +27,8 @@ pub enum IoBenchMode {
 pub struct IoBenchArgs {
     /// The bundle whose expert extents are read.
     pub bundle: PathBuf,
-    /// Queue depths: that many reads in flight (one thread each).
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    /// Queue depths: that many reads in flight (one thread each), 1 to 256.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16", value_parser = queue_depth_arg)]
     pub queue_depths: Vec<usize>,
     /// Seconds per queue depth.
     #[arg(long, default_value_t = 4.0)]
@@ -40,6 +40,18 @@ pub struct IoBenchArgs {
     pub json: Option<PathBuf>,
 }
 
+/// The deepest queue measured: one reader thread per read in flight.
+const MAX_QUEUE_DEPTH: usize = 256;
+
+fn queue_depth_arg(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_QUEUE_DEPTH).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a queue depth from 1 to {MAX_QUEUE_DEPTH}"
+        )),
+    }
+}
+
 /// A page-aligned buffer for O_DIRECT.
 struct Aligned {
     ptr: *mut u8,
@@ -47,12 +59,20 @@ struct Aligned {
 }
 
 impl Aligned {
-    fn new(len: usize) -> Aligned {
-        let layout = std::alloc::Layout::from_size_align(len.max(4096), 4096).expect("layout");
+    fn new(len: usize) -> std::io::Result<Aligned> {
+        let oom = || {
+            std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!("cannot allocate a read buffer of {len} bytes"),
+            )
+        };
+        let layout = std::alloc::Layout::from_size_align(len.max(4096), 4096).map_err(|_| oom())?;
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null(), "allocation of {len} bytes failed");
-        Aligned { ptr, layout }
+        if ptr.is_null() {
+            return Err(oom());
+        }
+        Ok(Aligned { ptr, layout })
     }
     fn slice(&mut self, len: usize) -> &mut [u8] {
         // SAFETY: ptr is valid for layout.size() >= len bytes, owned exclusively.
@@ -68,6 +88,10 @@ impl Drop for Aligned {
 }
 
 pub fn run(a: &IoBenchArgs) -> Result<(), CliError> {
+    let rules = OutputRules::new(&[&a.bundle]);
+    if let Some(p) = &a.json {
+        rules.check(p, "--json")?;
+    }
     let path = a.bundle.join(CONTAINER_FILE);
     let jnf =
         JnfFile::open(&path).map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
@@ -100,7 +124,6 @@ pub fn run(a: &IoBenchArgs) -> Result<(), CliError> {
     );
     let mut rows = Vec::new();
     for &qd in &a.queue_depths {
-        let qd = qd.max(1);
         let bytes = AtomicU64::new(0);
         let reads = AtomicU64::new(0);
         // A shared cursor over a fixed pseudo-random permutation of the extents, as decode
@@ -113,34 +136,60 @@ pub fn run(a: &IoBenchArgs) -> Result<(), CliError> {
         };
         let deadline = Instant::now() + Duration::from_secs_f64(a.seconds);
         let t0 = Instant::now();
-        let failed: Option<std::io::Error> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..qd)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut buf = Aligned::new(max_len);
-                        while Instant::now() < deadline {
-                            let i = order[next.fetch_add(1, Ordering::Relaxed) % order.len()];
-                            let (off, len) = extents[i];
-                            file.read_exact_at(buf.slice(len as usize), off)?;
-                            bytes.fetch_add(len, Ordering::Relaxed);
-                            reads.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok::<(), std::io::Error>(())
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .filter_map(|h| h.join().expect("reader thread").err())
-                .next()
+        // A thread that cannot start (too many threads for the system) is an environment
+        // failure, exit 3; the readers already started stop at the deadline, which the failure
+        // moves to now.
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let failed: Result<(), CliError> = std::thread::scope(|s| {
+            let mut handles = Vec::with_capacity(qd);
+            let mut spawn_error = None;
+            for i in 0..qd {
+                let reader = || {
+                    let mut buf = Aligned::new(max_len)?;
+                    while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                        let i = order[next.fetch_add(1, Ordering::Relaxed) % order.len()];
+                        let (off, len) = extents[i];
+                        file.read_exact_at(buf.slice(len as usize), off)?;
+                        bytes.fetch_add(len, Ordering::Relaxed);
+                        reads.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok::<(), std::io::Error>(())
+                };
+                match std::thread::Builder::new()
+                    .name(format!("io-bench-{i}"))
+                    .spawn_scoped(s, reader)
+                {
+                    Ok(h) => handles.push(h),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        spawn_error = Some(CliError::Environment(format!(
+                            "io-bench: cannot start reader thread {} of {qd}: {e}",
+                            i + 1
+                        )));
+                        break;
+                    }
+                }
+            }
+            let mut first = spawn_error.map_or(Ok(()), Err);
+            for h in handles {
+                let r = match h.join() {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(CliError::Io {
+                        path: path.clone(),
+                        op: "read",
+                        source: e,
+                    }),
+                    Err(_) => Err(CliError::Environment(
+                        "io-bench: a reader thread panicked".into(),
+                    )),
+                };
+                if first.is_ok() {
+                    first = r;
+                }
+            }
+            first
         });
-        if let Some(e) = failed {
-            return Err(CliError::Io {
-                path: path.clone(),
-                op: "read",
-                source: e,
-            });
-        }
+        failed?;
         let dt = t0.elapsed().as_secs_f64();
         let gbs = bytes.load(Ordering::Relaxed) as f64 / dt / 1e9;
         println!(
@@ -150,8 +199,9 @@ pub fn run(a: &IoBenchArgs) -> Result<(), CliError> {
         rows.push(json!({"queue_depth": qd, "gbs": gbs, "reads": reads.load(Ordering::Relaxed), "seconds": dt}));
     }
     if let Some(p) = &a.json {
-        write_json(
+        rules.write_json(
             p,
+            "--json",
             &json!({"io": format!("{:?}", a.io), "mean_extent_bytes": mean, "results": rows}),
         )?;
     }

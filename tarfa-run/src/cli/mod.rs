@@ -71,17 +71,43 @@ impl CliError {
 
 fn run_error_code(e: &RunError) -> i32 {
     match e {
-        RunError::Weights(WeightError::Bundle(b)) => b.exit_code(),
-        RunError::Weights(WeightError::Io { .. }) => 3,
-        RunError::Weights(WeightError::Stream(s)) => s.exit_code(),
-        // A bundle whose verified weights do not fit its own config is a broken bundle.
-        RunError::Weights(_) => 1,
+        RunError::Weights(w) => weight_error_code(w),
         RunError::Config(_) | RunError::Rope(_) => 2,
         RunError::TokenOutOfRange { .. } | RunError::EmptyStep | RunError::ContextFull { .. } => 2,
         RunError::Kernel(_) | RunError::ThreadPool(_) => 3,
         RunError::SourceContract(_) => 3,
-        #[allow(unreachable_patterns)]
-        _ => 3,
+    }
+}
+
+fn weight_error_code(e: &WeightError) -> i32 {
+    match e {
+        WeightError::Bundle(b) => b.exit_code(),
+        WeightError::Io { .. } => 3,
+        WeightError::Stream(s) => s.exit_code(),
+        // A bundle whose verified weights do not fit its own config is a broken bundle.
+        WeightError::MissingTensor(_)
+        | WeightError::MissingExpert { .. }
+        | WeightError::UnsupportedDtype { .. }
+        | WeightError::ExpertNotBf16 { .. }
+        | WeightError::ShapeMismatch { .. }
+        | WeightError::LengthMismatch { .. }
+        | WeightError::Duplicate(_)
+        | WeightError::Safetensors { .. }
+        | WeightError::NoFiles(_) => 1,
+    }
+}
+
+/// The most worker threads `--threads` accepts (more would only fail to start, or thrash).
+pub const MAX_THREADS: usize = 1024;
+
+/// `--threads N`: 0 (one per core) or 1 to [`MAX_THREADS`]; anything else is a usage error
+/// (exit 2) naming the value and the cap.
+pub fn threads_arg(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= MAX_THREADS => Ok(n),
+        _ => Err(format!(
+            "expected 0 (one per core) or a number of threads up to {MAX_THREADS}"
+        )),
     }
 }
 

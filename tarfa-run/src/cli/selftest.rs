@@ -15,7 +15,7 @@ use tarfa_run::cuda::{self, CudaOptions, SelftestOptions};
 use tarfa_run::weights::WeightSource;
 
 use super::generate::BackendArg;
-use super::output::write_json;
+use super::output::OutputRules;
 use super::CliError;
 
 #[derive(Args, Debug, Clone)]
@@ -32,8 +32,8 @@ pub struct SelftestArgs {
     /// Greedy decode steps after each prefill.
     #[arg(long, default_value_t = 8)]
     pub decode_steps: usize,
-    /// CPU threads for the reference (default: all cores).
-    #[arg(long)]
+    /// CPU threads for the reference: 1 to 1024, or 0 for one per core (the default).
+    #[arg(long, value_parser = super::threads_arg)]
     pub threads: Option<usize>,
     /// Write the results as JSON.
     #[arg(long)]
@@ -67,6 +67,11 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
         return Err(CliError::Usage(
             "selftest compares a backend with the CPU reference: use --backend cuda".into(),
         ));
+    }
+    let bundles: Vec<&std::path::Path> = a.bundles.iter().map(|b| b.as_path()).collect();
+    let rules = OutputRules::new(&bundles);
+    if let Some(p) = &a.json {
+        rules.check(p, "--json")?;
     }
     let info = cuda::probe(0)?;
     eprintln!("{info}");
@@ -177,8 +182,9 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
         }
     }
     if let Some(p) = &a.json {
-        write_json(
+        rules.write_json(
             p,
+            "--json",
             &json!({"device": info.to_string(), "results": results, "passed": all_passed}),
         )?;
     }

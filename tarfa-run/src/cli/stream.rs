@@ -51,10 +51,15 @@ fn size_arg(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
+/// The most reader threads `--io-threads` accepts.
+const MAX_IO_THREADS: usize = 256;
+
 fn io_threads_arg(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
-        Ok(n) if (1..=256).contains(&n) => Ok(n),
-        _ => Err("expected a number of threads from 1 to 256".into()),
+        Ok(n) if (1..=MAX_IO_THREADS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a number of threads from 1 to {MAX_IO_THREADS}"
+        )),
     }
 }
 
@@ -80,7 +85,7 @@ pub struct StreamArgs {
     /// cache directory, used by --cache-policy ledger and static).
     #[arg(long)]
     pub no_ledger: bool,
-    /// Reader threads: the most expert reads in flight at once (the I/O queue depth).
+    /// Reader threads: the most expert reads in flight at once (the I/O queue depth), 1 to 256.
     #[arg(long, default_value_t = DEFAULT_IO_THREADS, value_parser = io_threads_arg)]
     pub io_threads: usize,
     /// Print, per token and at the end, bytes read, tier hit rates, disk GB/s, the time split

@@ -9,11 +9,13 @@
 //!
 //! The ledger only decides what stays in memory; it can never change an output. A file that
 //! does not parse, names another bundle, or has another shape is ignored with a warning (and
-//! replaced at the end of the run). It is written atomically: a temporary file in the same
+//! replaced at the end of the run). Anything but a regular file at the path (a FIFO, a device, a
+//! directory) is ignored with a warning without being read, and never replaced. It is written atomically: a temporary file in the same
 //! directory, fsync, rename, fsync of the directory. Two runs that end at once keep the counts
 //! of the last one to finish.
 
 use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -90,7 +92,13 @@ impl HeatLedger {
             found: false,
             warning: Some(format!("heat ledger {} ignored: {why}", path.display())),
         };
-        let file = match std::fs::File::open(path) {
+        // O_NONBLOCK: opening a FIFO must not wait for a writer; what was opened is then
+        // checked to be a regular file before a byte is read.
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+        {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return LedgerLoad {
@@ -101,6 +109,11 @@ impl HeatLedger {
             }
             Err(e) => return ignored(e.to_string()),
         };
+        match file.metadata() {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => return ignored("not a regular file".into()),
+            Err(e) => return ignored(e.to_string()),
+        }
         let mut bytes = Vec::new();
         if let Err(e) = file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes) {
             return ignored(e.to_string());
@@ -171,6 +184,17 @@ impl HeatLedger {
             .parent()
             .ok_or_else(|| std::io::Error::other("no parent directory"))?;
         std::fs::create_dir_all(dir)?;
+        // The rename below would replace whatever is at the path: only a ledger file (or
+        // nothing) may be there.
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if !m.is_file() && !m.file_type().is_symlink() => {
+                return Err(std::io::Error::other(format!(
+                    "{} is not a regular file; not replaced",
+                    path.display()
+                )))
+            }
+            _ => {}
+        }
         let f = LedgerFile {
             format: FORMAT.into(),
             version: VERSION,
@@ -267,5 +291,33 @@ mod tests {
             assert_eq!(got.ledger, HeatLedger::empty(ROOT, 2, 3), "{what}");
         }
         assert!(HeatLedger::path(d.path(), "../x").is_none());
+    }
+
+    /// A FIFO at the ledger's path is neither waited on (opening it for reading would block
+    /// until a writer came) nor replaced by the save.
+    #[test]
+    fn a_fifo_at_the_ledger_path_is_ignored_and_kept() {
+        use std::os::unix::fs::FileTypeExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = HeatLedger::path(d.path(), ROOT).unwrap();
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let q = p.clone();
+        std::thread::spawn(move || tx.send(HeatLedger::load(&q, ROOT, 2, 3)).unwrap());
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("loading a FIFO returns at once");
+        assert!(!got.found);
+        let w = got.warning.unwrap_or_default();
+        assert!(
+            w.contains("not a regular file") && w.contains("ignored"),
+            "{w}"
+        );
+        let err = got.ledger.save(&p).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        assert!(std::fs::symlink_metadata(&p).unwrap().file_type().is_fifo());
     }
 }

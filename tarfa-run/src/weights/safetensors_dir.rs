@@ -39,7 +39,7 @@ pub fn load_safetensors_dir(
     let mut all: std::collections::HashMap<String, HostTensor> = Default::default();
     for path in &files {
         let shown = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|e| WeightError::Io {
+        let bytes = read_shard(path).map_err(|e| WeightError::Io {
             path: shown.clone(),
             source: e,
         })?;
@@ -97,6 +97,27 @@ pub fn load_safetensors_dir(
     Ok(source)
 }
 
+/// A shard's bytes. Only a regular file is read: a FIFO named `*.safetensors` would block the
+/// open (O_NONBLOCK prevents that) and then the read forever; a device would never end.
+fn read_shard(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    let mut bytes = Vec::with_capacity(m.len() as usize);
+    f.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 fn expert_matrix(
     name: &str,
     t: HostTensor,
@@ -116,5 +137,38 @@ fn expert_matrix(
             name: name.to_string(),
             dtype: "F32".into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FIFO named like a shard is refused at once, naming it, instead of blocking the open.
+    #[test]
+    fn a_fifo_shard_is_refused_without_blocking() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle/qwen3moe-a");
+        let text = std::fs::read_to_string(fixture.join("config.json")).unwrap();
+        let cfg = MoeConfig::from_json_str(&text).unwrap();
+        let spec = ArchSpec::new(&cfg);
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("model.safetensors");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dir = d.path().to_path_buf();
+        std::thread::spawn(move || {
+            let r = load_safetensors_dir(&dir, &cfg, &spec).map(|_| ());
+            tx.send(r.map_err(|e| e.to_string())).unwrap()
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("a FIFO shard does not hang the load");
+        let err = got.unwrap_err();
+        assert!(
+            err.contains("model.safetensors") && err.contains("not a regular file"),
+            "{err}"
+        );
     }
 }
