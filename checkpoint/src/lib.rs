@@ -202,8 +202,16 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
 
     let (config_file, config_bytes) =
         read_json_file(&root, CONFIG_FILE, verify)?.ok_or_else(|| {
-            CheckpointError::ConfigMissing {
-                file: CONFIG_FILE.into(),
+            // A Hub repository folder passed instead of one of its snapshots: say which to use.
+            match paths::hub_repository(&root.root) {
+                Some(repo) => CheckpointError::HubRepository {
+                    file: src_dir.into(),
+                    main: repo.main,
+                    snapshots: repo.snapshots,
+                },
+                None => CheckpointError::ConfigMissing {
+                    file: CONFIG_FILE.into(),
+                },
             }
         })?;
     let config_text =
@@ -669,9 +677,10 @@ fn read_json_file(
     Ok(Some((file, bytes)))
 }
 
-/// Opens a resolved path, refusing anything but a regular file (checked before opening, so a
-/// FIFO cannot block the open, and again on the handle).
-fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError> {
+/// Opens a resolved path, refusing anything but a regular file. The open is non-blocking, so a
+/// FIFO swapped in after the check cannot block it; the handle's own `fstat` then decides (and
+/// `O_NONBLOCK` has no effect on reads of a regular file).
+pub(crate) fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError> {
     let io_err = |op, source| CheckpointError::Io {
         file: name.into(),
         op,
@@ -680,7 +689,11 @@ fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError>
     if !fs::metadata(path).map_err(|e| io_err("stat", e))?.is_file() {
         return Err(CheckpointError::NotAFile { file: name.into() });
     }
-    let handle = File::open(path).map_err(|e| io_err("open", e))?;
+    let mut options = fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let handle = options.open(path).map_err(|e| io_err("open", e))?;
     let meta = handle.metadata().map_err(|e| io_err("stat", e))?;
     if !meta.is_file() {
         return Err(CheckpointError::NotAFile { file: name.into() });
