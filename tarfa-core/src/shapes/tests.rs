@@ -6,8 +6,11 @@ use serde_json::Value;
 
 use super::*;
 
-/// `name -> (dtype, shape)` of every tensor of a fixture, from its shards' headers.
-fn fixture_table(name: &str) -> (MoeConfig, BTreeMap<String, (String, Vec<u64>)>) {
+/// `name -> (dtype, shape)`: a checkpoint's tensor table.
+type Table = BTreeMap<String, (String, Vec<u64>)>;
+
+/// The tensor table of a fixture, from its shards' headers.
+fn fixture_table(name: &str) -> (MoeConfig, Table) {
     let dir = format!("{}/../fixtures/oracle/{name}", env!("CARGO_MANIFEST_DIR"));
     let cfg =
         MoeConfig::from_json_str(&std::fs::read_to_string(format!("{dir}/config.json")).unwrap())
@@ -39,7 +42,7 @@ fn fixture_table(name: &str) -> (MoeConfig, BTreeMap<String, (String, Vec<u64>)>
     (cfg, table)
 }
 
-fn check(cfg: &MoeConfig, table: &BTreeMap<String, (String, Vec<u64>)>) -> Result<(), ShapeError> {
+fn check(cfg: &MoeConfig, table: &Table) -> Result<(), ShapeError> {
     ModelRules::for_config(cfg).check(|name| {
         table
             .get(name)
@@ -81,7 +84,7 @@ fn every_fixture_meets_its_rules_and_nothing_is_left_over() {
 #[test]
 fn each_broken_rule_is_its_own_error() {
     let (cfg, table) = fixture_table("qwen3moe-a");
-    let broken = |f: &dyn Fn(&mut BTreeMap<String, (String, Vec<u64>)>)| {
+    let broken = |f: &dyn Fn(&mut Table)| {
         let mut t = table.clone();
         f(&mut t);
         check(&cfg, &t).unwrap_err()
