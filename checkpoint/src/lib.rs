@@ -17,14 +17,18 @@
 //!   cache snapshot (`models--o--n/snapshots/<rev>/`) may link into its repository's `blobs/`,
 //!   whose blob names are then checked against the content (SHA-256 for 64 hex digits, git blob
 //!   SHA-1 for 40; see [`OpenOptions`]). Index file names are plain relative paths. Only regular
-//!   files are opened.
+//!   files are opened (non-blocking, so a FIFO never hangs the reader); a symlink loop is
+//!   [`CheckpointError::SymlinkLoop`]. A Hub repository folder (`models--o--n/`) given instead
+//!   of a snapshot is [`CheckpointError::HubRepository`], naming the snapshot `refs/main` points
+//!   to.
 //! - **config.json**: present, JSON without duplicate keys, a supported `model_type`, the layer,
 //!   expert, top-k and hidden sizes in range, no `quantization_config`.
 //! - **Weights**: exactly one of `model.safetensors` and `model.safetensors.index.json`; the
 //!   index's `weight_map` and the shards' headers agree tensor for tensor.
 //! - **Every safetensors header** ([`SafetensorsHeader`]): the `safetensors` crate's rules (size
 //!   cap, UTF-8 JSON, known dtypes, checked shape arithmetic, length = shape x dtype size, data
-//!   tiled exactly with no gap, overlap or trailing byte) plus duplicate tensor names.
+//!   tiled exactly with no gap, overlap or trailing byte) plus duplicate tensor names and names
+//!   with control or bidirectional-override characters.
 //! - **Dtypes**: no quantized dtype or quantization companion tensor anywhere; non-expert tensors
 //!   BF16, F16, F32 or F64; expert matrices BF16. Bytes are never re-quantised.
 //! - **Experts**: every layer the config makes sparse has every expert, each with exactly its
