@@ -78,6 +78,19 @@ pub enum CheckpointError {
         name: String,
         problem: NameProblem,
     },
+    /// A file's symbolic links form a loop.
+    #[error("{}: its symbolic links form a loop", .file.display())]
+    SymlinkLoop { file: PathBuf },
+    /// The source directory is a Hugging Face cache repository (`models--org--name/`, with
+    /// `snapshots/<rev>/`, `refs/main`, `blobs/`), not one of its snapshots.
+    #[error("{}: is a Hugging Face cache repository, not a checkpoint; {}", .file.display(), hub_hint(.file, .main, .snapshots))]
+    HubRepository {
+        file: PathBuf,
+        /// The snapshot `refs/main` points to, when it exists.
+        main: Option<String>,
+        /// Every snapshot, sorted.
+        snapshots: Vec<String>,
+    },
     /// A file resolves (through symbolic links) outside the source directory, and not into the
     /// `blobs/` folder of the Hugging Face cache repository the directory is a snapshot of.
     #[error("{}: resolves to {} outside the source directory", .file.display(), .target.display())]
@@ -215,6 +228,15 @@ pub enum CheckpointError {
     /// `__metadata__` is not an object of strings.
     #[error("{}: __metadata__ must map strings to strings: {message}", .file.display())]
     InvalidMetadata { file: PathBuf, message: String },
+    /// A tensor name contains a control character or a bidirectional override, isolate or mark
+    /// (U+202A-202E, U+2066-2069, U+200E, U+200F, U+061C): it could display as another name.
+    #[error("{}: tensor {tensor:?} is refused: its name contains {what} (U+{code:04X})", .file.display())]
+    TensorNameChar {
+        file: PathBuf,
+        tensor: String,
+        code: u32,
+        what: &'static str,
+    },
     /// A tensor entry is not `{"dtype": str, "shape": [uint...], "data_offsets": [uint, uint]}`.
     #[error("{}: tensor {tensor:?} has an invalid entry: {message}", .file.display())]
     InvalidTensorEntry {
@@ -397,6 +419,35 @@ pub enum CheckpointError {
     },
 }
 
+/// Which snapshot of a Hub cache repository to pass instead of the repository.
+fn hub_hint(repo: &Path, main: &Option<String>, snapshots: &[String]) -> String {
+    let others: Vec<&String> = snapshots
+        .iter()
+        .filter(|s| Some(*s) != main.as_ref())
+        .collect();
+    let mut hint = match main {
+        Some(m) => format!(
+            "use {}/snapshots/{} (the snapshot refs/main points to)",
+            repo.display(),
+            m.escape_debug()
+        ),
+        None if snapshots.is_empty() => "it holds no snapshot".to_owned(),
+        None => format!(
+            "use one of {}/snapshots/ (refs/main names none)",
+            repo.display()
+        ),
+    };
+    if !others.is_empty() {
+        let label = if main.is_some() {
+            "other snapshots"
+        } else {
+            "snapshots"
+        };
+        hint.push_str(&format!("; {label}: {others:?}"));
+    }
+    hint
+}
+
 impl CheckpointError {
     /// The file (or directory) the failed check is about, relative to the source directory when
     /// it is inside it.
@@ -408,6 +459,8 @@ impl CheckpointError {
             | NoWeights { file }
             | AmbiguousWeights { file }
             | UnsafeName { file, .. }
+            | SymlinkLoop { file }
+            | HubRepository { file, .. }
             | SymlinkEscape { file, .. }
             | HubBlobBadName { file, .. }
             | HubBlobMismatch { file, .. }
@@ -437,6 +490,7 @@ impl CheckpointError {
             | HeaderInvalidJson { file, .. }
             | DuplicateTensor { file, .. }
             | InvalidMetadata { file, .. }
+            | TensorNameChar { file, .. }
             | InvalidTensorEntry { file, .. }
             | UnknownDtype { file, .. }
             | ShapeOverflow { file, .. }

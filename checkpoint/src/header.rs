@@ -164,6 +164,14 @@ fn parse(
                 })?;
             continue;
         }
+        if let Some((c, what)) = suspicious_char(&name) {
+            return Err(CheckpointError::TensorNameChar {
+                file: f(),
+                tensor: name,
+                code: c as u32,
+                what,
+            });
+        }
         let raw: RawEntry =
             serde_json::from_value(value).map_err(|e| CheckpointError::InvalidTensorEntry {
                 file: f(),
@@ -259,6 +267,20 @@ fn parse(
         header_len,
         metadata,
         tensors,
+    })
+}
+
+/// The first character of a tensor name that could make it display as another name: a control
+/// character, or a bidirectional override, embedding, isolate or mark (Trojan Source,
+/// CVE-2021-42574). Such a name can be printed escaped, but never trusted by eye.
+pub(crate) fn suspicious_char(name: &str) -> Option<(char, &'static str)> {
+    name.chars().find_map(|c| match c {
+        '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' => {
+            Some((c, "a bidirectional override or isolate"))
+        }
+        '\u{200E}' | '\u{200F}' | '\u{061C}' => Some((c, "a bidirectional mark")),
+        c if c.is_control() => Some((c, "a control character")),
+        _ => None,
     })
 }
 

@@ -17,14 +17,18 @@
 //!   cache snapshot (`models--o--n/snapshots/<rev>/`) may link into its repository's `blobs/`,
 //!   whose blob names are then checked against the content (SHA-256 for 64 hex digits, git blob
 //!   SHA-1 for 40; see [`OpenOptions`]). Index file names are plain relative paths. Only regular
-//!   files are opened.
+//!   files are opened (non-blocking, so a FIFO never hangs the reader); a symlink loop is
+//!   [`CheckpointError::SymlinkLoop`]. A Hub repository folder (`models--o--n/`) given instead
+//!   of a snapshot is [`CheckpointError::HubRepository`], naming the snapshot `refs/main` points
+//!   to.
 //! - **config.json**: present, JSON without duplicate keys, a supported `model_type`, the layer,
 //!   expert, top-k and hidden sizes in range, no `quantization_config`.
 //! - **Weights**: exactly one of `model.safetensors` and `model.safetensors.index.json`; the
 //!   index's `weight_map` and the shards' headers agree tensor for tensor.
 //! - **Every safetensors header** ([`SafetensorsHeader`]): the `safetensors` crate's rules (size
 //!   cap, UTF-8 JSON, known dtypes, checked shape arithmetic, length = shape x dtype size, data
-//!   tiled exactly with no gap, overlap or trailing byte) plus duplicate tensor names.
+//!   tiled exactly with no gap, overlap or trailing byte) plus duplicate tensor names and names
+//!   with control or bidirectional-override characters.
 //! - **Dtypes**: no quantized dtype or quantization companion tensor anywhere; non-expert tensors
 //!   BF16, F16, F32 or F64; expert matrices BF16. Bytes are never re-quantised.
 //! - **Experts**: every layer the config makes sparse has every expert, each with exactly its
@@ -202,8 +206,16 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
 
     let (config_file, config_bytes) =
         read_json_file(&root, CONFIG_FILE, verify)?.ok_or_else(|| {
-            CheckpointError::ConfigMissing {
-                file: CONFIG_FILE.into(),
+            // A Hub repository folder passed instead of one of its snapshots: say which to use.
+            match paths::hub_repository(&root.root) {
+                Some(repo) => CheckpointError::HubRepository {
+                    file: src_dir.into(),
+                    main: repo.main,
+                    snapshots: repo.snapshots,
+                },
+                None => CheckpointError::ConfigMissing {
+                    file: CONFIG_FILE.into(),
+                },
             }
         })?;
     let config_text =
@@ -669,9 +681,10 @@ fn read_json_file(
     Ok(Some((file, bytes)))
 }
 
-/// Opens a resolved path, refusing anything but a regular file (checked before opening, so a
-/// FIFO cannot block the open, and again on the handle).
-fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError> {
+/// Opens a resolved path, refusing anything but a regular file. The open is non-blocking, so a
+/// FIFO swapped in after the check cannot block it; the handle's own `fstat` then decides (and
+/// `O_NONBLOCK` has no effect on reads of a regular file).
+pub(crate) fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError> {
     let io_err = |op, source| CheckpointError::Io {
         file: name.into(),
         op,
@@ -680,7 +693,11 @@ fn open_regular(name: &str, path: &Path) -> Result<(File, u64), CheckpointError>
     if !fs::metadata(path).map_err(|e| io_err("stat", e))?.is_file() {
         return Err(CheckpointError::NotAFile { file: name.into() });
     }
-    let handle = File::open(path).map_err(|e| io_err("open", e))?;
+    let mut options = fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let handle = options.open(path).map_err(|e| io_err("open", e))?;
     let meta = handle.metadata().map_err(|e| io_err("stat", e))?;
     if !meta.is_file() {
         return Err(CheckpointError::NotAFile { file: name.into() });

@@ -150,6 +150,10 @@ impl SourceRoot {
         let path = match fs::canonicalize(&joined) {
             Ok(p) => p,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            // A link cycle is the checkpoint's fault, not the machine's.
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(CheckpointError::SymlinkLoop { file: name.into() })
+            }
             Err(source) => {
                 return Err(CheckpointError::Io {
                     file: name.into(),
@@ -187,6 +191,48 @@ impl SourceRoot {
             target: path,
         })
     }
+}
+
+/// What a Hugging Face cache repository folder (`models--org--name/`, holding `snapshots/<rev>/`,
+/// `refs/main` and `blobs/`) offers in place of a checkpoint: its snapshots, and the one that
+/// `refs/main` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HubRepository {
+    /// The snapshot `refs/main` points to, when it names one that exists.
+    pub main: Option<String>,
+    /// Every snapshot folder, sorted.
+    pub snapshots: Vec<String>,
+}
+
+/// Largest `refs/main` read: a revision is 40 hex digits.
+const MAX_REF_LEN: u64 = 1024;
+
+/// `dir` as a Hub cache repository, if it has a `snapshots/` folder. Never follows `snapshots`
+/// itself through a link, never blocks on a special file.
+pub(crate) fn hub_repository(dir: &Path) -> Option<HubRepository> {
+    let snapshots_dir = dir.join("snapshots");
+    if !fs::symlink_metadata(&snapshots_dir).ok()?.is_dir() {
+        return None;
+    }
+    let mut snapshots: Vec<String> = fs::read_dir(&snapshots_dir)
+        .ok()?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    snapshots.sort();
+    let main = read_ref(&dir.join("refs").join("main")).filter(|r| snapshots.contains(r));
+    Some(HubRepository { main, snapshots })
+}
+
+fn read_ref(path: &Path) -> Option<String> {
+    let (handle, size) = crate::open_regular("refs/main", path).ok()?;
+    if size > MAX_REF_LEN {
+        return None;
+    }
+    let mut text = String::new();
+    io::Read::read_to_string(&mut io::Read::take(&handle, MAX_REF_LEN), &mut text).ok()?;
+    Some(text.trim().to_owned())
 }
 
 /// Checks that a file name taken from the index is a plain relative path: `/`-separated normal

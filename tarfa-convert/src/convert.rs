@@ -44,6 +44,8 @@ pub fn convert(
     opts: &ConvertOptions,
 ) -> Result<WriteSummary, ConvertError> {
     let ckpt = tarfa_checkpoint::open(src)?;
+    // Before anything is written: a checkpoint the runtime would refuse is refused now.
+    crate::family::check(&ckpt)?;
     let header = plan(&ckpt)?;
     let mut files = Vec::new();
     for f in &ckpt.extra_files {

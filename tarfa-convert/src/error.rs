@@ -11,6 +11,24 @@ pub enum ConvertError {
     /// The source checkpoint failed a check (or could not be read).
     #[error("{0}")]
     Checkpoint(#[from] CheckpointError),
+    /// The config is one the runtime cannot run (tarfa-core's config rules).
+    #[error("{}: {source}", .file.display())]
+    Config {
+        file: PathBuf,
+        source: tarfa_core::config::ConfigError,
+    },
+    /// A tensor breaks the runtime's shape or dtype rules (tarfa-core's shape rules).
+    #[error("{}: {source}", .file.display())]
+    Shape {
+        file: PathBuf,
+        source: tarfa_core::shapes::ShapeError,
+    },
+    /// tokenizer.json does not load, or has ids outside the vocabulary.
+    #[error("{}: {source}", .file.display())]
+    Tokenizer {
+        file: PathBuf,
+        source: tarfa_core::tokenizer::TokenizerError,
+    },
     /// The target exists and `--force` was not given.
     #[error("{0}: already exists; pass --force to replace it")]
     TargetExists(PathBuf),
@@ -57,6 +75,9 @@ impl ConvertError {
             ConvertError::Checkpoint(CheckpointError::Io { .. }) => 3,
             ConvertError::Checkpoint(_) => 2,
             ConvertError::TargetExists(_) | ConvertError::Usage(_) | ConvertError::Layout(_) => 2,
+            ConvertError::Config { .. }
+            | ConvertError::Shape { .. }
+            | ConvertError::Tokenizer { .. } => 2,
             ConvertError::Verify { .. } => 1,
             ConvertError::NoSpace { .. } | ConvertError::Io { .. } | ConvertError::Interrupted => 3,
         }

@@ -12,6 +12,7 @@ pub mod aligned;
 pub mod bundle;
 pub mod convert;
 mod error;
+mod family;
 pub mod progress;
 pub mod synth;
 

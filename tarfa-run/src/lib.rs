@@ -6,9 +6,9 @@
 //! Layout:
 //! - [`numerics`]: the contract's functions, canonical reductions (scalar reference + SIMD),
 //!   row-parallel matrix products, RoPE tables.
-//! - [`config`]: a Hugging Face `config.json` parsed and validated into [`config::MoeConfig`].
-//! - [`model`]: family descriptions ([`model::Family`], one small file each) resolved into an
-//!   [`model::ArchSpec`].
+//! - [`config`] and [`model`] (re-exported from `tarfa-core`, which the converter shares): a
+//!   Hugging Face `config.json` parsed and validated into [`config::MoeConfig`], and family
+//!   descriptions ([`model::Family`]) resolved into an [`model::ArchSpec`].
 //! - [`weights`]: the [`weights::WeightSource`] trait (verified tensors by name, experts per
 //!   layer) and an in-memory source loaded from safetensors.
 //! - [`cpu`]: the CPU backend — forward pass with a KV cache, the specification other backends
@@ -24,14 +24,16 @@
 //! labelled and never a default.
 
 pub mod bundle;
-pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod generate;
-pub mod model;
 pub mod numerics;
 pub mod stream;
 pub mod weights;
+
+// The family facts live in tarfa-core, shared with the converter; re-exported so that
+// `crate::config` and `crate::model` keep their paths here.
+pub use tarfa_core::{config, model};
 
 /// An error from loading or running a model.
 #[derive(Debug, thiserror::Error)]

@@ -336,6 +336,27 @@ fn trailing_bytes() {
 #[test]
 fn hostile_names_stay_on_one_line() {
     let h = "{\"a\\nFAKE: ok\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,3]}}";
-    let e = assert_variant!(hdr(h, 3).unwrap_err(), E::LengthMismatch { .. });
+    // Refused by name, before any other check, and printed escaped.
+    let e = assert_variant!(hdr(h, 3).unwrap_err(), E::TensorNameChar { code: 0x0a, .. });
     assert!(e.to_string().contains(r#""a\nFAKE: ok""#), "{e}");
+}
+
+#[test]
+fn bidi_and_format_characters_in_tensor_names_are_refused() {
+    for c in [
+        '\u{202A}', '\u{202B}', '\u{202C}', '\u{202D}', '\u{202E}', '\u{2066}', '\u{2067}',
+        '\u{2068}', '\u{2069}', '\u{200E}', '\u{200F}', '\u{061C}', '\u{0}', '\u{1b}', '\u{7f}',
+        '\u{85}',
+    ] {
+        let name = format!("lm_head{c}.weight");
+        let h = serde_json::json!({ name.clone(): {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]} })
+            .to_string();
+        let e = assert_variant!(hdr(&h, 2).unwrap_err(), E::TensorNameChar { ref tensor, code, .. } if *tensor == name && code == c as u32);
+        let msg = e.to_string();
+        assert!(!msg.contains(c), "escaped: {msg:?}");
+        assert!(msg.contains(&format!("U+{:04X}", c as u32)), "{msg}");
+    }
+    // Other non-ASCII letters are names like any other.
+    let h = r#"{"caf\u00e9.weight":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}"#;
+    hdr(h, 2).unwrap();
 }

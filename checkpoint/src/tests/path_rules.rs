@@ -119,11 +119,17 @@ fn symlink_out_of_the_directory() {
 }
 
 #[test]
-fn symlink_loop_is_an_io_error() {
+fn symlink_loop_is_bad_input_not_an_io_error() {
     let dir = Tiny::qwen3().single().write();
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     symlink("model.safetensors", dir.join("model.safetensors")).unwrap();
-    assert_variant!(fails(&dir), E::Io { ref file, .. } if file == Path::new("model.safetensors"));
+    assert_variant!(fails(&dir), E::SymlinkLoop { ref file } if file == Path::new("model.safetensors"));
+    // config.json, through two links pointing at each other.
+    let dir = Tiny::qwen3().write();
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    symlink("b.json", dir.join("config.json")).unwrap();
+    symlink("config.json", dir.join("b.json")).unwrap();
+    assert_variant!(fails(&dir), E::SymlinkLoop { ref file } if file == Path::new("config.json"));
 }
 
 #[test]
@@ -326,4 +332,56 @@ fn hub_links_elsewhere_are_escapes() {
     let elsewhere = hub.repo.join("not-snapshots");
     std::fs::rename(hub.repo.join("snapshots"), &elsewhere).unwrap();
     assert_variant!(fails(&elsewhere.join("0123abcd")), E::SymlinkEscape { .. });
+}
+
+#[test]
+fn a_fifo_as_config_is_refused_without_blocking() {
+    let dir = Tiny::qwen3().write();
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(dir.join("config.json"))
+        .status();
+    if made.is_ok_and(|s| s.success()) {
+        assert_variant!(fails(&dir), E::NotAFile { ref file } if file == Path::new("config.json"));
+    }
+}
+
+#[test]
+fn a_hub_repository_folder_names_the_snapshot_refs_main_points_to() {
+    let t = Tiny::qwen3();
+    let hub = hubify(&t, &[]);
+    std::fs::create_dir_all(hub.repo.join("refs")).unwrap();
+    std::fs::write(hub.repo.join("refs/main"), "0123abcd\n").unwrap();
+    std::fs::create_dir(hub.repo.join("snapshots/ffff0000")).unwrap();
+    let e = fails(&hub.repo);
+    assert_variant!(&e, E::HubRepository { main: Some(m), snapshots, .. } if m == "0123abcd" && snapshots.len() == 2);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("snapshots/0123abcd (the snapshot refs/main points to)"),
+        "{msg}"
+    );
+    assert!(msg.contains("other snapshots: [\"ffff0000\"]"), "{msg}");
+
+    // refs/main naming no snapshot (or absent, or a FIFO): every snapshot is listed.
+    std::fs::write(hub.repo.join("refs/main"), "deadbeef").unwrap();
+    let e = fails(&hub.repo);
+    assert_variant!(&e, E::HubRepository { main: None, .. });
+    assert!(
+        e.to_string()
+            .contains("snapshots: [\"0123abcd\", \"ffff0000\"]"),
+        "{e}"
+    );
+    std::fs::remove_file(hub.repo.join("refs/main")).unwrap();
+    if std::process::Command::new("mkfifo")
+        .arg(hub.repo.join("refs/main"))
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        assert_variant!(fails(&hub.repo), E::HubRepository { main: None, .. });
+    }
+
+    // A plain folder without config.json is still just that.
+    let dir = Tiny::qwen3().write();
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    assert_variant!(fails(&dir), E::ConfigMissing { .. });
 }

@@ -1,5 +1,5 @@
 //! The non-expert weights of a model, fetched once from a [`WeightSource`] and checked against
-//! the shapes the config implies.
+//! the shapes the config implies (`tarfa_core::shapes`, the rules the converter checks too).
 //!
 //! Norm weights and biases are widened to f32 here (exactly); matrices stay as the source gave
 //! them (BF16 or F32). This module must never convert a matrix's precision.
@@ -7,9 +7,10 @@
 use std::sync::Arc;
 
 use crate::config::MoeConfig;
-use crate::model::{layer_name, ArchSpec, MlpKind, QkNorm};
+use crate::model::ArchSpec;
 use crate::numerics::{bf16_to_f32, MatrixRef};
 use crate::weights::{HostTensor, TensorData, WeightError, WeightSource};
+use tarfa_core::shapes::{DenseMlpRules, MlpRules, ModelRules, Need, TensorRule};
 
 /// A resident weight matrix `[rows, cols]`.
 #[derive(Clone, Debug)]
@@ -102,20 +103,16 @@ pub struct ResidentWeights {
     pub layers: Vec<LayerWeights>,
 }
 
-fn matrix(
-    src: &dyn WeightSource,
-    name: &str,
-    rows: usize,
-    cols: usize,
-) -> Result<Matrix, WeightError> {
-    let t = src.tensor(name)?;
-    if t.shape != [rows, cols] {
+fn matrix(src: &dyn WeightSource, rule: &TensorRule) -> Result<Matrix, WeightError> {
+    let t = src.tensor(&rule.name)?;
+    // Matrix rules are [rows, cols] by construction; anything else is a mismatch all the same.
+    let (&[rows, cols], true) = (rule.shape.as_slice(), t.shape == rule.shape) else {
         return Err(WeightError::ShapeMismatch {
-            name: name.to_string(),
-            expected: vec![rows, cols],
+            name: rule.name.clone(),
+            expected: rule.shape.clone(),
             found: t.shape.clone(),
         });
-    }
+    };
     Ok(Matrix {
         rows,
         cols,
@@ -123,12 +120,12 @@ fn matrix(
     })
 }
 
-fn vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>, WeightError> {
-    let t = src.tensor(name)?;
-    if t.shape != [len] {
+fn vector(src: &dyn WeightSource, rule: &TensorRule) -> Result<Vec<f32>, WeightError> {
+    let t = src.tensor(&rule.name)?;
+    if t.shape != rule.shape {
         return Err(WeightError::ShapeMismatch {
-            name: name.to_string(),
-            expected: vec![len],
+            name: rule.name.clone(),
+            expected: rule.shape.clone(),
             found: t.shape.clone(),
         });
     }
@@ -138,82 +135,60 @@ fn vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>, We
     })
 }
 
+fn dense(src: &dyn WeightSource, rules: &DenseMlpRules) -> Result<DenseMlp, WeightError> {
+    Ok(DenseMlp {
+        gate: matrix(src, &rules.gate)?,
+        up: matrix(src, &rules.up)?,
+        down: matrix(src, &rules.down)?,
+    })
+}
+
 impl ResidentWeights {
-    /// Fetches and checks every non-expert tensor the spec names.
+    /// Fetches every non-expert tensor the spec names, checked against the shape rules that the
+    /// converter checks checkpoints against too ([`ModelRules`]).
     pub fn load(
         cfg: &MoeConfig,
         spec: &ArchSpec,
         src: &dyn WeightSource,
     ) -> Result<ResidentWeights, WeightError> {
-        let n = &spec.names;
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let embed = matrix(src, n.embed, v, h)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            matrix(src, n.lm_head, v, h)?
+        let rules = ModelRules::new(cfg, spec);
+        let embed = matrix(src, &rules.embed)?;
+        let lm_head = match rules.lm_head.need {
+            Need::Required => matrix(src, &rules.lm_head)?,
+            // Tied: the embedding is the lm_head.
+            Need::Optional => embed.clone(),
         };
-        let final_norm = vector(src, n.final_norm, h)?;
+        let final_norm = vector(src, &rules.final_norm)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        for (l, kind) in spec.layers.iter().enumerate() {
-            let name = |p: &str| layer_name(p, l);
-            let bias = |p: &str, len: usize, on: bool| -> Result<Option<Vec<f32>>, WeightError> {
-                if on {
-                    vector(src, &name(p), len).map(Some)
-                } else {
-                    Ok(None)
-                }
+        for layer in &rules.layers {
+            let opt = |rule: &Option<TensorRule>| -> Result<Option<Vec<f32>>, WeightError> {
+                rule.as_ref().map(|r| vector(src, r)).transpose()
             };
-            let (qn_len, kn_len) = match spec.qk_norm {
-                QkNorm::None => (0, 0),
-                QkNorm::PerHead => (d, d),
-                QkNorm::WholeProjection => (hq * d, hkv * d),
-            };
-            let has_qk_norm = spec.qk_norm != QkNorm::None;
             let attention = AttentionWeights {
-                q: matrix(src, &name(n.q_proj), hq * d, h)?,
-                k: matrix(src, &name(n.k_proj), hkv * d, h)?,
-                v: matrix(src, &name(n.v_proj), hkv * d, h)?,
-                o: matrix(src, &name(n.o_proj), h, hq * d)?,
-                q_bias: bias(n.q_bias, hq * d, spec.qkv_bias)?,
-                k_bias: bias(n.k_bias, hkv * d, spec.qkv_bias)?,
-                v_bias: bias(n.v_bias, hkv * d, spec.qkv_bias)?,
-                o_bias: bias(n.o_bias, h, spec.o_bias)?,
-                q_norm: bias(n.q_norm, qn_len, has_qk_norm)?,
-                k_norm: bias(n.k_norm, kn_len, has_qk_norm)?,
+                q: matrix(src, &layer.q_proj)?,
+                k: matrix(src, &layer.k_proj)?,
+                v: matrix(src, &layer.v_proj)?,
+                o: matrix(src, &layer.o_proj)?,
+                q_bias: opt(&layer.q_bias)?,
+                k_bias: opt(&layer.k_bias)?,
+                v_bias: opt(&layer.v_bias)?,
+                o_bias: opt(&layer.o_bias)?,
+                q_norm: opt(&layer.q_norm)?,
+                k_norm: opt(&layer.k_norm)?,
             };
-            let mlp = match kind {
-                MlpKind::Dense => {
-                    // ArchSpec only marks a layer dense when the config has the dense width.
-                    let f = cfg.dense_width.unwrap_or(0);
-                    LayerMlp::Dense(DenseMlp {
-                        gate: matrix(src, &name(n.dense_gate), f, h)?,
-                        up: matrix(src, &name(n.dense_up), f, h)?,
-                        down: matrix(src, &name(n.dense_down), h, f)?,
-                    })
-                }
-                MlpKind::Moe => {
-                    let shared = match cfg.shared_expert_width {
-                        Some(s) if spec.shared_expert => Some((
-                            DenseMlp {
-                                gate: matrix(src, &name(n.shared_gate_proj), s, h)?,
-                                up: matrix(src, &name(n.shared_up_proj), s, h)?,
-                                down: matrix(src, &name(n.shared_down_proj), h, s)?,
-                            },
-                            matrix(src, &name(n.shared_expert_gate), 1, h)?,
-                        )),
-                        _ => None,
-                    };
-                    LayerMlp::Moe(MoeResident {
-                        router: matrix(src, &name(n.router), cfg.num_experts, h)?,
-                        shared,
-                    })
-                }
+            let mlp = match &layer.mlp {
+                MlpRules::Dense(d) => LayerMlp::Dense(dense(src, d)?),
+                MlpRules::Moe { router, shared, .. } => LayerMlp::Moe(MoeResident {
+                    router: matrix(src, router)?,
+                    shared: match shared {
+                        Some((d, gate)) => Some((dense(src, d)?, matrix(src, gate)?)),
+                        None => None,
+                    },
+                }),
             };
             layers.push(LayerWeights {
-                input_norm: vector(src, &name(n.input_norm), h)?,
-                post_attention_norm: vector(src, &name(n.post_attention_norm), h)?,
+                input_norm: vector(src, &layer.input_norm)?,
+                post_attention_norm: vector(src, &layer.post_attention_norm)?,
                 attention,
                 mlp,
             });

@@ -123,6 +123,12 @@ fn type_name(v: &Value) -> String {
     }
 }
 
+/// A config value as its JSON text (`4096`, `"yarn"`), or `null` when absent: messages show
+/// what the file says, never a Rust rendering of it.
+fn json_text(v: Option<&Value>) -> String {
+    v.map_or_else(|| "null".to_string(), Value::to_string)
+}
+
 impl<'a> Reader<'a> {
     fn get(&self, key: &'static str) -> Option<&'a Value> {
         self.obj.get(key).filter(|v| !v.is_null())
@@ -338,18 +344,19 @@ impl MoeConfig {
         let rms_norm_eps = r.f64_opt("rms_norm_eps")?.ok_or(ConfigError::Missing {
             key: "rms_norm_eps",
         })?;
-        if !(rms_norm_eps.is_finite() && rms_norm_eps >= 0.0) {
+        // f32(eps) is what the forward adds: it must be a positive f32 too.
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0 && (rms_norm_eps as f32) > 0.0) {
             return Err(ConfigError::OutOfRange {
                 key: "rms_norm_eps",
-                value: rms_norm_eps.to_string(),
-                why: "must be finite and non-negative",
+                value: json_text(r.get("rms_norm_eps")),
+                why: "must be finite and positive (also as an f32)",
             });
         }
         let max_position_embeddings = r.positive("max_position_embeddings")?;
 
         // rope: transformers 5 nests it in rope_parameters; older configs have rope_theta and
         // rope_scaling at the top level.
-        let (rope_theta, rope_type) = match r.get("rope_parameters") {
+        let (rope_theta, rope_type, rope_key) = match r.get("rope_parameters") {
             Some(Value::Object(rp)) => {
                 let rr = Reader { obj: rp };
                 let theta = match rr.f64_opt("rope_theta")? {
@@ -359,7 +366,7 @@ impl MoeConfig {
                     })?,
                 };
                 let rope_type = rr.str_opt("rope_type")?.unwrap_or("default").to_string();
-                (theta, rope_type)
+                (theta, rope_type, "rope_parameters.rope_type")
             }
             Some(v) => {
                 return Err(ConfigError::WrongType {
@@ -372,37 +379,53 @@ impl MoeConfig {
                 let theta = r
                     .f64_opt("rope_theta")?
                     .ok_or(ConfigError::Missing { key: "rope_theta" })?;
-                let rope_type = match r.get("rope_scaling") {
-                    None => "default".to_string(),
-                    Some(Value::Object(rs)) => {
-                        let rr = Reader { obj: rs };
-                        match rr.str_opt("rope_type")? {
-                            Some(t) => t.to_string(),
-                            None => rr.str_opt("type")?.unwrap_or("default").to_string(),
-                        }
-                    }
-                    Some(v) => {
-                        return Err(ConfigError::WrongType {
+                (theta, "default".to_string(), "rope_type")
+            }
+        };
+        // A top-level rope_scaling asks for scaling even next to rope_parameters (transformers
+        // folds it in), so it is read either way.
+        let rope_type = match r.get("rope_scaling") {
+            None => rope_type,
+            Some(Value::Object(rs)) => {
+                let rr = Reader { obj: rs };
+                let scaling = match rr.str_opt("rope_type")? {
+                    Some(t) => Some(t),
+                    None => rr.str_opt("type")?,
+                };
+                match scaling {
+                    Some(t) if t != "default" => {
+                        return Err(ConfigError::Unsupported {
                             key: "rope_scaling",
-                            expected: "an object or null",
-                            found: type_name(v),
+                            value: Value::Object(rs.clone()).to_string(),
+                            why: "only the default rotary embedding is implemented",
                         })
                     }
-                };
-                (theta, rope_type)
+                    _ => rope_type,
+                }
+            }
+            Some(v) => {
+                return Err(ConfigError::WrongType {
+                    key: "rope_scaling",
+                    expected: "an object or null",
+                    found: type_name(v),
+                })
             }
         };
         if !(rope_theta.is_finite() && rope_theta > 1.0) {
+            let written = match r.get("rope_parameters") {
+                Some(Value::Object(rp)) if rp.contains_key("rope_theta") => rp.get("rope_theta"),
+                _ => r.get("rope_theta"),
+            };
             return Err(ConfigError::OutOfRange {
                 key: "rope_theta",
-                value: rope_theta.to_string(),
+                value: json_text(written),
                 why: "must be finite and greater than 1",
             });
         }
         if rope_type != "default" {
             return Err(ConfigError::Unsupported {
-                key: "rope_type",
-                value: rope_type,
+                key: rope_key,
+                value: Value::String(rope_type).to_string(),
                 why: "only the default rotary embedding is implemented",
             });
         }
@@ -411,7 +434,7 @@ impl MoeConfig {
             if act != "silu" {
                 return Err(ConfigError::Unsupported {
                     key: "hidden_act",
-                    value: act.to_string(),
+                    value: Value::String(act.to_string()).to_string(),
                     why: "only silu (SwiGLU) experts are implemented",
                 });
             }
@@ -421,9 +444,10 @@ impl MoeConfig {
         let window_flag = r.bool_opt("use_sliding_window")?;
         let window = r.usize_opt("sliding_window")?.filter(|&w| w != 0);
         if window_flag == Some(true) || (window_flag.is_none() && window.is_some()) {
+            // The value as the config writes it (`4096`, or `null` when only the flag is on).
             return Err(ConfigError::Unsupported {
                 key: "sliding_window",
-                value: format!("{window:?}"),
+                value: json_text(r.get("sliding_window")),
                 why: "sliding-window attention is not implemented",
             });
         }
@@ -617,7 +641,7 @@ mod tests {
                 serde_json::json!({"rope_theta": 1e6, "rope_type": "yarn"})
             )),
             Err(ConfigError::Unsupported {
-                key: "rope_type",
+                key: "rope_parameters.rope_type",
                 ..
             })
         ));
@@ -663,6 +687,93 @@ mod tests {
             MoeConfig::from_json_str("[]"),
             Err(ConfigError::NotAnObject)
         );
+    }
+
+    #[test]
+    fn refusals_show_the_value_as_the_config_writes_it() {
+        let msg = |v: Value| parse(&v).unwrap_err().to_string();
+        let m = msg(with(base(), "sliding_window", 4096.into()));
+        assert!(m.contains("`sliding_window` = 4096 "), "{m}");
+        let m = msg(with(
+            with(base(), "sliding_window", 4096.into()),
+            "use_sliding_window",
+            true.into(),
+        ));
+        assert!(m.contains("= 4096 ") && !m.contains("Some"), "{m}");
+        let m = msg(with(base(), "hidden_act", "gelu".into()));
+        assert!(m.contains(r#"`hidden_act` = "gelu""#), "{m}");
+        let m = msg(with(base(), "rms_norm_eps", 0.into()));
+        assert!(m.contains("`rms_norm_eps` = 0 "), "{m}");
+    }
+
+    #[test]
+    fn rope_scaling_eps_and_theta_are_refused_when_the_forward_cannot_honour_them() {
+        let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
+        // Next to rope_parameters (transformers folds rope_scaling in) and on its own.
+        for v in [
+            with(base(), "rope_scaling", yarn.clone()),
+            with(
+                with(without(base(), "rope_parameters"), "rope_theta", 1e6.into()),
+                "rope_scaling",
+                serde_json::json!({"type": "yarn", "factor": 4.0}),
+            ),
+        ] {
+            assert!(matches!(
+                parse(&v),
+                Err(ConfigError::Unsupported {
+                    key: "rope_scaling",
+                    ..
+                })
+            ));
+        }
+        // A default rope_scaling changes nothing.
+        let v = with(
+            base(),
+            "rope_scaling",
+            serde_json::json!({"rope_type": "default"}),
+        );
+        assert_eq!(parse(&v).unwrap().rope_theta, 1e6);
+        for eps in [
+            serde_json::json!(0),
+            serde_json::json!(-1e-6),
+            serde_json::json!(1e-50),
+        ] {
+            assert!(matches!(
+                parse(&with(base(), "rms_norm_eps", eps)),
+                Err(ConfigError::OutOfRange {
+                    key: "rms_norm_eps",
+                    ..
+                })
+            ));
+        }
+        for theta in [
+            serde_json::json!(0.0),
+            serde_json::json!(-5),
+            serde_json::json!(1.0),
+        ] {
+            let v = with(
+                base(),
+                "rope_parameters",
+                serde_json::json!({"rope_theta": theta, "rope_type": "default"}),
+            );
+            assert!(
+                matches!(
+                    parse(&v),
+                    Err(ConfigError::OutOfRange {
+                        key: "rope_theta",
+                        ..
+                    })
+                ),
+                "{theta}"
+            );
+        }
+        assert!(matches!(
+            parse(&with(base(), "num_key_value_heads", 0.into())),
+            Err(ConfigError::OutOfRange {
+                key: "num_key_value_heads",
+                ..
+            })
+        ));
     }
 
     #[test]

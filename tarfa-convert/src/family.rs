@@ -1,0 +1,71 @@
+//! The runtime's own family rules (`tarfa-core`) applied to a checkpoint before a byte is
+//! written: the config must be one the runtime runs, every tensor must have the shape and dtype
+//! the runtime will check at load, and a tokenizer.json must load and fit the vocabulary. A
+//! checkpoint the runtime would refuse is refused here, not after a long conversion.
+
+use std::path::PathBuf;
+
+use tarfa_checkpoint::{Checkpoint, CONFIG_FILE};
+use tarfa_core::config::{ConfigError, MoeConfig};
+use tarfa_core::shapes::{check_non_expert_dtype, FoundTensor, ModelRules, ShapeError};
+use tarfa_core::tokenizer::check_tokenizer;
+
+use crate::ConvertError;
+
+/// The tokenizer file the runtime loads for `--prompt`.
+const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Checks `ckpt` against the runtime's rules; the first failure names its file and check.
+pub(crate) fn check(ckpt: &Checkpoint) -> Result<(), ConvertError> {
+    let config_error = |source| ConvertError::Config {
+        file: CONFIG_FILE.into(),
+        source,
+    };
+    let obj = ckpt
+        .config
+        .raw
+        .as_object()
+        .ok_or_else(|| config_error(ConfigError::NotAnObject))?;
+    let cfg = MoeConfig::from_json_object(obj).map_err(config_error)?;
+
+    // The shard a tensor lives in, or the weights file for a tensor that is absent.
+    let file_of = |e: &ShapeError| -> PathBuf {
+        let shard = ckpt.tensors.get(e.tensor()).map(|t| t.shard);
+        match shard.and_then(|i| ckpt.shards.get(i)) {
+            Some(s) => s.name.as_str().into(),
+            None => ckpt.weights_file().into(),
+        }
+    };
+    let shape_error = |source: ShapeError| ConvertError::Shape {
+        file: file_of(&source),
+        source,
+    };
+    // Every non-expert tensor is carried, so every one must be in a type the runtime reads.
+    for name in &ckpt.non_expert {
+        let dtype = ckpt.tensors[name].dtype.to_string();
+        check_non_expert_dtype(name, &dtype).map_err(shape_error)?;
+    }
+    let dtypes: std::collections::BTreeMap<&str, String> = ckpt
+        .tensors
+        .iter()
+        .map(|(name, t)| (name.as_str(), t.dtype.to_string()))
+        .collect();
+    ModelRules::for_config(&cfg)
+        .check(|name| {
+            let t = ckpt.tensors.get(name)?;
+            Some(FoundTensor {
+                dtype: dtypes.get(name)?,
+                shape: &t.shape,
+            })
+        })
+        .map_err(shape_error)?;
+
+    if let Some(f) = ckpt.extra_files.iter().find(|f| f.name == TOKENIZER_FILE) {
+        let bytes = std::fs::read(&f.path).map_err(ConvertError::io(TOKENIZER_FILE, "read"))?;
+        check_tokenizer(&bytes, cfg.vocab_size).map_err(|source| ConvertError::Tokenizer {
+            file: TOKENIZER_FILE.into(),
+            source,
+        })?;
+    }
+    Ok(())
+}

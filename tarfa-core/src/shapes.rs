@@ -1,0 +1,452 @@
+//! The shape rules: every tensor a validated config implies, with the shape it must have, and the
+//! dtypes the runtime computes with. The runtime loads its resident weights through
+//! [`ModelRules`]; the converter checks a checkpoint against the same rules before it writes a
+//! byte, so the two can never disagree about what a model of this config looks like.
+//!
+//! Shapes are outermost first, as safetensors stores them: a projection `y = W x` is
+//! `[out, in]`. H = hidden_size, V = vocab_size, Hq/Hkv = attention/KV heads, D = head_dim,
+//! E = experts, I = expert width, F = dense width, S = shared-expert width.
+
+use crate::config::MoeConfig;
+use crate::model::{expert_name, layer_name, ArchSpec, MlpKind, QkNorm};
+
+/// Whether a tensor must be in the checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// The runtime reads it; a checkpoint without it cannot run.
+    Required,
+    /// The runtime never reads it (the lm_head when `tie_word_embeddings` is true: the embedding
+    /// is used instead). It may be absent; when present it must still have its shape.
+    Optional,
+}
+
+/// One non-expert tensor the config implies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorRule {
+    /// The tensor's name in the checkpoint (and the bundle).
+    pub name: String,
+    /// The shape it must have, outermost first.
+    pub shape: Vec<usize>,
+    /// Whether it must be present.
+    pub need: Need,
+    /// Where the shape comes from, in config terms (for messages).
+    pub why: &'static str,
+}
+
+impl TensorRule {
+    fn new(name: String, shape: Vec<usize>, why: &'static str) -> TensorRule {
+        TensorRule {
+            name,
+            shape,
+            need: Need::Required,
+            why,
+        }
+    }
+}
+
+/// A dense SwiGLU MLP's three matrices (dense layers, Qwen2-MoE's shared expert).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DenseMlpRules {
+    pub gate: TensorRule,
+    pub up: TensorRule,
+    pub down: TensorRule,
+}
+
+/// The shapes every expert of an MoE layer has: gate and up `[I, H]`, down `[H, I]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShapes {
+    pub gate: [usize; 2],
+    pub up: [usize; 2],
+    pub down: [usize; 2],
+}
+
+/// One expert matrix of one layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertMatrixRule {
+    pub layer: usize,
+    pub name: String,
+    pub shape: [usize; 2],
+    pub why: &'static str,
+}
+
+/// The MLP of one layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MlpRules {
+    /// A dense MLP of width F.
+    Dense(DenseMlpRules),
+    /// The routed expert block.
+    Moe {
+        /// The router, `[E, H]`.
+        router: TensorRule,
+        /// Qwen2-MoE's shared expert and its sigmoid gate `[1, H]`.
+        shared: Option<(DenseMlpRules, TensorRule)>,
+        /// Every routed expert's matrices.
+        experts: ExpertShapes,
+    },
+}
+
+/// One decoder layer's tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerRules {
+    pub input_norm: TensorRule,
+    pub post_attention_norm: TensorRule,
+    pub q_proj: TensorRule,
+    pub k_proj: TensorRule,
+    pub v_proj: TensorRule,
+    pub o_proj: TensorRule,
+    pub q_bias: Option<TensorRule>,
+    pub k_bias: Option<TensorRule>,
+    pub v_bias: Option<TensorRule>,
+    pub o_bias: Option<TensorRule>,
+    pub q_norm: Option<TensorRule>,
+    pub k_norm: Option<TensorRule>,
+    pub mlp: MlpRules,
+}
+
+/// Every tensor of a model of one config.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRules {
+    /// `[V, H]`.
+    pub embed: TensorRule,
+    /// `[H]`.
+    pub final_norm: TensorRule,
+    /// `[V, H]`; [`Need::Optional`] when the embeddings are tied.
+    pub lm_head: TensorRule,
+    pub layers: Vec<LayerRules>,
+    /// The family's expert name patterns (`{l}`, `{e}`) in gate, up, down order.
+    expert_names: [&'static str; 3],
+    num_experts: usize,
+}
+
+/// The element types the runtime computes with. Nothing else is ever widened or narrowed into
+/// them: a tensor in another type cannot be run exactly as stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RuntimeDtype {
+    /// bfloat16 (every expert matrix; most non-expert tensors).
+    Bf16,
+    /// IEEE binary32 (allowed for non-expert tensors).
+    F32,
+}
+
+impl RuntimeDtype {
+    /// The runtime type of a safetensors dtype name (`"BF16"`, `"F32"`, ...), if it has one.
+    pub fn from_safetensors_name(name: &str) -> Option<RuntimeDtype> {
+        match name {
+            "BF16" => Some(RuntimeDtype::Bf16),
+            "F32" => Some(RuntimeDtype::F32),
+            _ => None,
+        }
+    }
+}
+
+/// What a checkpoint holds under one name: its safetensors dtype name and its shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FoundTensor<'a> {
+    pub dtype: &'a str,
+    pub shape: &'a [u64],
+}
+
+/// A tensor that does not match the rules. Every message names the tensor and the check.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ShapeError {
+    /// A tensor the runtime needs is absent.
+    #[error("tensor {name:?} is missing; the config needs it ({why})")]
+    Missing { name: String, why: &'static str },
+    /// A tensor has another shape than the config implies.
+    #[error("tensor {name:?} has shape {found:?}, but the config implies {expected:?} ({why})")]
+    WrongShape {
+        name: String,
+        found: Vec<u64>,
+        expected: Vec<usize>,
+        why: &'static str,
+    },
+    /// A non-expert tensor is in a type the runtime does not compute with (F16, F64, ...).
+    #[error("tensor {name:?} is {dtype}; the runtime computes non-expert tensors in BF16 or F32 only, and never converts them")]
+    NonExpertDtype { name: String, dtype: String },
+    /// An expert matrix is absent.
+    #[error("expert matrix {name:?} is missing; the config gives layer {layer} {experts} experts")]
+    MissingExpert {
+        name: String,
+        layer: usize,
+        experts: usize,
+    },
+    /// An expert matrix is not BF16.
+    #[error("expert matrix {name:?} is {dtype}; expert weights must be BF16")]
+    ExpertDtype { name: String, dtype: String },
+}
+
+impl ShapeError {
+    /// The tensor the failed check is about.
+    pub fn tensor(&self) -> &str {
+        match self {
+            ShapeError::Missing { name, .. }
+            | ShapeError::WrongShape { name, .. }
+            | ShapeError::NonExpertDtype { name, .. }
+            | ShapeError::MissingExpert { name, .. }
+            | ShapeError::ExpertDtype { name, .. } => name,
+        }
+    }
+}
+
+const NORM: &str = "hidden_size";
+const EMBED: &str = "vocab_size x hidden_size";
+const Q: &str = "num_attention_heads x head_dim, hidden_size";
+const KV: &str = "num_key_value_heads x head_dim, hidden_size";
+const O: &str = "hidden_size, num_attention_heads x head_dim";
+const Q_VEC: &str = "num_attention_heads x head_dim";
+const KV_VEC: &str = "num_key_value_heads x head_dim";
+const HEAD_DIM: &str = "head_dim";
+const ROUTER: &str = "number of experts, hidden_size";
+const DENSE_IN: &str = "intermediate_size, hidden_size";
+const DENSE_OUT: &str = "hidden_size, intermediate_size";
+const SHARED_IN: &str = "shared_expert_intermediate_size, hidden_size";
+const SHARED_OUT: &str = "hidden_size, shared_expert_intermediate_size";
+const SHARED_GATE: &str = "1, hidden_size";
+const EXPERT_IN: &str = "expert width, hidden_size";
+const EXPERT_OUT: &str = "hidden_size, expert width";
+
+impl ModelRules {
+    /// The rules of `cfg` (its family resolved with [`ArchSpec::new`]).
+    pub fn for_config(cfg: &MoeConfig) -> ModelRules {
+        ModelRules::new(cfg, &ArchSpec::new(cfg))
+    }
+
+    /// The rules of `cfg` with its family already resolved into `spec`.
+    pub fn new(cfg: &MoeConfig, spec: &ArchSpec) -> ModelRules {
+        let n = &spec.names;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let (q, kv) = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        );
+        let mut lm_head = TensorRule::new(n.lm_head.to_string(), vec![v, h], EMBED);
+        if cfg.tie_word_embeddings {
+            lm_head.need = Need::Optional;
+        }
+        let layers = spec
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, kind)| {
+                let rule =
+                    |p: &str, shape: Vec<usize>, why| TensorRule::new(layer_name(p, l), shape, why);
+                let opt =
+                    |on: bool, p: &str, shape: Vec<usize>, why| on.then(|| rule(p, shape, why));
+                let (qn, kn) = match spec.qk_norm {
+                    QkNorm::None => (None, None),
+                    QkNorm::PerHead => (
+                        Some((cfg.head_dim, HEAD_DIM)),
+                        Some((cfg.head_dim, HEAD_DIM)),
+                    ),
+                    QkNorm::WholeProjection => (Some((q, Q_VEC)), Some((kv, KV_VEC))),
+                };
+                let mlp = match kind {
+                    MlpKind::Dense => {
+                        // The config parser refuses a dense layer without its width.
+                        let f = cfg.dense_width.unwrap_or(0);
+                        MlpRules::Dense(DenseMlpRules {
+                            gate: rule(n.dense_gate, vec![f, h], DENSE_IN),
+                            up: rule(n.dense_up, vec![f, h], DENSE_IN),
+                            down: rule(n.dense_down, vec![h, f], DENSE_OUT),
+                        })
+                    }
+                    MlpKind::Moe => {
+                        let shared = match cfg.shared_expert_width {
+                            Some(s) if spec.shared_expert => Some((
+                                DenseMlpRules {
+                                    gate: rule(n.shared_gate_proj, vec![s, h], SHARED_IN),
+                                    up: rule(n.shared_up_proj, vec![s, h], SHARED_IN),
+                                    down: rule(n.shared_down_proj, vec![h, s], SHARED_OUT),
+                                },
+                                rule(n.shared_expert_gate, vec![1, h], SHARED_GATE),
+                            )),
+                            _ => None,
+                        };
+                        let i = cfg.expert_width;
+                        MlpRules::Moe {
+                            router: rule(n.router, vec![cfg.num_experts, h], ROUTER),
+                            shared,
+                            experts: ExpertShapes {
+                                gate: [i, h],
+                                up: [i, h],
+                                down: [h, i],
+                            },
+                        }
+                    }
+                };
+                LayerRules {
+                    input_norm: rule(n.input_norm, vec![h], NORM),
+                    post_attention_norm: rule(n.post_attention_norm, vec![h], NORM),
+                    q_proj: rule(n.q_proj, vec![q, h], Q),
+                    k_proj: rule(n.k_proj, vec![kv, h], KV),
+                    v_proj: rule(n.v_proj, vec![kv, h], KV),
+                    o_proj: rule(n.o_proj, vec![h, q], O),
+                    q_bias: opt(spec.qkv_bias, n.q_bias, vec![q], Q_VEC),
+                    k_bias: opt(spec.qkv_bias, n.k_bias, vec![kv], KV_VEC),
+                    v_bias: opt(spec.qkv_bias, n.v_bias, vec![kv], KV_VEC),
+                    o_bias: opt(spec.o_bias, n.o_bias, vec![h], NORM),
+                    q_norm: qn.map(|(len, why)| rule(n.q_norm, vec![len], why)),
+                    k_norm: kn.map(|(len, why)| rule(n.k_norm, vec![len], why)),
+                    mlp,
+                }
+            })
+            .collect();
+        ModelRules {
+            embed: TensorRule::new(n.embed.to_string(), vec![v, h], EMBED),
+            final_norm: TensorRule::new(n.final_norm.to_string(), vec![h], NORM),
+            lm_head,
+            layers,
+            expert_names: [n.expert_gate, n.expert_up, n.expert_down],
+            num_experts: cfg.num_experts,
+        }
+    }
+
+    /// Every non-expert tensor, in the order the runtime loads them.
+    pub fn non_expert(&self) -> Vec<&TensorRule> {
+        let mut out = vec![&self.embed, &self.lm_head, &self.final_norm];
+        for layer in &self.layers {
+            out.extend([
+                &layer.input_norm,
+                &layer.post_attention_norm,
+                &layer.q_proj,
+                &layer.k_proj,
+                &layer.v_proj,
+                &layer.o_proj,
+            ]);
+            out.extend(
+                [
+                    &layer.q_bias,
+                    &layer.k_bias,
+                    &layer.v_bias,
+                    &layer.o_bias,
+                    &layer.q_norm,
+                    &layer.k_norm,
+                ]
+                .into_iter()
+                .flatten(),
+            );
+            match &layer.mlp {
+                MlpRules::Dense(d) => out.extend([&d.gate, &d.up, &d.down]),
+                MlpRules::Moe { router, shared, .. } => {
+                    out.push(router);
+                    if let Some((d, gate)) = shared {
+                        out.extend([&d.gate, &d.up, &d.down, gate]);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The MoE layers and the shapes of their experts, ascending.
+    pub fn expert_layers(&self) -> impl Iterator<Item = (usize, &ExpertShapes)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, layer)| match &layer.mlp {
+                MlpRules::Moe { experts, .. } => Some((l, experts)),
+                MlpRules::Dense(_) => None,
+            })
+    }
+
+    /// Every expert matrix of every MoE layer, gate, up, down per expert, experts ascending.
+    pub fn expert_matrices(&self) -> impl Iterator<Item = ExpertMatrixRule> + '_ {
+        self.expert_layers().flat_map(move |(layer, s)| {
+            (0..self.num_experts).flat_map(move |e| {
+                [(s.gate, EXPERT_IN), (s.up, EXPERT_IN), (s.down, EXPERT_OUT)]
+                    .into_iter()
+                    .zip(self.expert_names)
+                    .map(move |((shape, why), pattern)| ExpertMatrixRule {
+                        layer,
+                        name: expert_name(pattern, layer, e),
+                        shape,
+                        why,
+                    })
+            })
+        })
+    }
+
+    /// Checks a checkpoint's tensor table against the rules: every needed tensor present with
+    /// its shape, every non-expert tensor the rules name in a [`RuntimeDtype`], every expert
+    /// matrix present, BF16, with its shape. `lookup` answers for one name. Tensors the rules do
+    /// not name are not judged here (the caller decides what to carry).
+    pub fn check<'a>(
+        &self,
+        lookup: impl Fn(&str) -> Option<FoundTensor<'a>>,
+    ) -> Result<(), ShapeError> {
+        for rule in self.non_expert() {
+            let Some(found) = lookup(&rule.name) else {
+                match rule.need {
+                    Need::Required => {
+                        return Err(ShapeError::Missing {
+                            name: rule.name.clone(),
+                            why: rule.why,
+                        })
+                    }
+                    Need::Optional => continue,
+                }
+            };
+            check_non_expert_dtype(&rule.name, found.dtype)?;
+            check_shape(&rule.name, found.shape, &rule.shape, rule.why)?;
+        }
+        for ExpertMatrixRule {
+            layer,
+            name,
+            shape,
+            why,
+        } in self.expert_matrices()
+        {
+            let Some(found) = lookup(&name) else {
+                return Err(ShapeError::MissingExpert {
+                    name,
+                    layer,
+                    experts: self.num_experts,
+                });
+            };
+            if RuntimeDtype::from_safetensors_name(found.dtype) != Some(RuntimeDtype::Bf16) {
+                return Err(ShapeError::ExpertDtype {
+                    name,
+                    dtype: found.dtype.to_string(),
+                });
+            }
+            check_shape(&name, found.shape, &shape, why)?;
+        }
+        Ok(())
+    }
+}
+
+/// The dtype policy for non-expert tensors: BF16 or F32, carried as stored. F16 and F64 are
+/// refused: the runtime computes with neither, and converting them would change the bytes that
+/// the manifest vouches for.
+pub fn check_non_expert_dtype(name: &str, dtype: &str) -> Result<RuntimeDtype, ShapeError> {
+    RuntimeDtype::from_safetensors_name(dtype).ok_or_else(|| ShapeError::NonExpertDtype {
+        name: name.to_string(),
+        dtype: dtype.to_string(),
+    })
+}
+
+fn check_shape(
+    name: &str,
+    found: &[u64],
+    expected: &[usize],
+    why: &'static str,
+) -> Result<(), ShapeError> {
+    let same = found.len() == expected.len()
+        && found
+            .iter()
+            .zip(expected)
+            .all(|(&f, &e)| u64::try_from(e).is_ok_and(|e| e == f));
+    if same {
+        Ok(())
+    } else {
+        Err(ShapeError::WrongShape {
+            name: name.to_string(),
+            found: found.to_vec(),
+            expected: expected.to_vec(),
+            why,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
