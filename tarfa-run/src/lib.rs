@@ -24,43 +24,10 @@
 //! labelled and never a default.
 
 pub mod bundle;
-pub mod config;
-pub mod cpu;
 pub mod cuda;
-pub mod generate;
-pub mod model;
-pub mod numerics;
 pub mod stream;
-pub mod weights;
 
-/// An error from loading or running a model.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    /// The config cannot be run.
-    #[error(transparent)]
-    Config(#[from] config::ConfigError),
-    /// A weight is missing, malformed or of the wrong shape.
-    #[error(transparent)]
-    Weights(#[from] weights::WeightError),
-    /// The RoPE table cannot cover a position.
-    #[error(transparent)]
-    Rope(#[from] numerics::RopeError),
-    /// The requested SIMD path is unavailable.
-    #[error(transparent)]
-    Kernel(#[from] numerics::KernelError),
-    /// A forward step was given no tokens.
-    #[error("a forward step needs at least one token")]
-    EmptyStep,
-    /// A token id is not in the vocabulary.
-    #[error("token id {token} is outside the vocabulary of {vocab}")]
-    TokenOutOfRange { token: u32, vocab: usize },
-    /// The sequence would exceed `max_position_embeddings`.
-    #[error("the sequence would reach {needed} positions; the model allows {max}")]
-    ContextFull { needed: usize, max: usize },
-    /// The thread pool could not be built.
-    #[error("cannot start the thread pool: {0}")]
-    ThreadPool(String),
-    /// A weight source broke its contract (a bug in the source).
-    #[error("weight source error: {0}")]
-    SourceContract(String),
-}
+// The crates this one was split into, under their old paths (tarfa_run::cpu, ...), so that the
+// CLI, the tests and the examples keep their imports while the split goes on.
+pub use tarfa_core::{config, generate, model, numerics, weights, RunError};
+pub use tarfa_cpu as cpu;

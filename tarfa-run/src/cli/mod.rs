@@ -71,9 +71,9 @@ impl CliError {
 
 fn run_error_code(e: &RunError) -> i32 {
     match e {
-        RunError::Weights(WeightError::Bundle(b)) => b.exit_code(),
+        // The bundle's or the streaming store's own error, with its own exit code.
+        RunError::Weights(WeightError::Source(s)) => s.exit_code(),
         RunError::Weights(WeightError::Io { .. }) => 3,
-        RunError::Weights(WeightError::Stream(s)) => s.exit_code(),
         // A bundle whose verified weights do not fit its own config is a broken bundle.
         RunError::Weights(_) => 1,
         RunError::Config(_) | RunError::Rope(_) => 2,
