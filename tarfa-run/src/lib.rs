@@ -23,11 +23,10 @@
 //! and the one deliberately inexact arm ([`cpu::FinalHidden::InvalidBf16BeforeLmHead`]) is
 //! labelled and never a default.
 
-pub mod bundle;
-pub mod cuda;
-pub mod stream;
-
 // The crates this one was split into, under their old paths (tarfa_run::cpu, ...), so that the
 // CLI, the tests and the examples keep their imports while the split goes on.
 pub use tarfa_core::{config, generate, model, numerics, weights, RunError};
 pub use tarfa_cpu as cpu;
+pub use tarfa_cuda as cuda;
+pub use tarfa_stream as stream;
+pub use tarfa_stream::bundle;

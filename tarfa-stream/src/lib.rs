@@ -1,5 +1,7 @@
-//! Expert streaming: run a model whose experts do not fit in memory, with the same bits as the
-//! resident run.
+//! The bundle reader ([`bundle`]: a converted bundle's weights, verified against its manifest
+//! before use) and expert streaming: run a model whose experts do not fit in memory, with the
+//! same bits as the resident run. Both are [`WeightSource`]s, below the backends: this crate must
+//! never depend on a backend or a CLI, and never hand out a byte it has not verified.
 //!
 //! The dense weights and the KV cache stay resident (see [`memory`]); the experts live in tiers:
 //!
@@ -27,6 +29,7 @@
 //! Every byte handed out was verified in the buffer handed out, and a read whose bytes do not
 //! match the manifest stops the run (exit 1) before anything is computed from them.
 
+pub mod bundle;
 pub mod ledger;
 pub mod memory;
 pub mod size;
@@ -43,10 +46,12 @@ pub use stats::StreamStats;
 pub use store::ExpertStore;
 
 use crate::bundle::{BundleError, BundleSource};
+// The weight seam under the names the moved files (bundle.rs, memory.rs, store.rs) use.
 use crate::weights::{
     Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, SourceFailure, WeightError,
     WeightSource,
 };
+use tarfa_core::{config, numerics, weights};
 
 #[cfg(target_endian = "big")]
 compile_error!("the streaming store views little-endian BF16 bytes in place as u16");

@@ -22,15 +22,15 @@ pub(crate) mod hot;
 use super::device::{open_context, DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut, SlotTable};
 use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo, HotOptions, HotStats};
-use crate::config::MoeConfig;
-use crate::cpu::resident::{LayerMlp, Matrix, ResidentWeights};
-use crate::cpu::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
-use crate::generate::{argmax, Greedy};
-use crate::model::{ArchSpec, MlpKind, QkNorm};
-use crate::numerics::{MatrixRef, RopeTable};
-use crate::weights::{ExpertWeights, WeightError, WeightSource};
-use crate::RunError;
 use hot::HotTier;
+use tarfa_core::config::MoeConfig;
+use tarfa_core::generate::{argmax, Greedy};
+use tarfa_core::model::{ArchSpec, MlpKind, QkNorm};
+use tarfa_core::numerics::{MatrixRef, RopeTable};
+use tarfa_core::weights::{ExpertWeights, WeightError, WeightSource};
+use tarfa_core::RunError;
+use tarfa_cpu::resident::{LayerMlp, Matrix, ResidentWeights};
+use tarfa_cpu::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
 
 /// Is a usable CUDA GPU here? Loads the driver and NVRTC libraries (checking first that they
 /// exist), opens device `ordinal` and describes it. `--backend auto` picks CUDA when this is Ok.
@@ -263,7 +263,7 @@ impl CudaModel {
                 k_norm: up_opt(&a.k_norm, &name("k norm"))?,
             };
             let dense =
-                |d: &crate::cpu::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
+                |d: &tarfa_cpu::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
                     let out = DevDense {
                         gate: up_mat(&d.gate, &format!("{what} gate"))?,
                         up: up_mat(&d.up, &format!("{what} up"))?,
@@ -1475,7 +1475,7 @@ impl Workspace {
     }
 }
 
-/// Greedy decoding on the GPU, as [`crate::generate::greedy`] does on the CPU: prefill the
+/// Greedy decoding on the GPU, as [`tarfa_core::generate::greedy`] does on the CPU: prefill the
 /// prompt, then one token at a time, always the largest logit (lowest index among equals).
 pub fn greedy(
     model: &CudaModel,
