@@ -24,7 +24,7 @@ pub mod resident;
 pub mod step;
 pub mod weights;
 
-use step::{ForwardOptions, ForwardOutput};
+use step::{ForwardOptions, ForwardOutput, LogitRows, StepStats};
 
 /// A backend that runs forward steps on one sequence's cache: the CPU reference, the GPU.
 pub trait Backend {
@@ -41,6 +41,23 @@ pub trait Backend {
         tokens: &[u32],
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, Self::Error>;
+
+    /// One greedy decode step after `token`: the next token (the argmax of the step's logits)
+    /// and the step's counters, for callers that keep neither the logits nor the router's
+    /// records. The default runs [`Backend::forward`] and takes the argmax on the host; a
+    /// backend that can choose the token where it computes it (the GPU) overrides this.
+    fn greedy_step(
+        &self,
+        cache: &mut Self::Cache,
+        token: u32,
+    ) -> Result<(u32, StepStats), Self::Error> {
+        let opts = ForwardOptions {
+            logits: LogitRows::Last,
+            ..ForwardOptions::default()
+        };
+        let out = self.forward(cache, &[token], &opts)?;
+        Ok((generate::argmax(&out.logits[0]), out.stats))
+    }
 }
 
 /// An error from loading or running a model.

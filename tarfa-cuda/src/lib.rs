@@ -53,7 +53,7 @@ pub mod synthetic;
 #[cfg(feature = "cuda")]
 pub use checks::kernel_checks;
 #[cfg(feature = "cuda")]
-pub use model::{greedy, probe, CudaCache, CudaModel};
+pub use model::{probe, CudaCache, CudaModel};
 #[cfg(feature = "cuda")]
 pub use selftest::{
     compare_with, locate_divergence, reference_run, selftest, selftest_models, selftest_streaming,
@@ -65,7 +65,33 @@ mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::*;
 
-pub use tarfa_cpu::ForwardOutput;
+pub use tarfa_core::generate::greedy;
+pub use tarfa_core::step::ForwardOutput;
+
+// The one decode loop (tarfa_core::generate::greedy) and the CLI run the GPU through this; the
+// real backend and the stub have the same inherent methods, so one impl serves both builds.
+impl tarfa_core::Backend for CudaModel {
+    type Cache = CudaCache;
+    type Error = CudaError;
+
+    fn forward(
+        &self,
+        cache: &mut CudaCache,
+        tokens: &[u32],
+        opts: &tarfa_core::step::ForwardOptions,
+    ) -> Result<ForwardOutput, CudaError> {
+        CudaModel::forward(self, cache, tokens, opts)
+    }
+
+    /// The token is chosen on the GPU, and no logits are copied back.
+    fn greedy_step(
+        &self,
+        cache: &mut CudaCache,
+        token: u32,
+    ) -> Result<(u32, tarfa_core::step::StepStats), CudaError> {
+        CudaModel::greedy_step(self, cache, token)
+    }
+}
 
 /// Why the CUDA backend cannot run (or stopped). Every variant but [`CudaError::Run`] is an
 /// environment failure (the CLI's exit code 3); `Run` carries the runtime's own error.

@@ -1128,7 +1128,7 @@ mod tests {
         // decode mode, each step's token is the CPU's greedy token and its statistics are those
         // forward() reports for the same step
         use crate::DecodeMode;
-        use tarfa_cpu::{ForwardOptions, LogitRows};
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         let last = ForwardOptions {
             logits: LogitRows::Last,
             ..Default::default()
@@ -1968,7 +1968,7 @@ mod tests {
         // logits and tokens, bit for bit.
         use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
         use crate::DecodeMode;
-        use tarfa_cpu::{ForwardOptions, LogitRows};
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         let shape = SyntheticShape {
             layers: 1,
             hidden: 2048,
@@ -2073,8 +2073,8 @@ mod tests {
         prompt: &[u32],
         steps: usize,
     ) -> (Vec<Vec<f32>>, Vec<u32>) {
-        use tarfa_core::generate::argmax;
-        use tarfa_cpu::{ForwardOptions, LogitRows};
+        use tarfa_core::generate::greedy;
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
         let engine = CpuEngine::new(
             cpu.clone(),
@@ -2089,21 +2089,14 @@ mod tests {
             ..Default::default()
         };
         let mut cc = cpu.new_cache();
-        let mut logits = vec![engine.forward(&mut cc, prompt, &last).unwrap().logits[0].clone()];
-        let mut toks = vec![argmax(&logits[0])];
-        for _ in 0..steps {
-            let l = engine
-                .forward(&mut cc, &[*toks.last().unwrap()], &last)
-                .unwrap();
-            toks.push(argmax(&l.logits[0]));
-            logits.push(l.logits[0].clone());
-        }
-        (logits, toks)
+        // steps + 1 tokens: the prefill chooses the first, each of `steps` forwards one more.
+        let g = greedy(&engine, &mut cc, prompt, steps + 1, &last).unwrap();
+        (g.step_logits, g.tokens)
     }
 
     fn decode_modes_match_the_cpu(family: &str, shape: SyntheticShape) {
         use crate::DecodeMode;
-        use tarfa_cpu::{ForwardOptions, LogitRows};
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         eprintln!(
             "kernels: {}",
             if super::emulated() {

@@ -9,10 +9,9 @@ use super::{
     SelftestReport,
 };
 use tarfa_core::config::MoeConfig;
-use tarfa_core::generate::Greedy;
 use tarfa_core::model::ArchSpec;
+use tarfa_core::step::{ForwardOptions, ForwardOutput};
 use tarfa_core::weights::WeightSource;
-use tarfa_cpu::{ForwardOptions, ForwardOutput};
 
 /// Is a usable CUDA GPU here? Never, in this build.
 pub fn probe(_ordinal: usize) -> Result<DeviceInfo, CudaError> {
@@ -87,7 +86,7 @@ impl CudaModel {
         &self,
         _cache: &mut CudaCache,
         _token: u32,
-    ) -> Result<(u32, tarfa_cpu::StepStats), CudaError> {
+    ) -> Result<(u32, tarfa_core::step::StepStats), CudaError> {
         match self.never {}
     }
     pub fn profile_decode(
@@ -145,16 +144,6 @@ impl CudaCache {
     pub fn truncate(&mut self, _len: usize) {
         match self.never {}
     }
-}
-
-pub fn greedy(
-    model: &CudaModel,
-    _cache: &mut CudaCache,
-    _prompt: &[u32],
-    _n_new: usize,
-    _opts: &ForwardOptions,
-) -> Result<Greedy, CudaError> {
-    match model.never {}
 }
 
 pub fn selftest(

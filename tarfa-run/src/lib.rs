@@ -1,27 +1,18 @@
-//! Tarfa's runtime: runs Mixture-of-Experts decoders exactly, as docs/EXACTNESS.md defines —
-//! BF16 weights as stored, the config's own router, f32 arithmetic in one canonical order, and
-//! the same bits for every logit whatever the thread count, batch, SIMD path, backend or cache
-//! state.
+//! Tarfa's runtime command, `tarfa-run`, over the crates that run Mixture-of-Experts decoders
+//! exactly, as docs/EXACTNESS.md defines: BF16 weights as stored, the config's own router, f32
+//! arithmetic in one canonical order, and the same bits for every logit whatever the thread
+//! count, batch, SIMD path, backend or cache state.
 //!
-//! Layout:
-//! - [`numerics`]: the contract's functions, canonical reductions (scalar reference + SIMD),
-//!   row-parallel matrix products, RoPE tables.
-//! - [`config`]: a Hugging Face `config.json` parsed and validated into [`config::MoeConfig`].
-//! - [`model`]: family descriptions ([`model::Family`], one small file each) resolved into an
-//!   [`model::ArchSpec`].
-//! - [`weights`]: the [`weights::WeightSource`] trait (verified tensors by name, experts per
-//!   layer) and an in-memory source loaded from safetensors.
-//! - [`cpu`]: the CPU backend — forward pass with a KV cache, the specification other backends
-//!   reproduce.
-//! - [`cuda`]: the CUDA backend (cargo feature `cuda`, on by default) — the same forward on an
-//!   NVIDIA GPU, bit for bit, with kernels from kernels/*.cu compiled at run time by NVRTC.
-//! - [`stream`]: expert streaming — experts read from the bundle on demand into a RAM tier under
-//!   a byte budget, verified in the buffer they are computed from, with the same bits.
-//! - [`generate`]: greedy decoding on top of a backend.
+//! The library re-exports those crates under the paths the CLI, tests and examples use:
+//! - [`numerics`], [`config`], [`model`], [`weights`], [`generate`], [`RunError`]: tarfa-core
+//!   (the contract's numerics, config and families, the weight seam, the one greedy loop).
+//! - [`cpu`]: tarfa-cpu, the CPU backend, the specification other backends reproduce.
+//! - [`cuda`]: tarfa-cuda, the CUDA backend (cargo feature `cuda`, on by default; a stub
+//!   without it), kernels from kernels/*.cu compiled at run time by NVRTC.
+//! - [`stream`], [`bundle`]: tarfa-stream, the verified bundle reader and expert streaming.
 //!
-//! The library must never approximate silently: anything it cannot compute exactly is an error,
-//! and the one deliberately inexact arm ([`cpu::FinalHidden::InvalidBf16BeforeLmHead`]) is
-//! labelled and never a default.
+//! This crate must never compute anything itself: numerics belong to the crates below, and
+//! anything they cannot compute exactly is an error, never a silent approximation.
 
 // The crates this one was split into, under their old paths (tarfa_run::cpu, ...), so that the
 // CLI, the tests and the examples keep their imports while the split goes on.
