@@ -1,6 +1,9 @@
-//! The facts about Mixture-of-Experts families that the converter and the runtime share, so that a
+//! The core of Tarfa's runtime: what every backend shares, and nothing that belongs to one; and
+//! the facts about Mixture-of-Experts families that the converter and the runtime share, so that a
 //! checkpoint the runtime would refuse is refused before a conversion writes its first byte.
 //!
+//! - [`numerics`]: the exactness contract's functions (docs/EXACTNESS.md): canonical reductions
+//!   (scalar reference + SIMD), row-parallel matrix products, RoPE tables.
 //! - [`config`]: a Hugging Face `config.json` parsed and validated into [`config::MoeConfig`];
 //!   every feature the runtime does not implement (YaRN, sliding windows, another activation) is
 //!   an error naming its key.
@@ -9,14 +12,92 @@
 //! - [`shapes`]: the shape rules: every tensor a config implies, with its expected shape and
 //!   whether the runtime needs it, and every expert matrix's shape.
 //! - [`tokenizer`]: whether a `tokenizer.json` loads and fits the model's vocabulary.
+//! - [`weights`]: the weight seam — the [`weights::WeightSource`] trait (verified tensors by
+//!   name, experts per layer), its error, and an in-memory source loaded from safetensors.
+//! - [`resident`]: the non-expert weights as every backend loads them.
+//! - [`step`]: what a forward step takes and returns, the same types for every backend.
+//! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
 //!
-//! It will grow into the home of the numerics contract and the step types when the runtime is
-//! split into crates; for now it holds config, families and shape rules.
-//!
-//! What it must never do: I/O beyond parsing what it is handed (text, bytes, a tensor table),
-//! backend code, or arithmetic on weights. Callers read files; this crate only judges them.
+//! This crate must never depend on a backend, a bundle reader or a CLI (they depend on it), do
+//! I/O beyond parsing what it is handed (the safetensors loader reads the files it is pointed
+//! at), and must never approximate silently: anything it cannot compute exactly is an error, and
+//! the one deliberately inexact arm ([`step::FinalHidden::InvalidBf16BeforeLmHead`]) is labelled
+//! and never a default.
 
 pub mod config;
+pub mod generate;
 pub mod model;
+pub mod numerics;
+pub mod resident;
 pub mod shapes;
+pub mod step;
 pub mod tokenizer;
+pub mod weights;
+
+use step::{ForwardOptions, ForwardOutput, LogitRows, StepStats};
+
+/// A backend that runs forward steps on one sequence's cache: the CPU reference, the GPU.
+pub trait Backend {
+    /// One sequence's state (the KV cache).
+    type Cache;
+    /// The backend's error; every backend can report the runtime's own.
+    type Error: From<RunError>;
+
+    /// Runs `tokens` at positions `cache.len()..` (prefill when several, decode when one) and
+    /// appends them to the cache. On error the cache is left as it was.
+    fn forward(
+        &self,
+        cache: &mut Self::Cache,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, Self::Error>;
+
+    /// One greedy decode step after `token`: the next token (the argmax of the step's logits)
+    /// and the step's counters, for callers that keep neither the logits nor the router's
+    /// records. The default runs [`Backend::forward`] and takes the argmax on the host; a
+    /// backend that can choose the token where it computes it (the GPU) overrides this.
+    fn greedy_step(
+        &self,
+        cache: &mut Self::Cache,
+        token: u32,
+    ) -> Result<(u32, StepStats), Self::Error> {
+        let opts = ForwardOptions {
+            logits: LogitRows::Last,
+            ..ForwardOptions::default()
+        };
+        let out = self.forward(cache, &[token], &opts)?;
+        Ok((generate::argmax(&out.logits[0]), out.stats))
+    }
+}
+
+/// An error from loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The config cannot be run.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// A weight is missing, malformed or of the wrong shape.
+    #[error(transparent)]
+    Weights(#[from] weights::WeightError),
+    /// The RoPE table cannot cover a position.
+    #[error(transparent)]
+    Rope(#[from] numerics::RopeError),
+    /// The requested SIMD path is unavailable.
+    #[error(transparent)]
+    Kernel(#[from] numerics::KernelError),
+    /// A forward step was given no tokens.
+    #[error("a forward step needs at least one token")]
+    EmptyStep,
+    /// A token id is not in the vocabulary.
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    /// The sequence would exceed `max_position_embeddings`.
+    #[error("the sequence would reach {needed} positions; the model allows {max}")]
+    ContextFull { needed: usize, max: usize },
+    /// The thread pool could not be built.
+    #[error("cannot start the thread pool: {0}")]
+    ThreadPool(String),
+    /// A weight source broke its contract (a bug in the source).
+    #[error("weight source error: {0}")]
+    SourceContract(String),
+}

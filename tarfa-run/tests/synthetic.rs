@@ -10,13 +10,14 @@ use common::bits;
 use common::synthetic::*;
 use serde_json::json;
 use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, LogitRows};
+use tarfa_run::generate::greedy;
 use tarfa_run::model::{layer_name, MlpKind};
 use tarfa_run::numerics::{bf16_to_f32, AlignedVec, Kernel};
 use tarfa_run::weights::{
     load_safetensors_dir, Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData,
     WeightError, WeightSource,
 };
-use tarfa_run::RunError;
+use tarfa_run::{Backend, RunError};
 
 fn model(src: InMemorySource, cfg: &serde_json::Value) -> Arc<CpuModel> {
     Arc::new(CpuModel::load(parse(cfg), Arc::new(src)).unwrap())
@@ -93,6 +94,50 @@ fn every_family_is_invariant_to_chunking_threads_and_simd_path() {
                 }
             }
         }
+    }
+}
+
+/// The backend seam: `Backend::greedy_step` (the step the CLI runs when it keeps no logits)
+/// chooses, step after step, the tokens the one greedy loop (`generate::greedy`, generic over the
+/// backend) chooses, on every family, and leaves the cache as long.
+#[test]
+fn backend_greedy_steps_choose_the_greedy_loops_tokens() {
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 29 + 3) % 96).collect();
+    let n_new = 6;
+    for (family, over) in families() {
+        let cfg = config_json(family, over);
+        let m = model(random_source(&parse(&cfg), 7), &cfg);
+        let eng = engine(&m, 2, Kernel::best());
+        let mut looped = m.new_cache();
+        let g = greedy(
+            &eng,
+            &mut looped,
+            &prompt,
+            n_new,
+            &ForwardOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(g.tokens.len(), n_new, "{family}");
+        assert_eq!(g.step_logits.len(), n_new, "{family}");
+        let mut stepped = m.new_cache();
+        let prefill = eng
+            .forward(&mut stepped, &prompt, &ForwardOptions::default())
+            .unwrap();
+        assert!(
+            bits(&prefill.logits) == bits(&g.step_logits[..1]),
+            "{family}"
+        );
+        let mut tokens = vec![g.tokens[0]];
+        for _ in 1..n_new {
+            let (next, stats) = eng
+                .greedy_step(&mut stepped, *tokens.last().unwrap())
+                .unwrap();
+            assert!(stats.weight_bytes > 0, "{family}: a step reads weights");
+            tokens.push(next);
+        }
+        assert_eq!(tokens, g.tokens, "{family}");
+        assert_eq!(stepped.len(), prompt.len() + n_new - 1, "{family}");
+        assert_eq!(looped.len(), stepped.len(), "{family}");
     }
 }
 

@@ -81,9 +81,9 @@ fn run_error_code(e: &RunError) -> i32 {
 
 fn weight_error_code(e: &WeightError) -> i32 {
     match e {
-        WeightError::Bundle(b) => b.exit_code(),
+        // The bundle's or the streaming store's own error, with its own exit code.
+        WeightError::Source(s) => s.exit_code(),
         WeightError::Io { .. } => 3,
-        WeightError::Stream(s) => s.exit_code(),
         // A bundle whose verified weights do not fit its own config is a broken bundle.
         WeightError::MissingTensor(_)
         | WeightError::MissingExpert { .. }

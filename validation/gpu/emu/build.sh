@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CPU emulator of kernels/*.cu: validation/gpu/emu/build.sh [OUT_DIR]
 # -> OUT_DIR/libtarfa_emu.so (default /tmp/tarfa-emu). Then, e.g.:
-#   TARFA_CUDA_EMU=/tmp/tarfa-emu/libtarfa_emu.so cargo test -p tarfa-run --lib cuda::mock
+#   TARFA_CUDA_EMU=/tmp/tarfa-emu/libtarfa_emu.so cargo test -p tarfa-cuda --lib mock::
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-/tmp/tarfa-emu}

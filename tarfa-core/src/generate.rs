@@ -1,10 +1,11 @@
-//! Greedy decoding on the CPU backend: prefill the prompt, then one token at a time, always the
-//! largest logit (lowest index among equals).
+//! Greedy decoding on any [`Backend`]: prefill the prompt, then one token at a time, always the
+//! largest logit (lowest index among equals). The one decode loop: the CPU and CUDA backends
+//! both run through it.
 //!
 //! This module only sequences forward steps; it must never touch the arithmetic.
 
-use crate::cpu::{CpuEngine, ForwardOptions, ForwardOutput, KvCache, LogitRows};
-use crate::RunError;
+use crate::step::{ForwardOptions, ForwardOutput, LogitRows, RouterRecord};
+use crate::Backend;
 
 /// The index of the largest logit, the lowest among equals. NaN never wins (comparisons with NaN
 /// are false); an all-NaN row gives 0.
@@ -28,18 +29,18 @@ pub struct Greedy {
     /// Row j: the logits that chose `tokens[j]`.
     pub step_logits: Vec<Vec<f32>>,
     /// Router records of the decode steps (when traced).
-    pub decode_router: Vec<crate::cpu::RouterRecord>,
+    pub decode_router: Vec<RouterRecord>,
 }
 
 /// Greedy decoding of `n_new` tokens after `prompt` (EOS is not treated specially: the caller
 /// decides when to stop). `opts.logits` applies to the prefill step.
-pub fn greedy(
-    engine: &CpuEngine,
-    cache: &mut KvCache,
+pub fn greedy<B: Backend>(
+    engine: &B,
+    cache: &mut B::Cache,
     prompt: &[u32],
     n_new: usize,
     opts: &ForwardOptions,
-) -> Result<Greedy, RunError> {
+) -> Result<Greedy, B::Error> {
     let prefill = engine.forward(cache, prompt, opts)?;
     let mut out = Greedy::default();
     let mut last = prefill.logits.last().cloned().unwrap_or_default();

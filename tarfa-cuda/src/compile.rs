@@ -17,7 +17,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use super::CudaError;
 
 /// The header every kernel file includes (prepended to each source, see [`full_source`]).
-pub const COMMON_HEADER: &str = include_str!("../../../kernels/common.cuh");
+pub const COMMON_HEADER: &str = include_str!("../../kernels/common.cuh");
 
 /// One kernel source file and the entry points the runtime loads from it.
 #[derive(Debug)]
@@ -34,12 +34,12 @@ pub struct KernelFile {
 pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "matvec.cu",
-        source: include_str!("../../../kernels/matvec.cu"),
+        source: include_str!("../../kernels/matvec.cu"),
         entries: &["matvec_bf16", "matvec_f32"],
     },
     KernelFile {
         name: "norm_rope.cu",
-        source: include_str!("../../../kernels/norm_rope.cu"),
+        source: include_str!("../../kernels/norm_rope.cu"),
         entries: &[
             "embed_bf16",
             "embed_f32",
@@ -50,12 +50,12 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "attention.cu",
-        source: include_str!("../../../kernels/attention.cu"),
+        source: include_str!("../../kernels/attention.cu"),
         entries: &["attention"],
     },
     KernelFile {
         name: "moe.cu",
-        source: include_str!("../../../kernels/moe.cu"),
+        source: include_str!("../../kernels/moe.cu"),
         entries: &[
             "route_topk",
             "gate_up_bf16",
@@ -68,7 +68,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "decode.cu",
-        source: include_str!("../../../kernels/decode.cu"),
+        source: include_str!("../../kernels/decode.cu"),
         entries: &[
             "dmv_bf16",
             "dmv_f32",
@@ -118,7 +118,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "probe.cu",
-        source: include_str!("../../../kernels/probe.cu"),
+        source: include_str!("../../kernels/probe.cu"),
         entries: &[
             "probe_exp",
             "probe_silu",

@@ -22,15 +22,16 @@ pub(crate) mod hot;
 use super::device::{open_context, DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut, SlotTable};
 use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo, HotOptions, HotStats};
-use crate::config::MoeConfig;
-use crate::cpu::resident::{LayerMlp, Matrix, ResidentWeights};
-use crate::cpu::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
-use crate::generate::{argmax, Greedy};
-use crate::model::{ArchSpec, MlpKind, QkNorm};
-use crate::numerics::{MatrixRef, RopeTable};
-use crate::weights::{ExpertWeights, WeightError, WeightSource};
-use crate::RunError;
 use hot::HotTier;
+use tarfa_core::config::MoeConfig;
+use tarfa_core::model::{ArchSpec, MlpKind, QkNorm};
+use tarfa_core::numerics::{MatrixRef, RopeTable};
+use tarfa_core::resident::{LayerMlp, Matrix, ResidentWeights};
+use tarfa_core::step::{
+    FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats,
+};
+use tarfa_core::weights::{ExpertWeights, WeightError, WeightSource};
+use tarfa_core::RunError;
 
 /// Is a usable CUDA GPU here? Loads the driver and NVRTC libraries (checking first that they
 /// exist), opens device `ordinal` and describes it. `--backend auto` picks CUDA when this is Ok.
@@ -263,7 +264,7 @@ impl CudaModel {
                 k_norm: up_opt(&a.k_norm, &name("k norm"))?,
             };
             let dense =
-                |d: &crate::cpu::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
+                |d: &tarfa_core::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
                     let out = DevDense {
                         gate: up_mat(&d.gate, &format!("{what} gate"))?,
                         up: up_mat(&d.up, &format!("{what} up"))?,
@@ -1473,35 +1474,4 @@ impl Workspace {
             next: self.next.ptr() + one,
         }
     }
-}
-
-/// Greedy decoding on the GPU, as [`crate::generate::greedy`] does on the CPU: prefill the
-/// prompt, then one token at a time, always the largest logit (lowest index among equals).
-pub fn greedy(
-    model: &CudaModel,
-    cache: &mut CudaCache,
-    prompt: &[u32],
-    n_new: usize,
-    opts: &ForwardOptions,
-) -> Result<Greedy, CudaError> {
-    let prefill = model.forward(cache, prompt, opts)?;
-    let mut out = Greedy::default();
-    let mut last = prefill.logits.last().cloned().unwrap_or_default();
-    out.prefill = prefill;
-    let step_opts = ForwardOptions {
-        logits: LogitRows::Last,
-        ..*opts
-    };
-    for j in 0..n_new {
-        let next = argmax(&last);
-        out.tokens.push(next);
-        out.step_logits.push(std::mem::take(&mut last));
-        if j + 1 == n_new {
-            break;
-        }
-        let step = model.forward(cache, &[next], &step_opts)?;
-        out.decode_router.extend(step.router);
-        last = step.logits.into_iter().next().unwrap_or_default();
-    }
-    Ok(out)
 }

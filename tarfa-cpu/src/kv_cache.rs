@@ -5,7 +5,7 @@
 //! cache holds no weights and must never depend on how positions were batched: appending tokens
 //! one at a time or all at once stores the same values.
 
-use crate::numerics::{RopeError, RopeTable};
+use tarfa_core::numerics::{RopeError, RopeTable};
 
 /// Keys, values and RoPE rows of one sequence.
 #[derive(Clone, Debug)]

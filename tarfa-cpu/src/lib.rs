@@ -11,23 +11,26 @@
 //! Experts are fetched from the [`WeightSource`] once per MoE layer per step, for the sorted set
 //! the step's tokens chose, and each is applied to all its tokens at once (expert-major).
 //!
-//! This module must never reorder a reduction, mix in another order, or take a shortcut that
+//! This crate must never reorder a reduction, mix in another order, or take a shortcut that
 //! changes bits (a cheaper arm is a separately labelled option, never a default).
 
 mod forward;
 pub mod kv_cache;
-pub mod resident;
 
 use std::sync::Arc;
 
 pub use kv_cache::KvCache;
-pub use resident::ResidentWeights;
+pub use tarfa_core::resident::{self, ResidentWeights};
+pub use tarfa_core::step::{
+    FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats,
+};
 
-use crate::config::MoeConfig;
-use crate::model::ArchSpec;
-use crate::numerics::{Kernel, RopeTable};
-use crate::weights::WeightSource;
-use crate::RunError;
+use tarfa_core::config::MoeConfig;
+use tarfa_core::model::ArchSpec;
+use tarfa_core::numerics::{Kernel, RopeTable};
+use tarfa_core::weights::WeightSource;
+use tarfa_core::Backend;
+use tarfa_core::RunError;
 
 /// A loaded model: config, structure, resident weights, and the source experts come from.
 pub struct CpuModel {
@@ -106,81 +109,6 @@ impl EngineOptions {
     }
 }
 
-/// Which positions get logits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum LogitRows {
-    /// Only the last position of the step (generation).
-    #[default]
-    Last,
-    /// Every position of the step (scoring, tests).
-    All,
-}
-
-/// What the final hidden state is before the lm_head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum FinalHidden {
-    /// The f32 state, as the contract says. The only exact choice.
-    #[default]
-    Exact,
-    /// INVALID, for validation only: rounds the final normed hidden state to BF16 before the
-    /// lm_head, as a BF16 runtime would. A validation check uses it to show that the oracle
-    /// tests can tell this precision loss apart. Never a default, never exact.
-    InvalidBf16BeforeLmHead,
-}
-
-/// Options of one forward step.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ForwardOptions {
-    /// Which rows of logits to compute.
-    pub logits: LogitRows,
-    /// Record the router's choices for every MoE layer and token.
-    pub trace_router: bool,
-    /// The final-hidden arm (exact unless a validation check asks otherwise).
-    pub final_hidden: FinalHidden,
-}
-
-/// The router's decision for one token in one MoE layer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RouterRecord {
-    /// Absolute layer index.
-    pub layer: usize,
-    /// Index among MoE layers (as transformers numbers router outputs).
-    pub moe_layer: usize,
-    /// Sequence position of the token.
-    pub position: usize,
-    /// Selected experts, in selection order (descending probability, lower id first on ties).
-    pub experts: Vec<u32>,
-    /// Their softmax probabilities, same order.
-    pub probs: Vec<f32>,
-    /// Their mixing weights (renormalised or not, per the family).
-    pub weights: Vec<f32>,
-    /// The k-th largest probability (the last selected one).
-    pub kth_prob: f32,
-    /// The (k+1)-th largest probability, when there are more than k experts.
-    pub next_prob: Option<f32>,
-}
-
-/// Counters of one step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StepStats {
-    /// Bytes of weights read: every matrix applied (once, whatever the token count), the
-    /// experts fetched, and the embedding rows.
-    pub weight_bytes: u64,
-    /// Experts fetched (summed over layers).
-    pub experts_fetched: u64,
-}
-
-/// What a forward step returns.
-#[derive(Clone, Debug, Default)]
-pub struct ForwardOutput {
-    /// Logit rows (one per requested position), each `vocab_size` f32.
-    pub logits: Vec<Vec<f32>>,
-    /// Router records, when asked for (ordered by layer, then position).
-    pub router: Vec<RouterRecord>,
-    /// Counters.
-    pub stats: StepStats,
-}
-
 /// A model with a thread pool and a SIMD path: runs forward steps.
 pub struct CpuEngine {
     model: Arc<CpuModel>,
@@ -238,5 +166,19 @@ impl CpuEngine {
             cache.rollback();
         }
         result
+    }
+}
+
+impl Backend for CpuEngine {
+    type Cache = KvCache;
+    type Error = RunError;
+
+    fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, RunError> {
+        CpuEngine::forward(self, cache, tokens, opts)
     }
 }

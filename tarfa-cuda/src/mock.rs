@@ -10,11 +10,11 @@ use std::collections::BTreeMap;
 
 use super::device::Arg;
 use super::CudaError;
-use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
-use crate::numerics::reduce::{
+use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use tarfa_core::numerics::reduce::{
     dot_bf16_reference, dot_f32_reference, sum_reference, weighted_row_sum,
 };
-use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, Kernel};
+use tarfa_core::numerics::{bf16_to_f32, f32_to_bf16_rne, Kernel};
 
 /// Guard bytes after every allocation (and before it): an overrun by a reference kernel lands in
 /// no allocation and panics; one by an emulated CUDA kernel changes a guard, which the check
@@ -769,7 +769,7 @@ pub(crate) fn launch(
                     mem.f32s(pv, gx);
                     mem.f32s(pi, gx);
                     mem.put_f32s(logits, &ys);
-                    let tok = crate::generate::argmax(&ys);
+                    let tok = tarfa_core::generate::argmax(&ys);
                     let state = mem.u32s(st, 4);
                     mem.put_u32s(log + (state[2] as u64) * 4, &[tok]);
                     mem.put_u32s(st, &[tok, state[1] + 1, state[2] + 1, state[3]]);
@@ -1072,11 +1072,11 @@ mod tests {
     use super::super::selftest::selftest_models;
     use super::super::synthetic::{random_model, SyntheticShape};
     use super::super::SelftestOptions;
-    use crate::config::MoeConfig;
-    use crate::cpu::{CpuEngine, CpuModel, EngineOptions};
-    use crate::model::ArchSpec;
-    use crate::numerics::Kernel;
-    use crate::weights::{load_safetensors_dir, WeightSource};
+    use tarfa_core::config::MoeConfig;
+    use tarfa_core::model::ArchSpec;
+    use tarfa_core::numerics::Kernel;
+    use tarfa_core::weights::{load_safetensors_dir, WeightSource};
+    use tarfa_cpu::{CpuEngine, CpuModel, EngineOptions};
 
     fn compare(
         name: &str,
@@ -1127,8 +1127,8 @@ mod tests {
         // CudaModel::greedy_step (tarfa-run generate's path when it writes no logits): in every
         // decode mode, each step's token is the CPU's greedy token and its statistics are those
         // forward() reports for the same step
-        use crate::cpu::{ForwardOptions, LogitRows};
-        use crate::cuda::DecodeMode;
+        use crate::DecodeMode;
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         let last = ForwardOptions {
             logits: LogitRows::Last,
             ..Default::default()
@@ -1967,8 +1967,8 @@ mod tests {
         // router v3 brings back route_dec and moe_down_dec2f8e. Every arrangement gives the same
         // logits and tokens, bit for bit.
         use super::super::model::decode::{DecodeKernels, KernelVersion, KERNELS_FOR_TEST};
-        use crate::cpu::{ForwardOptions, LogitRows};
-        use crate::cuda::DecodeMode;
+        use crate::DecodeMode;
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         let shape = SyntheticShape {
             layers: 1,
             hidden: 2048,
@@ -2004,7 +2004,7 @@ mod tests {
             let mut gc = gpu.new_cache().unwrap();
             gc.set_decode_mode(mode);
             let out = gpu.forward(&mut gc, &[5, 77], &last).unwrap();
-            let t = crate::generate::argmax(&out.logits[0]);
+            let t = tarfa_core::generate::argmax(&out.logits[0]);
             let step = gpu.forward(&mut gc, &[t], &last).unwrap();
             let toks = gpu.decode_greedy(&mut gc, 9, 3).unwrap();
             let bits: Vec<u32> = step.logits[0].iter().map(|x| x.to_bits()).collect();
@@ -2073,8 +2073,8 @@ mod tests {
         prompt: &[u32],
         steps: usize,
     ) -> (Vec<Vec<f32>>, Vec<u32>) {
-        use crate::cpu::{ForwardOptions, LogitRows};
-        use crate::generate::argmax;
+        use tarfa_core::generate::greedy;
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
         let engine = CpuEngine::new(
             cpu.clone(),
@@ -2089,21 +2089,14 @@ mod tests {
             ..Default::default()
         };
         let mut cc = cpu.new_cache();
-        let mut logits = vec![engine.forward(&mut cc, prompt, &last).unwrap().logits[0].clone()];
-        let mut toks = vec![argmax(&logits[0])];
-        for _ in 0..steps {
-            let l = engine
-                .forward(&mut cc, &[*toks.last().unwrap()], &last)
-                .unwrap();
-            toks.push(argmax(&l.logits[0]));
-            logits.push(l.logits[0].clone());
-        }
-        (logits, toks)
+        // steps + 1 tokens: the prefill chooses the first, each of `steps` forwards one more.
+        let g = greedy(&engine, &mut cc, prompt, steps + 1, &last).unwrap();
+        (g.step_logits, g.tokens)
     }
 
     fn decode_modes_match_the_cpu(family: &str, shape: SyntheticShape) {
-        use crate::cpu::{ForwardOptions, LogitRows};
-        use crate::cuda::DecodeMode;
+        use crate::DecodeMode;
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         eprintln!(
             "kernels: {}",
             if super::emulated() {
@@ -2217,7 +2210,7 @@ mod tests {
         cfg: &MoeConfig,
         src: Arc<dyn WeightSource>,
         slots: u64,
-        policy: crate::stream::CachePolicy,
+        policy: tarfa_stream::CachePolicy,
         pins: Vec<(usize, usize)>,
     ) -> CudaModel {
         let hot = super::super::HotOptions {
@@ -2230,7 +2223,7 @@ mod tests {
 
     #[test]
     fn streamed_experts_give_the_resident_bits_for_every_budget_and_policy() {
-        use crate::stream::CachePolicy;
+        use tarfa_stream::CachePolicy;
         for family in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] {
             let (cfg, src) = random_model(&SyntheticShape::small(family), 21);
             let src: Arc<dyn WeightSource> = Arc::new(src);
@@ -2252,7 +2245,7 @@ mod tests {
             let moe_layers = ArchSpec::new(&cfg)
                 .layers
                 .iter()
-                .filter(|&&k| k == crate::model::MlpKind::Moe)
+                .filter(|&&k| k == tarfa_core::model::MlpKind::Moe)
                 .count();
             let all = (moe_layers * cfg.num_experts) as u64;
             let hot_pins: Vec<(usize, usize)> = (0..cfg.num_layers)
@@ -2264,7 +2257,7 @@ mod tests {
             let first_moe = ArchSpec::new(&cfg)
                 .layers
                 .iter()
-                .position(|&k| k == crate::model::MlpKind::Moe)
+                .position(|&k| k == tarfa_core::model::MlpKind::Moe)
                 .unwrap();
             let first_pins: Vec<(usize, usize)> =
                 (0..cfg.num_experts).map(|e| (first_moe, e)).collect();
@@ -2309,7 +2302,7 @@ mod tests {
         let (cfg, src) = random_model(&SyntheticShape::small("qwen3_moe"), 22);
         let hot = super::super::HotOptions {
             budget: super::super::min_vram_budget(&cfg) - 1,
-            policy: crate::stream::CachePolicy::Lru,
+            policy: tarfa_stream::CachePolicy::Lru,
             pins: Vec::new(),
         };
         let err = match CudaModel::load_on(Gpu::mock(), cfg.clone(), Arc::new(src), Some(&hot)) {
@@ -2326,8 +2319,8 @@ mod tests {
 
     #[test]
     fn streaming_from_a_bundle_through_both_tiers_gives_the_resident_bits() {
-        use crate::bundle::BundleSource;
-        use crate::stream::{CachePolicy, IoMode, StreamOptions, StreamSource};
+        use tarfa_stream::bundle::BundleSource;
+        use tarfa_stream::{CachePolicy, IoMode, StreamOptions, StreamSource};
         // On the target directory's file system (O_DIRECT needs one that supports it).
         let exe = std::env::current_exe().unwrap();
         let work = exe.parent().unwrap().join("tarfa-hot-tier-test");

@@ -16,8 +16,8 @@
 //! CPU): the selftest compares every logit and router record of decode steps bit for bit.
 
 use super::*;
-use crate::cuda::device::{Arg, GpuGraph, Launch};
-use crate::cuda::{DecodeMode, KernelTime};
+use crate::device::{Arg, GpuGraph, Launch};
+use crate::{DecodeMode, KernelTime};
 
 /// The decode step's own buffers (one token), sized for `cap` positions.
 pub(super) struct DecBufs {
@@ -1282,7 +1282,7 @@ impl CudaModel {
     }
 
     /// One greedy decode step: `token` at position `cache.len()`, then the next token -- the
-    /// argmax of this step's logits chosen on the GPU (what [`crate::generate::argmax`] chooses
+    /// argmax of this step's logits chosen on the GPU (what [`tarfa_core::generate::argmax`] chooses
     /// from them) -- and the step's statistics, with no logits copied to the host (what
     /// `tarfa-run generate` needs when it writes no logits and no router trace). With
     /// [`DecodeMode::Legacy`], or a model the decode kernels cannot run, it runs
@@ -1294,7 +1294,7 @@ impl CudaModel {
     ) -> Result<(u32, StepStats), CudaError> {
         if cache.mode == DecodeMode::Legacy || self.decode_unsupported().is_some() {
             let out = self.forward(cache, &[token], &ForwardOptions::default())?;
-            return Ok((crate::generate::argmax(&out.logits[0]), out.stats));
+            return Ok((tarfa_core::generate::argmax(&out.logits[0]), out.stats));
         }
         self.check_step_input(cache, token)?;
         let pos0 = self.launch_one_step(cache, token)?;
@@ -1309,7 +1309,7 @@ impl CudaModel {
     /// Greedy decoding of `n` tokens on the device after `first` (the token at position
     /// `cache.len()`, not yet in the cache): each step's token is the argmax of its logits,
     /// chosen on the GPU and fed to the next step there; the host waits once, at the end.
-    /// Returns the `n` tokens chosen (what [`crate::generate::argmax`] would choose from each
+    /// Returns the `n` tokens chosen (what [`tarfa_core::generate::argmax`] would choose from each
     /// step's logits). With [`DecodeMode::Legacy`] it runs [`CudaModel::forward`] per token.
     pub fn decode_greedy(
         &self,
@@ -1326,7 +1326,7 @@ impl CudaModel {
             let mut t = first;
             for _ in 0..n {
                 let step = self.forward(cache, &[t], &ForwardOptions::default())?;
-                t = crate::generate::argmax(&step.logits[0]);
+                t = tarfa_core::generate::argmax(&step.logits[0]);
                 out.push(t);
             }
             return Ok(out);

@@ -1,5 +1,5 @@
 //! The CUDA backend: the forward pass of docs/EXACTNESS.md on an NVIDIA GPU, producing the same
-//! bits as the CPU backend ([`crate::cpu`]), which is its specification.
+//! bits as the CPU backend ([`tarfa_cpu`]), which is its specification.
 //!
 //! Layout:
 //! - `kernels/*.cu` (repository root): the kernels, with the contract's functions and the
@@ -10,7 +10,7 @@
 //! - [`compile`]: the sources, the options, the PTX checks (shared with the CI test).
 //! - `device`: context, stream, plain `cuMemAlloc` buffers, launches, error mapping.
 //! - [`CudaModel`] / [`CudaCache`]: resident weights (every tensor and every expert uploaded
-//!   from the [`WeightSource`](crate::weights::WeightSource)'s verified buffers) and one
+//!   from the [`WeightSource`](tarfa_core::weights::WeightSource)'s verified buffers) and one
 //!   sequence's KV cache; [`CudaModel::forward`] returns the CPU's [`ForwardOutput`] type.
 //! - [`selftest`]: CPU and CUDA on the same model and prompts, compared byte for byte;
 //!   [`kernel_checks`]: each kernel against the CPU reference functions (llm.c style).
@@ -26,13 +26,13 @@
 //! it, a machine without a driver gets [`CudaError::NoDriver`] (never a panic: the libraries'
 //! presence is checked before any other call).
 //!
-//! This module must never compute anything differently from the CPU backend: a kernel that
+//! This crate must never compute anything differently from the CPU backend: a kernel that
 //! cannot reproduce the contract's order is a bug, never an option.
 
 use std::fmt;
 
-use crate::weights::WeightError;
-use crate::RunError;
+use tarfa_core::weights::WeightError;
+use tarfa_core::RunError;
 
 #[cfg(feature = "cuda")]
 mod checks;
@@ -53,7 +53,7 @@ pub mod synthetic;
 #[cfg(feature = "cuda")]
 pub use checks::kernel_checks;
 #[cfg(feature = "cuda")]
-pub use model::{greedy, probe, CudaCache, CudaModel};
+pub use model::{probe, CudaCache, CudaModel};
 #[cfg(feature = "cuda")]
 pub use selftest::{
     compare_with, locate_divergence, reference_run, selftest, selftest_models, selftest_streaming,
@@ -65,7 +65,33 @@ mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::*;
 
-pub use crate::cpu::ForwardOutput;
+pub use tarfa_core::generate::greedy;
+pub use tarfa_core::step::ForwardOutput;
+
+// The one decode loop (tarfa_core::generate::greedy) and the CLI run the GPU through this; the
+// real backend and the stub have the same inherent methods, so one impl serves both builds.
+impl tarfa_core::Backend for CudaModel {
+    type Cache = CudaCache;
+    type Error = CudaError;
+
+    fn forward(
+        &self,
+        cache: &mut CudaCache,
+        tokens: &[u32],
+        opts: &tarfa_core::step::ForwardOptions,
+    ) -> Result<ForwardOutput, CudaError> {
+        CudaModel::forward(self, cache, tokens, opts)
+    }
+
+    /// The token is chosen on the GPU, and no logits are copied back.
+    fn greedy_step(
+        &self,
+        cache: &mut CudaCache,
+        token: u32,
+    ) -> Result<(u32, tarfa_core::step::StepStats), CudaError> {
+        CudaModel::greedy_step(self, cache, token)
+    }
+}
 
 /// Why the CUDA backend cannot run (or stopped). Every variant but [`CudaError::Run`] is an
 /// environment failure (the CLI's exit code 3); `Run` carries the runtime's own error.
@@ -164,7 +190,7 @@ pub struct HotOptions {
     /// 256 bytes). At least one slot.
     pub budget: u64,
     /// What the tier keeps once a layer is done with an expert (the warm tier's policies).
-    pub policy: crate::stream::CachePolicy,
+    pub policy: tarfa_stream::CachePolicy,
     /// Experts (layer, id) to pin once loaded, hottest first (the heat ledger's ranking): up to
     /// half the slots under `Ledger`, three quarters under `Static`, none otherwise.
     pub pins: Vec<(usize, usize)>,
@@ -172,7 +198,7 @@ pub struct HotOptions {
 
 /// The smallest hot tier (`--vram-budget`) that holds one expert: a slot, the expert's three
 /// BF16 matrices rounded up to 256 bytes.
-pub fn min_vram_budget(cfg: &crate::config::MoeConfig) -> u64 {
+pub fn min_vram_budget(cfg: &tarfa_core::config::MoeConfig) -> u64 {
     (2 * 3 * cfg.expert_width * cfg.hidden_size).div_ceil(256) as u64 * 256
 }
 
@@ -410,8 +436,8 @@ impl fmt::Display for SelftestReport {
 pub struct StreamCase {
     pub vram_budget: u64,
     pub ram_budget: Option<u64>,
-    pub io: crate::stream::IoMode,
-    pub policy: crate::stream::CachePolicy,
+    pub io: tarfa_stream::IoMode,
+    pub policy: tarfa_stream::CachePolicy,
 }
 
 impl fmt::Display for StreamCase {
@@ -419,9 +445,9 @@ impl fmt::Display for StreamCase {
         write!(
             f,
             "VRAM {}, RAM {}, io {}, cache {}",
-            crate::stream::format_bytes(self.vram_budget),
+            tarfa_stream::format_bytes(self.vram_budget),
             self.ram_budget
-                .map_or("unbounded".into(), crate::stream::format_bytes),
+                .map_or("unbounded".into(), tarfa_stream::format_bytes),
             self.io.name(),
             self.policy.name()
         )
@@ -432,7 +458,7 @@ impl fmt::Display for StreamCase {
 /// `slots` hot-tier slots of `slot` bytes and `extent` bytes each in RAM: everything resident,
 /// a quarter, and one expert, with both I/O modes and every policy.
 pub fn stream_sweep(slots: u64, slot: u64, extent: u64) -> Vec<StreamCase> {
-    use crate::stream::{CachePolicy as P, IoMode as Io};
+    use tarfa_stream::{CachePolicy as P, IoMode as Io};
     let quarter = (slots / 4).max(1);
     let case = |v: u64, r: Option<u64>, io, policy| StreamCase {
         vram_budget: v * slot,

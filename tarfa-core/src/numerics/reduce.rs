@@ -22,6 +22,8 @@ use super::aligned::AlignedVec;
 /// path's vector width enabled (a copy per path), so that the `mul_add` of an elementwise loop is
 /// one instruction, possibly vectorised, instead of a call to the software `fmaf`. The bits are
 /// the same on every copy: `mul_add` is one correctly rounded fma everywhere; only speed differs.
+#[macro_export]
+#[doc(hidden)]
 macro_rules! fma_dispatch {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block) => {
         $(#[$meta])*
@@ -51,7 +53,7 @@ macro_rules! fma_dispatch {
         }
     };
 }
-pub(crate) use fma_dispatch;
+pub use crate::fma_dispatch;
 
 /// Number of virtual lanes of the canonical reduction.
 pub const LANES: usize = 256;

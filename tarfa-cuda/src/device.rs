@@ -891,13 +891,13 @@ impl Gpu {
     }
 }
 
-/// Page-locks the warm tier's buffers in the device's context ([`crate::stream::HostPin`]):
+/// Page-locks the warm tier's buffers in the device's context ([`tarfa_stream::HostPin`]):
 /// `cuMemHostRegister` (portable), called from the store's reader threads.
 struct CudaHostPin {
     ctx: Arc<CudaContext>,
 }
 
-impl crate::stream::HostPin for CudaHostPin {
+impl tarfa_stream::HostPin for CudaHostPin {
     fn pin(&self, ptr: *mut u8, len: usize) -> bool {
         if self.ctx.bind_to_thread().is_err() {
             return false;
@@ -959,9 +959,9 @@ impl Drop for PinnedBuf {
 
 impl Gpu {
     /// A page-locker for the warm tier's buffers (`None` on the mock device).
-    pub(crate) fn host_pin(&self) -> Option<Arc<dyn crate::stream::HostPin>> {
+    pub(crate) fn host_pin(&self) -> Option<Arc<dyn tarfa_stream::HostPin>> {
         self.cuda().map(|(ctx, _)| {
-            Arc::new(CudaHostPin { ctx: ctx.clone() }) as Arc<dyn crate::stream::HostPin>
+            Arc::new(CudaHostPin { ctx: ctx.clone() }) as Arc<dyn tarfa_stream::HostPin>
         })
     }
 

@@ -8,11 +8,10 @@ use super::{
     CudaError, CudaOptions, DecodeMode, DeviceInfo, KernelCheck, KernelTime, SelftestOptions,
     SelftestReport,
 };
-use crate::config::MoeConfig;
-use crate::cpu::{ForwardOptions, ForwardOutput};
-use crate::generate::Greedy;
-use crate::model::ArchSpec;
-use crate::weights::WeightSource;
+use tarfa_core::config::MoeConfig;
+use tarfa_core::model::ArchSpec;
+use tarfa_core::step::{ForwardOptions, ForwardOutput};
+use tarfa_core::weights::WeightSource;
 
 /// Is a usable CUDA GPU here? Never, in this build.
 pub fn probe(_ordinal: usize) -> Result<DeviceInfo, CudaError> {
@@ -87,7 +86,7 @@ impl CudaModel {
         &self,
         _cache: &mut CudaCache,
         _token: u32,
-    ) -> Result<(u32, crate::cpu::StepStats), CudaError> {
+    ) -> Result<(u32, tarfa_core::step::StepStats), CudaError> {
         match self.never {}
     }
     pub fn profile_decode(
@@ -147,16 +146,6 @@ impl CudaCache {
     }
 }
 
-pub fn greedy(
-    model: &CudaModel,
-    _cache: &mut CudaCache,
-    _prompt: &[u32],
-    _n_new: usize,
-    _opts: &ForwardOptions,
-) -> Result<Greedy, CudaError> {
-    match model.never {}
-}
-
 pub fn selftest(
     _cfg: &MoeConfig,
     _source: Arc<dyn WeightSource>,
@@ -177,11 +166,11 @@ pub fn locate_divergence(
 
 pub fn selftest_streaming(
     _cfg: &MoeConfig,
-    _bundle: Arc<crate::bundle::BundleSource>,
+    _bundle: Arc<tarfa_stream::bundle::BundleSource>,
     _opts: &SelftestOptions,
     _cuda: &CudaOptions,
     _cases: &[super::StreamCase],
-) -> Result<Vec<(SelftestReport, super::HotStats, crate::stream::StreamStats)>, CudaError> {
+) -> Result<Vec<(SelftestReport, super::HotStats, tarfa_stream::StreamStats)>, CudaError> {
     Err(CudaError::NotCompiled)
 }
 
@@ -190,7 +179,7 @@ pub fn kernel_checks(_opts: &CudaOptions) -> Result<Vec<KernelCheck>, CudaError>
 }
 
 pub fn selftest_models(
-    _engine: &crate::cpu::CpuEngine,
+    _engine: &tarfa_cpu::CpuEngine,
     gpu: &CudaModel,
     _opts: &SelftestOptions,
 ) -> Result<SelftestReport, CudaError> {

@@ -1,5 +1,7 @@
-//! Expert streaming: run a model whose experts do not fit in memory, with the same bits as the
-//! resident run.
+//! The bundle reader ([`bundle`]: a converted bundle's weights, verified against its manifest
+//! before use) and expert streaming: run a model whose experts do not fit in memory, with the
+//! same bits as the resident run. Both are [`WeightSource`]s, below the backends: this crate must
+//! never depend on a backend or a CLI, and never hand out a byte it has not verified.
 //!
 //! The dense weights and the KV cache stay resident (see [`memory`]); the experts live in tiers:
 //!
@@ -27,6 +29,7 @@
 //! Every byte handed out was verified in the buffer handed out, and a read whose bytes do not
 //! match the manifest stops the run (exit 1) before anything is computed from them.
 
+pub mod bundle;
 pub mod ledger;
 pub mod memory;
 pub mod size;
@@ -42,10 +45,13 @@ pub use size::{format_bytes, parse_size};
 pub use stats::StreamStats;
 pub use store::ExpertStore;
 
-use crate::bundle::BundleSource;
+use crate::bundle::{BundleError, BundleSource};
+// The weight seam under the names the moved files (bundle.rs, memory.rs, store.rs) use.
 use crate::weights::{
-    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, WeightError, WeightSource,
+    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, SourceFailure, WeightError,
+    WeightSource,
 };
+use tarfa_core::{config, numerics, weights};
 
 #[cfg(target_endian = "big")]
 compile_error!("the streaming store views little-endian BF16 bytes in place as u16");
@@ -137,16 +143,7 @@ impl Default for StreamOptions {
 /// needs top-k of them per layer), without an unbounded number of threads.
 pub const DEFAULT_IO_THREADS: usize = 16;
 
-/// Page-locks host memory for a GPU backend, so that copies from the warm tier's buffers to the
-/// device are asynchronous DMA at the bus's speed instead of staged through the driver. The
-/// store calls `pin` on each buffer once it is verified (on a reader thread) and `unpin` before
-/// the buffer is unmapped. Pinning never changes a byte.
-pub trait HostPin: Send + Sync {
-    /// Page-locks `len` bytes at `ptr`; false when it could not (the buffer stays pageable).
-    fn pin(&self, ptr: *mut u8, len: usize) -> bool;
-    /// Undoes a successful `pin` of the buffer at `ptr`.
-    fn unpin(&self, ptr: *mut u8);
-}
+pub use tarfa_core::weights::HostPin;
 
 /// Why streaming cannot start or go on.
 #[derive(Debug, thiserror::Error)]
@@ -232,6 +229,38 @@ impl StreamError {
             | StreamError::OutOfMemory { .. }
             | StreamError::BatchTooLarge { .. } => 3,
         }
+    }
+}
+
+// The weight seam (tarfa-core) sits below this crate, so it carries the bundle's and the store's
+// errors boxed; these keep `?` converting them and each keeps its own exit code.
+impl SourceFailure for StreamError {
+    fn exit_code(&self) -> i32 {
+        StreamError::exit_code(self)
+    }
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+}
+
+impl From<StreamError> for WeightError {
+    fn from(e: StreamError) -> WeightError {
+        WeightError::Source(Box::new(e))
+    }
+}
+
+impl SourceFailure for BundleError {
+    fn exit_code(&self) -> i32 {
+        BundleError::exit_code(self)
+    }
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+}
+
+impl From<BundleError> for WeightError {
+    fn from(e: BundleError) -> WeightError {
+        WeightError::Source(Box::new(e))
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Non-expert tensors are asked for by name once, when a model is loaded. Expert matrices are
 //! asked for per layer, for the set of experts one forward step needs, every step: that is the
-//! seam where a verified bundle reader and an expert-streaming cache ([`crate::stream`]) plug in.
+//! seam where a verified bundle reader and an expert-streaming cache (tarfa-stream) plug in.
 //! Two hints with resident defaults let a source with a memory budget cooperate: how to group
 //! the experts ([`WeightSource::expert_batches`]) and which reads to start now
 //! ([`WeightSource::prefetch`]). Implementations must hand out bytes that were verified in the very buffer returned
@@ -194,16 +194,46 @@ pub enum WeightError {
     /// A safetensors file is malformed.
     #[error("{path} is not a valid safetensors file: {msg}")]
     Safetensors { path: String, msg: String },
-    /// The bundle refused to hand out bytes (verification failure, I/O error).
-    #[error(transparent)]
-    Bundle(#[from] crate::bundle::BundleError),
     /// The directory holds no safetensors file.
     #[error("no .safetensors files in {0}")]
     NoFiles(String),
-    /// The expert-streaming store refused (verification failure, I/O error, a request larger
-    /// than its budget).
-    #[error(transparent)]
-    Stream(#[from] crate::stream::StreamError),
+    /// The source behind the seam refused to hand out bytes: the bundle reader (verification
+    /// failure, I/O error) or the expert-streaming store (the same, or a request larger than its
+    /// budget). Their error types live in the crates that implement them, below which this one
+    /// sits, so the error travels boxed and keeps its own exit code.
+    #[error("{0}")]
+    Source(Box<dyn SourceFailure>),
+}
+
+/// The error of a weight source implemented outside this crate (the bundle reader, the streaming
+/// store), carried through [`WeightError::Source`].
+pub trait SourceFailure: std::error::Error + Send + Sync + 'static {
+    /// The documented exit code: 1 verification failure, 2 bad input, 3 environment.
+    fn exit_code(&self) -> i32;
+
+    /// The error itself, to downcast to the source's own type.
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static);
+}
+
+impl WeightError {
+    /// The source's own error of type `E`, when this is a [`WeightError::Source`] holding one.
+    pub fn source_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            WeightError::Source(s) => s.as_error().downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+}
+
+/// Page-locks host memory for a GPU backend, so that copies from the warm tier's buffers to the
+/// device are asynchronous DMA at the bus's speed instead of staged through the driver. The
+/// store calls `pin` on each buffer once it is verified (on a reader thread) and `unpin` before
+/// the buffer is unmapped. Pinning never changes a byte.
+pub trait HostPin: Send + Sync {
+    /// Page-locks `len` bytes at `ptr`; false when it could not (the buffer stays pageable).
+    fn pin(&self, ptr: *mut u8, len: usize) -> bool;
+    /// Undoes a successful `pin` of the buffer at `ptr`.
+    fn unpin(&self, ptr: *mut u8);
 }
 
 /// A provider of verified weights.
@@ -252,7 +282,7 @@ pub trait WeightSource: Send + Sync {
 
     /// Pinning hint: a GPU backend copies experts from the handles this source hands out;
     /// a source that allocates their buffers page-locks them with `pin` (the streaming store).
-    fn use_host_pin(&self, pin: Arc<dyn crate::stream::HostPin>) {
+    fn use_host_pin(&self, pin: Arc<dyn HostPin>) {
         let _ = pin;
     }
 

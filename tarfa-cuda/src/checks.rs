@@ -6,11 +6,11 @@
 use super::device::{DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
 use super::{CudaError, CudaOptions, KernelCheck};
-use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
-use crate::numerics::reduce::{
+use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use tarfa_core::numerics::reduce::{
     dot_bf16_reference, dot_f32_reference, sum_reference, weighted_row_sum,
 };
-use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, Kernel, RopeTable};
+use tarfa_core::numerics::{bf16_to_f32, f32_to_bf16_rne, Kernel, RopeTable};
 
 /// splitmix64, with values of mixed signs and magnitudes and some exact zeros of both signs.
 struct Rng(u64);
@@ -331,8 +331,8 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         (8, 4, 128, 300, 3),
     ] {
         let cap = pos0 + t + 3;
-        let mut rope = RopeTable::new(1_000_000.0, d).map_err(crate::RunError::from)?;
-        rope.ensure(cap).map_err(crate::RunError::from)?;
+        let mut rope = RopeTable::new(1_000_000.0, d).map_err(tarfa_core::RunError::from)?;
+        rope.ensure(cap).map_err(tarfa_core::RunError::from)?;
         let half = d / 2;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for p in 0..cap {

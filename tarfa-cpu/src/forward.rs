@@ -14,13 +14,13 @@ use super::{
     CpuModel, FinalHidden, ForwardOptions, ForwardOutput, KvCache, LogitRows, RouterRecord,
     StepStats,
 };
-use crate::model::QkNorm;
-use crate::numerics::detmath::{exp, rsqrt, sigmoid, silu};
-use crate::numerics::matvec::{transpose_rows, Activation};
-use crate::numerics::reduce::{fma_dispatch, weighted_row_sum};
-use crate::numerics::{bf16_to_f32, f32_to_bf16_rne, run_jobs, Kernel, MatJob, MatrixRef};
-use crate::weights::{Bf16View, ExpertData, ExpertHandle, WeightError};
-use crate::RunError;
+use tarfa_core::model::QkNorm;
+use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use tarfa_core::numerics::matvec::{transpose_rows, Activation};
+use tarfa_core::numerics::reduce::{fma_dispatch, weighted_row_sum};
+use tarfa_core::numerics::{bf16_to_f32, f32_to_bf16_rne, run_jobs, Kernel, MatJob, MatrixRef};
+use tarfa_core::weights::{Bf16View, ExpertData, ExpertHandle, WeightError};
+use tarfa_core::RunError;
 
 /// RMSNorm over `x` with weight `w` (step 2): `ss = dot(x, x)`, `m = ss / f32(n)`,
 /// `r = rsqrt(m + eps)`, `y_i = w_i * (x_i * r)`.
@@ -381,7 +381,7 @@ fn check_batches(batches: &[Vec<usize>], ids: &[usize]) -> Result<(), RunError> 
 /// weights are dropped once its outputs are computed, and only the outputs are kept. The mix
 /// runs after the last group, in ascending expert id, so grouping cannot change a bit.
 ///
-/// [`WeightSource::expert_batches`]: crate::weights::WeightSource::expert_batches
+/// [`WeightSource::expert_batches`]: tarfa_core::weights::WeightSource::expert_batches
 #[allow(clippy::too_many_arguments)]
 fn moe_block(
     model: &CpuModel,
@@ -499,7 +499,7 @@ fn moe_block(
 #[allow(clippy::type_complexity)]
 fn expert_products(
     kernel: Kernel,
-    cfg: &crate::config::MoeConfig,
+    cfg: &tarfa_core::config::MoeConfig,
     experts: &[ExpertHandle],
     token_lists: &[&Vec<(usize, f32)>],
     xs: &[Activation],

@@ -9,15 +9,15 @@ use super::model::CudaModel;
 use super::{
     CudaError, CudaOptions, HotOptions, HotStats, SelftestOptions, SelftestReport, StreamCase,
 };
-use crate::config::MoeConfig;
-use crate::cpu::{
+use tarfa_core::config::MoeConfig;
+use tarfa_core::generate::argmax;
+use tarfa_core::numerics::Kernel;
+use tarfa_core::weights::WeightError;
+use tarfa_core::weights::WeightSource;
+use tarfa_cpu::{
     CpuEngine, CpuModel, EngineOptions, ForwardOptions, ForwardOutput, LogitRows, RouterRecord,
 };
-use crate::generate::argmax;
-use crate::numerics::Kernel;
-use crate::stream::{StreamOptions, StreamSource, StreamStats};
-use crate::weights::WeightError;
-use crate::weights::WeightSource;
+use tarfa_stream::{StreamOptions, StreamSource, StreamStats};
 
 fn bits_str(v: f32) -> String {
     format!("{v:e} (0x{:08x})", v.to_bits())
@@ -249,7 +249,7 @@ pub fn compare_with(
 /// the tiers' counters.
 pub fn selftest_streaming(
     cfg: &MoeConfig,
-    bundle: Arc<crate::bundle::BundleSource>,
+    bundle: Arc<tarfa_stream::bundle::BundleSource>,
     opts: &SelftestOptions,
     cuda: &CudaOptions,
     cases: &[StreamCase],
@@ -269,7 +269,7 @@ pub fn selftest_streaming(
             ram_budget: case.ram_budget,
             io: case.io,
             policy: case.policy,
-            io_threads: crate::stream::DEFAULT_IO_THREADS,
+            io_threads: tarfa_stream::DEFAULT_IO_THREADS,
         };
         let source =
             Arc::new(StreamSource::new(bundle.clone(), &so, None).map_err(WeightError::from)?);

@@ -10,7 +10,7 @@ use crate::config::MoeConfig;
 use crate::model::ArchSpec;
 use crate::numerics::{bf16_to_f32, MatrixRef};
 use crate::weights::{HostTensor, TensorData, WeightError, WeightSource};
-use tarfa_core::shapes::{DenseMlpRules, MlpRules, ModelRules, Need, TensorRule};
+use crate::shapes::{DenseMlpRules, MlpRules, ModelRules, Need, TensorRule};
 
 /// A resident weight matrix `[rows, cols]`.
 #[derive(Clone, Debug)]

@@ -5,10 +5,10 @@
 //!
 //! Test material only: an [`InMemorySource`] verifies nothing and must never serve a bundle.
 
-use crate::config::MoeConfig;
-use crate::model::{expert_name, layer_name, ArchSpec, MlpKind, QkNorm};
-use crate::numerics::{f32_to_bf16_rne, AlignedVec};
-use crate::weights::{Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData};
+use tarfa_core::config::MoeConfig;
+use tarfa_core::model::{expert_name, layer_name, ArchSpec, MlpKind, QkNorm};
+use tarfa_core::numerics::{f32_to_bf16_rne, AlignedVec};
+use tarfa_core::weights::{Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData};
 
 /// Shape of a random model.
 #[derive(Clone, Debug)]

@@ -6,7 +6,7 @@
 //! group by group: a group is a set of experts that fits in the slots next to the pinned ones.
 //! The experts already in GPU memory form the first group, so the experts that must be copied
 //! go last and their reads (started for the whole layer at once through
-//! [`WeightSource::prefetch`](crate::weights::WeightSource::prefetch)) overlap with the first
+//! [`WeightSource::prefetch`](tarfa_core::weights::WeightSource::prefetch)) overlap with the first
 //! group's kernels. Each group's products are computed from the slots (kernels/moe.cu
 //! `gate_up_slots`, `down_slots`); once every group has run, `moe_mix` mixes the products in
 //! ascending expert id exactly as the resident `down_mix` does. Which experts share a group,
@@ -19,11 +19,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::config::MoeConfig;
-use crate::cuda::device::{DevBuf, Gpu, PinnedBuf};
-use crate::cuda::{CudaError, HotOptions, HotStats};
-use crate::stream::{format_bytes, CachePolicy};
-use crate::weights::ExpertHandle;
+use crate::device::{DevBuf, Gpu, PinnedBuf};
+use crate::{CudaError, HotOptions, HotStats};
+use tarfa_core::config::MoeConfig;
+use tarfa_core::weights::ExpertHandle;
+use tarfa_stream::{format_bytes, CachePolicy};
 
 /// (layer, expert id).
 pub(crate) type Key = (usize, usize);
@@ -62,7 +62,7 @@ pub(crate) struct HotTier {
 
 /// BF16 values of one slot: the three matrices, rounded up to 256 bytes.
 pub(crate) fn slot_elems(cfg: &MoeConfig) -> usize {
-    (crate::cuda::min_vram_budget(cfg) / 2) as usize
+    (crate::min_vram_budget(cfg) / 2) as usize
 }
 
 impl HotTier {
