@@ -118,7 +118,8 @@ fn tampered_entry_breaks_root() {
 /// original root line, parses but fails check_root.
 #[test]
 fn root_binds_every_field() {
-    let edits: Vec<(&str, Box<dyn Fn(&mut Manifest)>)> = vec![
+    type Edit = Box<dyn Fn(&mut Manifest)>;
+    let edits: Vec<(&str, Edit)> = vec![
         (
             "tensor blake3",
             Box::new(|m| m.tensors[0].blake3 = blake3_hex(b"x")),
