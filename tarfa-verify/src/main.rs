@@ -47,16 +47,20 @@ const CHECK_ABOUT: &str = "\
 Verify a bundle (a directory holding model.jnf, manifest.toml and the copied files).
 
 Checks, each failure named by tensor, expert prefix (model.layers.L.mlp.experts.E) or file:
-  - model.jnf's header is valid, manifest.toml is valid and its root digest matches its entries;
-  - the header and the manifest list the same tensors and experts, with the same dtypes, shapes
-    and lengths;
+  - model.jnf's header is valid, manifest.toml is valid (manifest_version 2) and its root digest
+    is the SHA-256 of its lines after the first;
+  - the header JSON has the length and SHA-256 the manifest records, and the header and the
+    manifest list the same tensors and experts, with the same dtypes, shapes, offsets, lengths
+    and padded lengths;
   - the SHA-256 and BLAKE3 of every tensor and expert extent (gate, up, down bytes) match the
     manifest, and every padding byte is zero;
   - every copied file (config.json, ...) has the recorded size and SHA-256, and no unlisted file
     is in the bundle.
 With --source, also: every source shard's size and whole-file SHA-256 match the manifest, the
-source holds exactly the bundle's tensors, and every tensor's bytes in the bundle equal the
-source's bytes at the tensor's recorded (shard, offset).";
+source holds exactly the bundle's tensors, every tensor's bytes in the bundle equal the source's
+bytes at the tensor's recorded (shard, offset), and every copied file is the source's file.
+Tensors and experts the manifest records with NaN or Inf elements are noted, not failed.
+A FIFO, device, directory or symlink loop where a file must be is exit 2, before any read.";
 
 #[derive(Args)]
 struct CheckArgs {
