@@ -13,13 +13,16 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let _ = m.check_root();
-    let _ = m.digest_lines();
+    let _ = m.compute_root_digest();
     let d = diff(&m, &m);
     assert!(d.is_empty(), "a manifest differs from itself: {d:?}");
     assert_eq!(
         d.unchanged,
         m.files.len() + m.tensors.len() + m.experts.len()
     );
-    let back = Manifest::parse(&m.to_toml()).expect("a manifest's own TOML parses");
+    let mut back = Manifest::parse(&m.to_toml()).expect("a manifest's own TOML parses");
+    // The fuzzer's text need not be in the serialiser's form: the bytes after the root line,
+    // and so their digest, can differ; every field must survive.
+    back.computed_root = m.computed_root.clone();
     assert_eq!(back, m);
 });

@@ -11,12 +11,13 @@
 
 mod diff;
 pub mod hash;
+pub mod regular;
 mod schema;
 
 pub use diff::{diff, Change, ChangeKind, EntryKind, LayerKey, LayerSummary, ManifestDiff};
 pub use schema::{
-    ExpertRecord, FileRecord, Manifest, ManifestError, MatrixRecord, ShardRecord, TensorRecord,
-    MANIFEST_FILE, MANIFEST_VERSION,
+    is_unsafe_char, ExpertRecord, FileRecord, HeaderRecord, Manifest, ManifestError, MatrixRecord,
+    ShardRecord, TensorRecord, CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION,
 };
 
 /// The layer number in a name like `model.layers.12.mlp.experts.3`, if it has one.

@@ -3,18 +3,23 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
-use jnf_format::{Dtype, MatrixRole};
+use jnf_format::{align_up, Dtype, MatrixRole, ALIGN};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use crate::hash::{is_digest_hex, to_hex};
+use crate::hash::{is_digest_hex, sha256_hex};
 use crate::layer_of;
 
 /// File name of the manifest inside a bundle.
 pub const MANIFEST_FILE: &str = "manifest.toml";
-/// Schema version written by this crate.
-pub const MANIFEST_VERSION: u32 = 1;
+/// Schema version written and read by this crate. Version 1's root covered only the SHA-256
+/// lines (not BLAKE3, dtypes, shapes, offsets or the header): it is refused, never upgraded.
+pub const MANIFEST_VERSION: u32 = 2;
+/// The exactness contract's version (docs/EXACTNESS.md), recorded in every manifest this build
+/// writes so that the root digest says which contract the bundle was converted under.
+pub const CONTRACT_VERSION: u32 = 1;
+/// What the first line of a manifest is, before the 64 hex digits and the closing quote.
+const ROOT_LINE_PREFIX: &str = "root_digest = \"";
 
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
 pub enum ManifestError {
@@ -22,8 +27,18 @@ pub enum ManifestError {
     #[error("manifest is not valid TOML of the manifest schema: {0}")]
     Toml(String),
     /// The manifest was written by a newer, incompatible schema.
-    #[error("manifest_version {0} is not supported (this build reads 1)")]
+    #[error("manifest_version {0} is not supported (this build reads 2)")]
     UnsupportedVersion(u32),
+    /// A manifest of an older schema whose root digest binds too little to be trusted.
+    #[error(
+        "manifest_version {0} is refused: its root digest does not bind BLAKE3 digests, dtypes, \
+         shapes, offsets or the container header; re-convert the checkpoint with this \
+         tarfa-convert (manifest_version 2)"
+    )]
+    LegacyVersion(u32),
+    /// The first line is not `root_digest = "<64 lowercase hex>"` followed by a newline.
+    #[error("the first line is not root_digest = \"<64 lowercase hex>\" (manifest_version 2)")]
+    BadRootLine,
     /// A digest field is not 64 lowercase hex characters.
     #[error("{name:?}: {field} is not 64 lowercase hex characters")]
     BadDigest { name: String, field: &'static str },
@@ -33,9 +48,14 @@ pub enum ManifestError {
     /// A shard or file name could escape the bundle or source directory.
     #[error("file name {0:?} is not a plain name inside the directory")]
     UnsafeFileName(String),
-    /// A tensor or expert name is empty or has control characters.
-    #[error("invalid entry name {0:?}")]
+    /// A tensor or expert name is empty or has control, bidi-override or other invisible
+    /// formatting characters (which could make one name display as another).
+    #[error("invalid entry name {0:?}: empty, or has control or bidi/format characters")]
     InvalidName(String),
+    /// An offset is not a multiple of 4096, or an extent's padded_length is not its length
+    /// rounded up to 4096.
+    #[error("{name:?}: {why}")]
+    BadPlacement { name: String, why: &'static str },
     /// A dtype is unknown or refused (quantized, non-float), or an expert matrix is not BF16.
     #[error("{name:?}: dtype {dtype:?} is not allowed here")]
     BadDtype { name: String, dtype: String },
@@ -52,8 +72,8 @@ pub enum ManifestError {
         layer: u32,
         expert: u32,
     },
-    /// The recorded root digest is not the digest of the entries.
-    #[error("root digest mismatch: manifest records {recorded}, entries give {computed}")]
+    /// The recorded root digest is not the SHA-256 of the manifest's bytes after its first line.
+    #[error("root digest mismatch: the first line records {recorded}, the SHA-256 of the lines after it is {computed}")]
     RootMismatch { recorded: String, computed: String },
     /// The manifest file could not be read.
     #[error("cannot read manifest: {0}")]
@@ -78,6 +98,50 @@ pub struct FileRecord {
     pub sha256: String,
 }
 
+/// `model.jnf`'s header JSON (the `header_len` bytes after the 24-byte preamble): binds the
+/// layout, the metadata and every tensor's source record into the root digest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderRecord {
+    pub length: u64,
+    pub sha256: String,
+}
+
+impl HeaderRecord {
+    /// The record of the header JSON in `container`, the bytes of a model.jnf from its start
+    /// (at least the preamble and the JSON): `header_len` is the u64 at bytes 16..24. `None`
+    /// if `container` is shorter than that.
+    pub fn of_container_prefix(container: &[u8]) -> Option<HeaderRecord> {
+        let len = u64::from_le_bytes(container.get(16..24)?.try_into().ok()?);
+        let end = 24usize.checked_add(usize::try_from(len).ok()?)?;
+        Some(HeaderRecord {
+            length: len,
+            sha256: sha256_hex(container.get(24..end)?),
+        })
+    }
+
+    /// The record of the header JSON of an open model.jnf (read with `pread`, at most
+    /// `max_len` bytes of JSON: a longer declared length is an `InvalidData` error).
+    pub fn read_from(file: &std::fs::File, max_len: u64) -> std::io::Result<HeaderRecord> {
+        use std::os::unix::fs::FileExt;
+        let mut pre = [0u8; 24];
+        file.read_exact_at(&mut pre, 0)?;
+        let len = u64::from_le_bytes(pre[16..24].try_into().expect("8 bytes"));
+        if len > max_len {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "header_len is larger than a header may be",
+            ));
+        }
+        let mut json = vec![0u8; len as usize];
+        file.read_exact_at(&mut json, 24)?;
+        Ok(HeaderRecord {
+            length: len,
+            sha256: sha256_hex(&json),
+        })
+    }
+}
+
 /// A non-expert tensor: hashes over its bytes (never padding).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,6 +149,8 @@ pub struct TensorRecord {
     pub name: String,
     pub dtype: String,
     pub shape: Vec<u64>,
+    /// Absolute offset in model.jnf (as in the header).
+    pub offset: u64,
     pub length: u64,
     pub sha256: String,
     pub blake3: String,
@@ -116,7 +182,11 @@ pub struct ExpertRecord {
     pub name: String,
     pub layer: u32,
     pub expert: u32,
+    /// Absolute offset of the extent in model.jnf (as in the header).
+    pub offset: u64,
     pub length: u64,
+    /// `length` rounded up to 4096: what one O_DIRECT read of the extent fetches.
+    pub padded_length: u64,
     pub sha256: String,
     pub blake3: String,
     /// How many elements of its three matrices are NaN or infinite.
@@ -125,15 +195,28 @@ pub struct ExpertRecord {
     pub matrices: Vec<MatrixRecord>,
 }
 
+/// A manifest. On disk its first line is `root_digest = "<hex>"` and the root digest is the
+/// SHA-256 of every byte after that line, so every field (present and future) is bound and
+/// nothing is canonicalised: `tail -n +2 manifest.toml | sha256sum` recomputes it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The root digest the first line records (or, after [`Manifest::seal`], the one computed).
+    #[serde(skip)]
+    pub root_digest: String,
+    /// The SHA-256 of the bytes after the first line: as read by [`Manifest::parse`], or as
+    /// [`Manifest::seal`] serialises them. [`Manifest::check_root`] compares the two.
+    #[serde(skip)]
+    pub computed_root: String,
     pub manifest_version: u32,
     /// The JNF format version of the bundle's container, e.g. "1.0".
     pub format_version: String,
+    /// The exactness contract's version (docs/EXACTNESS.md) the bundle was converted under.
+    pub contract_version: u32,
     /// The tool and version that wrote the bundle, e.g. "tarfa-convert 0.1.0".
     pub converter: String,
-    pub root_digest: String,
+    /// model.jnf's header JSON.
+    pub header: HeaderRecord,
     /// Free-form provenance, e.g. `kind = "hub"` or the synthetic generator's parameters.
     #[serde(default)]
     pub source: BTreeMap<String, String>,
@@ -147,16 +230,30 @@ pub struct Manifest {
     pub experts: Vec<ExpertRecord>,
 }
 
+/// Control characters, and the invisible formatting characters that reorder or disguise text
+/// on a terminal: bidi embeddings and overrides (U+202A-202E), isolates (U+2066-2069), the
+/// left-to-right / right-to-left and Arabic letter marks (U+200E, U+200F, U+061C).
+pub fn is_unsafe_char(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}' | '\u{061C}')
+}
+
 fn safe_file_name(name: &str) -> bool {
     !name.is_empty()
         && name != "."
         && name != ".."
         && !name.contains(['/', '\\', '\0'])
-        && !name.chars().any(|c| c.is_control())
+        && !name.chars().any(is_unsafe_char)
 }
 
 fn valid_entry_name(name: &str) -> bool {
-    !name.is_empty() && !name.chars().any(|c| c.is_control())
+    !name.is_empty() && !name.chars().any(is_unsafe_char)
+}
+
+/// The 64 hex digits of a manifest's first line, if it has exactly the v2 form.
+fn root_line_digest(line: &str) -> Option<&str> {
+    let hex = line.strip_prefix(ROOT_LINE_PREFIX)?.strip_suffix('"')?;
+    is_digest_hex(hex).then_some(hex)
 }
 
 fn shape_bytes(shape: &[u64], dtype: Dtype) -> Option<u64> {
@@ -166,13 +263,31 @@ fn shape_bytes(shape: &[u64], dtype: Dtype) -> Option<u64> {
 }
 
 impl Manifest {
-    /// Parse and validate (schema, digests, names, lengths, expert packing). The root digest is
-    /// checked separately by [`Manifest::check_root`], so that an audit can report it by name.
+    /// Parse and validate (the first line's form, schema, digests, names, lengths, placement,
+    /// expert packing), and compute the SHA-256 of the bytes after the first line. Whether that
+    /// equals the recorded root is checked separately by [`Manifest::check_root`], so that an
+    /// audit can report it by name and go on.
     pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
-        let m: Manifest = toml::from_str(text).map_err(|e| {
-            // toml's messages span several lines with a source excerpt; keep the first line.
-            ManifestError::Toml(e.message().lines().next().unwrap_or("").to_string())
+        let (first, body) = text.split_once('\n').unwrap_or((text, ""));
+        let Some(recorded) = root_line_digest(first) else {
+            // Not a v2 first line: name an older (or newer) schema if the text says which.
+            return Err(match declared_version(text) {
+                Some(v) if v < MANIFEST_VERSION => ManifestError::LegacyVersion(v),
+                Some(v) if v > MANIFEST_VERSION => ManifestError::UnsupportedVersion(v),
+                _ => ManifestError::BadRootLine,
+            });
+        };
+        let mut m: Manifest = toml::from_str(body).map_err(|e| {
+            // Another schema's fields under a v2 root line: name its version, not a field.
+            match declared_version(body) {
+                Some(v) if v < MANIFEST_VERSION => ManifestError::LegacyVersion(v),
+                Some(v) if v > MANIFEST_VERSION => ManifestError::UnsupportedVersion(v),
+                // toml's messages span several lines with a source excerpt; keep the first.
+                _ => ManifestError::Toml(e.message().lines().next().unwrap_or("").to_string()),
+            }
         })?;
+        m.root_digest = recorded.to_string();
+        m.computed_root = sha256_hex(body.as_bytes());
         m.validate()?;
         Ok(m)
     }
@@ -183,18 +298,48 @@ impl Manifest {
         Manifest::parse(&text)
     }
 
-    pub fn to_toml(&self) -> String {
+    /// The manifest's TOML after the root line: what the root digest is the SHA-256 of.
+    pub fn body_toml(&self) -> String {
         toml::to_string(self).expect("manifest serialises")
     }
 
+    /// The SHA-256 of [`Manifest::body_toml`]: the root digest of this manifest once written.
+    pub fn compute_root_digest(&self) -> String {
+        sha256_hex(self.body_toml().as_bytes())
+    }
+
+    /// Record the root digest of the manifest as it now is (after building or editing it).
+    pub fn seal(&mut self) {
+        self.root_digest = self.compute_root_digest();
+        self.computed_root = self.root_digest.clone();
+    }
+
+    /// The whole `manifest.toml`: the root line, then [`Manifest::body_toml`]. Call
+    /// [`Manifest::seal`] first; the root line carries `root_digest` as it is.
+    pub fn to_toml(&self) -> String {
+        format!(
+            "{ROOT_LINE_PREFIX}{}\"\n{}",
+            self.root_digest,
+            self.body_toml()
+        )
+    }
+
     pub fn validate(&self) -> Result<(), ManifestError> {
-        if self.manifest_version != MANIFEST_VERSION {
-            return Err(ManifestError::UnsupportedVersion(self.manifest_version));
+        match self.manifest_version {
+            v if v < MANIFEST_VERSION => return Err(ManifestError::LegacyVersion(v)),
+            v if v > MANIFEST_VERSION => return Err(ManifestError::UnsupportedVersion(v)),
+            _ => {}
         }
         if !is_digest_hex(&self.root_digest) {
             return Err(ManifestError::BadDigest {
                 name: "manifest".into(),
                 field: "root_digest",
+            });
+        }
+        if !is_digest_hex(&self.header.sha256) {
+            return Err(ManifestError::BadDigest {
+                name: "header".into(),
+                field: "sha256",
             });
         }
         let mut names = HashSet::new();
@@ -241,6 +386,12 @@ impl Manifest {
             if shape_bytes(&t.shape, dtype) != Some(t.length) {
                 return Err(ManifestError::LengthMismatch {
                     name: t.name.clone(),
+                });
+            }
+            if t.offset % ALIGN != 0 {
+                return Err(ManifestError::BadPlacement {
+                    name: t.name.clone(),
+                    why: "offset is not a multiple of 4096",
                 });
             }
         }
@@ -306,42 +457,29 @@ impl Manifest {
                     why: "length is not the sum of the matrices",
                 });
             }
+            if e.offset % ALIGN != 0 {
+                return Err(ManifestError::BadPlacement {
+                    name: e.name.clone(),
+                    why: "offset is not a multiple of 4096",
+                });
+            }
+            if align_up(e.length) != Some(e.padded_length) {
+                return Err(ManifestError::BadPlacement {
+                    name: e.name.clone(),
+                    why: "padded_length is not length rounded up to 4096",
+                });
+            }
         }
         Ok(())
     }
 
-    /// The lines the root digest covers: `<sha256 hex>  <name>` for every shard, copied file,
-    /// tensor and expert, sorted bytewise (as `LC_ALL=C sort` would).
-    pub fn digest_lines(&self) -> Vec<String> {
-        let mut lines: Vec<String> = self
-            .shards
-            .iter()
-            .map(|s| (&s.sha256, &s.name))
-            .chain(self.files.iter().map(|f| (&f.sha256, &f.name)))
-            .chain(self.tensors.iter().map(|t| (&t.sha256, &t.name)))
-            .chain(self.experts.iter().map(|e| (&e.sha256, &e.name)))
-            .map(|(h, n)| format!("{h}  {n}"))
-            .collect();
-        lines.sort_unstable();
-        lines
-    }
-
-    /// SHA-256 of the sorted digest lines, each terminated by `\n`.
-    pub fn compute_root_digest(&self) -> String {
-        let mut h = Sha256::new();
-        for l in self.digest_lines() {
-            h.update(l.as_bytes());
-            h.update(b"\n");
-        }
-        to_hex(&h.finalize())
-    }
-
+    /// The recorded root digest is the SHA-256 of the bytes after the first line, as they were
+    /// read by [`Manifest::parse`] (an edit in memory is checked once written and read back).
     pub fn check_root(&self) -> Result<(), ManifestError> {
-        let computed = self.compute_root_digest();
-        if computed != self.root_digest {
+        if self.computed_root != self.root_digest {
             return Err(ManifestError::RootMismatch {
                 recorded: self.root_digest.clone(),
-                computed,
+                computed: self.computed_root.clone(),
             });
         }
         Ok(())
@@ -358,4 +496,13 @@ impl Manifest {
             .map(|e| ((e.layer, e.expert), e))
             .collect()
     }
+}
+
+/// The integer `manifest_version` a TOML text declares at its top level, if it parses that far.
+fn declared_version(text: &str) -> Option<u32> {
+    let table: toml::Table = toml::from_str(text).ok()?;
+    table
+        .get("manifest_version")?
+        .as_integer()
+        .and_then(|v| u32::try_from(v).ok())
 }

@@ -5,6 +5,7 @@ use tarfa_manifest::hash::{blake3_hex, sha256_hex};
 use tarfa_manifest::*;
 
 fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
+    let offset = 8192 + 4096 * (layer as u64 * 4 + e as u64);
     let name = format!("model.layers.{layer}.mlp.experts.{e}");
     let n = bytes.len() as u64 / 3;
     let mats = MatrixRole::ORDER
@@ -23,7 +24,9 @@ fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
         name,
         layer,
         expert: e,
+        offset,
         length: bytes.len() as u64,
+        padded_length: 4096,
         sha256: sha256_hex(bytes),
         blake3: blake3_hex(bytes),
         nonfinite: 0,
@@ -34,10 +37,16 @@ fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
 fn sample() -> Manifest {
     let emb = vec![1u8; 32];
     let mut m = Manifest {
-        manifest_version: 1,
-        format_version: "1.0".into(),
-        converter: "test".into(),
         root_digest: String::new(),
+        computed_root: String::new(),
+        manifest_version: 2,
+        format_version: "1.0".into(),
+        contract_version: CONTRACT_VERSION,
+        converter: "test".into(),
+        header: HeaderRecord {
+            length: 1000,
+            sha256: sha256_hex(b"header"),
+        },
         source: Default::default(),
         shards: vec![ShardRecord {
             name: "model.safetensors".into(),
@@ -53,6 +62,7 @@ fn sample() -> Manifest {
             name: "model.embed_tokens.weight".into(),
             dtype: "BF16".into(),
             shape: vec![4, 4],
+            offset: 4096,
             length: 32,
             sha256: sha256_hex(&emb),
             blake3: blake3_hex(&emb),
@@ -62,7 +72,7 @@ fn sample() -> Manifest {
             .flat_map(|l| (0..4).map(move |e| expert(l, e, &[(l * 4 + e) as u8; 24])))
             .collect(),
     };
-    m.root_digest = m.compute_root_digest();
+    m.seal();
     m
 }
 
@@ -76,35 +86,154 @@ fn round_trip_through_toml() {
 }
 
 #[test]
-fn root_digest_is_sha256_of_sorted_sha256sum_lines() {
+fn root_digest_is_sha256_of_the_lines_after_the_first() {
     let m = sample();
-    // Recompute the documented way, independently of the crate's implementation.
-    let mut lines = vec![
-        format!("{}  model.safetensors", sha256_hex(b"shard")),
-        format!("{}  config.json", sha256_hex(b"{}")),
-        format!("{}  model.embed_tokens.weight", sha256_hex(&[1u8; 32])),
-    ];
-    for l in 0..2u8 {
-        for e in 0..4u8 {
-            lines.push(format!(
-                "{}  model.layers.{l}.mlp.experts.{e}",
-                sha256_hex(&[l * 4 + e; 24])
-            ));
-        }
-    }
-    lines.sort();
-    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
-    assert_eq!(m.root_digest, sha256_hex(text.as_bytes()));
+    let text = m.to_toml();
+    // Recompute the documented way (`tail -n +2 manifest.toml | sha256sum`), independently of
+    // the crate's implementation.
+    let (first, body) = text.split_once('\n').unwrap();
+    assert_eq!(
+        first,
+        format!("root_digest = \"{}\"", sha256_hex(body.as_bytes()))
+    );
+    assert_eq!(m.root_digest, sha256_hex(body.as_bytes()));
+    assert!(body.starts_with("manifest_version = 2\n"), "{body}");
 }
 
 #[test]
 fn tampered_entry_breaks_root() {
     let mut m = sample();
     m.experts[3].sha256 = sha256_hex(b"other");
+    // Written with the old root line and read back, as a reader sees it.
+    let back = Manifest::parse(&m.to_toml()).unwrap();
     assert!(matches!(
-        m.check_root(),
+        back.check_root(),
         Err(ManifestError::RootMismatch { .. })
     ));
+    m.seal();
+    Manifest::parse(&m.to_toml()).unwrap().check_root().unwrap();
+}
+
+/// Every field the runtime trusts is bound: an edit of any of them, written back with the
+/// original root line, parses but fails check_root.
+#[test]
+fn root_binds_every_field() {
+    type Edit = Box<dyn Fn(&mut Manifest)>;
+    let edits: Vec<(&str, Edit)> = vec![
+        (
+            "tensor blake3",
+            Box::new(|m| m.tensors[0].blake3 = blake3_hex(b"x")),
+        ),
+        (
+            "expert blake3",
+            Box::new(|m| m.experts[2].blake3 = blake3_hex(b"x")),
+        ),
+        (
+            "tensor dtype",
+            Box::new(|m| m.tensors[0].dtype = "F16".into()),
+        ),
+        (
+            "tensor shape",
+            Box::new(|m| m.tensors[0].shape = vec![2, 8]),
+        ),
+        ("tensor offset", Box::new(|m| m.tensors[0].offset = 8192)),
+        ("expert offset", Box::new(|m| m.experts[1].offset = 65536)),
+        ("shard size", Box::new(|m| m.shards[0].size = 101)),
+        (
+            "header sha256",
+            Box::new(|m| m.header.sha256 = sha256_hex(b"other")),
+        ),
+        ("header length", Box::new(|m| m.header.length = 999)),
+        (
+            "file sha256",
+            Box::new(|m| m.files[0].sha256 = sha256_hex(b"[]")),
+        ),
+        ("contract version", Box::new(|m| m.contract_version = 7)),
+        (
+            "format version",
+            Box::new(|m| m.format_version = "1.1".into()),
+        ),
+        ("nonfinite", Box::new(|m| m.tensors[0].nonfinite = 3)),
+        (
+            "source",
+            Box::new(|m| {
+                m.source.insert("kind".into(), "hub".into());
+            }),
+        ),
+    ];
+    let original = sample();
+    for (what, edit) in edits {
+        let mut m = original.clone();
+        edit(&mut m);
+        let text = m.to_toml(); // still the original root line
+        let back = Manifest::parse(&text).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            matches!(back.check_root(), Err(ManifestError::RootMismatch { .. })),
+            "{what}: an edit kept the root"
+        );
+        // Even a comment or a blank line changes the root: nothing is canonicalised.
+    }
+    let mut text = original.to_toml();
+    text.push_str("# a comment\n");
+    assert!(Manifest::parse(&text).unwrap().check_root().is_err());
+}
+
+#[test]
+fn first_line_must_be_the_root_line() {
+    let body = sample().body_toml();
+    let good = sample().to_toml();
+    for bad in [
+        body.clone(),                                              // no root line
+        format!("root_digest = \"{}\"\n{body}", "A".repeat(64)),   // uppercase
+        format!("root_digest =  \"{}\"\n{body}", "a".repeat(64)),  // two spaces
+        format!("root_digest = \"{}\"\r\n{body}", "a".repeat(64)), // CRLF
+        format!("\n{good}"),                                       // blank first line
+        format!("root_digest = \"{}\"", "a".repeat(64)),           // nothing after
+    ] {
+        let e = Manifest::parse(&bad).expect_err(&bad[..40.min(bad.len())]);
+        assert!(
+            matches!(e, ManifestError::BadRootLine | ManifestError::Toml(_)),
+            "{e}"
+        );
+    }
+    // A second root_digest key in the body is an unknown field, never a second root.
+    let twice = format!("{good}root_digest = \"{}\"\n", "a".repeat(64));
+    assert!(Manifest::parse(&twice).is_err());
+}
+
+#[test]
+fn version_1_is_refused_with_advice() {
+    // A v1 manifest: root_digest further down, covering only the SHA-256 lines.
+    let v1 = format!(
+        "manifest_version = 1\nformat_version = \"1.0\"\nconverter = \"x\"\nroot_digest = \"{}\"\n",
+        "a".repeat(64)
+    );
+    let e = Manifest::parse(&v1).unwrap_err();
+    assert_eq!(e, ManifestError::LegacyVersion(1));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("re-convert") && msg.contains("manifest_version 1"),
+        "{msg}"
+    );
+    // The same fields under a v2-looking root line.
+    let hybrid = format!("root_digest = \"{}\"\n{v1}", "a".repeat(64));
+    assert!(matches!(
+        Manifest::parse(&hybrid),
+        Err(ManifestError::LegacyVersion(1))
+    ));
+}
+
+#[test]
+fn header_record_of_a_container_prefix() {
+    let json = br#"{"a":1}"#;
+    let mut c = b"TARFAJNF\x01\x00\x00\x00\x00\x00\x00\x00".to_vec();
+    c.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    c.extend_from_slice(json);
+    c.extend_from_slice(&[0u8; 100]);
+    let r = HeaderRecord::of_container_prefix(&c).unwrap();
+    assert_eq!(r.length, 7);
+    assert_eq!(r.sha256, sha256_hex(json));
+    assert!(HeaderRecord::of_container_prefix(&c[..30]).is_none());
 }
 
 /// A corruption of a valid manifest, and the error its validation must report.
@@ -113,11 +242,45 @@ type Case = (Box<dyn Fn(&mut Manifest)>, fn(&ManifestError) -> bool);
 #[test]
 fn rules() {
     let cases: Vec<Case> = vec![
-        (Box::new(|m| m.manifest_version = 2), |e| {
-            matches!(e, ManifestError::UnsupportedVersion(2))
+        (Box::new(|m| m.manifest_version = 3), |e| {
+            matches!(e, ManifestError::UnsupportedVersion(3))
+        }),
+        (Box::new(|m| m.manifest_version = 1), |e| {
+            matches!(e, ManifestError::LegacyVersion(1))
+        }),
+        (Box::new(|m| m.header.sha256 = "x".into()), |e| {
+            matches!(e, ManifestError::BadDigest { .. })
+        }),
+        (
+            Box::new(|m| m.tensors[0].name = "model.norm\u{202E}thgiew".into()),
+            |e| matches!(e, ManifestError::InvalidName(_)),
+        ),
+        (
+            Box::new(|m| m.experts[0].matrices[0].name = "a\u{2066}b".into()),
+            |e| matches!(e, ManifestError::InvalidName(_)),
+        ),
+        (
+            Box::new(|m| m.files[0].name = "config\u{200F}.json".into()),
+            |e| matches!(e, ManifestError::UnsafeFileName(_)),
+        ),
+        (
+            Box::new(|m| m.shards[0].name = "m\u{061C}.safetensors".into()),
+            |e| matches!(e, ManifestError::UnsafeFileName(_)),
+        ),
+        (Box::new(|m| m.tensors[0].name = "a\u{7}b".into()), |e| {
+            matches!(e, ManifestError::InvalidName(_))
+        }),
+        (Box::new(|m| m.tensors[0].offset = 4097), |e| {
+            matches!(e, ManifestError::BadPlacement { .. })
+        }),
+        (Box::new(|m| m.experts[0].offset = 100), |e| {
+            matches!(e, ManifestError::BadPlacement { .. })
+        }),
+        (Box::new(|m| m.experts[0].padded_length = 24), |e| {
+            matches!(e, ManifestError::BadPlacement { .. })
         }),
         (Box::new(|m| m.root_digest = "xyz".into()), |e| {
-            matches!(e, ManifestError::BadDigest { .. })
+            matches!(e, ManifestError::BadRootLine)
         }),
         (Box::new(|m| m.tensors[0].sha256 = "A".repeat(64)), |e| {
             matches!(e, ManifestError::BadDigest { .. })
@@ -198,13 +361,18 @@ fn rules() {
 
 #[test]
 fn not_toml() {
+    let root = format!("root_digest = \"{}\"\n", "a".repeat(64));
     assert!(matches!(
-        Manifest::parse("manifest_version = ["),
+        Manifest::parse(&format!("{root}manifest_version = [")),
         Err(ManifestError::Toml(_))
     ));
     assert!(matches!(
-        Manifest::parse("x = 1"),
+        Manifest::parse(&format!("{root}x = 1")),
         Err(ManifestError::Toml(_))
+    ));
+    assert!(matches!(
+        Manifest::parse("manifest_version = ["),
+        Err(ManifestError::BadRootLine)
     ));
     let e = Manifest::parse("\u{0}\u{1}garbage").unwrap_err();
     assert!(!e.to_string().contains('\n'), "errors are one line: {e}");

@@ -15,8 +15,8 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use tarfa_manifest::hash::to_hex;
 use tarfa_manifest::{
-    ExpertRecord, FileRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord, MANIFEST_FILE,
-    MANIFEST_VERSION,
+    ExpertRecord, FileRecord, HeaderRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord,
+    CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION,
 };
 
 use crate::aligned::{open_uncached, AlignedBuf, ReadMode};
@@ -204,8 +204,11 @@ pub fn write_bundle(
         .map_err(ConvertError::io(&jnf_path, "create"))?;
     out.set_len(header.file_size)
         .map_err(ConvertError::io(&jnf_path, "set length"))?;
-    out.write_all_at(&header.encode()?, 0)
+    let encoded_header = header.encode()?;
+    out.write_all_at(&encoded_header, 0)
         .map_err(ConvertError::io(&jnf_path, "write header"))?;
+    let header_record = HeaderRecord::of_container_prefix(&encoded_header)
+        .expect("an encoded header holds its preamble and JSON");
 
     let mut jobs: Vec<Job> = (0..src.shard_count()).map(Job::Shard).collect();
     // Largest regions first so that the two cores finish together.
@@ -316,7 +319,14 @@ pub fn write_bundle(
             sha256: to_hex(&Sha256::digest(&f.bytes)),
         });
     }
-    let manifest = build_manifest(&spec, shards, files, &tensor_hashes, &expert_hashes);
+    let manifest = build_manifest(
+        &spec,
+        header_record,
+        shards,
+        files,
+        &tensor_hashes,
+        &expert_hashes,
+    );
     let manifest_path = tmp.join(MANIFEST_FILE);
     write_synced(&manifest_path, manifest.to_toml().as_bytes())?;
     fsync_dir(&tmp)?;
@@ -374,8 +384,12 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ConvertError> {
 
 type Hashes = Option<([u8; 32], [u8; 32])>;
 
+/// The manifest of the bundle being written: every field the runtime trusts (hashes, dtypes,
+/// shapes, offsets, the header JSON's digest, the copied files, the versions) sits after the
+/// root line, so the root digest binds it.
 fn build_manifest(
     spec: &BundleSpec,
+    header: HeaderRecord,
     shards: Vec<ShardRecord>,
     files: Vec<FileRecord>,
     tensor_hashes: &[Hashes],
@@ -392,6 +406,7 @@ fn build_manifest(
                 name: t.name.clone(),
                 dtype: t.dtype.to_string(),
                 shape: t.shape.clone(),
+                offset: t.offset,
                 length: t.length,
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
@@ -409,7 +424,9 @@ fn build_manifest(
                 name: e.prefix.clone(),
                 layer: e.layer,
                 expert: e.expert,
+                offset: e.offset,
                 length: e.length,
+                padded_length: e.padded_length,
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
                 nonfinite: 0,
@@ -429,17 +446,20 @@ fn build_manifest(
         })
         .collect();
     let mut m = Manifest {
+        root_digest: String::new(),
+        computed_root: String::new(),
         manifest_version: MANIFEST_VERSION,
         format_version: format!("{}.{}", h.major, h.minor),
+        contract_version: CONTRACT_VERSION,
         converter: spec.converter.clone(),
-        root_digest: String::new(),
+        header,
         source: spec.source.clone(),
         shards,
         files,
         tensors,
         experts,
     };
-    m.root_digest = m.compute_root_digest();
+    m.seal();
     m
 }
 

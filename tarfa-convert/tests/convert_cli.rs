@@ -345,8 +345,15 @@ fn synthetic_hub_and_direct_bundle_hold_identical_bytes() {
     assert_eq!(run(&[&hub, &conv]).0, 0);
     let a = Manifest::load(&direct.join("manifest.toml")).unwrap();
     let b = Manifest::load(&conv.join("manifest.toml")).unwrap();
-    assert_eq!(a.tensors, b.tensors);
-    assert_eq!(a.experts, b.experts);
+    // The same bytes, hashes, dtypes and shapes; offsets may differ (the hub bundle's header
+    // carries source records, so its data starts later).
+    let unplaced = |m: &Manifest| {
+        let mut m = m.clone();
+        m.tensors.iter_mut().for_each(|t| t.offset = 0);
+        m.experts.iter_mut().for_each(|e| e.offset = 0);
+        (m.tensors, m.experts)
+    };
+    assert_eq!(unplaced(&a), unplaced(&b));
     // The compressibility of the generated BF16 is in the range real weights show.
     for j in [j1, j2] {
         let v: serde_json::Value = serde_json::from_str(j.trim()).unwrap();

@@ -1,12 +1,16 @@
 //! A [`WeightSource`] over a JNF bundle: every byte handed to the forward was read from
 //! `model.jnf` into the very buffer returned and checked against `manifest.toml` first.
 //!
-//! Opening a bundle checks, before any weight is read: the manifest parses and its root digest is
-//! the digest of its entries (and equals `--expect-root` when given); the container header
-//! validates and describes exactly the manifest's tensors and experts (names, dtypes, shapes,
-//! lengths); `config.json` (and any other file the run reads) matches its manifest SHA-256.
-//! Then each non-expert tensor is BLAKE3-checked when it is loaded, and each expert extent when
-//! it is first read. A mismatch is a [`BundleError`] (exit code 1); there is no override.
+//! Opening a bundle checks, before any weight is read: `manifest.toml` and `model.jnf` are
+//! regular files (a FIFO is refused, never read); the manifest parses and its root digest is
+//! the SHA-256 of its lines after the first (and equals `--expect-root` when given); the
+//! container header's JSON has the length and SHA-256 the manifest records, validates, and
+//! describes exactly the manifest's tensors and experts (names, dtypes, shapes, offsets,
+//! lengths, padded lengths); every copied file the manifest lists has its recorded size and
+//! SHA-256, and none of the files the run reads (`config.json`, `generation_config.json`,
+//! `tokenizer.json`) sits in the bundle unlisted. Then each non-expert tensor is BLAKE3-checked
+//! when it is loaded, and each expert extent when it is first read; each copied file again when
+//! it is read. A mismatch is a [`BundleError`] (exit code 1); there is no override.
 //!
 //! What was verified is recorded, so that `--verify-report` can show an auditor (and the
 //! validation suite) that every tensor the run used was checked before use.
@@ -16,6 +20,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -25,7 +30,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tarfa_manifest::hash::to_hex;
-use tarfa_manifest::{Manifest, MANIFEST_FILE};
+use tarfa_manifest::regular::{open_regular, OpenRegularError};
+use tarfa_manifest::{HeaderRecord, Manifest, MANIFEST_FILE};
 
 use crate::numerics::AlignedVec;
 use crate::weights::{
@@ -50,9 +56,34 @@ pub enum BundleError {
         path: PathBuf,
         source: jnf_format::JnfError,
     },
-    /// The manifest's root digest is not the digest of its entries.
+    /// A file of the bundle is a directory, FIFO, device or socket, or its path cannot be
+    /// resolved (a symlink loop): refused before any read that could block.
+    #[error("{path}: {why}")]
+    NotARegularFile { path: PathBuf, why: String },
+    /// A file the manifest lists is not in the bundle.
+    #[error("{path}: listed in the manifest but missing from the bundle")]
+    MissingFile { path: PathBuf },
+    /// A copied file's size or SHA-256 is not the manifest's.
+    #[error("{path}: {got_size} bytes with SHA-256 {got}; the manifest records {want_size} bytes with SHA-256 {want}")]
+    FileMismatch {
+        path: PathBuf,
+        want_size: u64,
+        want: String,
+        got_size: u64,
+        got: String,
+    },
+    /// The container's header JSON is not the one the manifest records (root-bound).
+    #[error("{path}: header JSON is {got_len} bytes with SHA-256 {got}; the manifest records {want_len} bytes with SHA-256 {want}")]
+    HeaderDigestMismatch {
+        path: PathBuf,
+        want_len: u64,
+        want: String,
+        got_len: u64,
+        got: String,
+    },
+    /// The manifest's root digest is not the SHA-256 of its lines after the first.
     #[error(
-        "{path}: root digest {recorded} is not the digest of the manifest's entries ({computed})"
+        "{path}: root digest {recorded} is not the SHA-256 of the manifest's lines after the first ({computed})"
     )]
     RootMismatch {
         path: PathBuf,
@@ -96,9 +127,18 @@ impl BundleError {
     /// The documented exit code: 1 verification failure, 2 bad input, 3 environment.
     pub fn exit_code(&self) -> i32 {
         match self {
-            BundleError::NotABundle { .. } => 2,
+            BundleError::NotABundle { .. } | BundleError::NotARegularFile { .. } => 2,
             BundleError::Io { .. } => 3,
-            _ => 1,
+            BundleError::Manifest { .. }
+            | BundleError::Header { .. }
+            | BundleError::MissingFile { .. }
+            | BundleError::FileMismatch { .. }
+            | BundleError::HeaderDigestMismatch { .. }
+            | BundleError::RootMismatch { .. }
+            | BundleError::UnexpectedRoot { .. }
+            | BundleError::HeaderManifestMismatch { .. }
+            | BundleError::FileUnlisted { .. }
+            | BundleError::HashMismatch { .. } => 1,
         }
     }
 }
@@ -182,6 +222,68 @@ fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> BundleErr
     move |source| BundleError::Io { path, op, source }
 }
 
+/// The copied files the run itself reads: one of these in the bundle but not in the manifest
+/// is refused at open, so that no unverified file can ever be mistaken for a verified one.
+const FILES_THE_RUN_READS: [&str; 3] = ["config.json", "generation_config.json", "tokenizer.json"];
+
+/// Sort a failure to open a bundle's file as a regular file into the documented exit codes.
+fn open_error(path: &Path, e: OpenRegularError) -> BundleError {
+    let path = path.to_path_buf();
+    match e {
+        OpenRegularError::NotFound => BundleError::MissingFile { path },
+        OpenRegularError::NotRegular(what) => BundleError::NotARegularFile {
+            path,
+            why: format!("is a {what}, not a regular file"),
+        },
+        OpenRegularError::Unresolvable(source) => BundleError::NotARegularFile {
+            path,
+            why: format!("cannot be resolved: {source}"),
+        },
+        OpenRegularError::Io(source) => BundleError::Io {
+            path,
+            op: "open",
+            source,
+        },
+    }
+}
+
+/// A structural file of the bundle (manifest.toml, model.jnf): missing means "not a bundle".
+fn open_part(dir: &Path, path: &Path) -> Result<File, BundleError> {
+    open_regular(path).map_err(|e| match e {
+        OpenRegularError::NotFound => BundleError::NotABundle {
+            path: dir.to_path_buf(),
+            why: format!(
+                "no {} (a bundle is a directory with manifest.toml and model.jnf)",
+                path.file_name()
+                    .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+            ),
+        },
+        other => open_error(path, other),
+    })
+}
+
+/// A copied file's bytes, if they have the manifest's size and SHA-256 (returned as hex).
+fn read_copied_file(
+    dir: &Path,
+    rec: &tarfa_manifest::FileRecord,
+) -> Result<(Vec<u8>, String), BundleError> {
+    let path = dir.join(&rec.name);
+    let mut f = open_regular(&path).map_err(|e| open_error(&path, e))?;
+    let mut bytes = Vec::new();
+    f.read_to_end(&mut bytes).map_err(io(&path, "read"))?;
+    let digest = to_hex(&Sha256::digest(&bytes));
+    if digest != rec.sha256 || bytes.len() as u64 != rec.size {
+        return Err(BundleError::FileMismatch {
+            path,
+            want_size: rec.size,
+            want: rec.sha256.clone(),
+            got_size: bytes.len() as u64,
+            got: digest,
+        });
+    }
+    Ok((bytes, digest))
+}
+
 impl BundleSource {
     /// Open and check a bundle (see the module doc); reads no weights yet.
     pub fn open(dir: &Path, expect_root: Option<&str>) -> Result<BundleSource, BundleError> {
@@ -189,24 +291,33 @@ impl BundleSource {
             path: dir.to_path_buf(),
             why: e.to_string(),
         })?;
-        let manifest_path = dir.join(MANIFEST_FILE);
-        let jnf_path = dir.join(CONTAINER_FILE);
-        if !meta.is_dir() || !manifest_path.is_file() || !jnf_path.is_file() {
+        if !meta.is_dir() {
             return Err(BundleError::NotABundle {
                 path: dir.to_path_buf(),
                 why: "expected a directory with manifest.toml and model.jnf".into(),
             });
         }
-        let manifest = Manifest::load(&manifest_path).map_err(|source| BundleError::Manifest {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let jnf_path = dir.join(CONTAINER_FILE);
+        let mut text = String::new();
+        open_part(dir, &manifest_path)?
+            .read_to_string(&mut text)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidData => BundleError::Manifest {
+                    path: manifest_path.clone(),
+                    source: tarfa_manifest::ManifestError::Toml("not UTF-8".into()),
+                },
+                _ => io(&manifest_path, "read")(e),
+            })?;
+        let manifest = Manifest::parse(&text).map_err(|source| BundleError::Manifest {
             path: manifest_path.clone(),
             source,
         })?;
-        let computed = manifest.compute_root_digest();
-        if computed != manifest.root_digest {
+        if manifest.check_root().is_err() {
             return Err(BundleError::RootMismatch {
                 path: manifest_path,
                 recorded: manifest.root_digest.clone(),
-                computed,
+                computed: manifest.computed_root.clone(),
             });
         }
         if let Some(expected) = expect_root {
@@ -218,11 +329,38 @@ impl BundleSource {
                 });
             }
         }
+        // Refuse a FIFO or device before JnfFile::open reads it.
+        drop(open_part(dir, &jnf_path)?);
         let jnf = JnfFile::open(&jnf_path).map_err(|source| BundleError::Header {
             path: jnf_path.clone(),
             source,
         })?;
+        let header = HeaderRecord::read_from(jnf.file(), jnf_format::MAX_HEADER_LEN)
+            .map_err(io(&jnf_path, "read header"))?;
+        if header != manifest.header {
+            return Err(BundleError::HeaderDigestMismatch {
+                path: jnf_path,
+                want_len: manifest.header.length,
+                want: manifest.header.sha256.clone(),
+                got_len: header.length,
+                got: header.sha256,
+            });
+        }
         let (tensors, experts) = reconcile(&jnf_path, &jnf, &manifest)?;
+        // Every copied file now, not only when the run reads it: a bundle is whole or refused.
+        // (The ledger records the reads that hand bytes out; see read_file.)
+        for rec in &manifest.files {
+            read_copied_file(dir, rec)?;
+        }
+        for name in FILES_THE_RUN_READS {
+            let listed = manifest.files.iter().any(|f| f.name == name);
+            if !listed && std::fs::symlink_metadata(dir.join(name)).is_ok() {
+                return Err(BundleError::FileUnlisted {
+                    path: dir.to_path_buf(),
+                    file: name.to_string(),
+                });
+            }
+        }
         let file = jnf.file().try_clone().map_err(io(&jnf_path, "open"))?;
         Ok(BundleSource {
             dir: dir.to_path_buf(),
@@ -264,16 +402,8 @@ impl BundleSource {
                 path: self.dir.clone(),
                 file: name.to_string(),
             })?;
-        let path = self.dir.join(name);
-        let bytes = std::fs::read(&path).map_err(io(&path, "read"))?;
-        let digest = to_hex(&Sha256::digest(&bytes));
-        if digest != rec.sha256 {
-            return Err(BundleError::HashMismatch {
-                path,
-                name: name.to_string(),
-                algorithm: "SHA-256",
-            });
-        }
+        // Checked again in the buffer handed out: the file may have changed since open.
+        let (bytes, digest) = read_copied_file(&self.dir, rec)?;
         let mut l = self.ledger.lock().expect("ledger lock");
         Ledger::note(&mut l.files, name, bytes.len() as u64, "sha256", &digest);
         Ok(bytes)
@@ -434,6 +564,16 @@ fn reconcile(
         what,
     };
     let h = jnf.header();
+    let version = format!("{}.{}", h.major, h.minor);
+    if m.format_version != version {
+        return Err(bad(
+            MANIFEST_FILE,
+            format!(
+                "format_version {:?} in the manifest, {version} in the container",
+                m.format_version
+            ),
+        ));
+    }
     let records: HashMap<&str, &tarfa_manifest::TensorRecord> =
         m.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     if records.len() != h.tensors.len() {
@@ -451,8 +591,32 @@ fn reconcile(
         let r = records
             .get(t.name.as_str())
             .ok_or_else(|| bad(&t.name, "not in the manifest".into()))?;
-        if r.dtype != t.dtype.as_str() || r.shape != t.shape || r.length != t.length {
-            return Err(bad(&t.name, "dtype, shape or length differ".into()));
+        if r.dtype != t.dtype.as_str() {
+            return Err(bad(
+                &t.name,
+                format!(
+                    "dtype {} in the container, {} in the manifest",
+                    t.dtype, r.dtype
+                ),
+            ));
+        }
+        if r.shape != t.shape || r.length != t.length {
+            return Err(bad(
+                &t.name,
+                format!(
+                    "shape {:?} ({} bytes) in the container, {:?} ({} bytes) in the manifest",
+                    t.shape, t.length, r.shape, r.length
+                ),
+            ));
+        }
+        if r.offset != t.offset {
+            return Err(bad(
+                &t.name,
+                format!(
+                    "offset {} in the container, {} in the manifest",
+                    t.offset, r.offset
+                ),
+            ));
         }
         tensors.insert(t.name.clone(), (t.clone(), r.blake3.clone()));
     }
@@ -472,18 +636,31 @@ fn reconcile(
         let r = erecs
             .get(&(e.layer, e.expert))
             .ok_or_else(|| bad(&e.prefix, "not in the manifest".into()))?;
-        let same = r.name == e.prefix
-            && r.length == e.length
-            && r.matrices.len() == 3
+        if r.name != e.prefix
+            || (r.offset, r.length, r.padded_length) != (e.offset, e.length, e.padded_length)
+        {
+            return Err(bad(
+                &e.prefix,
+                format!(
+                    "extent {:?} at offset {} ({} bytes, {} padded) in the container, {:?} at {} ({}, {}) in the manifest",
+                    e.prefix, e.offset, e.length, e.padded_length, r.name, r.offset, r.length, r.padded_length
+                ),
+            ));
+        }
+        let same = r.matrices.len() == 3
             && r.matrices.iter().zip(&e.matrices).all(|(a, b)| {
                 a.name == b.name
+                    && a.dtype == b.dtype.as_str()
                     && a.shape == b.shape
                     && a.offset == b.offset
                     && a.length == b.length
                     && a.role == b.role
             });
         if !same {
-            return Err(bad(&e.prefix, "matrices differ".into()));
+            return Err(bad(
+                &e.prefix,
+                "its gate, up and down matrices differ (name, dtype, shape or placement)".into(),
+            ));
         }
         experts.insert(
             (e.layer as usize, e.expert as usize),

@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 
 use jnf_format::{Dtype, Header, LayoutPlan, MatrixSpec, SourceRef, TensorSpec};
 use tarfa_manifest::hash::{blake3_hex, sha256_hex};
-use tarfa_manifest::{ExpertRecord, FileRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord};
+use tarfa_manifest::{
+    ExpertRecord, FileRecord, HeaderRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord,
+    CONTRACT_VERSION, MANIFEST_VERSION,
+};
 
 struct Shape {
     layers: u32,
@@ -93,10 +96,13 @@ fn header_json(h: &Header) -> Vec<u8> {
 fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
     let bytes = |off: u64, len: u64| &data[off as usize..(off + len) as usize];
     let mut m = Manifest {
-        manifest_version: 1,
-        format_version: "1.0".into(),
-        converter: "fuzz_seeds".into(),
         root_digest: String::new(),
+        computed_root: String::new(),
+        manifest_version: MANIFEST_VERSION,
+        format_version: "1.0".into(),
+        contract_version: CONTRACT_VERSION,
+        converter: "fuzz_seeds".into(),
+        header: HeaderRecord::of_container_prefix(&h.encode().unwrap()).unwrap(),
         source: [("kind".to_string(), "synthetic".to_string())].into(),
         shards: Vec::new(),
         files: vec![FileRecord {
@@ -111,6 +117,7 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
                 name: t.name.clone(),
                 dtype: t.dtype.as_str().into(),
                 shape: t.shape.clone(),
+                offset: t.offset,
                 length: t.length,
                 sha256: sha256_hex(bytes(t.offset, t.length)),
                 blake3: blake3_hex(bytes(t.offset, t.length)),
@@ -124,7 +131,9 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
                 name: e.prefix.clone(),
                 layer: e.layer,
                 expert: e.expert,
+                offset: e.offset,
                 length: e.length,
+                padded_length: e.padded_length,
                 sha256: sha256_hex(bytes(e.offset, e.length)),
                 blake3: blake3_hex(bytes(e.offset, e.length)),
                 nonfinite: 0,
@@ -152,7 +161,7 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
             });
         }
     }
-    m.root_digest = m.compute_root_digest();
+    m.seal();
     m
 }
 

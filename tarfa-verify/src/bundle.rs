@@ -6,6 +6,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use jnf_format::{JnfError, JnfFile, CONTAINER_FILE};
+use tarfa_manifest::regular::{open_regular, read_regular};
 use tarfa_manifest::{Manifest, MANIFEST_FILE};
 
 use crate::{Failure, FailureKind, VerifyError};
@@ -35,6 +36,12 @@ impl BundlePaths {
                     why: "a path component is not a directory",
                 })
             }
+            Err(e) if is_unresolvable(&e) => {
+                return Err(VerifyError::Unresolvable {
+                    path: dir.into(),
+                    source: e,
+                })
+            }
             Err(e) => return Err(VerifyError::io(dir, "stat", e)),
         };
         if !meta.is_dir() {
@@ -59,23 +66,21 @@ impl BundlePaths {
     }
 
     /// Opens `model.jnf` with its header fully validated. `Ok(Err(failure))` when the bundle's
-    /// container is missing or invalid.
+    /// container is missing or invalid; a container that is not a regular file (a FIFO would
+    /// block the read forever) is refused before it is read, exit 2.
     pub fn open_container(&self) -> Result<Result<JnfFile, Failure>, VerifyError> {
-        if !exists(&self.container)? {
-            return Ok(Err(Failure::new(
-                CONTAINER_FILE,
-                FailureKind::MissingInBundle,
-                "the bundle has no model.jnf",
-            )));
-        }
-        let meta = fs::metadata(&self.container)
-            .map_err(|e| VerifyError::io(&self.container, "stat", e))?;
-        if !meta.is_file() {
-            return Ok(Err(Failure::new(
-                CONTAINER_FILE,
-                FailureKind::NotARegularFile,
-                "model.jnf is not a regular file",
-            )));
+        match open_regular(&self.container) {
+            Ok(_) => {}
+            Err(e) => {
+                return match VerifyError::from_open(&self.container, e) {
+                    Some(err) => Err(err),
+                    None => Ok(Err(Failure::new(
+                        CONTAINER_FILE,
+                        FailureKind::MissingInBundle,
+                        "the bundle has no model.jnf",
+                    ))),
+                }
+            }
         }
         match JnfFile::open(&self.container) {
             Ok(f) => Ok(Ok(f)),
@@ -94,7 +99,8 @@ impl BundlePaths {
         }
     }
 
-    /// Reads and validates `manifest.toml`. `Ok(Err(failure))` when it is missing or invalid.
+    /// Reads and validates `manifest.toml`. `Ok(Err(failure))` when it is missing or invalid;
+    /// not a regular file is exit 2, as for the container.
     pub fn load_manifest(&self) -> Result<Result<Manifest, Failure>, VerifyError> {
         let invalid = |detail: String| {
             Ok(Err(Failure::new(
@@ -103,19 +109,18 @@ impl BundlePaths {
                 detail,
             )))
         };
-        let bytes = match fs::read(&self.manifest) {
+        let bytes = match read_regular(&self.manifest) {
             Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Ok(Err(Failure::new(
-                    MANIFEST_FILE,
-                    FailureKind::MissingInBundle,
-                    "the bundle has no manifest.toml",
-                )))
+            Err(e) => {
+                return match VerifyError::from_open(&self.manifest, e) {
+                    Some(err) => Err(err),
+                    None => Ok(Err(Failure::new(
+                        MANIFEST_FILE,
+                        FailureKind::MissingInBundle,
+                        "the bundle has no manifest.toml",
+                    ))),
+                }
             }
-            Err(e) if e.kind() == io::ErrorKind::IsADirectory => {
-                return invalid("is a directory".into())
-            }
-            Err(e) => return Err(VerifyError::io(&self.manifest, "reading", e)),
         };
         let Ok(text) = String::from_utf8(bytes) else {
             return invalid("not UTF-8".into());
@@ -127,10 +132,23 @@ impl BundlePaths {
     }
 }
 
+/// ELOOP (a symlink loop) and ENAMETOOLONG: the path is bad input, not a failing machine.
+pub(crate) fn is_unresolvable(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ELOOP) | Some(libc::ENAMETOOLONG)
+    )
+}
+
+/// Whether something is at `p` (a symlink loop counts: opening it reports it by name).
 fn exists(p: &Path) -> Result<bool, VerifyError> {
-    match fs::metadata(p) {
+    match fs::symlink_metadata(p) {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) if is_unresolvable(&e) => Err(VerifyError::Unresolvable {
+            path: p.into(),
+            source: e,
+        }),
         Err(e) => Err(VerifyError::io(p, "stat", e)),
     }
 }
@@ -146,6 +164,12 @@ pub fn load_manifest_arg(path: &Path) -> Result<(PathBuf, Manifest), VerifyError
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Err(not("no such file or directory".into()))
         }
+        Err(e) if is_unresolvable(&e) || e.kind() == io::ErrorKind::NotADirectory => {
+            return Err(VerifyError::Unresolvable {
+                path: path.into(),
+                source: e,
+            })
+        }
         Err(e) => return Err(VerifyError::io(path, "stat", e)),
     };
     let file = if meta.is_dir() {
@@ -157,7 +181,9 @@ pub fn load_manifest_arg(path: &Path) -> Result<(PathBuf, Manifest), VerifyError
     } else {
         path.to_path_buf()
     };
-    let bytes = fs::read(&file).map_err(|e| VerifyError::io(&file, "reading", e))?;
+    let bytes = read_regular(&file).map_err(|e| {
+        VerifyError::from_open(&file, e).unwrap_or_else(|| not("no such file".into()))
+    })?;
     let text = String::from_utf8(bytes).map_err(|_| VerifyError::NotAManifest {
         path: file.clone(),
         why: "not UTF-8 text".into(),

@@ -16,13 +16,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use jnf_format::{Header, JnfFile, SourceRef, CONTAINER_FILE, PREAMBLE_LEN};
+use jnf_format::{Header, JnfFile, SourceRef, CONTAINER_FILE, MAX_HEADER_LEN, PREAMBLE_LEN};
 use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tarfa_checkpoint::{Checkpoint, OpenOptions};
 use tarfa_manifest::hash::to_hex;
-use tarfa_manifest::{Manifest, MANIFEST_FILE};
+use tarfa_manifest::regular::open_regular;
+use tarfa_manifest::{HeaderRecord, Manifest, MANIFEST_FILE};
 
 use crate::bundle::BundlePaths;
 use crate::{Failure, FailureKind, VerifyError};
@@ -44,11 +45,21 @@ pub struct CheckOptions {
 pub struct CheckReport {
     pub ok: bool,
     pub failures: Vec<Failure>,
+    /// What an auditor should know that is not a failure: tensors and experts the manifest
+    /// records as holding NaN or infinite elements (carried bit for bit, as in the source).
+    pub notes: Vec<Note>,
     /// Bytes read and checked: the container's data region (hashed or checked to be zero), the
     /// copied files and, with a source, the source tensors compared and the shards hashed.
     pub checked_bytes: u64,
     #[serde(skip)]
     pub counts: Counts,
+}
+
+/// A remark about an entry that verified: `name` as in a [`Failure`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Note {
+    pub name: String,
+    pub detail: String,
 }
 
 /// What was looked at, for the summary line.
@@ -109,6 +120,18 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
         }
     }
     if let (Some(c), Some(m)) = (&container, &manifest) {
+        let on_disk = HeaderRecord::read_from(c.file(), MAX_HEADER_LEN)
+            .map_err(|e| VerifyError::io(c.path(), "reading the header", e))?;
+        if on_disk != m.header {
+            failures.push(Failure::new(
+                CONTAINER_FILE,
+                FailureKind::HeaderDigestMismatch,
+                format!(
+                    "the manifest records header JSON of {} bytes with SHA-256 {}, model.jnf has {} bytes with SHA-256 {}",
+                    m.header.length, m.header.sha256, on_disk.length, on_disk.sha256
+                ),
+            ));
+        }
         compare_header_manifest(c.header(), m, &mut failures);
     }
 
@@ -181,14 +204,20 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
         counts.shards = ck.shards.len();
     }
 
+    let mut notes = Vec::new();
     if let Some(m) = &manifest {
         counts.files = m.files.len();
         failures.extend(check_files(&paths, m, &checked)?);
+        if let Some(ck) = &source {
+            failures.extend(compare_copied_files(ck, m, &checked)?);
+        }
+        notes = nonfinite_notes(m);
     }
 
     Ok(CheckReport {
         ok: failures.is_empty(),
         failures,
+        notes,
         checked_bytes: checked.into_inner(),
         counts,
     })
@@ -270,12 +299,16 @@ fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
             ));
             continue;
         };
-        if r.dtype != t.dtype.as_str() || r.shape != t.shape || r.length != t.length {
+        if r.dtype != t.dtype.as_str()
+            || r.shape != t.shape
+            || r.length != t.length
+            || r.offset != t.offset
+        {
             out.push(mismatch(
                 &t.name,
                 format!(
-                    "model.jnf has {} {:?} ({} bytes), the manifest {} {:?} ({} bytes)",
-                    t.dtype, t.shape, t.length, r.dtype, r.shape, r.length
+                    "model.jnf has {} {:?} ({} bytes at offset {}), the manifest {} {:?} ({} bytes at offset {})",
+                    t.dtype, t.shape, t.length, t.offset, r.dtype, r.shape, r.length, r.offset
                 ),
             ));
         }
@@ -300,6 +333,12 @@ fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
             why.push(format!(
                 "model.jnf says {} bytes, the manifest {}",
                 e.length, r.length
+            ));
+        }
+        if (r.offset, r.padded_length) != (e.offset, e.padded_length) {
+            why.push(format!(
+                "model.jnf places it at offset {} ({} bytes padded), the manifest at {} ({})",
+                e.offset, e.padded_length, r.offset, r.padded_length
             ));
         }
         let same_matrices = r.matrices.len() == 3
@@ -602,27 +641,20 @@ fn check_files(
     let mut failures = Vec::new();
     for f in &m.files {
         let path = paths.dir.join(&f.name);
-        let meta = match fs::metadata(&path) {
-            Ok(meta) => meta,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                failures.push(Failure::new(
-                    &f.name,
-                    FailureKind::MissingInBundle,
-                    "listed in the manifest but not in the bundle",
-                ));
-                continue;
-            }
-            Err(e) => return Err(VerifyError::io(path, "stat", e)),
+        let file = match open_regular(&path) {
+            Ok(file) => file,
+            Err(e) => match VerifyError::from_open(&path, e) {
+                Some(err) => return Err(err),
+                None => {
+                    failures.push(Failure::new(
+                        &f.name,
+                        FailureKind::MissingInBundle,
+                        "listed in the manifest but not in the bundle",
+                    ));
+                    continue;
+                }
+            },
         };
-        if !meta.is_file() {
-            failures.push(Failure::new(
-                &f.name,
-                FailureKind::NotARegularFile,
-                "listed in the manifest, but not a regular file",
-            ));
-            continue;
-        }
-        let file = File::open(&path).map_err(|e| VerifyError::io(&path, "open", e))?;
         let (size, sha) = sha256_stream(&file).map_err(|e| VerifyError::io(&path, "reading", e))?;
         checked.fetch_add(size, Ordering::Relaxed);
         let sha = to_hex(&sha);
@@ -681,6 +713,79 @@ fn sha256_stream(mut file: &File) -> io::Result<(u64, [u8; 32])> {
         }
     }
     Ok((size, h.finalize().into()))
+}
+
+/// Every copied file of the bundle (as the manifest lists it; `check_files` ties the bundle's
+/// bytes to that) is the source's file, byte for byte, and the source has no copied file the
+/// bundle lacks.
+fn compare_copied_files(
+    ck: &Checkpoint,
+    m: &Manifest,
+    checked: &AtomicU64,
+) -> Result<Vec<Failure>, VerifyError> {
+    let mut failures = Vec::new();
+    let source: HashMap<&str, &tarfa_checkpoint::SourceFile> = ck
+        .extra_files
+        .iter()
+        .map(|f| (f.name.as_str(), f))
+        .collect();
+    for f in &m.files {
+        let Some(sf) = source.get(f.name.as_str()) else {
+            failures.push(Failure::new(
+                &f.name,
+                FailureKind::MissingInSource,
+                "copied into the bundle, but the source checkpoint has no such file",
+            ));
+            continue;
+        };
+        let file = open_regular(&sf.path).map_err(|e| {
+            VerifyError::from_open(&sf.path, e).unwrap_or_else(|| {
+                VerifyError::io(&sf.path, "open", io::ErrorKind::NotFound.into())
+            })
+        })?;
+        let (size, sha) =
+            sha256_stream(&file).map_err(|e| VerifyError::io(&sf.path, "reading", e))?;
+        checked.fetch_add(size, Ordering::Relaxed);
+        let sha = to_hex(&sha);
+        if size != f.size || sha != f.sha256 {
+            failures.push(Failure::new(
+                &f.name,
+                FailureKind::SourceFileDiffers,
+                format!(
+                    "the bundle's file ({} bytes, SHA-256 {}) is not the source's ({size} bytes, SHA-256 {sha})",
+                    f.size, f.sha256
+                ),
+            ));
+        }
+    }
+    let listed: HashSet<&str> = m.files.iter().map(|f| f.name.as_str()).collect();
+    for sf in &ck.extra_files {
+        if !listed.contains(sf.name.as_str()) {
+            failures.push(Failure::new(
+                &sf.name,
+                FailureKind::MissingInBundle,
+                "in the source checkpoint, but not copied into the bundle",
+            ));
+        }
+    }
+    Ok(failures)
+}
+
+/// One note per tensor or expert the manifest records with NaN or infinite elements.
+fn nonfinite_notes(m: &Manifest) -> Vec<Note> {
+    let tensors = m.tensors.iter().map(|t| (&t.name, t.nonfinite));
+    let experts = m.experts.iter().map(|e| (&e.name, e.nonfinite));
+    tensors
+        .chain(experts)
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, n)| Note {
+            name: name.clone(),
+            detail: format!(
+                "{n} NaN or infinite element{} (carried bit for bit from the source)",
+                if n == 1 { "" } else { "s" }
+            ),
+        })
+        .collect()
 }
 
 // ---- the source checkpoint ----------------------------------------------------------------

@@ -6,6 +6,7 @@ use std::io;
 use std::path::PathBuf;
 
 use tarfa_checkpoint::CheckpointError;
+use tarfa_manifest::regular::OpenRegularError;
 use tarfa_manifest::ManifestError;
 use thiserror::Error;
 
@@ -45,6 +46,13 @@ pub enum VerifyError {
         path: PathBuf,
         source: Box<CheckpointError>,
     },
+    /// A path of the bundle (or a manifest given to `diff`) is a directory, FIFO, device or
+    /// socket where a regular file must be: refused before any read that could block.
+    #[error("{}: {what} (a regular file is required)", .path.display())]
+    NotARegularFile { path: PathBuf, what: String },
+    /// A path that cannot be resolved: a symlink loop, or a component that is not a directory.
+    #[error("{}: cannot be resolved: {source}", .path.display())]
+    Unresolvable { path: PathBuf, source: io::Error },
     /// An operating-system call failed on a file we had every reason to be able to read.
     #[error("{}: {op} failed: {source}", .path.display())]
     Io {
@@ -61,8 +69,55 @@ impl VerifyError {
             VerifyError::NotABundle { .. }
             | VerifyError::NotAManifest { .. }
             | VerifyError::BadManifest { .. }
-            | VerifyError::BadSource { .. } => EXIT_BAD_INPUT,
+            | VerifyError::BadSource { .. }
+            | VerifyError::NotARegularFile { .. }
+            | VerifyError::Unresolvable { .. } => EXIT_BAD_INPUT,
             VerifyError::SourceIo { .. } | VerifyError::Io { .. } => EXIT_RUNTIME,
+        }
+    }
+
+    /// A stable kebab-case name for `--json`'s `error.kind`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            VerifyError::NotABundle { .. } => "not-a-bundle",
+            VerifyError::NotAManifest { .. } => "not-a-manifest",
+            VerifyError::BadManifest { .. } => "bad-manifest",
+            VerifyError::BadSource { .. } => "bad-source",
+            VerifyError::SourceIo { .. } => "source-io",
+            VerifyError::NotARegularFile { .. } => "not-a-regular-file",
+            VerifyError::Unresolvable { .. } => "unresolvable-path",
+            VerifyError::Io { .. } => "io",
+        }
+    }
+
+    /// The path the error is about.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            VerifyError::NotABundle { path, .. }
+            | VerifyError::NotAManifest { path, .. }
+            | VerifyError::BadManifest { path, .. }
+            | VerifyError::BadSource { path, .. }
+            | VerifyError::SourceIo { path, .. }
+            | VerifyError::NotARegularFile { path, .. }
+            | VerifyError::Unresolvable { path, .. }
+            | VerifyError::Io { path, .. } => path,
+        }
+    }
+
+    /// Sort a failure to open a bundle's file as a regular file. `None` for "not found",
+    /// which the caller reports as a failure of the bundle (a listed file is missing).
+    pub(crate) fn from_open(path: &std::path::Path, e: OpenRegularError) -> Option<Self> {
+        match e {
+            OpenRegularError::NotFound => None,
+            OpenRegularError::NotRegular(what) => Some(VerifyError::NotARegularFile {
+                path: path.into(),
+                what: format!("is a {what}"),
+            }),
+            OpenRegularError::Unresolvable(source) => Some(VerifyError::Unresolvable {
+                path: path.into(),
+                source,
+            }),
+            OpenRegularError::Io(source) => Some(VerifyError::io(path, "open", source)),
         }
     }
 

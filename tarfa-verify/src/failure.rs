@@ -13,8 +13,10 @@ pub enum FailureKind {
     InvalidHeader,
     /// `manifest.toml` is not a valid manifest (nothing it lists is checked).
     InvalidManifest,
-    /// The manifest's `root_digest` is not the digest of its entries.
+    /// The manifest's `root_digest` is not the SHA-256 of its lines after the first.
     RootDigest,
+    /// model.jnf's header JSON (length or SHA-256) is not the one the manifest records.
+    HeaderDigestMismatch,
     /// The header and the manifest describe an entry differently (dtype, shape, length,
     /// matrices, layer or expert number), or disagree on the format version or source shards.
     HeaderManifestMismatch,
@@ -34,8 +36,6 @@ pub enum FailureKind {
     FileSha256Mismatch,
     /// A file in the bundle directory that the manifest does not list.
     UnlistedFile,
-    /// A listed file is a directory, FIFO, device or socket.
-    NotARegularFile,
     /// A source shard's whole-file SHA-256 is not the manifest's.
     ShardSha256Mismatch,
     /// A source shard's size is not the manifest's.
@@ -45,6 +45,8 @@ pub enum FailureKind {
     SourceLocationMismatch,
     /// A tensor's bytes in the bundle are not the source checkpoint's bytes.
     SourceBytesDiffer,
+    /// A copied file (config.json, tokenizer.json, ...) is not the source's file, byte for byte.
+    SourceFileDiffers,
 }
 
 impl FailureKind {
@@ -53,6 +55,7 @@ impl FailureKind {
             FailureKind::InvalidHeader => "invalid-header",
             FailureKind::InvalidManifest => "invalid-manifest",
             FailureKind::RootDigest => "root-digest",
+            FailureKind::HeaderDigestMismatch => "header-digest-mismatch",
             FailureKind::HeaderManifestMismatch => "header-manifest-mismatch",
             FailureKind::MissingInManifest => "missing-in-manifest",
             FailureKind::MissingInBundle => "missing-in-bundle",
@@ -62,11 +65,11 @@ impl FailureKind {
             FailureKind::PaddingNotZero => "padding-not-zero",
             FailureKind::FileSha256Mismatch => "file-sha256-mismatch",
             FailureKind::UnlistedFile => "unlisted-file",
-            FailureKind::NotARegularFile => "not-a-regular-file",
             FailureKind::ShardSha256Mismatch => "shard-sha256-mismatch",
             FailureKind::ShardSizeMismatch => "shard-size-mismatch",
             FailureKind::SourceLocationMismatch => "source-location-mismatch",
             FailureKind::SourceBytesDiffer => "source-bytes-differ",
+            FailureKind::SourceFileDiffers => "source-file-differs",
         }
     }
 }
@@ -111,13 +114,35 @@ impl fmt::Display for Failure {
     }
 }
 
-/// `s` unchanged, or with control characters escaped if it has any.
+/// `s` unchanged, or with anything unusual escaped if it has any: control characters, the
+/// bidi and invisible formatting characters of [`tarfa_manifest::is_unsafe_char`] (which can
+/// make a terminal show one name as another), the other zero-width characters, and private-use
+/// code points, each as `\u{hex}` (`\n`, `\r`, `\t` for those three).
 pub fn one_line(s: &str) -> Cow<'_, str> {
-    if s.chars().any(char::is_control) {
-        Cow::Owned(s.escape_debug().to_string())
-    } else {
-        Cow::Borrowed(s)
+    if !s.chars().any(needs_escape) {
+        return Cow::Borrowed(s);
     }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if needs_escape(c) {
+            match c {
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+fn needs_escape(c: char) -> bool {
+    tarfa_manifest::is_unsafe_char(c)
+        // Other invisible or zero-width format characters (U+200B-200D, U+2060-2064, U+FEFF,
+        // U+00AD) and private or unassigned-looking code points are shown by number.
+        || matches!(c, '\u{00AD}' | '\u{200B}'..='\u{200D}' | '\u{2028}'..='\u{2029}' | '\u{2060}'..='\u{2064}' | '\u{FEFF}' | '\u{E000}'..='\u{F8FF}')
 }
 
 #[cfg(test)]
@@ -141,6 +166,17 @@ mod tests {
         ] {
             assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
         }
+    }
+
+    #[test]
+    fn one_line_escapes_bidi_and_controls() {
+        assert_eq!(one_line("model.norm.weight"), "model.norm.weight");
+        assert_eq!(one_line("a\u{202E}b"), "a\\u{202e}b");
+        assert_eq!(one_line("a\u{1b}[31m"), "a\\u{1b}[31m");
+        assert_eq!(one_line("x\ny"), "x\\ny");
+        assert_eq!(one_line("a\u{200B}b\u{2067}"), "a\\u{200b}b\\u{2067}");
+        // Ordinary non-ASCII text stays readable.
+        assert_eq!(one_line("modèle"), "modèle");
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub mod diff;
 mod error;
 mod failure;
 
-pub use check::{check_bundle, CheckOptions, CheckReport};
+pub use check::{check_bundle, CheckOptions, CheckReport, Note};
 pub use diff::{diff_manifests, DiffOutcome};
 pub use error::{VerifyError, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_RUNTIME};
 pub use failure::{one_line, Failure, FailureKind};

@@ -47,16 +47,20 @@ const CHECK_ABOUT: &str = "\
 Verify a bundle (a directory holding model.jnf, manifest.toml and the copied files).
 
 Checks, each failure named by tensor, expert prefix (model.layers.L.mlp.experts.E) or file:
-  - model.jnf's header is valid, manifest.toml is valid and its root digest matches its entries;
-  - the header and the manifest list the same tensors and experts, with the same dtypes, shapes
-    and lengths;
+  - model.jnf's header is valid, manifest.toml is valid (manifest_version 2) and its root digest
+    is the SHA-256 of its lines after the first;
+  - the header JSON has the length and SHA-256 the manifest records, and the header and the
+    manifest list the same tensors and experts, with the same dtypes, shapes, offsets, lengths
+    and padded lengths;
   - the SHA-256 and BLAKE3 of every tensor and expert extent (gate, up, down bytes) match the
     manifest, and every padding byte is zero;
   - every copied file (config.json, ...) has the recorded size and SHA-256, and no unlisted file
     is in the bundle.
 With --source, also: every source shard's size and whole-file SHA-256 match the manifest, the
-source holds exactly the bundle's tensors, and every tensor's bytes in the bundle equal the
-source's bytes at the tensor's recorded (shard, offset).";
+source holds exactly the bundle's tensors, every tensor's bytes in the bundle equal the source's
+bytes at the tensor's recorded (shard, offset), and every copied file is the source's file.
+Tensors and experts the manifest records with NaN or Inf elements are noted, not failed.
+A FIFO, device, directory or symlink loop where a file must be is exit 2, before any read.";
 
 #[derive(Args)]
 struct CheckArgs {
@@ -65,9 +69,14 @@ struct CheckArgs {
     /// The source checkpoint directory the bundle was converted from.
     #[arg(long, value_name = "SRC_DIR")]
     source: Option<PathBuf>,
-    /// Print {"ok": bool, "failures": [{"name", "kind", "detail"}], "checked_bytes": N}.
+    /// Print {"ok": bool, "failures": [{"name", "kind", "detail"}], "notes": [{"name",
+    /// "detail"}], "checked_bytes": N}; an error that stops the check is
+    /// {"error": {"kind", "message", "path"}, "exit_code": N}.
     #[arg(long)]
     json: bool,
+    /// List every failure (without it, the first 20 and a count of the rest).
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Args)]
@@ -76,65 +85,128 @@ struct DiffArgs {
     a: PathBuf,
     /// The new release: a bundle directory or a manifest.toml file.
     b: PathBuf,
-    /// Print {"changed": [...], "added": [...], "removed": [...], "unchanged": N}.
+    /// Print {"changed": [...], "added": [...], "removed": [...], "unchanged": N}; an error is
+    /// {"error": {"kind", "message", "path"}, "exit_code": N}.
     #[arg(long)]
     json: bool,
 }
 
+/// How many failures the human report lists without `--all`.
+const FAILURES_SHOWN: usize = 20;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let json = match &cli.command {
+        Command::Check(a) => a.json,
+        Command::Diff(a) => a.json,
+    };
     let result = match cli.command {
         Command::Check(args) => run_check(args),
         Command::Diff(args) => run_diff(args),
     };
     let code = match result {
         Ok(code) => code,
-        Err(e) => match e.downcast_ref::<io::Error>() {
-            // A reader that went away (`| head`) is not our failure.
-            Some(io_err) if io_err.kind() == io::ErrorKind::BrokenPipe => EXIT_OK,
-            Some(io_err) => {
-                let _ = writeln!(io::stderr(), "tarfa-verify: writing output: {io_err}");
-                EXIT_RUNTIME
-            }
-            None => match e.downcast_ref::<VerifyError>() {
-                Some(ve) => {
-                    let _ = writeln!(io::stderr(), "tarfa-verify: {}", one_line(&ve.to_string()));
-                    ve.exit_code()
-                }
-                None => {
-                    let _ = writeln!(io::stderr(), "tarfa-verify: {e:#}");
-                    EXIT_RUNTIME
-                }
-            },
-        },
+        Err(e) => report_error(&e, json),
     };
     ExitCode::from(code as u8)
 }
 
-fn run_check(args: CheckArgs) -> anyhow::Result<i32> {
+/// The verdict's exit code, whatever became of the output: a reader that went away (`| head`)
+/// is not our failure, and does not turn a failed verification into a success either.
+fn finish(verdict: i32, written: io::Result<()>) -> Result<i32, Error> {
+    match written {
+        Ok(()) => Ok(verdict),
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(verdict),
+        Err(e) => Err(Error::Output(e)),
+    }
+}
+
+/// What stops a command before a verdict: the library's errors, or stdout failing.
+enum Error {
+    Verify(VerifyError),
+    Output(io::Error),
+}
+
+impl From<VerifyError> for Error {
+    fn from(e: VerifyError) -> Self {
+        Error::Verify(e)
+    }
+}
+
+/// One line on stderr, or (with `--json`) one JSON object on stdout; returns the exit code.
+fn report_error(e: &Error, json: bool) -> i32 {
+    let (kind, message, path, code) = match e {
+        Error::Verify(ve) => (
+            ve.kind(),
+            one_line(&ve.to_string()).into_owned(),
+            Some(ve.path().display().to_string()),
+            ve.exit_code(),
+        ),
+        Error::Output(io_err) => (
+            "output",
+            format!("writing output: {io_err}"),
+            None,
+            EXIT_RUNTIME,
+        ),
+    };
+    if json {
+        let v = serde_json::json!({
+            "error": {"kind": kind, "message": message, "path": path},
+            "exit_code": code,
+        });
+        // If stdout is gone too, stderr still says what happened.
+        if writeln!(io::stdout(), "{v}").is_err() {
+            let _ = writeln!(io::stderr(), "tarfa-verify: {message}");
+        }
+    } else {
+        let _ = writeln!(io::stderr(), "tarfa-verify: {message}");
+    }
+    code
+}
+
+fn run_check(args: CheckArgs) -> Result<i32, Error> {
     let opts = CheckOptions {
         source: args.source,
         progress: io::stderr().is_terminal(),
     };
     let report = check_bundle(&args.bundle, &opts)?;
+    let verdict = if report.ok { EXIT_OK } else { EXIT_FAILED };
     let mut out = io::stdout().lock();
-    if args.json {
-        serde_json::to_writer(&mut out, &report)?;
-        writeln!(out)?;
-    } else {
-        write_check_human(&mut out, &args.bundle, &report)?;
-    }
-    out.flush()?;
-    Ok(if report.ok { EXIT_OK } else { EXIT_FAILED })
+    let written = (|| {
+        if args.json {
+            serde_json::to_writer(&mut out, &report).map_err(io::Error::from)?;
+            writeln!(out)?;
+        } else {
+            write_check_human(&mut out, &args.bundle, &report, args.all)?;
+        }
+        out.flush()
+    })();
+    finish(verdict, written)
 }
 
 fn write_check_human(
     out: &mut impl Write,
     bundle: &std::path::Path,
     r: &CheckReport,
+    all: bool,
 ) -> io::Result<()> {
-    for f in &r.failures {
+    let shown = if all {
+        r.failures.len()
+    } else {
+        FAILURES_SHOWN
+    };
+    for f in r.failures.iter().take(shown) {
         writeln!(out, "FAIL {f}")?;
+    }
+    if r.failures.len() > shown {
+        writeln!(
+            out,
+            "... and {} more failures (--all or --json lists every one)",
+            r.failures.len() - shown
+        )?;
+    }
+    for n in &r.notes {
+        writeln!(out, "NOTE {}: {}", one_line(&n.name), one_line(&n.detail))?;
     }
     let c = r.counts;
     let what = format!(
@@ -161,25 +233,28 @@ fn write_check_human(
     }
 }
 
-fn run_diff(args: DiffArgs) -> anyhow::Result<i32> {
+fn run_diff(args: DiffArgs) -> Result<i32, Error> {
     let outcome = diff_manifests(&args.a, &args.b)?;
     for p in &outcome.root_mismatches {
         let _ = writeln!(
             io::stderr(),
-            "tarfa-verify: warning: {}: root digest does not match the manifest's entries; diffing the entries",
+            "tarfa-verify: warning: {}: root digest is not the SHA-256 of the manifest's lines after the first; diffing the entries",
             one_line(&p.display().to_string())
         );
     }
-    let mut out = io::stdout().lock();
-    if args.json {
-        writeln!(out, "{}", tarfa_verify::diff::render_json(&outcome.diff))?;
-    } else {
-        out.write_all(tarfa_verify::diff::render_human(&outcome.diff).as_bytes())?;
-    }
-    out.flush()?;
-    Ok(if outcome.diff.is_empty() {
+    let verdict = if outcome.diff.is_empty() {
         EXIT_OK
     } else {
         EXIT_FAILED
-    })
+    };
+    let mut out = io::stdout().lock();
+    let written = (|| {
+        if args.json {
+            writeln!(out, "{}", tarfa_verify::diff::render_json(&outcome.diff))?;
+        } else {
+            out.write_all(tarfa_verify::diff::render_human(&outcome.diff).as_bytes())?;
+        }
+        out.flush()
+    })();
+    finish(verdict, written)
 }

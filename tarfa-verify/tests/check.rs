@@ -44,7 +44,7 @@ fn json_output_has_exactly_the_documented_fields() {
     let v = r.json();
     let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["checked_bytes", "failures", "ok"]);
+    assert_eq!(keys, ["checked_bytes", "failures", "notes", "ok"]);
     assert_eq!(v["ok"], false);
     let f = &v["failures"][0];
     assert_eq!(f["name"], "config.json");
@@ -324,7 +324,13 @@ fn paths_that_are_not_bundles_exit_2_with_one_line() {
     let empty = s.join("empty");
     fs::create_dir(&empty).unwrap();
     for p in [s.join("missing"), file, empty] {
+        // Under --json the error is one JSON object on stdout, and stderr is quiet.
         let r = run(&[&"check", &p, &"--json"]);
+        assert_eq!(r.code, 2, "{}: {}", p.display(), r.stderr);
+        assert!(r.stderr.is_empty(), "{}", r.stderr);
+        assert_eq!(r.stdout.lines().count(), 1, "{}", r.stdout);
+        assert_eq!(r.json()["error"]["kind"], "not-a-bundle");
+        let r = run(&[&"check", &p]);
         assert_eq!(r.code, 2, "{}: {}", p.display(), r.stderr);
         assert!(r.stdout.is_empty());
         assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
@@ -351,15 +357,15 @@ fn a_source_that_is_not_a_checkpoint_exits_2() {
 }
 
 #[test]
-fn an_io_error_exits_3() {
+fn a_symlink_loop_exits_2() {
     let s = Scratch::new("io");
     let b = s.join("bundle");
     write_synthetic(&b, Synthetic::default());
-    // A symlink loop cannot be stat'ed (ELOOP): an environment failure, not a bad bundle.
+    // A symlink loop cannot be resolved (ELOOP): bad input, named, not an environment failure.
     fs::remove_file(b.join("model.jnf")).unwrap();
     std::os::unix::fs::symlink("model.jnf", b.join("model.jnf")).unwrap();
     let r = run(&[&"check", &b]);
-    assert_eq!(r.code, 3, "{}", r.stderr);
+    assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("model.jnf"), "{}", r.stderr);
 }
 
@@ -411,6 +417,7 @@ fn zero_length_tensors_share_an_offset_in_either_order() {
     assert_eq!(text.len(), end - 24);
     bytes[24..end].copy_from_slice(&text);
     fs::write(&path, &bytes).unwrap();
+    reseal_header(&b); // the manifest binds the header's bytes: record the reordered ones
     assert_eq!(read_header(&b).tensors[0].name, "model.embed_tokens.weight");
     let (r, failures) = check_json(&b, None);
     assert_eq!(r.code, 0, "{failures:?}");

@@ -135,7 +135,20 @@ fn bad_inputs_exit_2() {
     fs::write(s.join("garbage.toml"), "[[tensors]]\nname = 3\n").unwrap();
     fs::create_dir(s.join("empty")).unwrap();
     for other in [s.join("missing"), s.join("garbage.toml"), s.join("empty")] {
+        // Under --json: one JSON object on stdout naming the path, nothing on stderr.
         let r = run(&[&"diff", &s.join("a"), &other, &"--json"]);
+        assert_eq!(r.code, 2, "{}", r.stderr);
+        assert!(r.stderr.is_empty(), "{}", r.stderr);
+        let v = r.json();
+        assert_eq!(v["exit_code"], 2);
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&other.display().to_string()),
+            "{v}"
+        );
+        let r = run(&[&"diff", &s.join("a"), &other]);
         assert_eq!(r.code, 2, "{}", r.stderr);
         assert!(r.stdout.is_empty());
         assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
@@ -159,8 +172,9 @@ fn a_manifest_with_a_wrong_root_is_diffed_with_a_warning() {
 }
 
 #[test]
-fn a_closed_pipe_is_success() {
-    // Enough differences to fill the pipe, so the writer must meet EPIPE after the reader goes.
+fn a_closed_pipe_keeps_the_verdict() {
+    // Enough differences to fill the pipe, so the writer must meet EPIPE after the reader goes:
+    // the differences are still found (exit 1), quietly. Only a success stays a success.
     let s = Scratch::new("pipe");
     let big = Synthetic {
         layers: 40,
@@ -193,7 +207,7 @@ fn a_closed_pipe_is_success() {
     let out = child.wait_with_output().unwrap();
     assert_eq!(
         out.status.code(),
-        Some(0),
+        Some(1),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

@@ -19,13 +19,15 @@ fn a_faithful_bundle_passes_with_and_without_source() {
     let plain = r.json()["checked_bytes"].as_u64().unwrap();
     let (r, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
     assert_eq!(r.code, 0, "{failures:?}");
-    // With a source, every tensor byte is read once more from the source, and every shard whole.
+    // With a source, every tensor byte is read once more from the source, every shard whole,
+    // and every copied file of the source once.
     let tensor_bytes: u64 = h.tensors.iter().map(|t| t.length).sum::<u64>()
         + h.experts.iter().map(|e| e.length).sum::<u64>();
     let shard_bytes: u64 = m.shards.iter().map(|s| s.size).sum();
+    let file_bytes: u64 = m.files.iter().map(|f| f.size).sum();
     assert_eq!(
         r.json()["checked_bytes"].as_u64().unwrap(),
-        plain + tensor_bytes + shard_bytes
+        plain + tensor_bytes + shard_bytes + file_bytes
     );
 }
 
@@ -146,6 +148,17 @@ fn a_misrecorded_source_offset_is_named() {
     );
     bytes[24..json_end].copy_from_slice(patched.as_bytes());
     fs::write(&path, bytes).unwrap();
+    // The manifest binds the header's bytes: as it stands the edit is a header-digest mismatch.
+    let (_, failures) = check_json(&b, None);
+    assert_eq!(
+        failures,
+        vec![(
+            "model.jnf".to_string(),
+            "header-digest-mismatch".to_string()
+        )]
+    );
+    // A forger who re-seals the manifest is caught against the source.
+    reseal_header(&b);
 
     let (_, failures) = check_json(&b, Some(FIXTURE_A.as_ref()));
     assert_eq!(
@@ -155,7 +168,7 @@ fn a_misrecorded_source_offset_is_named() {
             "source-location-mismatch".to_string()
         )]
     );
-    // Without a source the record cannot be checked, and everything else is intact.
+    // Re-sealed and without a source the record cannot be checked (only a pinned root tells).
     assert_eq!(check_json(&b, None).0.code, 0);
 }
 

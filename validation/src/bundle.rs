@@ -180,6 +180,9 @@ pub struct ExpertEntry {
 #[derive(Clone, Debug, Deserialize)]
 pub struct Manifest {
     pub root_digest: String,
+    /// SHA-256 of the text after the first line, as read.
+    #[serde(skip)]
+    pub body_sha256: String,
     #[serde(default)]
     pub shards: Vec<FileEntry>,
     #[serde(default)]
@@ -192,35 +195,19 @@ pub struct Manifest {
 
 impl Manifest {
     pub fn parse(text: &str) -> Result<Manifest> {
-        toml::from_str(text).map_err(|e| anyhow!("manifest.toml: {}", e.message()))
+        let mut m: Manifest =
+            toml::from_str(text).map_err(|e| anyhow!("manifest.toml: {}", e.message()))?;
+        // The root covers the bytes after the first line (docs/FORMAT.md, manifest_version 2).
+        let body = text.split_once('\n').map_or("", |(_, rest)| rest);
+        m.body_sha256 = hex(&Sha256::digest(body.as_bytes()));
+        Ok(m)
     }
 
-    /// The root digest recomputed from the entries (docs/FORMAT.md): SHA-256 over the sorted lines
-    /// `<sha256>  <name>\n` of every shard, file, tensor and expert.
+    /// The root digest recomputed as docs/FORMAT.md says, independently of tarfa-manifest:
+    /// the SHA-256 of every byte of manifest.toml after its first line
+    /// (`tail -n +2 manifest.toml | sha256sum`).
     pub fn recompute_root(&self) -> String {
-        let mut lines: Vec<String> = self
-            .shards
-            .iter()
-            .chain(&self.files)
-            .map(|f| format!("{}  {}", f.sha256, f.name))
-            .chain(
-                self.tensors
-                    .iter()
-                    .map(|t| format!("{}  {}", t.sha256, t.name)),
-            )
-            .chain(
-                self.experts
-                    .iter()
-                    .map(|e| format!("{}  {}", e.sha256, e.name)),
-            )
-            .collect();
-        lines.sort_unstable();
-        let mut h = Sha256::new();
-        for l in lines {
-            h.update(l.as_bytes());
-            h.update(b"\n");
-        }
-        hex(&h.finalize())
+        self.body_sha256.clone()
     }
 
     pub fn tensor_map(&self) -> BTreeMap<&str, &TensorEntry> {
@@ -404,24 +391,11 @@ mod tests {
 
     #[test]
     fn the_root_digest_is_recomputed_as_format_md_says() {
-        // Two entries; the lines sort as "aaaa..  b" < "bbbb..  a".
         let a = "a".repeat(64);
-        let b = "b".repeat(64);
-        let text = format!(
-            r#"root_digest = "x"
-[[files]]
-name = "b"
-size = 1
-sha256 = "{a}"
-[[tensors]]
-name = "a"
-dtype = "BF16"
-length = 2
-sha256 = "{b}"
-"#
-        );
+        let body =
+            format!("manifest_version = 2\n[[files]]\nname = \"b\"\nsize = 1\nsha256 = \"{a}\"\n");
+        let text = format!("root_digest = \"x\"\n{body}");
         let m = Manifest::parse(&text).unwrap();
-        let want = sha256_hex(format!("{a}  b\n{b}  a\n").as_bytes());
-        assert_eq!(m.recompute_root(), want);
+        assert_eq!(m.recompute_root(), sha256_hex(body.as_bytes()));
     }
 }

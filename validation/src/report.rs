@@ -497,7 +497,15 @@ blake3 = "{}"
     fn a_manifest_whose_root_does_not_match_its_entries_is_caught() {
         let mut m = manifest();
         let report = VerifyReport::parse(&good_report(&m).to_string()).unwrap();
-        m.tensors[0].sha256 = "7".repeat(64);
+        // What an edit on disk does: the bytes after the root line are no longer the ones the
+        // root was computed over.
+        let edited = Manifest::parse(&format!(
+            "root_digest = \"{}\"\n[[files]]\nname = \"config.json\"\nsize = 11\nsha256 = \"{}\"\n",
+            m.root_digest,
+            "7".repeat(64)
+        ))
+        .unwrap();
+        m.body_sha256 = edited.body_sha256;
         let f = check_report(&report, &m, &[]);
         assert!(
             f.violations

@@ -11,7 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use jnf_format::{Dtype, Header, LayoutPlan, MatrixRole, MatrixSpec, SourceRef, TensorSpec};
 use tarfa_manifest::hash::{blake3_hex, sha256_hex};
-use tarfa_manifest::{ExpertRecord, FileRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord};
+use tarfa_manifest::{
+    ExpertRecord, FileRecord, HeaderRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord,
+    CONTRACT_VERSION,
+};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tarfa-verify");
 pub const FIXTURE_A: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/oracle/qwen3moe-a");
@@ -70,6 +73,49 @@ pub fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Run {
         code: out.status.code().expect("exited normally, not by a signal"),
         stdout: String::from_utf8(out.stdout).unwrap(),
         stderr: String::from_utf8(out.stderr).unwrap(),
+    }
+}
+
+/// Like [`run`], but the child is killed (and the test fails) if it runs past `secs`: a hang is
+/// a defect, never a slow test.
+pub fn run_timeout(args: &[&dyn AsRef<std::ffi::OsStr>], secs: u64) -> Run {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new(BIN)
+        .args(args.iter().map(|a| a.as_ref()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    // Drain both pipes on threads so a chatty child cannot block on a full pipe.
+    let mut so = child.stdout.take().unwrap();
+    let mut se = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = so.read_to_end(&mut v);
+        v
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = se.read_to_end(&mut v);
+        v
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("tarfa-verify hung (killed after {secs} s)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Run {
+        code: status.code().expect("exited normally, not by a signal"),
+        stdout: String::from_utf8(t_out.join().unwrap()).unwrap(),
+        stderr: String::from_utf8(t_err.join().unwrap()).unwrap(),
     }
 }
 
@@ -136,12 +182,14 @@ pub fn read_manifest(bundle: &Path) -> Manifest {
     Manifest::load(&bundle.join("manifest.toml")).unwrap()
 }
 
-/// Rewrite the bundle's manifest through `edit`; the root digest is recomputed if `reroot`.
+/// Rewrite the bundle's manifest through `edit`; the root digest is recomputed if `reroot`
+/// (what a forger does: the manifest is then self-consistent, and only a pinned root or the
+/// source can tell).
 pub fn edit_manifest(bundle: &Path, reroot: bool, edit: impl FnOnce(&mut Manifest)) {
     let mut m = read_manifest(bundle);
     edit(&mut m);
     if reroot {
-        m.root_digest = m.compute_root_digest();
+        m.seal();
     }
     fs::write(bundle.join("manifest.toml"), m.to_toml()).unwrap();
 }
@@ -247,9 +295,7 @@ pub fn write_synthetic(dir: &Path, s: Synthetic) -> (Header, Manifest) {
     let mut manifest = empty_manifest();
     for t in &header.tensors {
         let bytes = fill(t.offset, t.length);
-        manifest
-            .tensors
-            .push(tensor_record(&t.name, t.dtype.as_str(), &t.shape, &bytes));
+        manifest.tensors.push(tensor_record(t, &bytes));
     }
     for e in &header.experts {
         let bytes = fill(e.offset, e.length);
@@ -263,17 +309,24 @@ pub fn write_synthetic(dir: &Path, s: Synthetic) -> (Header, Manifest) {
         sha256: sha256_hex(CONFIG_JSON),
     });
     manifest.source.insert("kind".into(), "synthetic".into());
-    manifest.root_digest = manifest.compute_root_digest();
+    manifest.header = HeaderRecord::of_container_prefix(&file).unwrap();
+    manifest.seal();
     fs::write(dir.join("manifest.toml"), manifest.to_toml()).unwrap();
     (header, manifest)
 }
 
 fn empty_manifest() -> Manifest {
     Manifest {
-        manifest_version: 1,
-        format_version: "1.0".into(),
-        converter: "tarfa-verify test helper".into(),
         root_digest: String::new(),
+        computed_root: String::new(),
+        manifest_version: 2,
+        format_version: "1.0".into(),
+        contract_version: CONTRACT_VERSION,
+        converter: "tarfa-verify test helper".into(),
+        header: HeaderRecord {
+            length: 0,
+            sha256: sha256_hex(b""),
+        },
         source: Default::default(),
         shards: Vec::new(),
         files: Vec::new(),
@@ -282,11 +335,12 @@ fn empty_manifest() -> Manifest {
     }
 }
 
-fn tensor_record(name: &str, dtype: &str, shape: &[u64], bytes: &[u8]) -> TensorRecord {
+fn tensor_record(t: &jnf_format::TensorEntry, bytes: &[u8]) -> TensorRecord {
     TensorRecord {
-        name: name.into(),
-        dtype: dtype.into(),
-        shape: shape.to_vec(),
+        name: t.name.clone(),
+        dtype: t.dtype.as_str().into(),
+        shape: t.shape.clone(),
+        offset: t.offset,
         length: bytes.len() as u64,
         sha256: sha256_hex(bytes),
         blake3: blake3_hex(bytes),
@@ -299,7 +353,9 @@ fn expert_record(e: &jnf_format::ExpertExtent, bytes: &[u8]) -> ExpertRecord {
         name: e.prefix.clone(),
         layer: e.layer,
         expert: e.expert,
+        offset: e.offset,
         length: e.length,
+        padded_length: e.padded_length,
         sha256: sha256_hex(bytes),
         blake3: blake3_hex(bytes),
         nonfinite: 0,
@@ -383,9 +439,7 @@ pub fn bundle_from_checkpoint_with(
     for t in &header.tensors {
         let bytes = ck.read_tensor_bytes(&t.name).unwrap();
         file[t.offset as usize..(t.offset + t.length) as usize].copy_from_slice(&bytes);
-        manifest
-            .tensors
-            .push(tensor_record(&t.name, t.dtype.as_str(), &t.shape, &bytes));
+        manifest.tensors.push(tensor_record(t, &bytes));
     }
     for e in &header.experts {
         let mut bytes = Vec::new();
@@ -414,9 +468,19 @@ pub fn bundle_from_checkpoint_with(
         });
     }
     manifest.source.insert("kind".into(), "local".into());
-    manifest.root_digest = manifest.compute_root_digest();
+    manifest.header = HeaderRecord::of_container_prefix(&file).unwrap();
+    manifest.seal();
     fs::write(out.join("manifest.toml"), manifest.to_toml()).unwrap();
     (header, manifest)
+}
+
+/// Re-record model.jnf's header JSON (length and SHA-256) in the manifest and re-seal it: a
+/// forger's edit of the header, made consistent.
+pub fn reseal_header(bundle: &Path) {
+    let bytes = fs::read(bundle.join("model.jnf")).unwrap();
+    edit_manifest(bundle, true, |m| {
+        m.header = HeaderRecord::of_container_prefix(&bytes).unwrap()
+    });
 }
 
 /// Copy a checkpoint directory's regular files (not recursive) into `dst`.
