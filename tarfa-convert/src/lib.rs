@@ -14,6 +14,7 @@ pub mod convert;
 mod error;
 pub mod progress;
 pub mod synth;
+pub mod target;
 
 pub use bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
 pub use convert::{convert, ConvertOptions};
