@@ -349,6 +349,8 @@ pub fn write_bundle(
     src.check_unchanged()?;
     publish(&tmp, &target, &parent, &base, force, &mut guard)?;
     fsync_dir(&parent)?;
+    // The old bundle (now under the temporary's name) goes before the lock is released.
+    drop(guard);
     drop(lock);
     created.keep();
 

@@ -43,13 +43,24 @@ pub fn convert(
     out: &Path,
     opts: &ConvertOptions,
 ) -> Result<WriteSummary, ConvertError> {
+    // Opening may read whole shards (a Hub blob is hashed against its name): a shard whose
+    // status changed after this instant may have changed while it was read.
+    let began = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     let ckpt = tarfa_checkpoint::open(src)?;
-    // Before anything is read beyond the headers: what each shard is, to notice a change later.
-    let opened = ckpt
-        .shards
-        .iter()
-        .map(|s| ShardStat::of(&s.path))
-        .collect::<Result<Vec<_>, _>>()?;
+    // What each shard is, to notice a change by the end.
+    let mut opened = Vec::with_capacity(ckpt.shards.len());
+    for shard in &ckpt.shards {
+        let stat = ShardStat::of(&shard.path)?;
+        if stat.ctime >= (began.as_secs() as i64, began.subsec_nanos() as i64) {
+            return Err(ConvertError::SourceChanged {
+                path: ckpt.root.join(&shard.name),
+                what: "it changed while the checkpoint was being opened".into(),
+            });
+        }
+        opened.push(stat);
+    }
     crate::target::check_not_overlapping(src, out)?;
     let header = plan(&ckpt)?;
     let mut files = Vec::new();

@@ -490,3 +490,38 @@ fn symlink_loops_are_bad_input() {
     assert_refused(code, &err, "config.json", "symbolic links");
     assert_eq!(names(d.path()), ["loop", "src"]);
 }
+
+#[test]
+fn a_failed_output_write_is_exit_3_naming_the_file_and_leaves_nothing() {
+    use std::os::unix::process::CommandExt;
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("made/for/it/bundle");
+    let mut cmd = Command::new(BIN);
+    cmd.arg(fixture("qwen3moe-a"))
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec. A file-size limit of 1 MiB
+    // makes the bundle's writes fail (EFBIG) as a full disk would, part-way; SIGXFSZ ignored so
+    // that the failure is an error return, not a kill.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: 1 << 20,
+                rlim_max: 1 << 20,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = wait_limited(cmd.spawn().unwrap(), Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("model.jnf"), "names the file: {err}");
+    assert!(names(d.path()).is_empty(), "created parents removed: {:?}", names(d.path()));
+}
