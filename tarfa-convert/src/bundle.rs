@@ -217,7 +217,7 @@ pub fn write_bundle(
     let (reader, read_mode) =
         open_uncached(&jnf_path).map_err(ConvertError::io(&jnf_path, "open for read-back"))?;
 
-    let batches = plan_batches(header, src.shard_count());
+    let batches = plan_batches(header);
     let shard_total: u64 = (0..src.shard_count()).map(|i| src.shard_size(i)).sum();
     let bar = bytes_bar(data_bytes + shard_total, "convert");
     let hashed = AtomicU64::new(0);
@@ -229,7 +229,21 @@ pub fn write_bundle(
     let (write_time, read_back) = std::thread::scope(|scope| {
         let read_back =
             scope.spawn(|| read_back_batches(&reader, &jnf_path, read_mode, batches_written));
-        let written = (|| -> Result<(), ConvertError> {
+        // Whole-shard hashes are independent tasks on the same pool: a worker that is free takes
+        // one, so no batch waits on a shard many times its size.
+        let shard_records = std::sync::Mutex::new(Vec::new());
+        let written = rayon::scope(|tasks| -> Result<(), ConvertError> {
+            for i in 0..src.shard_count() {
+                let (shard_records, hashed, bar, out, jnf_path) =
+                    (&shard_records, &hashed, &bar, &out, &jnf_path);
+                tasks.spawn(move |_| {
+                    let r = run_job(&Job::Shard(i), header, src, out, jnf_path, hashed, bar);
+                    shard_records
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(r);
+                });
+            }
             for batch in &batches {
                 let results: Vec<JobOut> = batch
                     .par_iter()
@@ -271,7 +285,19 @@ pub fn write_bundle(
                 let _ = to_reader.send(check);
             }
             Ok(())
-        })();
+        })
+        .and_then(|()| {
+            for r in shard_records
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+            {
+                match r? {
+                    JobOut::Shard(rec) => shards.push(rec),
+                    JobOut::Region(_) => unreachable!("a shard job gives a shard record"),
+                }
+            }
+            Ok(())
+        });
         drop(to_reader);
         let write_time = t0.elapsed();
         let read_back = read_back.join().unwrap_or_else(|_| {
@@ -499,9 +525,8 @@ fn batch_bytes(total: u64) -> u64 {
     (total / 32).clamp(32 << 20, 512 << 20)
 }
 
-/// Regions in file order, cut into batches of about [`batch_bytes`]; each source shard's hash
-/// rides along with one batch, spread evenly.
-fn plan_batches(header: &Header, shard_count: usize) -> Vec<Vec<Job>> {
+/// Regions in file order, cut into batches of about [`batch_bytes`].
+fn plan_batches(header: &Header) -> Vec<Vec<Job>> {
     let mut regions: Vec<(u64, u64, Job)> = header
         .tensors
         .iter()
@@ -526,10 +551,6 @@ fn plan_batches(header: &Header, shard_count: usize) -> Vec<Vec<Job>> {
         }
         size += len;
         batches.last_mut().expect("non-empty").push(job);
-    }
-    let n = batches.len();
-    for s in 0..shard_count {
-        batches[s * n / shard_count.max(1)].insert(0, Job::Shard(s));
     }
     // Largest jobs first within a batch, so that the cores finish it together.
     for b in &mut batches {

@@ -523,5 +523,9 @@ fn a_failed_output_write_is_exit_3_naming_the_file_and_leaves_nothing() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(err.contains("model.jnf"), "names the file: {err}");
-    assert!(names(d.path()).is_empty(), "created parents removed: {:?}", names(d.path()));
+    assert!(
+        names(d.path()).is_empty(),
+        "created parents removed: {:?}",
+        names(d.path())
+    );
 }
