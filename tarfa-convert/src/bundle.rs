@@ -7,8 +7,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
 use jnf_format::{align_up, Dtype, ExpertExtent, Header, TensorEntry, CONTAINER_FILE};
@@ -222,15 +222,54 @@ pub fn write_bundle(
     let bar = bytes_bar(data_bytes + shard_total, "convert");
     let hashed = AtomicU64::new(0);
 
-    let mut tensor_out = vec![None; header.tensors.len()];
-    let mut expert_out = vec![None; header.experts.len()];
+    // One flat list in file order for the writers (no barrier between batches); a batch goes to
+    // the read-back as soon as its last region is written, whichever worker wrote it.
+    let jobs: Vec<(usize, Job)> = batches
+        .iter()
+        .enumerate()
+        .flat_map(|(b, batch)| batch.iter().map(move |&j| (b, j)))
+        .collect();
+    let first_of_batch: Vec<usize> = batches
+        .iter()
+        .scan(0, |start, b| {
+            let s = *start;
+            *start += b.len();
+            Some(s)
+        })
+        .collect();
+    let remaining: Vec<AtomicUsize> = batches.iter().map(|b| AtomicUsize::new(b.len())).collect();
+    let region_out: Vec<OnceLock<RegionOut>> = jobs.iter().map(|_| OnceLock::new()).collect();
+    let read_back_entry = |job: Job, r: &RegionOut| match job {
+        Job::Tensor(i) => {
+            let t = &header.tensors[i];
+            ReadBack {
+                name: t.name.clone(),
+                offset: t.offset,
+                length: t.length,
+                padded: align_up(t.length).expect("validated"),
+                blake3: r.blake3,
+            }
+        }
+        Job::Expert(i) => {
+            let e = &header.experts[i];
+            ReadBack {
+                name: e.prefix.clone(),
+                offset: e.offset,
+                length: e.length,
+                padded: e.padded_length,
+                blake3: r.blake3,
+            }
+        }
+        Job::Shard(_) => unreachable!("shards are not regions"),
+    };
+
     let mut shards = Vec::new();
     let (to_reader, batches_written) = mpsc::channel::<Vec<ReadBack>>();
     let (write_time, read_back) = std::thread::scope(|scope| {
         let read_back =
             scope.spawn(|| read_back_batches(&reader, &jnf_path, read_mode, batches_written));
         // Whole-shard hashes are independent tasks on the same pool: a worker that is free takes
-        // one, so no batch waits on a shard many times its size.
+        // one, so no region waits on a shard many times its size.
         let shard_records = std::sync::Mutex::new(Vec::new());
         let written = rayon::scope(|tasks| -> Result<(), ConvertError> {
             for i in 0..src.shard_count() {
@@ -244,47 +283,28 @@ pub fn write_bundle(
                         .push(r);
                 });
             }
-            for batch in &batches {
-                let results: Vec<JobOut> = batch
-                    .par_iter()
-                    .map(|job| run_job(job, header, src, &out, &jnf_path, &hashed, &bar))
-                    .collect::<Result<_, _>>()?;
-                let mut check = Vec::new();
-                for (job, result) in batch.iter().zip(results) {
-                    match (*job, result) {
-                        (Job::Tensor(i), JobOut::Region(r)) => {
-                            let t = &header.tensors[i];
-                            check.push(ReadBack {
-                                name: t.name.clone(),
-                                offset: t.offset,
-                                length: t.length,
-                                padded: align_up(t.length).expect("validated"),
-                                blake3: r.blake3,
-                            });
-                            tensor_out[i] = Some(r);
-                        }
-                        (Job::Expert(i), JobOut::Region(r)) => {
-                            let e = &header.experts[i];
-                            check.push(ReadBack {
-                                name: e.prefix.clone(),
-                                offset: e.offset,
-                                length: e.length,
-                                padded: e.padded_length,
-                                blake3: r.blake3,
-                            });
-                            expert_out[i] = Some(r);
-                        }
-                        (Job::Shard(_), JobOut::Shard(rec)) => shards.push(rec),
-                        (Job::Tensor(_) | Job::Expert(_), JobOut::Shard(_))
-                        | (Job::Shard(_), JobOut::Region(_)) => {
-                            unreachable!("job kinds match their outputs")
-                        }
+            jobs.par_iter()
+                .enumerate()
+                .try_for_each(|(k, &(b, job))| -> Result<(), ConvertError> {
+                    let JobOut::Region(r) =
+                        run_job(&job, header, src, &out, &jnf_path, &hashed, &bar)?
+                    else {
+                        unreachable!("a region job gives a region")
+                    };
+                    let _ = region_out[k].set(r);
+                    if remaining[b].fetch_sub(1, Ordering::AcqRel) == 1 {
+                        let start = first_of_batch[b];
+                        let check = (start..start + batches[b].len())
+                            .map(|k| {
+                                read_back_entry(jobs[k].1, region_out[k].get().expect("written"))
+                            })
+                            .collect();
+                        // A reader that already failed has dropped its end; its error is
+                        // reported below.
+                        let _ = to_reader.send(check);
                     }
-                }
-                // A reader that already failed has dropped its end; its error is reported below.
-                let _ = to_reader.send(check);
-            }
-            Ok(())
+                    Ok(())
+                })
         })
         .and_then(|()| {
             for r in shard_records
@@ -312,6 +332,15 @@ pub fn write_bundle(
     read_back?;
     bar.finish_and_clear();
     shards.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut tensor_out: Vec<Option<RegionOut>> = vec![None; header.tensors.len()];
+    let mut expert_out: Vec<Option<RegionOut>> = vec![None; header.experts.len()];
+    for ((_, job), r) in jobs.iter().zip(region_out) {
+        match *job {
+            Job::Tensor(i) => tensor_out[i] = r.into_inner(),
+            Job::Expert(i) => expert_out[i] = r.into_inner(),
+            Job::Shard(_) => unreachable!("shards are not regions"),
+        }
+    }
     let tensor_hashes: Vec<Hashes> = tensor_out
         .iter()
         .map(|r| r.as_ref().map(|r| (r.sha256, r.blake3)))
