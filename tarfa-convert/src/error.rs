@@ -83,10 +83,11 @@ impl ConvertError {
     /// The exit code documented in the README: 1 verification, 2 bad input, 3 environment.
     pub fn exit_code(&self) -> i32 {
         match self {
-            // A symlink loop is a property of the input, not of the machine.
+            // A symlink loop, or a path through a file, is a property of the input, not of the
+            // machine.
             ConvertError::Checkpoint(CheckpointError::Io { source, .. })
             | ConvertError::Io { source, .. }
-                if source.raw_os_error() == Some(libc::ELOOP) =>
+                if matches!(source.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) =>
             {
                 2
             }

@@ -529,3 +529,13 @@ fn a_failed_output_write_is_exit_3_naming_the_file_and_leaves_nothing() {
         names(d.path())
     );
 }
+
+#[test]
+fn an_output_path_through_a_file_is_bad_input() {
+    let d = tempfile::tempdir().unwrap();
+    fs::write(d.path().join("afile"), b"x").unwrap();
+    let (code, _, err) = run(&[&fixture("qwen3moe-a"), &d.path().join("afile/bundle")]);
+    assert_refused(code, &err, "afile", "Not a directory");
+    assert_eq!(fs::read(d.path().join("afile")).unwrap(), b"x");
+    assert_eq!(names(d.path()), ["afile"]);
+}
