@@ -97,3 +97,41 @@ pub fn drop_cache(f: &File) -> io::Result<()> {
 pub fn read_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
     f.read_exact_at(buf, offset)
 }
+
+/// Write `len` bytes of `f` from `offset` to the device and wait for them
+/// (sync_file_range: data only; the final fsync covers metadata and the device cache). Where
+/// reads do not bypass the cache, the range's pages are then dropped so that they come from
+/// the device.
+pub fn sync_range(f: &File, offset: u64, len: u64, mode: ReadMode) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+        | libc::SYNC_FILE_RANGE_WRITE
+        | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+    // SAFETY: plain syscall on an open descriptor.
+    let rc = unsafe { libc::sync_file_range(f.as_raw_fd(), offset as i64, len as i64, flags) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        // Some file systems (tmpfs among them) have nothing to write back.
+        if !matches!(
+            e.raw_os_error(),
+            Some(libc::EINVAL | libc::ESPIPE | libc::ENOSYS)
+        ) {
+            return Err(e);
+        }
+    }
+    if mode == ReadMode::DroppedCache {
+        // SAFETY: plain syscall on an open descriptor.
+        let rc = unsafe {
+            libc::posix_fadvise(
+                f.as_raw_fd(),
+                offset as i64,
+                len as i64,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+    }
+    Ok(())
+}

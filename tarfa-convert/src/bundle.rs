@@ -7,10 +7,11 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
-use jnf_format::{align_up, ExpertExtent, Header, TensorEntry, CONTAINER_FILE};
+use jnf_format::{align_up, Dtype, ExpertExtent, Header, TensorEntry, CONTAINER_FILE};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use tarfa_manifest::hash::to_hex;
@@ -21,6 +22,10 @@ use tarfa_manifest::{
 
 use crate::aligned::{open_uncached, AlignedBuf, ReadMode};
 use crate::progress::bytes_bar;
+use crate::target::{
+    nearest_existing, not_a_bundle, rename_exchange, rename_noreplace, resolve, CreatedDirs,
+    TargetLock,
+};
 use crate::{interrupted, ConvertError};
 
 /// Produces the bytes of each region; implemented by the checkpoint converter and the
@@ -41,6 +46,11 @@ pub trait RegionSource: Sync {
     /// Bytes of shard `i`, for the progress bar.
     fn shard_size(&self, _i: usize) -> u64 {
         0
+    }
+    /// Called after every byte was copied and before publishing: fail if the source changed
+    /// since it was opened (its hashes and the copied bytes could then disagree).
+    fn check_unchanged(&self) -> Result<(), ConvertError> {
+        Ok(())
     }
 }
 
@@ -71,6 +81,8 @@ pub struct WriteSummary {
     pub verify_time: Duration,
     pub read_mode: ReadMode,
     pub removed_stale: Vec<PathBuf>,
+    /// Tensors and experts holding NaN or infinite elements, with their counts (header order).
+    pub nonfinite: Vec<(String, u64)>,
 }
 
 const TMP_MARK: &str = ".tarfa-tmp-";
@@ -101,7 +113,7 @@ fn stale_temporaries(parent: &Path, base: &str) -> Vec<PathBuf> {
     out
 }
 
-fn free_space(dir: &Path) -> std::io::Result<u64> {
+pub fn free_space(dir: &Path) -> std::io::Result<u64> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     let c = CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
@@ -130,23 +142,14 @@ impl Drop for TempGuard {
     }
 }
 
-enum Job {
-    Tensor(usize),
-    Expert(usize),
-    Shard(usize),
-}
-
-enum JobOut {
-    Region { sha256: [u8; 32], blake3: [u8; 32] },
-    Shard(ShardRecord),
-}
-
 thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Write a bundle at `target`. See the module doc for the sequence; on any error or interrupt
-/// the temporary directory is removed and `target` is untouched.
+/// the temporary directory, the lock and any parent directories this call created are removed
+/// and `target` is untouched. `force` replaces only what is verifiably a bundle
+/// ([`crate::target::not_a_bundle`]).
 pub fn write_bundle(
     target: &Path,
     force: bool,
@@ -154,36 +157,41 @@ pub fn write_bundle(
     src: &dyn RegionSource,
 ) -> Result<WriteSummary, ConvertError> {
     let target = absolute(target)?;
-    let parent = target
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("/"));
     let base = target
         .file_name()
         .ok_or_else(|| ConvertError::Usage(format!("{}: not a directory name", target.display())))?
         .to_string_lossy()
         .into_owned();
-    fs::create_dir_all(&parent).map_err(ConvertError::io(&parent, "create directory"))?;
-    if target.exists() && !force {
-        return Err(ConvertError::TargetExists(target));
-    }
-    let removed_stale = stale_temporaries(&parent, &base);
-    for p in &removed_stale {
-        fs::remove_dir_all(p).map_err(ConvertError::io(p, "remove stale temporary"))?;
-    }
+    // Resolve the parent's symlinks and `..`, but not the target's own name: a symlink at the
+    // target is judged (and refused by --force) as what it is.
+    let parent = resolve(target.parent().unwrap_or(Path::new("/")))?;
+    let target = parent.join(&base);
 
     let header = &spec.header;
+    let data_bytes: u64 = header.tensors.iter().map(|t| t.length).sum::<u64>()
+        + header.experts.iter().map(|e| e.length).sum::<u64>();
+    check_padding(&target, header, data_bytes)?;
     let files_bytes: u64 = spec.files.iter().map(|f| f.bytes.len() as u64).sum();
     // The manifest is about 400 bytes an entry.
     let manifest_estimate = 4096 + 400 * (header.tensors.len() + header.experts.len()) as u64;
     let need = header.file_size + files_bytes + manifest_estimate;
-    let have = free_space(&parent).map_err(ConvertError::io(&parent, "statvfs"))?;
+    // Measured before anything is created, on the nearest directory that exists.
+    let space_dir = nearest_existing(&parent).to_path_buf();
+    let have = free_space(&space_dir).map_err(ConvertError::io(&space_dir, "statvfs"))?;
     if need > have {
         return Err(ConvertError::NoSpace {
-            dir: parent,
+            dir: space_dir,
             need,
             have,
         });
+    }
+
+    let mut created = CreatedDirs::create(&parent)?;
+    let lock = TargetLock::acquire(&parent, &base, &target)?;
+    check_replaceable(&target, force)?;
+    let removed_stale = stale_temporaries(&parent, &base);
+    for p in &removed_stale {
+        fs::remove_dir_all(p).map_err(ConvertError::io(p, "remove stale temporary"))?;
     }
 
     let tmp = parent.join(format!(".{base}{TMP_MARK}{}", std::process::id()));
@@ -193,7 +201,7 @@ pub fn write_bundle(
     fs::create_dir(&tmp).map_err(ConvertError::io(&tmp, "create temporary directory"))?;
     let mut guard = TempGuard(Some(tmp.clone()));
 
-    // ---- copy and hash ----
+    // ---- copy and hash, with the read-back of each finished batch overlapped ----
     let t0 = Instant::now();
     let jnf_path = tmp.join(CONTAINER_FILE);
     let out = OpenOptions::new()
@@ -209,104 +217,157 @@ pub fn write_bundle(
         .map_err(ConvertError::io(&jnf_path, "write header"))?;
     let header_record = HeaderRecord::of_container_prefix(&encoded_header)
         .expect("an encoded header holds its preamble and JSON");
+    let (reader, read_mode) =
+        open_uncached(&jnf_path).map_err(ConvertError::io(&jnf_path, "open for read-back"))?;
 
-    let mut jobs: Vec<Job> = (0..src.shard_count()).map(Job::Shard).collect();
-    // Largest regions first so that the two cores finish together.
-    let mut regions: Vec<(u64, Job)> = header
-        .tensors
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.length, Job::Tensor(i)))
-        .chain(
-            header
-                .experts
-                .iter()
-                .enumerate()
-                .map(|(i, e)| (e.length, Job::Expert(i))),
-        )
-        .collect();
-    regions.sort_by_key(|r| std::cmp::Reverse(r.0));
-    jobs.extend(regions.into_iter().map(|(_, j)| j));
-
+    let batches = plan_batches(header);
     let shard_total: u64 = (0..src.shard_count()).map(|i| src.shard_size(i)).sum();
-    let data_bytes: u64 = header.tensors.iter().map(|t| t.length).sum::<u64>()
-        + header.experts.iter().map(|e| e.length).sum::<u64>();
     let bar = bytes_bar(data_bytes + shard_total, "convert");
     let hashed = AtomicU64::new(0);
 
-    let results: Vec<JobOut> = jobs
-        .par_iter()
-        .map(|job| -> Result<JobOut, ConvertError> {
-            if interrupted() {
-                return Err(ConvertError::Interrupted);
-            }
-            let (offset, length, padded) = match *job {
-                Job::Shard(i) => {
-                    let rec = src.hash_shard(i)?;
-                    hashed.fetch_add(rec.size, Ordering::Relaxed);
-                    bar.inc(rec.size);
-                    return Ok(JobOut::Shard(rec));
-                }
-                Job::Tensor(i) => {
-                    let t = &header.tensors[i];
-                    (t.offset, t.length, align_up(t.length).expect("validated"))
-                }
-                Job::Expert(i) => {
-                    let e = &header.experts[i];
-                    (e.offset, e.length, e.padded_length)
-                }
-            };
-            // Take the buffer out of the cell for the duration: filling may run nested parallel
-            // work (the synthetic generator does), and rayon can then start another job on this
-            // thread, which must find the cell free rather than borrowed.
-            let mut buf = SCRATCH.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
-            let result = (|| {
-                buf.resize(padded as usize, 0);
-                buf[length as usize..].fill(0);
-                let data = &mut buf[..length as usize];
-                match *job {
-                    Job::Tensor(i) => src.fill_tensor(&header.tensors[i], data)?,
-                    Job::Expert(i) => src.fill_expert(&header.experts[i], data)?,
-                    Job::Shard(_) => unreachable!(),
-                }
-                let sha256: [u8; 32] = Sha256::digest(&*data).into();
-                let blake3: [u8; 32] = *blake3::hash(data).as_bytes();
-                out.write_all_at(&buf, offset)
-                    .map_err(ConvertError::io(&jnf_path, "write"))?;
-                hashed.fetch_add(length, Ordering::Relaxed);
-                bar.inc(length);
-                Ok(JobOut::Region { sha256, blake3 })
-            })();
-            SCRATCH.with(|cell| *cell.borrow_mut() = buf);
-            result
+    // One flat list in file order for the writers (no barrier between batches); a batch goes to
+    // the read-back as soon as its last region is written, whichever worker wrote it.
+    let jobs: Vec<(usize, Job)> = batches
+        .iter()
+        .enumerate()
+        .flat_map(|(b, batch)| batch.iter().map(move |&j| (b, j)))
+        .collect();
+    let first_of_batch: Vec<usize> = batches
+        .iter()
+        .scan(0, |start, b| {
+            let s = *start;
+            *start += b.len();
+            Some(s)
         })
-        .collect::<Result<_, _>>()?;
-    bar.finish_and_clear();
-    let write_time = t0.elapsed();
+        .collect();
+    let remaining: Vec<AtomicUsize> = batches.iter().map(|b| AtomicUsize::new(b.len())).collect();
+    let region_out: Vec<OnceLock<RegionOut>> = jobs.iter().map(|_| OnceLock::new()).collect();
+    let read_back_entry = |job: Job, r: &RegionOut| match job {
+        Job::Tensor(i) => {
+            let t = &header.tensors[i];
+            ReadBack {
+                name: t.name.clone(),
+                offset: t.offset,
+                length: t.length,
+                padded: align_up(t.length).expect("validated"),
+                blake3: r.blake3,
+            }
+        }
+        Job::Expert(i) => {
+            let e = &header.experts[i];
+            ReadBack {
+                name: e.prefix.clone(),
+                offset: e.offset,
+                length: e.length,
+                padded: e.padded_length,
+                blake3: r.blake3,
+            }
+        }
+        Job::Shard(_) => unreachable!("shards are not regions"),
+    };
 
-    // Results come back in job order; map them to their entries.
-    let mut tensor_hashes = vec![None; header.tensors.len()];
-    let mut expert_hashes = vec![None; header.experts.len()];
     let mut shards = Vec::new();
-    for (job, out) in jobs.iter().zip(results) {
-        match (job, out) {
-            (Job::Tensor(i), JobOut::Region { sha256, blake3 }) => {
-                tensor_hashes[*i] = Some((sha256, blake3))
+    let (to_reader, batches_written) = mpsc::channel::<Vec<ReadBack>>();
+    let (write_time, read_back) = std::thread::scope(|scope| {
+        let read_back =
+            scope.spawn(|| read_back_batches(&reader, &jnf_path, read_mode, batches_written));
+        // Whole-shard hashes are independent tasks on the same pool: a worker that is free takes
+        // one, so no region waits on a shard many times its size.
+        let shard_records = std::sync::Mutex::new(Vec::new());
+        let written = rayon::scope(|tasks| -> Result<(), ConvertError> {
+            for i in 0..src.shard_count() {
+                let (shard_records, hashed, bar, out, jnf_path) =
+                    (&shard_records, &hashed, &bar, &out, &jnf_path);
+                tasks.spawn(move |_| {
+                    let r = run_job(&Job::Shard(i), header, src, out, jnf_path, hashed, bar);
+                    shard_records
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(r);
+                });
             }
-            (Job::Expert(i), JobOut::Region { sha256, blake3 }) => {
-                expert_hashes[*i] = Some((sha256, blake3))
+            jobs.par_iter()
+                .enumerate()
+                .try_for_each(|(k, &(b, job))| -> Result<(), ConvertError> {
+                    let JobOut::Region(r) =
+                        run_job(&job, header, src, &out, &jnf_path, &hashed, &bar)?
+                    else {
+                        unreachable!("a region job gives a region")
+                    };
+                    let _ = region_out[k].set(r);
+                    if remaining[b].fetch_sub(1, Ordering::AcqRel) == 1 {
+                        let start = first_of_batch[b];
+                        let check = (start..start + batches[b].len())
+                            .map(|k| {
+                                read_back_entry(jobs[k].1, region_out[k].get().expect("written"))
+                            })
+                            .collect();
+                        // A reader that already failed has dropped its end; its error is
+                        // reported below.
+                        let _ = to_reader.send(check);
+                    }
+                    Ok(())
+                })
+        })
+        .and_then(|()| {
+            for r in shard_records
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+            {
+                match r? {
+                    JobOut::Shard(rec) => shards.push(rec),
+                    JobOut::Region(_) => unreachable!("a shard job gives a shard record"),
+                }
             }
-            (Job::Shard(_), JobOut::Shard(rec)) => shards.push(rec),
-            _ => unreachable!("job kinds match their outputs"),
+            Ok(())
+        });
+        drop(to_reader);
+        let write_time = t0.elapsed();
+        let read_back = read_back.join().unwrap_or_else(|_| {
+            Err(ConvertError::io(&jnf_path, "read back")(
+                std::io::Error::other("read-back thread panicked"),
+            ))
+        });
+        // A write error explains a read-back failure that follows it, not the other way round.
+        (written.map(|()| write_time), read_back)
+    });
+    let write_time = write_time?;
+    read_back?;
+    bar.finish_and_clear();
+    shards.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut tensor_out: Vec<Option<RegionOut>> = vec![None; header.tensors.len()];
+    let mut expert_out: Vec<Option<RegionOut>> = vec![None; header.experts.len()];
+    for ((_, job), r) in jobs.iter().zip(region_out) {
+        match *job {
+            Job::Tensor(i) => tensor_out[i] = r.into_inner(),
+            Job::Expert(i) => expert_out[i] = r.into_inner(),
+            Job::Shard(_) => unreachable!("shards are not regions"),
         }
     }
-    shards.sort_by(|a, b| a.name.cmp(&b.name));
+    let tensor_hashes: Vec<Hashes> = tensor_out
+        .iter()
+        .map(|r| r.as_ref().map(|r| (r.sha256, r.blake3)))
+        .collect();
+    let expert_hashes: Vec<Hashes> = expert_out
+        .iter()
+        .map(|r| r.as_ref().map(|r| (r.sha256, r.blake3)))
+        .collect();
+    let nonfinite = NonfiniteCounts {
+        tensors: tensor_out
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.nonfinite))
+            .collect(),
+        experts: expert_out
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.nonfinite))
+            .collect(),
+    };
 
     // ---- durability ----
     let t1 = Instant::now();
     out.sync_all()
         .map_err(ConvertError::io(&jnf_path, "fsync"))?;
-    drop(out);
+    close_checked(out, &jnf_path)?;
     let mut files = Vec::new();
     let mut sha256_bytes = hashed.load(Ordering::Relaxed);
     for f in &spec.files {
@@ -326,33 +387,41 @@ pub fn write_bundle(
         files,
         &tensor_hashes,
         &expert_hashes,
+        &nonfinite,
     );
     let manifest_path = tmp.join(MANIFEST_FILE);
     write_synced(&manifest_path, manifest.to_toml().as_bytes())?;
     fsync_dir(&tmp)?;
     let sync_time = t1.elapsed();
 
-    // ---- read back from the device and verify ----
+    // ---- verify what the regions' read-back could not: header, manifest, copied files ----
     let t2 = Instant::now();
-    let read_mode = verify_written(&tmp, &manifest)?;
+    verify_written(&tmp, &manifest)?;
     let verify_time = t2.elapsed();
 
     // ---- publish ----
     if interrupted() {
         return Err(ConvertError::Interrupted);
     }
-    if target.exists() {
-        // Only reachable with --force: move the old bundle aside, then swap.
-        let old = parent.join(format!(".{base}{OLD_MARK}{}", std::process::id()));
-        fs::rename(&target, &old).map_err(ConvertError::io(&target, "move old bundle aside"))?;
-        fs::rename(&tmp, &target).map_err(ConvertError::io(&target, "rename into place"))?;
-        let _ = fs::remove_dir_all(&old);
-    } else {
-        fs::rename(&tmp, &target).map_err(ConvertError::io(&target, "rename into place"))?;
-    }
-    guard.0 = None;
+    // Every byte was read from the source by now: if a shard changed since it was opened, its
+    // hash and the copied bytes may disagree.
+    src.check_unchanged()?;
+    publish(&tmp, &target, &parent, &base, force, &mut guard)?;
     fsync_dir(&parent)?;
+    // The old bundle (now under the temporary's name) goes before the lock is released.
+    drop(guard);
+    drop(lock);
+    created.keep();
 
+    let nonfinite_tensors = header
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .chain(header.experts.iter().map(|e| e.prefix.as_str()))
+        .zip(nonfinite.tensors.iter().chain(&nonfinite.experts))
+        .filter(|(_, &n)| n > 0)
+        .map(|(name, &n)| (name.to_string(), n))
+        .collect();
     Ok(WriteSummary {
         bundle: target,
         root_digest: manifest.root_digest.clone(),
@@ -363,7 +432,317 @@ pub fn write_bundle(
         verify_time,
         read_mode,
         removed_stale,
+        nonfinite: nonfinite_tensors,
     })
+}
+
+/// Per-region counts of NaN and infinite elements, in header order.
+pub struct NonfiniteCounts {
+    pub tensors: Vec<u64>,
+    pub experts: Vec<u64>,
+}
+
+/// Refuse a layout whose 4 KiB padding would inflate the bundle far beyond its data (a small
+/// hostile checkpoint of many tiny tensors: 18.7 MB became 516 MB).
+fn check_padding(target: &Path, header: &Header, data: u64) -> Result<(), ConvertError> {
+    let cap = data.saturating_mul(2).saturating_add(64 << 20);
+    if header.file_size > cap {
+        let tiny = header
+            .tensors
+            .iter()
+            .filter(|t| t.length < jnf_format::ALIGN)
+            .count();
+        return Err(ConvertError::PaddingBlowup {
+            file: target.to_path_buf(),
+            tiny,
+            data,
+            padded: header.file_size,
+        });
+    }
+    Ok(())
+}
+
+/// What may be at the target before the write starts: nothing, or (with --force) a bundle.
+fn check_replaceable(target: &Path, force: bool) -> Result<(), ConvertError> {
+    match fs::symlink_metadata(target) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(ConvertError::io(target, "stat")(e)),
+        Ok(_) if !force => Err(ConvertError::TargetExists(target.to_path_buf())),
+        Ok(_) => match not_a_bundle(target) {
+            None => Ok(()),
+            Some(why) => Err(ConvertError::NotABundle {
+                target: target.to_path_buf(),
+                why,
+            }),
+        },
+    }
+}
+
+/// Rename the verified temporary into place. Without --force the target must still be absent
+/// (RENAME_NOREPLACE); with it, the target is checked again to be a bundle and swapped
+/// atomically (RENAME_EXCHANGE), the old bundle then removed with the temporary's name.
+fn publish(
+    tmp: &Path,
+    target: &Path,
+    parent: &Path,
+    base: &str,
+    force: bool,
+    guard: &mut TempGuard,
+) -> Result<(), ConvertError> {
+    let exists = match fs::symlink_metadata(target) {
+        Ok(_) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(ConvertError::io(target, "stat")(e)),
+    };
+    if !exists {
+        return match rename_noreplace(tmp, target) {
+            Ok(()) => {
+                guard.0 = None;
+                Ok(())
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                Err(ConvertError::TargetExists(target.to_path_buf()))
+            }
+            Err(e) => Err(ConvertError::io(target, "rename into place")(e)),
+        };
+    }
+    check_replaceable(target, force)?;
+    match rename_exchange(tmp, target) {
+        // The temporary's name now holds the old bundle: the guard removes it.
+        Ok(()) => Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
+            let old = parent.join(format!(".{base}{OLD_MARK}{}", std::process::id()));
+            fs::rename(target, &old).map_err(ConvertError::io(target, "move old bundle aside"))?;
+            if let Err(e) = fs::rename(tmp, target) {
+                let _ = fs::rename(&old, target);
+                return Err(ConvertError::io(target, "rename into place")(e));
+            }
+            guard.0 = Some(old);
+            Ok(())
+        }
+        Err(e) => Err(ConvertError::io(target, "swap into place")(e)),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Job {
+    Tensor(usize),
+    Expert(usize),
+    Shard(usize),
+}
+
+#[derive(Clone)]
+struct RegionOut {
+    sha256: [u8; 32],
+    blake3: [u8; 32],
+    nonfinite: u64,
+}
+
+enum JobOut {
+    Region(RegionOut),
+    Shard(ShardRecord),
+}
+
+/// One written region to read back from the device.
+struct ReadBack {
+    name: String,
+    offset: u64,
+    length: u64,
+    padded: u64,
+    blake3: [u8; 32],
+}
+
+/// Bytes written before a batch is handed to the read-back: large enough that syncing it is
+/// efficient, small enough that the last, unoverlapped read-back is short.
+fn batch_bytes(total: u64) -> u64 {
+    (total / 32).clamp(32 << 20, 512 << 20)
+}
+
+/// Regions in file order, cut into batches of about [`batch_bytes`].
+fn plan_batches(header: &Header) -> Vec<Vec<Job>> {
+    let mut regions: Vec<(u64, u64, Job)> = header
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.offset, t.length, Job::Tensor(i)))
+        .chain(
+            header
+                .experts
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (e.offset, e.padded_length, Job::Expert(i))),
+        )
+        .collect();
+    regions.sort_by_key(|r| r.0);
+    let limit = batch_bytes(regions.iter().map(|r| r.1).sum());
+    let mut batches: Vec<Vec<Job>> = vec![Vec::new()];
+    let mut size = 0;
+    for (_, len, job) in regions {
+        if size >= limit {
+            batches.push(Vec::new());
+            size = 0;
+        }
+        size += len;
+        batches.last_mut().expect("non-empty").push(job);
+    }
+    // Largest jobs first within a batch, so that the cores finish it together.
+    for b in &mut batches {
+        b.sort_by_key(|j| {
+            std::cmp::Reverse(match *j {
+                Job::Shard(_) => u64::MAX,
+                Job::Tensor(i) => header.tensors[i].length,
+                Job::Expert(i) => header.experts[i].length,
+            })
+        });
+    }
+    batches
+}
+
+fn run_job(
+    job: &Job,
+    header: &Header,
+    src: &dyn RegionSource,
+    out: &File,
+    jnf_path: &Path,
+    hashed: &AtomicU64,
+    bar: &indicatif::ProgressBar,
+) -> Result<JobOut, ConvertError> {
+    if interrupted() {
+        return Err(ConvertError::Interrupted);
+    }
+    let (offset, length, padded) = match *job {
+        Job::Shard(i) => {
+            let rec = src.hash_shard(i)?;
+            hashed.fetch_add(rec.size, Ordering::Relaxed);
+            bar.inc(rec.size);
+            return Ok(JobOut::Shard(rec));
+        }
+        Job::Tensor(i) => {
+            let t = &header.tensors[i];
+            (t.offset, t.length, align_up(t.length).expect("validated"))
+        }
+        Job::Expert(i) => {
+            let e = &header.experts[i];
+            (e.offset, e.length, e.padded_length)
+        }
+    };
+    // Take the buffer out of the cell for the duration: filling may run nested parallel work
+    // (the synthetic generator does), and rayon can then start another job on this thread,
+    // which must find the cell free rather than borrowed.
+    let mut buf = SCRATCH.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+    let result = (|| {
+        buf.resize(padded as usize, 0);
+        buf[length as usize..].fill(0);
+        let data = &mut buf[..length as usize];
+        let nonfinite = match *job {
+            Job::Tensor(i) => {
+                let t = &header.tensors[i];
+                src.fill_tensor(t, data)?;
+                count_nonfinite(t.dtype, data)
+            }
+            Job::Expert(i) => {
+                let e = &header.experts[i];
+                src.fill_expert(e, data)?;
+                e.matrices
+                    .iter()
+                    .map(|m| {
+                        count_nonfinite(
+                            m.dtype,
+                            &data[m.offset as usize..(m.offset + m.length) as usize],
+                        )
+                    })
+                    .sum()
+            }
+            Job::Shard(_) => unreachable!("returned above"),
+        };
+        // Hash exactly the bytes that are written, from the buffer they are written from.
+        let sha256: [u8; 32] = Sha256::digest(&*data).into();
+        let blake3: [u8; 32] = *blake3::hash(data).as_bytes();
+        out.write_all_at(&buf, offset)
+            .map_err(ConvertError::io(jnf_path, "write"))?;
+        hashed.fetch_add(length, Ordering::Relaxed);
+        bar.inc(length);
+        Ok(JobOut::Region(RegionOut {
+            sha256,
+            blake3,
+            nonfinite,
+        }))
+    })();
+    SCRATCH.with(|cell| *cell.borrow_mut() = buf);
+    result
+}
+
+/// NaN and infinite elements of little-endian IEEE data: the exponent bits all ones.
+pub fn count_nonfinite(dtype: Dtype, bytes: &[u8]) -> u64 {
+    fn count<const N: usize>(bytes: &[u8], exp: u64) -> u64 {
+        bytes
+            .chunks_exact(N)
+            .filter(|c| {
+                let mut v = [0u8; 8];
+                v[..N].copy_from_slice(c);
+                u64::from_le_bytes(v) & exp == exp
+            })
+            .count() as u64
+    }
+    match dtype {
+        Dtype::BF16 => count::<2>(bytes, 0x7f80),
+        Dtype::F16 => count::<2>(bytes, 0x7c00),
+        Dtype::F32 => count::<4>(bytes, 0x7f80_0000),
+        Dtype::F64 => count::<8>(bytes, 0x7ff0_0000_0000_0000),
+    }
+}
+
+/// The read-back stage: for each batch the writers finished, push its range to the device
+/// (sync_file_range), then read every region back bypassing the page cache and check its BLAKE3
+/// and zero padding, several reads in flight, while the writers go on with the next batch.
+fn read_back_batches(
+    file: &File,
+    jnf_path: &Path,
+    mode: ReadMode,
+    batches: mpsc::Receiver<Vec<ReadBack>>,
+) -> Result<(), ConvertError> {
+    // The read-back waits on the device far more than it hashes (BLAKE3 runs at several GB/s
+    // per core): keep several reads in flight, whatever the core count.
+    let readers = rayon::ThreadPoolBuilder::new()
+        .num_threads(READ_BACK_DEPTH.max(rayon::current_num_threads()))
+        .thread_name(|i| format!("tarfa-readback-{i}"))
+        .build()
+        .map_err(|e| {
+            ConvertError::io(jnf_path, "start read-back threads")(std::io::Error::other(e))
+        })?;
+    for batch in batches {
+        let (Some(start), Some(end)) = (
+            batch.iter().map(|r| r.offset).min(),
+            batch.iter().map(|r| r.offset + r.padded).max(),
+        ) else {
+            continue;
+        };
+        crate::aligned::sync_range(file, start, end - start, mode)
+            .map_err(ConvertError::io(jnf_path, "sync to the device"))?;
+        readers.install(|| {
+            batch.par_iter().try_for_each(|r| {
+                if interrupted() {
+                    return Err(ConvertError::Interrupted);
+                }
+                let mut buf = AlignedBuf::new(r.padded as usize);
+                crate::aligned::read_at(file, &mut buf, r.offset)
+                    .map_err(ConvertError::io(jnf_path, "read back"))?;
+                let fail = |what| ConvertError::Verify {
+                    path: jnf_path.to_path_buf(),
+                    name: r.name.clone(),
+                    what,
+                };
+                if blake3::hash(&buf[..r.length as usize]).as_bytes() != &r.blake3 {
+                    return Err(fail("BLAKE3 differs"));
+                }
+                if buf[r.length as usize..].iter().any(|&b| b != 0) {
+                    return Err(fail("padding is not zero"));
+                }
+                Ok(())
+            })
+        })?;
+    }
+    Ok(())
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, ConvertError> {
@@ -379,7 +758,23 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ConvertError> {
     let mut f = File::create(path).map_err(ConvertError::io(path, "create"))?;
     f.write_all(bytes)
         .map_err(ConvertError::io(path, "write"))?;
-    f.sync_all().map_err(ConvertError::io(path, "fsync"))
+    f.flush().map_err(ConvertError::io(path, "flush"))?;
+    f.sync_all().map_err(ConvertError::io(path, "fsync"))?;
+    close_checked(f, path)
+}
+
+/// Close `f` and report the error `close` returns (NFS and some FUSE file systems report
+/// delayed write errors only there; `drop` would discard it).
+fn close_checked(f: File, path: &Path) -> Result<(), ConvertError> {
+    use std::os::fd::IntoRawFd;
+    let fd = f.into_raw_fd();
+    // SAFETY: fd was just released by its owner and is closed exactly once.
+    if unsafe { libc::close(fd) } != 0 {
+        return Err(ConvertError::io(path, "close")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 type Hashes = Option<([u8; 32], [u8; 32])>;
@@ -394,13 +789,15 @@ fn build_manifest(
     files: Vec<FileRecord>,
     tensor_hashes: &[Hashes],
     expert_hashes: &[Hashes],
+    nonfinite: &NonfiniteCounts,
 ) -> Manifest {
     let h = &spec.header;
     let tensors = h
         .tensors
         .iter()
         .zip(tensor_hashes)
-        .map(|(t, hs)| {
+        .zip(&nonfinite.tensors)
+        .map(|((t, hs), &nonfinite)| {
             let (sha, b3) = hs.expect("every tensor was written");
             TensorRecord {
                 name: t.name.clone(),
@@ -410,7 +807,7 @@ fn build_manifest(
                 length: t.length,
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
-                nonfinite: 0,
+                nonfinite,
             }
         })
         .collect();
@@ -418,7 +815,8 @@ fn build_manifest(
         .experts
         .iter()
         .zip(expert_hashes)
-        .map(|(e, hs)| {
+        .zip(&nonfinite.experts)
+        .map(|((e, hs), &nonfinite)| {
             let (sha, b3) = hs.expect("every expert was written");
             ExpertRecord {
                 name: e.prefix.clone(),
@@ -429,7 +827,7 @@ fn build_manifest(
                 padded_length: e.padded_length,
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
-                nonfinite: 0,
+                nonfinite,
                 matrices: e
                     .matrices
                     .iter()
@@ -463,11 +861,12 @@ fn build_manifest(
     m
 }
 
-/// Re-open what was written, bypassing the page cache, and check every region's BLAKE3 and zero
-/// padding against the manifest, and every copied file's SHA-256.
-fn verify_written(dir: &Path, manifest: &Manifest) -> Result<ReadMode, ConvertError> {
+/// Re-open what was written and check the parts the regions' read-back does not cover: the
+/// header validates, the manifest re-reads equal to what was built (root digest included), and
+/// every copied file's SHA-256.
+fn verify_written(dir: &Path, manifest: &Manifest) -> Result<(), ConvertError> {
     let jnf_path = dir.join(CONTAINER_FILE);
-    let jnf = jnf_format::JnfFile::open(&jnf_path).map_err(|e| ConvertError::Verify {
+    jnf_format::JnfFile::open(&jnf_path).map_err(|e| ConvertError::Verify {
         path: jnf_path.clone(),
         name: "header".into(),
         what: match e {
@@ -487,60 +886,6 @@ fn verify_written(dir: &Path, manifest: &Manifest) -> Result<ReadMode, ConvertEr
             what: "manifest changed",
         });
     }
-    let header = jnf.header();
-    let (file, mode) =
-        open_uncached(&jnf_path).map_err(ConvertError::io(&jnf_path, "open for read-back"))?;
-    // (name, offset, length, padded, expected blake3 hex)
-    let mut regions: Vec<(&str, u64, u64, u64, &str)> = Vec::new();
-    for (t, rec) in header.tensors.iter().zip(&manifest.tensors) {
-        regions.push((
-            &t.name,
-            t.offset,
-            t.length,
-            align_up(t.length).expect("validated"),
-            &rec.blake3,
-        ));
-    }
-    for (e, rec) in header.experts.iter().zip(&manifest.experts) {
-        regions.push((&e.prefix, e.offset, e.length, e.padded_length, &rec.blake3));
-    }
-    let total: u64 = regions.iter().map(|r| r.3).sum();
-    let bar = bytes_bar(total, "verify");
-    // The read-back waits on the device far more than it hashes (BLAKE3 runs at several GB/s
-    // per core): keep several reads in flight, whatever the core count.
-    let readers = rayon::ThreadPoolBuilder::new()
-        .num_threads(READ_BACK_DEPTH.max(rayon::current_num_threads()))
-        .thread_name(|i| format!("tarfa-readback-{i}"))
-        .build()
-        .map_err(|e| {
-            ConvertError::io(&jnf_path, "start read-back threads")(std::io::Error::other(e))
-        })?;
-    readers.install(|| {
-        regions
-            .par_iter()
-            .try_for_each(|&(name, offset, length, padded, expected)| {
-                if interrupted() {
-                    return Err(ConvertError::Interrupted);
-                }
-                let mut buf = AlignedBuf::new(padded as usize);
-                crate::aligned::read_at(&file, &mut buf, offset)
-                    .map_err(ConvertError::io(&jnf_path, "read back"))?;
-                let fail = |what| ConvertError::Verify {
-                    path: jnf_path.clone(),
-                    name: name.into(),
-                    what,
-                };
-                if blake3::hash(&buf[..length as usize]).to_hex().as_str() != expected {
-                    return Err(fail("BLAKE3 differs"));
-                }
-                if buf[length as usize..].iter().any(|&b| b != 0) {
-                    return Err(fail("padding is not zero"));
-                }
-                bar.inc(padded);
-                Ok(())
-            })
-    })?;
-    bar.finish_and_clear();
     for f in &manifest.files {
         let path = dir.join(&f.name);
         let bytes = fs::read(&path).map_err(ConvertError::io(&path, "read back"))?;
@@ -552,5 +897,5 @@ fn verify_written(dir: &Path, manifest: &Manifest) -> Result<ReadMode, ConvertEr
             });
         }
     }
-    Ok(mode)
+    Ok(())
 }

@@ -1,7 +1,7 @@
 //! A Hugging Face checkpoint, as `tarfa-checkpoint` validated it, into a bundle.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, SourceRef, TensorEntry, TensorSpec};
 use tarfa_checkpoint::{Checkpoint, ExpertMatrix};
@@ -43,7 +43,25 @@ pub fn convert(
     out: &Path,
     opts: &ConvertOptions,
 ) -> Result<WriteSummary, ConvertError> {
+    // Opening may read whole shards (a Hub blob is hashed against its name): a shard whose
+    // status changed after this instant may have changed while it was read.
+    let began = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     let ckpt = tarfa_checkpoint::open(src)?;
+    // What each shard is, to notice a change by the end.
+    let mut opened = Vec::with_capacity(ckpt.shards.len());
+    for shard in &ckpt.shards {
+        let stat = ShardStat::of(&shard.path)?;
+        if stat.ctime >= (began.as_secs() as i64, began.subsec_nanos() as i64) {
+            return Err(ConvertError::SourceChanged {
+                path: ckpt.root.join(&shard.name),
+                what: "it changed while the checkpoint was being opened".into(),
+            });
+        }
+        opened.push(stat);
+    }
+    crate::target::check_not_overlapping(src, out)?;
     // Before anything is written: a checkpoint the runtime would refuse is refused now.
     crate::family::check(&ckpt)?;
     let header = plan(&ckpt)?;
@@ -68,7 +86,10 @@ pub fn convert(
         source,
         converter: converter_id(),
     };
-    let src = CheckpointSource { ckpt: &ckpt };
+    let src = CheckpointSource {
+        ckpt: &ckpt,
+        opened,
+    };
     write_bundle(out, opts.force, spec, &src)
 }
 
@@ -113,6 +134,50 @@ fn plan(ckpt: &Checkpoint) -> Result<jnf_format::Header, ConvertError> {
 /// bundle is verified from disk, so a concurrent change cannot slip through unnoticed.
 struct CheckpointSource<'a> {
     ckpt: &'a Checkpoint,
+    /// Each shard's identity and times when the conversion began, same order as the shards.
+    opened: Vec<ShardStat>,
+}
+
+/// What changes when a file is written or replaced: the inode, the size, and the times (ctime
+/// cannot be set back by the writer, so a change that restores mtime is still seen).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ShardStat {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl ShardStat {
+    fn of(path: &Path) -> Result<ShardStat, ConvertError> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).map_err(ConvertError::io(path, "stat source shard"))?;
+        Ok(ShardStat {
+            path: path.to_path_buf(),
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+
+    /// How `now` differs from `self`, if it does.
+    fn change(&self, now: &ShardStat) -> Option<String> {
+        if (self.dev, self.ino) != (now.dev, now.ino) {
+            Some("the file was replaced".into())
+        } else if self.size != now.size {
+            Some(format!("size {} is now {}", self.size, now.size))
+        } else if self.mtime != now.mtime {
+            Some("its modification time changed".into())
+        } else if self.ctime != now.ctime {
+            Some("its status-change time changed".into())
+        } else {
+            None
+        }
+    }
 }
 
 impl CheckpointSource<'_> {
@@ -140,6 +205,19 @@ impl RegionSource for CheckpointSource<'_> {
 
     fn shard_size(&self, i: usize) -> u64 {
         self.ckpt.shards[i].size
+    }
+
+    fn check_unchanged(&self) -> Result<(), ConvertError> {
+        for (shard, before) in self.ckpt.shards.iter().zip(&self.opened) {
+            let now = ShardStat::of(&before.path)?;
+            if let Some(what) = before.change(&now) {
+                return Err(ConvertError::SourceChanged {
+                    path: self.ckpt.root.join(&shard.name),
+                    what,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn hash_shard(&self, i: usize) -> Result<ShardRecord, ConvertError> {

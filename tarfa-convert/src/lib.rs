@@ -15,6 +15,7 @@ mod error;
 mod family;
 pub mod progress;
 pub mod synth;
+pub mod target;
 
 pub use bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
 pub use convert::{convert, ConvertOptions};

@@ -10,9 +10,15 @@ use tarfa_convert::{convert, ConvertError, ConvertOptions, WriteSummary};
 const EXIT_CODES: &str = "\
 Exit codes:
   0  success
-  1  verification failure (bytes read back from disk differ from what was written)
-  2  bad input or usage (the checkpoint fails a check, the target exists without --force)
-  3  runtime or environment failure (I/O error, no disk space, interrupted)";
+  1  verification failure (bytes read back from disk differ from what was written, or a source
+     shard changed during the conversion)
+  2  bad input or usage (the checkpoint fails a check, the target exists without --force, the
+     target is not a bundle, the target is the source or inside it or holds it)
+  3  runtime or environment failure (I/O error, no disk space, interrupted, another
+     tarfa-convert is writing the same target)
+
+With --json, an error is one JSON object on stdout:
+  {\"error\": {\"kind\": ..., \"message\": ..., \"path\": ...}, \"exit_code\": N}";
 
 /// Convert a Hugging Face BF16 Mixture-of-Experts checkpoint into a verified JNF bundle.
 ///
@@ -36,7 +42,9 @@ struct ConvertArgs {
     src: Option<PathBuf>,
     /// The bundle directory to create.
     out: Option<PathBuf>,
-    /// Replace an existing bundle at OUT.
+    /// Replace an existing Tarfa bundle at OUT (a directory whose manifest.toml and model.jnf
+    /// say so), atomically once the new one is verified. Anything else at OUT (a file, a
+    /// directory of other files, a symlink) is refused, never deleted.
     #[arg(long)]
     force: bool,
     #[command(flatten)]
@@ -45,7 +53,9 @@ struct ConvertArgs {
 
 #[derive(Args)]
 struct Common {
-    /// Worker threads for copying and hashing (default: all cores).
+    /// Worker threads for copying and hashing (default, and 0: one per core). At most 4 x the
+    /// cores (at least 64): more only adds memory (a region buffer per thread) and start-up
+    /// time, never speed.
     #[arg(long, global = true)]
     threads: Option<usize>,
     /// Print the result as one JSON object.
@@ -116,23 +126,61 @@ fn main() -> ExitCode {
     let common = match &cli.command {
         Some(Command::Synth(_)) | None => &cli.convert.common,
     };
-    if let Some(n) = common.threads {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global();
-    }
     let json = common.json;
-    let result = match cli.command {
+    let result = set_threads(common.threads).and_then(|()| match cli.command {
         Some(Command::Synth(a)) => run_synth(a, json),
         None => run_convert(cli.convert, json),
-    };
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tarfa-convert: error: {e}");
+            if json {
+                let v = serde_json::json!({
+                    "error": {
+                        "kind": e.kind(),
+                        "message": e.to_string(),
+                        "path": e.path(),
+                    },
+                    "exit_code": e.exit_code(),
+                });
+                println!("{v}");
+            } else {
+                eprintln!("tarfa-convert: error: {e}");
+            }
             ExitCode::from(e.exit_code() as u8)
         }
     }
+}
+
+/// The most worker threads `--threads` accepts: 4 x the cores, and never fewer than 64 (so that
+/// oversubscription stays testable on small machines). More only adds memory (a region buffer
+/// per thread) and start-up time, never speed.
+fn max_threads(cores: usize) -> usize {
+    (4 * cores).max(64)
+}
+
+/// Size the global pool: `None` or 0 is one thread per core; more than [`max_threads`] is
+/// refused.
+fn set_threads(threads: Option<usize>) -> Result<(), ConvertError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cap = max_threads(cores);
+    let n = match threads {
+        None | Some(0) => cores,
+        Some(n) if n > cap => {
+            return Err(ConvertError::Usage(format!(
+                "--threads {n}: at most {cap} (4 x the {cores} cores, at least 64); more threads only cost memory"
+            )))
+        }
+        Some(n) => n,
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| ConvertError::Io {
+            path: PathBuf::from("--threads"),
+            op: "start worker threads",
+            source: std::io::Error::other(e),
+        })
 }
 
 fn run_convert(a: ConvertArgs, json: bool) -> Result<(), ConvertError> {
@@ -150,6 +198,18 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
     for p in &s.removed_stale {
         eprintln!("tarfa-convert: removed stale temporary {}", p.display());
     }
+    const SHOWN: usize = 20;
+    for (name, n) in s.nonfinite.iter().take(SHOWN) {
+        eprintln!(
+            "tarfa-convert: warning: {name}: {n} NaN or infinite elements (carried unchanged)"
+        );
+    }
+    if s.nonfinite.len() > SHOWN {
+        eprintln!(
+            "tarfa-convert: warning: {} more tensors or experts hold NaN or infinite elements (see manifest.toml, nonfinite)",
+            s.nonfinite.len() - SHOWN
+        );
+    }
     let total = s.write_time + s.sync_time + s.verify_time;
     if json {
         let v = serde_json::json!({
@@ -162,6 +222,8 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
             "verify_s": s.verify_time.as_secs_f64(),
             "read_back": format!("{:?}", s.read_mode),
             "removed_stale": s.removed_stale,
+            "nonfinite": s.nonfinite.iter().map(|(name, n)| serde_json::json!({"name": name, "count": n})).collect::<Vec<_>>(),
+            "nonfinite_total": s.nonfinite.iter().map(|(_, n)| n).sum::<u64>(),
         });
         println!("{v}");
     } else {
@@ -172,7 +234,7 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
         }
         println!("root digest {}", s.root_digest);
         println!(
-            "{:.1} MB in {:.2} s (copy+hash {:.2} s, fsync {:.2} s, read-back {:.2} s, {})",
+            "{:.1} MB in {:.2} s (copy+hash with read-back overlapped {:.2} s, fsync {:.2} s, final checks {:.2} s, {})",
             s.data_bytes as f64 / 1e6,
             total.as_secs_f64(),
             s.write_time.as_secs_f64(),
@@ -184,6 +246,54 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
             }
         );
     }
+}
+
+/// The most tensors a synthetic model may have: the tensor list is built in memory (a few
+/// hundred bytes each) before anything is written. qwen3-235b-a22b has about 37 000.
+const SYNTH_MAX_TENSORS: u64 = 1_000_000;
+
+/// Refuse a synthetic shape whose size overflows, whose tensor list would not fit in memory, or
+/// that the output's file system cannot hold, naming the flags that set it.
+fn check_synth_size(shape: &synth::SynthShape, a: &SynthArgs) -> Result<(), ConvertError> {
+    let mut flags: Vec<String> = Vec::new();
+    if let Some(l) = a.layers {
+        flags.push(format!("--layers {l}"));
+    }
+    if let Some(e) = a.experts {
+        flags.push(format!("--experts {e}"));
+    }
+    if let Some(v) = a.vocab {
+        flags.push(format!("--vocab {v}"));
+    }
+    let by = if flags.is_empty() {
+        format!("--shape {}", a.shape)
+    } else {
+        format!("--shape {} with {}", a.shape, flags.join(" "))
+    };
+    let Some((tensors, bytes)) = shape.checked_size() else {
+        return Err(ConvertError::Usage(format!(
+            "{by}: the model's size overflows 64 bits"
+        )));
+    };
+    if tensors > SYNTH_MAX_TENSORS {
+        return Err(ConvertError::Usage(format!(
+            "{by}: {tensors} tensors, more than the {SYNTH_MAX_TENSORS} a synthetic model may have"
+        )));
+    }
+    let dir = tarfa_convert::target::nearest_existing(&a.out);
+    let dir = if dir.as_os_str().is_empty() {
+        std::path::Path::new(".")
+    } else {
+        dir
+    };
+    let have = tarfa_convert::bundle::free_space(dir).map_err(ConvertError::io(dir, "statvfs"))?;
+    if bytes > have {
+        return Err(ConvertError::Usage(format!(
+            "{by}: {bytes} bytes of weights, more than the {have} bytes free at {}",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 fn run_synth(a: SynthArgs, json: bool) -> Result<(), ConvertError> {
@@ -220,6 +330,7 @@ fn run_synth(a: SynthArgs, json: bool) -> Result<(), ConvertError> {
             "layers, experts, vocab and top-k must be positive, top-k <= experts".into(),
         ));
     }
+    check_synth_size(&shape, &a)?;
     if !(0.0..=100.0).contains(&a.skew) {
         return Err(ConvertError::Usage(
             "--skew must be between 0 and 100".into(),

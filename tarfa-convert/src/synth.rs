@@ -325,6 +325,39 @@ impl SynthShape {
         c
     }
 
+    /// (tensor count, total bytes), computed with checked arithmetic before any tensor list is
+    /// built; `None` when either overflows a u64.
+    pub fn checked_size(&self) -> Option<(u64, u64)> {
+        let (h, hd) = (self.hidden, self.head_dim);
+        let mat = |r: u64, c: u64| r.checked_mul(c)?.checked_mul(2);
+        let per_layer_dense = [
+            mat(1, h)?,                                              // input norm
+            mat(self.heads.checked_mul(hd)?, h)?,                    // q
+            mat(self.kv_heads.checked_mul(hd)?, h)?.checked_mul(2)?, // k, v
+            mat(h, self.heads.checked_mul(hd)?)?,                    // o
+            mat(2, hd)?,                  // q/k norm (Qwen; an upper bound for Mixtral)
+            mat(1, h)?,                   // post-attention norm
+            mat(self.experts as u64, h)?, // router
+        ]
+        .iter()
+        .try_fold(0u64, |a, &b| a.checked_add(b))?;
+        let per_expert = mat(self.expert_width, h)?.checked_mul(3)?;
+        let per_layer =
+            per_layer_dense.checked_add(per_expert.checked_mul(self.experts as u64)?)?;
+        let global = mat(self.vocab, h)?
+            .checked_mul(2)?
+            .checked_add(mat(1, h)?)?;
+        let bytes = per_layer
+            .checked_mul(self.layers as u64)?
+            .checked_add(global)?;
+        let tensors = (self.experts as u64)
+            .checked_mul(3)?
+            .checked_add(10)?
+            .checked_mul(self.layers as u64)?
+            .checked_add(3)?;
+        Some((tensors, bytes))
+    }
+
     /// Total bytes of all tensors.
     pub fn total_bytes(&self) -> u64 {
         self.tensors()
@@ -508,6 +541,12 @@ fn write_hub(
         if !opts.force {
             return Err(ConvertError::TargetExists(out.to_path_buf()));
         }
+        if let Some(why) = not_a_hub_checkpoint(out) {
+            return Err(ConvertError::NotABundle {
+                target: out.to_path_buf(),
+                why,
+            });
+        }
         std::fs::remove_dir_all(out).map_err(ConvertError::io(out, "remove"))?;
     }
     std::fs::create_dir_all(out).map_err(ConvertError::io(out, "create directory"))?;
@@ -569,6 +608,37 @@ fn write_hub(
     )?;
     write("config.json", config)?;
     write("generation_config.json", generation)
+}
+
+/// Why `dir` is not something `synth --force` may delete: only a directory of a Hub
+/// checkpoint's files (config.json, model.safetensors.index.json, other *.json and
+/// *.safetensors, nothing else) is.
+fn not_a_hub_checkpoint(dir: &Path) -> Option<&'static str> {
+    let Ok(meta) = std::fs::symlink_metadata(dir) else {
+        return Some("cannot be read");
+    };
+    if !meta.is_dir() {
+        return Some("is not a directory, so not a synthetic checkpoint");
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Some("cannot be listed");
+    };
+    let mut has_config = false;
+    for e in entries {
+        let Ok(e) = e else {
+            return Some("cannot be listed");
+        };
+        let name = e.file_name().to_string_lossy().into_owned();
+        let is_file = e.file_type().is_ok_and(|t| t.is_file());
+        has_config |= name == "config.json";
+        if !is_file || !(name.ends_with(".json") || name.ends_with(".safetensors")) {
+            return Some("holds files other than a checkpoint's .json and .safetensors");
+        }
+    }
+    if !has_config {
+        return Some("has no config.json, so not a checkpoint");
+    }
+    None
 }
 
 struct SynthSource<'a> {

@@ -534,3 +534,79 @@ fn missing_source_directory_is_bad_input() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("nope"));
 }
+
+/// Overwrite elements of tensor `name` in `file` with the given BF16 bit patterns.
+fn poke_bf16(dir: &Path, file: &str, name: &str, values: &[(usize, u16)]) {
+    rewrite_st(dir, file, |b| {
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let h: serde_json::Map<String, Value> = serde_json::from_slice(&b[8..8 + n]).unwrap();
+        let begin = h[name]["data_offsets"][0].as_u64().unwrap() as usize + 8 + n;
+        for &(i, bits) in values {
+            b[begin + 2 * i..begin + 2 * i + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    });
+}
+
+#[test]
+fn nan_and_inf_are_counted_per_tensor_and_expert_and_reported() {
+    const NORM: &str = "model.norm.weight";
+    const DOWN: &str = "model.layers.0.mlp.experts.1.down_proj.weight";
+    let c = Case::single(|d| {
+        // Two NaNs (quiet, and negative signalling) and one +Inf in the final norm.
+        poke_bf16(d, ST, NORM, &[(0, 0x7fc0), (3, 0xff81), (7, 0x7f80)]);
+        // One -Inf in an expert; 0x7f7f (the largest finite BF16) is not counted.
+        poke_bf16(d, ST, DOWN, &[(5, 0xff80), (6, 0x7f7f)]);
+    });
+    let o = Command::new(BIN)
+        .arg(c.src())
+        .arg(c.out())
+        .arg("--json")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["nonfinite_total"], 4, "{v}");
+    assert_eq!(v["nonfinite"][0]["name"], NORM, "{v}");
+    assert_eq!(v["nonfinite"][0]["count"], 3, "{v}");
+    assert_eq!(
+        v["nonfinite"][1]["name"], "model.layers.0.mlp.experts.1",
+        "{v}"
+    );
+    assert_eq!(v["nonfinite"][1]["count"], 1, "{v}");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(warnings.len(), 2, "{err}");
+    assert!(
+        warnings[0].contains(NORM) && warnings[0].contains("3 NaN or infinite"),
+        "{err}"
+    );
+    let m = tarfa_manifest::Manifest::load(&c.out().join("manifest.toml")).unwrap();
+    assert_eq!(m.tensor(NORM).unwrap().nonfinite, 3);
+    assert_eq!(m.tensor("model.embed_tokens.weight").unwrap().nonfinite, 0);
+    let e = |i: u32| {
+        m.experts
+            .iter()
+            .find(|e| e.layer == 0 && e.expert == i)
+            .unwrap()
+    };
+    assert_eq!(e(1).nonfinite, 1);
+    assert_eq!(e(0).nonfinite, 0);
+    // The bytes are carried unchanged.
+    let jnf = fs::read(c.out().join("model.jnf")).unwrap();
+    let src = fs::read(c.src().join(ST)).unwrap();
+    let needle = [0xc0, 0x7f];
+    assert!(src.windows(2).any(|w| w == needle) && jnf.windows(2).any(|w| w == needle));
+}
+
+#[test]
+fn many_tiny_tensors_that_would_inflate_on_disk_are_refused() {
+    // 20 000 one-element tensors: 40 KB of weights, each padded to 4 KiB, 82 MB on disk.
+    let c = Case::single(rewrite_tensors(|ts| {
+        for i in 0..20_000 {
+            ts.push(t(&format!("model.extra_{i}.weight"), &[1]));
+        }
+    }));
+    expect_refused(&c, "out", "20");
+    let (_, err) = c.run();
+    assert!(err.contains("tensors smaller than 4 KiB"), "{err}");
+}
