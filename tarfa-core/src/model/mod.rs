@@ -192,7 +192,7 @@ impl Family {
             DenseLayerRule::QwenSparseStep => {
                 let sparse = !mlp_only_layers.contains(&layer)
                     && num_experts > 0
-                    && (layer + 1) % decoder_sparse_step == 0;
+                    && (layer + 1).is_multiple_of(decoder_sparse_step);
                 if sparse {
                     MlpKind::Moe
                 } else {
