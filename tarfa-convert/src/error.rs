@@ -4,6 +4,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use tarfa_checkpoint::CheckpointError;
+use tarfa_core::exit;
 use thiserror::Error;
 
 use crate::target::Overlap;
@@ -107,24 +108,26 @@ impl ConvertError {
             | ConvertError::Io { source, .. }
                 if matches!(source.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) =>
             {
-                2
+                exit::BAD_INPUT
             }
-            ConvertError::Checkpoint(CheckpointError::Io { .. }) => 3,
-            ConvertError::Checkpoint(_) => 2,
+            ConvertError::Checkpoint(CheckpointError::Io { .. }) => exit::ENVIRONMENT,
+            ConvertError::Checkpoint(_) => exit::BAD_INPUT,
             ConvertError::TargetExists(_)
             | ConvertError::NotABundle { .. }
             | ConvertError::TargetOverlapsSource { .. }
             | ConvertError::PaddingBlowup { .. }
             | ConvertError::Usage(_)
-            | ConvertError::Layout(_) => 2,
+            | ConvertError::Layout(_) => exit::BAD_INPUT,
             ConvertError::Config { .. }
             | ConvertError::Shape { .. }
-            | ConvertError::Tokenizer { .. } => 2,
-            ConvertError::Verify { .. } | ConvertError::SourceChanged { .. } => 1,
+            | ConvertError::Tokenizer { .. } => exit::BAD_INPUT,
+            ConvertError::Verify { .. } | ConvertError::SourceChanged { .. } => {
+                exit::VERIFICATION_FAILED
+            }
             ConvertError::NoSpace { .. }
             | ConvertError::TargetBusy { .. }
             | ConvertError::Io { .. }
-            | ConvertError::Interrupted => 3,
+            | ConvertError::Interrupted => exit::ENVIRONMENT,
         }
     }
 

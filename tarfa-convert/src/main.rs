@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use tarfa_convert::synth::{self, OutputFormat, SynthOptions};
 use tarfa_convert::{convert, ConvertError, ConvertOptions, WriteSummary};
+use tarfa_core::exit;
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -117,9 +118,20 @@ struct SynthArgs {
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
+        // --help and --version are "errors" printed to stdout, exit 0.
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::from(exit::SUCCESS as u8);
+        }
+        // A usage error is reported like every other error, so that a --json caller always
+        // gets one JSON object: clap could not parse the flags, so look for --json among the
+        // arguments before a `--`.
+        Err(e) if json_requested(std::env::args_os()) => {
+            return report_error(&ConvertError::Usage(clap_message(&e)), true);
+        }
         Err(e) => {
             let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+            return ExitCode::from(exit::BAD_INPUT as u8);
         }
     };
     tarfa_convert::install_signal_handlers();
@@ -133,23 +145,50 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            if json {
-                let v = serde_json::json!({
-                    "error": {
-                        "kind": e.kind(),
-                        "message": e.to_string(),
-                        "path": e.path(),
-                    },
-                    "exit_code": e.exit_code(),
-                });
-                println!("{v}");
-            } else {
-                eprintln!("tarfa-convert: error: {e}");
-            }
-            ExitCode::from(e.exit_code() as u8)
+        Err(e) => report_error(&e, json),
+    }
+}
+
+/// Prints `e` (one JSON object on stdout under `--json`, one line on stderr otherwise) and
+/// returns its exit code.
+fn report_error(e: &ConvertError, json: bool) -> ExitCode {
+    if json {
+        let v = serde_json::json!({
+            "error": {
+                "kind": e.kind(),
+                "message": e.to_string(),
+                "path": e.path(),
+            },
+            "exit_code": e.exit_code(),
+        });
+        println!("{v}");
+    } else {
+        eprintln!("tarfa-convert: error: {e}");
+    }
+    ExitCode::from(e.exit_code() as u8)
+}
+
+/// Whether `--json` is among the arguments (before a `--`, after which everything is a path).
+fn json_requested(args: impl Iterator<Item = std::ffi::OsString>) -> bool {
+    args.skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a == "--json")
+}
+
+/// clap's message for a usage error on one line, without its `error: ` prefix and without the
+/// usage and `--help` hint that follow it (they are for a terminal).
+fn clap_message(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut parts: Vec<&str> = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.starts_with("Usage:") || line.starts_with("For more information") {
+            break;
+        }
+        if !line.is_empty() {
+            parts.push(line.strip_prefix("error: ").unwrap_or(line));
         }
     }
+    parts.join(" ")
 }
 
 /// The most worker threads `--threads` accepts: 4 x the cores, and never fewer than 64 (so that

@@ -456,6 +456,60 @@ fn json_output_and_usage_errors() {
 }
 
 #[test]
+fn usage_errors_under_json_are_the_same_json_object() {
+    let d = tempfile::tempdir().unwrap();
+    let x = d.path().join("x");
+    // clap's own errors: an unknown flag, a subcommand's missing required flag, a bad value
+    for (args, needle) in [
+        (
+            vec![&"--bogus" as &dyn AsRef<std::ffi::OsStr>, &"--json"],
+            "--bogus",
+        ),
+        (vec![&"synth", &"--json", &x], "--shape"),
+        (
+            vec![
+                &"synth", &"--shape", &"tiny", &"--seed", &"many", &"--json", &x,
+            ],
+            "many",
+        ),
+    ] {
+        let (code, stdout, stderr) = run(&args);
+        assert_eq!(code, 2, "{stdout}{stderr}");
+        assert_eq!(stdout.lines().count(), 1, "one line: {stdout}");
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(v["exit_code"], 2, "{v}");
+        assert_eq!(v["error"]["kind"], "usage", "{v}");
+        assert!(v["error"]["path"].is_null(), "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle) && !msg.contains("Usage:"), "{msg}");
+        assert!(!msg.starts_with("error:") && !msg.contains('\n'), "{msg}");
+        assert!(stderr.is_empty(), "{stderr}");
+    }
+    // the library's usage error (no OUT) has the same shape
+    let (code, stdout, _) = run(&[&fixture("qwen3moe-a"), &"--json"]);
+    assert_eq!(code, 2);
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["error"]["kind"], "usage", "{v}");
+    // without --json (or with it only after `--`, as a path), clap's text on stderr as before
+    for args in [
+        vec![&"--bogus" as &dyn AsRef<std::ffi::OsStr>],
+        vec![&"--bogus", &"--", &"--json"],
+    ] {
+        let (code, stdout, stderr) = run(&args);
+        assert_eq!(code, 2);
+        assert!(stdout.is_empty(), "{stdout}");
+        assert!(
+            stderr.contains("--bogus") && stderr.contains("Usage:"),
+            "{stderr}"
+        );
+    }
+    // --help is not an error, --json or not
+    let (code, help, _) = run(&[&"--help", &"--json"]);
+    assert_eq!(code, 0);
+    assert!(help.contains("Exit codes"));
+}
+
+#[test]
 fn many_threads_with_nested_parallel_generation() {
     // Regression: the writer's per-thread scratch buffer was borrowed across the generator's
     // nested parallel fill, and rayon running another job on the same thread panicked

@@ -8,7 +8,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::model::{family_by_model_type, Family, Flag, FAMILIES};
+use crate::model::{family_by_model_type, ArchSpec, Family, Flag, MlpKind, FAMILIES};
 
 /// A config.json that cannot be run.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -503,8 +503,8 @@ impl MoeConfig {
             eos_token_ids,
         };
         // A family with dense layers needs their width whenever one is dense.
-        let spec = crate::model::ArchSpec::new(&cfg);
-        if spec.layers.contains(&crate::model::MlpKind::Dense) && cfg.dense_width.is_none() {
+        let spec = ArchSpec::new(&cfg);
+        if spec.layers.contains(&MlpKind::Dense) && cfg.dense_width.is_none() {
             return Err(ConfigError::Missing {
                 key: "intermediate_size",
             });
@@ -525,6 +525,36 @@ impl MoeConfig {
             .filter(|&&id| id < self.vocab_size as u64)
             .map(|&id| id as u32)
             .collect()
+    }
+}
+
+// ArchSpec is declared in `model` (with the families it resolves), but its constructor needs a
+// parsed config, so it lives here: `config` imports `model`, and `model` imports nothing of
+// `config`, which keeps the arrow between the two modules pointing one way.
+impl ArchSpec {
+    /// Resolves `cfg.family` against `cfg`.
+    pub fn new(cfg: &MoeConfig) -> ArchSpec {
+        let family = cfg.family;
+        let layers = (0..cfg.num_layers)
+            .map(|l| {
+                family.layer_kind(
+                    l,
+                    cfg.num_experts,
+                    cfg.decoder_sparse_step,
+                    &cfg.mlp_only_layers,
+                )
+            })
+            .collect();
+        ArchSpec {
+            family,
+            layers,
+            renormalize_topk: cfg.renormalize_topk,
+            qkv_bias: cfg.qkv_bias,
+            o_bias: cfg.o_bias,
+            qk_norm: family.qk_norm,
+            shared_expert: family.shared_expert.is_some(),
+            names: family.names,
+        }
     }
 }
 
@@ -781,8 +811,8 @@ mod tests {
         let v = with(base(), "mlp_only_layers", serde_json::json!([0]));
         let v = with(v, "decoder_sparse_step", 2.into());
         let c = parse(&v).unwrap();
-        let spec = crate::model::ArchSpec::new(&c);
-        use crate::model::MlpKind::{Dense, Moe};
+        let spec = ArchSpec::new(&c);
+        use MlpKind::{Dense, Moe};
         // layer 0: mlp_only; 1: (1+1)%2==0 -> MoE; 2: 3%2 != 0 -> dense; 3: MoE
         assert_eq!(spec.layers, vec![Dense, Moe, Dense, Moe]);
         assert_eq!(spec.moe_index(3), Some(1));

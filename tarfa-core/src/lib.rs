@@ -17,6 +17,8 @@
 //! - [`resident`]: the non-expert weights as every backend loads them.
 //! - [`step`]: what a forward step takes and returns, the same types for every backend.
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
+//! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
+//!   errors onto them.
 //!
 //! This crate must never depend on a backend, a bundle reader or a CLI (they depend on it), do
 //! I/O beyond parsing what it is handed (the safetensors loader reads the files it is pointed
@@ -25,6 +27,7 @@
 //! and never a default.
 
 pub mod config;
+pub mod exit;
 pub mod generate;
 pub mod model;
 pub mod numerics;
@@ -100,4 +103,24 @@ pub enum RunError {
     /// A weight source broke its contract (a bug in the source).
     #[error("weight source error: {0}")]
     SourceContract(String),
+}
+
+impl RunError {
+    /// The documented exit code ([`exit`]): a config, RoPE range, token or context the model
+    /// cannot run is bad input; a weight error keeps [`WeightError::exit_code`]'s; a SIMD path
+    /// the CPU lacks, a thread pool that cannot start or a weight source breaking its contract is
+    /// a failure of the environment (or a bug).
+    ///
+    /// [`WeightError::exit_code`]: weights::WeightError::exit_code
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Weights(w) => w.exit_code(),
+            RunError::Config(_) | RunError::Rope(_) => exit::BAD_INPUT,
+            RunError::TokenOutOfRange { .. }
+            | RunError::EmptyStep
+            | RunError::ContextFull { .. } => exit::BAD_INPUT,
+            RunError::Kernel(_) | RunError::ThreadPool(_) => exit::ENVIRONMENT,
+            RunError::SourceContract(_) => exit::ENVIRONMENT,
+        }
+    }
 }

@@ -832,7 +832,7 @@ impl CudaModel {
                     moe_index,
                 } => {
                     let Some(experts) = experts else {
-                        return Err(CudaError::Unsupported(
+                        return Err(CudaError::Internal(
                             "the decode kernels with streamed experts".into(),
                         ));
                     };
@@ -1240,7 +1240,7 @@ impl CudaModel {
             .into());
         }
         if cache.model_id != self.id {
-            return Err(CudaError::Unsupported(
+            return Err(CudaError::Internal(
                 "a KV cache made by another model".into(),
             ));
         }
@@ -1355,7 +1355,9 @@ impl CudaModel {
         steps: usize,
     ) -> Result<Vec<KernelTime>, CudaError> {
         if let Some(why) = self.decode_unsupported() {
-            return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
+            return Err(CudaError::UnsupportedModel(format!(
+                "decode kernels: {why}"
+            )));
         }
         let steps = steps.max(1);
         let pos0 = self.start_steps(cache, first, steps)?;
@@ -1414,7 +1416,9 @@ impl CudaModel {
         per_kind: bool,
     ) -> Result<Vec<(String, f64, f64)>, CudaError> {
         if let Some(why) = self.decode_unsupported() {
-            return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
+            return Err(CudaError::UnsupportedModel(format!(
+                "decode kernels: {why}"
+            )));
         }
         let n = n.max(1);
         self.reserve(cache, n)?;
@@ -1512,7 +1516,9 @@ impl CudaModel {
         n: usize,
     ) -> Result<f64, CudaError> {
         if let Some(why) = self.decode_unsupported() {
-            return Err(CudaError::Unsupported(format!("decode kernels: {why}")));
+            return Err(CudaError::UnsupportedModel(format!(
+                "decode kernels: {why}"
+            )));
         }
         let pos0 = self.start_steps(cache, first, n)?;
         let dc = cache.dec.as_ref().expect("prepared above");

@@ -166,9 +166,10 @@ pub(crate) fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceIn
         return Err(CudaError::NoDevice);
     }
     if ordinal >= count as usize {
-        return Err(CudaError::Unsupported(format!(
-            "device {ordinal} requested, {count} present"
-        )));
+        return Err(CudaError::NoSuchDevice {
+            ordinal,
+            count: count as usize,
+        });
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| driver_err(e, "create the CUDA context"))?;
     let name = ctx
@@ -514,9 +515,9 @@ impl Gpu {
         };
         let f = funcs
             .get(name)
-            .ok_or_else(|| CudaError::Unsupported(format!("kernel {name} is not loaded")))?;
+            .ok_or_else(|| CudaError::Internal(format!("kernel {name} is not loaded")))?;
         if grid.1 > 65535 || grid.2 > 65535 {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::Internal(format!(
                 "kernel {name}: grid {grid:?} exceeds the device's limits"
             )));
         }
@@ -596,7 +597,7 @@ impl Gpu {
         };
         let f = funcs
             .get(l.name)
-            .ok_or_else(|| CudaError::Unsupported(format!("kernel {} is not loaded", l.name)))?;
+            .ok_or_else(|| CudaError::Internal(format!("kernel {} is not loaded", l.name)))?;
         let mut vals: Vec<u64> = l
             .args
             .iter()
@@ -674,7 +675,7 @@ impl Gpu {
         }
         match end {
             Ok(Some(g)) => Ok(GpuGraph::Cuda(g)),
-            Ok(None) => Err(CudaError::Unsupported("the graph capture was empty".into())),
+            Ok(None) => Err(CudaError::Internal("the graph capture was empty".into())),
             Err(e) => Err(driver_err(e, "end the graph capture and instantiate it")),
         }
     }
@@ -763,7 +764,7 @@ impl Gpu {
         }
         let f = funcs
             .get(name)
-            .ok_or_else(|| CudaError::Unsupported(format!("kernel {name} is not loaded")))?;
+            .ok_or_else(|| CudaError::Internal(format!("kernel {name} is not loaded")))?;
         self.bind()?;
         // SAFETY: sets one attribute of a loaded function.
         unsafe {

@@ -23,7 +23,7 @@ use crate::device::{DevBuf, Gpu, PinnedBuf};
 use crate::{CudaError, HotOptions, HotStats};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::weights::ExpertHandle;
-use tarfa_stream::{format_bytes, CachePolicy};
+use tarfa_stream::CachePolicy;
 
 /// (layer, expert id).
 pub(crate) type Key = (usize, usize);
@@ -77,12 +77,10 @@ impl HotTier {
         let slot_bytes = 2 * slot_elems as u64;
         let wanted = opts.budget / slot_bytes;
         if wanted == 0 {
-            return Err(CudaError::Unsupported(format!(
-                "a VRAM budget of {} is smaller than one expert: the minimum is {} ({} bytes)",
-                format_bytes(opts.budget),
-                format_bytes(slot_bytes),
-                slot_bytes
-            )));
+            return Err(CudaError::VramBudgetTooSmall {
+                budget: opts.budget,
+                minimum: slot_bytes,
+            });
         }
         let all = (moe_layers * cfg.num_experts).max(1) as u64;
         let n = wanted.min(all) as usize;
@@ -199,7 +197,7 @@ impl HotTier {
                     .map(|(s, _)| s);
                 let Some(s) = victim else {
                     // plan() sizes groups so that this cannot happen
-                    return Err(CudaError::Unsupported(format!(
+                    return Err(CudaError::Internal(format!(
                         "the hot tier has no slot for expert {} of layer {} ({} slots)",
                         key.1,
                         key.0,

@@ -31,6 +31,7 @@
 
 use std::fmt;
 
+use tarfa_core::exit;
 use tarfa_core::weights::WeightError;
 use tarfa_core::RunError;
 
@@ -93,8 +94,9 @@ impl tarfa_core::Backend for CudaModel {
     }
 }
 
-/// Why the CUDA backend cannot run (or stopped). Every variant but [`CudaError::Run`] is an
-/// environment failure (the CLI's exit code 3); `Run` carries the runtime's own error.
+/// Why the CUDA backend cannot run (or stopped), each variant with its exit code
+/// ([`CudaError::exit_code`]): the machine's or the backend's failures (3), what the user asked
+/// for that the kernels cannot do (2), and [`CudaError::Run`], the runtime's own error.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     /// This build has no CUDA backend.
@@ -127,9 +129,29 @@ pub enum CudaError {
     /// Another driver call failed.
     #[error("a CUDA call failed: {what}: {detail}")]
     Driver { what: String, detail: String },
-    /// The model or request needs something the CUDA backend does not do.
+    /// The model has a shape the CUDA kernels do not implement (an expert count or top-k the
+    /// router kernel cannot hold, a dimension past the kernels' 32-bit indexing, mismatched
+    /// gate and up dtypes, ...): bad input, exit 2. The CPU backend may still run it.
     #[error("not supported by the CUDA backend: {0}")]
-    Unsupported(String),
+    UnsupportedModel(String),
+    /// One forward step was given more tokens than a kernel grid holds (exit 2).
+    #[error("not supported by the CUDA backend: {tokens} tokens in one step (at most {max})")]
+    TooManyTokens { tokens: usize, max: usize },
+    /// The hot tier's budget (`--vram-budget`) holds no expert (exit 2).
+    #[error(
+        "a VRAM budget of {} is smaller than one expert: the minimum is {} ({minimum} bytes)",
+        tarfa_stream::format_bytes(*budget),
+        tarfa_stream::format_bytes(*minimum)
+    )]
+    VramBudgetTooSmall { budget: u64, minimum: u64 },
+    /// The device ordinal asked for is not on this machine (exit 2).
+    #[error("CUDA device {ordinal} requested, {count} present")]
+    NoSuchDevice { ordinal: usize, count: usize },
+    /// An invariant of the backend broke (a kernel that is not loaded, an empty graph capture,
+    /// a hot tier without the slot its plan promised, a KV cache of another model): a bug in
+    /// this crate or its caller, never the user's input (exit 3).
+    #[error("internal error in the CUDA backend (a bug): {0}")]
+    Internal(String),
     /// The runtime's own error (config, weights, tokens, context length).
     #[error(transparent)]
     Run(#[from] RunError),
@@ -142,10 +164,33 @@ impl From<WeightError> for CudaError {
 }
 
 impl CudaError {
-    /// Whether this is a failure of the machine or the GPU (exit code 3) rather than of the
-    /// model or the request ([`CudaError::Run`], mapped like the CPU backend's errors).
+    /// The documented exit code ([`tarfa_core::exit`]): what the user asked for that the kernels
+    /// cannot do is bad input (2); the machine, the GPU, the build or a bug is 3;
+    /// [`CudaError::Run`] keeps the runtime's own code, as on the CPU backend.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CudaError::Run(e) => e.exit_code(),
+            CudaError::UnsupportedModel(_)
+            | CudaError::TooManyTokens { .. }
+            | CudaError::VramBudgetTooSmall { .. }
+            | CudaError::NoSuchDevice { .. } => exit::BAD_INPUT,
+            CudaError::NotCompiled
+            | CudaError::NoDriver
+            | CudaError::NoNvrtc
+            | CudaError::NoDevice
+            | CudaError::Compile { .. }
+            | CudaError::OutOfMemory { .. }
+            | CudaError::KernelFailed { .. }
+            | CudaError::DeviceLost { .. }
+            | CudaError::Driver { .. }
+            | CudaError::Internal(_) => exit::ENVIRONMENT,
+        }
+    }
+
+    /// Whether this is a failure of the machine, the GPU, the build or the backend itself (exit
+    /// code 3) rather than of the model or the request.
     pub fn is_environment(&self) -> bool {
-        !matches!(self, CudaError::Run(_))
+        self.exit_code() == exit::ENVIRONMENT
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -506,5 +551,107 @@ impl fmt::Display for KernelCheck {
                 )
             }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Built with and without the `cuda` feature: the stub's errors map like the real backend's.
+    #[test]
+    fn each_error_has_its_documented_exit_code() {
+        let s = || String::from("x");
+        let user = [
+            CudaError::UnsupportedModel(s()),
+            CudaError::TooManyTokens {
+                tokens: 65_536,
+                max: 65_535,
+            },
+            CudaError::VramBudgetTooSmall {
+                budget: 100,
+                minimum: 256,
+            },
+            CudaError::NoSuchDevice {
+                ordinal: 3,
+                count: 1,
+            },
+            CudaError::Run(RunError::EmptyStep),
+        ];
+        for e in &user {
+            assert_eq!(e.exit_code(), exit::BAD_INPUT, "{e:?}");
+            assert!(!e.is_environment(), "{e:?}");
+        }
+        let machine = [
+            CudaError::NotCompiled,
+            CudaError::NoDriver,
+            CudaError::NoNvrtc,
+            CudaError::NoDevice,
+            CudaError::Compile {
+                file: s(),
+                log: s(),
+            },
+            CudaError::OutOfMemory {
+                what: s(),
+                detail: s(),
+            },
+            CudaError::KernelFailed {
+                what: s(),
+                detail: s(),
+            },
+            CudaError::DeviceLost {
+                what: s(),
+                detail: s(),
+            },
+            CudaError::Driver {
+                what: s(),
+                detail: s(),
+            },
+            CudaError::Internal(s()),
+            CudaError::Run(RunError::ThreadPool(s())),
+        ];
+        for e in &machine {
+            assert_eq!(e.exit_code(), exit::ENVIRONMENT, "{e:?}");
+            assert!(e.is_environment(), "{e:?}");
+        }
+        // a weight error inside keeps the weight error's code (a broken bundle: 1)
+        let broken = CudaError::from(WeightError::MissingTensor(s()));
+        assert_eq!(broken.exit_code(), exit::VERIFICATION_FAILED);
+    }
+
+    #[test]
+    fn user_errors_name_what_to_change() {
+        let e = CudaError::VramBudgetTooSmall {
+            budget: 100,
+            minimum: 1 << 20,
+        };
+        let m = e.to_string();
+        assert!(
+            m.contains("smaller than one expert") && m.contains("1048576 bytes"),
+            "{m}"
+        );
+        let e = CudaError::NoSuchDevice {
+            ordinal: 3,
+            count: 1,
+        };
+        assert_eq!(e.to_string(), "CUDA device 3 requested, 1 present");
+        let e = CudaError::Internal("the graph capture was empty".into());
+        assert!(e.to_string().contains("a bug"), "{e}");
+    }
+
+    // What a build without the `cuda` feature gets (CI runs it: .ci/run).
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn the_stub_refuses_every_entry_point_as_not_compiled() {
+        use std::sync::Arc;
+        assert!(matches!(probe(0), Err(CudaError::NotCompiled)));
+        let (cfg, src) = synthetic::random_model(&synthetic::SyntheticShape::small("qwen3_moe"), 1);
+        let opts = CudaOptions::default();
+        assert!(matches!(
+            CudaModel::load(cfg, Arc::new(src), &opts),
+            Err(CudaError::NotCompiled)
+        ));
+        assert!(matches!(kernel_checks(&opts), Err(CudaError::NotCompiled)));
+        assert_eq!(CudaError::NotCompiled.exit_code(), exit::ENVIRONMENT);
     }
 }

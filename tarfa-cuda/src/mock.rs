@@ -369,7 +369,7 @@ pub(crate) fn launch(
             )
         };
         if rc != 0 {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::Internal(format!(
                 "the CUDA emulator cannot run kernel {name} (code {rc})"
             )));
         }
@@ -1054,7 +1054,7 @@ pub(crate) fn launch(
             mem.put_f32s(x, &v);
         }
         other => {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::Internal(format!(
                 "the mock device has no kernel {other}"
             )));
         }
@@ -2315,6 +2315,60 @@ mod tests {
                 && msg.contains(&super::super::min_vram_budget(&cfg).to_string()),
             "{msg}"
         );
+        assert!(
+            matches!(err, super::super::CudaError::VramBudgetTooSmall { budget, minimum }
+                if budget == hot.budget && minimum == super::super::min_vram_budget(&cfg)),
+            "{err:?}"
+        );
+        assert_eq!(err.exit_code(), 2);
+    }
+
+    #[test]
+    fn requests_the_kernels_cannot_take_are_bad_input_and_change_nothing() {
+        use super::super::CudaError;
+        use tarfa_core::step::ForwardOptions;
+        // More tokens in one step than a grid dimension holds (the context allows them).
+        let (mut cfg, src) = random_model(&SyntheticShape::small("qwen3_moe"), 23);
+        cfg.max_position_embeddings = 70_000;
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg, Arc::new(src), None).unwrap();
+        let mut cache = gpu.new_cache().unwrap();
+        let err = match gpu.forward(&mut cache, &[1; 65_536], &ForwardOptions::default()) {
+            Ok(_) => panic!("a step of 65,536 tokens ran"),
+            Err(e) => e,
+        };
+        assert!(
+            matches!(
+                err,
+                CudaError::TooManyTokens {
+                    tokens: 65_536,
+                    max: 65_535
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(err.exit_code(), 2);
+        assert_eq!(cache.len(), 0, "the cache is left as it was");
+        // The refusal left the model and its cache usable.
+        assert!(gpu
+            .forward(&mut cache, &[1], &ForwardOptions::default())
+            .is_ok());
+
+        // A hidden size the decode kernels cannot take: profiling them names it.
+        let mut shape = SyntheticShape::small("qwen3_moe");
+        shape.hidden = 100;
+        let (cfg, src) = random_model(&shape, 24);
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg, Arc::new(src), None).unwrap();
+        let mut cache = gpu.new_cache().unwrap();
+        let err = match gpu.profile_decode(&mut cache, 1, 1) {
+            Ok(_) => panic!("profiled decode kernels that cannot run hidden size 100"),
+            Err(e) => e,
+        };
+        assert!(
+            matches!(&err, CudaError::UnsupportedModel(m) if m.contains("hidden size 100")),
+            "{err:?}"
+        );
+        assert_eq!(err.exit_code(), 2);
+        assert_eq!(cache.len(), 0);
     }
 
     #[test]

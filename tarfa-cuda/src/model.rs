@@ -190,12 +190,12 @@ impl CudaModel {
         let spec = ArchSpec::new(&cfg);
         let host = ResidentWeights::load(&cfg, &spec, source.as_ref())?;
         if cfg.hidden_size == 0 || cfg.head_dim == 0 || cfg.num_heads == 0 {
-            return Err(CudaError::Unsupported(
+            return Err(CudaError::UnsupportedModel(
                 "a model with an empty dimension".into(),
             ));
         }
         if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::UnsupportedModel(format!(
                 "{} query heads over {} KV heads",
                 cfg.num_heads, cfg.num_kv_heads
             )));
@@ -271,7 +271,7 @@ impl CudaModel {
                         down: up_mat(&d.down, &format!("{what} down"))?,
                     };
                     if out.gate.dtype != out.up.dtype {
-                        return Err(CudaError::Unsupported(format!(
+                        return Err(CudaError::UnsupportedModel(format!(
                             "{what}: gate and up matrices of different dtypes"
                         )));
                     }
@@ -402,7 +402,7 @@ impl CudaModel {
     ) -> Result<ForwardOutput, CudaError> {
         let cfg = &self.cfg;
         if cache.model_id != self.id {
-            return Err(CudaError::Unsupported(
+            return Err(CudaError::Internal(
                 "a KV cache made by another model".into(),
             ));
         }
@@ -426,10 +426,12 @@ impl CudaModel {
             }
             .into());
         }
+        // The tokens of a step are a grid dimension of the kernels (at most 65,535 blocks).
         if t_count > 65535 {
-            return Err(CudaError::Unsupported(format!(
-                "{t_count} tokens in one step (at most 65,535)"
-            )));
+            return Err(CudaError::TooManyTokens {
+                tokens: t_count,
+                max: 65535,
+            });
         }
         if t_count == 1
             && cache.mode != DecodeMode::Legacy
@@ -844,7 +846,7 @@ impl CudaModel {
             cfg.num_experts,
         );
         let (Some(hot), Some(source)) = (&self.hot, &self.stream_source) else {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::Internal(format!(
                 "layer {l} has neither resident experts nor a hot tier"
             )));
         };
@@ -857,7 +859,7 @@ impl CudaModel {
         need.sort_unstable();
         need.dedup();
         if let Some(&bad) = need.iter().find(|&&e| e >= e_count) {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::Internal(format!(
                 "layer {l}: the router chose expert {bad} of {e_count}"
             )));
         }
@@ -890,7 +892,7 @@ impl CudaModel {
             .filter(|&x| hot.slot((l, x)).is_some())
             .collect();
         if hits.len() + misses != need.len() {
-            return Err(CudaError::Unsupported(format!(
+            return Err(CudaError::Internal(format!(
                 "layer {l}: the warm tier's batches do not cover the missing experts"
             )));
         }
@@ -917,7 +919,7 @@ impl CudaModel {
                 let handles = source.expert_data(l, b)?;
                 hot.stats.fetch_wait_ns += t0.elapsed().as_nanos() as u64;
                 if handles.len() != b.len() {
-                    return Err(CudaError::Unsupported(format!(
+                    return Err(CudaError::Internal(format!(
                         "layer {l}: asked for {} experts, got {}",
                         b.len(),
                         handles.len()
@@ -961,7 +963,7 @@ impl CudaModel {
             map.fill(-1);
             for &x in g {
                 let slot = hot.slot((l, x)).ok_or_else(|| {
-                    CudaError::Unsupported(format!(
+                    CudaError::Internal(format!(
                         "layer {l}: expert {x} left the hot tier before its group ran"
                     ))
                 })?;

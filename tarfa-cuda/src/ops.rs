@@ -59,7 +59,7 @@ fn blocks(n: usize, per: usize) -> u32 {
 }
 
 fn i32_of(n: usize, what: &str) -> Result<i32, CudaError> {
-    i32::try_from(n).map_err(|_| CudaError::Unsupported(format!("{what} = {n} exceeds 2^31")))
+    i32::try_from(n).map_err(|_| CudaError::UnsupportedModel(format!("{what} = {n} exceeds 2^31")))
 }
 
 /// `out[t][r] = (out[t][r] +) dot(W[r], x[t]) (+ bias[r])` for `tokens` activations.
@@ -264,13 +264,13 @@ pub(crate) fn route_topk(
     out: RouteOut,
 ) -> Result<(), CudaError> {
     if k == 0 || k > experts || k > MAX_TOP_K {
-        return Err(CudaError::Unsupported(format!(
+        return Err(CudaError::UnsupportedModel(format!(
             "top-{k} of {experts} experts (the router kernel takes 1 <= k <= min(E, {MAX_TOP_K}))"
         )));
     }
     let shared = (experts + k) * 4;
     if shared > 40 * 1024 {
-        return Err(CudaError::Unsupported(format!(
+        return Err(CudaError::UnsupportedModel(format!(
             "{experts} experts (the router kernel holds at most about 10,000)"
         )));
     }

@@ -29,6 +29,7 @@ use jnf_format::{Dtype, ExpertExtent, JnfFile, CONTAINER_FILE};
 use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use tarfa_core::exit;
 use tarfa_manifest::hash::to_hex;
 use tarfa_manifest::regular::{open_regular, OpenRegularError};
 use tarfa_manifest::{HeaderRecord, Manifest, MANIFEST_FILE};
@@ -127,8 +128,8 @@ impl BundleError {
     /// The documented exit code: 1 verification failure, 2 bad input, 3 environment.
     pub fn exit_code(&self) -> i32 {
         match self {
-            BundleError::NotABundle { .. } | BundleError::NotARegularFile { .. } => 2,
-            BundleError::Io { .. } => 3,
+            BundleError::NotABundle { .. } | BundleError::NotARegularFile { .. } => exit::BAD_INPUT,
+            BundleError::Io { .. } => exit::ENVIRONMENT,
             BundleError::Manifest { .. }
             | BundleError::Header { .. }
             | BundleError::MissingFile { .. }
@@ -138,7 +139,7 @@ impl BundleError {
             | BundleError::UnexpectedRoot { .. }
             | BundleError::HeaderManifestMismatch { .. }
             | BundleError::FileUnlisted { .. }
-            | BundleError::HashMismatch { .. } => 1,
+            | BundleError::HashMismatch { .. } => exit::VERIFICATION_FAILED,
         }
     }
 }

@@ -51,7 +51,7 @@ use crate::weights::{
     Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, SourceFailure, WeightError,
     WeightSource,
 };
-use tarfa_core::{config, numerics, weights};
+use tarfa_core::{config, exit, numerics, weights};
 
 #[cfg(target_endian = "big")]
 compile_error!("the streaming store views little-endian BF16 bytes in place as u16");
@@ -220,14 +220,16 @@ impl StreamError {
     /// 1 verification failure, 2 bad input or usage, 3 environment.
     pub fn exit_code(&self) -> i32 {
         match self {
-            StreamError::BudgetTooSmall { .. } | StreamError::BadSize { .. } => 2,
-            StreamError::HashMismatch { .. } | StreamError::Truncated { .. } => 1,
+            StreamError::BudgetTooSmall { .. } | StreamError::BadSize { .. } => exit::BAD_INPUT,
+            StreamError::HashMismatch { .. } | StreamError::Truncated { .. } => {
+                exit::VERIFICATION_FAILED
+            }
             StreamError::ResidentTooLarge { .. }
             | StreamError::NoRoomForAnExpert { .. }
             | StreamError::DirectIoUnsupported { .. }
             | StreamError::Io { .. }
             | StreamError::OutOfMemory { .. }
-            | StreamError::BatchTooLarge { .. } => 3,
+            | StreamError::BatchTooLarge { .. } => exit::ENVIRONMENT,
         }
     }
 }

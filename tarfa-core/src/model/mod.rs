@@ -4,14 +4,15 @@
 //! dense, whether top-k is renormalised, ...). The CPU forward (and later the GPU one) reads only
 //! the `ArchSpec`, never a family name.
 //!
-//! This module must never hold weights or compute anything; it only describes.
+//! This module must never hold weights or compute anything; it only describes. It must never
+//! import [`crate::config`] either: the config parser reads the families from here, so the
+//! arrow points from config to model only, and [`ArchSpec::new`] (which needs a parsed config)
+//! is implemented in `config.rs`.
 
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen2_moe;
 pub mod qwen3_moe;
-
-use crate::config::MoeConfig;
 
 /// Every family this build knows, looked up by the config's `model_type`.
 pub const FAMILIES: &[&Family] = &[
@@ -175,6 +176,33 @@ pub struct Family {
     pub names: TensorNames,
 }
 
+impl Family {
+    /// What layer `layer` is under this family's [`DenseLayerRule`], given the config's
+    /// `num_experts`, `decoder_sparse_step` and `mlp_only_layers` (transformers reads both keys;
+    /// `decoder_sparse_step` alone is not enough).
+    pub fn layer_kind(
+        &self,
+        layer: usize,
+        num_experts: usize,
+        decoder_sparse_step: usize,
+        mlp_only_layers: &[usize],
+    ) -> MlpKind {
+        match self.dense_layers {
+            DenseLayerRule::None => MlpKind::Moe,
+            DenseLayerRule::QwenSparseStep => {
+                let sparse = !mlp_only_layers.contains(&layer)
+                    && num_experts > 0
+                    && (layer + 1).is_multiple_of(decoder_sparse_step);
+                if sparse {
+                    MlpKind::Moe
+                } else {
+                    MlpKind::Dense
+                }
+            }
+        }
+    }
+}
+
 /// What a layer's MLP is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MlpKind {
@@ -206,36 +234,6 @@ pub struct ArchSpec {
 }
 
 impl ArchSpec {
-    /// Resolves `cfg.family` against `cfg`.
-    pub fn new(cfg: &MoeConfig) -> ArchSpec {
-        let family = cfg.family;
-        let layers = (0..cfg.num_layers)
-            .map(|l| match family.dense_layers {
-                DenseLayerRule::None => MlpKind::Moe,
-                DenseLayerRule::QwenSparseStep => {
-                    let sparse = !cfg.mlp_only_layers.contains(&l)
-                        && cfg.num_experts > 0
-                        && (l + 1) % cfg.decoder_sparse_step == 0;
-                    if sparse {
-                        MlpKind::Moe
-                    } else {
-                        MlpKind::Dense
-                    }
-                }
-            })
-            .collect();
-        ArchSpec {
-            family,
-            layers,
-            renormalize_topk: cfg.renormalize_topk,
-            qkv_bias: cfg.qkv_bias,
-            o_bias: cfg.o_bias,
-            qk_norm: family.qk_norm,
-            shared_expert: family.shared_expert.is_some(),
-            names: family.names,
-        }
-    }
-
     /// Index of layer `l` among MoE layers (dense layers are not counted), as transformers
     /// numbers its router outputs.
     pub fn moe_index(&self, layer: usize) -> Option<usize> {
@@ -248,5 +246,31 @@ impl ArchSpec {
                 .filter(|k| **k == MlpKind::Moe)
                 .count(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dense_layer_rule_reads_both_keys() {
+        let q = &qwen3_moe::QWEN3_MOE;
+        assert_eq!(q.layer_kind(0, 8, 1, &[]), MlpKind::Moe);
+        assert_eq!(
+            q.layer_kind(0, 8, 1, &[0]),
+            MlpKind::Dense,
+            "mlp_only_layers"
+        );
+        assert_eq!(
+            q.layer_kind(0, 8, 2, &[]),
+            MlpKind::Dense,
+            "(0 + 1) % 2 != 0"
+        );
+        assert_eq!(q.layer_kind(1, 8, 2, &[]), MlpKind::Moe);
+        assert_eq!(q.layer_kind(1, 0, 1, &[]), MlpKind::Dense, "no experts");
+        // Mixtral has no dense layers, whatever the keys say.
+        let m = &mixtral::MIXTRAL;
+        assert_eq!(m.layer_kind(0, 8, 2, &[0]), MlpKind::Moe);
     }
 }

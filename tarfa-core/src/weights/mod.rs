@@ -216,6 +216,25 @@ pub trait SourceFailure: std::error::Error + Send + Sync + 'static {
 }
 
 impl WeightError {
+    /// The documented exit code ([`crate::exit`]). A source's own error keeps its code; weights
+    /// that do not fit their own config come from a broken bundle or checkpoint, which is a
+    /// verification failure; an unreadable file is the environment's.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            WeightError::Source(s) => s.exit_code(),
+            WeightError::Io { .. } => crate::exit::ENVIRONMENT,
+            WeightError::MissingTensor(_)
+            | WeightError::MissingExpert { .. }
+            | WeightError::UnsupportedDtype { .. }
+            | WeightError::ExpertNotBf16 { .. }
+            | WeightError::ShapeMismatch { .. }
+            | WeightError::LengthMismatch { .. }
+            | WeightError::Duplicate(_)
+            | WeightError::Safetensors { .. }
+            | WeightError::NoFiles(_) => crate::exit::VERIFICATION_FAILED,
+        }
+    }
+
     /// The source's own error of type `E`, when this is a [`WeightError::Source`] holding one.
     pub fn source_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
         match self {

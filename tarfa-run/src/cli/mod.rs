@@ -11,8 +11,8 @@ pub mod stream;
 
 use std::path::PathBuf;
 
+use tarfa_core::exit;
 use tarfa_run::bundle::BundleError;
-use tarfa_run::weights::WeightError;
 use tarfa_run::RunError;
 
 /// A command's failure, with its exit code.
@@ -58,42 +58,14 @@ impl CliError {
     /// 0 success; 1 verification failure; 2 bad input or usage; 3 runtime or environment.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CliError::Usage(_) => 2,
-            CliError::Mismatch(_) => 1,
+            CliError::Usage(_) => exit::BAD_INPUT,
+            CliError::Mismatch(_) => exit::VERIFICATION_FAILED,
             CliError::Bundle(e) => e.exit_code(),
-            CliError::Run(e) => run_error_code(e),
-            CliError::Io { .. } | CliError::Environment(_) => 3,
+            CliError::Run(e) => e.exit_code(),
+            CliError::Io { .. } | CliError::Environment(_) => exit::ENVIRONMENT,
             CliError::Convert(e) => e.exit_code(),
             CliError::Stream(e) => e.exit_code(),
         }
-    }
-}
-
-fn run_error_code(e: &RunError) -> i32 {
-    match e {
-        RunError::Weights(w) => weight_error_code(w),
-        RunError::Config(_) | RunError::Rope(_) => 2,
-        RunError::TokenOutOfRange { .. } | RunError::EmptyStep | RunError::ContextFull { .. } => 2,
-        RunError::Kernel(_) | RunError::ThreadPool(_) => 3,
-        RunError::SourceContract(_) => 3,
-    }
-}
-
-fn weight_error_code(e: &WeightError) -> i32 {
-    match e {
-        // The bundle's or the streaming store's own error, with its own exit code.
-        WeightError::Source(s) => s.exit_code(),
-        WeightError::Io { .. } => 3,
-        // A bundle whose verified weights do not fit its own config is a broken bundle.
-        WeightError::MissingTensor(_)
-        | WeightError::MissingExpert { .. }
-        | WeightError::UnsupportedDtype { .. }
-        | WeightError::ExpertNotBf16 { .. }
-        | WeightError::ShapeMismatch { .. }
-        | WeightError::LengthMismatch { .. }
-        | WeightError::Duplicate(_)
-        | WeightError::Safetensors { .. }
-        | WeightError::NoFiles(_) => 1,
     }
 }
 
