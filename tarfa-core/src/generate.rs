@@ -1,10 +1,11 @@
-//! Greedy decoding on any [`Backend`]: prefill the prompt, then one token at a time, always the
-//! largest logit (lowest index among equals). The one decode loop: the CPU and CUDA backends
-//! both run through it.
+//! Greedy decoding: prefill the prompt, then one token at a time, always the largest logit
+//! (lowest index among equals). [`run`] is the one decode loop: [`greedy`] (a backend and its
+//! cache, everything collected), the CLI (text streamed, logits written, the router traced) and
+//! every other caller drive it through a [`Session`] and an [`Observer`].
 //!
 //! This module only sequences forward steps; it must never touch the arithmetic.
 
-use crate::step::{ForwardOptions, ForwardOutput, LogitRows, RouterRecord};
+use crate::step::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
 use crate::Backend;
 
 /// The index of the largest logit, the lowest among equals. NaN never wins (comparisons with NaN
@@ -19,21 +20,211 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// One sequence on one backend: the forward steps the decode loop runs, each appending its
+/// tokens to the sequence's cache.
+pub trait Session {
+    type Error;
+
+    /// [`Backend::forward`] on this sequence's cache.
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, Self::Error>;
+
+    /// [`Backend::greedy_step`] on this sequence's cache: the next token and the step's counters,
+    /// with no logits and no router records.
+    fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), Self::Error>;
+}
+
+/// A backend and one sequence's cache, borrowed: the [`Session`] of [`greedy`].
+pub struct Bound<'a, B: Backend> {
+    pub backend: &'a B,
+    pub cache: &'a mut B::Cache,
+}
+
+impl<B: Backend> Session for Bound<'_, B> {
+    type Error = B::Error;
+
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, B::Error> {
+        self.backend.forward(self.cache, tokens, opts)
+    }
+
+    fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), B::Error> {
+        self.backend.greedy_step(self.cache, token)
+    }
+}
+
+/// Which forward step of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// The prompt, all its tokens in one step.
+    Prefill,
+    /// One generated token fed back.
+    Decode,
+}
+
+/// Whether a run goes on after a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// End the run after this token (an EOS id): no further step is run.
+    Stop,
+}
+
+/// What [`run`] keeps of each generated token's logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// Row j of [`Greedy::step_logits`] is the logits that chose token j.
+    Logits,
+    /// Only the tokens. When the step options ask for nothing else either (no router trace, the
+    /// exact final hidden state), every decode step is [`Session::greedy_step`]: the backend
+    /// chooses the token where it computes it (CUDA on the GPU, no logits copied back).
+    Tokens,
+}
+
+/// What a run's caller sees, step by step: the place to stream text, stop at EOS, write the
+/// router trace, and account for streaming. Every method has a default that does nothing.
+///
+/// The calls come in this order: the prefill's `before_step` and `after_step`; then for each
+/// token j, `token(j, ..)`, and unless it said [`Flow::Stop`] or j was the last, the decode
+/// step's `before_step` and `after_step`.
+pub trait Observer<S: Session + ?Sized> {
+    type Error: From<S::Error>;
+
+    /// Token `j` (0-based among the generated) was chosen.
+    fn token(&mut self, _j: usize, _token: u32) -> Result<Flow, Self::Error> {
+        Ok(Flow::Continue)
+    }
+
+    /// A step of `tokens` tokens is about to run.
+    fn before_step(&mut self, _session: &S, _step: Step, _tokens: usize) {}
+
+    /// A step ran: its counters and router records (empty unless traced; the observer may take
+    /// them). For the prefill, whatever it leaves in `router` stays in [`Greedy::prefill`].
+    fn after_step(
+        &mut self,
+        _session: &S,
+        _step: Step,
+        _tokens: usize,
+        _stats: &StepStats,
+        _router: &mut Vec<RouterRecord>,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// Observes nothing: the run's result is all the caller wants.
+impl<S: Session + ?Sized> Observer<S> for () {
+    type Error = S::Error;
+}
+
 /// What a greedy run produced.
 #[derive(Clone, Debug, Default)]
 pub struct Greedy {
     /// The prefill step's output (logits of every prompt position when asked for).
     pub prefill: ForwardOutput,
-    /// The generated tokens.
+    /// The generated tokens (an EOS that stopped the run included).
     pub tokens: Vec<u32>,
-    /// Row j: the logits that chose `tokens[j]`.
+    /// Row j: the logits that chose `tokens[j]` (empty under [`Keep::Tokens`]).
     pub step_logits: Vec<Vec<f32>>,
-    /// Router records of the decode steps (when traced).
+    /// Router records of the decode steps (when traced; filled by [`greedy`], not by [`run`]).
     pub decode_router: Vec<RouterRecord>,
+    /// Weight bytes the decode steps touched (every matrix applied, experts fetched, embeddings).
+    pub decode_weight_bytes: u64,
 }
 
-/// Greedy decoding of `n_new` tokens after `prompt` (EOS is not treated specially: the caller
-/// decides when to stop). `opts.logits` applies to the prefill step.
+/// The one decode loop: prefill `prompt` with `opts`, then up to `n_new` tokens, each fed back
+/// as a one-token step (`opts` with `LogitRows::Last`) unless it is the last or the observer
+/// stopped the run. EOS is not special here: the observer decides when to stop. The last token
+/// is never fed back, so the run computes `prompt.len() + n_new - 1` positions at most.
+pub fn run<S, O>(
+    session: &mut S,
+    prompt: &[u32],
+    n_new: usize,
+    opts: &ForwardOptions,
+    keep: Keep,
+    observer: &mut O,
+) -> Result<Greedy, O::Error>
+where
+    S: Session + ?Sized,
+    O: Observer<S> + ?Sized,
+{
+    observer.before_step(session, Step::Prefill, prompt.len());
+    let mut prefill = session.forward(prompt, opts)?;
+    observer.after_step(
+        session,
+        Step::Prefill,
+        prompt.len(),
+        &prefill.stats,
+        &mut prefill.router,
+    )?;
+    let mut last = prefill.logits.last().cloned().unwrap_or_default();
+    let mut out = Greedy {
+        prefill,
+        ..Greedy::default()
+    };
+    let step_opts = ForwardOptions {
+        logits: LogitRows::Last,
+        ..*opts
+    };
+    // Nothing but the token is asked for: the backend chooses it and no logits are kept.
+    let token_only =
+        keep == Keep::Tokens && !opts.trace_router && opts.final_hidden == FinalHidden::Exact;
+    let mut chosen: Option<u32> = None;
+    for j in 0..n_new {
+        let next = chosen.take().unwrap_or_else(|| argmax(&last));
+        out.tokens.push(next);
+        if keep == Keep::Logits {
+            out.step_logits.push(std::mem::take(&mut last));
+        }
+        if observer.token(j, next)? == Flow::Stop || j + 1 == n_new {
+            break;
+        }
+        observer.before_step(session, Step::Decode, 1);
+        if token_only {
+            let (t, stats) = session.greedy_step(next)?;
+            observer.after_step(session, Step::Decode, 1, &stats, &mut Vec::new())?;
+            out.decode_weight_bytes += stats.weight_bytes;
+            chosen = Some(t);
+            continue;
+        }
+        let mut step = session.forward(&[next], &step_opts)?;
+        observer.after_step(session, Step::Decode, 1, &step.stats, &mut step.router)?;
+        out.decode_weight_bytes += step.stats.weight_bytes;
+        last = step.logits.into_iter().next().unwrap_or_default();
+    }
+    Ok(out)
+}
+
+/// Collects the decode steps' router records into [`Greedy::decode_router`].
+struct CollectRouter(Vec<RouterRecord>);
+
+impl<S: Session + ?Sized> Observer<S> for CollectRouter {
+    type Error = S::Error;
+
+    fn after_step(
+        &mut self,
+        _session: &S,
+        step: Step,
+        _tokens: usize,
+        _stats: &StepStats,
+        router: &mut Vec<RouterRecord>,
+    ) -> Result<(), S::Error> {
+        if step == Step::Decode {
+            self.0.append(router);
+        }
+        Ok(())
+    }
+}
+
+/// Greedy decoding of `n_new` tokens after `prompt` on `engine` and `cache`, every step's logits
+/// and router records kept (EOS is not treated specially: the caller decides when to stop).
+/// `opts.logits` applies to the prefill step.
 pub fn greedy<B: Backend>(
     engine: &B,
     cache: &mut B::Cache,
@@ -41,31 +232,129 @@ pub fn greedy<B: Backend>(
     n_new: usize,
     opts: &ForwardOptions,
 ) -> Result<Greedy, B::Error> {
-    let prefill = engine.forward(cache, prompt, opts)?;
-    let mut out = Greedy::default();
-    let mut last = prefill.logits.last().cloned().unwrap_or_default();
-    out.prefill = prefill;
-    let step_opts = ForwardOptions {
-        logits: LogitRows::Last,
-        ..*opts
+    let mut session = Bound {
+        backend: engine,
+        cache,
     };
-    for j in 0..n_new {
-        let next = argmax(&last);
-        out.tokens.push(next);
-        out.step_logits.push(std::mem::take(&mut last));
-        if j + 1 == n_new {
-            break;
-        }
-        let step = engine.forward(cache, &[next], &step_opts)?;
-        out.decode_router.extend(step.router);
-        last = step.logits.into_iter().next().unwrap_or_default();
-    }
+    let mut collect = CollectRouter(Vec::new());
+    let mut out = run(
+        &mut session,
+        prompt,
+        n_new,
+        opts,
+        Keep::Logits,
+        &mut collect,
+    )?;
+    out.decode_router = collect.0;
     Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::argmax;
+    use super::*;
+
+    /// A session whose logits after token t put their maximum at (t * 7 + len) % 11, so that
+    /// each step's token depends on the previous one and on the position; it logs every call.
+    struct Fake {
+        len: usize,
+        calls: Vec<String>,
+    }
+
+    fn row(t: u32, len: usize) -> Vec<f32> {
+        let mut r = vec![0.0; 11];
+        r[(t as usize * 7 + len) % 11] = 1.0;
+        r
+    }
+
+    impl Session for Fake {
+        type Error = String;
+        fn forward(&mut self, t: &[u32], o: &ForwardOptions) -> Result<ForwardOutput, String> {
+            self.calls.push(format!("forward {t:?} {:?}", o.logits));
+            let mut logits = Vec::new();
+            for (i, &tok) in t.iter().enumerate() {
+                logits.push(row(tok, self.len + i + 1));
+            }
+            self.len += t.len();
+            if o.logits == LogitRows::Last {
+                logits.drain(..logits.len() - 1);
+            }
+            let router = if o.trace_router {
+                vec![RouterRecord {
+                    layer: 0,
+                    moe_layer: 0,
+                    position: self.len - 1,
+                    experts: vec![],
+                    probs: vec![],
+                    weights: vec![],
+                    kth_prob: 0.0,
+                    next_prob: None,
+                }]
+            } else {
+                vec![]
+            };
+            Ok(ForwardOutput {
+                logits,
+                router,
+                stats: StepStats {
+                    weight_bytes: 10 * t.len() as u64,
+                    experts_fetched: 0,
+                },
+            })
+        }
+        fn greedy_step(&mut self, t: u32) -> Result<(u32, StepStats), String> {
+            self.calls.push(format!("greedy_step {t}"));
+            self.len += 1;
+            let stats = StepStats {
+                weight_bytes: 10,
+                experts_fetched: 0,
+            };
+            Ok((argmax(&row(t, self.len)), stats))
+        }
+    }
+
+    /// Logs the observer calls and stops at `eos`.
+    struct Log {
+        eos: u32,
+        calls: Vec<String>,
+    }
+
+    impl Observer<Fake> for Log {
+        type Error = String;
+        fn token(&mut self, j: usize, t: u32) -> Result<Flow, String> {
+            self.calls.push(format!("token {j} {t}"));
+            Ok(if t == self.eos {
+                Flow::Stop
+            } else {
+                Flow::Continue
+            })
+        }
+        fn before_step(&mut self, s: &Fake, step: Step, n: usize) {
+            self.calls.push(format!("before {step:?} {n} at {}", s.len));
+        }
+        fn after_step(
+            &mut self,
+            s: &Fake,
+            step: Step,
+            n: usize,
+            st: &StepStats,
+            router: &mut Vec<RouterRecord>,
+        ) -> Result<(), String> {
+            self.calls.push(format!(
+                "after {step:?} {n} at {} bytes {} records {}",
+                s.len,
+                st.weight_bytes,
+                router.len()
+            ));
+            Ok(())
+        }
+    }
+
+    fn fake() -> Fake {
+        Fake {
+            len: 0,
+            calls: vec![],
+        }
+    }
 
     #[test]
     fn argmax_takes_the_lowest_index_among_equals() {
@@ -73,5 +362,153 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, 1.0, 0.5]), 1);
         assert_eq!(argmax(&[0.0, -0.0]), 0);
         assert_eq!(argmax(&[-1.0]), 0);
+    }
+
+    #[test]
+    fn the_token_only_path_chooses_the_tokens_the_logits_path_does() {
+        let opts = ForwardOptions::default();
+        let mut a = fake();
+        let with = run(
+            &mut a,
+            &[3, 1],
+            6,
+            &opts,
+            Keep::Logits,
+            &mut Log {
+                eos: 99,
+                calls: vec![],
+            },
+        )
+        .unwrap();
+        let mut b = fake();
+        let without = run(
+            &mut b,
+            &[3, 1],
+            6,
+            &opts,
+            Keep::Tokens,
+            &mut Log {
+                eos: 99,
+                calls: vec![],
+            },
+        )
+        .unwrap();
+        // Position p's token: after token t at length p, (t * 7 + p) % 11.
+        assert_eq!(with.tokens, vec![9, 0, 4, 0, 6, 5]);
+        assert_eq!(without.tokens, with.tokens);
+        assert_eq!(with.step_logits.len(), 6);
+        assert_eq!(with.step_logits[1], row(9, 3));
+        assert!(without.step_logits.is_empty());
+        // Five decode steps (the last token is never fed back), each one step of the session.
+        assert_eq!(
+            a.calls
+                .iter()
+                .filter(|c| c.starts_with("forward ["))
+                .count(),
+            6
+        );
+        assert_eq!(
+            b.calls
+                .iter()
+                .filter(|c| c.starts_with("greedy_step"))
+                .count(),
+            5
+        );
+        assert_eq!(with.decode_weight_bytes, 50);
+        assert_eq!(without.decode_weight_bytes, 50);
+        assert_eq!(with.prefill.stats.weight_bytes, 20);
+    }
+
+    #[test]
+    fn a_trace_or_the_invalid_arm_keeps_the_forward_path() {
+        for opts in [
+            ForwardOptions {
+                trace_router: true,
+                ..Default::default()
+            },
+            ForwardOptions {
+                final_hidden: FinalHidden::InvalidBf16BeforeLmHead,
+                ..Default::default()
+            },
+        ] {
+            let mut s = fake();
+            run(
+                &mut s,
+                &[3],
+                3,
+                &opts,
+                Keep::Tokens,
+                &mut Log {
+                    eos: 99,
+                    calls: vec![],
+                },
+            )
+            .unwrap();
+            assert!(
+                s.calls.iter().all(|c| c.starts_with("forward")),
+                "{:?}",
+                s.calls
+            );
+        }
+    }
+
+    #[test]
+    fn the_observer_sees_each_step_in_order_and_stops_the_run() {
+        let opts = ForwardOptions {
+            logits: LogitRows::All,
+            trace_router: true,
+            ..Default::default()
+        };
+        let mut s = fake();
+        let mut log = Log {
+            eos: 0,
+            calls: vec![],
+        };
+        let g = run(&mut s, &[3, 1], 6, &opts, Keep::Logits, &mut log).unwrap();
+        assert_eq!(g.tokens, vec![9, 0], "stopped at the EOS, which is kept");
+        assert_eq!(g.prefill.logits.len(), 2, "every prompt row");
+        assert_eq!(
+            g.prefill.router.len(),
+            1,
+            "the prefill's records stay in the output"
+        );
+        assert_eq!(
+            log.calls,
+            [
+                "before Prefill 2 at 0",
+                "after Prefill 2 at 2 bytes 20 records 1",
+                "token 0 9",
+                "before Decode 1 at 2",
+                "after Decode 1 at 3 bytes 10 records 1",
+                "token 1 0",
+            ]
+        );
+        assert_eq!(s.calls, ["forward [3, 1] All", "forward [9] Last"]);
+    }
+
+    #[test]
+    fn greedy_collects_the_decode_steps_router_records() {
+        struct B;
+        impl Backend for B {
+            type Cache = Fake;
+            type Error = crate::RunError;
+            fn forward(
+                &self,
+                c: &mut Fake,
+                t: &[u32],
+                o: &ForwardOptions,
+            ) -> Result<ForwardOutput, crate::RunError> {
+                Ok(Session::forward(c, t, o).unwrap())
+            }
+        }
+        let opts = ForwardOptions {
+            trace_router: true,
+            ..Default::default()
+        };
+        let g = greedy(&B, &mut fake(), &[3, 1], 4, &opts).unwrap();
+        assert_eq!(g.tokens, vec![9, 0, 4, 0]);
+        assert_eq!(g.prefill.router.len(), 1);
+        let positions: Vec<usize> = g.decode_router.iter().map(|r| r.position).collect();
+        assert_eq!(positions, vec![2, 3, 4]);
     }
 }

@@ -11,8 +11,13 @@
 //!   without it), kernels from kernels/*.cu compiled at run time by NVRTC.
 //! - [`stream`], [`bundle`]: tarfa-stream, the verified bundle reader and expert streaming.
 //!
+//! - [`cli`]: the `tarfa-run` command's subcommands and their exit codes (public so that
+//!   tarfa-demo runs `generate` as the command does).
+//!
 //! This crate must never compute anything itself: numerics belong to the crates below, and
 //! anything they cannot compute exactly is an error, never a silent approximation.
+
+pub mod cli;
 
 // The crates this one was split into, under their old paths (tarfa_run::cpu, ...), so that the
 // CLI, the tests and the examples keep their imports while the split goes on.

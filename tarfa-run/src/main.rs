@@ -1,13 +1,11 @@
 //! The `tarfa-run` command: a thin shell over the `tarfa_run` library.
 
-mod cli;
-
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use cli::demo::DemoArgs;
-use cli::generate::GenerateArgs;
+use tarfa_run::cli;
+use tarfa_run::cli::generate::GenerateArgs;
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -39,9 +37,6 @@ enum Command {
     /// unnoticed. --preload reads and verifies every expert before the first step.
     #[command(after_help = EXIT_CODES)]
     Generate(GenerateArgs),
-    /// Convert, verify and run the small demo model that ships with Tarfa.
-    #[command(after_help = EXIT_CODES)]
-    Demo(DemoArgs),
     /// Check a GPU backend against the CPU reference, bit for bit, on bundles.
     #[command(after_help = EXIT_CODES)]
     Selftest(cli::selftest::SelftestArgs),
@@ -60,7 +55,6 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Generate(a) => cli::generate::run(&a),
-        Command::Demo(a) => cli::demo::run(&a),
         Command::Selftest(a) => cli::selftest::run(&a),
         Command::IoBench(a) => cli::io_bench::run(&a),
     };

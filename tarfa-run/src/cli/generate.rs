@@ -5,18 +5,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::bundle::BundleSource;
+use crate::config::MoeConfig;
+use crate::cpu::{FinalHidden, ForwardOptions, LogitRows, RouterRecord, StepStats};
+use crate::generate::{self, Flow, Keep, Observer, Step};
+use crate::numerics::Kernel;
+use crate::weights::WeightSource;
 use clap::{ArgGroup, Args, ValueEnum};
 use serde_json::json;
-use tarfa_run::bundle::BundleSource;
-use tarfa_run::config::MoeConfig;
-use tarfa_run::cpu::{FinalHidden, ForwardOptions, LogitRows};
-use tarfa_run::generate::argmax;
-use tarfa_run::numerics::Kernel;
-use tarfa_run::weights::WeightSource;
 
-use super::engine::Engine;
+use tarfa_engine::{Engine, LoadOptions};
+
 use super::output::{write_logits, OutputRules, RouterTrace};
-use super::stream::StreamArgs;
+use super::stream::{StreamArgs, StreamRun};
 use super::{peak_rss_bytes, threads_arg, CliError};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -106,7 +107,7 @@ pub struct GenerateArgs {
 }
 
 fn kernel(k: KernelArg) -> Result<Kernel, CliError> {
-    use tarfa_run::numerics::SimdPath;
+    use crate::numerics::SimdPath;
     let path = match k {
         KernelArg::Auto => return Ok(Kernel::best()),
         KernelArg::Scalar => SimdPath::Scalar,
@@ -173,6 +174,67 @@ impl TextStream {
     }
 }
 
+/// What `generate` does around the decode loop's steps: stream accounting, the router trace,
+/// the text (or token ids) on stdout, and the stop at EOS.
+struct Hooks<'a> {
+    streamed: &'a mut StreamRun,
+    trace: Option<RouterTrace>,
+    text: Option<TextStream>,
+    out: std::io::StdoutLock<'static>,
+    eos: &'a [u32],
+    /// When the prefill step ended (decode time runs from here).
+    prefill_done: Option<Instant>,
+}
+
+impl Observer<Engine> for Hooks<'_> {
+    type Error = CliError;
+
+    fn token(&mut self, j: usize, next: u32) -> Result<Flow, CliError> {
+        let out = &mut self.out;
+        // A closed stdout (a pipe to `head`) ends the stream, not the run.
+        match self.text.as_mut() {
+            Some(ts) => {
+                if let Some(s) = ts.push(next) {
+                    let _ = out.write_all(s.as_bytes()).and_then(|_| out.flush());
+                }
+            }
+            None => {
+                let _ = write!(out, "{}{next}", if j == 0 { "" } else { " " })
+                    .and_then(|_| out.flush());
+            }
+        }
+        Ok(if self.eos.contains(&next) {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        })
+    }
+
+    fn before_step(&mut self, engine: &Engine, step: Step, _tokens: usize) {
+        self.streamed
+            .begin(step == Step::Prefill, engine.hot_stats());
+    }
+
+    fn after_step(
+        &mut self,
+        engine: &Engine,
+        step: Step,
+        tokens: usize,
+        _stats: &StepStats,
+        router: &mut Vec<RouterRecord>,
+    ) -> Result<(), CliError> {
+        self.streamed
+            .end(step == Step::Prefill, tokens, engine.hot_stats());
+        if step == Step::Prefill {
+            self.prefill_done = Some(Instant::now());
+        }
+        if let Some(t) = self.trace.as_mut() {
+            t.records(router)?;
+        }
+        Ok(())
+    }
+}
+
 pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     let log = |s: String| {
         if !a.quiet {
@@ -189,7 +251,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     let cfg_text = String::from_utf8(cfg_bytes).map_err(|_| {
         CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display()))
     })?;
-    let cfg = MoeConfig::from_json_str(&cfg_text).map_err(tarfa_run::RunError::from)?;
+    let cfg = MoeConfig::from_json_str(&cfg_text).map_err(crate::RunError::from)?;
     let eos = if a.ignore_eos {
         Vec::new()
     } else {
@@ -277,7 +339,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     }
 
     let vocab = cfg.vocab_size;
-    let spec = tarfa_run::model::ArchSpec::new(&cfg);
+    let spec = crate::model::ArchSpec::new(&cfg);
     let moe_layers: Vec<usize> = (0..cfg.num_layers)
         .filter(|&l| spec.moe_index(l).is_some())
         .collect();
@@ -306,20 +368,23 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         &log,
     )?;
     let threads = a.threads.unwrap_or(0);
+    let load = LoadOptions {
+        backend: a.backend.into(),
+        threads,
+        kernel: kernel(a.kernel)?,
+        hot: streamed.hot_options(),
+    };
     let mut engine = Engine::load(
-        a.backend,
         cfg,
         streamed.source.clone() as Arc<dyn WeightSource>,
-        threads,
-        kernel(a.kernel)?,
-        streamed.hot_options(),
+        &load,
         &log,
     )?;
     if a.preload {
         streamed.preload()?;
     }
     log(format!("prompt {} tokens", prompt.len()));
-    let mut trace = match &a.router_trace {
+    let trace = match &a.router_trace {
         Some(p) => Some(RouterTrace::create(&rules, p, router_header)?),
         None => None,
     };
@@ -336,82 +401,35 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             FinalHidden::Exact
         },
     };
-    let t0 = Instant::now();
-    streamed.begin(true, engine.hot_stats());
-    let pre = engine.forward(&prompt, &opts)?;
-    streamed.end(true, prompt.len(), engine.hot_stats());
-    let prefill_time = t0.elapsed();
-    if let Some(t) = trace.as_mut() {
-        t.records(&pre.router)?;
-    }
-    let prefill_rows = if a.prefill_logits {
-        Some(pre.logits.clone())
+    // Without --logits-out (or a router trace, or the INVALID arm) a step's logits are only
+    // needed for its greedy token: the engine chooses it (CUDA on the GPU, with no logits copied
+    // back: the decode step's own speed, docs/PERFORMANCE.md "CUDA decode"), and none are kept.
+    let keep = if a.logits_out.is_some() {
+        Keep::Logits
     } else {
-        None
+        Keep::Tokens
     };
-    let mut last = pre.logits.last().cloned().unwrap_or_default();
-
-    let mut text = tokenizer.map(|tok| TextStream {
-        tok,
-        ids: Vec::new(),
-        printed: 0,
-    });
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    let step_opts = ForwardOptions {
-        logits: LogitRows::Last,
-        ..opts
+    let mut hooks = Hooks {
+        streamed: &mut streamed,
+        trace,
+        text: tokenizer.map(|tok| TextStream {
+            tok,
+            ids: Vec::new(),
+            printed: 0,
+        }),
+        out: std::io::stdout().lock(),
+        eos: &eos,
+        prefill_done: None,
     };
-    // Without --logits-out, a router trace or the INVALID arm, a step's logits are only needed
-    // for its greedy token: the engine chooses it (CUDA on the GPU, with no logits copied back:
-    // the decode step's own speed, docs/PERFORMANCE.md "CUDA decode"), and none are kept.
-    let token_only = a.logits_out.is_none() && trace.is_none() && !a.invalid_bf16_before_lm_head;
-    let mut chosen: Option<u32> = None;
-    let mut tokens = Vec::new();
-    let mut step_logits = Vec::new();
-    // Weight bytes the decode steps touched (every matrix applied, experts fetched, embeddings).
-    let mut decode_weight_bytes = 0u64;
-    let t1 = Instant::now();
-    for j in 0..max_new {
-        let next = chosen.take().unwrap_or_else(|| argmax(&last));
-        tokens.push(next);
-        if !token_only {
-            step_logits.push(std::mem::take(&mut last));
-        }
-        // A closed stdout (a pipe to `head`) ends the stream, not the run.
-        match text.as_mut() {
-            Some(ts) => {
-                if let Some(s) = ts.push(next) {
-                    let _ = out.write_all(s.as_bytes()).and_then(|_| out.flush());
-                }
-            }
-            None => {
-                let _ = write!(out, "{}{next}", if j == 0 { "" } else { " " })
-                    .and_then(|_| out.flush());
-            }
-        }
-        if eos.contains(&next) || j + 1 == max_new {
-            break;
-        }
-        streamed.begin(false, engine.hot_stats());
-        if token_only {
-            let (t, stats) = engine.greedy_step(next)?;
-            streamed.end(false, 1, engine.hot_stats());
-            decode_weight_bytes += stats.weight_bytes;
-            chosen = Some(t);
-            continue;
-        }
-        let step = engine.forward(&[next], &step_opts)?;
-        streamed.end(false, 1, engine.hot_stats());
-        decode_weight_bytes += step.stats.weight_bytes;
-        if let Some(t) = trace.as_mut() {
-            t.records(&step.router)?;
-        }
-        last = step.logits.into_iter().next().unwrap_or_default();
-    }
-    let _ = writeln!(out);
+    let t0 = Instant::now();
+    let g = generate::run(&mut engine, &prompt, max_new, &opts, keep, &mut hooks)?;
+    let _ = writeln!(hooks.out);
+    let prefill_done = hooks.prefill_done.unwrap_or(t0);
+    let prefill_time = prefill_done - t0;
+    let decode_time = prefill_done.elapsed();
+    let Hooks { trace, out, .. } = hooks;
     drop(out);
-    let decode_time = t1.elapsed();
+    let tokens = &g.tokens;
 
     if let Some(t) = trace {
         t.finish()?;
@@ -423,9 +441,9 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             source.root_digest(),
             vocab,
             &prompt,
-            &tokens,
-            &step_logits,
-            prefill_rows.as_deref(),
+            tokens,
+            &g.step_logits,
+            a.prefill_logits.then_some(g.prefill.logits.as_slice()),
         )?;
     }
     if let Some(p) = &a.verify_report {
@@ -454,8 +472,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 "decode_ms": decode_time.as_secs_f64() * 1e3,
                 "prefill_tok_s": prefill_tok_s,
                 "decode_tok_s": decode_tok_s,
-                "prefill_weight_bytes": pre.stats.weight_bytes,
-                "decode_weight_bytes_per_token": if decode_steps > 0 { decode_weight_bytes / decode_steps as u64 } else { 0 },
+                "prefill_weight_bytes": g.prefill.stats.weight_bytes,
+                "decode_weight_bytes_per_token": if decode_steps > 0 { g.decode_weight_bytes / decode_steps as u64 } else { 0 },
                 "peak_rss_bytes": peak_rss_bytes(),
                 "stream": streamed.summary(),
             }),

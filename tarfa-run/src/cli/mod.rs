@@ -1,7 +1,6 @@
 //! The `tarfa-run` command's subcommands: argument types, the commands, and the mapping of
 //! every failure to a documented exit code.
 
-pub mod demo;
 pub mod engine;
 pub mod generate;
 pub mod io_bench;
@@ -9,11 +8,11 @@ pub mod output;
 pub mod selftest;
 pub mod stream;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use crate::bundle::BundleError;
+use crate::RunError;
 use tarfa_core::exit;
-use tarfa_run::bundle::BundleError;
-use tarfa_run::RunError;
 
 /// A command's failure, with its exit code.
 #[derive(Debug, thiserror::Error)]
@@ -32,9 +31,6 @@ pub enum CliError {
         op: &'static str,
         source: std::io::Error,
     },
-    /// The demo's conversion step failed.
-    #[error(transparent)]
-    Convert(#[from] tarfa_convert::ConvertError),
     /// Two computations that must agree bit for bit do not (exit 1).
     #[error("{0}")]
     Mismatch(String),
@@ -43,7 +39,7 @@ pub enum CliError {
     Environment(String),
     /// Expert streaming cannot start or go on.
     #[error(transparent)]
-    Stream(#[from] tarfa_run::stream::StreamError),
+    Stream(#[from] crate::stream::StreamError),
 }
 
 impl CliError {
@@ -63,7 +59,6 @@ impl CliError {
             CliError::Bundle(e) => e.exit_code(),
             CliError::Run(e) => e.exit_code(),
             CliError::Io { .. } | CliError::Environment(_) => exit::ENVIRONMENT,
-            CliError::Convert(e) => e.exit_code(),
             CliError::Stream(e) => e.exit_code(),
         }
     }
@@ -94,4 +89,22 @@ pub fn peak_rss_bytes() -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Where Tarfa caches what it derives (the heat ledger, the demo's bundle): `explicit`, else
+/// $TARFA_CACHE_DIR, else $XDG_CACHE_HOME/tarfa, else ~/.cache/tarfa.
+pub fn cache_root(explicit: Option<&Path>) -> PathBuf {
+    if let Some(p) = explicit {
+        return p.to_path_buf();
+    }
+    if let Some(p) = std::env::var_os("TARFA_CACHE_DIR") {
+        return PathBuf::from(p);
+    }
+    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(p).join("tarfa");
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("tarfa")
 }

@@ -18,10 +18,10 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::IntoRawFd;
 use std::path::{Path, PathBuf};
 
+use crate::cpu::RouterRecord;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
-use tarfa_run::cpu::RouterRecord;
 
 use super::CliError;
 

@@ -7,12 +7,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::bundle::BundleSource;
+use crate::config::MoeConfig;
+use crate::cuda::{self, CudaOptions, SelftestOptions};
+use crate::weights::WeightSource;
 use clap::Args;
 use serde_json::json;
-use tarfa_run::bundle::BundleSource;
-use tarfa_run::config::MoeConfig;
-use tarfa_run::cuda::{self, CudaOptions, SelftestOptions};
-use tarfa_run::weights::WeightSource;
 
 use super::generate::BackendArg;
 use super::output::OutputRules;
@@ -82,7 +82,7 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
         let source = Arc::new(BundleSource::open(b, None)?);
         let cfg_text = String::from_utf8(source.read_file("config.json")?)
             .map_err(|_| CliError::Usage(format!("{}: config.json is not UTF-8", b.display())))?;
-        let cfg = MoeConfig::from_json_str(&cfg_text).map_err(tarfa_run::RunError::from)?;
+        let cfg = MoeConfig::from_json_str(&cfg_text).map_err(crate::RunError::from)?;
         let max = cfg
             .max_position_embeddings
             .saturating_sub(a.decode_steps + 1)
@@ -125,7 +125,7 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
         }
         if a.stream_sweep {
             let t = Instant::now();
-            let spec = tarfa_run::model::ArchSpec::new(&cfg);
+            let spec = crate::model::ArchSpec::new(&cfg);
             let moe_layers = (0..cfg.num_layers)
                 .filter(|&l| spec.moe_index(l).is_some())
                 .count() as u64;
@@ -159,7 +159,7 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
                     hot.uploads,
                     warm.warm_hits,
                     warm.requests,
-                    tarfa_run::stream::format_bytes(warm.bytes_read),
+                    crate::stream::format_bytes(warm.bytes_read),
                 );
                 results.push(json!({
                     "bundle": b,

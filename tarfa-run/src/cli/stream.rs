@@ -6,15 +6,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, ValueEnum};
-use serde_json::{json, Value};
-use tarfa_run::bundle::BundleSource;
-use tarfa_run::config::MoeConfig;
-use tarfa_run::cuda::{min_vram_budget, HotOptions, HotStats};
-use tarfa_run::stream::{
+use crate::bundle::BundleSource;
+use crate::config::MoeConfig;
+use crate::cuda::{min_vram_budget, HotOptions, HotStats};
+use crate::stream::{
     format_bytes, mem_available, min_budget, parse_size, CachePolicy, HeatLedger, IoMode,
     ResidentPart, StreamError, StreamOptions, StreamSource, StreamStats, DEFAULT_IO_THREADS,
 };
+use clap::{Args, ValueEnum};
+use serde_json::{json, Value};
 
 use super::{peak_rss_bytes, CliError};
 
@@ -237,7 +237,7 @@ pub fn open(
     let ledger = if a.no_ledger || (ram_budget.is_none() && a.vram_budget.is_none()) {
         None
     } else {
-        let root = super::demo::cache_root(None);
+        let root = super::cache_root(None);
         match HeatLedger::path(&root, bundle.root_digest()) {
             Some(path) => {
                 let got =

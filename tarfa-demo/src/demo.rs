@@ -1,4 +1,4 @@
-//! `tarfa-run demo`: the embedded default. Converts and verifies the small model that ships in
+//! `tarfa-demo`: the embedded default. Converts and verifies the small model that ships in
 //! the repository (a Qwen3-MoE that transformers trained on Python source, with its tokenizer),
 //! then generates from it, showing each step. Needs nothing downloaded.
 
@@ -9,9 +9,33 @@ use std::time::Instant;
 use clap::Args;
 use sha2::{Digest, Sha256};
 use tarfa_run::bundle::BundleSource;
+use tarfa_run::cli::generate::{self, BackendArg, GenerateArgs, KernelArg};
+use tarfa_run::cli::{cache_root, threads_arg, CliError};
 
-use super::generate::{self, BackendArg, GenerateArgs, KernelArg};
-use super::CliError;
+/// The demo's failure: the conversion's, or the runtime command's, each with its own exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error(transparent)]
+    Convert(#[from] tarfa_convert::ConvertError),
+    #[error(transparent)]
+    Cli(#[from] CliError),
+}
+
+impl From<tarfa_run::bundle::BundleError> for DemoError {
+    fn from(e: tarfa_run::bundle::BundleError) -> Self {
+        DemoError::Cli(e.into())
+    }
+}
+
+impl DemoError {
+    /// 0 success; 1 verification failure; 2 bad input or usage; 3 runtime or environment.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DemoError::Convert(e) => e.exit_code(),
+            DemoError::Cli(e) => e.exit_code(),
+        }
+    }
+}
 
 /// Where the demo model lives in a Tarfa checkout, relative to its root.
 const DEMO_MODEL_IN_REPO: &str = "fixtures/oracle/qwen3moe-code";
@@ -46,31 +70,15 @@ pub struct DemoArgs {
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// Worker threads: 1 to 1024, or 0 for one per core (the default).
-    #[arg(long, value_parser = super::threads_arg)]
+    #[arg(long, value_parser = threads_arg)]
     pub threads: Option<usize>,
     /// Write timings and the generated token ids (JSON).
     #[arg(long)]
     pub summary_json: Option<PathBuf>,
 }
 
-pub fn cache_root(explicit: Option<&Path>) -> PathBuf {
-    if let Some(p) = explicit {
-        return p.to_path_buf();
-    }
-    if let Some(p) = std::env::var_os("TARFA_CACHE_DIR") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(p).join("tarfa");
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    home.join(".cache").join("tarfa")
-}
-
 /// The demo model: `DEMO_MODEL_IN_REPO` under the nearest ancestor of `exe`'s directory that
-/// holds it (a checkout's `target/release/tarfa-run`, wherever the checkout now is), else under
+/// holds it (a checkout's `target/release/tarfa-demo`, wherever the checkout now is), else under
 /// the nearest ancestor of `cwd`, else `build_time`. The error says where it looked.
 pub fn find_demo_model(
     exe: Option<&Path>,
@@ -144,7 +152,7 @@ pub fn source_key(dir: &Path) -> Result<String, CliError> {
         .collect())
 }
 
-pub fn run(a: &DemoArgs) -> Result<(), CliError> {
+pub fn run(a: &DemoArgs) -> Result<(), DemoError> {
     let model = match a
         .model
         .clone()
@@ -159,10 +167,10 @@ pub fn run(a: &DemoArgs) -> Result<(), CliError> {
         .map_err(CliError::Usage)?,
     };
     if !model.join("config.json").is_file() {
-        return Err(CliError::Usage(format!(
+        return Err(DemoError::Cli(CliError::Usage(format!(
             "{}: the demo model is not there; pass --model DIR (a Hugging Face checkpoint) or set TARFA_DEMO_MODEL",
             model.display()
-        )));
+        ))));
     }
     // Keyed by the source's bytes: `demo --model B` after `demo` converts B.
     let bundle = cache_root(a.cache_dir.as_deref()).join(format!("demo-{}", source_key(&model)?));
@@ -241,7 +249,7 @@ mod tests {
     fn the_demo_model_is_found_above_the_binary_then_the_cwd_then_at_build_time() {
         let d = tempfile::tempdir().unwrap();
         let checkout = d.path().join("moved-clone");
-        let exe = checkout.join("target/release/tarfa-run");
+        let exe = checkout.join("target/release/tarfa-demo");
         std::fs::create_dir_all(exe.parent().unwrap()).unwrap();
         let elsewhere = d.path().join("elsewhere/deep/dir");
         std::fs::create_dir_all(&elsewhere).unwrap();
