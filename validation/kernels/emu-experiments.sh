@@ -8,5 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 validation/gpu/emu/build.sh "$PWD/target/emu"
-TARFA_CUDA_EMU="$PWD/target/emu/libtarfa_emu.so" cargo test -p tarfa-cuda --lib mock:: -- \
-    every_decode_kernel_version_gives_the_cpus_bits the_second_row_kernels_give_the_cpus_bits
+TARFA_CUDA_EMU="$PWD/target/emu/libtarfa_emu.so" cargo test -p tarfa-cuda --lib -- \
+    mock::tests::every_decode_kernel_version_gives_the_cpus_bits \
+    mock::tests::the_second_row_kernels_give_the_cpus_bits
