@@ -43,6 +43,41 @@ enum Command {
     /// Measure the disk's read bandwidth for whole expert extents at several queue depths.
     #[command(after_help = EXIT_CODES)]
     IoBench(cli::io_bench::IoBenchArgs),
+    /// The demo is its own binary, `tarfa-demo`, so that the runtime does not link the converter;
+    /// this runs the `tarfa-demo` that sits beside this binary, with the same arguments.
+    #[command(hide = true, disable_help_flag = true)]
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
+}
+
+/// Runs `tarfa-demo` from this binary's directory (where cargo and installs put both), or says
+/// how to get it (exit 2): never a silent fallback to another model or path.
+fn run_demo(args: &[std::ffi::OsString]) -> ExitCode {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("tarfa-demo")));
+    match beside {
+        Some(demo) if demo.is_file() => match std::process::Command::new(&demo).args(args).status()
+        {
+            Ok(status) => ExitCode::from(status.code().unwrap_or(3).clamp(0, 255) as u8),
+            Err(e) => {
+                eprintln!(
+                    "tarfa-run: error: {}: cannot run the demo: {e}",
+                    demo.display()
+                );
+                ExitCode::from(3)
+            }
+        },
+        _ => {
+            eprintln!(
+                "tarfa-run: error: the demo is its own binary, tarfa-demo, which is not beside this \
+                 one; run `cargo run --release -p tarfa-demo` (or build the workspace)"
+            );
+            ExitCode::from(2)
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -57,6 +92,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => cli::generate::run(&a),
         Command::Selftest(a) => cli::selftest::run(&a),
         Command::IoBench(a) => cli::io_bench::run(&a),
+        Command::Demo { args } => return run_demo(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -846,3 +846,21 @@ fn a_fifo_as_the_heat_ledger_is_ignored() {
     );
     assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
 }
+
+#[test]
+fn demo_without_tarfa_demo_beside_the_binary_says_how_to_run_it() {
+    // A copy of tarfa-run alone in a directory: `demo` must not run anything else, and must say
+    // where the demo is (exit 2, one line).
+    let dir = tempfile::tempdir().unwrap();
+    let lone = dir.path().join("tarfa-run");
+    std::fs::copy(BIN, &lone).unwrap();
+    let mut c = Command::new(&lone);
+    c.args(["demo", "--max-new-tokens", "4"]);
+    let (code, _out, err) = run_cmd(c, None);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("tarfa-demo") && err.contains("cargo run --release -p tarfa-demo"),
+        "{err}"
+    );
+}
