@@ -2,7 +2,7 @@
 //! interruption, --force, stale temporaries, Hub cache snapshots, and the synthetic generator.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -10,25 +10,8 @@ use sha2::{Digest, Sha256};
 use tarfa_manifest::hash::to_hex;
 use tarfa_manifest::Manifest;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tarfa-convert");
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures/oracle")
-        .join(name)
-}
-
-fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> (i32, String, String) {
-    let o = Command::new(BIN)
-        .args(args.iter().map(|a| a.as_ref()))
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
+mod common;
+use common::{big_source, fixture, run, BIN};
 
 #[test]
 fn converts_the_oracle_checkpoint_byte_for_byte() {
@@ -157,27 +140,6 @@ fn removes_stale_temporaries_and_says_so() {
         "{err}"
     );
     assert!(!stale.exists());
-}
-
-/// A ~190 MB synthetic checkpoint in the Hub layout: big enough to interrupt mid-conversion.
-fn big_source(dir: &Path) -> PathBuf {
-    let src = dir.join("src");
-    let (code, _, err) = run(&[
-        &"synth",
-        &"--shape",
-        &"qwen3-30b-a3b",
-        &"--layers",
-        &"1",
-        &"--experts",
-        &"16",
-        &"--vocab",
-        &"2000",
-        &"--shard-size",
-        &"50000000",
-        &src,
-    ]);
-    assert_eq!(code, 0, "{err}");
-    src
 }
 
 fn wait_for_temporary(dir: &Path) -> bool {

@@ -7,52 +7,13 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tarfa_manifest::Manifest;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tarfa-convert");
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures/oracle")
-        .join(name)
-}
-
-/// Wait for `child`, killing it and failing the test after `limit`.
-fn wait_limited(child: std::process::Child, limit: Duration) -> Output {
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(o) => o.unwrap(),
-        Err(_) => {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("tarfa-convert did not finish within {limit:?}");
-        }
-    }
-}
-
-/// Run the binary with a 120 s limit; (exit code, stdout, stderr).
-fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> (i32, String, String) {
-    let child = Command::new(BIN)
-        .args(args.iter().map(|a| a.as_ref()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let o = wait_limited(child, Duration::from_secs(120));
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
+mod common;
+use common::{big_source, fixture, run, wait_limited, BIN};
 
 /// Every file under `dir` (following no symlinks) with its bytes.
 fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
@@ -270,27 +231,6 @@ fn concurrent_converts_to_one_output_never_both_succeed() {
         assert_eq!(names(d.path()), ["b"], "nothing else left");
         fs::remove_dir_all(&out).unwrap();
     }
-}
-
-/// A ~190 MB synthetic checkpoint in the Hub layout, four shards.
-fn big_source(dir: &Path) -> PathBuf {
-    let src = dir.join("src");
-    let (code, _, err) = run(&[
-        &"synth",
-        &"--shape",
-        &"qwen3-30b-a3b",
-        &"--layers",
-        &"1",
-        &"--experts",
-        &"16",
-        &"--vocab",
-        &"2000",
-        &"--shard-size",
-        &"50000000",
-        &src,
-    ]);
-    assert_eq!(code, 0, "{err}");
-    src
 }
 
 fn wait_for_temporary(dir: &Path) {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use crate::config::MoeConfig;
 use crate::model::ArchSpec;
 use crate::numerics::{bf16_to_f32, MatrixRef};
-use crate::weights::{HostTensor, TensorData, WeightError, WeightSource};
 use crate::shapes::{DenseMlpRules, MlpRules, ModelRules, Need, TensorRule};
+use crate::weights::{HostTensor, TensorData, WeightError, WeightSource};
 
 /// A resident weight matrix `[rows, cols]`.
 #[derive(Clone, Debug)]
