@@ -1,5 +1,5 @@
 // The decode step (one token) as few wide kernels, for batch-1 decode at memory speed
-// (tarfa-run/src/cuda/decode.rs builds the launch list and replays it as one CUDA graph).
+// (tarfa-cuda/src/decode.rs builds the launch list and replays it as one CUDA graph).
 //
 // Every output is still one canonical reduction computed by one warp (or block), in the order
 // common.cuh and the legacy kernels use: these kernels change what is fused into one launch and
@@ -10,16 +10,19 @@
 //   row's, at a row's end) is loaded before the previous row's tree runs;
 // - RMSNorm fused in front of a matrix is recomputed by every block, from the same inputs with
 //   the same operations, so every block holds the same bits the rmsnorm kernel would write;
-// - the router's top-k runs in the last router block to finish (an atomic counter picks that
-//   block; it decides who computes, never what is computed or in which order);
+// - the router's top-k is computed by every block of the experts' kernels from the router's
+//   logits, with the same operations in the same order (route_select), so every block holds the
+//   same choice;
 // - the position and the token come from a DecodeState in device memory, so one captured graph
 //   serves every position; the lm_head kernel's last block writes the greedy token (the lowest
 //   index among equal maxima, NaN never chosen over a number: generate.rs `argmax`) and advances
 //   the state.
 //
-// Programmatic dependent launch: every kernel here first loads only what cannot change during
-// the step (weights; in moe_down_mix also the router's choices, written two kernels back), then
-// grid_dep_wait(), then grid_dep_launch() (common.cuh says why in that order).
+// Programmatic dependent launch: every kernel here calls grid_dep_wait(), then grid_dep_launch()
+// (common.cuh says why in that order); the `e` forms and moe_down_route2f8e first load what
+// cannot change during the step (weights, the residuals' slots), the others load nothing before.
+// (The first versions of these kernels and the rejected experiments are in git history, indexed
+// by validation/kernels/README.md.)
 #include "common.cuh"
 
 // The step's state in device memory: the input token, its position, and the count of tokens the
@@ -78,7 +81,7 @@ __device__ __forceinline__ void fma8(float a[8], const Pack8<W>& w, const float*
 #define DEC_ROUTE_MAX_K 8  // the decode kernels take top-k <= 8 (decode.rs)
 
 // Loads group c0 (chunks c0 .. c0+7) of a row of n elements: thread p's 8 elements of each.
-// FULL (the `f` entry points, TARFA_CUDA_ROWS=v5): n is a multiple of 256 * G, so every chunk
+// FULL (the `f` entry points): n is a multiple of 256 * G, so every chunk
 // of every group exists and the per-chunk guards (a branch and a reconvergence point around
 // each chunk's 8 FMAs) go away; the same loads and FMAs in the same order.
 template <typename W, int G = DEC_GROUP, bool FULL = false>
@@ -148,47 +151,8 @@ __device__ __forceinline__ void stage_input(float* xs, const float* x, int n,
     }
 }
 
-// stage_input's result (the same xs, xn_out and final barrier) with one barrier instead of
-// three: x and norm_w are read together, and every warp computes the sum of squares itself
-// from x (warp_dot_f32, the same dot as stage_input's warp 0), so each thread can write its own
-// normalised elements at once. Used by router2 (TARFA_CUDA_ROUTER=v1 keeps stage_input).
-#define STAGE_REG 8
-__device__ __forceinline__ void stage_input_fast(float* xs, const float* x, int n,
-                                                 const float* __restrict__ norm_w, float eps,
-                                                 float* xn_out) {
-    const int tid = threadIdx.x, nt = blockDim.x;
-    float xr[STAGE_REG], wr[STAGE_REG];
-#pragma unroll
-    for (int c = 0; c < STAGE_REG; c++) {
-        const int i = tid + c * nt;
-        xr[c] = i < n ? x[i] : 0.0f;
-        wr[c] = (norm_w != nullptr && i < n) ? norm_w[i] : 0.0f;
-    }
-    if (norm_w == nullptr) {
-#pragma unroll
-        for (int c = 0; c < STAGE_REG; c++) {
-            if (tid + c * nt < n) xs[tid + c * nt] = xr[c];
-        }
-        for (int i = tid + STAGE_REG * nt; i < n; i += nt) xs[i] = x[i];
-        __syncthreads();
-        return;
-    }
-    const float ss = warp_dot_f32(x, x, n, tid & 31);
-    const float r =
-        __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)n), eps)), 0);
-#pragma unroll
-    for (int c = 0; c < STAGE_REG; c++) {
-        if (tid + c * nt < n) xs[tid + c * nt] = __fmul_rn(wr[c], __fmul_rn(xr[c], r));
-    }
-    for (int i = tid + STAGE_REG * nt; i < n; i += nt) xs[i] = __fmul_rn(norm_w[i], __fmul_rn(x[i], r));
-    __syncthreads();
-    if (xn_out != nullptr && blockIdx.x == 0) {
-        for (int i = tid; i < n; i += nt) xn_out[i] = xs[i];
-    }
-}
-
-// The row kernels' second version (TARFA_CUDA_ROWS=v2: dmv2, lmhead2, router3, gate_up_dec2,
-// moe_down_dec2) stage their input the same way, in two halves around the first weight loads:
+// The row kernels (dmv2, lmhead2, gate_up_dec2, gate_up_route2, moe_down_dec2 and their
+// unguarded and early forms) stage their input the same way, in two halves around the first weight loads:
 // - stage_issue: async 16-byte copies (cp.async, no registers) of x into xs[0..n) and of the
 //   RMSNorm weights into xs[n..2n), issued before any weight load, so these few kilobytes are
 //   not queued behind the kernel's megabytes of weights (the first version loaded x, then
@@ -314,102 +278,8 @@ __device__ __forceinline__ void route_records_warp(const float* pe, const int* s
     if (p == 0) kth[0] = pe[sel[k - 1]];
 }
 
-// route_block's outputs (common.cuh: the same operations in the same order) computed by one
-// warp, with no block-wide barrier: the maximum by shuffles (order-free, NaN ignored); e_i and
-// the canonical sum with thread p holding lanes 8p..8p+7 (warp_tree); then the selection as k + 1
-// rounds of a warp argmax in the order route_block ranks by (larger total_order_key(p) first,
-// the lower id among equals: a strict total order, so every round's winner is unique and the
-// same whichever lane finds it): round r takes the best expert below round r-1's winner, which
-// is route_block's rank r; round k gives `next`. Then the renormalising canonical sum over the
-// selection (warp_tree again) and the slots in ascending id. l: E logits (shared or global),
-// pe: E floats and sel: k ints of shared memory. Every lane of the warp calls it.
-__device__ __forceinline__ void route_warp(const float* l, int e_count, int k, int renorm,
-                                           u32* __restrict__ ids, float* __restrict__ probs,
-                                           float* __restrict__ weights,
-                                           u32* __restrict__ by_id, float* __restrict__ kth,
-                                           float* __restrict__ next, float* pe, int* sel) {
-    const int p = threadIdx.x & 31;
-    float m = f32_bits(0xff800000u);
-    for (int i = p; i < e_count; i += 32) m = fmaxf(m, l[i]);
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TARFA_FULL_MASK, m, off));
-    float a[8];
-    zero8(a);
-    for (int base = 8 * p; base < e_count; base += TARFA_LANES) {
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int i = base + t;
-            if (i < e_count) {
-                const float e = det_exp(__fsub_rn(l[i], m));
-                pe[i] = e;
-                a[t] = __fadd_rn(a[t], e);
-            }
-        }
-    }
-    const float total = __shfl_sync(TARFA_FULL_MASK, warp_tree(a), 0);
-    for (int base = 8 * p; base < e_count; base += TARFA_LANES) {
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int i = base + t;
-            if (i < e_count) pe[i] = __fdiv_rn(pe[i], total);
-        }
-    }
-    __syncwarp();
-
-    // the keys of experts p + 32t (t < 8) in registers; the rest are read from pe
-    int key[8];
-#pragma unroll
-    for (int t = 0; t < 8; t++) {
-        const int i = p + 32 * t;
-        key[t] = i < e_count ? total_order_key(pe[i]) : 0;
-    }
-    const int rounds = e_count > k ? k + 1 : k;
-    int pk = 0, pi = -1;  // the previous round's winner (none before round 0)
-    for (int r = 0; r < rounds; r++) {
-        int bk = 0, bi = 0x7fffffff;  // bi = 0x7fffffff: no candidate yet
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int i = p + 32 * t;
-            const int ki = key[t];
-            const bool below = pi < 0 || ki < pk || (ki == pk && i > pi);
-            if (i < e_count && below && (bi == 0x7fffffff || ki > bk || (ki == bk && i < bi))) {
-                bk = ki;
-                bi = i;
-            }
-        }
-        for (int i = p + 32 * 8; i < e_count; i += 32) {
-            const int ki = total_order_key(pe[i]);
-            const bool below = pi < 0 || ki < pk || (ki == pk && i > pi);
-            if (below && (bi == 0x7fffffff || ki > bk || (ki == bk && i < bi))) {
-                bk = ki;
-                bi = i;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) {
-            const int ok = __shfl_xor_sync(TARFA_FULL_MASK, bk, off);
-            const int oi = __shfl_xor_sync(TARFA_FULL_MASK, bi, off);
-            if (oi != 0x7fffffff && (bi == 0x7fffffff || ok > bk || (ok == bk && oi < bi))) {
-                bk = ok;
-                bi = oi;
-            }
-        }
-        if (p == 0) {
-            if (r < k) {
-                sel[r] = bi;
-            } else {
-                next[0] = pe[bi];
-            }
-        }
-        pk = bk;
-        pi = bi;
-    }
-    if (p == 0 && e_count == k) next[0] = f32_bits(0x7fc00000u);
-    __syncwarp();
-    route_records_warp(pe, sel, k, renorm, ids, probs, weights, by_id, kth);
-}
-
-// route_dec's selection (below), shared with gate_up_route2: the logits into l (shared), the
+// The router's selection, shared by gate_up_route2 and moe_down_route2f8e (route_block's
+// operations in the same order, common.cuh): the logits into l (shared), the
 // probabilities p_i into pe, their total-order keys into key (3 x E floats of shared memory at
 // sm, in that order), and sel[r] = the expert of rank r (r < k); `next` (when not null) gets the
 // probability of rank k (NaN when E = k). Every thread of the 256-thread block calls it; it ends
@@ -480,33 +350,6 @@ __device__ __forceinline__ void route_select(const float* logits, int e_count, i
     __syncthreads();
 }
 
-// The router's softmax and top-k as a kernel of its own (TARFA_CUDA_ROUTER=v3: the router's
-// logits come from a plain dmv2 launch before it): route_block's outputs, bit for bit, for
-// token 0 at the given record pointers, from one block of 256 threads with 4 barriers instead
-// of route_block's ~30 (and of router2's last-block handshake: a threadfence, an atomic and a
-// single warp's k + 1 argmax rounds, ~4 us together on the H200):
-// - every warp computes the maximum of the logits itself (order-free, NaN ignored: fmaxf from
-//   -inf, as block_max_256); thread v computes e_i for i = v, v + 256, ... and accumulates lane v
-//   of the canonical sum; warp 0 runs the tree over the 256 lanes (warp_tree_fast: the pairs of
-//   block_tree_256); p_i = e_i / S and its total-order key by the thread that computed e_i;
-// - the rank of expert i (how many experts come first: a larger key, or an equal key and a lower
-//   id, route_block's strict total order) counted by thread v over all keys, as route_block;
-// - the renormalising sum over the selection in rank order (lane r = +0 + p of rank r, as
-//   route_block's block_sum_256 of sp) by warp 0, and the records as route_block writes them.
-// Dynamic shared memory: 3 * E floats (logits, p, keys).
-extern "C" __global__ void __launch_bounds__(256) route_dec(
-    const float* logits, int e_count, int k, int renorm, u32* __restrict__ ids,
-    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
-    float* __restrict__ kth, float* __restrict__ next) {
-    TARFA_DYN_SMEM(float, sm);
-    __shared__ int sel[DEC_ROUTE_MAX_K];
-    grid_dep_wait();
-    grid_dep_launch();
-    route_select(logits, e_count, k, sm, sel, next);
-    if ((threadIdx.x >> 5) == 0)
-        route_records_warp(sm + e_count, sel, k, renorm, ids, probs, weights, by_id, kth);
-}
-
 // (v1, i1) is the better greedy candidate than (v2, i2): a number beats NaN, a larger number
 // wins, and among equal values (or two NaNs) the lower index.
 __device__ __forceinline__ bool arg_better(float v1, int i1, float v2, int i2) {
@@ -537,25 +380,24 @@ __device__ __forceinline__ bool last_block(u32* counter) {
 //                                       bias1[r - split1], [split2, rows) bias2[r - split2];
 //                                       a null pointer adds nothing)
 //   mode 0: out[r] = y;  mode 1: out[r] = out[r] + y
-// KIND 1 (router): the last block then runs route_block on out[0..rows) (rows = E).
 // KIND 2 (lm_head): no bias; the last block writes the greedy token of out[0..rows) to st->token
 // and tok_log[st->step], then advances st (pos + 1, step + 1).
-// Block 256 threads; dynamic shared memory: max(cols, KIND 1 ? 2 * rows + k : 0) floats.
-// EW (the `e` entry points, TARFA_CUDA_ROWS=v6, for TARFA_CUDA_DECODE=graph-pdl): V == 2 with
-// each warp's first weights loaded before grid_dep_wait, so a block that starts while the
-// previous kernel drains fetches its weights during that kernel's tail; the input is staged
-// after the wait, behind them. The same loads and operations.
-template <typename W, int KIND, int V = 1, int G = DEC_GROUP, bool FULL = false, bool EW = false>
+// The input is staged by stage_issue/stage_finish (issued before the weights, see there) and
+// each row's lanes reduced by warp_tree_fast. Block 256 threads; dynamic shared memory: cols
+// floats, 2 * cols with a norm.
+// G: the chunks of a row in flight per warp (16 for rows wider than 2,048: a whole 4,096-wide
+// row in one round trip). FULL (the `f` entry points): cols is a multiple of 256 * G, so there
+// are no per-chunk guards. EW (the `e` entry points, for steps with programmatic launch): each
+// warp's first weights loaded before grid_dep_wait, so a block that starts while the previous
+// kernel drains fetches its weights during that kernel's tail; the input is staged after the
+// wait, behind them. Every form makes the same loads and operations: the same bits.
+template <typename W, int KIND, int G = DEC_GROUP, bool FULL = false, bool EW = false>
 __device__ __forceinline__ void dmv_body(
     const W* __restrict__ w, int rows, int cols, const float* x, const float* __restrict__ norm_w,
     float eps, const float* __restrict__ bias0, const float* __restrict__ bias1,
     const float* __restrict__ bias2, int split1, int split2, float* out, int mode, float* xn_out,
-    // KIND 1
-    u32* counter, int k, int renorm, u32* __restrict__ ids, float* __restrict__ probs,
-    float* __restrict__ weights, u32* __restrict__ by_id, float* __restrict__ kth,
-    float* __restrict__ next,
     // KIND 2
-    float* __restrict__ part_v, int* __restrict__ part_i, DecodeState* st,
+    u32* counter, float* __restrict__ part_v, int* __restrict__ part_i, DecodeState* st,
     u32* __restrict__ tok_log) {
     TARFA_DYN_SMEM(float, xs);
     __shared__ float red[TARFA_LANES];
@@ -566,37 +408,25 @@ __device__ __forceinline__ void dmv_body(
     int r = blockIdx.x * 8 + warp;
     int c0 = 0;
     Pack8<W> wv[G];
-    const float* xin = xs;
-    if (V == 2) {
-        // the input first, then the weights (stage_issue says why); EW: the weights first
-        if (EW && r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
-        grid_dep_wait();
-        grid_dep_launch();
-        const bool fast = stage_issue(xs, x, cols, norm_w);
-        if (!EW && r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
-        xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
-    } else {
-        if (r < rows) load_group<W>(wv, w + (long)r * cols, 0, cols, p);  // weights: before the wait
-        grid_dep_wait();
-        grid_dep_launch();
-        if (KIND == 3) {
-            stage_input_fast(xs, x, cols, norm_w, eps, xn_out);
-        } else {
-            stage_input(xs, x, cols, norm_w, eps, xn_out);
-        }
-    }
+    // the input first, then the weights (stage_issue says why); EW: the weights first
+    if (EW && r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
+    grid_dep_wait();
+    grid_dep_launch();
+    const bool fast = stage_issue(xs, x, cols, norm_w);
+    if (!EW && r < rows) load_group<W, G, FULL>(wv, w + (long)r * cols, 0, cols, p);
+    const float* xin = stage_finish(xs, x, cols, norm_w, eps, xn_out, fast);
 
     float best_v = f32_bits(0x7fc00000u);
     int best_i = 0x7fffffff;
     float a[8];
     zero8(a);
-    // the row's residual: V == 2 copies it to shared memory with the row's first weights
-    // (cp.async: no register held; one more live register spills at the 64 that 4 blocks per
-    // multiprocessor allow), so the epilogue does not wait for it; nothing else writes out[r]
-    // during the kernel. A bias stays a load in the epilogue.
+    // the row's residual copied to shared memory with the row's first weights (cp.async: no
+    // register held; one more live register spills at the 64 that 4 blocks per multiprocessor
+    // allow), so the epilogue does not wait for it; nothing else writes out[r] during the
+    // kernel. A bias stays a load in the epilogue.
     __shared__ float pre_o[8];
     auto prefetch_epilogue = [&](int rr) {
-        if (V == 2 && KIND != 2 && mode == 1 && p == 0 && rr < rows) async_copy4(pre_o + warp, out + rr);
+        if (KIND != 2 && mode == 1 && p == 0 && rr < rows) async_copy4(pre_o + warp, out + rr);
     };
     prefetch_epilogue(r);
     while (r < rows) {
@@ -608,8 +438,8 @@ __device__ __forceinline__ void dmv_body(
         }
         if (r2 < rows) load_group<W, G, FULL>(wv, w + (long)r2 * cols, c2, cols, p);
         if (c2 == 0) {
-            float y = V == 2 ? warp_tree_fast(a) : warp_tree(a);
-            if (V == 2 && KIND != 2) {
+            float y = warp_tree_fast(a);
+            if (KIND != 2) {
                 if (p == 0) {
                     const float* b = r < split1 ? (bias0 ? bias0 + r : nullptr)
                                    : r < split2 ? (bias1 ? bias1 + (r - split1) : nullptr)
@@ -623,15 +453,9 @@ __device__ __forceinline__ void dmv_body(
                 }
                 prefetch_epilogue(r2);  // after this row's read of pre_o
             } else if (p == 0) {
-                if (KIND != 2) {
-                    const float* b = r < split1 ? (bias0 ? bias0 + r : nullptr)
-                                   : r < split2 ? (bias1 ? bias1 + (r - split1) : nullptr)
-                                                : (bias2 ? bias2 + (r - split2) : nullptr);
-                    if (b != nullptr) y = __fadd_rn(y, *b);
-                }
                 float* o = out + r;
                 *o = (mode == 1) ? __fadd_rn(*o, y) : y;
-                if (KIND == 2 && arg_better(y, r, best_v, best_i)) {
+                if (arg_better(y, r, best_v, best_i)) {
                     best_v = y;
                     best_i = r;
                 }
@@ -642,30 +466,6 @@ __device__ __forceinline__ void dmv_body(
         c0 = c2;
     }
 
-    if (KIND == 1) {
-        if (!last_block(counter)) return;
-        // the last block: every row's logit is written; route (route_topk's body)
-        __shared__ int sel[1024];
-        float* l = xs;              // [rows]
-        float* pe = xs + rows;      // [rows]
-        float* sp = xs + 2 * rows;  // [k]
-        for (int i = threadIdx.x; i < rows; i += blockDim.x) l[i] = __ldcg(out + i);
-        __syncthreads();
-        route_block(l, rows, k, renorm, 0, ids, probs, weights, by_id, kth, next, pe, sp, sel, red);
-        if (threadIdx.x == 0) *counter = 0u;
-    }
-    if (KIND == 3) {
-        if (!last_block(counter)) return;
-        // the last block's first warp routes (route_warp: route_block's bits, no block barrier)
-        if (warp != 0) return;
-        __shared__ int sel3[DEC_ROUTE_MAX_K];
-        float* l = xs;          // [rows]: the other blocks' logits, read from L2
-        float* pe = xs + rows;  // [rows]
-        for (int i = p; i < rows; i += 32) l[i] = __ldcg(out + i);
-        __syncwarp();
-        route_warp(l, rows, k, renorm, ids, probs, weights, by_id, kth, next, pe, sel3);
-        if (p == 0) *counter = 0u;
-    }
     if (KIND == 2) {
         // the block's best, then the grid's in the last block
         if (p == 0) {
@@ -725,110 +525,40 @@ __device__ __forceinline__ void dmv_body(
         const float* __restrict__ norm_w, float eps, const float* __restrict__ bias0,           \
         const float* __restrict__ bias1, const float* __restrict__ bias2, int split1,           \
         int split2, float* out, int mode, float* xn_out
+#define DMV_CALL                                                                                \
+    (w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out, mode, xn_out,     \
+     nullptr, nullptr, nullptr, nullptr, nullptr)
 
-extern "C" __global__ void __launch_bounds__(256, 4) dmv_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out, mode,
-                     xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                     nullptr, nullptr, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) dmv_f32(DMV_ARGS(float)) {
-    dmv_body<float, 0>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
-                       mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                       nullptr, nullptr, nullptr, nullptr, nullptr);
-}
-
-// The second versions (TARFA_CUDA_ROWS=v2): the input staged by stage_issue/stage_finish and
-// the rows' trees by warp_tree_fast; the same outputs, bit for bit. Dynamic shared memory: 2 *
-// cols floats with a norm.
+// The matrix-vector kernels (q|k|v, o_proj, the router's logits, dense and shared-expert down
+// projections). The `w` forms keep 16 chunks of a row in flight (rows wider than 2,048: 128
+// registers, 2 blocks per multiprocessor); `f`: rows of whole groups (cols a multiple of 2,048,
+// or 4,096 for `w`), no guards; `e`: first weights before the wait.
 extern "C" __global__ void __launch_bounds__(256, 4) dmv2_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
-                        mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                        nullptr, nullptr, nullptr, nullptr, nullptr);
+    dmv_body<u16, 0> DMV_CALL;
 }
 
 extern "C" __global__ void __launch_bounds__(256) dmv2_f32(DMV_ARGS(float)) {
-    dmv_body<float, 0, 2>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2, out,
-                          mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                          nullptr, nullptr, nullptr, nullptr, nullptr);
+    dmv_body<float, 0> DMV_CALL;
 }
 
-// dmv2_bf16 and dmv2w_bf16 for rows of whole groups (cols a multiple of 2,048 and 4,096):
-// no per-chunk guards (load_group's FULL; TARFA_CUDA_ROWS=v5). The same outputs, bit for bit.
+extern "C" __global__ void __launch_bounds__(256, 2) dmv2w_bf16(DMV_ARGS(u16)) {
+    dmv_body<u16, 0, 16> DMV_CALL;
+}
+
 extern "C" __global__ void __launch_bounds__(256, 4) dmv2f_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, DEC_GROUP, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
-                                         split1, split2, out, mode, xn_out, nullptr, 0, 0,
-                                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                         nullptr, nullptr, nullptr, nullptr);
+    dmv_body<u16, 0, DEC_GROUP, true> DMV_CALL;
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) dmv2wf_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, 16, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1,
-                                  split2, out, mode, xn_out, nullptr, 0, 0, nullptr, nullptr,
-                                  nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                  nullptr);
+    dmv_body<u16, 0, 16, true> DMV_CALL;
 }
 
-// dmv2f_bf16 and dmv2wf_bf16 with their first weights loaded before the wait (EW above;
-// TARFA_CUDA_ROWS=v6).
 extern "C" __global__ void __launch_bounds__(256, 4) dmv2fe_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, DEC_GROUP, true, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
-                                               split1, split2, out, mode, xn_out, nullptr, 0, 0,
-                                               nullptr, nullptr, nullptr, nullptr, nullptr,
-                                               nullptr, nullptr, nullptr, nullptr, nullptr);
+    dmv_body<u16, 0, DEC_GROUP, true, true> DMV_CALL;
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) dmv2wfe_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, 16, true, true>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2,
-                                        split1, split2, out, mode, xn_out, nullptr, 0, 0, nullptr,
-                                        nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                        nullptr, nullptr, nullptr);
-}
-
-// dmv2_bf16 with 16 chunks (4,096 weights) of a row in flight per warp instead of 8, for rows
-// wider than 2,048 (the o projection's 4,096: a whole row in one round trip instead of two);
-// 128 registers, 2 blocks per multiprocessor. The same operations in the same order: the group
-// size only decides how many of a row's chunks are loaded before the first is used.
-extern "C" __global__ void __launch_bounds__(256, 2) dmv2w_bf16(DMV_ARGS(u16)) {
-    dmv_body<u16, 0, 2, 16>(w, rows, cols, x, norm_w, eps, bias0, bias1, bias2, split1, split2,
-                            out, mode, xn_out, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
-}
-
-#define ROUTER_ARGS(W)                                                                          \
-    const W* __restrict__ w, int rows, int cols, const float* x,                                \
-        const float* __restrict__ norm_w, float eps, float* logits, float* xn_out,              \
-        u32* counter, int k, int renorm, u32* __restrict__ ids, float* __restrict__ probs,      \
-        float* __restrict__ weights, u32* __restrict__ by_id, float* __restrict__ kth,          \
-        float* __restrict__ next
-
-// The router of one token: logits = W_router RMSNorm(x) (block 0 writes RMSNorm(x) to xn_out
-// for the expert kernels), then softmax and top-k in the last block (route_topk's outputs for
-// token 0 at the given record pointers).
-extern "C" __global__ void __launch_bounds__(256) router_bf16(ROUTER_ARGS(u16)) {
-    dmv_body<u16, 1>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
-                     0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth, next, nullptr,
-                     nullptr, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) router_f32(ROUTER_ARGS(float)) {
-    dmv_body<float, 1>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                       logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
-                       next, nullptr, nullptr, nullptr, nullptr);
-}
-
-// router_bf16/_f32 with stage_input_fast and route_warp (the default; TARFA_CUDA_ROUTER=v1
-// selects router_bf16/_f32): the same arguments and outputs, bit for bit. k <= 8.
-extern "C" __global__ void __launch_bounds__(256) router2_bf16(ROUTER_ARGS(u16)) {
-    dmv_body<u16, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
-                     0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth, next, nullptr,
-                     nullptr, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)) {
-    dmv_body<float, 3>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                       logits, 0, xn_out, counter, k, renorm, ids, probs, weights, by_id, kth,
-                       next, nullptr, nullptr, nullptr, nullptr);
+    dmv_body<u16, 0, 16, true, true> DMV_CALL;
 }
 
 #define LMHEAD_ARGS(W)                                                                          \
@@ -836,48 +566,26 @@ extern "C" __global__ void __launch_bounds__(256) router2_f32(ROUTER_ARGS(float)
         const float* __restrict__ norm_w, float eps, float* logits, u32* counter,               \
         float* __restrict__ part_v, int* __restrict__ part_i, DecodeState* st,                  \
         u32* __restrict__ tok_log
+#define LMHEAD_CALL                                                                             \
+    (w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits, 0, nullptr,  \
+     counter, part_v, part_i, st, tok_log)
 
-// logits = W_lm RMSNorm(x), then the greedy token into the state and the token log.
-extern "C" __global__ void __launch_bounds__(256, 4) lmhead_bf16(LMHEAD_ARGS(u16)) {
-    dmv_body<u16, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows, logits,
-                     0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                     nullptr, part_v, part_i, st, tok_log);
-}
-
-extern "C" __global__ void __launch_bounds__(256) lmhead_f32(LMHEAD_ARGS(float)) {
-    dmv_body<float, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                       logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                       nullptr, nullptr, part_v, part_i, st, tok_log);
-}
-
-// lmhead with the second version's staging and trees (TARFA_CUDA_ROWS=v2). Dynamic shared
-// memory: 2 * cols floats.
+// logits = W_lm RMSNorm(x), then the greedy token into the state and the token log (`f`, `e`:
+// as for dmv2).
 extern "C" __global__ void __launch_bounds__(256, 4) lmhead2_bf16(LMHEAD_ARGS(u16)) {
-    dmv_body<u16, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                        logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                        nullptr, nullptr, part_v, part_i, st, tok_log);
+    dmv_body<u16, 2> LMHEAD_CALL;
 }
 
-// lmhead2_bf16 for rows of whole groups (cols a multiple of 2,048; TARFA_CUDA_ROWS=v5).
 extern "C" __global__ void __launch_bounds__(256, 4) lmhead2f_bf16(LMHEAD_ARGS(u16)) {
-    dmv_body<u16, 2, 2, DEC_GROUP, true>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr,
-                                         rows, rows, logits, 0, nullptr, counter, 0, 0, nullptr,
-                                         nullptr, nullptr, nullptr, nullptr, nullptr, part_v,
-                                         part_i, st, tok_log);
+    dmv_body<u16, 2, DEC_GROUP, true> LMHEAD_CALL;
 }
 
-// lmhead2f_bf16 with its first weights loaded before the wait (EW; TARFA_CUDA_ROWS=v6).
 extern "C" __global__ void __launch_bounds__(256, 4) lmhead2fe_bf16(LMHEAD_ARGS(u16)) {
-    dmv_body<u16, 2, 2, DEC_GROUP, true, true>(w, rows, cols, x, norm_w, eps, nullptr, nullptr,
-                                               nullptr, rows, rows, logits, 0, nullptr, counter,
-                                               0, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                               nullptr, part_v, part_i, st, tok_log);
+    dmv_body<u16, 2, DEC_GROUP, true, true> LMHEAD_CALL;
 }
 
 extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)) {
-    dmv_body<float, 2, 2>(w, rows, cols, x, norm_w, eps, nullptr, nullptr, nullptr, rows, rows,
-                          logits, 0, nullptr, counter, 0, 0, nullptr, nullptr, nullptr, nullptr,
-                          nullptr, nullptr, part_v, part_i, st, tok_log);
+    dmv_body<float, 2> LMHEAD_CALL;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -886,11 +594,12 @@ extern "C" __global__ void __launch_bounds__(256) lmhead2_f32(LMHEAD_ARGS(float)
 // with xs = x or RMSNorm(x) (norm_w not null: a dense layer normalising h itself). Grid (G, k):
 // slot j = blockIdx.y; rows i = blockIdx.x*8 + warp, + 8*G, ... Dynamic shared memory: cols floats.
 //
-// ROUTE (gate_up_route2/2f, TARFA_CUDA_ROUTER=v4): route_dec folded in. Every block computes the
-// selection itself from the router's logits (route_select: route_dec's operations, so every
-// block holds route_dec's sel[]) and takes e = sel[j]; block (0, 0) also writes the router's
-// records (route_dec's outputs: ids, probs, weights, by_id, kth, next) while its first weights
-// load. Saves route_dec's launch and the round trip for ids. Dynamic shared memory: cols + 3E
+// The input is staged by stage_issue/stage_finish, issued before the ids and the weights; the
+// trees by warp_tree_fast. FULL: cols a multiple of 2,048, no per-chunk guards.
+// ROUTE (gate_up_route2/2f): the router's top-k folded in. Every block computes the selection
+// itself from the router's logits (route_select: every block holds the same sel[]) and takes
+// e = sel[j]; block (0, 0) also writes the router's records (ids, probs, weights, by_id, kth,
+// next) while its first weights load. Saves a launch and the round trip for ids (PHASE_LOG P16). Dynamic shared memory: cols + 3E
 // floats (no norm: the experts read the router kernel's normalised vector).
 struct RouteOut {
     const float* logits;
@@ -903,7 +612,7 @@ struct RouteOut {
     float* next;
 };
 
-template <typename W, int V = 1, bool FULL = false, bool ROUTE = false>
+template <typename W, bool FULL = false, bool ROUTE = false>
 __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
                                                  const W* __restrict__ up, int rows, int cols,
                                                  const u32* ids, const float* x,
@@ -916,8 +625,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     const int nw = gridDim.x * 8;
     grid_dep_wait();
     grid_dep_launch();
-    // V == 2: the input's copy is issued before the ids and the weights (stage_issue)
-    const bool fast = V == 2 && stage_issue(xs, x, cols, norm_w);
+    // the input's copy is issued before the ids and the weights (stage_issue)
+    const bool fast = stage_issue(xs, x, cols, norm_w);
     __shared__ int sel[ROUTE ? DEC_ROUTE_MAX_K : 1];
     const bool records = ROUTE && blockIdx.x == 0 && blockIdx.y == 0;
     if constexpr (ROUTE) route_select(ro.logits, ro.e_count, ro.k, xs + cols, sel, records ? ro.next : nullptr);
@@ -934,22 +643,12 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     if (records && warp == 0)
         route_records_warp(xs + cols + ro.e_count, sel, ro.k, ro.renorm, ro.ids, ro.probs,
                            ro.weights, ro.by_id, ro.kth);
-    const float* xin = xs;
-    if (V == 2) {
-        xin = stage_finish(xs, x, cols, norm_w, eps, nullptr, fast);
-    } else {
-        stage_input(xs, x, cols, norm_w, eps, nullptr);
-    }
+    const float* xin = stage_finish(xs, x, cols, norm_w, eps, nullptr, fast);
     float ag[8], au[8];
     zero8(ag);
     zero8(au);
     while (i < rows) {
-        if (V == 2) {
-            fma_group_pair<W, FULL>(ag, au, wg, wu, xin, c0, cols, p);
-        } else {
-            fma_group<W>(ag, wg, xin, c0, cols, p);
-            fma_group<W>(au, wu, xin, c0, cols, p);
-        }
+        fma_group_pair<W, FULL>(ag, au, wg, wu, xin, c0, cols, p);
         int i2 = i, c2 = c0 + DEC_GROUP;
         if ((c2 << 8) >= cols) {
             c2 = 0;
@@ -960,8 +659,8 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
             load_group<W, DEC_GROUP, FULL>(wu, ubase + (long)i2 * cols, c2, cols, p);
         }
         if (c2 == 0) {
-            const float g = V == 2 ? warp_tree_fast(ag) : warp_tree(ag);
-            const float u = V == 2 ? warp_tree_fast(au) : warp_tree(au);
+            const float g = warp_tree_fast(ag);
+            const float u = warp_tree_fast(au);
             if (p == 0) act[(long)j * rows + i] = __fmul_rn(det_silu(g), u);
             zero8(ag);
             zero8(au);
@@ -975,30 +674,23 @@ __device__ __forceinline__ void gate_up_dec_body(const W* __restrict__ gate,
     const W* __restrict__ gate, const W* __restrict__ up, int rows, int cols, const u32* ids,   \
         const float* x, const float* __restrict__ norm_w, float eps, float* __restrict__ act
 
-extern "C" __global__ void __launch_bounds__(256) gate_up_dec_bf16(GATE_UP_DEC_ARGS(u16)) {
+// A dense MLP's or a shared expert's gate/up (one slot, ids null), or experts chosen by ids.
+// Dynamic shared memory: 2 * cols floats with a norm, cols without.
+extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_bf16(GATE_UP_DEC_ARGS(u16)) {
     gate_up_dec_body<u16>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
-extern "C" __global__ void __launch_bounds__(256) gate_up_dec_f32(GATE_UP_DEC_ARGS(float)) {
+extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_ARGS(float)) {
     gate_up_dec_body<float>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
-// The second version (TARFA_CUDA_ROWS=v2): stage_issue/stage_finish, warp_tree_fast. Dynamic
-// shared memory: 2 * cols floats with a norm.
-extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_bf16(GATE_UP_DEC_ARGS(u16)) {
-    gate_up_dec_body<u16, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
-}
-
-extern "C" __global__ void __launch_bounds__(256) gate_up_dec2_f32(GATE_UP_DEC_ARGS(float)) {
-    gate_up_dec_body<float, 2>(gate, up, rows, cols, ids, x, norm_w, eps, act);
-}
-
-// gate_up_dec2_bf16 for rows of whole groups (cols a multiple of 2,048; TARFA_CUDA_ROWS=v5).
+// gate_up_dec2_bf16 for rows of whole groups (cols a multiple of 2,048).
 extern "C" __global__ void __launch_bounds__(256) gate_up_dec2f_bf16(GATE_UP_DEC_ARGS(u16)) {
-    gate_up_dec_body<u16, 2, true>(gate, up, rows, cols, ids, x, norm_w, eps, act);
+    gate_up_dec_body<u16, true>(gate, up, rows, cols, ids, x, norm_w, eps, act);
 }
 
-// gate_up_dec2_bf16 / gate_up_dec2f_bf16 with route_dec folded in (ROUTE above; no norm).
+// gate_up_dec2_bf16 / gate_up_dec2f_bf16 with the router's top-k folded in (ROUTE above; no
+// norm).
 #define GATE_UP_ROUTE_ARGS                                                                      \
     const u16* __restrict__ gate, const u16* __restrict__ up, int rows, int cols, const float* x, \
         float* __restrict__ act, const float* logits, int e_count, int k, int renorm,            \
@@ -1006,7 +698,7 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_dec2f_bf16(GATE_UP_DEC
         u32* __restrict__ by_id, float* __restrict__ kth, float* __restrict__ next
 #define GATE_UP_ROUTE_KERNEL(NAME, FULL)                                                        \
     extern "C" __global__ void __launch_bounds__(256) NAME(GATE_UP_ROUTE_ARGS) {               \
-        gate_up_dec_body<u16, 2, FULL, true>(                                                   \
+        gate_up_dec_body<u16, FULL, true>(                                                      \
             gate, up, rows, cols, nullptr, x, nullptr, 0.0f, act,                               \
             RouteOut{logits, e_count, k, renorm, ids, probs, weights, by_id, kth, next});      \
     }
@@ -1022,11 +714,10 @@ GATE_UP_ROUTE_KERNEL(gate_up_route2f_bf16, true)
 // k <= 8. Grid G blocks of 256; rows r = blockIdx.x*8 + warp, + 8*G, ...
 // Dynamic shared memory: k*width floats (the activations).
 #define DOWN_MAX_K 8
-// The k slots of the experts' down kernels, by threads 0 .. k-1 (the caller's barrier follows):
+// The k slots of the experts' down kernel, by threads 0 .. k-1 (the caller's barrier follows):
 // jslot[s] = by_id[s] (slot s in ascending expert id), ebase[s] the chosen expert's offset in the
-// stacked down matrices and, with WEIGHTS, its mixing weight. The router's choices were written
-// two kernels back (see the file's header): read from L2.
-template <bool WEIGHTS>
+// stacked down matrices and wslot[s] its mixing weight. Called after the wait: the router's
+// choices are written by the kernel just before (gate_up_route2); read from L2.
 __device__ __forceinline__ void down_slots(const u32* by_id, const u32* ids, const float* weights,
                                            int k, int hidden, int width, int* jslot, long* ebase,
                                            float* wslot) {
@@ -1034,22 +725,21 @@ __device__ __forceinline__ void down_slots(const u32* by_id, const u32* ids, con
         const int j = (int)__ldcg(by_id + threadIdx.x);
         jslot[threadIdx.x] = j;
         ebase[threadIdx.x] = (long)__ldcg(ids + j) * hidden * (long)width;
-        if (WEIGHTS) wslot[threadIdx.x] = __ldcg(weights + j);
+        wslot[threadIdx.x] = __ldcg(weights + j);
     }
 }
 
-// V == 2 (moe_down_dec2, TARFA_CUDA_ROWS=v2): everything after the wait; the activations' copy
-// (stage_issue) issued before the ids and the weights; warp_tree_fast.
-// KF = 8 (moe_down_dec2f8, TARFA_CUDA_ROWS=v5): k = 8 and the width a multiple of 256, so the
+// The activations' copy (stage_issue) is issued before the ids and the weights; the trees by
+// warp_tree_fast; each row's residual (and shared expert output) loaded with its first weights.
+// KF = 8 (moe_down_dec2f8 and moe_down_route2f8e): k = 8 and the width a multiple of 256, so the
 // per-slot and per-chunk guards go away (load_group's FULL); the same loads and operations.
-// EARLY (TARFA_CUDA_ROWS=v7, for TARFA_CUDA_DECODE=graph-pdl; V == 2, KF = 8): the slots, the
-// residuals and the first weights before grid_dep_wait, the activations (written by the kernel
-// just before) after it. EARLY = 1 (moe_down_dec2f8e) reads the router's choices, written two
-// kernels back by route_dec; EARLY = 2 (moe_down_route2f8e, with TARFA_CUDA_ROUTER=v4, where
-// the kernel just before writes them) recomputes them from the router's logits (route_select,
-// then warp 0 the renormalising sum and each slot's weight and place in ascending id, as
-// route_records_warp computes them); dynamic shared memory then k * width + 3E floats.
-template <int V, int KF = 0, int EARLY = 0>
+// ROUTE (moe_down_route2f8e, for steps with programmatic launch): the slots, the residuals and
+// the first weights before grid_dep_wait, the activations (written by the kernel just before)
+// after it; the router's choices, which that kernel writes too, are recomputed from the router's
+// logits (route_select, then warp 0 the renormalising sum and each slot's weight and place in
+// ascending id, as route_records_warp computes them); dynamic shared memory then k * width + 3E
+// floats.
+template <int KF = 0, bool ROUTE = false>
 __device__ __forceinline__ void moe_down_dec_body(
     const u16* __restrict__ down, int hidden, int width, const u32* ids,
     const float* weights, const u32* by_id, int k, const float* act, const float* y_sh,
@@ -1062,13 +752,13 @@ __device__ __forceinline__ void moe_down_dec_body(
     const int warp = threadIdx.x >> 5;
     const int nw = gridDim.x * 8;
     bool fast = false;
-    if (V == 2 && EARLY == 0) {
+    if (!ROUTE) {
         grid_dep_wait();
         grid_dep_launch();
         fast = stage_issue(as, act, k * width, nullptr);
     }
-    __shared__ float wslot[DOWN_MAX_K];  // V == 2: the mixing weights, read once per block
-    if constexpr (EARLY == 2) {
+    __shared__ float wslot[DOWN_MAX_K];  // the mixing weights, read once per block
+    if constexpr (ROUTE) {
         __shared__ int sel[DEC_ROUTE_MAX_K];
         float* rs = as + k * width;
         route_select(logits, e_count, k, rs, sel, nullptr);
@@ -1086,15 +776,15 @@ __device__ __forceinline__ void moe_down_dec_body(
             }
         }
     } else {
-        down_slots<V == 2>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
+        down_slots(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
     }
     __syncthreads();
     int r = blockIdx.x * 8 + warp;
     int c = 0;
-    // V == 2: the row's residual (and shared expert output) loaded with its first weights, so
-    // the epilogue waits for nothing (nothing else writes h[r] during the kernel)
+    // the row's residual (and shared expert output) loaded with its first weights, so the
+    // epilogue waits for nothing (nothing else writes h[r] during the kernel)
     float pre_h = 0.0f, pre_sh = 0.0f;
-    if (V == 2 && p == 0 && r < hidden) {
+    if (p == 0 && r < hidden) {
         pre_h = h[r];
         if (y_sh != nullptr) pre_sh = y_sh[r];
     }
@@ -1105,19 +795,12 @@ __device__ __forceinline__ void moe_down_dec_body(
         if ((KF || s < k) && r < hidden && (KF || e < width))
             wv[s].load(down + ebase[s] + (long)r * width + e);
     }
-    if (EARLY != 0) {
+    if (ROUTE) {
         grid_dep_wait();
         grid_dep_launch();
         fast = stage_issue(as, act, k * width, nullptr);
     }
-    if (V == 2) {
-        stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
-    } else {
-        grid_dep_wait();
-        grid_dep_launch();
-        for (int i = threadIdx.x; i < k * width; i += blockDim.x) as[i] = act[i];
-        __syncthreads();
-    }
+    stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
     float acc[DOWN_MAX_K][8];
 #pragma unroll
     for (int s = 0; s < DOWN_MAX_K; s++) zero8(acc[s]);
@@ -1143,32 +826,21 @@ __device__ __forceinline__ void moe_down_dec_body(
             float y[DOWN_MAX_K];
 #pragma unroll
             for (int s = 0; s < DOWN_MAX_K; s++) {
-                y[s] = (KF || s < k) ? (V == 2 ? warp_tree_fast(acc[s]) : warp_tree(acc[s]))
-                                     : 0.0f;
+                y[s] = (KF || s < k) ? warp_tree_fast(acc[s]) : 0.0f;
             }
-            if (V == 2) {
-                const float h_r = pre_h, sh_r = pre_sh;
-                if (p == 0 && r2 < hidden) {
-                    pre_h = h[r2];
-                    if (y_sh != nullptr) pre_sh = y_sh[r2];
-                }
-                if (p == 0) {
-                    float mix = 0.0f;
-#pragma unroll
-                    for (int s = 0; s < DOWN_MAX_K; s++) {
-                        if (KF || s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
-                    }
-                    if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
-                    h[r] = __fadd_rn(h_r, mix);
-                }
-            } else if (p == 0) {
+            const float h_r = pre_h, sh_r = pre_sh;
+            if (p == 0 && r2 < hidden) {
+                pre_h = h[r2];
+                if (y_sh != nullptr) pre_sh = y_sh[r2];
+            }
+            if (p == 0) {
                 float mix = 0.0f;
 #pragma unroll
                 for (int s = 0; s < DOWN_MAX_K; s++) {
-                    if (KF || s < k) mix = __fadd_rn(mix, __fmul_rn(weights[jslot[s]], y[s]));
+                    if (KF || s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
                 }
-                if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), y_sh[r]));
-                h[r] = __fadd_rn(h[r], mix);
+                if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
+                h[r] = __fadd_rn(h_r, mix);
             }
 #pragma unroll
             for (int s = 0; s < DOWN_MAX_K; s++) zero8(acc[s]);
@@ -1183,199 +855,21 @@ __device__ __forceinline__ void moe_down_dec_body(
         const u32* by_id, int k, const float* act, const float* y_sh, const float* s_sh,       \
         float* h
 
-extern "C" __global__ void __launch_bounds__(256) moe_down_dec(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<1>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
-}
-
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+    moe_down_dec_body(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
-// moe_down_dec2 for k = 8 and expert widths of whole chunks, without the guards
-// (TARFA_CUDA_ROWS=v5).
+// moe_down_dec2 for k = 8 and expert widths of whole chunks, without the guards.
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec2f8(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<2, 8>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
+    moe_down_dec_body<8>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
 }
 
-// moe_down_dec2f8 with the slots and first weights before the wait (EARLY above;
-// TARFA_CUDA_ROWS=v7): the router's choices from route_dec, two kernels back
-extern "C" __global__ void __launch_bounds__(256) moe_down_dec2f8e(MOE_DOWN_DEC_ARGS) {
-    moe_down_dec_body<2, 8, 1>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h);
-}
-
-// the same with the router's choices recomputed from its logits (TARFA_CUDA_ROUTER=v4)
+// moe_down_dec2f8 with the slots and first weights before the wait and the router's choices
+// recomputed from its logits (ROUTE above).
 extern "C" __global__ void __launch_bounds__(256) moe_down_route2f8e(
     MOE_DOWN_DEC_ARGS, const float* logits, int e_count, int renorm) {
-    moe_down_dec_body<2, 8, 2>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h,
+    moe_down_dec_body<8, true>(down, hidden, width, ids, weights, by_id, k, act, y_sh, s_sh, h,
                                logits, e_count, renorm);
-}
-
-// moe_down_dec2 for expert widths of at most 3 chunks (768: Qwen3-30B-A3B), TARFA_CUDA_ROWS=v3
-// (not the default: slower on the H200, PHASE_LOG P8): all of a row's chunks for all k experts
-// are loaded at once (one round trip instead of one per chunk; 96 registers of weights), then
-// each expert's dot is accumulated chunk by chunk (lane 8p+t over c = 0, 1, 2: the same order)
-// and reduced by warp_tree_fast, and the mix is moe_down_dec2's. 203 registers: one block per
-// multiprocessor; rows r = blockIdx.x*8 + warp, + 8*G, ...
-#define DOWN3_C 3
-extern "C" __global__ void __launch_bounds__(256, 1) moe_down_dec3(MOE_DOWN_DEC_ARGS) {
-    TARFA_DYN_SMEM(float, as);
-    __shared__ long ebase[DOWN_MAX_K];
-    __shared__ int jslot[DOWN_MAX_K];
-    __shared__ float wslot[DOWN_MAX_K];
-    const int p = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int nw = gridDim.x * 8;
-    grid_dep_wait();
-    grid_dep_launch();
-    const bool fast = stage_issue(as, act, k * width, nullptr);
-    down_slots<true>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
-    __syncthreads();
-    int r = blockIdx.x * 8 + warp;
-    float pre_h = 0.0f, pre_sh = 0.0f;
-    if (p == 0 && r < hidden) {
-        pre_h = h[r];
-        if (y_sh != nullptr) pre_sh = y_sh[r];
-    }
-    Pack8<u16> wa[DOWN_MAX_K][DOWN3_C];
-#pragma unroll
-    for (int s = 0; s < DOWN_MAX_K; s++) {
-#pragma unroll
-        for (int c = 0; c < DOWN3_C; c++) {
-            const int e = (c << 8) + 8 * p;
-            if (s < k && r < hidden && e < width) wa[s][c].load(down + ebase[s] + (long)r * width + e);
-        }
-    }
-    stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
-    while (r < hidden) {
-        float y[DOWN_MAX_K];
-#pragma unroll
-        for (int s = 0; s < DOWN_MAX_K; s++) {
-            float acc[8];
-            zero8(acc);
-#pragma unroll
-            for (int c = 0; c < DOWN3_C; c++) {
-                const int e = (c << 8) + 8 * p;
-                if (s < k && e < width) fma8<u16>(acc, wa[s][c], as + jslot[s] * width + e);
-            }
-            y[s] = s < k ? warp_tree_fast(acc) : 0.0f;
-        }
-        const int r2 = r + nw;
-#pragma unroll
-        for (int s = 0; s < DOWN_MAX_K; s++) {
-#pragma unroll
-            for (int c = 0; c < DOWN3_C; c++) {
-                const int e = (c << 8) + 8 * p;
-                if (s < k && r2 < hidden && e < width)
-                    wa[s][c].load(down + ebase[s] + (long)r2 * width + e);
-            }
-        }
-        const float h_r = pre_h, sh_r = pre_sh;
-        if (p == 0 && r2 < hidden) {
-            pre_h = h[r2];
-            if (y_sh != nullptr) pre_sh = y_sh[r2];
-        }
-        if (p == 0) {
-            float mix = 0.0f;
-#pragma unroll
-            for (int s = 0; s < DOWN_MAX_K; s++) {
-                if (s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
-            }
-            if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
-            h[r] = __fadd_rn(h_r, mix);
-        }
-        r = r2;
-    }
-}
-
-// moe_down_dec2 for expert widths of at most 3 chunks with a row's experts split over two warps
-// (TARFA_CUDA_ROWS=v4, not the default: slower on the H200, PHASE_LOG P11): warp 2q + h of a block takes row blockIdx.x*4 + q (+ 4*G, ...) and the
-// slots 4h .. 4h+3 in ascending expert id, all their chunks in flight at once (48 registers of
-// weights, one round trip per row instead of moe_down_dec2's one per chunk, at half
-// moe_down_dec3's registers); each expert's dot is accumulated chunk by chunk (lane 8p+t over
-// c = 0, 1, 2: the same order) and reduced by warp_tree_fast; the 8 results meet in shared
-// memory and lane 0 of warp 2q mixes them in ascending id, as moe_down_dec2. Rows per block: 4.
-#define DOWN4_ROWS 4
-extern "C" __global__ void __launch_bounds__(256, 3) moe_down_dec4(MOE_DOWN_DEC_ARGS) {
-    TARFA_DYN_SMEM(float, as);
-    __shared__ long ebase[DOWN_MAX_K];
-    __shared__ int jslot[DOWN_MAX_K];
-    __shared__ float wslot[DOWN_MAX_K];
-    __shared__ float ys[DOWN4_ROWS][DOWN_MAX_K];
-    const int p = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int q = warp >> 1, half = warp & 1;
-    const int stride = gridDim.x * DOWN4_ROWS;
-    grid_dep_wait();
-    grid_dep_launch();
-    const bool fast = stage_issue(as, act, k * width, nullptr);
-    down_slots<true>(by_id, ids, weights, k, hidden, width, jslot, ebase, wslot);
-    __syncthreads();
-    const int s0 = 4 * half;
-    int r = blockIdx.x * DOWN4_ROWS + q;
-    float pre_h = 0.0f, pre_sh = 0.0f;
-    if (half == 0 && p == 0 && r < hidden) {
-        pre_h = h[r];
-        if (y_sh != nullptr) pre_sh = y_sh[r];
-    }
-    Pack8<u16> wa[4][DOWN3_C];
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-#pragma unroll
-        for (int c = 0; c < DOWN3_C; c++) {
-            const int e = (c << 8) + 8 * p;
-            if (s0 + s < k && r < hidden && e < width)
-                wa[s][c].load(down + ebase[s0 + s] + (long)r * width + e);
-        }
-    }
-    stage_finish(as, act, k * width, nullptr, 0.0f, nullptr, fast);
-    // every block runs the same number of rounds (the loop ends on the block's first row), so
-    // the barriers below are met by all its warps
-    for (int r0 = blockIdx.x * DOWN4_ROWS; r0 < hidden; r0 += stride) {
-        float y[4];
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-            float acc[8];
-            zero8(acc);
-#pragma unroll
-            for (int c = 0; c < DOWN3_C; c++) {
-                const int e = (c << 8) + 8 * p;
-                if (s0 + s < k && e < width)
-                    fma8<u16>(acc, wa[s][c], as + jslot[s0 + s] * width + e);
-            }
-            y[s] = s0 + s < k ? warp_tree_fast(acc) : 0.0f;
-        }
-        const int r2 = r + stride;
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-#pragma unroll
-            for (int c = 0; c < DOWN3_C; c++) {
-                const int e = (c << 8) + 8 * p;
-                if (s0 + s < k && r2 < hidden && e < width)
-                    wa[s][c].load(down + ebase[s0 + s] + (long)r2 * width + e);
-            }
-        }
-        if (p == 0) {
-#pragma unroll
-            for (int s = 0; s < 4; s++) ys[q][s0 + s] = y[s];
-        }
-        __syncthreads();
-        if (half == 0 && p == 0 && r < hidden) {
-            const float h_r = pre_h, sh_r = pre_sh;
-            if (r2 < hidden) {
-                pre_h = h[r2];
-                if (y_sh != nullptr) pre_sh = y_sh[r2];
-            }
-            float mix = 0.0f;
-#pragma unroll
-            for (int s = 0; s < DOWN_MAX_K; s++) {
-                if (s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], ys[q][s]));
-            }
-            if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
-            h[r] = __fadd_rn(h_r, mix);
-        }
-        __syncthreads();  // ys is rewritten next round
-        r = r2;
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1386,171 +880,12 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down_dec4(MOE_DOWN_DEC_
 //   the block of slice 0 of the group's first query head appends k, v to the cache at P;
 //   s_j = dot(q, k_j) * scale for j <= P (k_P from shared memory: the bits just appended),
 //   softmax as attention.cu, o[d] = canonical dot over j of (p_j, v_j[d]) for the slice's d.
-// The score of one position: a warp, thread p holding lanes p + 32i (i < 8): the tree levels
-// 128, 64, 32 are in-thread (slot i with i+4, i+2, i+1), 16..1 are shfl_down; the same pairs
-// a[v] + a[v+h] as warp_tree; each warp scores 8 positions at a time. Requires D <= 256. Scores go to scratch row (qh*gridDim.y + slice)
-// of n_stride floats. Dynamic shared memory: 3*D floats.
+// The values and their order are the first attention kernels' (PHASE_LOG P4, P6, P10, P15:
+// attn_decode, then attn_decode2, attn_decode3; git history): every score a canonical dot over
+// 256 lanes with warp_tree's pairs, the softmax as attention.cu, every output a canonical dot
+// over positions. attn_decode4 below computes each with different threads, never in another
+// order.
 #define ATT_TILE 32
-extern "C" __global__ void __launch_bounds__(256) attn_decode(
-    const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv, int d,
-    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
-    const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
-    float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
-    float* __restrict__ o) {
-    TARFA_DYN_SMEM(float, sm);
-    __shared__ float red[TARFA_LANES];
-    __shared__ float tile[TARFA_LANES][ATT_TILE + 1];
-    __shared__ float rs[2];
-    grid_dep_wait();
-    grid_dep_launch();
-    const int v = threadIdx.x;
-    const int p = v & 31;
-    const int warp = v >> 5;
-    const int qh = blockIdx.x;
-    const int slice = blockIdx.y;
-    const int group = hq / hkv;
-    const int kvh = qh / group;
-    const int pos = st->pos;
-    const int n = pos + 1;
-    float* qs = sm;
-    float* ks = sm + d;
-    float* vs = sm + 2 * d;
-    for (int i = v; i < d; i += TARFA_LANES) {
-        qs[i] = q_raw[(long)qh * d + i];
-        ks[i] = k_raw[(long)kvh * d + i];
-        vs[i] = v_raw[(long)kvh * d + i];
-    }
-    __syncthreads();
-    if (q_norm != nullptr) {
-        if (warp < 2) {
-            float* x = warp == 0 ? qs : ks;
-            const float ss = warp_dot_f32(x, x, d, p);
-            if (p == 0) rs[warp] = det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)d), eps));
-        }
-        __syncthreads();
-        const float rq = rs[0], rk = rs[1];
-        for (int i = v; i < d; i += TARFA_LANES) {
-            qs[i] = __fmul_rn(q_norm[i], __fmul_rn(qs[i], rq));
-            ks[i] = __fmul_rn(k_norm[i], __fmul_rn(ks[i], rk));
-        }
-        __syncthreads();
-    }
-    const int half = d / 2;
-    const float* c = cos_t + (long)pos * half;
-    const float* s = sin_t + (long)pos * half;
-    for (int i = v; i < half; i += TARFA_LANES) {
-        float a = qs[i], b = qs[i + half];
-        qs[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
-        qs[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
-        a = ks[i];
-        b = ks[i + half];
-        ks[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
-        ks[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
-    }
-    __syncthreads();
-    const float* keys = k_cache + (long)kvh * cap * d;
-    const float* vals = v_cache + (long)kvh * cap * d;
-    if (qh % group == 0 && slice == 0) {
-        for (int i = v; i < d; i += TARFA_LANES) {
-            k_cache[((long)kvh * cap + pos) * d + i] = ks[i];
-            v_cache[((long)kvh * cap + pos) * d + i] = vs[i];
-        }
-    }
-
-    // scores: warp w takes positions j = 8w .. 8w+7, then + 64, ...: 8 at a time
-    float qv[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) qv[i] = (p + 32 * i < d) ? qs[p + 32 * i] : 0.0f;
-    float* sc = scratch + (long)(qh * gridDim.y + slice) * n_stride;
-#define ATT_U 8
-    for (int j0 = ATT_U * warp; j0 < n; j0 += 8 * ATT_U) {
-        float a[ATT_U][8];
-#pragma unroll
-        for (int u = 0; u < ATT_U; u++) {
-            const int j = j0 + u;
-            const float* kj = j == pos ? ks : keys + (long)j * d;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int e = p + 32 * i;
-                a[u][i] = (j < n && e < d) ? fmaf(qv[i], kj[e], 0.0f) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < ATT_U; u++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) a[u][i] = __fadd_rn(a[u][i], a[u][i + 4]);
-#pragma unroll
-            for (int i = 0; i < 2; i++) a[u][i] = __fadd_rn(a[u][i], a[u][i + 2]);
-            a[u][0] = __fadd_rn(a[u][0], a[u][1]);
-        }
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) {
-#pragma unroll
-            for (int u = 0; u < ATT_U; u++)
-                a[u][0] = __fadd_rn(a[u][0], __shfl_down_sync(TARFA_FULL_MASK, a[u][0], off));
-        }
-        if (p == 0) {
-#pragma unroll
-            for (int u = 0; u < ATT_U; u++) {
-                if (j0 + u < n) sc[j0 + u] = __fmul_rn(a[u][0], scale);
-            }
-        }
-    }
-    __syncthreads();
-    const float m = block_max_256(sc, n, red);
-    // thread v writes e_j for j = v, v+256, ...: exactly the terms its lane then sums
-    for (int j = v; j < n; j += TARFA_LANES) sc[j] = det_exp(__fsub_rn(sc[j], m));
-    const float total = block_sum_256(sc, n, red);
-    for (int j = v; j < n; j += TARFA_LANES) sc[j] = __fdiv_rn(sc[j], total);
-
-    // the output slice: lane v = thread v over positions j = v, v+256, ... (attention.cu)
-    const int d0 = slice * ATT_TILE;
-    float acc[ATT_TILE];
-#pragma unroll
-    for (int i = 0; i < ATT_TILE; i++) acc[i] = 0.0f;
-    for (int j = v; j < n; j += TARFA_LANES) {
-        const float pj = sc[j];
-        const float* vr = (j == pos ? vs : vals + (long)j * d) + d0;
-#pragma unroll
-        for (int i = 0; i < ATT_TILE; i++) {
-            if (d0 + i < d) acc[i] = fmaf(pj, vr[i], acc[i]);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < ATT_TILE; i++) tile[v][i] = acc[i];
-    for (int hh = 128; hh >= 1; hh >>= 1) {
-        __syncthreads();
-        for (int idx = v; idx < hh * ATT_TILE; idx += TARFA_LANES) {
-            const int lane = idx / ATT_TILE, i = idx % ATT_TILE;
-            tile[lane][i] = __fadd_rn(tile[lane][i], tile[lane + hh][i]);
-        }
-    }
-    __syncthreads();
-    if (v < ATT_TILE && d0 + v < d) o[(long)qh * d + d0 + v] = tile[0][v];
-}
-
-// ---------------------------------------------------------------------------------------------
-// attn_decode2: attn_decode's outputs, bit for bit, with one block-wide barrier and no global
-// round trip between its phases (the default; TARFA_CUDA_ATTN=v1 selects attn_decode). Same
-// grid (query head, 32-wide slice of D), same arguments; what changes is who holds what:
-// - no staging of q, k, v: each thread reads the raw values its lanes need (the element and
-//   its RoPE partner) and applies the per-head RMSNorm and RoPE in registers, every warp
-//   computing the norm's sum of squares itself (warp_dot_f32, the rmsnorm kernel's dot);
-// - the scores as attn_decode (a warp per 8 positions, thread p holds lanes p + 32i), k_P from
-//   the thread's registers, into shared memory (scratch null; dynamic shared memory of
-//   n_stride floats) or the global scratch row (when the context does not fit shared memory);
-//   then the one barrier;
-// - every warp then computes the softmax statistics itself: the maximum (order-free, NaN
-//   ignored, as block_max_256), and the canonical sum with thread p holding lanes 8p..8p+7
-//   (warp_tree, the same pairs as block_tree_256);
-// - warp w computes the 4 outputs d0 + 4w .. d0 + 4w + 3 of the slice: thread p holds lanes
-//   8p..8p+7 (positions 8p + s + 256c, c increasing), acc = fma(p_j, v_j[d], acc), then
-//   warp_tree: the same lane sums and tree as the 256 x 32 shared tile of attn_decode.
-// Loads are issued early: a warp's first 8 keys and a thread's first 8 positions' values at the
-// start (their latency overlaps the norm and RoPE), the next 8 keys before each 8's tree. This
-// takes ~230 registers (one block of 256 per multiprocessor; ptx_report.py).
-// Every value is computed by the operations attn_decode uses, in the same order; only the
-// thread that computes it changes. Requires D <= 256 and even.
 
 // x[i] with the per-head RMSNorm applied (nw not null: w_i * (x_i * r)).
 __device__ __forceinline__ float att_normed(const float* x, const float* __restrict__ nw, float r,
@@ -1558,7 +893,7 @@ __device__ __forceinline__ float att_normed(const float* x, const float* __restr
     return nw != nullptr ? __fmul_rn(nw[i], __fmul_rn(x[i], r)) : x[i];
 }
 
-// Element e of RMSNorm-then-RoPE of x (attn_decode's pair update, seen from either element).
+// Element e of RMSNorm-then-RoPE of x (the RoPE pair update, seen from either element).
 __device__ __forceinline__ float att_rope(const float* x, const float* __restrict__ nw, float r,
                                           const float* c, const float* s, int half, int e) {
     if (e < half) {
@@ -1570,187 +905,12 @@ __device__ __forceinline__ float att_rope(const float* x, const float* __restric
     return __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
 }
 
-// Keys of positions j0 .. j0 + ATT_U - 1 below pos at this thread's score lanes p + 32i (0
-// elsewhere: those lanes take k_P from registers, or nothing).
-__device__ __forceinline__ void att_load_keys(float (&kb)[ATT_U][8], const float* keys, int j0,
-                                              int pos, int d, int p) {
-#pragma unroll
-    for (int u = 0; u < ATT_U; u++) {
-        const int j = j0 + u;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int e = p + 32 * i;
-            kb[u][i] = (j < pos && e < d) ? keys[(long)j * d + e] : 0.0f;
-        }
-    }
-}
-
-#define ATT2_COLS 4  // output columns per warp (8 warps x 4 = ATT_TILE)
-extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
-    const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv, int d,
-    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
-    const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
-    float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
-    float* __restrict__ o) {
-    TARFA_DYN_SMEM(float, sm);
-    grid_dep_wait();
-    grid_dep_launch();
-    const int p = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int qh = blockIdx.x;
-    const int slice = blockIdx.y;
-    const int group = hq / hkv;
-    const int kvh = qh / group;
-    const int pos = st->pos;
-    const int n = pos + 1;
-    const float* qg = q_raw + (long)qh * d;
-    const float* kg = k_raw + (long)kvh * d;
-    const float* vg = v_raw + (long)kvh * d;
-    const float* keys = k_cache + (long)kvh * cap * d;
-    const float* vals = v_cache + (long)kvh * cap * d;
-    const int d0 = slice * ATT_TILE + ATT2_COLS * warp;
-
-    // the first keys this warp scores, and the values of this thread's first output lanes
-    // (positions 8p + s; v_P is v_raw itself): loaded now, used after the dependent steps
-    float kb[ATT_U][8];
-    att_load_keys(kb, keys, ATT_U * warp, pos, d, p);
-    float vpre[8][ATT2_COLS];
-#pragma unroll
-    for (int t = 0; t < 8; t++) {
-        const int j = 8 * p + t;
-        const float* vr = j < pos ? vals + (long)j * d : vg;
-#pragma unroll
-        for (int cc = 0; cc < ATT2_COLS; cc++) vpre[t][cc] = (j < n && d0 + cc < d) ? vr[d0 + cc] : 0.0f;
-    }
-
-    // q and k of this thread's score lanes p + 32i, normalised and rotated
-    float rq = 1.0f, rk = 1.0f;
-    if (q_norm != nullptr) {
-        const float sq = warp_dot_f32(qg, qg, d, p);
-        const float sk = warp_dot_f32(kg, kg, d, p);
-        rq = __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(sq, (float)d), eps)), 0);
-        rk = __shfl_sync(TARFA_FULL_MASK, det_rsqrt(__fadd_rn(__fdiv_rn(sk, (float)d), eps)), 0);
-    }
-    const int half = d / 2;
-    const float* cr = cos_t + (long)pos * half;
-    const float* sr = sin_t + (long)pos * half;
-    float qv[8], kv[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int e = p + 32 * i;
-        qv[i] = e < d ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
-        kv[i] = e < d ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
-    }
-    if (qh % group == 0 && slice == 0 && warp == 0) {
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int e = p + 32 * i;
-            if (e < d) {
-                k_cache[((long)kvh * cap + pos) * d + e] = kv[i];
-                v_cache[((long)kvh * cap + pos) * d + e] = vg[e];
-            }
-        }
-    }
-
-    // scores (attn_decode's loop; k_P from registers; the next 8 positions' keys are loaded
-    // before this 8's tree)
-    float* sc = scratch != nullptr ? scratch + (long)(qh * gridDim.y + slice) * n_stride : sm;
-    for (int j0 = ATT_U * warp; j0 < n; j0 += 8 * ATT_U) {
-        float a[ATT_U][8];
-#pragma unroll
-        for (int u = 0; u < ATT_U; u++) {
-            const int j = j0 + u;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int e = p + 32 * i;
-                a[u][i] = (j < n && e < d) ? fmaf(qv[i], j < pos ? kb[u][i] : kv[i], 0.0f) : 0.0f;
-            }
-        }
-        att_load_keys(kb, keys, j0 + 8 * ATT_U, pos, d, p);
-#pragma unroll
-        for (int u = 0; u < ATT_U; u++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) a[u][i] = __fadd_rn(a[u][i], a[u][i + 4]);
-#pragma unroll
-            for (int i = 0; i < 2; i++) a[u][i] = __fadd_rn(a[u][i], a[u][i + 2]);
-            a[u][0] = __fadd_rn(a[u][0], a[u][1]);
-        }
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) {
-#pragma unroll
-            for (int u = 0; u < ATT_U; u++)
-                a[u][0] = __fadd_rn(a[u][0], __shfl_down_sync(TARFA_FULL_MASK, a[u][0], off));
-        }
-        if (p == 0) {
-#pragma unroll
-            for (int u = 0; u < ATT_U; u++) {
-                if (j0 + u < n) sc[j0 + u] = __fmul_rn(a[u][0], scale);
-            }
-        }
-    }
-    __syncthreads();  // the only block-wide barrier: every score is written
-
-    // the maximum (any order gives the same value: common.cuh block_max_256)
-    float m = f32_bits(0xff800000u);
-    for (int j = p; j < n; j += 32) m = fmaxf(m, sc[j]);
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TARFA_FULL_MASK, m, off));
-    // the canonical sum of e_j: lane 8p + s sums j = 8p + s, + 256, ... in increasing order
-    float e0[8], a[8];
-    zero8(a);
-    zero8(e0);
-    for (int base = 8 * p; base < n; base += TARFA_LANES) {
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int j = base + t;
-            if (j < n) {
-                const float e = det_exp(__fsub_rn(sc[j], m));
-                if (base == 8 * p) e0[t] = e;
-                a[t] = __fadd_rn(a[t], e);
-            }
-        }
-    }
-    const float total = __shfl_sync(TARFA_FULL_MASK, warp_tree(a), 0);
-
-    // the outputs: lane 8p + t over positions j = 8p + t, + 256, ...; then the tree
-    float acc[ATT2_COLS][8];
-#pragma unroll
-    for (int cc = 0; cc < ATT2_COLS; cc++) zero8(acc[cc]);
-    for (int base = 8 * p; base < n; base += TARFA_LANES) {
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            const int j = base + t;
-            if (j < n) {
-                if (base == 8 * p) {
-                    const float pj = __fdiv_rn(e0[t], total);
-#pragma unroll
-                    for (int cc = 0; cc < ATT2_COLS; cc++) {
-                        if (d0 + cc < d) acc[cc][t] = fmaf(pj, vpre[t][cc], acc[cc][t]);
-                    }
-                } else {
-                    const float pj = __fdiv_rn(det_exp(__fsub_rn(sc[j], m)), total);
-                    const float* vr = j < pos ? vals + (long)j * d : vg;
-#pragma unroll
-                    for (int cc = 0; cc < ATT2_COLS; cc++) {
-                        if (d0 + cc < d) acc[cc][t] = fmaf(pj, vr[d0 + cc], acc[cc][t]);
-                    }
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int cc = 0; cc < ATT2_COLS; cc++) {
-        const float r = warp_tree(acc[cc]);
-        if (p == 0 && d0 + cc < d) o[(long)qh * d + d0 + cc] = r;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
-// attn_decode3_d32/_d64/_d128/_d256: attn_decode2's outputs (and KV append), bit for bit, with
-// far fewer instructions per warp (TARFA_CUDA_ATTN=v3). The kernel named _dX takes head
+// attn_decode4_d32/_d64/_d128/_d256: attention of one token with far fewer instructions per warp
+// than the first kernels (attn_decode3, PHASE_LOG P10) and the prologue's loads issued together
+// (P15, P16: EARLY below). The kernel named _dX takes head
 // dimensions D <= X (even; decode.rs picks the smallest X >= D); registers and instructions
-// scale with X. Same grid (query head, 32-wide slice of D) and arguments as attn_decode2, but
-// blocks of 512 threads (16 warps) and 2 x n_stride floats of scores (dynamic shared memory, or
+// scale with X. Grid (query head, 32-wide slice of D); blocks of 512 threads (16 warps) and 2 x n_stride floats of scores (dynamic shared memory, or
 // scratch row pair (qh*gridDim.y + slice) of 2 x n_stride floats when scratch is not null):
 // sc[] (scores, then e_j) and pr[] (p_j). Four barriers:
 // - every warp loads its first keys (before grid_dep_wait: the cache rows below P and the state
@@ -1759,7 +919,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
 //   per-head RMSNorm's sum of squares as a canonical dot with these lanes (the tree levels 128,
 //   64, 32 in-thread: slot i with i+4, i+2, i+1; 16..1 shfl_down; the levels a thread's slots do
 //   not reach pair a lane with lanes >= X >= D, which hold +0.0: pruned, since a lane
-//   accumulator is never -0.0), then RMSNorm-then-RoPE per element (attn_decode2's operations;
+//   accumulator is never -0.0), then RMSNorm-then-RoPE per element (att_rope's operations;
 //   when D = X the RoPE partner e +- D/2 is in the same thread, or thread p ^ 16 for X = 32); in
 //   one block per KV head it appends k_P and v_P; it scores position P in layout A and writes q
 //   to shared memory. Barrier.
@@ -1779,8 +939,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_decode2(
 // - warp w: the outputs d0 + 2w, d0 + 2w + 1 of the slice (D even: both or neither exist), lanes
 //   p + 32i over positions j = p + 32i + 256c (c increasing): acc = fma(p_j, v_j[d], acc), then
 //   the same tree.
-// Every value is computed by the operations attn_decode2 uses, in the same order, and every
-// reduction has attn_decode2's lanes and tree pairs; only the thread that computes it changes.
+// Every value is computed by the operations the first kernels used, in the same order, and every
+// reduction has their lanes and tree pairs; only the thread that computes it changes.
 // Each kernel runs a copy of the body specialised for D == X (no per-lane bounds checks).
 // Registers (ptx_report.py): 119-122 of at most 128 (__launch_bounds__(512, 1)), no spills.
 #define ATT3_WARPS 16
@@ -1940,7 +1100,7 @@ __device__ __forceinline__ void att3_body(
     if (warp == ATT3_WARPS - 1) {
         // prologue, layout A: q and k normalised and rotated (zero at lanes >= D)
         float xq[NI], xk[NI];  // raw q and k
-        // EARLY (attn_decode4, TARFA_CUDA_ATTN=v4), D = X: v_P is loaded with q and k (and the
+        // EARLY (attn_decode4 at D = X): v_P is loaded with q and k (and the
         // norm weights and RoPE factors were loaded before the wait), so the prologue waits for
         // one round trip instead of three (the compiler does not move these loads above the
         // norm's shuffles); the same values, the same operations
@@ -1971,7 +1131,7 @@ __device__ __forceinline__ void att3_body(
         float qa[NI], ka[NI];
         if constexpr (EXACT) {
             // D = X: the RoPE partner of element e = p + 32i is e +- D/2, slot i +- NI/2 of this
-            // thread (NI >= 2) or slot 0 of thread p ^ 16 (NI = 1): attn_decode2's pair update on
+            // thread (NI >= 2) or slot 0 of thread p ^ 16 (NI = 1): att_rope's pair update on
             // the same normalised values (att_normed's operations), taken from registers
             float qn[NI], kn[NI];
 #pragma unroll
@@ -2148,22 +1308,18 @@ __device__ __forceinline__ void att3_body(
 #define ATT3_ARGS                                                                              \
     q_raw, k_raw, v_raw, hq, hkv, d, q_norm, k_norm, eps, cos_t, sin_t, st, k_cache, v_cache, \
         cap, scale, scratch, n_stride, o
-// attn_decode3_dX, and attn_decode4_dX (TARFA_CUDA_ATTN=v4): the same kernel with the
-// prologue's loads issued together (att3_body's EARLY; at D = X)
-#define ATT3_KERNEL(V, X, EARLY)                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode##V##_d##X( \
+// attn_decode4_dX: the prologue's loads issued together at D = X (att3_body's EARLY), the
+// bounds-checked body for smaller D
+#define ATT3_KERNEL(X)                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode4_d##X(   \
         ATT3_PARAMS) {                                                                 \
         TARFA_DYN_SMEM(float, sm);                                                     \
         if (d == X)                                                                    \
-            att3_body<X, true, EARLY>(sm, ATT3_ARGS);                                  \
+            att3_body<X, true, true>(sm, ATT3_ARGS);                                   \
         else                                                                           \
             att3_body<X, false>(sm, ATT3_ARGS);                                        \
     }
-ATT3_KERNEL(3, 32, false)
-ATT3_KERNEL(3, 64, false)
-ATT3_KERNEL(3, 128, false)
-ATT3_KERNEL(3, 256, false)
-ATT3_KERNEL(4, 32, true)
-ATT3_KERNEL(4, 64, true)
-ATT3_KERNEL(4, 128, true)
-ATT3_KERNEL(4, 256, true)
+ATT3_KERNEL(32)
+ATT3_KERNEL(64)
+ATT3_KERNEL(128)
+ATT3_KERNEL(256)

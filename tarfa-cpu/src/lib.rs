@@ -88,24 +88,12 @@ pub struct EngineOptions {
 }
 
 impl Default for EngineOptions {
-    /// One thread per core and the fastest SIMD path (ignores `TARFA_SIMD`; see
-    /// [`EngineOptions::from_env`]).
+    /// One thread per core and the fastest SIMD path.
     fn default() -> Self {
         EngineOptions {
             threads: 0,
             kernel: Kernel::best(),
         }
-    }
-}
-
-impl EngineOptions {
-    /// One thread per core and the SIMD path `TARFA_SIMD` names (scalar, avx2, avx512), or the
-    /// fastest one when it is unset. An unknown or unsupported value is an error, not ignored.
-    pub fn from_env() -> Result<EngineOptions, RunError> {
-        Ok(EngineOptions {
-            threads: 0,
-            kernel: Kernel::from_env()?,
-        })
     }
 }
 

@@ -1,7 +1,7 @@
 //! The decode step (one token) as a launch list of kernels/decode.cu, captured once into a CUDA
 //! graph and replayed for every token (docs/PERFORMANCE.md, "CUDA decode").
 //!
-//! Per MoE layer (the defaults, PHASE_LOG P16): `dmv` q|k|v (input RMSNorm fused), `attn_decode`
+//! Per MoE layer (PHASE_LOG P16): `dmv` q|k|v (input RMSNorm fused), `attn_decode4`
 //! (q/k norm, RoPE, KV append, attention), `dmv` o_proj (+ residual), `dmv` router logits
 //! (post-attention RMSNorm fused), `gate_up_route` (the top-k in every block, then the k
 //! experts' gate and up with SwiGLU), `moe_down` (the k experts' down projections, mixed in
@@ -58,209 +58,79 @@ pub(super) struct DecodeCtx {
     pub(super) asked: DecodeMode,
     pub(super) running: DecodeMode,
     pub(super) note: String,
-    /// The attention and router kernels of the launch list (rebuilt when the environment
-    /// asks for others: `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER`).
+    /// The kernels of the launch list (a test may change attn_decode4's shared-memory limit;
+    /// the list is rebuilt when it does).
     pub(super) kernels: DecodeKernels,
 }
 
 const F: usize = 4;
 
-/// The most shared memory attn_decode2 and attn_decode3 take for their scores (larger contexts
-/// use the global scratch rows, as attn_decode always does).
+/// The most shared memory attn_decode4 takes for its scores and probabilities (larger contexts
+/// use the global scratch rows).
 const ATTN_SHARED_MAX: usize = 96 * 1024;
 
-/// Which version of a decode kernel the launch list uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum KernelVersion {
-    /// The first decode kernels (attn_decode, router_bf16/_f32).
-    V1,
-    /// attn_decode2 (one block barrier, scores in shared memory, warp-level softmax
-    /// statistics) and router2_bf16/_f32 (one-barrier norm, top-k by one warp).
-    V2,
-    /// The third versions where a kernel family has one: attn_decode3 (blocks of 512, fewer
-    /// instructions per warp); for the router, its logits by a dmv2 launch and the top-k by
-    /// route_dec; for the row kernels, moe_down_dec3.
-    V3,
-    /// The fourth: for attention attn_decode4 (attn_decode3 with its prologue's loads issued
-    /// together and its constants loaded before the programmatic-launch wait; the default,
-    /// PHASE_LOG P15, P16); for the router the top-k folded into the experts' kernels
-    /// (gate_up_route2, moe_down_route2f8e; the default, P16; with rows v1 as v3); for the row
-    /// kernels moe_down_dec4.
-    V4,
-    /// The fifth (row kernels only: the second versions without per-chunk guards where a
-    /// launch's rows are whole groups -- the `f` entry points of kernels/decode.cu, BF16, and
-    /// moe_down_dec2f8 for top-8 over widths of whole chunks; v2 elsewhere; for attention and
-    /// the router, and for v6 and v7 also, the same as v3).
-    V5,
-    /// The sixth (row kernels only): v5 with the q|k|v, o_proj, router-logit and lm_head
-    /// kernels loading their first weights before the programmatic-launch wait (the `e` entry
-    /// points), for `TARFA_CUDA_DECODE=graph-pdl`; v5 elsewhere.
-    V6,
-    /// The seventh (row kernels only): v6 with the experts' down kernel also loading its slots,
-    /// residuals and first weights before the wait (moe_down_dec2f8e, or moe_down_route2f8e
-    /// recomputing the router's choice when the router is v4); v6 elsewhere.
-    V7,
-}
-
-impl KernelVersion {
-    /// The row kernels without per-chunk guards where the shapes allow (v5, v6).
-    fn unguarded(self) -> bool {
-        matches!(
-            self,
-            KernelVersion::V5 | KernelVersion::V6 | KernelVersion::V7
-        )
-    }
-
-    /// The row kernels that load their first weights before the wait (v6, v7).
-    fn early_weights(self) -> bool {
-        matches!(self, KernelVersion::V6 | KernelVersion::V7)
-    }
-
-    /// The experts' down kernel too (v7).
-    fn early_down(self) -> bool {
-        self == KernelVersion::V7
-    }
-
-    /// `v1` .. `v7` (any case, surrounding spaces ignored); anything else: `default`.
-    fn parse(v: Option<&str>, default: KernelVersion) -> KernelVersion {
-        match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
-            Some("v1") => KernelVersion::V1,
-            Some("v2") => KernelVersion::V2,
-            Some("v3") => KernelVersion::V3,
-            Some("v4") => KernelVersion::V4,
-            Some("v5") => KernelVersion::V5,
-            Some("v6") => KernelVersion::V6,
-            Some("v7") => KernelVersion::V7,
-            _ => default,
-        }
-    }
-}
-
-/// The versions of the decode step's kernels, chosen when the launch list is built (an
-/// in-process A/B: a change is seen at the next step, which rebuilds the list and graph):
-/// `TARFA_CUDA_ATTN`, `TARFA_CUDA_ROUTER` and `TARFA_CUDA_ROWS` = `v1` .. `v7`; unset (or
-/// anything else): v4 attention and router, v7 row kernels (PHASE_LOG P7-P16: v2's kernels,
-/// unguarded where a launch's shape allows, loading their first weights before the
-/// programmatic-launch wait when the step runs as graph-pdl, v5 otherwise; the top-k folded into
-/// the experts' kernels; rows v3 and v4, which only change the experts' down kernel, measured
-/// slower). Every version computes the same bits.
+/// The decode step's kernels: one default per kernel family (PHASE_LOG P6-P17; the versions
+/// they replaced and the rejected ones live in git history, indexed by
+/// validation/kernels/README.md). Attention is attn_decode4; the router's logits come from a row
+/// kernel and its top-k is folded into the experts' kernels; the row kernels are the second
+/// versions, without per-chunk guards where a launch's shape allows. When the step runs with
+/// programmatic launch (`early`), the row kernels load their first weights before the wait, and
+/// the experts' down kernel its slots and residuals too; without the overlap those are slower
+/// than the plain ones (P16), so a step without it uses the plain ones. Both compute the same
+/// bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DecodeKernels {
-    pub(crate) attn: KernelVersion,
-    pub(crate) router: KernelVersion,
-    /// The row kernels (dmv, lm_head, experts): `TARFA_CUDA_ROWS` (v3: v2 with the experts'
-    /// down rows of at most 3 chunks all in flight, moe_down_dec3; v5: v2 without per-chunk
-    /// guards where the shapes allow; v7, the default: v5 loading first weights before the
-    /// programmatic-launch wait when the step has one, see [`DecodeKernels::for_launch`]).
-    pub(crate) rows: KernelVersion,
-    /// The most bytes of scores attn_decode2 and attn_decode3 keep in shared memory.
+    /// The row kernels that load their first weights before the programmatic-launch wait.
+    pub(crate) early: bool,
+    /// The most bytes of scores attn_decode4 keeps in shared memory (larger contexts use the
+    /// global scratch rows).
     pub(crate) attn_shared_max: usize,
-    /// Blocks of the stacked q|k|v launch (`TARFA_CUDA_QKV_BLOCKS`, a timing knob: which warp
-    /// takes which rows, never a value; `None`: two rows per warp, at most what the GPU holds at
-    /// once, PHASE_LOG P16).
-    pub(crate) qkv_blocks: Option<u32>,
-    /// Blocks of the o_proj and the experts' down launches (`TARFA_CUDA_OPROJ_BLOCKS`,
-    /// `TARFA_CUDA_DOWN_BLOCKS`: timing knobs as `qkv_blocks`; `None`: [`CudaModel::row_grid`]).
-    pub(crate) oproj_blocks: Option<u32>,
-    pub(crate) down_blocks: Option<u32>,
 }
 
 #[cfg(test)]
 thread_local! {
-    /// A test's choice, instead of the environment (tests run in parallel threads).
-    pub(crate) static KERNELS_FOR_TEST: std::cell::Cell<Option<DecodeKernels>> =
+    /// A test's limit on attn_decode4's shared scores, to run its scratch-row path on short
+    /// contexts (tests run in parallel threads).
+    pub(crate) static ATTN_SHARED_MAX_FOR_TEST: std::cell::Cell<Option<usize>> =
         const { std::cell::Cell::new(None) };
 }
 
 impl DecodeKernels {
-    /// The kernels of a step whose launches run with (`pdl`) or without programmatic launch:
-    /// the row kernels that load their first weights before the wait (v6, v7) gain only from
-    /// the overlap, and without it are slower than v5 (PHASE_LOG P16), so they become v5.
-    pub(crate) fn for_launch(self, pdl: bool) -> Self {
-        if !pdl && self.rows.early_weights() {
-            DecodeKernels {
-                rows: KernelVersion::V5,
-                ..self
-            }
-        } else {
-            self
-        }
-    }
-
-    pub(crate) fn from_env() -> Self {
+    /// The kernels of a step whose launches run with (`early`) or without programmatic launch.
+    pub(crate) fn for_launch(early: bool) -> Self {
         #[cfg(test)]
-        if let Some(k) = KERNELS_FOR_TEST.with(|c| c.get()) {
-            return k;
+        if let Some(max) = ATTN_SHARED_MAX_FOR_TEST.with(|c| c.get()) {
+            return DecodeKernels {
+                early,
+                attn_shared_max: max,
+            };
         }
-        let pick =
-            |var: &str, default| KernelVersion::parse(std::env::var(var).ok().as_deref(), default);
         DecodeKernels {
-            attn: pick("TARFA_CUDA_ATTN", KernelVersion::V4),
-            router: pick("TARFA_CUDA_ROUTER", KernelVersion::V4),
-            rows: pick("TARFA_CUDA_ROWS", KernelVersion::V7),
+            early,
             attn_shared_max: ATTN_SHARED_MAX,
-            qkv_blocks: blocks_var("TARFA_CUDA_QKV_BLOCKS"),
-            oproj_blocks: blocks_var("TARFA_CUDA_OPROJ_BLOCKS"),
-            down_blocks: blocks_var("TARFA_CUDA_DOWN_BLOCKS"),
         }
     }
 }
 
-/// Which of the head-dimension caps 32, 64, 128, 256 serves head dimension `d`: the smallest at
-/// least `d` (attn_decode3 and attn_decode4 have one kernel per cap).
-fn attn_cap(d: usize) -> usize {
-    match d {
-        0..=32 => 0,
-        33..=64 => 1,
-        65..=128 => 2,
-        _ => 3,
-    }
-}
-
-/// The attn_decode3 kernel for head dimension `d` (even, at most 256).
-pub(crate) fn attn_decode3_name(d: usize) -> &'static str {
-    [
-        "attn_decode3_d32",
-        "attn_decode3_d64",
-        "attn_decode3_d128",
-        "attn_decode3_d256",
-    ][attn_cap(d)]
-}
-
-/// attn_decode4 (TARFA_CUDA_ATTN=v4: attn_decode3 with its prologue's loads issued together)
-/// for head dimension `d`.
+/// attn_decode4 for head dimension `d` (even, at most 256): one kernel per head-dimension cap
+/// (32, 64, 128, 256), the smallest at least `d`.
 pub(crate) fn attn_decode4_name(d: usize) -> &'static str {
-    [
-        "attn_decode4_d32",
-        "attn_decode4_d64",
-        "attn_decode4_d128",
-        "attn_decode4_d256",
-    ][attn_cap(d)]
+    match d {
+        0..=32 => "attn_decode4_d32",
+        33..=64 => "attn_decode4_d64",
+        65..=128 => "attn_decode4_d128",
+        _ => "attn_decode4_d256",
+    }
 }
 
 /// Blocks (of 8 warps) of the stacked q|k|v launch over `rows` rows when the GPU holds
 /// `resident` such blocks at once: two rows per warp (each warp issues its second row's loads
 /// before its first row's tree), which measured faster than one pass of one row per warp
-/// (PHASE_LOG P16), never more than it holds; `blocks` (`TARFA_CUDA_QKV_BLOCKS`) overrides, up to
-/// one row per warp.
-fn qkv_grid(rows: usize, resident: u32, blocks: Option<u32>) -> u32 {
+/// (PHASE_LOG P16; other block counts, P17, were no faster), never more than it holds.
+fn qkv_grid(rows: usize, resident: u32) -> u32 {
     let one_per_warp = rows.div_ceil(8).max(1) as u32;
     let two_per_warp = (rows.div_ceil(16).max(1) as u32).min(resident.max(1));
-    override_blocks(two_per_warp, rows, blocks).min(one_per_warp)
-}
-
-/// A positive block count from the environment variable `var`, if it holds one.
-fn blocks_var(var: &str) -> Option<u32> {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .filter(|&n| n > 0)
-}
-
-/// The blocks of a row launch over `rows` rows: `blocks` (a timing override) when set, at most
-/// one row per warp, else `grid`.
-fn override_blocks(grid: u32, rows: usize, blocks: Option<u32>) -> u32 {
-    blocks.map_or(grid, |n| n.clamp(1, rows.div_ceil(8).max(1) as u32))
+    two_per_warp.min(one_per_warp)
 }
 
 fn p(b: &DevBuf) -> Arg {
@@ -360,7 +230,7 @@ impl CudaModel {
         let act = (k * cfg.expert_width)
             .max(cfg.dense_width.unwrap_or(0))
             .max(1);
-        let lm_grid = self.lm_grid(kernels.rows);
+        let lm_grid = self.lm_grid(kernels.early);
         let slices = d.div_ceil(32);
         Ok(DecBufs {
             cap,
@@ -385,7 +255,8 @@ impl CudaModel {
             kth: g.alloc(moe * 4, w)?,
             next: g.alloc(moe * 4, w)?,
             logits: g.alloc(cfg.vocab_size * F, "the decode step's logits")?,
-            // a row per (query head, slice) for attn_decode/_decode2, a pair for attn_decode3
+            // a pair of rows per (query head, slice): attn_decode4's scores and probabilities when
+            // they do not fit in shared memory
             scores: g.alloc(hq * slices * 2 * cap * F, "the decode attention's scores")?,
             lm_grid,
         })
@@ -399,37 +270,35 @@ impl CudaModel {
         need.min(resident.max(1))
     }
 
-    fn lm_name(&self, rows: KernelVersion) -> &'static str {
+    /// The lm_head kernel: without per-chunk guards over rows of whole 8-chunk groups.
+    fn lm_name(&self, early: bool) -> &'static str {
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-        match (lm.dtype, rows) {
-            (DType::Bf16, KernelVersion::V1) => "lmhead_bf16",
-            (DType::F32, KernelVersion::V1) => "lmhead_f32",
-            (DType::Bf16, v) if v.early_weights() && lm.cols.is_multiple_of(2048) => {
-                "lmhead2fe_bf16"
+        match lm.dtype {
+            DType::Bf16 if lm.cols.is_multiple_of(2048) => {
+                if early {
+                    "lmhead2fe_bf16"
+                } else {
+                    "lmhead2f_bf16"
+                }
             }
-            (DType::Bf16, v) if v.unguarded() && lm.cols.is_multiple_of(2048) => "lmhead2f_bf16",
-            (DType::Bf16, _) => "lmhead2_bf16",
-            (DType::F32, _) => "lmhead2_f32",
+            DType::Bf16 => "lmhead2_bf16",
+            DType::F32 => "lmhead2_f32",
         }
     }
 
-    /// Dynamic shared memory of a row kernel over `cols` inputs: the second versions stage the
-    /// RMSNorm weights beside the input (kernels/decode.cu `stage_issue`).
-    fn row_shared(cols: usize, norm: bool, rows: KernelVersion) -> u32 {
-        let n = if norm && rows != KernelVersion::V1 {
-            2 * cols
-        } else {
-            cols
-        };
+    /// Dynamic shared memory of a row kernel over `cols` inputs: the RMSNorm weights are staged
+    /// beside the input (kernels/decode.cu `stage_issue`).
+    fn row_shared(cols: usize, norm: bool) -> u32 {
+        let n = if norm { 2 * cols } else { cols };
         (n * F) as u32
     }
 
-    fn lm_grid(&self, rows: KernelVersion) -> u32 {
+    fn lm_grid(&self, early: bool) -> u32 {
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
         self.row_grid(
-            self.lm_name(rows),
+            self.lm_name(early),
             lm.rows,
-            Self::row_shared(lm.cols, true, rows),
+            Self::row_shared(lm.cols, true),
         )
     }
 
@@ -446,34 +315,30 @@ impl CudaModel {
         residual: bool,
         xn_out: u64,
         label: &'static str,
-        rows: KernelVersion,
+        early: bool,
     ) -> Launch {
-        let name = match (w.dtype, rows) {
-            (DType::Bf16, KernelVersion::V1) => "dmv_bf16",
-            (DType::F32, KernelVersion::V1) => "dmv_f32",
-            // v5: rows of whole groups without the per-chunk guards
-            (DType::Bf16, v)
-                if v.unguarded() && w.cols > 8 * 256 && w.cols.is_multiple_of(4096) =>
-            {
-                if v.early_weights() {
+        let name = match w.dtype {
+            // rows of whole groups without the per-chunk guards
+            DType::Bf16 if w.cols > 8 * 256 && w.cols.is_multiple_of(4096) => {
+                if early {
                     "dmv2wfe_bf16"
                 } else {
                     "dmv2wf_bf16"
                 }
             }
-            (DType::Bf16, v) if v.unguarded() && w.cols.is_multiple_of(2048) => {
-                if v.early_weights() {
+            DType::Bf16 if w.cols.is_multiple_of(2048) => {
+                if early {
                     "dmv2fe_bf16"
                 } else {
                     "dmv2f_bf16"
                 }
             }
             // rows of more than 8 chunks: the whole row in flight (kernels/decode.cu dmv2w)
-            (DType::Bf16, _) if w.cols > 8 * 256 => "dmv2w_bf16",
-            (DType::Bf16, _) => "dmv2_bf16",
-            (DType::F32, _) => "dmv2_f32",
+            DType::Bf16 if w.cols > 8 * 256 => "dmv2w_bf16",
+            DType::Bf16 => "dmv2_bf16",
+            DType::F32 => "dmv2_f32",
         };
-        let shared = Self::row_shared(w.cols, norm != 0, rows);
+        let shared = Self::row_shared(w.cols, norm != 0);
         Launch {
             name,
             grid: (self.row_grid(name, w.rows, shared), 1, 1),
@@ -509,9 +374,9 @@ impl CudaModel {
         need.min((resident / slots.max(1) as u32).max(1))
     }
 
-    /// The experts' gate/up kernel with the router's top-k folded in (TARFA_CUDA_ROUTER=v4,
-    /// kernels/decode.cu gate_up_route2): every block selects the experts from the router's
-    /// logits itself; the first block writes the router's `records` (route_dec's outputs).
+    /// The experts' gate/up kernel with the router's top-k folded in (kernels/decode.cu
+    /// gate_up_route2; PHASE_LOG P16): every block selects the experts from the router's
+    /// logits itself; the first block writes the router's `records`.
     #[allow(clippy::too_many_arguments)]
     fn gate_up_route(
         &self,
@@ -522,10 +387,9 @@ impl CudaModel {
         act: u64,
         logits: u64,
         records: &[Arg; 6],
-        version: KernelVersion,
     ) -> Launch {
         let (cols, e_count, k) = (self.cfg.hidden_size, self.cfg.num_experts, self.cfg.top_k);
-        let name = if version.unguarded() && cols.is_multiple_of(2048) {
+        let name = if cols.is_multiple_of(2048) {
             "gate_up_route2f_bf16"
         } else {
             "gate_up_route2_bf16"
@@ -556,7 +420,8 @@ impl CudaModel {
         }
     }
 
-    /// The gate/up kernel: experts chosen by `ids` (k slots), or a dense MLP (`ids` = 0).
+    /// The gate/up kernel of a dense MLP or a shared expert (one slot, `ids` = 0: the kernel
+    /// also takes experts chosen by `ids`, k slots).
     #[allow(clippy::too_many_arguments)]
     fn gate_up_dec(
         &self,
@@ -570,19 +435,14 @@ impl CudaModel {
         norm: u64,
         act: u64,
         label: &'static str,
-        version: KernelVersion,
     ) -> Launch {
-        let name = match (dtype, version) {
-            (DType::Bf16, KernelVersion::V1) => "gate_up_dec_bf16",
-            (DType::F32, KernelVersion::V1) => "gate_up_dec_f32",
-            (DType::Bf16, v) if v.unguarded() && self.cfg.hidden_size.is_multiple_of(2048) => {
-                "gate_up_dec2f_bf16"
-            }
-            (DType::Bf16, _) => "gate_up_dec2_bf16",
-            (DType::F32, _) => "gate_up_dec2_f32",
+        let name = match dtype {
+            DType::Bf16 if self.cfg.hidden_size.is_multiple_of(2048) => "gate_up_dec2f_bf16",
+            DType::Bf16 => "gate_up_dec2_bf16",
+            DType::F32 => "gate_up_dec2_f32",
         };
         let cols = self.cfg.hidden_size;
-        let shared = Self::row_shared(cols, norm != 0, version);
+        let shared = Self::row_shared(cols, norm != 0);
         Launch {
             name,
             grid: (
@@ -675,11 +535,11 @@ impl CudaModel {
                     false,
                     0,
                     "attention q|k|v (+input norm)",
-                    kernels.rows,
+                    kernels.early,
                 );
                 let resident = self.gpu.occupancy(launch.name, 256, launch.shared)
                     * self.gpu.info.multiprocessors.max(1);
-                launch.grid.0 = qkv_grid(qkv_rows, resident, kernels.qkv_blocks);
+                launch.grid.0 = qkv_grid(qkv_rows, resident);
                 v.push(launch);
             } else {
                 for (m, bias, out) in [
@@ -697,7 +557,7 @@ impl CudaModel {
                         false,
                         0,
                         "attention q|k|v (+input norm)",
-                        kernels.rows,
+                        kernels.early,
                     ));
                 }
             }
@@ -730,31 +590,18 @@ impl CudaModel {
                 }
                 _ => (0, 0),
             };
-            // attn_decode2 keeps the scores in shared memory when they fit (scratch = 0);
-            // attn_decode3 too (scores and probabilities: 2 x cap floats), in blocks of 512
-            let (att_name, att_block, att_shared, att_scratch) = match kernels.attn {
-                KernelVersion::V1 => ("attn_decode", 256, (3 * d * F) as u32, b.scores.ptr()),
-                KernelVersion::V2 if cache.cap * F <= kernels.attn_shared_max => {
-                    ("attn_decode2", 256, (cache.cap * F) as u32, 0)
-                }
-                KernelVersion::V2 => ("attn_decode2", 256, 0, b.scores.ptr()),
-                v => {
-                    let name = if v == KernelVersion::V4 {
-                        attn_decode4_name(d)
-                    } else {
-                        attn_decode3_name(d)
-                    };
-                    if 2 * cache.cap * F <= kernels.attn_shared_max {
-                        (name, 512, (2 * cache.cap * F) as u32, 0)
-                    } else {
-                        (name, 512, 0, b.scores.ptr())
-                    }
-                }
+            // the scores and probabilities (2 x cap floats) in shared memory when they fit,
+            // else in the global scratch rows
+            let att_name = attn_decode4_name(d);
+            let (att_shared, att_scratch) = if 2 * cache.cap * F <= kernels.attn_shared_max {
+                ((2 * cache.cap * F) as u32, 0)
+            } else {
+                (0, b.scores.ptr())
             };
             v.push(Launch {
                 name: att_name,
                 grid: (hq as u32, slices as u32, 1),
-                block: (att_block, 1, 1),
+                block: (512, 1, 1),
                 shared: att_shared,
                 args: vec![
                     Arg::Ptr(qkv),
@@ -782,7 +629,7 @@ impl CudaModel {
                 bytes: 0,
             });
             // h = h + W_o o (+ b_o)
-            let mut o_proj = self.dmv(
+            v.push(self.dmv(
                 &a.o,
                 b.o.ptr(),
                 0,
@@ -792,10 +639,8 @@ impl CudaModel {
                 true,
                 0,
                 "attention o_proj (+residual)",
-                kernels.rows,
-            );
-            o_proj.grid.0 = override_blocks(o_proj.grid.0, h, kernels.oproj_blocks);
-            v.push(o_proj);
+                kernels.early,
+            ));
             match &layer.mlp {
                 DevMlp::Dense(m) => {
                     let f = m.gate.rows;
@@ -810,7 +655,6 @@ impl CudaModel {
                         layer.post_norm.ptr(),
                         b.act.ptr(),
                         "dense MLP gate+up (+post norm)",
-                        kernels.rows,
                     ));
                     v.push(self.dmv(
                         &m.down,
@@ -822,7 +666,7 @@ impl CudaModel {
                         true,
                         0,
                         "dense MLP down (+residual)",
-                        kernels.rows,
+                        kernels.early,
                     ));
                 }
                 DevMlp::Moe {
@@ -839,8 +683,7 @@ impl CudaModel {
                     let e_count = cfg.num_experts;
                     let rec = (moe_index * k_top * 4) as u64;
                     let one = (moe_index * 4) as u64;
-                    // the router's records for this layer (route_dec's and gate_up_route2's
-                    // last six arguments)
+                    // the router's records for this layer (gate_up_route2's last six arguments)
                     let records = [
                         Arg::Ptr(b.ids.ptr() + rec),
                         Arg::Ptr(b.probs.ptr() + rec),
@@ -849,86 +692,19 @@ impl CudaModel {
                         Arg::Ptr(b.kth.ptr() + one),
                         Arg::Ptr(b.next.ptr() + one),
                     ];
-                    // v4: the top-k folded into the experts' gate+up kernel (not with rows v1,
-                    // whose moe_down_dec reads the router's choices before its programmatic-
-                    // launch wait, so they must be written two kernels back: route_dec's)
-                    let fused_route =
-                        kernels.router == KernelVersion::V4 && kernels.rows != KernelVersion::V1;
-                    if !matches!(kernels.router, KernelVersion::V1 | KernelVersion::V2) {
-                        // the logits by a plain row kernel, then the top-k as a kernel of its
-                        // own (kernels/decode.cu route_dec)
-                        v.push(self.dmv(
-                            router,
-                            b.h.ptr(),
-                            layer.post_norm.ptr(),
-                            [0; 3],
-                            (e_count, e_count),
-                            b.router_logits.ptr(),
-                            false,
-                            b.xn.ptr(),
-                            "router (+post norm, top-k)",
-                            if kernels.rows.unguarded() {
-                                kernels.rows
-                            } else {
-                                KernelVersion::V2
-                            },
-                        ));
-                        if !fused_route {
-                            let mut args = vec![
-                                p(&b.router_logits),
-                                i32a(e_count),
-                                i32a(k_top),
-                                Arg::I32(i32::from(self.spec.renormalize_topk)),
-                            ];
-                            args.extend(records.iter().cloned());
-                            v.push(Launch {
-                                name: "route_dec",
-                                grid: (1, 1, 1),
-                                block: (256, 1, 1),
-                                shared: (3 * e_count * F) as u32,
-                                args,
-                                pdl: true,
-                                label: "router (+post norm, top-k)",
-                                bytes: 0,
-                            });
-                        }
-                    } else {
-                        let name = match (router.dtype, kernels.router) {
-                            (DType::Bf16, KernelVersion::V1) => "router_bf16",
-                            (DType::F32, KernelVersion::V1) => "router_f32",
-                            (DType::Bf16, _) => "router2_bf16",
-                            (DType::F32, _) => "router2_f32",
-                        };
-                        let shared_mem = ((2 * e_count + k_top).max(h) * F) as u32;
-                        v.push(Launch {
-                            name,
-                            grid: (e_count.div_ceil(8) as u32, 1, 1),
-                            block: (256, 1, 1),
-                            shared: shared_mem,
-                            args: vec![
-                                Arg::Ptr(router.ptr()),
-                                i32a(e_count),
-                                i32a(h),
-                                p(&b.h),
-                                Arg::Ptr(layer.post_norm.ptr()),
-                                Arg::F32(cfg.eps_f32()),
-                                p(&b.router_logits),
-                                p(&b.xn),
-                                Arg::Ptr(b.counters.ptr() + (l * 4) as u64),
-                                i32a(k_top),
-                                Arg::I32(i32::from(self.spec.renormalize_topk)),
-                                Arg::Ptr(b.ids.ptr() + rec),
-                                Arg::Ptr(b.probs.ptr() + rec),
-                                Arg::Ptr(b.weights.ptr() + rec),
-                                Arg::Ptr(b.by_id.ptr() + rec),
-                                Arg::Ptr(b.kth.ptr() + one),
-                                Arg::Ptr(b.next.ptr() + one),
-                            ],
-                            pdl: true,
-                            label: "router (+post norm, top-k)",
-                            bytes: router.bytes(),
-                        });
-                    }
+                    // the logits by a row kernel; the top-k in the experts' kernels
+                    v.push(self.dmv(
+                        router,
+                        b.h.ptr(),
+                        layer.post_norm.ptr(),
+                        [0; 3],
+                        (e_count, e_count),
+                        b.router_logits.ptr(),
+                        false,
+                        b.xn.ptr(),
+                        "router (+post norm, top-k)",
+                        kernels.early,
+                    ));
                     let (mut y_sh, mut s_sh) = (0u64, 0u64);
                     if let Some(sh) = shared {
                         let (m, sg) = &**sh;
@@ -944,7 +720,6 @@ impl CudaModel {
                             0,
                             b.act_sh.ptr(),
                             "shared expert",
-                            kernels.rows,
                         ));
                         v.push(self.dmv(
                             &m.down,
@@ -956,7 +731,7 @@ impl CudaModel {
                             false,
                             0,
                             "shared expert",
-                            kernels.rows,
+                            kernels.early,
                         ));
                         v.push(self.dmv(
                             sg,
@@ -968,73 +743,38 @@ impl CudaModel {
                             false,
                             0,
                             "shared expert",
-                            kernels.rows,
+                            kernels.early,
                         ));
                         y_sh = b.y_sh.ptr();
                         s_sh = b.s_sh.ptr();
                     }
                     let i = cfg.expert_width;
-                    if fused_route {
-                        v.push(self.gate_up_route(
-                            experts.gate.ptr(),
-                            experts.up.ptr(),
-                            i,
-                            b.xn.ptr(),
-                            b.act.ptr(),
-                            b.router_logits.ptr(),
-                            &records,
-                            kernels.rows,
-                        ));
-                    } else {
-                        v.push(self.gate_up_dec(
-                            DType::Bf16,
-                            experts.gate.ptr(),
-                            experts.up.ptr(),
-                            i,
-                            b.ids.ptr() + rec,
-                            k_top,
-                            b.xn.ptr(),
-                            0,
-                            b.act.ptr(),
-                            "experts gate+up (k experts, SwiGLU)",
-                            kernels.rows,
-                        ));
-                    }
-                    let name = match kernels.rows {
-                        KernelVersion::V1 => "moe_down_dec",
-                        // v3: rows of at most 3 chunks all in flight at once
-                        KernelVersion::V3 if i <= 3 * 256 => "moe_down_dec3",
-                        // v4: rows of at most 3 chunks, a row's experts over two warps
-                        KernelVersion::V4 if i <= 3 * 256 => "moe_down_dec4",
-                        // v7: top-8 over whole chunks, slots and first weights before the
-                        // wait (the router's choice recomputed when the kernel just before
-                        // writes it: router v4)
-                        v if v.early_down() && k_top == 8 && i.is_multiple_of(256) => {
-                            if fused_route {
-                                "moe_down_route2f8e"
-                            } else {
-                                "moe_down_dec2f8e"
-                            }
-                        }
-                        // v5: top-8 over whole chunks, no guards
-                        v if v.unguarded() && k_top == 8 && i.is_multiple_of(256) => {
+                    v.push(self.gate_up_route(
+                        experts.gate.ptr(),
+                        experts.up.ptr(),
+                        i,
+                        b.xn.ptr(),
+                        b.act.ptr(),
+                        b.router_logits.ptr(),
+                        &records,
+                    ));
+                    // top-8 over whole chunks: without guards, and with programmatic launch its
+                    // slots, residuals and first weights loaded before the wait (the router's
+                    // choice recomputed from its logits, as the kernel just before writes it)
+                    let name = if k_top == 8 && i.is_multiple_of(256) {
+                        if kernels.early {
+                            "moe_down_route2f8e"
+                        } else {
                             "moe_down_dec2f8"
                         }
-                        _ => "moe_down_dec2",
+                    } else {
+                        "moe_down_dec2"
                     };
                     let route_args = name == "moe_down_route2f8e";
                     let shared_mem =
                         ((k_top * i + if route_args { 3 * e_count } else { 0 }) * F) as u32;
                     self.gpu.allow_shared(name, shared_mem)?;
-                    // moe_down_dec4 takes 4 rows per block (2 warps a row), the others 8
-                    let grid = if name == "moe_down_dec4" {
-                        let resident = self.gpu.occupancy(name, 256, shared_mem)
-                            * self.gpu.info.multiprocessors.max(1);
-                        (h.div_ceil(4).max(1) as u32).min(resident.max(1))
-                    } else {
-                        self.row_grid(name, h, shared_mem)
-                    };
-                    let grid = override_blocks(grid, h, kernels.down_blocks);
+                    let grid = self.row_grid(name, h, shared_mem);
                     let mut args = vec![
                         Arg::Ptr(experts.down.ptr()),
                         i32a(h),
@@ -1071,12 +811,12 @@ impl CudaModel {
 
         // Step 5: logits = W_lm RMSNorm(h); the greedy token into the state
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let name = self.lm_name(kernels.rows);
+        let name = self.lm_name(kernels.early);
         v.push(Launch {
             name,
             grid: (b.lm_grid, 1, 1),
             block: (256, 1, 1),
-            shared: Self::row_shared(lm.cols, true, kernels.rows),
+            shared: Self::row_shared(lm.cols, true),
             args: vec![
                 Arg::Ptr(lm.ptr()),
                 i32a(lm.rows),
@@ -1105,7 +845,9 @@ impl CudaModel {
     /// for the graph modes, the captured graph (a failed capture falls back to the next mode,
     /// and says so in [`CudaCache::decode_note`]).
     pub(super) fn ensure_decode(&self, cache: &mut CudaCache) -> Result<(), CudaError> {
-        let kernels = DecodeKernels::from_env();
+        // the buffers are sized for the launches with programmatic launch (the lm_head's
+        // partial results), which also serve the fallback's
+        let kernels = DecodeKernels::for_launch(true);
         if let Some(dc) = &cache.dec {
             if dc.bufs.cap == cache.cap && dc.asked == cache.mode && dc.kernels == kernels {
                 return Ok(());
@@ -1120,7 +862,7 @@ impl CudaModel {
         let graph_asked = matches!(asked, DecodeMode::Graph | DecodeMode::GraphPdl)
             && !self.gpu.sync_each_kernel();
         let mut pdl_plan = graph_asked && asked == DecodeMode::GraphPdl;
-        let mut launches = self.decode_plan(cache, &bufs, kernels.for_launch(pdl_plan))?;
+        let mut launches = self.decode_plan(cache, &bufs, DecodeKernels::for_launch(pdl_plan))?;
         let mut note = String::new();
         let mut graph = None;
         let mut running = DecodeMode::Direct;
@@ -1132,7 +874,7 @@ impl CudaModel {
             };
             for &pdl in tries {
                 if pdl_plan && !pdl {
-                    launches = self.decode_plan(cache, &bufs, kernels.for_launch(false))?;
+                    launches = self.decode_plan(cache, &bufs, DecodeKernels::for_launch(false))?;
                     pdl_plan = false;
                 }
                 match self.gpu.capture(&launches, pdl) {
@@ -1572,15 +1314,14 @@ mod tests {
     #[test]
     fn the_qkv_launch_takes_two_rows_per_warp_within_what_the_gpu_holds() {
         // Qwen3-30B-A3B's 5,120 q|k|v rows on the H200 (528 resident blocks): 320 blocks
-        assert_eq!(qkv_grid(5120, 528, None), 320);
+        assert_eq!(qkv_grid(5120, 528), 320);
         // a GPU that holds fewer: all it holds (each warp then takes more rows)
-        assert_eq!(qkv_grid(5120, 132, None), 132);
+        assert_eq!(qkv_grid(5120, 132), 132);
         // a partial last block and a tiny model
-        assert_eq!(qkv_grid(5121, 528, None), 321);
-        assert_eq!(qkv_grid(3, 528, None), 1);
-        // the override, at most one row per warp and at least one block
-        assert_eq!(qkv_grid(5120, 528, Some(264)), 264);
-        assert_eq!(qkv_grid(5120, 528, Some(10_000)), 640);
-        assert_eq!(qkv_grid(5120, 528, Some(0)), 1);
+        assert_eq!(qkv_grid(5121, 528), 321);
+        assert_eq!(qkv_grid(3, 528), 1);
+        // never more blocks than one row per warp needs
+        assert_eq!(qkv_grid(9, 528), 1);
+        assert_eq!(qkv_grid(17, 528), 2);
     }
 }

@@ -227,29 +227,7 @@ impl Gpu {
                 funcs.insert(entry, f);
             }
         }
-        // A timing experiment (no effect on any value computed): TARFA_CUDA_CARVEOUT=P asks the
-        // driver for a P% shared-memory carveout of L1 for every kernel, so consecutive kernels
-        // need no reconfiguration of the multiprocessors between them.
-        if let Some(pct) = std::env::var("TARFA_CUDA_CARVEOUT")
-            .ok()
-            .and_then(|v| v.trim().parse::<i32>().ok())
-            .filter(|p| (0..=100).contains(p))
-        {
-            for (name, f) in &funcs {
-                // SAFETY: sets one attribute of a loaded function.
-                unsafe {
-                    sys::cuFuncSetAttribute(
-                        cuda_function(f),
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                        pct,
-                    )
-                }
-                .result()
-                .map_err(|e| driver_err(e, format!("set the shared-memory carveout of {name}")))?;
-            }
-        }
-        let sync_each = opts.sync_each_kernel
-            || std::env::var("TARFA_CUDA_SYNC").is_ok_and(|v| v.trim() == "1");
+        let sync_each = opts.tuning.sync_each_kernel;
         Ok(Gpu {
             inner: Inner::Cuda { ctx, stream, funcs },
             info,
@@ -309,7 +287,7 @@ impl Gpu {
         }
     }
 
-    /// Whether every kernel is waited for (`TARFA_CUDA_SYNC=1`): no graphs then.
+    /// Whether every kernel is waited for (`CudaTuning::sync_each_kernel`): no graphs then.
     pub(crate) fn sync_each_kernel(&self) -> bool {
         self.sync_each
     }
@@ -480,12 +458,12 @@ impl Gpu {
         driver_err(
             e,
             format!(
-                "{what} (last kernel launched: {last}; TARFA_CUDA_SYNC=1 checks after every kernel)"
+                "{what} (last kernel launched: {last}; --cuda-sync checks after every kernel)"
             ),
         )
     }
 
-    /// Launches kernel `name`. With `TARFA_CUDA_SYNC=1` (or `CudaOptions::sync_each_kernel`)
+    /// Launches kernel `name`. With [`CudaTuning::sync_each_kernel`](crate::CudaTuning)
     /// waits for it, so that a failure names this kernel.
     pub(crate) fn launch(
         &self,

@@ -217,14 +217,27 @@ pub(crate) fn gib(b: u64) -> String {
 pub struct CudaOptions {
     /// Device ordinal.
     pub device: usize,
-    /// Wait after every kernel so that a failure names it (slow; also `TARFA_CUDA_SYNC=1`).
-    pub sync_each_kernel: bool,
-    /// How one-token (decode) steps run; `None`: `TARFA_CUDA_DECODE`, else [`DecodeMode::GraphPdl`].
-    pub decode: Option<DecodeMode>,
+    /// How it runs, where that changes speed and never a bit.
+    pub tuning: CudaTuning,
     /// Expert streaming: keep only the dense weights resident and hold experts in a hot tier of
     /// this much GPU memory, fetching the rest from the weight source (the warm tier and the
     /// bundle) as the router chooses them. `None`: every expert is uploaded at load.
     pub hot: Option<HotOptions>,
+}
+
+/// The CUDA backend's knobs that change how fast it runs, never what it computes: read once, when
+/// the model is loaded (the library reads no environment variable). The CLI sets them from its
+/// flags; the defaults are what PHASE_LOG measured fastest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaTuning {
+    /// How one-token (decode) steps run (default [`DecodeMode::GraphPdl`]).
+    pub decode: DecodeMode,
+    /// Wait after every kernel so that a failure names it (slow: a debugging aid; the decode
+    /// step then launches its kernels one by one).
+    pub sync_each_kernel: bool,
+    /// Copy streamed experts to the hot tier from pageable host memory instead of page-locked
+    /// buffers (slower; the other arm of PHASE_LOG S2's A/B).
+    pub pageable_warm_tier: bool,
 }
 
 /// The hot tier of expert streaming: GPU memory for experts ([`CudaOptions::hot`]).
@@ -294,8 +307,10 @@ impl HotStats {
 }
 
 /// How a decode step (one token) runs on the GPU. Every mode computes the same bits; they differ
-/// in kernels and launches only (docs/PERFORMANCE.md, "CUDA decode").
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// in kernels and launches only (docs/PERFORMANCE.md, "CUDA decode"). The default is the fastest;
+/// the others are its fallbacks (a model the decode kernels cannot take runs `Legacy`; a failed
+/// graph capture falls back to `Graph`, then `Direct`) and what benchmarks compare it with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DecodeMode {
     /// The per-operation kernels of a prefill step with one token (~14 launches per layer).
     Legacy,
@@ -305,13 +320,14 @@ pub enum DecodeMode {
     Graph,
     /// As `Graph`, with programmatic dependent launch between the kernels (Hopper and later):
     /// the default. Each kernel's blocks start as the previous kernel drains and load their
-    /// first weights before they wait for it (TARFA_CUDA_ROWS=v7; PHASE_LOG P16). Where the
-    /// capture fails, the step falls back to `Graph` with kernels that load after the wait.
+    /// first weights before they wait for it (PHASE_LOG P16). Where the capture fails, the step
+    /// falls back to `Graph` with kernels that load after the wait.
+    #[default]
     GraphPdl,
 }
 
 impl DecodeMode {
-    /// The name used by `TARFA_CUDA_DECODE` and in reports.
+    /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {
             DecodeMode::Legacy => "legacy",
@@ -321,15 +337,16 @@ impl DecodeMode {
         }
     }
 
-    /// Parses a `TARFA_CUDA_DECODE` value.
-    pub fn parse(s: &str) -> Option<DecodeMode> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "legacy" => Some(DecodeMode::Legacy),
-            "direct" => Some(DecodeMode::Direct),
-            "graph" => Some(DecodeMode::Graph),
-            "graph-pdl" | "pdl" => Some(DecodeMode::GraphPdl),
-            _ => None,
-        }
+    /// Parses a mode's [`DecodeMode::name`], exactly: anything else is an error that lists the
+    /// names.
+    pub fn parse(s: &str) -> Result<DecodeMode, String> {
+        DecodeMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = DecodeMode::ALL.iter().map(|m| m.name()).collect();
+                format!("unknown decode mode {s:?} (one of {})", names.join(", "))
+            })
     }
 
     /// Every mode, slowest first.

@@ -163,14 +163,20 @@ impl CudaModel {
         opts: &CudaOptions,
     ) -> Result<CudaModel, CudaError> {
         let mut m = CudaModel::load_on(Gpu::open(opts)?, cfg, source, opts.hot.as_ref())?;
-        if let Some(mode) = opts.decode {
-            m.decode_mode = mode;
+        m.decode_mode = opts.tuning.decode;
+        // Streamed experts are copied from page-locked buffers, asynchronously at the bus's
+        // speed, unless asked otherwise (the A/B's other arm).
+        if let Some(source) = &m.stream_source {
+            if !opts.tuning.pageable_warm_tier {
+                if let Some(pin) = m.gpu.host_pin() {
+                    source.use_host_pin(pin);
+                }
+            }
         }
         Ok(m)
     }
 
-    /// The decode mode new caches start with ([`CudaOptions::decode`], else
-    /// `TARFA_CUDA_DECODE`, else [`DecodeMode::GraphPdl`]).
+    /// The decode mode new caches start with ([`CudaTuning::decode`](crate::CudaTuning)).
     pub fn default_decode_mode(&self) -> DecodeMode {
         self.decode_mode
     }
@@ -308,10 +314,7 @@ impl CudaModel {
             });
         }
         gpu.sync("the weight upload")?;
-        let decode_mode = std::env::var("TARFA_CUDA_DECODE")
-            .ok()
-            .and_then(|v| DecodeMode::parse(&v))
-            .unwrap_or(DecodeMode::GraphPdl);
+        let decode_mode = DecodeMode::default();
         let hot = match hot {
             Some(o) => Some(Box::new(Mutex::new(HotTier::new(
                 &gpu, &cfg, moe_layers, o,
@@ -319,14 +322,6 @@ impl CudaModel {
             None => None,
         };
         let stream_source = hot.as_ref().map(|_| source.clone());
-        // Copies from page-locked buffers are asynchronous, at the bus's speed.
-        // TARFA_NO_HOST_PIN=1 keeps them pageable (the A/B's other arm).
-        let no_pin = std::env::var("TARFA_NO_HOST_PIN").is_ok_and(|v| v.trim() == "1");
-        if hot.is_some() && !no_pin {
-            if let Some(pin) = gpu.host_pin() {
-                source.use_host_pin(pin);
-            }
-        }
         let mut m = CudaModel {
             embed,
             lm_head,

@@ -228,6 +228,7 @@ pub fn run(a: &DemoArgs) -> Result<(), DemoError> {
         preload: false,
         quiet: false,
         stream: Default::default(),
+        cuda: Default::default(),
         invalid_bf16_before_lm_head: false,
     };
     generate::run(&g)?;

@@ -20,7 +20,7 @@ use tarfa_core::step::{ForwardOptions, ForwardOutput, StepStats};
 use tarfa_core::weights::WeightSource;
 use tarfa_core::{Backend, RunError};
 use tarfa_cpu::{CpuEngine, CpuModel, EngineOptions, KvCache};
-use tarfa_cuda::{CudaCache, CudaError, CudaModel, CudaOptions, HotOptions, HotStats};
+use tarfa_cuda::{CudaCache, CudaError, CudaModel, CudaOptions, CudaTuning, HotOptions, HotStats};
 use tarfa_stream::format_bytes;
 
 /// Which backend to load a model on.
@@ -43,6 +43,8 @@ pub struct LoadOptions {
     /// Stream the experts through a GPU hot tier (CUDA only; the CPU computes from the RAM tier
     /// directly).
     pub hot: Option<HotOptions>,
+    /// The CUDA backend's speed knobs (never a bit of the result).
+    pub cuda: CudaTuning,
 }
 
 /// Why an engine could not load or step.
@@ -105,6 +107,7 @@ impl Engine {
         if use_cuda {
             let cuda = CudaOptions {
                 hot: opts.hot.clone(),
+                tuning: opts.cuda,
                 ..CudaOptions::default()
             };
             let model = CudaModel::load(cfg, source, &cuda)?;

@@ -86,6 +86,7 @@ fn engine_on(
         threads: 2,
         kernel: Kernel::best(),
         hot: None,
+        cuda: Default::default(),
     };
     Engine::load(cfg.clone(), source.clone(), &opts, &|_| {})
 }

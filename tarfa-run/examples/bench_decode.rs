@@ -216,10 +216,20 @@ fn read_bandwidth(threads: usize, bytes: usize) -> f64 {
 
 fn main() {
     let a = parse_args();
-    let kernel = Kernel::from_env().unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2)
-    });
+    // TARFA_SIMD (this benchmark's own variable, read once here): scalar, avx2 or avx512
+    let kernel = match std::env::var("TARFA_SIMD") {
+        Ok(v) if !v.trim().is_empty() => {
+            let path = tarfa_run::numerics::SimdPath::parse(&v).unwrap_or_else(|| {
+                eprintln!("TARFA_SIMD={v}: not one of scalar, avx2, avx512");
+                std::process::exit(2)
+            });
+            Kernel::new(path).unwrap_or_else(|e| {
+                eprintln!("TARFA_SIMD={v}: {e}");
+                std::process::exit(2)
+            })
+        }
+        _ => Kernel::best(),
+    };
     let t0 = Instant::now();
     let (cfg, src) = build(&a);
     let total: u64 = {

@@ -4,16 +4,15 @@
 //! ```text
 //! cuda_bench DIR [--prompt 128] [--decode 128] [--prefill 512,2048] [--pairs 8]
 //!                [--profile-steps 16] [--selftest-prompts 3] [--json OUT] [--only-profile]
-//!                [--graph-diag REPS [--only-graph-diag]] [--ab-a "VAR=v ..."]
-//!                [--sweep "VAR=v ...;VAR=v ...;..." [--sweep-rounds 5]]
+//!                [--graph-diag REPS [--only-graph-diag]] [--decode-mode MODE]
+//!                [--sweep "MODE;MODE;..." [--sweep-rounds 5]]
 //! ```
-//! `--sweep`: first, the decode graph's time per step under each of the `;`-separated kernel
-//! settings (variables a setting leaves out are unset), in interleaved rounds (the median of
-//! each setting's rounds, `--graph-diag` replays each, default 30; change against the first
-//! setting), each setting's greedy tokens and last logits compared bit for bit with the first's;
-//! then stops. A setting may also name `TARFA_CUDA_DECODE` (the decode mode its graph runs as,
-//! default the model's) and `TARFA_CUDA_QKV_BLOCKS`, `TARFA_CUDA_OPROJ_BLOCKS`,
-//! `TARFA_CUDA_DOWN_BLOCKS` (those launches' blocks: timing knobs).
+//! `--decode-mode`: the mode the default-mode figures use (default graph-pdl).
+//! `--sweep`: first, the decode graph's time per step in each of the `;`-separated decode modes,
+//! in interleaved rounds (the median of each mode's rounds, `--graph-diag` replays each, default
+//! 30; change against the first), each mode's greedy tokens and last logits compared bit for bit
+//! with the first's; then stops. (Kernel versions are compared across builds: validation/ab
+//! takes two binaries.)
 //! `--only-profile`: load, then step 4 alone (for a run under ncu).
 //! `--graph-diag REPS`: first, the decode graph's time with each kind of launch left out and of
 //! each kind alone (a timing diagnostic; `--only-graph-diag` stops after it; `--graph-diag-all`:
@@ -27,12 +26,8 @@
 //!    and `gpu` (event time of the steps alone); every mode must choose the same tokens and the
 //!    same last logits, bit for bit, as the legacy kernels;
 //! 3. a paired A/B, legacy `api` against the default mode's `api` (AB/BA alternation, median
-//!    paired change, 95% bootstrap interval); then the same A/B of the decode kernel versions in
-//!    the default mode (A: `--ab-a "VAR=v VAR=v"`, default the kernels of PHASE_LOG P6, ARM_A;
-//!    B: the environment's choice; an arm that names `TARFA_CUDA_DECODE` runs in that mode),
-//!    with tokens and last logits compared bit for bit;
-//! 4. each decode kernel timed with events: microseconds per token and GB/s of weights (first
-//!    with arm A's kernels, then with the environment's choice);
+//!    paired change, 95% bootstrap interval);
+//! 4. each decode kernel timed with events: microseconds per token and GB/s of weights;
 //! 5. prefill of each `--prefill` length;
 //! 6. the CPU-vs-CUDA selftest on this model (prefill and decode, every logit and router record).
 //!
@@ -232,56 +227,9 @@ impl Bench<'_> {
     }
 }
 
-/// The variables that select the decode kernels, the decode mode (read per arm or setting:
-/// [`setting_mode`]) and the q|k|v, o_proj and down grids (timing knobs).
-const KERNEL_VARS: [&str; 7] = [
-    "TARFA_CUDA_ATTN",
-    "TARFA_CUDA_ROUTER",
-    "TARFA_CUDA_ROWS",
-    "TARFA_CUDA_DECODE",
-    "TARFA_CUDA_QKV_BLOCKS",
-    "TARFA_CUDA_OPROJ_BLOCKS",
-    "TARFA_CUDA_DOWN_BLOCKS",
-];
-
-/// The decode mode a setting asks for (`TARFA_CUDA_DECODE=...`; `default` otherwise).
-fn setting_mode(setting: &str, default: DecodeMode) -> DecodeMode {
-    kernel_setting(setting)
-        .iter()
-        .find(|(k, _)| *k == "TARFA_CUDA_DECODE")
-        .map_or(default, |(_, v)| {
-            DecodeMode::parse(v).unwrap_or_else(|| fail(format!("bad decode mode {v}")))
-        })
-}
-
-/// The A/B's arm A unless `--ab-a` says otherwise: the kernels of PHASE_LOG P6.
-const ARM_A: &str = "TARFA_CUDA_ATTN=v2 TARFA_CUDA_ROUTER=v2 TARFA_CUDA_ROWS=v1";
-
-/// The assignments of a kernel setting ("VAR=v VAR=v", each VAR one of KERNEL_VARS).
-fn kernel_setting(setting: &str) -> Vec<(&str, &str)> {
-    setting
-        .split_whitespace()
-        .map(|kv| {
-            let (k, v) = kv
-                .split_once('=')
-                .unwrap_or_else(|| fail(format!("{kv} is not VAR=value")));
-            if !KERNEL_VARS.contains(&k) {
-                fail(format!("{k} is not one of {KERNEL_VARS:?}"));
-            }
-            (k, v)
-        })
-        .collect()
-}
-
-/// Sets the kernel variables to `setting` (see [`kernel_setting`]); the others are unset.
-fn set_kernel_vars(setting: &str) {
-    let want = kernel_setting(setting);
-    for var in KERNEL_VARS {
-        match want.iter().find(|(k, _)| *k == var) {
-            Some((_, v)) => std::env::set_var(var, v),
-            None => std::env::remove_var(var),
-        }
-    }
+/// A decode mode named on the command line (an unknown name stops the bench).
+fn mode_arg(name: &str) -> DecodeMode {
+    DecodeMode::parse(name).unwrap_or_else(|e| fail(e))
 }
 
 /// `--sweep`: the decode graph's time per step under each setting, interleaved rounds.
@@ -296,10 +244,10 @@ fn sweep(
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); sets.len()];
     let mut same = vec![true; sets.len()];
     let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
+    let modes: Vec<DecodeMode> = sets.iter().map(|s| mode_arg(s)).collect();
     for round in 0..rounds {
         for (i, set) in sets.iter().enumerate() {
-            set_kernel_vars(set);
-            let mode = setting_mode(set, bench.model.default_decode_mode());
+            let mode = modes[i];
             if round == 0 {
                 let (_, toks, last) = bench.api(mode, 16);
                 let bits: Vec<u32> = last.iter().map(|x| x.to_bits()).collect();
@@ -316,7 +264,6 @@ fn sweep(
             times[i].push(rows[0].1);
         }
     }
-    set_kernel_vars("");
     let base = median(&mut times[0].clone());
     let mut out = Vec::new();
     for (i, set) in sets.iter().enumerate() {
@@ -336,19 +283,6 @@ fn sweep(
         out.push(json!({"setting": set, "graph_ms": m, "rounds_ms": times[i], "same": same[i]}));
     }
     js.insert("sweep".into(), json!(out));
-}
-
-/// The A/B's arm B: the kernels the environment chose when the bench started.
-fn kernel_arm(saved: &[(&str, Option<String>)]) -> String {
-    let set: Vec<String> = saved
-        .iter()
-        .filter_map(|(v, x)| x.as_ref().map(|x| format!("{v}={x}")))
-        .collect();
-    if set.is_empty() {
-        "default kernels".into()
-    } else {
-        set.join(" ")
-    }
 }
 
 fn main() {
@@ -372,7 +306,11 @@ fn main() {
 
     let (name, cfg, source) = load(&dir);
     let t = Instant::now();
-    let model = CudaModel::load(cfg.clone(), source.clone(), &CudaOptions::default())
+    let mut copts = CudaOptions::default();
+    if let Some(m) = arg(&args, "--decode-mode") {
+        copts.tuning.decode = mode_arg(m);
+    }
+    let model = CudaModel::load(cfg.clone(), source.clone(), &copts)
         .unwrap_or_else(|e| fail(format!("{name}: {e}")));
     println!(
         "{name}: {:.2} GiB resident on {} (uploaded in {:.1}s); decode kernels: {}",
@@ -606,110 +544,7 @@ fn main() {
         );
     }
 
-    // 3b. paired A/B of the decode kernel versions in the default mode: A the kernels
-    // `--ab-a` names (default ARM_A; variables it leaves out are unset), B as the environment
-    // says; every run must give the same tokens and last logits
-    let saved: Vec<(&str, Option<String>)> = KERNEL_VARS
-        .iter()
-        .map(|&v| (v, std::env::var(v).ok()))
-        .collect();
-    let arm_a_text = arg(&args, "--ab-a").unwrap_or(ARM_A).to_string();
-    kernel_setting(&arm_a_text); // a bad --ab-a fails here, before any run
-                                 // arm B: what the environment set when the bench started
-    let arm_b_text: String = saved
-        .iter()
-        .filter_map(|(v, x)| x.as_ref().map(|x| format!("{v}={x}")))
-        .collect::<Vec<_>>()
-        .join(" ");
-    let kernels_v1 = |a: bool| set_kernel_vars(if a { &arm_a_text } else { &arm_b_text });
-    if !only_profile && b_mode != DecodeMode::Legacy {
-        let n_ab = n_decode.min(64);
-        let mut changes = Vec::new();
-        let (mut a_t, mut b_t) = (Vec::new(), Vec::new());
-        let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
-        let mut same = true;
-        for i in 0..pairs {
-            let order = if i % 2 == 0 {
-                [true, false]
-            } else {
-                [false, true]
-            };
-            let (mut ta, mut tb) = (0.0, 0.0);
-            for is_a in order {
-                kernels_v1(is_a);
-                let arm = if is_a { &arm_a_text } else { &arm_b_text };
-                let (s, toks, last) = bench.api(setting_mode(arm, b_mode), n_ab);
-                let bits: Vec<u32> = last.iter().map(|x| x.to_bits()).collect();
-                match &reference {
-                    None => reference = Some((toks, bits)),
-                    Some((t, b)) => same &= *t == toks && *b == bits,
-                }
-                if is_a {
-                    ta = s;
-                } else {
-                    tb = s;
-                }
-            }
-            a_t.push(ta);
-            b_t.push(tb);
-            changes.push((tb - ta) / ta);
-        }
-        kernels_v1(false);
-        let med = median(&mut changes.clone());
-        let (lo, hi) = bootstrap(&changes);
-        let ab = format!(
-            "{pairs} pairs AB/BA, {n_ab} tokens each, {}: A {arm_a_text} {:.3} ms/token, B {} {:.3} ms/token; median paired change {:+.1}% (95% CI {:+.1}% .. {:+.1}%); tokens and last logits {}",
-            b_mode.name(),
-            1e3 * median(&mut a_t.clone()) / n_ab as f64,
-            kernel_arm(&saved),
-            1e3 * median(&mut b_t.clone()) / n_ab as f64,
-            100.0 * med,
-            100.0 * lo,
-            100.0 * hi,
-            if same { "bit-identical" } else { "DIFFER" }
-        );
-        println!("A/B kernels: {ab}");
-        table(
-            "A/B decode kernels (arm A vs default)",
-            if !same {
-                "DIFFER"
-            } else if hi < 0.0 {
-                "ACCEPT"
-            } else {
-                "REJECT"
-            },
-            &ab,
-        );
-        js.insert(
-            "ab_kernels".into(),
-            json!({"pairs": pairs, "tokens": n_ab, "a_s": a_t, "b_s": b_t, "median_change": med, "ci": [lo, hi], "mode": b_mode.name(), "a": arm_a_text, "b": kernel_arm(&saved), "identical": same}),
-        );
-    }
-
-    // 4. per-kernel profile: first with arm A's kernels (the A/B's
-    // per-kernel view; not under ncu), then with the environment's choice
-    if !only_profile {
-        kernels_v1(true);
-        let (mut c, toks) = bench.start(DecodeMode::Direct, prof_steps);
-        match model.profile_decode(&mut c, *toks.last().expect("two tokens"), prof_steps) {
-            Ok(rows) => {
-                let mut pj = Vec::new();
-                for r in &rows {
-                    let d = format!(
-                        "{:>3} launches, {:>8.1} us/token, {} regs ({})",
-                        r.launches, r.us_per_token, r.registers, r.kernels
-                    );
-                    println!("profile A {:<42} {d}", r.label);
-                    pj.push(json!({"label": r.label, "kernels": r.kernels,
-                        "launches": r.launches, "us_per_token": r.us_per_token,
-                        "registers": r.registers}));
-                }
-                js.insert("profile_a".into(), json!(pj));
-            }
-            Err(e) => println!("profile A: {e}"),
-        }
-        kernels_v1(false);
-    }
+    // 4. per-kernel profile
     {
         let (mut c, toks) = bench.start(DecodeMode::Direct, prof_steps);
         match model.profile_decode(&mut c, *toks.last().expect("two tokens"), prof_steps) {

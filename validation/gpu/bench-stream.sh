@@ -149,7 +149,7 @@ run_model() {  # run_model NAME SHAPE LAYERS RUNS
     fi
   }
   one "hot-lru" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy lru
-  TARFA_NO_HOST_PIN=1 one "hot-lru-pageable" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy lru
+  one "hot-lru-pageable" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy lru --pageable-warm-tier
   one "hot-ledger" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy ledger
   one "hot-static" --vram-budget "$hot" --ram-budget "$ram" --io direct --cache-policy static
   one "warm-lru" --vram-budget $(( 16 * ext )) --ram-budget "$hot" --io direct --cache-policy lru

@@ -20,13 +20,10 @@
 #      and through the CLI (`tarfa-run selftest --backend cuda` on a converted fixture)
 #   3. transformers BF16 on the same 16-layer shape (hf_baseline.py), the GPU otherwise idle
 #   4. cuda_bench on the bundle: copy rate, weight bytes per token, decode in every mode, paired
-#      A/B legacy vs default, paired A/B of the decode kernel versions (arm A: cuda_bench's
-#      ARM_A, PHASE_LOG P6's kernels), per-kernel profile, prefill 512 and 2048, CPU-vs-CUDA
-#      selftest
+#      A/B legacy vs default, per-kernel profile, prefill 512 and 2048, CPU-vs-CUDA selftest
 #   5. the old build's decode figure on the same bundle (when time is left)
-# HF=0 skips step 3. AB_A="VAR=v ..." sets the kernel A/B's arm A (cuda_bench --ab-a; default
-# PHASE_LOG P6's kernels); arm B is what the environment chooses (e.g. TARFA_CUDA_ROWS=v5 set
-# for the whole run: the checks and sanitizers then run those kernels too). SM clocks are sampled during step 4 (logs/clocks.csv); NCU=1 adds Nsight Compute on the decode
+# HF=0 skips step 3. (Kernel versions are compared across builds: OLD_BIN_DIR, or validation/ab.)
+# SM clocks are sampled during step 4 (logs/clocks.csv); NCU=1 adds Nsight Compute on the decode
 # kernels of two profiled steps (logs/ncu.log).
 set -u
 NEW=$(cd "${1:?usage: bench.sh NEW_BIN_DIR [OLD_BIN_DIR] [OUT_DIR]}" && pwd)
@@ -165,7 +162,7 @@ if [ -f "$BIG/model.jnf" ]; then
     --format=csv -lms 100 > "$LOG/clocks.csv" 2>&1 &
   CLOCK_PID=$!
   step bench 160 "$NEW/cuda_bench" "$BIG" --prompt 128 --decode 128 --prefill 512,2048 --pairs 8 \
-    --profile-steps 16 --selftest-prompts 3 --json "$OUTD/bench.json" ${AB_A:+--ab-a "$AB_A"}
+    --profile-steps 16 --selftest-prompts 3 --json "$OUTD/bench.json"
   kill "$CLOCK_PID" 2>/dev/null
   row "SM clock during the benchmark" "-" "$(awk -F', ' 'NR>1 && $2+0>0 {n++; s+=$2; if ($2+0<m || m==0) m=$2+0; if ($2+0>M) M=$2+0} END {if (n) printf "%d samples: mean %.0f MHz, min %d, max %d", n, s/n, m, M}' "$LOG/clocks.csv")"
   # optional: Nsight Compute on the decode kernels of a few steps (NCU=1)

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Kernel settings compared in one process, on the GPU machine (one call, ~4 min): a screening run
-# for kernel work before the benchmark of record (validation/gpu/bench.sh).
+# Decode modes compared in one process, on the GPU machine (one call, ~4 min): a screening run
+# before the benchmark of record (validation/gpu/bench.sh). Kernel versions are compared across
+# builds (validation/ab takes two binaries; validation/kernels/README.md).
 #
 #   validation/gpu/sweep.sh BIN_DIR [OUT_DIR]
 #
 # BIN_DIR: tarfa-convert, cuda_bench and cuda_selftest built here (see bench.sh). Environment:
-#   SETTINGS  ";"-separated kernel settings ("VAR=v VAR=v", variables of cuda_bench's
-#             KERNEL_VARS; those a setting leaves out are unset); the first is the reference
-#   CHECK_ENV settings (";"-separated) under which the CPU-vs-CUDA selftests run (fixtures and
-#             random families) while the bundle is written, and compute-sanitizer memcheck on
-#             one fixture
-#   DIAG_ENV  settings (";"-separated) for which cuda_bench --graph-diag gives per-kind costs
+#   SETTINGS  ";"-separated decode modes (graph-pdl, graph, direct, legacy); the first is the
+#             reference
+#   CHECKS=1  the CPU-vs-CUDA selftests (fixtures and random families) while the bundle is
+#             written, and compute-sanitizer memcheck on one fixture
+#   DIAG=1    cuda_bench --graph-diag: per-kind costs of the default graph
 #   ROUNDS, REPS  the sweep's interleaved rounds and graph replays per round (5, 30)
 # Steps: 1. the 16-layer synthetic Qwen3-30B-A3B bundle (background) and the selftests;
-# 2. cuda_bench --sweep (graph time per setting, tokens and last logits compared with the first
-# setting's); 3. --graph-diag per DIAG_ENV setting. Prints a short table last. OUT_DIR gets
+# 2. cuda_bench --sweep (graph time per mode, tokens and last logits compared with the first
+# mode's); 3. --graph-diag. Prints a short table last. OUT_DIR gets
 # three files (table.txt, sweep.json, logs.tgz with every log), which the GPU tool can return.
 set -u
 BIN=$(cd "${1:?usage: sweep.sh BIN_DIR [OUT_DIR]}" && pwd)
@@ -42,26 +42,24 @@ if [ ! -f "$BIG/model.jnf" ]; then
 fi
 
 # 1. exactness under the settings to check (while the bundle is written)
-IFS=';' read -r -a CHECKS <<< "${CHECK_ENV:-}"
 i=0
-for set in "${CHECKS[@]}"; do
-  [ -z "$set" ] && continue
+for set in $([ "${CHECKS:-0}" = 1 ] && echo default); do
   i=$((i + 1))
   pass=0; total=0; bad=""
   for f in qwen3moe-a qwen3moe-code qwen3moe-dense qwen3moe-odd; do
     [ -d "$FIX/$f" ] || continue
     total=$((total + 1))
-    if env $set timeout 120 "$BIN/cuda_selftest" fixture "$FIX/$f" --decode 8 > "$LOG/check$i-$f.log" 2>&1; then
+    if timeout 120 "$BIN/cuda_selftest" fixture "$FIX/$f" --decode 8 > "$LOG/check$i-$f.log" 2>&1; then
       pass=$((pass + 1)); else bad="$bad $f"; fi
   done
   for fam in qwen3_moe qwen2_moe mixtral olmoe; do
     total=$((total + 1))
-    if env $set timeout 120 "$BIN/cuda_selftest" synth "$fam" > "$LOG/check$i-$fam.log" 2>&1; then
+    if timeout 120 "$BIN/cuda_selftest" synth "$fam" > "$LOG/check$i-$fam.log" 2>&1; then
       pass=$((pass + 1)); else bad="$bad $fam"; fi
   done
   row "selftests [$set]" "$([ $pass = $total ] && echo PASS || echo FAIL)" "$pass/$total CPU-vs-CUDA selftests (4 fixtures, 4 random families)$bad"
   if command -v compute-sanitizer >/dev/null; then
-    env $set timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$BIN/cuda_selftest" generate "$FIX/qwen3moe-code" > "$LOG/memcheck$i.log" 2>&1
     rc=$?
     row "memcheck [$set]" "$([ $rc = 0 ] && grep -q 'ERROR SUMMARY: 0 errors' "$LOG/memcheck$i.log" && echo CLEAN || echo DIRTY)" \
@@ -82,11 +80,10 @@ if [ -n "${SETTINGS:-}" ]; then
 fi
 
 # 3. per-kind costs
-IFS=';' read -r -a DIAGS <<< "${DIAG_ENV:-}"
 i=0
-for set in "${DIAGS[@]}"; do
+for set in $([ "${DIAG:-0}" = 1 ] && echo default); do
   i=$((i + 1))
-  env $set timeout 120 "$BIN/cuda_bench" "$BIG" --prompt 128 --graph-diag "${REPS:-30}" --only-graph-diag \
+  timeout 120 "$BIN/cuda_bench" "$BIG" --prompt 128 --graph-diag "${REPS:-30}" --only-graph-diag \
     --json "$LOG/diag$i.json" > "$LOG/diag$i.log" 2>&1
   say "graph-diag [$set] rc=$?"
   grep -E "^graph-diag" "$LOG/diag$i.log" | sed "s/^/[$i] /"

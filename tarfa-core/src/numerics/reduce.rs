@@ -14,8 +14,6 @@
 //! This module must never reassociate, split one reduction across threads, or take a different
 //! order for speed: every output is a pure function of its inputs.
 
-use std::sync::OnceLock;
-
 use super::aligned::AlignedVec;
 
 /// Defines `fn $name(kernel: Kernel, args...) -> R` that runs `$body` compiled with FMA and the
@@ -129,9 +127,6 @@ pub enum KernelError {
     /// The processor lacks the instructions the path needs.
     #[error("SIMD path {0} is not supported by this processor")]
     Unavailable(&'static str),
-    /// `TARFA_SIMD` holds something other than scalar, avx2 or avx512.
-    #[error("TARFA_SIMD={0:?} is not one of scalar, avx2, avx512")]
-    BadEnvValue(String),
 }
 
 /// A handle to the reduction kernels of one SIMD path; it exists only for a path this processor
@@ -158,22 +153,8 @@ impl Kernel {
         }
     }
 
-    /// The fastest available path, unless the `TARFA_SIMD` environment variable names another
-    /// (`scalar`, `avx2`, `avx512`). Read once per process.
-    pub fn from_env() -> Result<Kernel, KernelError> {
-        static CHOSEN: OnceLock<Result<Kernel, KernelError>> = OnceLock::new();
-        CHOSEN
-            .get_or_init(|| match std::env::var("TARFA_SIMD") {
-                Ok(v) if !v.trim().is_empty() => match SimdPath::parse(&v) {
-                    Some(p) => Kernel::new(p),
-                    None => Err(KernelError::BadEnvValue(v)),
-                },
-                _ => Ok(Kernel::best()),
-            })
-            .clone()
-    }
-
-    /// The fastest path this processor supports, ignoring the environment.
+    /// The fastest path this processor supports. (The library reads no environment variable: a
+    /// front end chooses the path, e.g. `tarfa-run --kernel`.)
     pub fn best() -> Kernel {
         for p in [SimdPath::Avx512, SimdPath::Avx2] {
             if let Ok(k) = Kernel::new(p) {

@@ -100,6 +100,8 @@ pub struct GenerateArgs {
     pub quiet: bool,
     #[command(flatten)]
     pub stream: StreamArgs,
+    #[command(flatten)]
+    pub cuda: super::tuning::CudaArgs,
     /// INVALID, for validation only: round the final hidden state to BF16 before the lm_head.
     /// The validation suite uses it to show its f32 check can tell the difference.
     #[arg(long, hide = true)]
@@ -373,6 +375,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         threads,
         kernel: kernel(a.kernel)?,
         hot: streamed.hot_options(),
+        cuda: a.cuda.tuning(),
     };
     let mut engine = Engine::load(
         cfg,

@@ -7,6 +7,7 @@ pub mod io_bench;
 pub mod output;
 pub mod selftest;
 pub mod stream;
+pub mod tuning;
 
 use std::path::{Path, PathBuf};
 

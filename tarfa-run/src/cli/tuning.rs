@@ -1,0 +1,59 @@
+//! The CUDA backend's speed knobs on the command line. They change how fast a step runs, never a
+//! bit of what it computes; the runtime reads them once, when the model loads (no environment
+//! variable is read), and an unknown value is a usage error.
+
+use clap::Args;
+
+use crate::cuda::{CudaTuning, DecodeMode};
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct CudaArgs {
+    /// How decode steps run on the GPU: graph-pdl (the default and fastest: one CUDA graph with
+    /// programmatic launch), graph, direct (kernels launched one by one) or legacy (the
+    /// per-operation kernels). Every mode gives the same bits.
+    #[arg(long, value_name = "MODE", value_parser = decode_mode_arg)]
+    pub cuda_decode: Option<DecodeMode>,
+    /// Wait after every CUDA kernel, so that a failure names the kernel (slow; for debugging).
+    #[arg(long)]
+    pub cuda_sync: bool,
+    /// Copy streamed experts to the GPU from pageable host memory instead of page-locked
+    /// buffers (slower; for comparisons).
+    #[arg(long)]
+    pub pageable_warm_tier: bool,
+}
+
+impl CudaArgs {
+    pub fn tuning(&self) -> CudaTuning {
+        CudaTuning {
+            decode: self.cuda_decode.unwrap_or_default(),
+            sync_each_kernel: self.cuda_sync,
+            pageable_warm_tier: self.pageable_warm_tier,
+        }
+    }
+}
+
+fn decode_mode_arg(s: &str) -> Result<DecodeMode, String> {
+    DecodeMode::parse(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_modes_parse_exactly_and_errors_name_the_choices() {
+        for m in DecodeMode::ALL {
+            assert_eq!(decode_mode_arg(m.name()), Ok(m));
+        }
+        for bad in ["", "GRAPH", " graph", "pdl", "graph_pdl", "v7"] {
+            let e = decode_mode_arg(bad).unwrap_err();
+            assert!(
+                e.contains("graph-pdl") && e.contains("legacy"),
+                "{bad:?}: {e}"
+            );
+        }
+        let t = CudaArgs::default().tuning();
+        assert_eq!(t.decode, DecodeMode::GraphPdl);
+        assert!(!t.sync_each_kernel && !t.pageable_warm_tier);
+    }
+}
