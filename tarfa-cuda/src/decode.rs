@@ -15,6 +15,7 @@
 //! Nothing here changes an operation or its order relative to the legacy kernels (and so the
 //! CPU): the selftest compares every logit and router record of decode steps bit for bit.
 
+use super::steps::LayerSteps;
 use super::*;
 use crate::device::{Arg, GpuGraph, Launch};
 use crate::{DecodeMode, KernelTime};
@@ -478,20 +479,9 @@ impl CudaModel {
         kernels: DecodeKernels,
     ) -> Result<Vec<Launch>, CudaError> {
         let cfg = &self.cfg;
-        let (h, hq, hkv, d) = (
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        );
-        let k_top = cfg.top_k;
-        let (cos, sin) = cache.rope_ptrs();
-        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
-        let slices = d.div_ceil(32);
-        let mut v = Vec::new();
-
+        let h = cfg.hidden_size;
         // Step 1: h = widen(embed[state.token])
-        v.push(Launch {
+        let embedding = Launch {
             name: match self.embed.dtype {
                 DType::Bf16 => "embed_bf16",
                 DType::F32 => "embed_f32",
@@ -503,311 +493,18 @@ impl CudaModel {
             pdl: false,
             label: "embedding",
             bytes: (h * self.embed.dtype.size()) as u64,
-        });
+        };
 
-        let qkv_rows = (hq + 2 * hkv) * d;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let a = &layer.attn;
-            let qkv = b.qkv.ptr();
-            let k_raw = qkv + (hq * d * F) as u64;
-            let v_raw = qkv + ((hq + hkv) * d * F) as u64;
-            // q | k | v = W_qkv RMSNorm(h) (+ biases)
-            let biases = [opt_ptr(&a.q_bias), opt_ptr(&a.k_bias), opt_ptr(&a.v_bias)];
-            let stacked = std::sync::Arc::ptr_eq(&a.q.buf, &a.k.buf)
-                && std::sync::Arc::ptr_eq(&a.q.buf, &a.v.buf)
-                && a.k.off == a.q.off + a.q.bytes()
-                && a.v.off == a.k.off + a.k.bytes();
-            if stacked {
-                let all = DevMat {
-                    buf: a.q.buf.clone(),
-                    off: a.q.off,
-                    rows: qkv_rows,
-                    cols: h,
-                    dtype: a.q.dtype,
-                };
-                let mut launch = self.dmv(
-                    &all,
-                    b.h.ptr(),
-                    layer.input_norm.ptr(),
-                    biases,
-                    (hq * d, (hq + hkv) * d),
-                    qkv,
-                    false,
-                    0,
-                    "attention q|k|v (+input norm)",
-                    kernels.early,
-                );
-                let resident = self.gpu.occupancy(launch.name, 256, launch.shared)
-                    * self.gpu.info.multiprocessors.max(1);
-                launch.grid.0 = qkv_grid(qkv_rows, resident);
-                v.push(launch);
-            } else {
-                for (m, bias, out) in [
-                    (&a.q, biases[0], qkv),
-                    (&a.k, biases[1], k_raw),
-                    (&a.v, biases[2], v_raw),
-                ] {
-                    v.push(self.dmv(
-                        m,
-                        b.h.ptr(),
-                        layer.input_norm.ptr(),
-                        [bias, 0, 0],
-                        (m.rows, m.rows),
-                        out,
-                        false,
-                        0,
-                        "attention q|k|v (+input norm)",
-                        kernels.early,
-                    ));
-                }
-            }
-            // q/k norm: per head inside the attention kernel, over the whole projection here
-            let (qn, kn) = match (self.spec.qk_norm, &a.q_norm, &a.k_norm) {
-                (QkNorm::PerHead, Some(qn), Some(kn)) => (qn.ptr(), kn.ptr()),
-                (QkNorm::WholeProjection, Some(qn), Some(kn)) => {
-                    for (x, w, n) in [(qkv, qn, hq * d), (k_raw, kn, hkv * d)] {
-                        v.push(Launch {
-                            name: "rmsnorm",
-                            grid: (1, 1, 1),
-                            block: (256, 1, 1),
-                            shared: 0,
-                            args: vec![
-                                Arg::Ptr(x),
-                                Arg::I64(n as i64),
-                                Arg::Ptr(x),
-                                Arg::I64(n as i64),
-                                Arg::Ptr(w.ptr()),
-                                i32a(n),
-                                i32a(1),
-                                Arg::F32(cfg.eps_f32()),
-                            ],
-                            pdl: false,
-                            label: "q/k norm (whole projection)",
-                            bytes: 0,
-                        });
-                    }
-                    (0, 0)
-                }
-                _ => (0, 0),
-            };
-            // the scores and probabilities (2 x cap floats) in shared memory when they fit,
-            // else in the global scratch rows
-            let att_name = attn_decode4_name(d);
-            let (att_shared, att_scratch) = if 2 * cache.cap * F <= kernels.attn_shared_max {
-                ((2 * cache.cap * F) as u32, 0)
-            } else {
-                (0, b.scores.ptr())
-            };
-            v.push(Launch {
-                name: att_name,
-                grid: (hq as u32, slices as u32, 1),
-                block: (512, 1, 1),
-                shared: att_shared,
-                args: vec![
-                    Arg::Ptr(qkv),
-                    Arg::Ptr(k_raw),
-                    Arg::Ptr(v_raw),
-                    i32a(hq),
-                    i32a(hkv),
-                    i32a(d),
-                    Arg::Ptr(qn),
-                    Arg::Ptr(kn),
-                    Arg::F32(cfg.eps_f32()),
-                    Arg::Ptr(cos),
-                    Arg::Ptr(sin),
-                    p(&b.state),
-                    p(&cache.k[l]),
-                    p(&cache.v[l]),
-                    i32a(cache.cap),
-                    Arg::F32(scale),
-                    Arg::Ptr(att_scratch),
-                    i32a(cache.cap),
-                    p(&b.o),
-                ],
-                pdl: true,
-                label: "attention (norm, RoPE, KV append, softmax)",
-                bytes: 0,
-            });
-            // h = h + W_o o (+ b_o)
-            v.push(self.dmv(
-                &a.o,
-                b.o.ptr(),
-                0,
-                [opt_ptr(&a.o_bias), 0, 0],
-                (h, h),
-                b.h.ptr(),
-                true,
-                0,
-                "attention o_proj (+residual)",
-                kernels.early,
-            ));
-            match &layer.mlp {
-                DevMlp::Dense(m) => {
-                    let f = m.gate.rows;
-                    v.push(self.gate_up_dec(
-                        m.gate.dtype,
-                        m.gate.ptr(),
-                        m.up.ptr(),
-                        f,
-                        0,
-                        1,
-                        b.h.ptr(),
-                        layer.post_norm.ptr(),
-                        b.act.ptr(),
-                        "dense MLP gate+up (+post norm)",
-                    ));
-                    v.push(self.dmv(
-                        &m.down,
-                        b.act.ptr(),
-                        0,
-                        [0; 3],
-                        (h, h),
-                        b.h.ptr(),
-                        true,
-                        0,
-                        "dense MLP down (+residual)",
-                        kernels.early,
-                    ));
-                }
-                DevMlp::Moe {
-                    router,
-                    experts,
-                    shared,
-                    moe_index,
-                } => {
-                    let Some(experts) = experts else {
-                        return Err(CudaError::Internal(
-                            "the decode kernels with streamed experts".into(),
-                        ));
-                    };
-                    let e_count = cfg.num_experts;
-                    let rec = (moe_index * k_top * 4) as u64;
-                    let one = (moe_index * 4) as u64;
-                    // the router's records for this layer (gate_up_route2's last six arguments)
-                    let records = [
-                        Arg::Ptr(b.ids.ptr() + rec),
-                        Arg::Ptr(b.probs.ptr() + rec),
-                        Arg::Ptr(b.weights.ptr() + rec),
-                        Arg::Ptr(b.by_id.ptr() + rec),
-                        Arg::Ptr(b.kth.ptr() + one),
-                        Arg::Ptr(b.next.ptr() + one),
-                    ];
-                    // the logits by a row kernel; the top-k in the experts' kernels
-                    v.push(self.dmv(
-                        router,
-                        b.h.ptr(),
-                        layer.post_norm.ptr(),
-                        [0; 3],
-                        (e_count, e_count),
-                        b.router_logits.ptr(),
-                        false,
-                        b.xn.ptr(),
-                        "router (+post norm, top-k)",
-                        kernels.early,
-                    ));
-                    let (mut y_sh, mut s_sh) = (0u64, 0u64);
-                    if let Some(sh) = shared {
-                        let (m, sg) = &**sh;
-                        let s = m.gate.rows;
-                        v.push(self.gate_up_dec(
-                            m.gate.dtype,
-                            m.gate.ptr(),
-                            m.up.ptr(),
-                            s,
-                            0,
-                            1,
-                            b.xn.ptr(),
-                            0,
-                            b.act_sh.ptr(),
-                            "shared expert",
-                        ));
-                        v.push(self.dmv(
-                            &m.down,
-                            b.act_sh.ptr(),
-                            0,
-                            [0; 3],
-                            (h, h),
-                            b.y_sh.ptr(),
-                            false,
-                            0,
-                            "shared expert",
-                            kernels.early,
-                        ));
-                        v.push(self.dmv(
-                            sg,
-                            b.xn.ptr(),
-                            0,
-                            [0; 3],
-                            (1, 1),
-                            b.s_sh.ptr(),
-                            false,
-                            0,
-                            "shared expert",
-                            kernels.early,
-                        ));
-                        y_sh = b.y_sh.ptr();
-                        s_sh = b.s_sh.ptr();
-                    }
-                    let i = cfg.expert_width;
-                    v.push(self.gate_up_route(
-                        experts.gate.ptr(),
-                        experts.up.ptr(),
-                        i,
-                        b.xn.ptr(),
-                        b.act.ptr(),
-                        b.router_logits.ptr(),
-                        &records,
-                    ));
-                    // top-8 over whole chunks: without guards, and with programmatic launch its
-                    // slots, residuals and first weights loaded before the wait (the router's
-                    // choice recomputed from its logits, as the kernel just before writes it)
-                    let name = if k_top == 8 && i.is_multiple_of(256) {
-                        if kernels.early {
-                            "moe_down_route2f8e"
-                        } else {
-                            "moe_down_dec2f8"
-                        }
-                    } else {
-                        "moe_down_dec2"
-                    };
-                    let route_args = name == "moe_down_route2f8e";
-                    let shared_mem =
-                        ((k_top * i + if route_args { 3 * e_count } else { 0 }) * F) as u32;
-                    self.gpu.allow_shared(name, shared_mem)?;
-                    let grid = self.row_grid(name, h, shared_mem);
-                    let mut args = vec![
-                        Arg::Ptr(experts.down.ptr()),
-                        i32a(h),
-                        i32a(i),
-                        Arg::Ptr(b.ids.ptr() + rec),
-                        Arg::Ptr(b.weights.ptr() + rec),
-                        Arg::Ptr(b.by_id.ptr() + rec),
-                        i32a(k_top),
-                        p(&b.act),
-                        Arg::Ptr(y_sh),
-                        Arg::Ptr(s_sh),
-                        p(&b.h),
-                    ];
-                    if route_args {
-                        args.extend([
-                            p(&b.router_logits),
-                            i32a(e_count),
-                            Arg::I32(i32::from(self.spec.renormalize_topk)),
-                        ]);
-                    }
-                    v.push(Launch {
-                        name,
-                        grid: (grid, 1, 1),
-                        block: (256, 1, 1),
-                        shared: shared_mem,
-                        args,
-                        pdl: true,
-                        label: "experts down (k experts, mix, +residual)",
-                        bytes: (k_top * h * i * 2) as u64,
-                    });
-                }
-            }
-        }
+        // Steps 2-4 of every layer: attention, then the MLP (steps.rs)
+        let mut steps = PlanSteps {
+            model: self,
+            cache,
+            b,
+            kernels,
+            v: vec![embedding],
+        };
+        self.walk_layers(&mut steps)?;
+        let mut v = steps.v;
 
         // Step 5: logits = W_lm RMSNorm(h); the greedy token into the state
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
@@ -1304,6 +1001,368 @@ impl CudaCache {
     /// Kernel launches of one decode step (0 before the first).
     pub fn decode_launches(&self) -> usize {
         self.dec.as_ref().map_or(0, |d| d.launches.len())
+    }
+}
+
+/// The decode step's launch list, layer by layer (steps.rs [`LayerSteps`]): the fused kernels of
+/// kernels/decode.cu for one token, pushed onto `v`.
+struct PlanSteps<'a> {
+    model: &'a CudaModel,
+    cache: &'a CudaCache,
+    b: &'a DecBufs,
+    kernels: DecodeKernels,
+    v: Vec<Launch>,
+}
+
+impl PlanSteps<'_> {
+    /// MoE layer `moe_index`'s router records (gate_up_route2's last six arguments): ids,
+    /// probs, weights, by_id (k each), kth, next.
+    fn records(&self, moe_index: usize) -> [Arg; 6] {
+        let b = self.b;
+        let rec = (moe_index * self.model.cfg.top_k * 4) as u64;
+        let one = (moe_index * 4) as u64;
+        [
+            Arg::Ptr(b.ids.ptr() + rec),
+            Arg::Ptr(b.probs.ptr() + rec),
+            Arg::Ptr(b.weights.ptr() + rec),
+            Arg::Ptr(b.by_id.ptr() + rec),
+            Arg::Ptr(b.kth.ptr() + one),
+            Arg::Ptr(b.next.ptr() + one),
+        ]
+    }
+}
+
+impl LayerSteps for PlanSteps<'_> {
+    fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
+        let (model, b, cache, kernels) = (self.model, self.b, self.cache, self.kernels);
+        let cfg = &model.cfg;
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let v = &mut self.v;
+        let (cos, sin) = cache.rope_ptrs();
+        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+        let slices = d.div_ceil(32);
+        let qkv_rows = (hq + 2 * hkv) * d;
+        let a = &layer.attn;
+        let qkv = b.qkv.ptr();
+        let k_raw = qkv + (hq * d * F) as u64;
+        let v_raw = qkv + ((hq + hkv) * d * F) as u64;
+        // q | k | v = W_qkv RMSNorm(h) (+ biases)
+        let biases = [opt_ptr(&a.q_bias), opt_ptr(&a.k_bias), opt_ptr(&a.v_bias)];
+        let stacked = std::sync::Arc::ptr_eq(&a.q.buf, &a.k.buf)
+            && std::sync::Arc::ptr_eq(&a.q.buf, &a.v.buf)
+            && a.k.off == a.q.off + a.q.bytes()
+            && a.v.off == a.k.off + a.k.bytes();
+        if stacked {
+            let all = DevMat {
+                buf: a.q.buf.clone(),
+                off: a.q.off,
+                rows: qkv_rows,
+                cols: h,
+                dtype: a.q.dtype,
+            };
+            let mut launch = model.dmv(
+                &all,
+                b.h.ptr(),
+                layer.input_norm.ptr(),
+                biases,
+                (hq * d, (hq + hkv) * d),
+                qkv,
+                false,
+                0,
+                "attention q|k|v (+input norm)",
+                kernels.early,
+            );
+            let resident = model.gpu.occupancy(launch.name, 256, launch.shared)
+                * model.gpu.info.multiprocessors.max(1);
+            launch.grid.0 = qkv_grid(qkv_rows, resident);
+            v.push(launch);
+        } else {
+            for (m, bias, out) in [
+                (&a.q, biases[0], qkv),
+                (&a.k, biases[1], k_raw),
+                (&a.v, biases[2], v_raw),
+            ] {
+                v.push(model.dmv(
+                    m,
+                    b.h.ptr(),
+                    layer.input_norm.ptr(),
+                    [bias, 0, 0],
+                    (m.rows, m.rows),
+                    out,
+                    false,
+                    0,
+                    "attention q|k|v (+input norm)",
+                    kernels.early,
+                ));
+            }
+        }
+        // q/k norm: per head inside the attention kernel, over the whole projection here
+        let (qn, kn) = match (model.spec.qk_norm, &a.q_norm, &a.k_norm) {
+            (QkNorm::PerHead, Some(qn), Some(kn)) => (qn.ptr(), kn.ptr()),
+            (QkNorm::WholeProjection, Some(qn), Some(kn)) => {
+                for (x, w, n) in [(qkv, qn, hq * d), (k_raw, kn, hkv * d)] {
+                    v.push(Launch {
+                        name: "rmsnorm",
+                        grid: (1, 1, 1),
+                        block: (256, 1, 1),
+                        shared: 0,
+                        args: vec![
+                            Arg::Ptr(x),
+                            Arg::I64(n as i64),
+                            Arg::Ptr(x),
+                            Arg::I64(n as i64),
+                            Arg::Ptr(w.ptr()),
+                            i32a(n),
+                            i32a(1),
+                            Arg::F32(cfg.eps_f32()),
+                        ],
+                        pdl: false,
+                        label: "q/k norm (whole projection)",
+                        bytes: 0,
+                    });
+                }
+                (0, 0)
+            }
+            _ => (0, 0),
+        };
+        // the scores and probabilities (2 x cap floats) in shared memory when they fit,
+        // else in the global scratch rows
+        let att_name = attn_decode4_name(d);
+        let (att_shared, att_scratch) = if 2 * cache.cap * F <= kernels.attn_shared_max {
+            ((2 * cache.cap * F) as u32, 0)
+        } else {
+            (0, b.scores.ptr())
+        };
+        v.push(Launch {
+            name: att_name,
+            grid: (hq as u32, slices as u32, 1),
+            block: (512, 1, 1),
+            shared: att_shared,
+            args: vec![
+                Arg::Ptr(qkv),
+                Arg::Ptr(k_raw),
+                Arg::Ptr(v_raw),
+                i32a(hq),
+                i32a(hkv),
+                i32a(d),
+                Arg::Ptr(qn),
+                Arg::Ptr(kn),
+                Arg::F32(cfg.eps_f32()),
+                Arg::Ptr(cos),
+                Arg::Ptr(sin),
+                p(&b.state),
+                p(&cache.k[l]),
+                p(&cache.v[l]),
+                i32a(cache.cap),
+                Arg::F32(scale),
+                Arg::Ptr(att_scratch),
+                i32a(cache.cap),
+                p(&b.o),
+            ],
+            pdl: true,
+            label: "attention (norm, RoPE, KV append, softmax)",
+            bytes: 0,
+        });
+        // h = h + W_o o (+ b_o)
+        v.push(model.dmv(
+            &a.o,
+            b.o.ptr(),
+            0,
+            [opt_ptr(&a.o_bias), 0, 0],
+            (h, h),
+            b.h.ptr(),
+            true,
+            0,
+            "attention o_proj (+residual)",
+            kernels.early,
+        ));
+        Ok(())
+    }
+
+    fn dense(&mut self, layer: &DevLayer, m: &DevDense) -> Result<(), CudaError> {
+        let (model, b, kernels) = (self.model, self.b, self.kernels);
+        let cfg = &model.cfg;
+        let h = cfg.hidden_size;
+        let v = &mut self.v;
+        let f = m.gate.rows;
+        v.push(model.gate_up_dec(
+            m.gate.dtype,
+            m.gate.ptr(),
+            m.up.ptr(),
+            f,
+            0,
+            1,
+            b.h.ptr(),
+            layer.post_norm.ptr(),
+            b.act.ptr(),
+            "dense MLP gate+up (+post norm)",
+        ));
+        v.push(model.dmv(
+            &m.down,
+            b.act.ptr(),
+            0,
+            [0; 3],
+            (h, h),
+            b.h.ptr(),
+            true,
+            0,
+            "dense MLP down (+residual)",
+            kernels.early,
+        ));
+        Ok(())
+    }
+
+    fn router(
+        &mut self,
+        layer: &DevLayer,
+        router: &DevMat,
+        _moe_index: usize,
+    ) -> Result<(), CudaError> {
+        let (model, b, kernels) = (self.model, self.b, self.kernels);
+        let e_count = model.cfg.num_experts;
+        let v = &mut self.v;
+        // the logits by a row kernel; the top-k in the experts' kernels
+        v.push(model.dmv(
+            router,
+            b.h.ptr(),
+            layer.post_norm.ptr(),
+            [0; 3],
+            (e_count, e_count),
+            b.router_logits.ptr(),
+            false,
+            b.xn.ptr(),
+            "router (+post norm, top-k)",
+            kernels.early,
+        ));
+        Ok(())
+    }
+
+    fn shared_expert(&mut self, m: &DevDense, sg: &DevMat) -> Result<(u64, u64), CudaError> {
+        let (model, b, kernels) = (self.model, self.b, self.kernels);
+        let cfg = &model.cfg;
+        let h = cfg.hidden_size;
+        let v = &mut self.v;
+        let s = m.gate.rows;
+        v.push(model.gate_up_dec(
+            m.gate.dtype,
+            m.gate.ptr(),
+            m.up.ptr(),
+            s,
+            0,
+            1,
+            b.xn.ptr(),
+            0,
+            b.act_sh.ptr(),
+            "shared expert",
+        ));
+        v.push(model.dmv(
+            &m.down,
+            b.act_sh.ptr(),
+            0,
+            [0; 3],
+            (h, h),
+            b.y_sh.ptr(),
+            false,
+            0,
+            "shared expert",
+            kernels.early,
+        ));
+        v.push(model.dmv(
+            sg,
+            b.xn.ptr(),
+            0,
+            [0; 3],
+            (1, 1),
+            b.s_sh.ptr(),
+            false,
+            0,
+            "shared expert",
+            kernels.early,
+        ));
+        Ok((b.y_sh.ptr(), b.s_sh.ptr()))
+    }
+
+    fn experts(
+        &mut self,
+        _l: usize,
+        experts: Option<&DevExperts>,
+        moe_index: usize,
+        (y_sh, s_sh): (u64, u64),
+    ) -> Result<(), CudaError> {
+        let records = self.records(moe_index);
+        let (model, b, kernels) = (self.model, self.b, self.kernels);
+        let cfg = &model.cfg;
+        let h = cfg.hidden_size;
+        let v = &mut self.v;
+        let Some(experts) = experts else {
+            return Err(CudaError::Internal(
+                "the decode kernels with streamed experts".into(),
+            ));
+        };
+        let (e_count, k_top) = (cfg.num_experts, cfg.top_k);
+        let rec = (moe_index * k_top * 4) as u64;
+        let i = cfg.expert_width;
+        v.push(model.gate_up_route(
+            experts.gate.ptr(),
+            experts.up.ptr(),
+            i,
+            b.xn.ptr(),
+            b.act.ptr(),
+            b.router_logits.ptr(),
+            &records,
+        ));
+        // top-8 over whole chunks: without guards, and with programmatic launch its
+        // slots, residuals and first weights loaded before the wait (the router's
+        // choice recomputed from its logits, as the kernel just before writes it)
+        let name = if k_top == 8 && i.is_multiple_of(256) {
+            if kernels.early {
+                "moe_down_route2f8e"
+            } else {
+                "moe_down_dec2f8"
+            }
+        } else {
+            "moe_down_dec2"
+        };
+        let route_args = name == "moe_down_route2f8e";
+        let shared_mem = ((k_top * i + if route_args { 3 * e_count } else { 0 }) * F) as u32;
+        model.gpu.allow_shared(name, shared_mem)?;
+        let grid = model.row_grid(name, h, shared_mem);
+        let mut args = vec![
+            Arg::Ptr(experts.down.ptr()),
+            i32a(h),
+            i32a(i),
+            Arg::Ptr(b.ids.ptr() + rec),
+            Arg::Ptr(b.weights.ptr() + rec),
+            Arg::Ptr(b.by_id.ptr() + rec),
+            i32a(k_top),
+            p(&b.act),
+            Arg::Ptr(y_sh),
+            Arg::Ptr(s_sh),
+            p(&b.h),
+        ];
+        if route_args {
+            args.extend([
+                p(&b.router_logits),
+                i32a(e_count),
+                Arg::I32(i32::from(model.spec.renormalize_topk)),
+            ]);
+        }
+        v.push(Launch {
+            name,
+            grid: (grid, 1, 1),
+            block: (256, 1, 1),
+            shared: shared_mem,
+            args,
+            pdl: true,
+            label: "experts down (k experts, mix, +residual)",
+            bytes: (k_top * h * i * 2) as u64,
+        });
+        Ok(())
     }
 }
 

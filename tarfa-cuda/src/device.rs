@@ -457,9 +457,7 @@ impl Gpu {
         let last = *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner());
         driver_err(
             e,
-            format!(
-                "{what} (last kernel launched: {last}; --cuda-sync checks after every kernel)"
-            ),
+            format!("{what} (last kernel launched: {last}; --cuda-sync checks after every kernel)"),
         )
     }
 

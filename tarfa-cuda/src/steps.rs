@@ -1,0 +1,327 @@
+//! The layer body, written once: what one decoder layer is, in the order every step runs it
+//! ([`LayerSteps`], walked by [`CudaModel::walk_layers`]). Two steps implement it: the
+//! per-operation step of `forward` ([`OpSteps`], here: one kernel per operation, any number of
+//! tokens) and the decode step's launch list (`decode_plan`'s `PlanSteps`: fused kernels, one
+//! token). A third (a batched step) implements the same five methods; none walks the layers
+//! itself.
+//!
+//! Nothing here may change an operation or its order relative to the CPU backend
+//! (tarfa-cpu's forward): each method's body is the CPU's sequence for that part of the layer.
+
+use super::*;
+
+/// One decoder layer's parts, called in this order by [`CudaModel::walk_layers`]: attention;
+/// then a dense MLP, or a MoE layer's router, its shared expert (when it has one) and its routed
+/// experts.
+pub(super) trait LayerSteps {
+    /// RMSNorm, q|k|v (+ biases), the q/k norms, RoPE, the KV-cache append, attention, and
+    /// `h = h + W_o o (+ b_o)` for layer `l`.
+    fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError>;
+    /// A dense MLP after the post-attention RMSNorm: gate/up with SwiGLU, down, residual.
+    fn dense(&mut self, layer: &DevLayer, m: &DevDense) -> Result<(), CudaError>;
+    /// A MoE layer's router after the post-attention RMSNorm: logits, softmax, top-k, records
+    /// (MoE layer `moe_index`).
+    fn router(
+        &mut self,
+        layer: &DevLayer,
+        router: &DevMat,
+        moe_index: usize,
+    ) -> Result<(), CudaError>;
+    /// The shared expert and its gate's logit, from the normalised input; returns where they
+    /// are (y_sh, s_sh) for the experts' mix.
+    fn shared_expert(&mut self, m: &DevDense, gate: &DevMat) -> Result<(u64, u64), CudaError>;
+    /// The routed experts (`None`: in the hot tier), mixed in ascending expert id with the
+    /// shared expert (`shared`: (0, 0) without), and the residual.
+    fn experts(
+        &mut self,
+        l: usize,
+        experts: Option<&DevExperts>,
+        moe_index: usize,
+        shared: (u64, u64),
+    ) -> Result<(), CudaError>;
+}
+
+impl CudaModel {
+    /// The one walk over the layers: every step's layer body is this order of `steps`' parts.
+    pub(super) fn walk_layers(&self, steps: &mut impl LayerSteps) -> Result<(), CudaError> {
+        for (l, layer) in self.layers.iter().enumerate() {
+            steps.attention(l, layer)?;
+            match &layer.mlp {
+                DevMlp::Dense(m) => steps.dense(layer, m)?,
+                DevMlp::Moe {
+                    router,
+                    experts,
+                    shared,
+                    moe_index,
+                } => {
+                    steps.router(layer, router, *moe_index)?;
+                    let sh = match shared {
+                        Some(sh) => steps.shared_expert(&sh.0, &sh.1)?,
+                        None => (0, 0),
+                    };
+                    steps.experts(l, experts.as_ref(), *moe_index, sh)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The per-operation step (`forward`): the kernels of kernels/{matvec,norm_rope,attention,moe}.cu
+/// launched one by one on `t_count` tokens at positions `shape.pos0..`, in the workspace `ws`.
+pub(super) struct OpSteps<'a> {
+    pub(super) model: &'a CudaModel,
+    pub(super) ws: &'a Workspace,
+    pub(super) cache: &'a CudaCache,
+    pub(super) shape: AttnShape,
+    /// round_f32(1 / sqrt(D)) computed in f64, as the CPU does
+    pub(super) scale: f32,
+}
+
+impl OpSteps<'_> {
+    /// xn = RMSNorm(h) with the layer's post-attention norm (the MLP's input).
+    fn post_norm(&self, layer: &DevLayer) -> Result<(), CudaError> {
+        let (m, ws) = (self.model, self.ws);
+        let h = m.cfg.hidden_size;
+        ops::rmsnorm(
+            &m.gpu,
+            ws.h.ptr(),
+            h,
+            ws.xn.ptr(),
+            h,
+            layer.post_norm.ptr(),
+            h,
+            self.shape.tokens,
+            m.cfg.eps_f32(),
+        )
+    }
+}
+
+impl LayerSteps for OpSteps<'_> {
+    fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
+        let (m, ws, shape) = (self.model, self.ws, self.shape);
+        let (gpu, cfg) = (&m.gpu, &m.cfg);
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let (t_count, eps) = (shape.tokens, cfg.eps_f32());
+        let a = &layer.attn;
+        ops::rmsnorm(
+            gpu,
+            ws.h.ptr(),
+            h,
+            ws.xn.ptr(),
+            h,
+            layer.input_norm.ptr(),
+            h,
+            t_count,
+            eps,
+        )?;
+        let bias = |b: &Option<DevBuf>| b.as_ref().map_or(0, |b| b.ptr());
+        for (w, b, out, rows) in [
+            (&a.q, &a.q_bias, ws.q.ptr(), hq * d),
+            (&a.k, &a.k_bias, ws.k.ptr(), hkv * d),
+            (&a.v, &a.v_bias, ws.v.ptr(), hkv * d),
+        ] {
+            ops::matvec(gpu, w, ws.xn.ptr(), h, bias(b), out, rows, t_count, false)?;
+        }
+        // q/k norm: per head (rows of D), or over the whole projection (one row per token)
+        let per_head = match (m.spec.qk_norm, &a.q_norm, &a.k_norm) {
+            (QkNorm::PerHead, Some(qn), Some(kn)) => Some((qn, kn, true)),
+            (QkNorm::WholeProjection, Some(qn), Some(kn)) => Some((qn, kn, false)),
+            _ => None,
+        };
+        if let Some((qn, kn, per_head)) = per_head {
+            for (x, w, heads) in [(ws.q.ptr(), qn, hq), (ws.k.ptr(), kn, hkv)] {
+                let (n, rows) = if per_head {
+                    (d, t_count * heads)
+                } else {
+                    (heads * d, t_count)
+                };
+                ops::rmsnorm(gpu, x, n, x, n, w.ptr(), n, rows, eps)?;
+            }
+        }
+        let (kc, vc) = (self.cache.k[l].ptr(), self.cache.v[l].ptr());
+        let (cos, sin) = self.cache.rope_ptrs();
+        ops::rope_append_kv(
+            gpu,
+            shape,
+            ws.q.ptr(),
+            ws.k.ptr(),
+            ws.v.ptr(),
+            cos,
+            sin,
+            kc,
+            vc,
+        )?;
+        ops::attention(
+            gpu,
+            shape,
+            ws.q.ptr(),
+            kc,
+            vc,
+            self.scale,
+            ws.scores.ptr(),
+            shape.pos0 + t_count,
+            ws.o.ptr(),
+        )?;
+        ops::matvec(
+            gpu,
+            &a.o,
+            ws.o.ptr(),
+            hq * d,
+            bias(&a.o_bias),
+            ws.h.ptr(),
+            h,
+            t_count,
+            true,
+        )
+    }
+
+    fn dense(&mut self, layer: &DevLayer, d: &DevDense) -> Result<(), CudaError> {
+        self.post_norm(layer)?;
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let (h, f) = (m.cfg.hidden_size, d.gate.rows);
+        ops::gate_up(
+            &m.gpu,
+            d.gate.dtype,
+            d.gate.ptr(),
+            d.up.ptr(),
+            f,
+            h,
+            0,
+            1,
+            ws.xn.ptr(),
+            ws.act.ptr(),
+            t_count,
+        )?;
+        ops::matvec(
+            &m.gpu,
+            &d.down,
+            ws.act.ptr(),
+            f,
+            0,
+            ws.h.ptr(),
+            h,
+            t_count,
+            true,
+        )
+    }
+
+    fn router(
+        &mut self,
+        layer: &DevLayer,
+        router: &DevMat,
+        moe_index: usize,
+    ) -> Result<(), CudaError> {
+        self.post_norm(layer)?;
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let cfg = &m.cfg;
+        ops::matvec(
+            &m.gpu,
+            router,
+            ws.xn.ptr(),
+            cfg.hidden_size,
+            0,
+            ws.router_logits.ptr(),
+            cfg.num_experts,
+            t_count,
+            false,
+        )?;
+        ops::route_topk(
+            &m.gpu,
+            ws.router_logits.ptr(),
+            cfg.num_experts,
+            cfg.top_k,
+            m.spec.renormalize_topk,
+            t_count,
+            ws.route_out(moe_index, t_count, cfg.top_k),
+        )
+    }
+
+    fn shared_expert(&mut self, d: &DevDense, gate: &DevMat) -> Result<(u64, u64), CudaError> {
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let (h, s) = (m.cfg.hidden_size, d.gate.rows);
+        ops::gate_up(
+            &m.gpu,
+            d.gate.dtype,
+            d.gate.ptr(),
+            d.up.ptr(),
+            s,
+            h,
+            0,
+            1,
+            ws.xn.ptr(),
+            ws.act_shared.ptr(),
+            t_count,
+        )?;
+        ops::matvec(
+            &m.gpu,
+            &d.down,
+            ws.act_shared.ptr(),
+            s,
+            0,
+            ws.y_shared.ptr(),
+            h,
+            t_count,
+            false,
+        )?;
+        ops::matvec(
+            &m.gpu,
+            gate,
+            ws.xn.ptr(),
+            h,
+            0,
+            ws.s_shared.ptr(),
+            1,
+            t_count,
+            false,
+        )?;
+        Ok((ws.y_shared.ptr(), ws.s_shared.ptr()))
+    }
+
+    fn experts(
+        &mut self,
+        l: usize,
+        experts: Option<&DevExperts>,
+        moe_index: usize,
+        (y_sh, s_sh): (u64, u64),
+    ) -> Result<(), CudaError> {
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let cfg = &m.cfg;
+        let (h, i, k) = (cfg.hidden_size, cfg.expert_width, cfg.top_k);
+        let route = ws.route_out(moe_index, t_count, k);
+        let Some(experts) = experts else {
+            return m.stream_moe(l, route, t_count, ws, y_sh, s_sh);
+        };
+        ops::gate_up(
+            &m.gpu,
+            DType::Bf16,
+            experts.gate.ptr(),
+            experts.up.ptr(),
+            i,
+            h,
+            route.ids,
+            k,
+            ws.xn.ptr(),
+            ws.act.ptr(),
+            t_count,
+        )?;
+        ops::down_mix(
+            &m.gpu,
+            experts.down.ptr(),
+            h,
+            i,
+            route,
+            k,
+            ws.act.ptr(),
+            y_sh,
+            s_sh,
+            ws.h.ptr(),
+            t_count,
+        )
+    }
+}
