@@ -1368,7 +1368,77 @@ impl LayerSteps for PlanSteps<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::qkv_grid;
+    use std::sync::Arc;
+
+    use super::{attn_decode4_name, qkv_grid, DecodeKernels, ATTN_SHARED_MAX};
+    use crate::device::Gpu;
+    use crate::model::CudaModel;
+    use crate::synthetic::{random_model, SyntheticShape};
+    use crate::DecodeMode;
+    use tarfa_core::step::ForwardOptions;
+
+    #[test]
+    fn attention_takes_the_smallest_head_dimension_cap_that_holds_d() {
+        for (d, name) in [
+            (2, "attn_decode4_d32"),
+            (32, "attn_decode4_d32"),
+            (34, "attn_decode4_d64"),
+            (64, "attn_decode4_d64"),
+            (66, "attn_decode4_d128"),
+            (128, "attn_decode4_d128"),
+            (200, "attn_decode4_d256"),
+            (256, "attn_decode4_d256"),
+        ] {
+            assert_eq!(attn_decode4_name(d), name, "D {d}");
+        }
+        // early (programmatic launch) or not, the same attention limit
+        assert_eq!(
+            DecodeKernels::for_launch(true).attn_shared_max,
+            ATTN_SHARED_MAX
+        );
+        assert!(DecodeKernels::for_launch(true).early);
+        assert!(!DecodeKernels::for_launch(false).early);
+    }
+
+    /// The decode step's kernels for `mode`, after a 3-token prompt and one decode step.
+    fn plan(shape: &SyntheticShape, mode: DecodeMode) -> Vec<&'static str> {
+        let (cfg, src) = random_model(shape, 5);
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg, Arc::new(src), None).unwrap();
+        let mut c = gpu.new_cache().unwrap();
+        c.set_decode_mode(mode);
+        let opts = ForwardOptions::default();
+        gpu.forward(&mut c, &[1, 2, 3], &opts).unwrap();
+        gpu.forward(&mut c, &[4], &opts).unwrap();
+        c.decode_kernels().into_iter().map(|k| k.0).collect()
+    }
+
+    #[test]
+    fn the_launch_list_follows_the_layer_order() {
+        // Qwen2-MoE's small shape: layers 0 and 2 dense, layer 1 MoE with a shared expert
+        // (hidden 96: the guarded row kernels; D 24: attn_decode4_d32; BF16 matrices)
+        let shape = SyntheticShape::small("qwen2_moe");
+        let attention = ["dmv2_bf16", "attn_decode4_d32", "dmv2_bf16"];
+        let dense = ["gate_up_dec2_bf16", "dmv2_bf16"];
+        let moe = [
+            "dmv2_bf16",           // router logits (+ post norm)
+            "gate_up_dec2_bf16",   // shared expert gate+up
+            "dmv2_bf16",           // shared expert down
+            "dmv2_bf16",           // shared expert gate
+            "gate_up_route2_bf16", // the top-k and the experts' gate+up
+            "moe_down_dec2",       // top-3: the guarded down kernel
+        ];
+        let mut want = vec!["embed_bf16"];
+        for mlp in [&dense[..], &moe[..], &dense[..]] {
+            want.extend(attention);
+            want.extend(mlp);
+        }
+        want.push("lmhead2_bf16");
+        for mode in [DecodeMode::Direct, DecodeMode::Graph, DecodeMode::GraphPdl] {
+            assert_eq!(plan(&shape, mode), want, "{mode:?}");
+        }
+        // the legacy mode has no launch list
+        assert!(plan(&shape, DecodeMode::Legacy).is_empty());
+    }
 
     #[test]
     fn the_qkv_launch_takes_two_rows_per_warp_within_what_the_gpu_holds() {

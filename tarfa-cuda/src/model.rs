@@ -1200,3 +1200,100 @@ impl Workspace {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::synthetic::{random_model, SyntheticShape};
+
+    fn mock_model(family: &str) -> CudaModel {
+        let (cfg, src) = random_model(&SyntheticShape::small(family), 3);
+        CudaModel::load_on(Gpu::mock(), cfg, Arc::new(src), None).unwrap()
+    }
+
+    #[test]
+    fn a_steps_statistics_count_every_matrix_once_and_each_chosen_expert_once() {
+        // computed here from the config and the step's own router records: every attention,
+        // dense, router, shared-expert and lm_head matrix once per step whatever the token count, each
+        // distinct expert a layer's tokens chose once, and one embedding row per token
+        let m = mock_model("qwen2_moe");
+        let cfg = m.cfg.clone();
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let bf16 = 2u64;
+        let attn =
+            bf16 * (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h) as u64;
+        let dense_w = cfg.dense_width.unwrap();
+        let dense = bf16 * (3 * dense_w * h) as u64;
+        let sw = cfg.shared_expert_width.unwrap();
+        let shared = bf16 * (3 * sw * h + h) as u64;
+        let router = bf16 * (cfg.num_experts * h) as u64;
+        let expert = bf16 * (3 * cfg.expert_width * h) as u64;
+        let lm_head = bf16 * (cfg.vocab_size * h) as u64;
+        let opts = ForwardOptions {
+            trace_router: true,
+            ..Default::default()
+        };
+        let mut c = m.new_cache().unwrap();
+        for tokens in [&[5u32, 9, 11, 200][..], &[7]] {
+            let out = m.forward(&mut c, tokens, &opts).unwrap();
+            let distinct: BTreeSet<u32> = out
+                .router
+                .iter()
+                .flat_map(|r| r.experts.iter().copied())
+                .collect();
+            // one MoE layer (layer 1) among three
+            assert!(out.router.iter().all(|r| r.layer == 1 && r.moe_layer == 0));
+            assert_eq!(out.router.len(), tokens.len());
+            let want = StepStats {
+                weight_bytes: bf16 * (tokens.len() * h) as u64
+                    + 3 * attn
+                    + 2 * dense
+                    + router
+                    + shared
+                    + distinct.len() as u64 * expert
+                    + lm_head,
+                experts_fetched: distinct.len() as u64,
+            };
+            assert_eq!(out.stats, want, "{} tokens", tokens.len());
+        }
+    }
+
+    #[test]
+    fn bad_steps_are_refused_by_name_and_leave_the_cache_as_it_was() {
+        let m = mock_model("qwen3_moe");
+        let vocab = m.cfg.vocab_size;
+        let opts = ForwardOptions::default();
+        let mut c = m.new_cache().unwrap();
+        m.forward(&mut c, &[1, 2], &opts).unwrap();
+        match m.forward(&mut c, &[], &opts) {
+            Err(CudaError::Run(RunError::EmptyStep)) => {}
+            other => panic!("empty step: {other:?}"),
+        }
+        match m.forward(&mut c, &[3, vocab as u32], &opts) {
+            Err(CudaError::Run(RunError::TokenOutOfRange { token, vocab: v })) => {
+                assert_eq!((token, v), (vocab as u32, vocab));
+            }
+            other => panic!("token out of range: {other:?}"),
+        }
+        let room = c.max_len() - c.len();
+        match m.forward(&mut c, &vec![1; room + 1], &opts) {
+            Err(CudaError::Run(RunError::ContextFull { needed, max })) => {
+                assert_eq!((needed, max), (c.max_len() + 1, c.max_len()));
+            }
+            other => panic!("context full: {other:?}"),
+        }
+        // a cache of another model
+        let other = mock_model("qwen3_moe");
+        let mut oc = other.new_cache().unwrap();
+        assert!(matches!(
+            m.forward(&mut oc, &[1], &opts),
+            Err(CudaError::Internal(_))
+        ));
+        assert_eq!(c.len(), 2, "a refused step appends nothing");
+        m.forward(&mut c, &[4], &opts).unwrap();
+        assert_eq!(c.len(), 3);
+    }
+}
