@@ -1015,6 +1015,45 @@ struct PlanSteps<'a> {
 }
 
 impl PlanSteps<'_> {
+    /// A gated MLP (a dense layer's, or the shared expert): gate/up with SwiGLU of `x` (RMSNorm'd
+    /// with `norm` when not 0) into `act`, then its down projection into `out` (added to it with
+    /// `residual`).
+    fn gated_mlp(
+        &mut self,
+        m: &DevDense,
+        (x, norm): (u64, u64),
+        act: u64,
+        (out, residual): (u64, bool),
+        labels: [&'static str; 2],
+    ) {
+        let (model, kernels) = (self.model, self.kernels);
+        let h = model.cfg.hidden_size;
+        self.v.push(model.gate_up_dec(
+            m.gate.dtype,
+            m.gate.ptr(),
+            m.up.ptr(),
+            m.gate.rows,
+            0,
+            1,
+            x,
+            norm,
+            act,
+            labels[0],
+        ));
+        self.v.push(model.dmv(
+            &m.down,
+            act,
+            0,
+            [0; 3],
+            (h, h),
+            out,
+            residual,
+            0,
+            labels[1],
+            kernels.early,
+        ));
+    }
+
     /// MoE layer `moe_index`'s router records (gate_up_route2's last six arguments): ids,
     /// probs, weights, by_id (k each), kth, next.
     fn records(&self, moe_index: usize) -> [Arg; 6] {
@@ -1185,35 +1224,18 @@ impl LayerSteps for PlanSteps<'_> {
     }
 
     fn dense(&mut self, layer: &DevLayer, m: &DevDense) -> Result<(), CudaError> {
-        let (model, b, kernels) = (self.model, self.b, self.kernels);
-        let cfg = &model.cfg;
-        let h = cfg.hidden_size;
-        let v = &mut self.v;
-        let f = m.gate.rows;
-        v.push(model.gate_up_dec(
-            m.gate.dtype,
-            m.gate.ptr(),
-            m.up.ptr(),
-            f,
-            0,
-            1,
-            b.h.ptr(),
-            layer.post_norm.ptr(),
+        let b = self.b;
+        // the post-attention norm in the gate/up kernel; down into h (+residual)
+        self.gated_mlp(
+            m,
+            (b.h.ptr(), layer.post_norm.ptr()),
             b.act.ptr(),
-            "dense MLP gate+up (+post norm)",
-        ));
-        v.push(model.dmv(
-            &m.down,
-            b.act.ptr(),
-            0,
-            [0; 3],
-            (h, h),
-            b.h.ptr(),
-            true,
-            0,
-            "dense MLP down (+residual)",
-            kernels.early,
-        ));
+            (b.h.ptr(), true),
+            [
+                "dense MLP gate+up (+post norm)",
+                "dense MLP down (+residual)",
+            ],
+        );
         Ok(())
     }
 
@@ -1244,34 +1266,15 @@ impl LayerSteps for PlanSteps<'_> {
 
     fn shared_expert(&mut self, m: &DevDense, sg: &DevMat) -> Result<(u64, u64), CudaError> {
         let (model, b, kernels) = (self.model, self.b, self.kernels);
-        let cfg = &model.cfg;
-        let h = cfg.hidden_size;
+        // from the router kernel's normalised vector; down into y_sh
+        self.gated_mlp(
+            m,
+            (b.xn.ptr(), 0),
+            b.act_sh.ptr(),
+            (b.y_sh.ptr(), false),
+            ["shared expert", "shared expert"],
+        );
         let v = &mut self.v;
-        let s = m.gate.rows;
-        v.push(model.gate_up_dec(
-            m.gate.dtype,
-            m.gate.ptr(),
-            m.up.ptr(),
-            s,
-            0,
-            1,
-            b.xn.ptr(),
-            0,
-            b.act_sh.ptr(),
-            "shared expert",
-        ));
-        v.push(model.dmv(
-            &m.down,
-            b.act_sh.ptr(),
-            0,
-            [0; 3],
-            (h, h),
-            b.y_sh.ptr(),
-            false,
-            0,
-            "shared expert",
-            kernels.early,
-        ));
         v.push(model.dmv(
             sg,
             b.xn.ptr(),

@@ -97,6 +97,29 @@ impl OpSteps<'_> {
     }
 }
 
+impl OpSteps<'_> {
+    /// A gated MLP (a dense layer's, or the shared expert) of xn: gate/up with SwiGLU into
+    /// `act`, then the down projection into `out` (added to it with `residual`).
+    fn gated_mlp(&self, d: &DevDense, act: u64, out: u64, residual: bool) -> Result<(), CudaError> {
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let (h, f) = (m.cfg.hidden_size, d.gate.rows);
+        ops::gate_up(
+            &m.gpu,
+            d.gate.dtype,
+            d.gate.ptr(),
+            d.up.ptr(),
+            f,
+            h,
+            0,
+            1,
+            ws.xn.ptr(),
+            act,
+            t_count,
+        )?;
+        ops::matvec(&m.gpu, &d.down, act, f, 0, out, h, t_count, residual)
+    }
+}
+
 impl LayerSteps for OpSteps<'_> {
     fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
         let (m, ws, shape) = (self.model, self.ws, self.shape);
@@ -183,32 +206,8 @@ impl LayerSteps for OpSteps<'_> {
 
     fn dense(&mut self, layer: &DevLayer, d: &DevDense) -> Result<(), CudaError> {
         self.post_norm(layer)?;
-        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
-        let (h, f) = (m.cfg.hidden_size, d.gate.rows);
-        ops::gate_up(
-            &m.gpu,
-            d.gate.dtype,
-            d.gate.ptr(),
-            d.up.ptr(),
-            f,
-            h,
-            0,
-            1,
-            ws.xn.ptr(),
-            ws.act.ptr(),
-            t_count,
-        )?;
-        ops::matvec(
-            &m.gpu,
-            &d.down,
-            ws.act.ptr(),
-            f,
-            0,
-            ws.h.ptr(),
-            h,
-            t_count,
-            true,
-        )
+        let ws = self.ws;
+        self.gated_mlp(d, ws.act.ptr(), ws.h.ptr(), true)
     }
 
     fn router(
@@ -244,31 +243,8 @@ impl LayerSteps for OpSteps<'_> {
 
     fn shared_expert(&mut self, d: &DevDense, gate: &DevMat) -> Result<(u64, u64), CudaError> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
-        let (h, s) = (m.cfg.hidden_size, d.gate.rows);
-        ops::gate_up(
-            &m.gpu,
-            d.gate.dtype,
-            d.gate.ptr(),
-            d.up.ptr(),
-            s,
-            h,
-            0,
-            1,
-            ws.xn.ptr(),
-            ws.act_shared.ptr(),
-            t_count,
-        )?;
-        ops::matvec(
-            &m.gpu,
-            &d.down,
-            ws.act_shared.ptr(),
-            s,
-            0,
-            ws.y_shared.ptr(),
-            h,
-            t_count,
-            false,
-        )?;
+        let h = m.cfg.hidden_size;
+        self.gated_mlp(d, ws.act_shared.ptr(), ws.y_shared.ptr(), false)?;
         ops::matvec(
             &m.gpu,
             gate,
