@@ -7,8 +7,9 @@
 # OLD_BIN, NEW_BIN (and MID): directories with tarfa-run and tarfa-convert (NEW_BIN also
 # tarfa-ab). A build reads the bundles its own tarfa-convert writes (the manifest format changed
 # between builds); the weights are the same, which step 1 checks by comparing model.jnf.
-#   prep  1. the 16-layer synthetic Qwen3-30B-A3B bundle, written by each build's converter
-#            (BIG_DIR, default /tmp/tarfa-q30-16, + .old/.mid), and the four qwen3 fixtures;
+#   prep  1. the 16-layer synthetic Qwen3-30B-A3B bundle, written by OLD's and NEW's converters
+#            (BIG_DIR, default /tmp/tarfa-q30-16, and .old; MID reads NEW's), and the four
+#            qwen3 fixtures by every build's;
 #         2. `generate --backend cuda --logits-out --router-trace` with every build on each:
 #            logits, router traces and printed tokens compared with cmp against NEW's;
 #   speed 3. ROUNDS (default 5) interleaved rounds of the same call on the big bundle, every
@@ -39,12 +40,13 @@ W=/tmp/tarfa-split
 mkdir -p "$W"
 builds="OLD NEW${MIDB:+ MID}"
 bin_of() { case $1 in OLD) echo "$OLD";; NEW) echo "$NEW";; MID) echo "$MIDB";; esac; }
-big_of() { case $1 in NEW) echo "$BIG";; OLD) echo "$BIG.old";; MID) echo "$BIG.mid";; esac; }
+# MID reads NEW's bundle format (the machine's 64 GB disk holds two 20 GB bundles, not three)
+big_of() { case $1 in NEW|MID) echo "$BIG";; OLD) echo "$BIG.old";; esac; }
 
 if [ "$PHASE" != speed ]; then
   for b in $builds; do
     d=$(big_of $b)
-    if [ ! -f "$d/model.jnf" ]; then
+    if [ "$b" != MID ] && [ ! -f "$d/model.jnf" ]; then
       rm -rf "$d"
       timeout 300 "$(bin_of $b)/tarfa-convert" synth --shape qwen3-30b-a3b --layers 16 --skew 1 \
         --format bundle "$d" > "$LOG/synth-$b.log" 2>&1
@@ -54,8 +56,7 @@ if [ "$PHASE" != speed ]; then
       [ -d "$W/$b-$f" ] || timeout 120 "$(bin_of $b)/tarfa-convert" "$FIX/$f" "$W/$b-$f" > "$LOG/convert-$b-$f.log" 2>&1
     done
   done
-  for b in $builds; do
-    [ "$b" = NEW ] && continue
+  for b in OLD; do
     cmp -s "$BIG/model.jnf" "$(big_of $b)/model.jnf" && r=SAME || r=DIFFER
     row "model.jnf of $b's and NEW's converter (16 layers)" "$r" "$(stat -c %s "$BIG/model.jnf") bytes"
   done
@@ -116,7 +117,7 @@ for b in builds:
     print(f"decode tok/s {b} (16 layers, 128+128)|{statistics.median(v):.1f}|rounds {', '.join(f'{x:.1f}' for x in v)}{ratio}")
 PY
   if [ -n "$MIDB" ]; then
-    timeout 400 "$NEW/tarfa-ab" "$BIG.mid" --a-bin "$MIDB/tarfa-run" --b-bin "$NEW/tarfa-run" \
+    timeout 400 "$NEW/tarfa-ab" "$BIG" --a-bin "$MIDB/tarfa-run" --b-bin "$NEW/tarfa-run" \
       --a-args "--backend cuda" --b-args "--backend cuda" --workload 128:128 \
       --pairs "${PAIRS:-6}" --metric decode --min-improvement-pct=-2 --out "$OUTD/ab.md" \
       > "$LOG/ab.log" 2>&1
