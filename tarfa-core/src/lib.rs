@@ -16,6 +16,8 @@
 //!   name, experts per layer), its error, and an in-memory source loaded from safetensors.
 //! - [`resident`]: the non-expert weights as every backend loads them.
 //! - [`step`]: what a forward step takes and returns, the same types for every backend.
+//! - [`logprob`]: the log-softmax of a row of logits in the contract's fixed order (f64), one
+//!   token's log-probability, the top-k alternatives.
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
 //! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
 //!   errors onto them.
@@ -29,6 +31,7 @@
 pub mod config;
 pub mod exit;
 pub mod generate;
+pub mod logprob;
 pub mod model;
 pub mod numerics;
 pub mod resident;
