@@ -18,6 +18,8 @@
 //! - [`step`]: what a forward step takes and returns, the same types for every backend.
 //! - [`logprob`]: the log-softmax of a row of logits in the contract's fixed order (f64), one
 //!   token's log-probability, the top-k alternatives.
+//! - [`sampling`]: exact sampling (temperature, top-k, top-p, min-p, penalties) from the f32
+//!   logits, its randomness Philox4x32-10 keyed by the seed at counter (request, step).
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
 //! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
 //!   errors onto them.
@@ -35,6 +37,7 @@ pub mod logprob;
 pub mod model;
 pub mod numerics;
 pub mod resident;
+pub mod sampling;
 pub mod shapes;
 pub mod step;
 pub mod tokenizer;
