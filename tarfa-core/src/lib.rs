@@ -21,6 +21,7 @@
 //!   token's log-probability, the top-k alternatives.
 //! - [`sampling`]: exact sampling (temperature, top-k, top-p, min-p, penalties) from the f32
 //!   logits, its randomness Philox4x32-10 keyed by the seed at counter (request, step).
+//! - [`stop`]: stop strings over incrementally decoded text.
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
 //! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
 //!   errors onto them.
@@ -42,6 +43,7 @@ pub mod resident;
 pub mod sampling;
 pub mod shapes;
 pub mod step;
+pub mod stop;
 pub mod tokenizer;
 pub mod weights;
 
