@@ -249,19 +249,8 @@ pub fn sample(
         remove(&mut x, &mut kept, |v| v < threshold);
     }
     if params.top_p < 1.0 {
-        let n = Normaliser::of(&x);
-        let mut order = kept.clone();
-        order.sort_unstable_by(|&a, &b| by_logit(&x, a, b));
-        let mut mass_before = 0.0f64;
-        let mut cut = order.len();
-        for (j, &t) in order.iter().enumerate() {
-            if mass_before >= params.top_p {
-                cut = j;
-                break;
-            }
-            mass_before += libm::exp(n.logprob(x[t as usize]));
-        }
-        for &t in &order[cut..] {
+        let cut = top_p_cut(&x, &kept, params.top_p);
+        for &t in &cut {
             x[t as usize] = f32::NEG_INFINITY;
         }
         kept.retain(|&t| x[t as usize] != f32::NEG_INFINITY);
@@ -307,6 +296,41 @@ pub fn sample(
         .rev()
         .find(|(_, &p)| p > 0.0)
         .map_or(kept[0], |(&t, _)| t)
+}
+
+/// The tokens top-p removes: walking the tokens in section 7's order (larger logit first), every
+/// token from the first one reached with `mass >= top_p` on. Only the walked prefix needs to be
+/// in order: the largest `prefix` tokens are selected and sorted (the order is total, so they
+/// are exactly the first `prefix` of the full sort), and the prefix grows until the cut falls
+/// inside it. Same result as sorting the whole vocabulary, without doing it.
+fn top_p_cut(x: &[f32], kept: &[u32], top_p: f64) -> Vec<u32> {
+    let n = Normaliser::of(x);
+    let order_by = |a: &u32, b: &u32| by_logit(x, *a, *b);
+    let mut order = kept.to_vec();
+    let mut prefix = order.len().min(1024);
+    loop {
+        if prefix < order.len() {
+            order.select_nth_unstable_by(prefix - 1, order_by);
+            order[..prefix].sort_unstable_by(order_by);
+        } else {
+            order.sort_unstable_by(order_by);
+        }
+        let mut mass_before = 0.0f64;
+        for (j, &t) in order[..prefix].iter().enumerate() {
+            if mass_before >= top_p {
+                return order[j..].to_vec();
+            }
+            mass_before += libm::exp(n.logprob(x[t as usize]));
+        }
+        if prefix == order.len() {
+            return Vec::new();
+        }
+        // The cut may be the first token past the prefix: it is decided by the mass before it.
+        if mass_before >= top_p {
+            return order[prefix..].to_vec();
+        }
+        prefix = (prefix * 8).min(order.len());
+    }
 }
 
 /// Sets the logits of the kept tokens that `drop` selects to -inf and forgets them.
@@ -542,6 +566,42 @@ mod tests {
         let k3 = SamplingParams { top_k: 3, ..k2 };
         let kept: std::collections::BTreeSet<u32> = draws(&logits, &k3, 2000).into_iter().collect();
         assert_eq!(kept.into_iter().collect::<Vec<_>>(), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn top_p_on_a_large_row_removes_what_a_full_sort_removes() {
+        // Written out again here with a full sort, as section 8 states it.
+        fn reference(x: &[f32], top_p: f64) -> std::collections::BTreeSet<u32> {
+            let lp = crate::logprob::log_softmax(x);
+            let mut ids: Vec<u32> = (0..x.len() as u32).collect();
+            ids.sort_by(|&a, &b| by_logit(x, a, b));
+            let mut mass = 0.0;
+            let mut removed = std::collections::BTreeSet::new();
+            for &t in &ids {
+                if mass >= top_p || !removed.is_empty() {
+                    removed.insert(t);
+                } else {
+                    mass += libm::exp(lp[t as usize]);
+                }
+            }
+            removed
+        }
+        for (n, seed, scale, top_p) in [
+            (5000, 1, 10.0, 0.9),
+            (5000, 2, 1.0, 0.9),
+            (20_000, 3, 0.5, 0.99),
+            (3000, 4, 30.0, 0.5),
+        ] {
+            let x = row(n, seed, scale);
+            let kept: Vec<u32> = (0..n as u32).collect();
+            let got: std::collections::BTreeSet<u32> =
+                top_p_cut(&x, &kept, top_p).into_iter().collect();
+            assert_eq!(
+                got,
+                reference(&x, top_p),
+                "n={n} scale={scale} top_p={top_p}"
+            );
+        }
     }
 
     #[test]

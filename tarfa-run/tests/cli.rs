@@ -916,6 +916,25 @@ fn sampling_gives_the_same_text_for_a_seed_on_any_thread_count() {
     let (text2, tokens2) = sampled("7", "2");
     assert_eq!(tokens1, tokens2, "threads 1 vs 2");
     assert_eq!(text1, text2);
+    let scalar = generate_code(&[
+        "--temperature",
+        "1.2",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--repetition-penalty",
+        "1.1",
+        "--seed",
+        "7",
+        "--kernel",
+        "scalar",
+    ]);
+    assert_eq!(
+        scalar,
+        (text1.clone(), tokens1.clone()),
+        "the scalar SIMD path"
+    );
     let (_, other_seed) = sampled("8", "2");
     assert_ne!(tokens1, other_seed, "another seed draws other tokens");
     let (greedy_text, greedy) = generate_code(&[]);
