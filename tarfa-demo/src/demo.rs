@@ -230,6 +230,17 @@ pub fn run(a: &DemoArgs) -> Result<(), DemoError> {
         stream: Default::default(),
         cuda: Default::default(),
         invalid_bf16_before_lm_head: false,
+        // Greedy, plain text: the flags' defaults.
+        chat: false,
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        seed: 0,
+        stop: Vec::new(),
     };
     generate::run(&g)?;
     Ok(())

@@ -30,13 +30,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate greedily from a bundle, streaming the decoded text.
+    /// Generate from a bundle (greedily unless asked to sample), streaming the decoded text.
     ///
     /// Every weight is verified against the bundle's manifest before it is computed with, an
     /// expert when it is first read: a corrupted expert the prompt never routes to goes
     /// unnoticed. --preload reads and verifies every expert before the first step.
     #[command(after_help = EXIT_CODES)]
-    Generate(GenerateArgs),
+    // Boxed: its many flags make it much the largest variant.
+    Generate(Box<GenerateArgs>),
     /// Check a GPU backend against the CPU reference, bit for bit, on bundles.
     #[command(after_help = EXIT_CODES)]
     Selftest(cli::selftest::SelftestArgs),
