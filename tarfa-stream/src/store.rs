@@ -1754,6 +1754,43 @@ mod tests {
         assert_eq!(store.used_bytes(), 0);
     }
 
+    #[test]
+    fn batches_put_held_experts_first_and_fit_half_the_room() {
+        let b = TestBundle::new(1, 8);
+        let store = b.store(Some(4), CachePolicy::Lru, None);
+        use_one(&store, 0, 6);
+        use_one(&store, 0, 5);
+        // all fit: the held ones (ascending), then the ones to read
+        assert_eq!(store.batches(0, &[1, 5]), vec![vec![5], vec![1]]);
+        assert_eq!(store.batches(0, &[1, 2]), vec![vec![1, 2]]);
+        // 5 experts in 4 slots: groups of half the room, held ones first
+        let batches = store.batches(0, &[1, 2, 5, 6, 7]);
+        assert_eq!(batches, vec![vec![5, 6], vec![1, 2], vec![7]]);
+        store.prefetch(0, &batches);
+        for batch in &batches {
+            let leases = store.fetch(0, batch).unwrap();
+            assert_eq!(leases.len(), batch.len());
+            assert!(store.used_bytes() <= 4 * PAGE);
+        }
+        assert!(store.stats().peak_warm_bytes <= 4 * PAGE);
+
+        // static: the 3 pinned experts (0, 1, 2) cost nothing more, their room is reserved;
+        // one slot is left for the others
+        let store = b.store(Some(4), CachePolicy::Static, None);
+        assert_eq!(store.pinned(), (3, 3 * PAGE));
+        let batches = store.batches(0, &[0, 1, 2, 3, 4]);
+        assert_eq!(batches, vec![vec![0, 1, 2, 3], vec![4]]);
+        store.prefetch(0, &batches);
+        for batch in &batches {
+            let leases = store.fetch(0, batch).unwrap();
+            for (l, &id) in leases.iter().zip(batch) {
+                check_lease(l, 0, id);
+            }
+        }
+        assert_eq!(held(&store, 0), vec![0, 1, 2]);
+        assert!(store.stats().peak_warm_bytes <= 4 * PAGE);
+    }
+
     /// Records what the store page-locks and unlocks.
     #[derive(Default)]
     struct RecordingPin {
