@@ -16,6 +16,12 @@
 //! it before asking for the next, so the reads it waits for are always first in line for room.
 //! A request that can never be served (nothing in flight, no handle out, still no room) is an
 //! error, never a hang.
+//! That reasoning assumes one caller at a time (one forward per store). Two callers fetching
+//! concurrently under a budget of a few experts can see the room held by an expert granted to
+//! the other but not yet taken (no handle out yet) and get [`StreamError::BatchTooLarge`]
+//! although their batch fits: two threads fetching single experts under a one-expert budget
+//! got it on about half their fetches. Waiting instead could hang two callers that each hold
+//! part of a batch, so the error stays.
 //!
 //! Locking: one mutex over the state. Dropping an [`Extent`] only touches atomics, so buffers
 //! may be dropped with the lock held.
