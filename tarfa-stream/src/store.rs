@@ -16,6 +16,12 @@
 //! it before asking for the next, so the reads it waits for are always first in line for room.
 //! A request that can never be served (nothing in flight, no handle out, still no room) is an
 //! error, never a hang.
+//! That reasoning assumes one caller at a time (one forward per store). Two callers fetching
+//! concurrently under a budget of a few experts can see the room held by an expert granted to
+//! the other but not yet taken (no handle out yet) and get [`StreamError::BatchTooLarge`]
+//! although their batch fits: two threads fetching single experts under a one-expert budget
+//! got it on about half their fetches. Waiting instead could hang two callers that each hold
+//! part of a batch, so the error stays.
 //!
 //! Locking: one mutex over the state. Dropping an [`Extent`] only touches atomics, so buffers
 //! may be dropped with the lock held.
@@ -1231,6 +1237,670 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::Barrier;
+    use std::time::Duration;
+
+    use jnf_format::{Dtype, Header, LayoutPlan, MatrixSpec, CONTAINER_FILE};
+    use sha2::{Digest, Sha256};
+    use tarfa_manifest::hash::to_hex;
+    use tarfa_manifest::{
+        ExpertRecord, HeaderRecord, Manifest, MatrixRecord, CONTRACT_VERSION, MANIFEST_FILE,
+        MANIFEST_VERSION,
+    };
+
+    /// Every matrix of a test expert is 8 x 64 BF16 (down 64 x 8): 3072 bytes an extent, so
+    /// one read through the page cache fills one 4096-byte buffer, the budget's unit here.
+    const ROWS: usize = 8;
+    const COLS: usize = 64;
+    const EXTENT: u64 = (3 * ROWS * COLS * 2) as u64;
+    const PAGE: u64 = 4096;
+
+    fn prefix(layer: usize, expert: usize) -> String {
+        format!("model.layers.{layer}.mlp.experts.{expert}")
+    }
+
+    /// The elements of expert (layer, expert): gate, up, down back to back, different in
+    /// every expert, so that a lease holding another expert's bytes is seen.
+    fn elems(layer: usize, expert: usize) -> Vec<u16> {
+        (0..3 * ROWS * COLS)
+            .map(|i| ((layer * 1000 + expert * 10) as u16) ^ (i as u16).wrapping_mul(40503))
+            .collect()
+    }
+
+    /// A bundle of `layers` x `experts` experts and no other tensor, laid out by jnf-format
+    /// and described by a sealed manifest, as tarfa-convert writes one (that crate is not a
+    /// dependency here: BundleSource::open checks everything a store relies on).
+    struct TestBundle {
+        dir: tempfile::TempDir,
+        header: Header,
+    }
+
+    impl TestBundle {
+        fn new(layers: usize, experts: usize) -> TestBundle {
+            let mut plan = LayoutPlan::new();
+            for l in 0..layers {
+                for e in 0..experts {
+                    let p = prefix(l, e);
+                    let m = |role: &str, rows: usize, cols: usize| MatrixSpec {
+                        name: format!("{p}.{role}_proj.weight"),
+                        dtype: Dtype::BF16,
+                        shape: vec![rows as u64, cols as u64],
+                        source: None,
+                    };
+                    let mats = [
+                        m("gate", ROWS, COLS),
+                        m("up", ROWS, COLS),
+                        m("down", COLS, ROWS),
+                    ];
+                    plan.add_expert(l as u32, e as u32, p.clone(), mats);
+                }
+            }
+            let header = plan.finish().unwrap();
+            let mut file = header.encode().unwrap();
+            file.resize(header.file_size as usize, 0);
+            let mut experts = Vec::new();
+            for x in &header.experts {
+                let bytes: Vec<u8> = elems(x.layer as usize, x.expert as usize)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                assert_eq!(bytes.len() as u64, x.length);
+                file[x.offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+                experts.push(ExpertRecord {
+                    name: x.prefix.clone(),
+                    layer: x.layer,
+                    expert: x.expert,
+                    offset: x.offset,
+                    length: x.length,
+                    padded_length: x.padded_length,
+                    sha256: to_hex(&Sha256::digest(&bytes)),
+                    blake3: blake3::hash(&bytes).to_hex().to_string(),
+                    nonfinite: 0,
+                    matrices: x
+                        .matrices
+                        .iter()
+                        .map(|m| MatrixRecord {
+                            role: m.role,
+                            name: m.name.clone(),
+                            dtype: m.dtype.to_string(),
+                            shape: m.shape.clone(),
+                            offset: m.offset,
+                            length: m.length,
+                        })
+                        .collect(),
+                });
+            }
+            let mut manifest = Manifest {
+                root_digest: String::new(),
+                computed_root: String::new(),
+                manifest_version: MANIFEST_VERSION,
+                format_version: format!("{}.{}", header.major, header.minor),
+                contract_version: CONTRACT_VERSION,
+                converter: "tarfa-stream store tests".into(),
+                header: HeaderRecord::of_container_prefix(&file).unwrap(),
+                source: Default::default(),
+                shards: Vec::new(),
+                files: Vec::new(),
+                tensors: Vec::new(),
+                experts,
+            };
+            manifest.seal();
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join(CONTAINER_FILE), &file).unwrap();
+            std::fs::write(dir.path().join(MANIFEST_FILE), manifest.to_toml()).unwrap();
+            TestBundle { dir, header }
+        }
+
+        fn jnf(&self) -> PathBuf {
+            self.dir.path().join(CONTAINER_FILE)
+        }
+
+        /// Where the bytes of expert (layer, expert) start in model.jnf.
+        fn offset(&self, layer: usize, expert: usize) -> u64 {
+            self.header
+                .expert(layer as u32, expert as u32)
+                .unwrap()
+                .offset
+        }
+
+        fn open(&self) -> Arc<BundleSource> {
+            Arc::new(BundleSource::open(self.dir.path(), None).unwrap())
+        }
+
+        /// A store whose budget holds `slots` expert buffers (`None`: unbounded).
+        fn store(
+            &self,
+            slots: Option<u64>,
+            policy: CachePolicy,
+            ledger: Option<&HeatLedger>,
+        ) -> ExpertStore {
+            let opts = StreamOptions {
+                ram_budget: slots.map(|n| n * PAGE),
+                io: IoMode::Cached,
+                policy,
+                io_threads: 4,
+            };
+            ExpertStore::new(self.open(), &opts, ledger).unwrap()
+        }
+    }
+
+    /// Experts of `layer` the store holds verified now, ascending.
+    fn held(store: &ExpertStore, layer: usize) -> Vec<usize> {
+        let st = store.shared.lock();
+        let mut v: Vec<usize> = st
+            .entries
+            .iter()
+            .filter(|(k, e)| k.0 == layer && matches!(e.status, Status::Ready(_)))
+            .map(|(k, _)| k.1)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The lease holds expert (layer, expert)'s shapes and bytes.
+    fn check_lease(lease: &Lease, layer: usize, expert: usize) {
+        let [g, u, d] = lease.matrices();
+        assert_eq!((g.rows, g.cols, u.rows, u.cols), (ROWS, COLS, ROWS, COLS));
+        assert_eq!((d.rows, d.cols), (COLS, ROWS));
+        let got: Vec<u16> = [g.data, u.data, d.data].concat();
+        assert!(got == elems(layer, expert), "lease of {layer}/{expert}");
+    }
+
+    /// One use of one expert, as the forward makes it: fetched, checked, dropped; the budget
+    /// holds while it is in use.
+    fn use_one(store: &ExpertStore, layer: usize, expert: usize) {
+        let leases = store.fetch(layer, &[expert]).unwrap();
+        assert_eq!(leases.len(), 1);
+        check_lease(&leases[0], layer, expert);
+        if let Some(cap) = store.capacity() {
+            assert!(store.used_bytes() <= cap, "{} > {cap}", store.used_bytes());
+        }
+    }
+
+    /// The counters a sequence of requests decides (not the timings).
+    fn counts(s: &StreamStats) -> [u64; 8] {
+        [
+            s.requests,
+            s.warm_hits,
+            s.misses,
+            s.reads,
+            s.wasted_reads,
+            s.evictions,
+            s.bytes_read,
+            s.verified_bytes,
+        ]
+    }
+
+    fn stream_error(e: &WeightError) -> &StreamError {
+        e.source_error::<StreamError>()
+            .unwrap_or_else(|| panic!("not a stream error: {e}"))
+    }
+
+    #[test]
+    fn leases_hold_their_experts_bytes_in_the_order_asked() {
+        let b = TestBundle::new(2, 3);
+        let store = b.store(None, CachePolicy::Lru, None);
+        assert_eq!(store.largest_buffer(), PAGE);
+        assert_eq!(store.total_buffer_bytes(), 6 * PAGE);
+        assert_eq!(store.expert_ids(1), vec![0, 1, 2]);
+        let leases = store.fetch(1, &[2, 0]).unwrap();
+        check_lease(&leases[0], 1, 2);
+        check_lease(&leases[1], 1, 0);
+        assert_eq!(store.used_bytes(), 2 * PAGE);
+        drop(leases);
+        // lru keeps both once they are no longer used
+        assert_eq!(held(&store, 1), vec![0, 2]);
+        assert_eq!(held(&store, 0), Vec::<usize>::new());
+        let s = store.stats();
+        // requests, hits, misses, reads, wasted, evictions, bytes read, bytes verified
+        assert_eq!(counts(&s), [2, 0, 2, 2, 0, 0, 2 * EXTENT, 2 * EXTENT]);
+        assert_eq!(s.peak_warm_bytes, 2 * PAGE);
+        // the bundle's verify report lists what the store checked
+        let report = store.shared.bundle.report();
+        let names: Vec<&str> = report.experts.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, vec![prefix(1, 0), prefix(1, 2)]);
+    }
+
+    #[test]
+    fn lru_evicts_the_least_recently_used_and_never_exceeds_the_budget() {
+        let b = TestBundle::new(1, 4);
+        let store = b.store(Some(2), CachePolicy::Lru, None);
+        assert_eq!(store.pinned(), (0, 0));
+        // (expert used, experts held afterwards)
+        let steps: [(usize, &[usize]); 7] = [
+            (0, &[0]),
+            (1, &[0, 1]),
+            (0, &[0, 1]), // hit: 1 is now the least recently used
+            (2, &[0, 2]), // evicts 1
+            (0, &[0, 2]), // hit
+            (3, &[0, 3]), // evicts 2
+            (1, &[1, 3]), // evicts 0 (used before 3)
+        ];
+        for (i, (id, after)) in steps.into_iter().enumerate() {
+            use_one(&store, 0, id);
+            assert_eq!(held(&store, 0), after, "step {i}");
+            assert_eq!(store.used_bytes(), after.len() as u64 * PAGE, "step {i}");
+        }
+        let s = store.stats();
+        assert_eq!(counts(&s), [7, 2, 5, 5, 0, 3, 5 * EXTENT, 5 * EXTENT]);
+        assert_eq!(s.peak_warm_bytes, 2 * PAGE);
+        assert_eq!(
+            store.heat(),
+            vec![((0, 0), 3), ((0, 1), 2), ((0, 2), 1), ((0, 3), 1)]
+        );
+        // uncounted fetches (--preload, owned copies) are not uses; record_uses (the hot tier's)
+        // are
+        drop(store.fetch_uncounted(0, &[2]).unwrap());
+        store.record_uses(0, &[3, 3]);
+        assert_eq!(
+            store.heat(),
+            vec![((0, 0), 3), ((0, 1), 2), ((0, 2), 1), ((0, 3), 3)]
+        );
+    }
+
+    #[test]
+    fn policy_none_keeps_nothing_but_shares_a_buffer_in_use() {
+        let b = TestBundle::new(1, 2);
+        let store = b.store(None, CachePolicy::None, None);
+        use_one(&store, 0, 0);
+        assert!(held(&store, 0).is_empty());
+        assert_eq!(store.used_bytes(), 0);
+        use_one(&store, 0, 0);
+        // two leases on one expert: one read, one buffer
+        let first = store.fetch(0, &[1]).unwrap();
+        let second = store.fetch(0, &[1]).unwrap();
+        check_lease(&second[0], 0, 1);
+        assert_eq!(store.used_bytes(), PAGE);
+        drop(first);
+        assert_eq!(held(&store, 0), vec![1]);
+        drop(second);
+        assert!(held(&store, 0).is_empty());
+        assert_eq!(store.used_bytes(), 0);
+        let s = store.stats();
+        assert_eq!(counts(&s), [4, 1, 3, 3, 0, 0, 3 * EXTENT, 3 * EXTENT]);
+    }
+
+    #[test]
+    fn static_keeps_only_its_pinned_set() {
+        let b = TestBundle::new(2, 4);
+        // 4 slots: 3 pinned (three quarters), one left to stream through; no history, so an
+        // even spread: expert 0 of each layer, then expert 1 of layer 0
+        let store = b.store(Some(4), CachePolicy::Static, None);
+        assert_eq!(store.pinned(), (3, 3 * PAGE));
+        let steps: [((usize, usize), usize); 6] = [
+            ((0, 3), 0), // not pinned: dropped after use
+            ((0, 0), 1),
+            ((1, 0), 2),
+            ((0, 1), 3),
+            ((0, 3), 3), // read again
+            ((0, 0), 3), // hit
+        ];
+        for (i, ((l, id), cached)) in steps.into_iter().enumerate() {
+            use_one(&store, l, id);
+            let n = held(&store, 0).len() + held(&store, 1).len();
+            assert_eq!(n, cached, "step {i}");
+            assert_eq!(store.used_bytes(), cached as u64 * PAGE, "step {i}");
+        }
+        assert_eq!(held(&store, 0), vec![0, 1]);
+        assert_eq!(held(&store, 1), vec![0]);
+        let s = store.stats();
+        assert_eq!(counts(&s), [6, 1, 5, 5, 0, 0, 5 * EXTENT, 5 * EXTENT]);
+    }
+
+    #[test]
+    fn ledger_pins_the_hottest_keeps_room_for_them_and_never_evicts_them() {
+        let b = TestBundle::new(1, 8);
+        let mut ledger = HeatLedger::empty("r", 1, 8);
+        ledger.record(&[((0, 6), 9), ((0, 2), 5), ((0, 4), 1)]);
+        // 4 slots: half for the hottest two
+        let store = b.store(Some(4), CachePolicy::Ledger, Some(&ledger));
+        assert_eq!(store.pinned(), (2, 2 * PAGE));
+        let steps: [(usize, &[usize]); 10] = [
+            (0, &[0]),
+            (1, &[0, 1]),
+            // the budget has room for 4 but 2 slots stay free for the pinned set
+            (3, &[1, 3]),
+            (6, &[1, 3, 6]),
+            (2, &[1, 2, 3, 6]),
+            // from here LRU among the unpinned only: 6 is older than 4 and 5 but stays
+            (4, &[2, 3, 4, 6]),
+            (5, &[2, 4, 5, 6]),
+            (0, &[0, 2, 5, 6]),
+            (6, &[0, 2, 5, 6]),
+            (2, &[0, 2, 5, 6]),
+        ];
+        for (i, (id, after)) in steps.into_iter().enumerate() {
+            use_one(&store, 0, id);
+            assert_eq!(held(&store, 0), after, "step {i}");
+        }
+        let s = store.stats();
+        assert_eq!(counts(&s), [10, 2, 8, 8, 0, 4, 8 * EXTENT, 8 * EXTENT]);
+        assert_eq!(s.peak_warm_bytes, 4 * PAGE);
+    }
+
+    #[test]
+    fn a_corrupt_expert_is_refused_by_name_and_never_cached() {
+        let b = TestBundle::new(1, 3);
+        // One byte of expert 1 changed on disk; opening does not read experts, the store's
+        // first read of it checks it.
+        let mut bytes = std::fs::read(b.jnf()).unwrap();
+        bytes[(b.offset(0, 1) + 100) as usize] ^= 0x01;
+        std::fs::write(b.jnf(), bytes).unwrap();
+        let store = b.store(Some(3), CachePolicy::Lru, None);
+        use_one(&store, 0, 0);
+        let err = store
+            .fetch(0, &[1])
+            .err()
+            .expect("a corrupt expert is refused");
+        match stream_error(&err) {
+            StreamError::HashMismatch { path, name } => {
+                assert_eq!(path, &b.jnf());
+                assert_eq!(name, &prefix(0, 1));
+            }
+            other => panic!("not a hash mismatch: {other}"),
+        }
+        assert_eq!(err.exit_code(), tarfa_core::exit::VERIFICATION_FAILED);
+        assert!(err.to_string().contains(&prefix(0, 1)), "{err}");
+        // never cached, its buffer no longer charged; the run stops: every later request
+        // fails the same way, even for an expert held
+        assert_eq!(held(&store, 0), vec![0]);
+        assert_eq!(store.used_bytes(), PAGE);
+        for id in [0, 1, 2] {
+            let again = store.fetch(0, &[id]).err().expect("the run stopped");
+            assert!(
+                matches!(stream_error(&again), StreamError::HashMismatch { name, .. } if name == &prefix(0, 1)),
+                "{again}"
+            );
+        }
+        let s = store.stats();
+        assert_eq!(s.reads, 1);
+        assert_eq!(s.verified_bytes, 2 * EXTENT);
+        // the verify report never lists it
+        let report = store.shared.bundle.report();
+        let names: Vec<&str> = report.experts.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, vec![prefix(0, 0)]);
+    }
+
+    #[test]
+    fn a_bundle_cut_short_after_open_is_refused_as_truncated() {
+        let b = TestBundle::new(1, 3);
+        let store = b.store(None, CachePolicy::Lru, None);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(b.jnf())
+            .unwrap();
+        f.set_len(b.offset(0, 2) + 1000).unwrap();
+        use_one(&store, 0, 1);
+        let err = store.fetch(0, &[2]).err().expect("a cut extent is refused");
+        match stream_error(&err) {
+            StreamError::Truncated {
+                name,
+                expected,
+                got,
+                ..
+            } => {
+                assert_eq!(name, &prefix(0, 2));
+                assert_eq!((*expected, *got), (EXTENT, 1000));
+            }
+            other => panic!("not a truncation: {other}"),
+        }
+        assert_eq!(err.exit_code(), tarfa_core::exit::VERIFICATION_FAILED);
+        assert_eq!(held(&store, 0), vec![1]);
+    }
+
+    #[test]
+    fn concurrent_requests_for_one_expert_read_it_once() {
+        let b = TestBundle::new(1, 2);
+        // nothing kept: only the one buffer alive while the leases are out is shared
+        let store = b.store(None, CachePolicy::None, None);
+        let n = 8;
+        let (start, done) = (Barrier::new(n), Barrier::new(n));
+        std::thread::scope(|s| {
+            for _ in 0..n {
+                s.spawn(|| {
+                    start.wait();
+                    let leases = store.fetch(0, &[1]).unwrap();
+                    check_lease(&leases[0], 0, 1);
+                    // every lease is alive at once before any is dropped
+                    done.wait();
+                });
+            }
+        });
+        let s = store.stats();
+        // the first request's read is its miss; the others find it loading or ready
+        assert_eq!(counts(&s), [8, 7, 1, 1, 0, 0, EXTENT, EXTENT]);
+        assert_eq!(s.peak_warm_bytes, PAGE);
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[test]
+    fn a_budget_below_one_expert_is_refused_at_open() {
+        let b = TestBundle::new(1, 2);
+        let opts = StreamOptions {
+            ram_budget: Some(PAGE - 1),
+            ..Default::default()
+        };
+        let err = ExpertStore::new(b.open(), &opts, None)
+            .err()
+            .expect("too small a budget is refused");
+        assert!(
+            matches!(err, StreamError::BudgetTooSmall { flag: "--ram-budget", budget, minimum } if budget == PAGE - 1 && minimum == PAGE),
+            "{err}"
+        );
+        assert_eq!(err.exit_code(), tarfa_core::exit::BAD_INPUT);
+        assert!(
+            err.to_string().contains("the minimum is 4096 bytes"),
+            "{err}"
+        );
+        // exactly one expert is enough: every use evicts the one before
+        let store = b.store(Some(1), CachePolicy::Lru, None);
+        for id in [0, 1, 0, 1] {
+            use_one(&store, 0, id);
+            assert_eq!(held(&store, 0), vec![id]);
+        }
+        assert_eq!(store.stats().evictions, 3);
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_budget_is_refused_and_gives_everything_back() {
+        let b = TestBundle::new(1, 3);
+        let store = b.store(Some(2), CachePolicy::Lru, None);
+        let err = store
+            .fetch(0, &[0, 1, 2])
+            .err()
+            .expect("3 experts do not fit in 2");
+        assert!(
+            matches!(stream_error(&err), StreamError::BatchTooLarge { layer: 0, requested, capacity } if *requested == 3 * PAGE && *capacity == 2 * PAGE),
+            "{err}"
+        );
+        assert_eq!(err.exit_code(), tarfa_core::exit::ENVIRONMENT);
+        assert!(store.shared.lock().entries.values().all(|e| e.leases == 0));
+        // what fitted was read for it; the third was never read; the store goes on
+        assert_eq!(store.stats().reads, 2);
+        assert!(store.used_bytes() <= 2 * PAGE);
+        let leases = store.fetch(0, &[2, 0]).unwrap();
+        check_lease(&leases[0], 0, 2);
+        check_lease(&leases[1], 0, 0);
+        assert_eq!(store.used_bytes(), 2 * PAGE);
+        drop(leases);
+        assert_eq!(store.stats().reads, 3);
+    }
+
+    #[test]
+    fn a_prefetched_read_is_the_miss_of_its_use_and_a_dropped_one_is_wasted() {
+        let b = TestBundle::new(1, 3);
+        let store = b.store(None, CachePolicy::Lru, None);
+        store.prefetch(0, &[vec![0, 1]]);
+        let leases = store.fetch(0, &[0, 1]).unwrap();
+        check_lease(&leases[1], 0, 1);
+        drop(leases);
+        use_one(&store, 0, 1);
+        assert_eq!(
+            counts(&store.stats()),
+            [3, 1, 2, 2, 0, 0, 2 * EXTENT, 2 * EXTENT]
+        );
+
+        // Nothing kept and one reader thread: a plan replaced before its reads are used drops
+        // them (in order: both are done before the read asked for next).
+        let opts = StreamOptions {
+            ram_budget: None,
+            io: IoMode::Cached,
+            policy: CachePolicy::None,
+            io_threads: 1,
+        };
+        let store = ExpertStore::new(b.open(), &opts, None).unwrap();
+        store.prefetch(0, &[vec![0], vec![1]]);
+        store.prefetch(0, &[vec![2]]);
+        use_one(&store, 0, 2);
+        assert_eq!(
+            counts(&store.stats()),
+            [1, 0, 1, 3, 2, 0, 3 * EXTENT, 3 * EXTENT]
+        );
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[test]
+    fn batches_put_held_experts_first_and_fit_half_the_room() {
+        let b = TestBundle::new(1, 8);
+        let store = b.store(Some(4), CachePolicy::Lru, None);
+        use_one(&store, 0, 6);
+        use_one(&store, 0, 5);
+        // all fit: the held ones (ascending), then the ones to read
+        assert_eq!(store.batches(0, &[1, 5]), vec![vec![5], vec![1]]);
+        assert_eq!(store.batches(0, &[1, 2]), vec![vec![1, 2]]);
+        // 5 experts in 4 slots: groups of half the room, held ones first
+        let batches = store.batches(0, &[1, 2, 5, 6, 7]);
+        assert_eq!(batches, vec![vec![5, 6], vec![1, 2], vec![7]]);
+        store.prefetch(0, &batches);
+        for batch in &batches {
+            let leases = store.fetch(0, batch).unwrap();
+            assert_eq!(leases.len(), batch.len());
+            assert!(store.used_bytes() <= 4 * PAGE);
+        }
+        assert!(store.stats().peak_warm_bytes <= 4 * PAGE);
+
+        // static: the 3 pinned experts (0, 1, 2) cost nothing more, their room is reserved;
+        // one slot is left for the others
+        let store = b.store(Some(4), CachePolicy::Static, None);
+        assert_eq!(store.pinned(), (3, 3 * PAGE));
+        let batches = store.batches(0, &[0, 1, 2, 3, 4]);
+        assert_eq!(batches, vec![vec![0, 1, 2, 3], vec![4]]);
+        store.prefetch(0, &batches);
+        for batch in &batches {
+            let leases = store.fetch(0, batch).unwrap();
+            for (l, &id) in leases.iter().zip(batch) {
+                check_lease(l, 0, id);
+            }
+        }
+        assert_eq!(held(&store, 0), vec![0, 1, 2]);
+        assert!(store.stats().peak_warm_bytes <= 4 * PAGE);
+    }
+
+    /// Records what the store page-locks and unlocks.
+    #[derive(Default)]
+    struct RecordingPin {
+        lock: bool,
+        pinned: Mutex<Vec<(usize, usize)>>,
+        unpinned: Mutex<Vec<usize>>,
+    }
+
+    impl HostPin for RecordingPin {
+        fn pin(&self, ptr: *mut u8, len: usize) -> bool {
+            self.pinned.lock().unwrap().push((ptr as usize, len));
+            self.lock
+        }
+        fn unpin(&self, ptr: *mut u8) {
+            self.unpinned.lock().unwrap().push(ptr as usize);
+        }
+    }
+
+    #[test]
+    fn host_pin_locks_each_verified_buffer_and_unlocks_it_before_unmapping() {
+        let b = TestBundle::new(1, 2);
+        for lock in [true, false] {
+            let store = b.store(None, CachePolicy::None, None);
+            let pin = Arc::new(RecordingPin {
+                lock,
+                ..Default::default()
+            });
+            store.set_host_pin(pin.clone());
+            let leases = store.fetch(0, &[0]).unwrap();
+            let ptr = leases[0].matrices()[0].data.as_ptr() as usize;
+            assert_eq!(*pin.pinned.lock().unwrap(), vec![(ptr, PAGE as usize)]);
+            assert_eq!(ptr % ALIGN, 0);
+            drop(leases);
+            // the unlock is the reaper thread's, moments later
+            let until = Instant::now() + Duration::from_secs(5);
+            let want = if lock { vec![ptr] } else { Vec::new() };
+            while *pin.unpinned.lock().unwrap() != want && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(*pin.unpinned.lock().unwrap(), want, "pin succeeded: {lock}");
+        }
+    }
+
+    /// A forward's pattern on every policy: per layer some experts, grouped by `batches`,
+    /// announced by `prefetch`, fetched group by group. The budget holds at every step, every
+    /// request is a hit or a miss, and every read is some request's miss.
+    #[test]
+    fn a_forward_like_workload_stays_in_budget_under_every_policy() {
+        let b = TestBundle::new(2, 8);
+        let mut ledger = HeatLedger::empty("r", 2, 8);
+        ledger.record(&[((0, 3), 4), ((1, 5), 2)]);
+        for policy in [
+            CachePolicy::Lru,
+            CachePolicy::Ledger,
+            CachePolicy::Static,
+            CachePolicy::None,
+        ] {
+            let store = b.store(Some(3), policy, Some(&ledger));
+            let cap = 3 * PAGE;
+            let mut rng = 0x2545_f491_u64;
+            let mut requests = 0;
+            for _step in 0..20 {
+                for layer in 0..2 {
+                    let mut ids: Vec<usize> = (0..4)
+                        .map(|_| {
+                            rng = rng
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            (rng >> 33) as usize % 8
+                        })
+                        .collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    requests += ids.len() as u64;
+                    let batches = store.batches(layer, &ids);
+                    let mut flat: Vec<usize> = batches.concat();
+                    flat.sort_unstable();
+                    assert_eq!(flat, ids, "{policy:?}: batches cover the ids once");
+                    store.prefetch(layer, &batches);
+                    for batch in &batches {
+                        let leases = store.fetch(layer, batch).unwrap();
+                        for (l, &id) in leases.iter().zip(batch) {
+                            check_lease(l, layer, id);
+                        }
+                        assert!(store.used_bytes() <= cap, "{policy:?}");
+                    }
+                }
+            }
+            let s = store.stats();
+            assert_eq!(s.requests, requests, "{policy:?}");
+            assert_eq!(s.warm_hits + s.misses, requests, "{policy:?}");
+            assert_eq!(s.reads, s.misses, "{policy:?}");
+            assert_eq!(s.wasted_reads, 0, "{policy:?}");
+            assert_eq!(s.bytes_read, s.reads * EXTENT, "{policy:?}");
+            assert!(
+                s.peak_warm_bytes <= cap,
+                "{policy:?}: peak {}",
+                s.peak_warm_bytes
+            );
+            if policy == CachePolicy::None {
+                assert_eq!(s.warm_hits, 0);
+            }
+        }
+    }
 
     fn index(layers: usize, experts: usize, size: u64) -> BTreeMap<Key, Arc<ExtentInfo>> {
         let mut m = BTreeMap::new();
