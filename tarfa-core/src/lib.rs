@@ -23,6 +23,8 @@
 //!   logits, its randomness Philox4x32-10 keyed by the seed at counter (request, step).
 //! - [`stop`]: stop strings over incrementally decoded text.
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
+//! - [`batch`]: one step over several sequences ([`Backend::forward_batch`]), each sequence's
+//!   output bit-identical to running it alone.
 //! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
 //!   errors onto them.
 //!
@@ -32,6 +34,7 @@
 //! the one deliberately inexact arm ([`step::FinalHidden::InvalidBf16BeforeLmHead`]) is labelled
 //! and never a default.
 
+pub mod batch;
 pub mod chat;
 pub mod config;
 pub mod exit;
@@ -47,6 +50,7 @@ pub mod stop;
 pub mod tokenizer;
 pub mod weights;
 
+use batch::{BatchEntry, BatchError, Rewind};
 use step::{ForwardOptions, ForwardOutput, LogitRows, StepStats};
 
 /// A backend that runs forward steps on one sequence's cache: the CPU reference, the GPU.
@@ -64,6 +68,45 @@ pub trait Backend {
         tokens: &[u32],
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, Self::Error>;
+
+    /// One step over several sequences: runs each entry's tokens at positions `cache.len()..`
+    /// of its own cache and appends them to it; returns the outputs in the entries' order.
+    ///
+    /// Each sequence's [`ForwardOutput`] is bit-identical to what [`Backend::forward`] on that
+    /// sequence alone returns: its logits and router records, and its counters, which are the
+    /// bytes and experts that sequence alone would have read (so no output depends on the
+    /// batch; what the step as a whole read is at most their sum). All or nothing: on an error
+    /// every cache is left as it was, and the error names the sequence whose input was refused.
+    ///
+    /// The default runs [`Backend::forward`] on one sequence after the other (rewinding those
+    /// already run when one fails); a backend that reads each weight once for the whole step
+    /// (the CPU's) overrides it.
+    fn forward_batch(
+        &self,
+        seqs: &mut [BatchEntry<'_, Self::Cache>],
+    ) -> Result<Vec<ForwardOutput>, BatchError<Self::Error>>
+    where
+        Self::Cache: Rewind,
+    {
+        let before: Vec<usize> = seqs.iter().map(|s| s.cache.cached_len()).collect();
+        let mut outs = Vec::with_capacity(seqs.len());
+        for index in 0..seqs.len() {
+            let s = &mut seqs[index];
+            match self.forward(s.cache, s.tokens, &s.opts) {
+                Ok(out) => outs.push(out),
+                Err(error) => {
+                    for (done, &len) in seqs[..index].iter_mut().zip(&before) {
+                        done.cache.rewind_to(len);
+                    }
+                    return Err(BatchError {
+                        sequence: Some(index),
+                        error,
+                    });
+                }
+            }
+        }
+        Ok(outs)
+    }
 
     /// One greedy decode step after `token`: the next token (the argmax of the step's logits)
     /// and the step's counters, for callers that keep neither the logits nor the router's

@@ -5,13 +5,13 @@
 //! Parallelism is only ever over independent outputs: matrix rows (in `run_jobs`), attention
 //! (token, head) pairs. Per-token elementwise work runs on the calling thread.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rayon::prelude::*;
 
 use super::resident::{DenseMlp, LayerMlp, Matrix, MoeResident};
 use super::{
-    CpuModel, FinalHidden, ForwardOptions, ForwardOutput, KvCache, LogitRows, RouterRecord,
+    BatchEntry, BatchError, CpuModel, FinalHidden, ForwardOutput, KvCache, LogitRows, RouterRecord,
     StepStats,
 };
 use tarfa_core::model::QkNorm;
@@ -96,71 +96,131 @@ fn swiglu(g: &[f32], u: &[f32]) -> Vec<f32> {
 }
 }
 
-/// The whole step: embeddings, layers, final norm and lm_head.
-pub(crate) fn forward(
-    model: &CpuModel,
-    kernel: Kernel,
-    cache: &mut KvCache,
-    tokens: &[u32],
-    opts: &ForwardOptions,
-) -> Result<ForwardOutput, RunError> {
-    let cfg = &model.cfg;
-    if tokens.is_empty() {
+/// One sequence's part of a step, as the layers see it: its cache, its tokens, what it wants.
+pub(crate) type Entry<'a> = BatchEntry<'a, KvCache>;
+
+/// Where one of the step's tokens comes from: its sequence (index in the step) and position.
+#[derive(Clone, Copy)]
+struct Slot {
+    seq: usize,
+    pos: usize,
+}
+
+/// Refuses a sequence's input before anything is computed or cached: no tokens, a token
+/// outside the vocabulary, a step past the context.
+fn check_entry(cfg: &tarfa_core::config::MoeConfig, e: &mut Entry<'_>) -> Result<(), RunError> {
+    if e.tokens.is_empty() {
         return Err(RunError::EmptyStep);
     }
-    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+    if let Some(&bad) = e.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
         return Err(RunError::TokenOutOfRange {
             token: bad,
             vocab: cfg.vocab_size,
         });
     }
-    let pos0 = cache.len();
-    let end = pos0 + tokens.len();
-    if end > cache.max_len() {
+    let end = e.cache.len() + e.tokens.len();
+    if end > e.cache.max_len() {
         return Err(RunError::ContextFull {
             needed: end,
-            max: cache.max_len(),
+            max: e.cache.max_len(),
         });
     }
-    cache.ensure_rope(end)?;
+    e.cache.ensure_rope(end)?;
+    Ok(())
+}
 
-    let mut stats = StepStats::default();
-    let mut router = Vec::new();
+/// The whole step over several sequences: embeddings, layers, final norm and lm_head, every
+/// matrix applied once to the union of the sequences' tokens (in entry order, each sequence's
+/// tokens in position order). Attention reads each token's own sequence's cache; every other
+/// operation is per token, so no token's arithmetic depends on the others in the step
+/// (docs/EXACTNESS.md, "Batching"). `forward` of one sequence is this with one entry.
+///
+/// On error, pushed keys and values are not committed; the caller rolls every cache back.
+pub(crate) fn forward_batch(
+    model: &CpuModel,
+    kernel: Kernel,
+    entries: &mut [Entry<'_>],
+) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
+    let cfg = &model.cfg;
+    if entries.is_empty() {
+        return Ok(Vec::new());
+    }
+    for (i, e) in entries.iter_mut().enumerate() {
+        check_entry(cfg, e).map_err(|error| BatchError {
+            sequence: Some(i),
+            error,
+        })?;
+    }
+    let slots: Vec<Slot> = entries
+        .iter()
+        .enumerate()
+        .flat_map(|(seq, e)| {
+            let pos0 = e.cache.len();
+            (0..e.tokens.len()).map(move |t| Slot { seq, pos: pos0 + t })
+        })
+        .collect();
+    let n_seq = entries.len();
     let w = &model.weights;
 
-    // Step 1, embedding: h_t = widen(embed[token_t]), [T][H]
-    let mut h: Vec<Vec<f32>> = tokens
-        .iter()
-        .map(|&t| w.embed.row_f32(t as usize))
-        .collect();
-    stats.weight_bytes += (tokens.len() * cfg.hidden_size) as u64 * element_bytes(&w.embed);
+    // Each sequence's counters as if it ran alone: what every sequence reads whatever its
+    // tokens (each matrix once) is counted in `common`, what depends on its tokens (embedding
+    // rows, the experts they chose) in `own`.
+    let mut common = StepStats::default();
+    let mut own = vec![StepStats::default(); n_seq];
+    let mut router: Vec<Vec<RouterRecord>> = vec![Vec::new(); n_seq];
+    let trace: Vec<bool> = entries.iter().map(|e| e.opts.trace_router).collect();
 
+    // Step 1, embedding: h_t = widen(embed[token_t]), [T][H]
+    let mut h: Vec<Vec<f32>> = entries
+        .iter()
+        .flat_map(|e| e.tokens.iter().map(|&t| w.embed.row_f32(t as usize)))
+        .collect();
+    for (s, e) in own.iter_mut().zip(entries.iter()) {
+        s.weight_bytes += (e.tokens.len() * cfg.hidden_size) as u64 * element_bytes(&w.embed);
+    }
+
+    let counts: Vec<usize> = entries.iter().map(|e| e.tokens.len()).collect();
+    let mut caches: Vec<&mut KvCache> = entries.iter_mut().map(|e| &mut *e.cache).collect();
     for (l, layer) in w.layers.iter().enumerate() {
-        attention_block(model, kernel, l, &mut h, cache, pos0, &mut stats);
+        attention_block(model, kernel, l, &mut h, &mut caches, &slots, &mut common);
         match &layer.mlp {
             LayerMlp::Dense(mlp) => {
                 let xs = normed_activations(kernel, &h, &layer.post_attention_norm, cfg.eps_f32());
-                let y = dense_mlp(kernel, mlp, &xs, &mut stats);
+                let y = dense_mlp(kernel, mlp, &xs, &mut common);
                 add_rows(&mut h, &y);
             }
             LayerMlp::Moe(moe) => {
-                let trace = opts.trace_router.then_some(&mut router);
-                moe_block(model, kernel, l, moe, &mut h, pos0, trace, &mut stats)?;
+                let mut step = MoeStep {
+                    slots: &slots,
+                    trace: &trace,
+                    router: &mut router,
+                    own: &mut own,
+                    common: &mut common,
+                };
+                moe_block(model, kernel, l, moe, &mut h, &mut step).map_err(BatchError::whole)?;
             }
         }
     }
-    cache.commit(tokens.len());
+    for (c, &n) in caches.iter_mut().zip(&counts) {
+        c.commit(n);
+    }
 
-    // Step 5, final: hn = RMSNorm(h), logits = W_lm hn, for the requested rows.
-    let rows: Vec<usize> = match opts.logits {
-        LogitRows::Last => vec![tokens.len() - 1],
-        LogitRows::All => (0..tokens.len()).collect(),
-    };
+    // Step 5, final: hn = RMSNorm(h), logits = W_lm hn, for each sequence's requested rows,
+    // the lm_head applied once to all of them.
+    let mut rows: Vec<(usize, usize)> = Vec::new(); // (sequence, index into h)
+    let mut first = 0;
+    for (seq, (e, &n)) in entries.iter().zip(&counts).enumerate() {
+        match e.opts.logits {
+            LogitRows::Last => rows.push((seq, first + n - 1)),
+            LogitRows::All => rows.extend((first..first + n).map(|t| (seq, t))),
+        }
+        first += n;
+    }
     let hn: Vec<Activation> = rows
         .iter()
-        .map(|&t| {
+        .map(|&(seq, t)| {
             let mut y = rms_norm(kernel, &h[t], &w.final_norm, cfg.eps_f32());
-            if opts.final_hidden == FinalHidden::InvalidBf16BeforeLmHead {
+            if entries[seq].opts.final_hidden == FinalHidden::InvalidBf16BeforeLmHead {
                 for v in y.iter_mut() {
                     *v = bf16_to_f32(f32_to_bf16_rne(*v));
                 }
@@ -169,12 +229,24 @@ pub(crate) fn forward(
         })
         .collect();
     let logits = apply(kernel, &w.lm_head, &hn);
-    stats.weight_bytes += w.lm_head.as_ref().bytes();
-    Ok(ForwardOutput {
-        logits,
-        router,
-        stats,
-    })
+    common.weight_bytes += w.lm_head.as_ref().bytes();
+
+    let mut outs: Vec<ForwardOutput> = own
+        .into_iter()
+        .zip(router)
+        .map(|(s, router)| ForwardOutput {
+            logits: Vec::new(),
+            router,
+            stats: StepStats {
+                weight_bytes: common.weight_bytes + s.weight_bytes,
+                experts_fetched: common.experts_fetched + s.experts_fetched,
+            },
+        })
+        .collect();
+    for (&(seq, _), row) in rows.iter().zip(logits) {
+        outs[seq].logits.push(row);
+    }
+    Ok(outs)
 }
 
 fn element_bytes(m: &Matrix) -> u64 {
@@ -200,15 +272,16 @@ fn add_rows(h: &mut [Vec<f32>], y: &[Vec<f32>]) {
     }
 }
 
-/// Step 3, attention of layer `l` for tokens at positions `pos0..pos0+T`; appends their keys and
-/// values to the cache and adds the output projection to `h`.
+/// Step 3, attention of layer `l` for the step's tokens (token `t` at `slots[t]`: its sequence
+/// and position); appends their keys and values to their sequences' caches and adds the output
+/// projection to `h`. Each token attends to positions `0..=pos` of its own sequence only.
 fn attention_block(
     model: &CpuModel,
     kernel: Kernel,
     l: usize,
     h: &mut [Vec<f32>],
-    cache: &mut KvCache,
-    pos0: usize,
+    caches: &mut [&mut KvCache],
+    slots: &[Slot],
     stats: &mut StepStats,
 ) {
     let cfg = &model.cfg;
@@ -242,7 +315,8 @@ fn attention_block(
             _ => {}
         }
         // RoPE at the token's position, on every head
-        let pos = pos0 + t;
+        let Slot { seq, pos } = slots[t];
+        let cache = &mut *caches[seq];
         for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
             cache.rope.apply(pos, head);
         }
@@ -256,7 +330,7 @@ fn attention_block(
     let group = hq / hkv;
     let t_count = h.len();
     let mut o_all = vec![0.0f32; t_count * hq * d];
-    let cache_ref: &KvCache = cache;
+    let cache_refs: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
     // one task per (token, query head): independent outputs
     o_all
         .par_chunks_mut(d)
@@ -264,8 +338,9 @@ fn attention_block(
         .for_each_init(Vec::new, |scratch, (i, o)| {
             let (t, qh) = (i / hq, i % hq);
             let q = &q_all[t][qh * d..(qh + 1) * d];
-            let (keys, values) = cache_ref.head(l, qh / group);
-            let n = pos0 + t + 1; // causal: positions 0..=pos0+t
+            let Slot { seq, pos } = slots[t];
+            let (keys, values) = cache_refs[seq].head(l, qh / group);
+            let n = pos + 1; // causal: positions 0..=pos of the token's own sequence
             let s: Vec<f32> = (0..n)
                 .map(|j| kernel.dot_f32(q, &keys[j * d..(j + 1) * d]) * scale)
                 .collect();
@@ -373,6 +448,16 @@ fn check_batches(batches: &[Vec<usize>], ids: &[usize]) -> Result<(), RunError> 
     Ok(())
 }
 
+/// The step's side of a MoE layer: where each token comes from, which sequences want router
+/// records (and theirs), and the counters (see [`forward_batch`]).
+struct MoeStep<'s> {
+    slots: &'s [Slot],
+    trace: &'s [bool],
+    router: &'s mut [Vec<RouterRecord>],
+    own: &'s mut [StepStats],
+    common: &'s mut StepStats,
+}
+
 /// Step 4, the MoE block of layer `l`: route every token, fetch the needed experts, apply each
 /// expert to all its tokens, mix per token in ascending expert id, add to `h`.
 ///
@@ -382,16 +467,13 @@ fn check_batches(batches: &[Vec<usize>], ids: &[usize]) -> Result<(), RunError> 
 /// runs after the last group, in ascending expert id, so grouping cannot change a bit.
 ///
 /// [`WeightSource::expert_batches`]: tarfa_core::weights::WeightSource::expert_batches
-#[allow(clippy::too_many_arguments)]
 fn moe_block(
     model: &CpuModel,
     kernel: Kernel,
     l: usize,
     moe: &MoeResident,
     h: &mut [Vec<f32>],
-    pos0: usize,
-    trace: Option<&mut Vec<RouterRecord>>,
-    stats: &mut StepStats,
+    step: &mut MoeStep<'_>,
 ) -> Result<(), RunError> {
     let cfg = &model.cfg;
     let layer = &model.weights.layers[l];
@@ -399,7 +481,7 @@ fn moe_block(
 
     // router logits [T][E], then per-token routes
     let logits = apply(kernel, &moe.router, &xs);
-    stats.weight_bytes += moe.router.as_ref().bytes();
+    step.common.weight_bytes += moe.router.as_ref().bytes();
     let routes: Vec<Route> = logits
         .iter()
         .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
@@ -418,15 +500,15 @@ fn moe_block(
     let batches = model.source.expert_batches(l, &ids);
     check_batches(&batches, &ids)?;
     model.source.prefetch(l, &batches);
-    stats.experts_fetched += ids.len() as u64;
 
-    if let Some(trace) = trace {
-        let moe_layer = model.spec.moe_index(l).unwrap_or(0);
-        for (t, r) in routes.iter().enumerate() {
-            trace.push(RouterRecord {
+    let moe_layer = model.spec.moe_index(l).unwrap_or(0);
+    for (t, r) in routes.iter().enumerate() {
+        let Slot { seq, pos } = step.slots[t];
+        if step.trace[seq] {
+            step.router[seq].push(RouterRecord {
                 layer: l,
                 moe_layer,
-                position: pos0 + t,
+                position: pos,
                 experts: r.chosen.iter().map(|c| c.0 as u32).collect(),
                 probs: r.chosen.iter().map(|c| c.1).collect(),
                 weights: r.chosen.iter().map(|c| c.2).collect(),
@@ -440,6 +522,7 @@ fn moe_block(
     // output and gate logit per token.
     let mut ys: BTreeMap<usize, Vec<Vec<f32>>> = BTreeMap::new();
     let mut shared_out: Option<(Vec<Vec<f32>>, Vec<f32>)> = None;
+    let mut expert_bytes: BTreeMap<usize, u64> = BTreeMap::new();
     for (b, batch) in batches.iter().enumerate() {
         let experts: Vec<ExpertHandle> = model.source.expert_data(l, batch)?;
         if experts.len() != batch.len() {
@@ -451,14 +534,21 @@ fn moe_block(
         }
         for (ew, &e) in experts.iter().zip(batch) {
             check_expert(ew.as_ref(), l, e, cfg.hidden_size, cfg.expert_width)?;
-            stats.weight_bytes += ew.bytes();
+            expert_bytes.insert(e, ew.bytes());
         }
         let token_lists: Vec<&Vec<(usize, f32)>> = batch.iter().map(|e| &assignment[e]).collect();
         // The shared expert joins the first group's parallel regions (with one group, exactly
         // the regions of a resident run).
         let shared = if b == 0 { moe.shared.as_ref() } else { None };
-        let (group_ys, sh) =
-            expert_products(kernel, cfg, &experts, &token_lists, &xs, shared, stats);
+        let (group_ys, sh) = expert_products(
+            kernel,
+            cfg,
+            &experts,
+            &token_lists,
+            &xs,
+            shared,
+            step.common,
+        );
         // The weights go back to the source before the next group is asked for.
         drop(experts);
         for (&e, y) in batch.iter().zip(group_ys) {
@@ -467,6 +557,16 @@ fn moe_block(
         if sh.is_some() {
             shared_out = sh;
         }
+    }
+
+    // Each sequence is counted the experts its own tokens chose, as if it ran alone.
+    let mut chosen: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); step.own.len()];
+    for (t, r) in routes.iter().enumerate() {
+        chosen[step.slots[t].seq].extend(r.chosen.iter().map(|c| c.0));
+    }
+    for (s, set) in step.own.iter_mut().zip(&chosen) {
+        s.experts_fetched += set.len() as u64;
+        s.weight_bytes += set.iter().map(|e| expert_bytes[e]).sum::<u64>();
     }
 
     // Mix: acc = +0; for the token's experts in ascending id: acc = acc + (w_e * y_e); then the

@@ -5,6 +5,7 @@
 //! cache holds no weights and must never depend on how positions were batched: appending tokens
 //! one at a time or all at once stores the same values.
 
+use tarfa_core::batch::Rewind;
 use tarfa_core::numerics::{RopeError, RopeTable};
 
 /// Keys, values and RoPE rows of one sequence.
@@ -104,5 +105,15 @@ impl KvCache {
     /// Number of layers.
     pub fn layers(&self) -> usize {
         self.layers
+    }
+}
+
+impl Rewind for KvCache {
+    fn cached_len(&self) -> usize {
+        self.len
+    }
+
+    fn rewind_to(&mut self, len: usize) {
+        self.truncate(len);
     }
 }

@@ -11,6 +11,12 @@
 //! Experts are fetched from the [`WeightSource`] once per MoE layer per step, for the sorted set
 //! the step's tokens chose, and each is applied to all its tokens at once (expert-major).
 //!
+//! A step may hold several sequences ([`CpuEngine::forward_batch`]): the layers run once over
+//! the union of their tokens, so every matrix and every expert is read once per step for all of
+//! them, while each token's attention reads its own sequence's cache. [`CpuEngine::forward`] is
+//! the one-sequence case of the same code, and a sequence's output is the same bits either way
+//! (docs/EXACTNESS.md section 9).
+//!
 //! This crate must never reorder a reduction, mix in another order, or take a shortcut that
 //! changes bits (a cheaper arm is a separately labelled option, never a default).
 
@@ -25,6 +31,7 @@ pub use tarfa_core::step::{
     FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats,
 };
 
+pub use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::model::ArchSpec;
 use tarfa_core::numerics::{Kernel, RopeTable};
@@ -140,18 +147,38 @@ impl CpuEngine {
     }
 
     /// Runs `tokens` at positions `cache.len()..` (prefill when several, decode when one) and
-    /// appends them to the cache. On error the cache is left as it was.
+    /// appends them to the cache. On error the cache is left as it was. This is
+    /// [`CpuEngine::forward_batch`] with one sequence.
     pub fn forward(
         &self,
         cache: &mut KvCache,
         tokens: &[u32],
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, RunError> {
+        let mut one = [BatchEntry {
+            cache,
+            tokens,
+            opts: *opts,
+        }];
+        let mut outs = self.forward_batch(&mut one).map_err(|e| e.error)?;
+        Ok(outs.pop().unwrap_or_default())
+    }
+
+    /// One step over several sequences ([`Backend::forward_batch`]'s contract): every matrix
+    /// is applied once to the union of their tokens and each expert once to all the tokens
+    /// routed to it, attention runs per sequence over its own cache, and each sequence's output
+    /// is bit-identical to [`CpuEngine::forward`] on it alone. On error no cache has advanced.
+    pub fn forward_batch(
+        &self,
+        seqs: &mut [BatchEntry<'_, KvCache>],
+    ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
         let result = self
             .pool
-            .install(|| forward::forward(&self.model, self.kernel, cache, tokens, opts));
+            .install(|| forward::forward_batch(&self.model, self.kernel, seqs));
         if result.is_err() {
-            cache.rollback();
+            for s in seqs.iter_mut() {
+                s.cache.rollback();
+            }
         }
         result
     }
@@ -168,5 +195,12 @@ impl Backend for CpuEngine {
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, RunError> {
         CpuEngine::forward(self, cache, tokens, opts)
+    }
+
+    fn forward_batch(
+        &self,
+        seqs: &mut [BatchEntry<'_, KvCache>],
+    ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
+        CpuEngine::forward_batch(self, seqs)
     }
 }

@@ -94,6 +94,18 @@ impl tarfa_core::Backend for CudaModel {
     }
 }
 
+// A batched step (tarfa_core::Backend::forward_batch, the default loop until the GPU has its
+// own) rewinds the caches it already advanced when a later sequence fails.
+impl tarfa_core::batch::Rewind for CudaCache {
+    fn cached_len(&self) -> usize {
+        self.len()
+    }
+
+    fn rewind_to(&mut self, len: usize) {
+        self.truncate(len);
+    }
+}
+
 /// Why the CUDA backend cannot run (or stopped), each variant with its exit code
 /// ([`CudaError::exit_code`]): the machine's or the backend's failures (3), what the user asked
 /// for that the kernels cannot do (2), and [`CudaError::Run`], the runtime's own error.
