@@ -1116,7 +1116,15 @@ mod tests {
                 },
                 ..SyntheticShape::small(family)
             };
-            decode_modes_match_the_cpu(family, shape);
+            // on the emulator only the modes that run the decode kernels (CI time: the wide
+            // shape's legacy-mode decode steps run the prefill's kernels, which every prompt
+            // here already runs)
+            if super::emulated() {
+                let modes = [crate::DecodeMode::Direct, crate::DecodeMode::GraphPdl];
+                modes_match_the_cpu(family, shape, &modes);
+            } else {
+                decode_modes_match_the_cpu(family, shape);
+            }
         }
     }
 
@@ -1145,7 +1153,12 @@ mod tests {
         let modes = [crate::DecodeMode::Direct, crate::DecodeMode::GraphPdl];
         ATTN_SHARED_MAX_FOR_TEST.with(|c| c.set(Some(0)));
         modes_match_the_cpu("qwen3_moe", SyntheticShape::small("qwen3_moe"), &modes);
-        modes_match_the_cpu("qwen3_moe", wide, &modes);
+        // on the emulator the wide shape takes minutes (CI time); the kernel's scratch path
+        // below X is checked there launch by launch (attn_decode4_writes_the_references_bits:
+        // D 48 and 24 with scratch rows)
+        if !super::emulated() {
+            modes_match_the_cpu("qwen3_moe", wide, &modes);
+        }
         ATTN_SHARED_MAX_FOR_TEST.with(|c| c.set(None));
     }
 
