@@ -138,16 +138,60 @@ pub struct Greedy {
     pub decode_weight_bytes: u64,
 }
 
-/// The one decode loop: prefill `prompt` with `opts`, then up to `n_new` tokens, each fed back
-/// as a one-token step (`opts` with `LogitRows::Last`) unless it is the last or the observer
-/// stopped the run. EOS is not special here: the observer decides when to stop. The last token
-/// is never fed back, so the run computes `prompt.len() + n_new - 1` positions at most.
+/// How [`run_with`] chooses each token from its step's logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Choice<'a> {
+    /// The largest logit, the lowest index among equals ([`argmax`]).
+    Greedy,
+    /// [`crate::sampling::sample`] with these settings, as request `request` of a run: token j
+    /// is drawn at step j, with the prompt and tokens 0..j as its history (docs/EXACTNESS.md
+    /// section 8). Settings that are greedy ([`SamplingParams::is_greedy`]) choose as
+    /// [`Choice::Greedy`] does, on the same path.
+    ///
+    /// [`SamplingParams::is_greedy`]: crate::sampling::SamplingParams::is_greedy
+    Sample {
+        params: &'a crate::sampling::SamplingParams,
+        request: u64,
+    },
+}
+
+impl Choice<'_> {
+    fn is_greedy(&self) -> bool {
+        match self {
+            Choice::Greedy => true,
+            Choice::Sample { params, .. } => params.is_greedy(),
+        }
+    }
+}
+
+/// [`run_with`] choosing greedily: the one decode loop, as every greedy caller drives it.
 pub fn run<S, O>(
     session: &mut S,
     prompt: &[u32],
     n_new: usize,
     opts: &ForwardOptions,
     keep: Keep,
+    observer: &mut O,
+) -> Result<Greedy, O::Error>
+where
+    S: Session + ?Sized,
+    O: Observer<S> + ?Sized,
+{
+    run_with(session, prompt, n_new, opts, keep, Choice::Greedy, observer)
+}
+
+/// The one decode loop: prefill `prompt` with `opts`, then up to `n_new` tokens, each fed back
+/// as a one-token step (`opts` with `LogitRows::Last`) unless it is the last or the observer
+/// stopped the run. EOS is not special here: the observer decides when to stop. The last token
+/// is never fed back, so the run computes `prompt.len() + n_new - 1` positions at most. Each
+/// token is chosen from its step's logits as `choice` says.
+pub fn run_with<S, O>(
+    session: &mut S,
+    prompt: &[u32],
+    n_new: usize,
+    opts: &ForwardOptions,
+    keep: Keep,
+    choice: Choice<'_>,
     observer: &mut O,
 ) -> Result<Greedy, O::Error>
 where
@@ -172,12 +216,27 @@ where
         logits: LogitRows::Last,
         ..*opts
     };
-    // Nothing but the token is asked for: the backend chooses it and no logits are kept.
-    let token_only =
-        keep == Keep::Tokens && !opts.trace_router && opts.final_hidden == FinalHidden::Exact;
+    // Nothing but the greedy token is asked for: the backend chooses it and no logits are kept.
+    let greedy = choice.is_greedy();
+    let token_only = greedy
+        && keep == Keep::Tokens
+        && !opts.trace_router
+        && opts.final_hidden == FinalHidden::Exact;
+    // The sampler's history: the prompt, then each token as it is chosen.
+    let mut history: Vec<u32> = match choice {
+        Choice::Sample { .. } if !greedy => prompt.to_vec(),
+        _ => Vec::new(),
+    };
     let mut chosen: Option<u32> = None;
     for j in 0..n_new {
-        let next = chosen.take().unwrap_or_else(|| argmax(&last));
+        let next = chosen.take().unwrap_or_else(|| match choice {
+            Choice::Sample { params, request } if !greedy => {
+                let t = crate::sampling::sample(&last, &history, params, request, j as u64);
+                history.push(t);
+                t
+            }
+            _ => argmax(&last),
+        });
         out.tokens.push(next);
         if keep == Keep::Logits {
             out.step_logits.push(std::mem::take(&mut last));
@@ -417,6 +476,57 @@ mod tests {
         assert_eq!(with.decode_weight_bytes, 50);
         assert_eq!(without.decode_weight_bytes, 50);
         assert_eq!(with.prefill.stats.weight_bytes, 20);
+    }
+
+    #[test]
+    fn a_sampled_run_draws_token_j_at_step_j_with_the_prompt_and_tokens_before_it() {
+        use crate::sampling::{sample, SamplingParams};
+        let params = SamplingParams {
+            temperature: 1.0,
+            repetition_penalty: 3.0,
+            seed: 5,
+            ..SamplingParams::default()
+        };
+        let opts = ForwardOptions::default();
+        let mut s = fake();
+        let choice = Choice::Sample {
+            params: &params,
+            request: 2,
+        };
+        let g = run_with(&mut s, &[3, 1], 8, &opts, Keep::Logits, choice, &mut ()).unwrap();
+        assert_eq!(g.tokens.len(), 8);
+        let mut history = vec![3, 1];
+        for (j, row) in g.step_logits.iter().enumerate() {
+            let t = sample(row, &history, &params, 2, j as u64);
+            assert_eq!(t, g.tokens[j], "token {j}");
+            history.push(t);
+        }
+        assert_ne!(g.tokens, vec![9, 0, 4, 0, 6, 5, 0, 0], "not the greedy run");
+        // Sampling needs the logits: every decode step is a forward, even under Keep::Tokens.
+        let mut b = fake();
+        let again = run_with(&mut b, &[3, 1], 8, &opts, Keep::Tokens, choice, &mut ()).unwrap();
+        assert_eq!(again.tokens, g.tokens);
+        assert!(
+            b.calls.iter().all(|c| c.starts_with("forward")),
+            "{:?}",
+            b.calls
+        );
+        // Greedy settings through Sample keep the backend's token-only path.
+        let greedy = SamplingParams::default();
+        let mut c = fake();
+        let choice = Choice::Sample {
+            params: &greedy,
+            request: 0,
+        };
+        let g = run_with(&mut c, &[3, 1], 6, &opts, Keep::Tokens, choice, &mut ()).unwrap();
+        assert_eq!(g.tokens, vec![9, 0, 4, 0, 6, 5]);
+        assert_eq!(
+            c.calls
+                .iter()
+                .filter(|c| c.starts_with("greedy_step"))
+                .count(),
+            5
+        );
     }
 
     #[test]

@@ -16,6 +16,12 @@
 //!   name, experts per layer), its error, and an in-memory source loaded from safetensors.
 //! - [`resident`]: the non-expert weights as every backend loads them.
 //! - [`step`]: what a forward step takes and returns, the same types for every backend.
+//! - [`chat`]: the bundle's chat template rendered with minijinja as transformers renders it.
+//! - [`logprob`]: the log-softmax of a row of logits in the contract's fixed order (f64), one
+//!   token's log-probability, the top-k alternatives.
+//! - [`sampling`]: exact sampling (temperature, top-k, top-p, min-p, penalties) from the f32
+//!   logits, its randomness Philox4x32-10 keyed by the seed at counter (request, step).
+//! - [`stop`]: stop strings over incrementally decoded text.
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
 //! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
 //!   errors onto them.
@@ -26,14 +32,18 @@
 //! the one deliberately inexact arm ([`step::FinalHidden::InvalidBf16BeforeLmHead`]) is labelled
 //! and never a default.
 
+pub mod chat;
 pub mod config;
 pub mod exit;
 pub mod generate;
+pub mod logprob;
 pub mod model;
 pub mod numerics;
 pub mod resident;
+pub mod sampling;
 pub mod shapes;
 pub mod step;
+pub mod stop;
 pub mod tokenizer;
 pub mod weights;
 

@@ -864,3 +864,173 @@ fn demo_without_tarfa_demo_beside_the_binary_says_how_to_run_it() {
         "{err}"
     );
 }
+
+/// `generate` on the trained demo model with `extra` flags: (stdout, generated tokens).
+fn generate_code(extra: &[&str]) -> (String, Vec<u64>) {
+    let b = bundle("qwen3moe-code");
+    let d = tempfile::tempdir().unwrap();
+    let s = d.path().join("s.json");
+    let mut args = vec![
+        "generate",
+        b.to_str().unwrap(),
+        "--prompt",
+        "def parse(",
+        "--max-new-tokens",
+        "16",
+        "--quiet",
+        "--summary-json",
+        s.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    let (code, out, err) = run(&args);
+    assert_eq!(code, 0, "{extra:?}: {err}");
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&s).unwrap()).unwrap();
+    let tokens = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    (out, tokens)
+}
+
+#[test]
+fn sampling_gives_the_same_text_for_a_seed_on_any_thread_count() {
+    let sampled = |seed: &str, threads: &str| {
+        generate_code(&[
+            "--temperature",
+            "1.2",
+            "--top-k",
+            "50",
+            "--top-p",
+            "0.95",
+            "--repetition-penalty",
+            "1.1",
+            "--seed",
+            seed,
+            "--threads",
+            threads,
+        ])
+    };
+    let (text1, tokens1) = sampled("7", "1");
+    let (text2, tokens2) = sampled("7", "2");
+    assert_eq!(tokens1, tokens2, "threads 1 vs 2");
+    assert_eq!(text1, text2);
+    let (_, other_seed) = sampled("8", "2");
+    assert_ne!(tokens1, other_seed, "another seed draws other tokens");
+    let (greedy_text, greedy) = generate_code(&[]);
+    assert_ne!(
+        tokens1, greedy,
+        "sampling at temperature 1.2 is not the greedy run"
+    );
+    // Temperature 0 is greedy, whatever the seed and the filters.
+    let (t0_text, t0) = generate_code(&["--temperature", "0", "--top-k", "5", "--seed", "3"]);
+    assert_eq!(t0, greedy);
+    assert_eq!(t0_text, greedy_text);
+}
+
+#[test]
+fn bad_sampling_values_exit_2_naming_the_flag() {
+    let b = bundle("qwen3moe-code");
+    let bs = b.to_str().unwrap();
+    for (flag, value) in [
+        ("--temperature", "-1"),
+        ("--temperature", "nan"),
+        ("--top-p", "0"),
+        ("--top-p", "1.5"),
+        ("--min-p", "2"),
+        ("--repetition-penalty", "0"),
+        ("--frequency-penalty", "3"),
+        ("--presence-penalty", "-2.5"),
+        ("--top-k", "-1"),
+        ("--seed", "x"),
+    ] {
+        let (code, out, err) = run(&["generate", bs, "--prompt", "x", flag, value]);
+        assert_eq!(code, 2, "{flag} {value}: {err}");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+        assert!(out.is_empty(), "{flag} {value}: nothing generated: {out}");
+    }
+}
+
+#[test]
+fn stop_strings_end_the_text_before_them() {
+    let (full, tokens) = generate_code(&[]);
+    let full = full.trim_end_matches('\n').to_string();
+    // A piece of the greedy text from its middle: the run must stop where it first occurs.
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() > 12, "{full:?}");
+    let stop: String = chars[8..11].iter().collect();
+    let at = full.find(&stop).unwrap();
+    let (text, stopped) = generate_code(&["--stop", &stop, "--stop", "never-there"]);
+    assert_eq!(text, format!("{}\n", &full[..at]), "stop {stop:?}");
+    assert!(stopped.len() < tokens.len(), "the run ended early");
+    assert_eq!(
+        stopped[..],
+        tokens[..stopped.len()],
+        "the same tokens up to there"
+    );
+    // Stop strings need text: a bundle without a tokenizer refuses them.
+    let b = bundle("qwen3moe-a");
+    let (code, _, err) = run(&[
+        "generate",
+        b.to_str().unwrap(),
+        "--tokens",
+        "1,2",
+        "--stop",
+        "x",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(last_line(&err).contains("--stop"), "{err}");
+}
+
+#[test]
+fn chat_renders_the_bundles_template_or_says_there_is_none() {
+    let b = bundle("qwen3moe-code");
+    let (code, _, err) = run(&["generate", b.to_str().unwrap(), "--prompt", "x", "--chat"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(last_line(&err).contains("no chat template"), "{err}");
+    // A copy of the demo model with a template in tokenizer_config.json.
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    fs::create_dir(&src).unwrap();
+    for e in fs::read_dir(fixture("qwen3moe-code")).unwrap().flatten() {
+        fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let template = "{% for m in messages %}\n# {{ m.role }}: {{ m.content }}\n{% endfor %}\n{% if add_generation_prompt %}def {% endif %}";
+    fs::write(
+        src.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template, "eos_token": "x"}).to_string(),
+    )
+    .unwrap();
+    let chat = d.path().join("b");
+    tarfa_convert::convert(&src, &chat, &Default::default()).unwrap();
+    let trace = d.path().join("t.jsonl");
+    let (code, _, err) = run(&[
+        "generate",
+        chat.to_str().unwrap(),
+        "--prompt",
+        "parse a file",
+        "--chat",
+        "--max-new-tokens",
+        "1",
+        "--router-trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let header: serde_json::Value =
+        serde_json::from_str(fs::read_to_string(&trace).unwrap().lines().next().unwrap()).unwrap();
+    // trim_blocks and lstrip_blocks, as transformers renders it; encoded without special tokens.
+    let tok = tokenizers::Tokenizer::from_file(fixture("qwen3moe-code/tokenizer.json")).unwrap();
+    let want = tok.encode("# user: parse a file\ndef ", false).unwrap();
+    let want: Vec<u64> = want.get_ids().iter().map(|&t| t as u64).collect();
+    assert_eq!(header["prompt_tokens"], serde_json::json!(want));
+    // --chat takes text, not token ids.
+    let (code, _, err) = run(&[
+        "generate",
+        chat.to_str().unwrap(),
+        "--tokens",
+        "1",
+        "--chat",
+    ]);
+    assert_eq!(code, 2, "{err}");
+}

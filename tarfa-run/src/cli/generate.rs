@@ -1,4 +1,6 @@
-//! `tarfa-run generate`: greedy generation from a verified bundle.
+//! `tarfa-run generate`: generation from a verified bundle, greedy unless sampling is asked for
+//! (docs/EXACTNESS.md section 8), from a prompt that `--chat` may render with the bundle's chat
+//! template, until EOS, a stop string or `--max-new-tokens`.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -8,11 +10,14 @@ use std::time::Instant;
 use crate::bundle::BundleSource;
 use crate::config::MoeConfig;
 use crate::cpu::{FinalHidden, ForwardOptions, LogitRows, RouterRecord, StepStats};
-use crate::generate::{self, Flow, Keep, Observer, Step};
+use crate::generate::{self, Choice, Flow, Keep, Observer, Step};
 use crate::numerics::Kernel;
 use crate::weights::WeightSource;
 use clap::{ArgGroup, Args, ValueEnum};
 use serde_json::json;
+use tarfa_core::chat::{ChatMessage, ChatTemplate};
+use tarfa_core::sampling::SamplingParams;
+use tarfa_core::stop::StopStrings;
 
 use tarfa_engine::{Engine, LoadOptions};
 
@@ -98,6 +103,75 @@ pub struct GenerateArgs {
     /// Print nothing but the generated text (no progress, no summary line).
     #[arg(long)]
     pub quiet: bool,
+    /// The prompt becomes one user message rendered with the bundle's chat template
+    /// (chat_template.jinja, else tokenizer_config.json's chat_template), the assistant's turn
+    /// opened; the rendered text is encoded without adding special tokens (the template has them).
+    #[arg(long, conflicts_with = "tokens")]
+    pub chat: bool,
+    /// Sampling temperature; 0 (the default) is greedy. Sampling is exact: the same seed gives
+    /// the same tokens on every backend and thread count (docs/EXACTNESS.md section 8).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 0.0,
+        value_name = "T"
+    )]
+    pub temperature: f32,
+    /// Sample from the K largest logits only (0: all).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 0,
+        value_name = "K"
+    )]
+    pub top_k: usize,
+    /// Sample from the most probable tokens whose mass reaches P (in (0, 1]; 1: all).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 1.0,
+        value_name = "P"
+    )]
+    pub top_p: f64,
+    /// Drop tokens less probable than P times the most probable (in [0, 1]; 0: none).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 0.0,
+        value_name = "P"
+    )]
+    pub min_p: f64,
+    /// transformers' repetition penalty on every token of the prompt and the output (> 0; 1: none).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 1.0,
+        value_name = "R"
+    )]
+    pub repetition_penalty: f32,
+    /// Subtracted from a logit per earlier occurrence of its token (in [-2, 2]).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 0.0,
+        value_name = "F"
+    )]
+    pub frequency_penalty: f32,
+    /// Subtracted from a logit whose token occurred before (in [-2, 2]).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 0.0,
+        value_name = "Q"
+    )]
+    pub presence_penalty: f32,
+    /// The sampler's seed (Philox4x32-10's key).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop when the generated text contains STR (repeatable); the text printed ends before it.
+    /// Needs the bundle's tokenizer.json.
+    #[arg(long = "stop", value_name = "STR")]
+    pub stop: Vec<String>,
     #[command(flatten)]
     pub stream: StreamArgs,
     /// INVALID, for validation only: round the final hidden state to BF16 before the lm_head.
@@ -186,6 +260,8 @@ struct Hooks<'a> {
     text: Option<TextStream>,
     out: std::io::StdoutLock<'static>,
     eos: &'a [u32],
+    /// The stop strings, over the decoded text (with a tokenizer only).
+    stop: Option<StopStrings>,
     /// When the prefill step ended (decode time runs from here).
     prefill_done: Option<Instant>,
 }
@@ -198,8 +274,14 @@ impl Observer<Engine> for Hooks<'_> {
         // A closed stdout (a pipe to `head`) ends the stream, not the run.
         match self.text.as_mut() {
             Some(ts) => {
-                if let Some(s) = ts.push(next) {
+                if let Some(mut s) = ts.push(next) {
+                    if let Some(stop) = self.stop.as_mut() {
+                        s = stop.push(&s);
+                    }
                     let _ = out.write_all(s.as_bytes()).and_then(|_| out.flush());
+                }
+                if self.stop.as_ref().is_some_and(|s| s.stopped()) {
+                    return Ok(Flow::Stop);
                 }
             }
             None => {
@@ -256,6 +338,19 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display()))
     })?;
     let cfg = MoeConfig::from_json_str(&cfg_text).map_err(crate::RunError::from)?;
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repetition_penalty,
+        frequency_penalty: a.frequency_penalty,
+        presence_penalty: a.presence_penalty,
+        seed: a.seed,
+    };
+    sampling
+        .validate()
+        .map_err(|e| CliError::Usage(format!("--{}: {e}", e.setting().replace('_', "-"))))?;
     let eos = if a.ignore_eos {
         Vec::new()
     } else {
@@ -275,6 +370,12 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         Some(p) => Some(read_prompt_file(p)?),
         None => None,
     };
+    if !a.stop.is_empty() && tokenizer.is_none() {
+        return Err(CliError::Usage(format!(
+            "{}: --stop needs the bundle's tokenizer.json (stop strings match decoded text)",
+            a.bundle.display()
+        )));
+    }
     let prompt: Vec<u32> = match (a.prompt.as_ref().or(file_text.as_ref()), &a.tokens) {
         (Some(text), _) => {
             let tok = tokenizer.as_ref().ok_or_else(|| {
@@ -283,7 +384,13 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                     a.bundle.display()
                 ))
             })?;
-            tok.encode(text.as_str(), true)
+            // A chat prompt carries its special tokens in the template's text: nothing is added.
+            let (text, add_special) = if a.chat {
+                (chat_prompt(&source, &a.bundle, text)?, false)
+            } else {
+                (text.clone(), true)
+            };
+            tok.encode(text.as_str(), add_special)
                 .map_err(|e| CliError::Usage(format!("cannot encode the prompt: {e}")))?
                 .get_ids()
                 .to_vec()
@@ -423,10 +530,32 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         }),
         out: std::io::stdout().lock(),
         eos: &eos,
+        stop: (!a.stop.is_empty()).then(|| StopStrings::new(&a.stop)),
         prefill_done: None,
     };
+    // Greedy settings keep the greedy path (the GPU's token-only step); `generate` is request 0.
+    let choice = if sampling.is_greedy() {
+        Choice::Greedy
+    } else {
+        Choice::Sample {
+            params: &sampling,
+            request: 0,
+        }
+    };
     let t0 = Instant::now();
-    let g = generate::run(&mut engine, &prompt, max_new, &opts, keep, &mut hooks)?;
+    let g = generate::run_with(
+        &mut engine,
+        &prompt,
+        max_new,
+        &opts,
+        keep,
+        choice,
+        &mut hooks,
+    )?;
+    // The text a stop string might have begun, when none did.
+    if let Some(rest) = hooks.stop.as_mut().map(|s| s.finish()) {
+        let _ = hooks.out.write_all(rest.as_bytes());
+    }
     let _ = writeln!(hooks.out);
     let prefill_done = hooks.prefill_done.unwrap_or(t0);
     let prefill_time = prefill_done - t0;
@@ -492,6 +621,36 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         decode_tok_s
     ));
     Ok(())
+}
+
+/// `--chat`: the prompt as one user message in the bundle's chat template, the assistant's turn
+/// opened. The template files are read through the manifest (verified).
+fn chat_prompt(source: &BundleSource, bundle: &Path, text: &str) -> Result<String, CliError> {
+    let read = |name: &str| -> Result<Option<String>, CliError> {
+        if !source.has_file(name) {
+            return Ok(None);
+        }
+        String::from_utf8(source.read_file(name)?)
+            .map(Some)
+            .map_err(|_| CliError::Usage(format!("{}: {name} is not UTF-8", bundle.display())))
+    };
+    let config = read("tokenizer_config.json")?;
+    let jinja = read("chat_template.jinja")?;
+    let usage = |e: tarfa_core::chat::ChatError| {
+        CliError::Usage(format!("{}: --chat: {e}", bundle.display()))
+    };
+    let template = ChatTemplate::from_files(config.as_deref(), jinja.as_deref())
+        .map_err(usage)?
+        .ok_or_else(|| {
+            CliError::Usage(format!(
+                "{}: --chat: the bundle has no chat template (no chat_template.jinja, and no \
+                 chat_template in tokenizer_config.json)",
+                bundle.display()
+            ))
+        })?;
+    template
+        .render(&[ChatMessage::new("user", text)], true)
+        .map_err(usage)
 }
 
 /// `--prompt-file`: the file's bytes (standard input for `-`), which must be UTF-8. A pipe or a
