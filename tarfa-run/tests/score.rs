@@ -466,6 +466,7 @@ fn the_output_file_is_the_same_bytes_for_every_batch_thread_count_and_simd_path(
             json!({"context": "for i in range(", "max_tokens": 5, "top_logprobs": 2, "echo": true}),
             json!({"rolling": [481, 289, 1478, 270, 1245, 520, 8, 78]}),
             json!({"context": [], "continuation": [481, 289]}),
+            json!({"context": "def ", "max_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": 11}),
         ],
     );
     let mut files = Vec::new();
@@ -496,16 +497,74 @@ fn the_output_file_is_the_same_bytes_for_every_batch_thread_count_and_simd_path(
         assert_eq!(code, 0, "{name}: {err}");
         // the summary is the only thing on stdout when results go to --out
         let summary: Value = serde_json::from_str(stdout.trim()).unwrap();
-        assert_eq!(summary["requests"], json!(7), "{name}");
+        assert_eq!(summary["requests"], json!(8), "{name}");
         assert!(summary["tokens"].as_u64().unwrap() > 0);
         files.push((name, fs::read(&out).unwrap()));
     }
     let (_, want) = &files[0];
-    assert_eq!(String::from_utf8_lossy(want).lines().count(), 7);
+    assert_eq!(String::from_utf8_lossy(want).lines().count(), 8);
     for (name, got) in &files[1..] {
         assert!(
             got == want,
             "{name}: the output differs from --max-batch 1's"
         );
     }
+}
+
+#[test]
+fn a_sampled_generation_is_generates_for_the_same_prompt_settings_and_seed() {
+    let d = tempfile::tempdir().unwrap();
+    let b = bundle();
+    let prompt = [481u32, 289, 1478, 270];
+    let req = write_requests(
+        d.path(),
+        "s.jsonl",
+        &[
+            // the same request twice, on different lines and in the same step: the same text
+            json!({"context": prompt, "max_tokens": 10, "temperature": 1.3, "seed": 5}),
+            json!({"context": prompt, "max_tokens": 10, "temperature": 1.3, "seed": 5}),
+            json!({"context": prompt, "max_tokens": 10}),
+        ],
+    );
+    let r = score(&req, &["--max-batch", "3"]);
+    assert_eq!(r[0], r[1]);
+    let sampled = u32s(&r[0]["tokens"]);
+    let summary = d.path().join("summary.json");
+    let ids = prompt.map(|t| t.to_string()).join(",");
+    let (code, _, err) = run(&[
+        "generate",
+        b.to_str().unwrap(),
+        "--tokens",
+        &ids,
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "1.3",
+        "--seed",
+        "5",
+        "--backend",
+        "cpu",
+        "--summary-json",
+        summary.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let s: Value = serde_json::from_slice(&fs::read(&summary).unwrap()).unwrap();
+    let gen = u32s(&s["tokens"]);
+    // generate stops at EOS; score does too (finish_reason eos), with the EOS in its tokens
+    assert_eq!(sampled, gen);
+    assert_ne!(
+        sampled,
+        u32s(&r[2]["tokens"]),
+        "a temperature of 1.3 changes the tokens"
+    );
+    // a sampled token's log-prob is still the model's own (not the tempered distribution's)
+    let again = write_requests(
+        d.path(),
+        "lp.jsonl",
+        &[json!({"context": prompt, "continuation": sampled})],
+    );
+    assert_eq!(
+        score(&again, &[])[0]["token_logprobs"],
+        r[0]["token_logprobs"]
+    );
 }

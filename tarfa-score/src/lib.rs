@@ -11,7 +11,8 @@
 //! This crate must never compute a logit (the engine does), never choose a token any other way
 //! than greedy decoding does, and never depend on a front end (the CLI, the server).
 
-pub mod logprob;
+/// The contract's log-softmax (docs/EXACTNESS.md section 7), re-exported.
+pub use tarfa_core::logprob;
 pub mod request;
 pub mod score;
 

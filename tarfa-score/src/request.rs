@@ -8,10 +8,13 @@
 //!
 //! C, K and D are text (encoded with the bundle's tokenizer, without special tokens, as lm-eval
 //! encodes for causal models) or lists of token ids. Every kind takes `top_logprobs` (k) and
-//! `echo` (bool), which override the command line's defaults.
+//! `echo` (bool), which override the command line's defaults; generate_until takes the exact
+//! sampler's settings (`temperature`, `top_k`, `top_p`, `min_p`, the three penalties, `seed`;
+//! greedy by default).
 
 use serde::Deserialize;
 use serde_json::Value;
+use tarfa_core::sampling::{SamplingError, SamplingParams};
 
 /// The most alternatives `top_logprobs` asks for per position.
 pub const MAX_TOP_LOGPROBS: usize = 100;
@@ -56,12 +59,13 @@ pub enum Task {
     /// The log-probs of `tokens[1..]`, in windows of at most `window` positions (see
     /// [`crate::score`]).
     Rolling { tokens: Vec<u32>, window: usize },
-    /// Greedy generation after `context`, up to `max_tokens` tokens, stopping at an EOS id or
-    /// when the text contains one of `until`.
+    /// Generation after `context` (greedy unless `sampling` says otherwise), up to `max_tokens`
+    /// tokens, stopping at an EOS id or when the text contains one of `until`.
     GenerateUntil {
         context: Vec<u32>,
         until: Vec<String>,
         max_tokens: usize,
+        sampling: SamplingParams,
     },
 }
 
@@ -77,14 +81,14 @@ struct Raw {
     max_tokens: Option<u64>,
     top_logprobs: Option<u64>,
     echo: Option<bool>,
-    // Sampling (issue 18's exact sampling): accepted keys, refused until the sampler is merged.
-    temperature: Option<f64>,
-    top_k: Option<u64>,
+    // generate_until's sampler (tarfa_core::sampling)
+    temperature: Option<f32>,
+    top_k: Option<usize>,
     top_p: Option<f64>,
     min_p: Option<f64>,
-    repetition_penalty: Option<f64>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
+    repetition_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
     seed: Option<u64>,
 }
 
@@ -164,9 +168,12 @@ pub enum Problem {
     /// The request needs more positions than the model has.
     #[error("the request needs {needed} positions; the model allows {max}")]
     TooLong { needed: usize, max: usize },
-    /// A sampling key: the exact sampler is not in this build yet.
-    #[error("{0}: sampling is not in this build yet (generate_until is greedy)")]
-    SamplingUnavailable(&'static str),
+    /// A sampling setting out of its range.
+    #[error("{0}")]
+    Sampling(SamplingError),
+    /// A sampling key on a request that does not generate.
+    #[error("{0} applies to generate_until (context + max_tokens) only")]
+    SamplingWithoutGeneration(&'static str),
 }
 
 /// A line that is not a valid request.
@@ -283,8 +290,20 @@ fn parse(text: &str, defaults: Options, limits: &Limits) -> Result<(Task, Option
         return Err(Problem::EmptyLine);
     }
     let raw: Raw = serde_json::from_str(text).map_err(|e| Problem::Json(e.to_string()))?;
-    for (key, set) in [
-        ("temperature", raw.temperature.is_some_and(|t| t != 0.0)),
+    let d = SamplingParams::default();
+    let sampling = SamplingParams {
+        temperature: raw.temperature.unwrap_or(d.temperature),
+        top_k: raw.top_k.unwrap_or(d.top_k),
+        top_p: raw.top_p.unwrap_or(d.top_p),
+        min_p: raw.min_p.unwrap_or(d.min_p),
+        repetition_penalty: raw.repetition_penalty.unwrap_or(d.repetition_penalty),
+        frequency_penalty: raw.frequency_penalty.unwrap_or(d.frequency_penalty),
+        presence_penalty: raw.presence_penalty.unwrap_or(d.presence_penalty),
+        seed: raw.seed.unwrap_or(d.seed),
+    };
+    sampling.validate().map_err(Problem::Sampling)?;
+    let sampling_key = [
+        ("temperature", raw.temperature.is_some()),
         ("top_k", raw.top_k.is_some()),
         ("top_p", raw.top_p.is_some()),
         ("min_p", raw.min_p.is_some()),
@@ -292,9 +311,12 @@ fn parse(text: &str, defaults: Options, limits: &Limits) -> Result<(Task, Option
         ("frequency_penalty", raw.frequency_penalty.is_some()),
         ("presence_penalty", raw.presence_penalty.is_some()),
         ("seed", raw.seed.is_some()),
-    ] {
-        if set {
-            return Err(Problem::SamplingUnavailable(key));
+    ]
+    .into_iter()
+    .find_map(|(k, set)| set.then_some(k));
+    if let Some(key) = sampling_key {
+        if raw.max_tokens.is_none() {
+            return Err(Problem::SamplingWithoutGeneration(key));
         }
     }
     let top = raw.top_logprobs.unwrap_or(defaults.top_logprobs as u64);
@@ -380,6 +402,7 @@ fn parse(text: &str, defaults: Options, limits: &Limits) -> Result<(Task, Option
                 context,
                 until,
                 max_tokens: max_tokens as usize,
+                sampling,
             }
         }
         (None, Some(_), None) | (None, None, None) => return Err(Problem::NoKind),
@@ -436,7 +459,8 @@ mod tests {
             Task::GenerateUntil {
                 context: vec![1],
                 until: vec![],
-                max_tokens: 4
+                max_tokens: 4,
+                sampling: SamplingParams::default(),
             }
         );
         assert!(r.options.echo);
@@ -558,10 +582,18 @@ mod tests {
             problem(r#"{"rolling": [1, 2], "top_logprobs": 101}"#),
             Problem::TooManyTopLogprobs(101)
         );
+        assert!(matches!(
+            problem(r#"{"context": [1], "max_tokens": 2, "top_p": 1.5}"#),
+            Problem::Sampling(SamplingError::TopP(_))
+        ));
         assert_eq!(
-            problem(r#"{"context": [1], "max_tokens": 2, "temperature": 0.7}"#),
-            Problem::SamplingUnavailable("temperature")
+            problem(r#"{"context": [1], "continuation": [2], "seed": 3}"#),
+            Problem::SamplingWithoutGeneration("seed")
         );
-        assert!(p(r#"{"context": [1], "max_tokens": 2, "temperature": 0}"#).is_ok());
+        let r = p(r#"{"context": [1], "max_tokens": 2, "temperature": 0.7, "seed": 9}"#).unwrap();
+        let Task::GenerateUntil { sampling, .. } = r.task else {
+            panic!("{r:?}")
+        };
+        assert_eq!((sampling.temperature, sampling.seed), (0.7, 9));
     }
 }

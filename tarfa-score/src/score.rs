@@ -17,7 +17,9 @@
 //!   sequence and scores the token after each. This is lm-eval's `loglikelihood_rolling`
 //!   (`get_rolling_token_windows` with `context_len = 1`, made disjoint), with token 0 in the
 //!   role of its prefix token: a token at a window's start sees no earlier context.
-//! - generate_until: greedy; stops after `max_tokens` tokens (`length`), after an EOS id (`eos`;
+//! - generate_until: greedy, or sampled by `tarfa_core::sampling::sample` as request 0 (so a
+//!   request's text depends only on the model, the prompt, the settings and the seed, and equals
+//!   `tarfa-run generate`'s with the same ones: never on its line or its batch); stops after `max_tokens` tokens (`length`), after an EOS id (`eos`;
 //!   the id is in `tokens`, not in `text`), or when the decoded text contains a stop string
 //!   (`stop`; `text` is cut before the earliest one; `tokens` keeps every generated id).
 
@@ -25,6 +27,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 use tarfa_core::generate::argmax;
+use tarfa_core::sampling::{sample, SamplingParams};
 use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
 use tarfa_engine::{EngineError, Model, SeqStep, Sequence};
 
@@ -244,6 +247,7 @@ struct Generation {
     context: Vec<u32>,
     until: Vec<String>,
     max_tokens: usize,
+    sampling: SamplingParams,
     /// Prompt chunks not yet run.
     prompt: VecDeque<Chunk>,
     /// Echo: scores of prompt tokens 1.. (when asked).
@@ -293,6 +297,7 @@ impl Work {
                 context,
                 until,
                 max_tokens,
+                sampling,
             } => {
                 let n = context.len();
                 let mut prompt = VecDeque::new();
@@ -317,6 +322,7 @@ impl Work {
                     context: context.clone(),
                     until: until.clone(),
                     max_tokens: *max_tokens,
+                    sampling: *sampling,
                     prompt,
                     echo: r.options.echo.then(Vec::new),
                     generated: Vec::new(),
@@ -378,7 +384,14 @@ impl Work {
                     }
                 }
                 let row = out.logits.last().expect("a step returns its last row");
-                let next = argmax(row);
+                // generate's choice: token j at step j, the history the prompt and the tokens
+                // before it, request 0
+                let next = if g.sampling.is_greedy() {
+                    argmax(row)
+                } else {
+                    let history = [g.context.as_slice(), &g.generated].concat();
+                    sample(row, &history, &g.sampling, 0, g.generated.len() as u64)
+                };
                 g.scores.push(score_row(row, next, k));
                 g.generated.push(next);
                 g.decide(dec);
