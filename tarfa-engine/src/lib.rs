@@ -1,11 +1,19 @@
 //! One compute session for every front end, whichever backend runs it: the CPU reference or
-//! CUDA, chosen when the model is loaded ([`BackendChoice`]). An [`Engine`] is the model and one
-//! sequence's cache; it is a [`Session`], so the one decode loop
-//! ([`tarfa_core::generate::run`]) drives it, with the caller's
-//! [`Observer`](tarfa_core::generate::Observer) streaming, tracing or collecting. The CLI drives
-//! it today; a scoring command, a server and a Python package are meant to drive the same API.
+//! CUDA, chosen when the model is loaded ([`BackendChoice`]).
 //!
-//! Both backends return the same [`ForwardOutput`], bit for bit (docs/EXACTNESS.md).
+//! - A [`Model`] is the loaded weights on one backend, with no sequence state.
+//! - A [`Sequence`] owns one sequence's KV cache; [`Model::new_sequence`] makes it.
+//! - [`Model::step`] runs any set of sequences' pending tokens as one step ([`SeqStep`]): the
+//!   seam of the many-token engine (issue 17). The scoring command drives it with many
+//!   sequences at once; a server and a Python package are meant to drive the same API.
+//! - An [`Engine`] is a model and one sequence: a [`Session`], so the one decode loop
+//!   ([`tarfa_core::generate::run`]) drives it, with the caller's
+//!   [`Observer`](tarfa_core::generate::Observer) streaming, tracing or collecting (the CLI's
+//!   `generate`).
+//!
+//! Both backends return the same [`ForwardOutput`], bit for bit (docs/EXACTNESS.md), and a
+//! sequence's outputs never depend on which other sequences share its steps, nor on how its
+//! tokens were split into steps.
 //!
 //! This crate must never compute anything itself, nor choose a token any other way than the
 //! backends do: it only loads, dispatches and reports. It must never depend on a front end (the
@@ -57,6 +65,23 @@ pub enum EngineError {
     /// [`CudaError::Run`]: that arrives as [`EngineError::Run`].
     #[error(transparent)]
     Cuda(CudaError),
+    /// A sequence was stepped on a model of the other backend than the one that made it (a bug
+    /// in the caller).
+    #[error("a {sequence} sequence cannot be stepped on the {model} backend")]
+    ForeignSequence {
+        sequence: &'static str,
+        model: &'static str,
+    },
+}
+
+/// Why a [`Model::step`] failed: which of its sequences, and the error. No sequence of the step
+/// advanced (see [`Model::step`]).
+#[derive(Debug, thiserror::Error)]
+#[error("sequence {index} of the step: {error}")]
+pub struct StepError {
+    /// The index in the step's slice of the sequence that failed.
+    pub index: usize,
+    pub error: EngineError,
 }
 
 impl From<CudaError> for EngineError {
@@ -68,20 +93,70 @@ impl From<CudaError> for EngineError {
     }
 }
 
-/// A model loaded on one backend, with one sequence's cache.
-pub enum Engine {
-    Cpu {
-        engine: CpuEngine,
-        cache: KvCache,
-    },
-    // boxed: the model and its cache are far larger than the CPU engine's handles
-    Cuda {
-        model: Box<CudaModel>,
-        cache: Box<CudaCache>,
-    },
+/// A model loaded on one backend, with no sequence state: any number of [`Sequence`]s run on it.
+pub enum Model {
+    Cpu(CpuEngine),
+    // boxed: the CUDA model is far larger than the CPU engine's handles
+    Cuda(Box<CudaModel>),
 }
 
-impl Engine {
+/// One sequence's state on a [`Model`]'s backend: its own KV cache, and nothing shared with any
+/// other sequence.
+pub struct Sequence {
+    cache: SequenceCache,
+}
+
+enum SequenceCache {
+    Cpu(KvCache),
+    Cuda(Box<CudaCache>),
+}
+
+/// One sequence's part of a [`Model::step`]: its pending tokens (run at positions
+/// `seq.len()..`) and which logits and records it wants.
+pub struct SeqStep<'a> {
+    pub seq: &'a mut Sequence,
+    pub tokens: &'a [u32],
+    pub opts: ForwardOptions,
+}
+
+impl Sequence {
+    /// Positions cached (tokens run so far).
+    pub fn len(&self) -> usize {
+        match &self.cache {
+            SequenceCache::Cpu(c) => c.len(),
+            SequenceCache::Cuda(c) => c.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The most positions the sequence accepts (`max_position_embeddings`).
+    pub fn max_len(&self) -> usize {
+        match &self.cache {
+            SequenceCache::Cpu(c) => c.max_len(),
+            SequenceCache::Cuda(c) => c.max_len(),
+        }
+    }
+
+    /// Forgets positions from `len` on (a failed step's undo; a rewind to a shared prefix).
+    pub fn truncate(&mut self, len: usize) {
+        match &mut self.cache {
+            SequenceCache::Cpu(c) => c.truncate(len),
+            SequenceCache::Cuda(c) => c.truncate(len),
+        }
+    }
+
+    fn backend_name(&self) -> &'static str {
+        match &self.cache {
+            SequenceCache::Cpu(_) => "cpu",
+            SequenceCache::Cuda(_) => "cuda",
+        }
+    }
+}
+
+impl Model {
     /// Load `cfg` from `source` on the chosen backend. `Auto` takes CUDA when a GPU is usable
     /// and says which it took, and why, through `log`.
     pub fn load(
@@ -89,7 +164,7 @@ impl Engine {
         source: Arc<dyn WeightSource>,
         opts: &LoadOptions,
         log: &dyn Fn(String),
-    ) -> Result<Engine, EngineError> {
+    ) -> Result<Model, EngineError> {
         let use_cuda = match opts.backend {
             BackendChoice::Cpu => false,
             BackendChoice::Cuda => true,
@@ -111,7 +186,6 @@ impl Engine {
                 ..CudaOptions::default()
             };
             let model = CudaModel::load(cfg, source, &cuda)?;
-            let cache = model.new_cache()?;
             log(format!("backend cuda: {}", model.device()));
             match model.hot_stats() {
                 Some(h) => log(format!(
@@ -126,10 +200,7 @@ impl Engine {
                     format_bytes(model.resident_bytes())
                 )),
             }
-            Ok(Engine::Cuda {
-                model: Box::new(model),
-                cache: Box::new(cache),
-            })
+            Ok(Model::Cuda(Box::new(model)))
         } else {
             if opts.hot.is_some() {
                 log(
@@ -139,7 +210,6 @@ impl Engine {
                 );
             }
             let model = Arc::new(CpuModel::load(cfg, source)?);
-            let cache = model.new_cache();
             let engine = CpuEngine::new(
                 model,
                 EngineOptions {
@@ -152,35 +222,155 @@ impl Engine {
                 engine.kernel().path().name(),
                 engine.threads()
             ));
-            Ok(Engine::Cpu { engine, cache })
+            Ok(Model::Cpu(engine))
+        }
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &MoeConfig {
+        match self {
+            Model::Cpu(e) => e.model().config(),
+            Model::Cuda(m) => m.config(),
+        }
+    }
+
+    /// A new, empty sequence on this model's backend.
+    pub fn new_sequence(&self) -> Result<Sequence, EngineError> {
+        let cache = match self {
+            Model::Cpu(e) => SequenceCache::Cpu(e.model().new_cache()),
+            Model::Cuda(m) => SequenceCache::Cuda(Box::new(m.new_cache()?)),
+        };
+        Ok(Sequence { cache })
+    }
+
+    /// Runs every sequence's pending tokens (appending them to its cache) and returns each
+    /// one's output, in the order of `steps`.
+    ///
+    /// Today this is a loop of [`Backend::forward`], one sequence after the other, so each
+    /// sequence's bits are those of running it alone by construction. The batched step of
+    /// issue 17 (weights read once for all the step's tokens) replaces the loop behind this same
+    /// signature, and must keep that property: every sequence's logits, router records and
+    /// counters bit-identical whatever it shares a step with, and however its tokens were split
+    /// into steps.
+    ///
+    /// All or nothing: on an error no sequence has advanced (those already run are truncated
+    /// back), and the error names the failing sequence's index.
+    pub fn step(&self, steps: &mut [SeqStep<'_>]) -> Result<Vec<ForwardOutput>, StepError> {
+        let before: Vec<usize> = steps.iter().map(|s| s.seq.len()).collect();
+        let mut outs = Vec::with_capacity(steps.len());
+        for (index, s) in steps.iter_mut().enumerate() {
+            match self.forward(s.seq, s.tokens, &s.opts) {
+                Ok(out) => outs.push(out),
+                Err(error) => {
+                    for (done, &len) in steps[..index].iter_mut().zip(&before) {
+                        done.seq.truncate(len);
+                    }
+                    return Err(StepError { index, error });
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    /// One sequence's step: [`Backend::forward`] on its cache (left as it was on error).
+    pub fn forward(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput, EngineError> {
+        match (self, &mut seq.cache) {
+            (Model::Cpu(e), SequenceCache::Cpu(c)) => Ok(Backend::forward(e, c, tokens, opts)?),
+            (Model::Cuda(m), SequenceCache::Cuda(c)) => {
+                Ok(Backend::forward(m.as_ref(), c.as_mut(), tokens, opts)?)
+            }
+            _ => Err(self.foreign(seq)),
+        }
+    }
+
+    /// One greedy decode step after `token` on `seq` ([`Backend::greedy_step`]: CUDA chooses
+    /// the token on the GPU and copies no logits back).
+    pub fn greedy_step(
+        &self,
+        seq: &mut Sequence,
+        token: u32,
+    ) -> Result<(u32, StepStats), EngineError> {
+        match (self, &mut seq.cache) {
+            (Model::Cpu(e), SequenceCache::Cpu(c)) => Ok(Backend::greedy_step(e, c, token)?),
+            (Model::Cuda(m), SequenceCache::Cuda(c)) => {
+                Ok(Backend::greedy_step(m.as_ref(), c.as_mut(), token)?)
+            }
+            _ => Err(self.foreign(seq)),
+        }
+    }
+
+    fn foreign(&self, seq: &Sequence) -> EngineError {
+        EngineError::ForeignSequence {
+            sequence: seq.backend_name(),
+            model: self.name(),
         }
     }
 
     /// The GPU hot tier's counters (CUDA streaming only).
     pub fn hot_stats(&self) -> Option<HotStats> {
         match self {
-            Engine::Cpu { .. } => None,
-            Engine::Cuda { model, .. } => model.hot_stats(),
+            Model::Cpu(_) => None,
+            Model::Cuda(m) => m.hot_stats(),
         }
     }
 
     pub fn name(&self) -> &'static str {
         match self {
-            Engine::Cpu { .. } => "cpu",
-            Engine::Cuda { .. } => "cuda",
+            Model::Cpu(_) => "cpu",
+            Model::Cuda(_) => "cuda",
         }
     }
 
     /// Worker threads of the CPU engine (0 for CUDA).
     pub fn threads(&self) -> usize {
         match self {
-            Engine::Cpu { engine, .. } => engine.threads(),
-            Engine::Cuda { .. } => 0,
+            Model::Cpu(e) => e.threads(),
+            Model::Cuda(_) => 0,
         }
     }
 }
 
-/// Each step goes to the backend's [`Backend`] impl on the engine's cache: the CPU's
+/// A model and one sequence: what the CLI's `generate` drives through the decode loop.
+pub struct Engine {
+    pub model: Model,
+    pub seq: Sequence,
+}
+
+impl Engine {
+    /// Load `cfg` from `source` on the chosen backend ([`Model::load`]), with one empty
+    /// sequence.
+    pub fn load(
+        cfg: MoeConfig,
+        source: Arc<dyn WeightSource>,
+        opts: &LoadOptions,
+        log: &dyn Fn(String),
+    ) -> Result<Engine, EngineError> {
+        let model = Model::load(cfg, source, opts, log)?;
+        let seq = model.new_sequence()?;
+        Ok(Engine { model, seq })
+    }
+
+    /// The GPU hot tier's counters (CUDA streaming only).
+    pub fn hot_stats(&self) -> Option<HotStats> {
+        self.model.hot_stats()
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.model.name()
+    }
+
+    /// Worker threads of the CPU engine (0 for CUDA).
+    pub fn threads(&self) -> usize {
+        self.model.threads()
+    }
+}
+
+/// Each step goes to the backend's [`Backend`] impl on the engine's sequence: the CPU's
 /// `greedy_step` is the trait's default (a forward step, the argmax on the host), CUDA's chooses
 /// the token on the GPU and copies no logits back.
 impl Session for Engine {
@@ -191,20 +381,10 @@ impl Session for Engine {
         tokens: &[u32],
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, EngineError> {
-        match self {
-            Engine::Cpu { engine, cache } => Ok(Backend::forward(engine, cache, tokens, opts)?),
-            Engine::Cuda { model, cache } => {
-                Ok(Backend::forward(model.as_ref(), cache, tokens, opts)?)
-            }
-        }
+        self.model.forward(&mut self.seq, tokens, opts)
     }
 
     fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), EngineError> {
-        match self {
-            Engine::Cpu { engine, cache } => Ok(Backend::greedy_step(engine, cache, token)?),
-            Engine::Cuda { model, cache } => {
-                Ok(Backend::greedy_step(model.as_ref(), cache, token)?)
-            }
-        }
+        self.model.greedy_step(&mut self.seq, token)
     }
 }

@@ -38,6 +38,16 @@ enum Command {
     #[command(after_help = EXIT_CODES)]
     // Boxed: its many flags make it much the largest variant.
     Generate(Box<GenerateArgs>),
+    /// Score evaluation requests from JSON Lines (lm-eval's loglikelihood, loglikelihood_rolling
+    /// and generate_until), one result line per request, in order.
+    ///
+    /// The results are byte-identical for any --max-batch, thread count, SIMD path and backend.
+    /// A summary line ends the run (requests, tokens, requests/s, tokens/s; --json for scripts).
+    #[command(after_help = EXIT_CODES)]
+    Score(cli::score::ScoreArgs),
+    /// The rolling log-likelihood of a text file: tokens, tok/s, the mean NLL and the perplexity.
+    #[command(after_help = EXIT_CODES)]
+    Perplexity(cli::score::PerplexityArgs),
     /// Check a GPU backend against the CPU reference, bit for bit, on bundles.
     #[command(after_help = EXIT_CODES)]
     Selftest(cli::selftest::SelftestArgs),
@@ -91,6 +101,8 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Generate(a) => cli::generate::run(&a),
+        Command::Score(a) => cli::score::run(&a),
+        Command::Perplexity(a) => cli::score::perplexity(&a),
         Command::Selftest(a) => cli::selftest::run(&a),
         Command::IoBench(a) => cli::io_bench::run(&a),
         Command::Demo { args } => return run_demo(&args),

@@ -5,6 +5,7 @@ pub mod engine;
 pub mod generate;
 pub mod io_bench;
 pub mod output;
+pub mod score;
 pub mod selftest;
 pub mod stream;
 pub mod tuning;
@@ -41,6 +42,9 @@ pub enum CliError {
     /// Expert streaming cannot start or go on.
     #[error(transparent)]
     Stream(#[from] crate::stream::StreamError),
+    /// A failure while running one request of a requests file (`score`), with its own code.
+    #[error("line {line}: {source}")]
+    AtLine { line: usize, source: Box<CliError> },
 }
 
 impl CliError {
@@ -61,6 +65,7 @@ impl CliError {
             CliError::Run(e) => e.exit_code(),
             CliError::Io { .. } | CliError::Environment(_) => exit::ENVIRONMENT,
             CliError::Stream(e) => e.exit_code(),
+            CliError::AtLine { source, .. } => source.exit_code(),
         }
     }
 }

@@ -1,0 +1,563 @@
+//! `tarfa-run score` and `tarfa-run perplexity`: evaluation requests from JSON Lines (or a text
+//! file's rolling log-likelihood), scored by tarfa-score over the engine. Thin: parse, load, call
+//! tarfa-score, write.
+
+use std::fs::{File, OpenOptions};
+use std::io::{IsTerminal, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+use tarfa_engine::{LoadOptions, Model};
+use tarfa_score::{Decoding, Limits, Options, Progress, Request, ScoreError, ScoreOptions};
+
+use crate::bundle::BundleSource;
+use crate::config::MoeConfig;
+use crate::weights::WeightSource;
+
+use super::generate::{eos_ids, kernel, BackendArg, KernelArg};
+use super::output::OutputRules;
+use super::stream::{StreamArgs, StreamRun};
+use super::{threads_arg, CliError};
+
+/// The most requests in flight at once.
+pub const MAX_BATCH: usize = 4096;
+/// The largest requests file (or perplexity text) read.
+const MAX_INPUT_BYTES: u64 = 4 << 30;
+
+fn max_batch_arg(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_BATCH).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a number of requests from 1 to {MAX_BATCH}"
+        )),
+    }
+}
+
+fn top_logprobs_arg(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= tarfa_score::request::MAX_TOP_LOGPROBS => Ok(n),
+        _ => Err(format!(
+            "expected 0 to {}",
+            tarfa_score::request::MAX_TOP_LOGPROBS
+        )),
+    }
+}
+
+/// What `score` and `perplexity` share: the bundle, the engine's settings.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// The bundle directory (made by tarfa-convert).
+    pub bundle: PathBuf,
+    /// Compute backend. Results are bit-identical for every backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    pub backend: BackendArg,
+    /// Worker threads: 1 to 1024, or 0 for one per core (the default). Results are
+    /// bit-identical for every count.
+    #[arg(long, value_parser = threads_arg)]
+    pub threads: Option<usize>,
+    /// SIMD path. Results are bit-identical for every path.
+    #[arg(long, value_enum, default_value_t = KernelArg::Auto)]
+    pub kernel: KernelArg,
+    /// Requests (perplexity: windows) in flight at once, 1 to 4096; each engine step runs one
+    /// chunk of each. Results are byte-identical for every value.
+    #[arg(long, default_value_t = 8, value_parser = max_batch_arg)]
+    pub max_batch: usize,
+    /// Refuse any bundle whose root digest differs.
+    #[arg(long)]
+    pub expect_root: Option<String>,
+    /// The summary as one JSON object on stdout (score: on stderr when results go to stdout).
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar, no log lines.
+    #[arg(long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The requests, one JSON object per line: {"context", "continuation"} (loglikelihood),
+    /// {"rolling"} or {"context", "max_tokens", "until"} (generate_until); text or token-id
+    /// lists; "top_logprobs" and "echo" per request. Every line is checked before the model is
+    /// loaded: a bad line is exit 2 naming it, and nothing is computed or written.
+    #[arg(long, value_name = "FILE")]
+    pub requests: PathBuf,
+    /// Write the results here (else stdout), one line per request in order. Written
+    /// incrementally, not atomically: each result is written and flushed as soon as it and every
+    /// earlier one are done, so a run that fails or is interrupted keeps every result it finished
+    /// (whole lines: the first N requests' results; rerun the rest). A failed write is exit 3.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Default top_logprobs of every request (0 to 100): the k best alternatives at each scored
+    /// or generated position.
+    #[arg(long, default_value_t = 0, value_parser = top_logprobs_arg)]
+    pub top_logprobs: usize,
+    /// Default echo of every request: also the log-probs of the context's tokens.
+    #[arg(long)]
+    pub echo: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The text (UTF-8), encoded with the bundle's tokenizer without special tokens.
+    pub file: PathBuf,
+    /// Window length in positions (default and at most: max_position_embeddings). The text is
+    /// scored in disjoint windows of this many tokens, each from an empty cache (lm-eval's
+    /// loglikelihood_rolling); every token but the first is scored once.
+    #[arg(long)]
+    pub context: Option<usize>,
+}
+
+/// The bundle opened, its config, tokenizer and EOS ids (everything a request is checked
+/// against, before any weight is loaded).
+struct Opened {
+    source: Arc<BundleSource>,
+    cfg: MoeConfig,
+    tokenizer: Option<tokenizers::Tokenizer>,
+    eos: Vec<u32>,
+}
+
+fn open(a: &ModelArgs, log: &dyn Fn(String)) -> Result<Opened, CliError> {
+    let source = Arc::new(BundleSource::open(&a.bundle, a.expect_root.as_deref())?);
+    log(format!(
+        "bundle {} root digest {}",
+        a.bundle.display(),
+        source.root_digest()
+    ));
+    let cfg_text = String::from_utf8(source.read_file("config.json")?).map_err(|_| {
+        CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display()))
+    })?;
+    let cfg = MoeConfig::from_json_str(&cfg_text).map_err(crate::RunError::from)?;
+    let tokenizer =
+        if source.has_file("tokenizer.json") {
+            let bytes = source.read_file("tokenizer.json")?;
+            Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+                CliError::Usage(format!("{}: tokenizer.json: {e}", a.bundle.display()))
+            })?)
+        } else {
+            None
+        };
+    let eos = eos_ids(&source, &cfg, a.quiet)?;
+    Ok(Opened {
+        source,
+        cfg,
+        tokenizer,
+        eos,
+    })
+}
+
+fn load(a: &ModelArgs, o: &Opened, log: &dyn Fn(String)) -> Result<(Model, StreamRun), CliError> {
+    let streamed = super::stream::open(
+        &a.stream,
+        o.source.clone(),
+        &o.cfg,
+        o.cfg.max_position_embeddings,
+        a.quiet,
+        log,
+    )?;
+    let load = LoadOptions {
+        backend: a.backend.into(),
+        threads: a.threads.unwrap_or(0),
+        kernel: kernel(a.kernel)?,
+        hot: streamed.hot_options(),
+    };
+    let model = Model::load(
+        o.cfg.clone(),
+        streamed.source.clone() as Arc<dyn WeightSource>,
+        &load,
+        log,
+    )?;
+    Ok((model, streamed))
+}
+
+/// A file's bytes (a regular file or a pipe; `-`: standard input), at most `MAX_INPUT_BYTES`.
+fn read_input(path: &Path, what: &str) -> Result<Vec<u8>, CliError> {
+    let mut bytes = Vec::new();
+    if path == Path::new("-") {
+        std::io::stdin()
+            .lock()
+            .take(MAX_INPUT_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(CliError::io("<stdin>", "read"))?;
+    } else {
+        let m = std::fs::metadata(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CliError::Usage(format!("{}: {what}: no such file", path.display()))
+            }
+            _ => CliError::Io {
+                path: path.to_path_buf(),
+                op: "read",
+                source: e,
+            },
+        })?;
+        use std::os::unix::fs::FileTypeExt;
+        if !(m.is_file() || m.file_type().is_fifo()) {
+            return Err(CliError::Usage(format!(
+                "{}: {what}: not a regular file or a pipe",
+                path.display()
+            )));
+        }
+        File::open(path)
+            .and_then(|f| f.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(CliError::io(path, "read"))?;
+    }
+    if bytes.len() as u64 > MAX_INPUT_BYTES {
+        return Err(CliError::Usage(format!(
+            "{}: {what}: larger than {} GiB",
+            path.display(),
+            MAX_INPUT_BYTES >> 30
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Every line of the requests file, checked and encoded.
+fn read_requests(a: &ScoreArgs, o: &Opened) -> Result<Vec<Request>, CliError> {
+    let path = &a.requests;
+    let bytes = read_input(path, "--requests")?;
+    let limits = Limits {
+        vocab_size: o.cfg.vocab_size,
+        max_positions: o.cfg.max_position_embeddings,
+        eos: &o.eos,
+        tokenizer: o.tokenizer.as_ref(),
+    };
+    let defaults = Options {
+        top_logprobs: a.top_logprobs,
+        echo: a.echo,
+    };
+    // a final newline ends the last line; it does not start an empty one
+    let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+    if body.is_empty() {
+        return Err(CliError::Usage(format!(
+            "{}: --requests: no requests",
+            path.display()
+        )));
+    }
+    let mut requests = Vec::new();
+    for (i, line) in body.split(|&b| b == b'\n').enumerate() {
+        let line_no = i + 1;
+        let text = std::str::from_utf8(line).map_err(|e| {
+            CliError::Usage(format!(
+                "{}:{line_no}: not UTF-8 (invalid byte at column {})",
+                path.display(),
+                e.valid_up_to() + 1
+            ))
+        })?;
+        let text = text.strip_suffix('\r').unwrap_or(text);
+        let r = tarfa_score::parse_line(line_no, text, defaults, &limits).map_err(|e| {
+            CliError::Usage(format!("{}:{}: {}", path.display(), e.line, e.problem))
+        })?;
+        requests.push(r);
+    }
+    Ok(requests)
+}
+
+/// `--out`: written line by line, each line one `write_all` then flushed (a `File` is not
+/// buffered), so the file always holds whole results of the first requests. A write that fails
+/// part way is cut back to the last whole line.
+struct Incremental {
+    path: PathBuf,
+    file: File,
+    len: u64,
+}
+
+impl Incremental {
+    fn create(rules: &OutputRules, path: &Path) -> Result<Incremental, CliError> {
+        rules.check(path, "--out")?;
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(CliError::io(path, "--out"))?;
+        let m = file.metadata().map_err(CliError::io(path, "--out"))?;
+        if !m.is_file() {
+            return Err(CliError::Usage(format!(
+                "{}: --out: not a regular file",
+                path.display()
+            )));
+        }
+        Ok(Incremental {
+            path: path.to_path_buf(),
+            file,
+            len: 0,
+        })
+    }
+
+    fn line(&mut self, line: &str) -> std::io::Result<()> {
+        let bytes = format!("{line}\n");
+        if let Err(e) = self.file.write_all(bytes.as_bytes()) {
+            let _ = self.file.set_len(self.len);
+            return Err(e);
+        }
+        self.len += bytes.len() as u64;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<(), CliError> {
+        self.file
+            .sync_all()
+            .map_err(CliError::io(&self.path, "--out"))
+    }
+}
+
+fn progress_bar(enabled: bool, total: u64, unit: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    let template = format!("{{bar:30}} {{pos}}/{{len}} {unit} | {{msg}} | ETA {{eta}}");
+    if let Ok(style) = ProgressStyle::with_template(&template) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn score_error(e: ScoreError, out: &Path) -> CliError {
+    match e {
+        ScoreError::Engine { line, source } => CliError::AtLine {
+            line,
+            source: Box::new(source.into()),
+        },
+        ScoreError::Output(source) => CliError::Io {
+            path: out.to_path_buf(),
+            op: "write",
+            source,
+        },
+    }
+}
+
+pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
+    let quiet = a.model.quiet;
+    let log = |s: String| {
+        if !quiet {
+            eprintln!("{s}");
+        }
+    };
+    let o = open(&a.model, &log)?;
+    // Every line is checked before the model loads and before any output exists.
+    let requests = read_requests(a, &o)?;
+    let rules = OutputRules::new(&[&a.model.bundle]);
+    let mut out = match &a.out {
+        Some(p) => Some(Incremental::create(&rules, p)?),
+        None => None,
+    };
+    log(format!(
+        "{} requests from {}",
+        requests.len(),
+        a.requests.display()
+    ));
+    let (model, streamed) = load(&a.model, &o, &log)?;
+    let dec = Decoding {
+        tokenizer: o.tokenizer.as_ref(),
+        eos: &o.eos,
+    };
+    let opts = ScoreOptions {
+        max_batch: a.model.max_batch,
+        ..ScoreOptions::default()
+    };
+    let bar = progress_bar(
+        !quiet && std::io::stderr().is_terminal(),
+        requests.len() as u64,
+        "requests",
+    );
+    let t0 = Instant::now();
+    let stdout = std::io::stdout();
+    let out_path = a.out.clone().unwrap_or_else(|| PathBuf::from("<stdout>"));
+    let result = tarfa_score::score(
+        &model,
+        &requests,
+        &dec,
+        &opts,
+        &mut |_, r| {
+            let line = r.to_json_line();
+            match out.as_mut() {
+                Some(f) => f.line(&line),
+                None => {
+                    let mut s = stdout.lock();
+                    writeln!(s, "{line}").and_then(|_| s.flush())
+                }
+            }
+        },
+        &mut |p: &Progress| {
+            bar.set_position(p.requests_done as u64);
+            bar.set_message(format!(
+                "{:.0} tok/s",
+                p.tokens as f64 / t0.elapsed().as_secs_f64()
+            ));
+        },
+    );
+    bar.finish_and_clear();
+    let stats = result.map_err(|e| score_error(e, &out_path))?;
+    if let Some(f) = out {
+        f.finish()?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let summary = json!({
+        "requests": stats.requests_done,
+        "tokens": stats.tokens,
+        "seconds": secs,
+        "requests_per_s": stats.requests_done as f64 / secs,
+        "tokens_per_s": stats.tokens as f64 / secs,
+        "max_batch": a.model.max_batch,
+        "backend": model.name(),
+        "threads": model.threads(),
+    });
+    streamed.finish(&log);
+    if a.model.json {
+        if a.out.is_some() {
+            println!("{summary}");
+        } else {
+            eprintln!("{summary}");
+        }
+    } else {
+        log(format!(
+            "{} requests, {} tokens in {secs:.2} s | {:.2} requests/s | {:.1} tok/s",
+            stats.requests_done,
+            stats.tokens,
+            stats.requests_done as f64 / secs,
+            stats.tokens as f64 / secs
+        ));
+    }
+    Ok(())
+}
+
+pub fn perplexity(a: &PerplexityArgs) -> Result<(), CliError> {
+    let quiet = a.model.quiet;
+    let log = |s: String| {
+        if !quiet {
+            eprintln!("{s}");
+        }
+    };
+    let o = open(&a.model, &log)?;
+    let max = o.cfg.max_position_embeddings;
+    let window = a.context.unwrap_or(max);
+    if window == 0 || window > max {
+        return Err(CliError::Usage(format!(
+            "--context {window}: expected 1 to the model's max_position_embeddings, {max}"
+        )));
+    }
+    let bytes = read_input(&a.file, "FILE")?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        CliError::Usage(format!(
+            "{}: not UTF-8 (invalid byte at offset {})",
+            a.file.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
+    let tok = o.tokenizer.as_ref().ok_or_else(|| {
+        CliError::Usage(format!(
+            "{}: the bundle has no tokenizer.json",
+            a.model.bundle.display()
+        ))
+    })?;
+    let tokens = tok
+        .encode(text.as_str(), false)
+        .map_err(|e| CliError::Usage(format!("{}: cannot encode: {e}", a.file.display())))?
+        .get_ids()
+        .to_vec();
+    if tokens.len() < 2 {
+        return Err(CliError::Usage(format!(
+            "{}: {} token(s); perplexity needs at least 2 (the first is never scored)",
+            a.file.display(),
+            tokens.len()
+        )));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= o.cfg.vocab_size) {
+        return Err(CliError::Usage(format!(
+            "{}: the tokenizer gave id {t}, outside the vocabulary of {}",
+            a.file.display(),
+            o.cfg.vocab_size
+        )));
+    }
+    // one request per window, so that windows run side by side (--max-batch)
+    let windows = tarfa_score::rolling_windows(&tokens, window, 1);
+    log(format!(
+        "{} tokens, {} windows of up to {window} positions",
+        tokens.len(),
+        windows.len()
+    ));
+    let (model, streamed) = load(&a.model, &o, &log)?;
+    let dec = Decoding {
+        tokenizer: o.tokenizer.as_ref(),
+        eos: &o.eos,
+    };
+    let opts = ScoreOptions {
+        max_batch: a.model.max_batch,
+        ..ScoreOptions::default()
+    };
+    let bar = progress_bar(
+        !quiet && std::io::stderr().is_terminal(),
+        windows.len() as u64,
+        "windows",
+    );
+    let t0 = Instant::now();
+    // summed in token order, window after window: the rolling request's own sum
+    let mut nll = 0f64;
+    let mut scored = 0u64;
+    let stats = tarfa_score::score(
+        &model,
+        &windows,
+        &dec,
+        &opts,
+        &mut |_, r| {
+            if let tarfa_score::ScoreResult::Rolling(r) = r {
+                for lp in r.token_logprobs {
+                    nll -= lp;
+                    scored += 1;
+                }
+            }
+            Ok(())
+        },
+        &mut |p: &Progress| {
+            bar.set_position(p.requests_done as u64);
+            bar.set_message(format!(
+                "{:.0} tok/s",
+                p.tokens as f64 / t0.elapsed().as_secs_f64()
+            ));
+        },
+    )
+    .map_err(|e| score_error(e, &a.file));
+    bar.finish_and_clear();
+    let stats = stats?;
+    let secs = t0.elapsed().as_secs_f64();
+    let mean = nll / scored as f64;
+    // the platform's exp: perplexity is a summary, the contract's numbers are the log-probs
+    let ppl = mean.exp();
+    streamed.finish(&log);
+    let summary = json!({
+        "tokens": tokens.len(),
+        "scored_tokens": scored,
+        "windows": windows.len(),
+        "context": window,
+        "seconds": secs,
+        "tokens_per_s": stats.tokens as f64 / secs,
+        "nll": nll,
+        "mean_nll": mean,
+        "perplexity": ppl,
+    });
+    if a.model.json {
+        println!("{summary}");
+    } else {
+        println!(
+            "{} tokens ({scored} scored, {} windows of {window}) | {:.1} tok/s | mean NLL {mean} | \
+             perplexity {ppl}",
+            tokens.len(),
+            windows.len(),
+            stats.tokens as f64 / secs
+        );
+    }
+    Ok(())
+}
