@@ -21,6 +21,7 @@
 
 use std::sync::Arc;
 
+use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::generate::Session;
 use tarfa_core::numerics::Kernel;
@@ -77,10 +78,11 @@ pub enum EngineError {
 /// Why a [`Model::step`] failed: which of its sequences, and the error. No sequence of the step
 /// advanced (see [`Model::step`]).
 #[derive(Debug, thiserror::Error)]
-#[error("sequence {index} of the step: {error}")]
+#[error("{}{error}", match index { Some(i) => format!("sequence {i} of the step: "), None => String::new() })]
 pub struct StepError {
-    /// The index in the step's slice of the sequence that failed.
-    pub index: usize,
+    /// The index in the step's slice of the sequence that failed; `None` when the step as a
+    /// whole failed (a weight that did not verify, a device error), which no one sequence caused.
+    pub index: Option<usize>,
     pub error: EngineError,
 }
 
@@ -244,32 +246,74 @@ impl Model {
     }
 
     /// Runs every sequence's pending tokens (appending them to its cache) and returns each
-    /// one's output, in the order of `steps`.
+    /// one's output, in the order of `steps`: [`Backend::forward_batch`]. On the CPU that is one
+    /// pass through the layers for the union of the step's tokens (every matrix applied once,
+    /// the experts expert-major); on CUDA, until its batched kernels exist (issue 17), the
+    /// trait's loop of [`Backend::forward`]. Either way every sequence's logits, router records
+    /// and counters are bit-identical whatever it shares a step with, and however its tokens
+    /// were split into steps (docs/EXACTNESS.md, "Batching").
     ///
-    /// Today this is a loop of [`Backend::forward`], one sequence after the other, so each
-    /// sequence's bits are those of running it alone by construction. The batched step of
-    /// issue 17 (weights read once for all the step's tokens) replaces the loop behind this same
-    /// signature, and must keep that property: every sequence's logits, router records and
-    /// counters bit-identical whatever it shares a step with, and however its tokens were split
-    /// into steps.
-    ///
-    /// All or nothing: on an error no sequence has advanced (those already run are truncated
-    /// back), and the error names the failing sequence's index.
+    /// All or nothing: on an error no sequence has advanced, and the error names the failing
+    /// sequence's index, or none when the step as a whole failed (a weight, the device).
     pub fn step(&self, steps: &mut [SeqStep<'_>]) -> Result<Vec<ForwardOutput>, StepError> {
-        let before: Vec<usize> = steps.iter().map(|s| s.seq.len()).collect();
-        let mut outs = Vec::with_capacity(steps.len());
-        for (index, s) in steps.iter_mut().enumerate() {
-            match self.forward(s.seq, s.tokens, &s.opts) {
-                Ok(out) => outs.push(out),
-                Err(error) => {
-                    for (done, &len) in steps[..index].iter_mut().zip(&before) {
-                        done.seq.truncate(len);
-                    }
-                    return Err(StepError { index, error });
-                }
+        let step_err = |b: BatchError<EngineError>| StepError {
+            index: b.sequence,
+            error: b.error,
+        };
+        if let Some(index) = steps.iter().position(|s| !self.owns(s.seq)) {
+            return Err(StepError {
+                index: Some(index),
+                error: self.foreign(steps[index].seq),
+            });
+        }
+        match self {
+            Model::Cpu(e) => {
+                let mut entries: Vec<BatchEntry<'_, KvCache>> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.seq.cache {
+                        SequenceCache::Cpu(c) => BatchEntry {
+                            cache: c,
+                            tokens: s.tokens,
+                            opts: s.opts,
+                        },
+                        SequenceCache::Cuda(_) => unreachable!("checked above"),
+                    })
+                    .collect();
+                Backend::forward_batch(e, &mut entries).map_err(|b| {
+                    step_err(BatchError {
+                        sequence: b.sequence,
+                        error: b.error.into(),
+                    })
+                })
+            }
+            Model::Cuda(m) => {
+                let mut entries: Vec<BatchEntry<'_, CudaCache>> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.seq.cache {
+                        SequenceCache::Cuda(c) => BatchEntry {
+                            cache: c.as_mut(),
+                            tokens: s.tokens,
+                            opts: s.opts,
+                        },
+                        SequenceCache::Cpu(_) => unreachable!("checked above"),
+                    })
+                    .collect();
+                Backend::forward_batch(m.as_ref(), &mut entries).map_err(|b| {
+                    step_err(BatchError {
+                        sequence: b.sequence,
+                        error: b.error.into(),
+                    })
+                })
             }
         }
-        Ok(outs)
+    }
+
+    /// Whether `seq` was made by this model's backend.
+    fn owns(&self, seq: &Sequence) -> bool {
+        matches!(
+            (self, &seq.cache),
+            (Model::Cpu(_), SequenceCache::Cpu(_)) | (Model::Cuda(_), SequenceCache::Cuda(_))
+        )
     }
 
     /// One sequence's step: [`Backend::forward`] on its cache (left as it was on error).

@@ -24,6 +24,7 @@ fn model(threads: usize) -> Model {
         threads,
         kernel: Kernel::best(),
         hot: None,
+        cuda: Default::default(),
     };
     Model::load(cfg, source, &opts, &|_| {}).unwrap()
 }
@@ -145,7 +146,7 @@ fn a_failed_step_advances_no_sequence_and_names_the_failing_one() {
         },
     ];
     let err = m.step(&mut steps).unwrap_err();
-    assert_eq!(err.index, 1);
+    assert_eq!(err.index, Some(1));
     assert!(
         matches!(err.error, EngineError::Run(tarfa_core::RunError::TokenOutOfRange { token, .. }) if token == vocab),
         "{err}"

@@ -74,6 +74,10 @@ pub enum ScoreError {
     /// The engine failed on a request's step.
     #[error("line {line}: {source}")]
     Engine { line: usize, source: EngineError },
+    /// An engine step failed as a whole (a weight that did not verify, a device error): no one
+    /// request caused it.
+    #[error("{source}")]
+    Step { source: EngineError },
     /// The caller's sink refused a result (writing the output).
     #[error(transparent)]
     Output(std::io::Error),
@@ -580,9 +584,12 @@ pub fn score(
                 },
             })
             .collect();
-        let outs = model.step(&mut steps).map_err(|e| ScoreError::Engine {
-            line: lines[e.index],
-            source: e.error,
+        let outs = model.step(&mut steps).map_err(|e| match e.index {
+            Some(i) => ScoreError::Engine {
+                line: lines[i],
+                source: e.error,
+            },
+            None => ScoreError::Step { source: e.error },
         })?;
         drop(steps);
         for ((s, (c, toks)), out) in active.iter_mut().zip(&plans).zip(outs) {

@@ -78,6 +78,8 @@ pub struct ModelArgs {
     pub quiet: bool,
     #[command(flatten)]
     pub stream: StreamArgs,
+    #[command(flatten)]
+    pub cuda: super::tuning::CudaArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -170,6 +172,7 @@ fn load(a: &ModelArgs, o: &Opened, log: &dyn Fn(String)) -> Result<(Model, Strea
         threads: a.threads.unwrap_or(0),
         kernel: kernel(a.kernel)?,
         hot: streamed.hot_options(),
+        cuda: a.cuda.tuning(),
     };
     let model = Model::load(
         o.cfg.clone(),
@@ -331,6 +334,7 @@ fn score_error(e: ScoreError, out: &Path) -> CliError {
             line,
             source: Box::new(source.into()),
         },
+        ScoreError::Step { source } => source.into(),
         ScoreError::Output(source) => CliError::Io {
             path: out.to_path_buf(),
             op: "write",
