@@ -18,5 +18,6 @@ pub mod score;
 
 pub use request::{parse_line, BadRequest, Limits, Options, Problem, Request, Task};
 pub use score::{
-    rolling_windows, score, Decoding, Progress, ScoreError, ScoreOptions, ScoreResult,
+    perplexity, rolling_windows, score, Decoding, Perplexity, Progress, ScoreError, ScoreOptions,
+    ScoreResult,
 };

@@ -742,3 +742,64 @@ mod tests {
         );
     }
 }
+
+/// The rolling log-likelihood of a text as a perplexity ([`perplexity`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Perplexity {
+    /// `0.0 - lp_1 - lp_2 - ...` in token order, window after window (docs/EXACTNESS.md,
+    /// "Scores of requests"): the negated rolling log-likelihood, bit for bit.
+    pub nll: f64,
+    /// Tokens scored (every token but the first).
+    pub scored: u64,
+    /// Windows (requests) the text was cut into.
+    pub windows: usize,
+}
+
+impl Perplexity {
+    /// The mean negative log-likelihood per scored token.
+    pub fn mean_nll(&self) -> f64 {
+        self.nll / self.scored as f64
+    }
+
+    /// `exp(mean NLL)`, with the platform's `exp`: a summary; the contract's numbers are the
+    /// log-probabilities and their sum.
+    pub fn perplexity(&self) -> f64 {
+        self.mean_nll().exp()
+    }
+}
+
+/// The perplexity of `tokens` (at least 2) in lm-eval's disjoint rolling windows of `window`
+/// positions ([`rolling_windows`]), the windows run side by side (`opts.max_batch`).
+pub fn perplexity(
+    model: &Model,
+    tokens: &[u32],
+    window: usize,
+    dec: &Decoding,
+    opts: &ScoreOptions,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<(Perplexity, Progress), ScoreError> {
+    let windows = rolling_windows(tokens, window, 1);
+    let mut p = Perplexity {
+        nll: 0.0,
+        scored: 0,
+        windows: windows.len(),
+    };
+    // results come in input order: summed in token order, window after window
+    let stats = score(
+        model,
+        &windows,
+        dec,
+        opts,
+        &mut |_, r| {
+            if let ScoreResult::Rolling(r) = r {
+                for lp in r.token_logprobs {
+                    p.nll -= lp;
+                    p.scored += 1;
+                }
+            }
+            Ok(())
+        },
+        progress,
+    )?;
+    Ok((p, stats))
+}

@@ -2,7 +2,7 @@
 //! (docs/EXACTNESS.md section 8), from a prompt that `--chat` may render with the bundle's chat
 //! template, until EOS, a stop string or `--max-new-tokens`.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -329,17 +329,12 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             eprintln!("{s}");
         }
     };
-    let source = Arc::new(BundleSource::open(&a.bundle, a.expect_root.as_deref())?);
-    log(format!(
-        "bundle {} root digest {}",
-        a.bundle.display(),
-        source.root_digest()
-    ));
-    let cfg_bytes = source.read_file("config.json")?;
-    let cfg_text = String::from_utf8(cfg_bytes).map_err(|_| {
-        CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display()))
-    })?;
-    let cfg = MoeConfig::from_json_str(&cfg_text).map_err(crate::RunError::from)?;
+    let super::OpenedBundle {
+        source,
+        cfg,
+        config_json: cfg_text,
+        tokenizer,
+    } = super::open_bundle(&a.bundle, a.expect_root.as_deref(), &log)?;
     let sampling = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -359,15 +354,6 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         eos_ids(&source, &cfg, a.quiet)?
     };
 
-    let tokenizer =
-        if source.has_file("tokenizer.json") {
-            let bytes = source.read_file("tokenizer.json")?;
-            Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-                CliError::Usage(format!("{}: tokenizer.json: {e}", a.bundle.display()))
-            })?)
-        } else {
-            None
-        };
     let file_text = match &a.prompt_file {
         Some(p) => Some(read_prompt_file(p)?),
         None => None,
@@ -659,45 +645,13 @@ fn chat_prompt(source: &BundleSource, bundle: &Path, text: &str) -> Result<Strin
 /// `--prompt-file`: the file's bytes (standard input for `-`), which must be UTF-8. A pipe or a
 /// FIFO is read to its end (that is what `<(cmd)` gives); a directory or device is refused.
 fn read_prompt_file(path: &Path) -> Result<String, CliError> {
-    let mut bytes = Vec::new();
-    let shown = if path == Path::new("-") {
-        std::io::stdin()
-            .lock()
-            .take(MAX_PROMPT_FILE_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(CliError::io("<stdin>", "read --prompt-file"))?;
-        "<stdin>".to_string()
-    } else {
-        let m = std::fs::metadata(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                CliError::Usage(format!("{}: --prompt-file: no such file", path.display()))
-            }
-            _ => CliError::Io {
-                path: path.to_path_buf(),
-                op: "read --prompt-file",
-                source: e,
-            },
-        })?;
-        let ft = m.file_type();
-        use std::os::unix::fs::FileTypeExt;
-        if !(ft.is_file() || ft.is_fifo()) {
-            return Err(CliError::Usage(format!(
-                "{}: --prompt-file: not a regular file or a pipe",
-                path.display()
-            )));
-        }
-        std::fs::File::open(path)
-            .and_then(|f| f.take(MAX_PROMPT_FILE_BYTES + 1).read_to_end(&mut bytes))
-            .map_err(CliError::io(path, "read --prompt-file"))?;
-        path.display().to_string()
-    };
-    if bytes.len() as u64 > MAX_PROMPT_FILE_BYTES {
-        return Err(CliError::Usage(format!(
-            "{shown}: --prompt-file: larger than {} MiB",
-            MAX_PROMPT_FILE_BYTES >> 20
-        )));
-    }
+    let bytes = super::read_input(path, "--prompt-file", MAX_PROMPT_FILE_BYTES)?;
     String::from_utf8(bytes).map_err(|e| {
+        let shown = if path == Path::new("-") {
+            "<stdin>".to_string()
+        } else {
+            path.display().to_string()
+        };
         CliError::Usage(format!(
             "{shown}: --prompt-file: not UTF-8 (invalid byte at offset {})",
             e.utf8_error().valid_up_to()

@@ -114,3 +114,91 @@ pub fn cache_root(explicit: Option<&Path>) -> PathBuf {
         .unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("tarfa")
 }
+
+/// A file's bytes (a regular file or a pipe, read to its end: what `<(cmd)` gives; `-`: standard
+/// input), at most `max` bytes. `what` names the flag in errors; a directory or a device is
+/// refused, never waited on.
+pub(crate) fn read_input(path: &Path, what: &str, max: u64) -> Result<Vec<u8>, CliError> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    let shown = if path == Path::new("-") {
+        std::io::stdin()
+            .lock()
+            .take(max + 1)
+            .read_to_end(&mut bytes)
+            .map_err(CliError::io("<stdin>", "read"))?;
+        "<stdin>".to_string()
+    } else {
+        let m = std::fs::metadata(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CliError::Usage(format!("{}: {what}: no such file", path.display()))
+            }
+            _ => CliError::Io {
+                path: path.to_path_buf(),
+                op: "read",
+                source: e,
+            },
+        })?;
+        use std::os::unix::fs::FileTypeExt;
+        if !(m.is_file() || m.file_type().is_fifo()) {
+            return Err(CliError::Usage(format!(
+                "{}: {what}: not a regular file or a pipe",
+                path.display()
+            )));
+        }
+        std::fs::File::open(path)
+            .and_then(|f| f.take(max + 1).read_to_end(&mut bytes))
+            .map_err(CliError::io(path, "read"))?;
+        path.display().to_string()
+    };
+    if bytes.len() as u64 > max {
+        return Err(CliError::Usage(format!(
+            "{shown}: {what}: larger than {} MiB",
+            max >> 20
+        )));
+    }
+    Ok(bytes)
+}
+
+/// A verified bundle with what every command reads from it first.
+pub(crate) struct OpenedBundle {
+    pub(crate) source: std::sync::Arc<crate::bundle::BundleSource>,
+    pub(crate) cfg: crate::config::MoeConfig,
+    /// config.json's text (for keys a record repeats as the config wrote them).
+    pub(crate) config_json: String,
+    /// `tokenizer.json`, when the bundle has one.
+    pub(crate) tokenizer: Option<tokenizers::Tokenizer>,
+}
+
+/// Opens and verifies the bundle at `path` (refused unless its root is `expect_root`, when
+/// given), logs its root digest, and reads its config and tokenizer.
+pub(crate) fn open_bundle(
+    path: &Path,
+    expect_root: Option<&str>,
+    log: &dyn Fn(String),
+) -> Result<OpenedBundle, CliError> {
+    let source = std::sync::Arc::new(crate::bundle::BundleSource::open(path, expect_root)?);
+    log(format!(
+        "bundle {} root digest {}",
+        path.display(),
+        source.root_digest()
+    ));
+    let cfg_text = String::from_utf8(source.read_file("config.json")?)
+        .map_err(|_| CliError::Usage(format!("{}: config.json is not UTF-8", path.display())))?;
+    let cfg = crate::config::MoeConfig::from_json_str(&cfg_text).map_err(RunError::from)?;
+    let tokenizer = if source.has_file("tokenizer.json") {
+        let bytes = source.read_file("tokenizer.json")?;
+        Some(
+            tokenizers::Tokenizer::from_bytes(&bytes)
+                .map_err(|e| CliError::Usage(format!("{}: tokenizer.json: {e}", path.display())))?,
+        )
+    } else {
+        None
+    };
+    Ok(OpenedBundle {
+        source,
+        cfg,
+        config_json: cfg_text,
+        tokenizer,
+    })
+}

@@ -3,7 +3,7 @@
 //! tarfa-score, write.
 
 use std::fs::{File, OpenOptions};
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -130,25 +130,12 @@ struct Opened {
 }
 
 fn open(a: &ModelArgs, log: &dyn Fn(String)) -> Result<Opened, CliError> {
-    let source = Arc::new(BundleSource::open(&a.bundle, a.expect_root.as_deref())?);
-    log(format!(
-        "bundle {} root digest {}",
-        a.bundle.display(),
-        source.root_digest()
-    ));
-    let cfg_text = String::from_utf8(source.read_file("config.json")?).map_err(|_| {
-        CliError::Usage(format!("{}: config.json is not UTF-8", a.bundle.display()))
-    })?;
-    let cfg = MoeConfig::from_json_str(&cfg_text).map_err(crate::RunError::from)?;
-    let tokenizer =
-        if source.has_file("tokenizer.json") {
-            let bytes = source.read_file("tokenizer.json")?;
-            Some(tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-                CliError::Usage(format!("{}: tokenizer.json: {e}", a.bundle.display()))
-            })?)
-        } else {
-            None
-        };
+    let super::OpenedBundle {
+        source,
+        cfg,
+        tokenizer,
+        ..
+    } = super::open_bundle(&a.bundle, a.expect_root.as_deref(), log)?;
     let eos = eos_ids(&source, &cfg, a.quiet)?;
     Ok(Opened {
         source,
@@ -183,51 +170,10 @@ fn load(a: &ModelArgs, o: &Opened, log: &dyn Fn(String)) -> Result<(Model, Strea
     Ok((model, streamed))
 }
 
-/// A file's bytes (a regular file or a pipe; `-`: standard input), at most `MAX_INPUT_BYTES`.
-fn read_input(path: &Path, what: &str) -> Result<Vec<u8>, CliError> {
-    let mut bytes = Vec::new();
-    if path == Path::new("-") {
-        std::io::stdin()
-            .lock()
-            .take(MAX_INPUT_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(CliError::io("<stdin>", "read"))?;
-    } else {
-        let m = std::fs::metadata(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                CliError::Usage(format!("{}: {what}: no such file", path.display()))
-            }
-            _ => CliError::Io {
-                path: path.to_path_buf(),
-                op: "read",
-                source: e,
-            },
-        })?;
-        use std::os::unix::fs::FileTypeExt;
-        if !(m.is_file() || m.file_type().is_fifo()) {
-            return Err(CliError::Usage(format!(
-                "{}: {what}: not a regular file or a pipe",
-                path.display()
-            )));
-        }
-        File::open(path)
-            .and_then(|f| f.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes))
-            .map_err(CliError::io(path, "read"))?;
-    }
-    if bytes.len() as u64 > MAX_INPUT_BYTES {
-        return Err(CliError::Usage(format!(
-            "{}: {what}: larger than {} GiB",
-            path.display(),
-            MAX_INPUT_BYTES >> 30
-        )));
-    }
-    Ok(bytes)
-}
-
 /// Every line of the requests file, checked and encoded.
 fn read_requests(a: &ScoreArgs, o: &Opened) -> Result<Vec<Request>, CliError> {
     let path = &a.requests;
-    let bytes = read_input(path, "--requests")?;
+    let bytes = super::read_input(path, "--requests", MAX_INPUT_BYTES)?;
     let limits = Limits {
         vocab_size: o.cfg.vocab_size,
         max_positions: o.cfg.max_position_embeddings,
@@ -453,7 +399,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), CliError> {
             "--context {window}: expected 1 to the model's max_position_embeddings, {max}"
         )));
     }
-    let bytes = read_input(&a.file, "FILE")?;
+    let bytes = super::read_input(&a.file, "FILE", MAX_INPUT_BYTES)?;
     let text = String::from_utf8(bytes).map_err(|e| {
         CliError::Usage(format!(
             "{}: not UTF-8 (invalid byte at offset {})",
@@ -486,12 +432,10 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), CliError> {
             o.cfg.vocab_size
         )));
     }
-    // one request per window, so that windows run side by side (--max-batch)
-    let windows = tarfa_score::rolling_windows(&tokens, window, 1);
+    let n_windows = tarfa_score::rolling_windows(&tokens, window, 1).len();
     log(format!(
-        "{} tokens, {} windows of up to {window} positions",
+        "{} tokens, {n_windows} windows of up to {window} positions",
         tokens.len(),
-        windows.len()
     ));
     let (model, streamed) = load(&a.model, &o, &log)?;
     let dec = Decoding {
@@ -504,47 +448,28 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), CliError> {
     };
     let bar = progress_bar(
         !quiet && std::io::stderr().is_terminal(),
-        windows.len() as u64,
+        n_windows as u64,
         "windows",
     );
     let t0 = Instant::now();
-    // summed in token order, window after window: the rolling request's own sum
-    let mut nll = 0f64;
-    let mut scored = 0u64;
-    let stats = tarfa_score::score(
-        &model,
-        &windows,
-        &dec,
-        &opts,
-        &mut |_, r| {
-            if let tarfa_score::ScoreResult::Rolling(r) = r {
-                for lp in r.token_logprobs {
-                    nll -= lp;
-                    scored += 1;
-                }
-            }
-            Ok(())
-        },
-        &mut |p: &Progress| {
-            bar.set_position(p.requests_done as u64);
-            bar.set_message(format!(
-                "{:.0} tok/s",
-                p.tokens as f64 / t0.elapsed().as_secs_f64()
-            ));
-        },
-    )
+    let result = tarfa_score::perplexity(&model, &tokens, window, &dec, &opts, &mut |p| {
+        bar.set_position(p.requests_done as u64);
+        bar.set_message(format!(
+            "{:.0} tok/s",
+            p.tokens as f64 / t0.elapsed().as_secs_f64()
+        ));
+    })
     .map_err(|e| score_error(e, &a.file));
     bar.finish_and_clear();
-    let stats = stats?;
+    let (ppl, stats) = result?;
+    let (nll, scored, windows) = (ppl.nll, ppl.scored, ppl.windows);
     let secs = t0.elapsed().as_secs_f64();
-    let mean = nll / scored as f64;
-    // the platform's exp: perplexity is a summary, the contract's numbers are the log-probs
-    let ppl = mean.exp();
+    let (mean, ppl) = (ppl.mean_nll(), ppl.perplexity());
     streamed.finish(&log);
     let summary = json!({
         "tokens": tokens.len(),
         "scored_tokens": scored,
-        "windows": windows.len(),
+        "windows": windows,
         "context": window,
         "seconds": secs,
         "tokens_per_s": stats.tokens as f64 / secs,
@@ -559,7 +484,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), CliError> {
             "{} tokens ({scored} scored, {} windows of {window}) | {:.1} tok/s | mean NLL {mean} | \
              perplexity {ppl}",
             tokens.len(),
-            windows.len(),
+            windows,
             stats.tokens as f64 / secs
         );
     }
