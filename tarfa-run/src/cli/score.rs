@@ -274,6 +274,30 @@ fn progress_bar(enabled: bool, total: u64, unit: &str) -> ProgressBar {
     bar
 }
 
+/// What both commands score with: the bundle's decoding, `--max-batch`, and a progress bar of
+/// `total` `unit`s (on a terminal, unless --quiet).
+fn run_parts<'a>(
+    a: &ModelArgs,
+    o: &'a Opened,
+    total: usize,
+    unit: &str,
+) -> (Decoding<'a>, ScoreOptions, ProgressBar) {
+    let dec = Decoding {
+        tokenizer: o.tokenizer.as_ref(),
+        eos: &o.eos,
+    };
+    let opts = ScoreOptions {
+        max_batch: a.max_batch,
+        ..ScoreOptions::default()
+    };
+    let bar = progress_bar(
+        !a.quiet && std::io::stderr().is_terminal(),
+        total as u64,
+        unit,
+    );
+    (dec, opts, bar)
+}
+
 fn score_error(e: ScoreError, out: &Path) -> CliError {
     match e {
         ScoreError::Engine { line, source } => CliError::AtLine {
@@ -310,19 +334,7 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
         a.requests.display()
     ));
     let (model, streamed) = load(&a.model, &o, &log)?;
-    let dec = Decoding {
-        tokenizer: o.tokenizer.as_ref(),
-        eos: &o.eos,
-    };
-    let opts = ScoreOptions {
-        max_batch: a.model.max_batch,
-        ..ScoreOptions::default()
-    };
-    let bar = progress_bar(
-        !quiet && std::io::stderr().is_terminal(),
-        requests.len() as u64,
-        "requests",
-    );
+    let (dec, opts, bar) = run_parts(&a.model, &o, requests.len(), "requests");
     let t0 = Instant::now();
     let stdout = std::io::stdout();
     let out_path = a.out.clone().unwrap_or_else(|| PathBuf::from("<stdout>"));
@@ -438,19 +450,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), CliError> {
         tokens.len(),
     ));
     let (model, streamed) = load(&a.model, &o, &log)?;
-    let dec = Decoding {
-        tokenizer: o.tokenizer.as_ref(),
-        eos: &o.eos,
-    };
-    let opts = ScoreOptions {
-        max_batch: a.model.max_batch,
-        ..ScoreOptions::default()
-    };
-    let bar = progress_bar(
-        !quiet && std::io::stderr().is_terminal(),
-        n_windows as u64,
-        "windows",
-    );
+    let (dec, opts, bar) = run_parts(&a.model, &o, n_windows, "windows");
     let t0 = Instant::now();
     let result = tarfa_score::perplexity(&model, &tokens, window, &dec, &opts, &mut |p| {
         bar.set_position(p.requests_done as u64);
