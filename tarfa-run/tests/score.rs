@@ -429,6 +429,29 @@ fn bad_lines_are_exit_2_naming_the_line_and_nothing_is_written() {
         // and the model was never loaded
         assert!(!err.contains("backend cpu"), "{err}");
     }
+    // --out naming the requests file is refused, and the requests are left whole
+    let req = write_requests(d.path(), "same.jsonl", &[good.clone()]);
+    let before = fs::read(&req).unwrap();
+    let (code, _, err) = run(&[
+        "score",
+        b.to_str().unwrap(),
+        "--requests",
+        req.to_str().unwrap(),
+        "--out",
+        req.to_str().unwrap(),
+        "--backend",
+        "cpu",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        last_line(&err).contains("--out is the --requests file"),
+        "{err}"
+    );
+    assert_eq!(
+        fs::read(&req).unwrap(),
+        before,
+        "the requests file is untouched"
+    );
     // a blank line in the middle is a bad line too (results match lines one to one)
     let req = d.path().join("blank.jsonl");
     fs::write(&req, format!("{good}\n\n{good}\n")).unwrap();

@@ -324,6 +324,18 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
     // Every line is checked before the model loads and before any output exists.
     let requests = read_requests(a, &o)?;
     let rules = OutputRules::new(&[&a.model.bundle]);
+    if let Some(p) = &a.out {
+        // the requests are the user's input: never truncated by --out naming them (or a link)
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(i), Ok(o)) = (std::fs::metadata(&a.requests), std::fs::metadata(p)) {
+            if (i.dev(), i.ino()) == (o.dev(), o.ino()) {
+                return Err(CliError::Usage(format!(
+                    "{}: --out is the --requests file; write the results elsewhere",
+                    p.display()
+                )));
+            }
+        }
+    }
     let mut out = match &a.out {
         Some(p) => Some(Incremental::create(&rules, p)?),
         None => None,
