@@ -430,7 +430,7 @@ fn bad_lines_are_exit_2_naming_the_line_and_nothing_is_written() {
         assert!(!err.contains("backend cpu"), "{err}");
     }
     // --out naming the requests file is refused, and the requests are left whole
-    let req = write_requests(d.path(), "same.jsonl", &[good.clone()]);
+    let req = write_requests(d.path(), "same.jsonl", std::slice::from_ref(&good));
     let before = fs::read(&req).unwrap();
     let (code, _, err) = run(&[
         "score",
