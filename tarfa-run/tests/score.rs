@@ -298,6 +298,74 @@ fn each_request_kind_and_how_they_agree() {
 }
 
 #[test]
+fn messages_requests_score_the_rendered_chat_template() {
+    let d = tempfile::tempdir().unwrap();
+    // A copy of the fixture with a chat template in tokenizer_config.json.
+    let src = d.path().join("src");
+    fs::create_dir(&src).unwrap();
+    for e in fs::read_dir(fixture()).unwrap().flatten() {
+        fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let template = "{% for m in messages %}\n# {{ m.role }}: {{ m.content }}\n{% endfor %}\n{% if add_generation_prompt %}def {% endif %}";
+    fs::write(
+        src.join("tokenizer_config.json"),
+        json!({"chat_template": template, "eos_token": "x"}).to_string(),
+    )
+    .unwrap();
+    let chat = d.path().join("chat");
+    tarfa_convert::convert(&src, &chat, &Default::default()).unwrap();
+    let msgs =
+        json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "parse"}]);
+    // what the template renders (trim_blocks, lstrip_blocks), written out by hand
+    let rendered = "# system: be brief\n# user: parse\ndef ";
+    let req = write_requests(
+        d.path(),
+        "chat.jsonl",
+        &[
+            json!({"messages": msgs, "continuation": "main():"}),
+            json!({"context": rendered, "continuation": "main():"}),
+            json!({"messages": msgs, "max_tokens": 5, "top_logprobs": 2}),
+            json!({"context": rendered, "max_tokens": 5, "top_logprobs": 2}),
+        ],
+    );
+    let (code, out, err) = run(&[
+        "score",
+        chat.to_str().unwrap(),
+        "--requests",
+        req.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let r: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(r.len(), 4);
+    assert_eq!(r[0], r[1], "a conversation scores as its rendered text");
+    assert_eq!(r[2], r[3]);
+    assert_eq!(u32s(&r[2]["tokens"]).len(), 5);
+    // the bundle without a template: the messages line is refused by name, exit 2
+    let (code, out, err) = run(&[
+        "score",
+        bundle().to_str().unwrap(),
+        "--requests",
+        req.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--quiet",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    let last = last_line(&err);
+    assert!(
+        last.contains("chat.jsonl:1: messages needs the bundle's chat template"),
+        "{err}"
+    );
+}
+
+#[test]
 fn perplexity_is_the_rolling_loglikelihood_in_windows() {
     let d = tempfile::tempdir().unwrap();
     let text = "import os\nimport sys\n\ndef main(argv):\n    for a in argv:\n        print(a)\n";

@@ -5,6 +5,11 @@
 //! - `{"context": C, "continuation": K}`: loglikelihood.
 //! - `{"rolling": D}`: loglikelihood_rolling.
 //! - `{"context": C, "max_tokens": n, "until": [..]}`: generate_until (`until` optional).
+//! - `{"messages": [{"role": r, "content": c}, ..], ...}` in place of `context` (with
+//!   `continuation`, or with `max_tokens`): the conversation rendered with the bundle's chat
+//!   template, the assistant's turn opened (`add_generation_prompt`), is the context's text. It
+//!   carries its special tokens in that text, so it is encoded, like every text here, without
+//!   adding any (as `tarfa-run generate --chat` does).
 //!
 //! C, K and D are text (encoded with the bundle's tokenizer, without special tokens, as lm-eval
 //! encodes for causal models) or lists of token ids. Every kind takes `top_logprobs` (k) and
@@ -14,6 +19,7 @@
 
 use serde::Deserialize;
 use serde_json::Value;
+use tarfa_core::chat::{ChatMessage, ChatTemplate};
 use tarfa_core::sampling::{SamplingError, SamplingParams};
 
 /// The most alternatives `top_logprobs` asks for per position.
@@ -28,6 +34,10 @@ pub struct Limits<'a> {
     /// `prefix_token_id`, the end-of-text token).
     pub eos: &'a [u32],
     pub tokenizer: Option<&'a tokenizers::Tokenizer>,
+    /// The bundle's chat template for `messages` requests: `Ok(None)` when it has none, `Err`
+    /// with the reason when its template cannot be used (so that only a request needing it
+    /// fails).
+    pub chat: Result<Option<&'a ChatTemplate>, &'a str>,
 }
 
 /// Per-request options; the command line's values are the defaults.
@@ -75,6 +85,7 @@ pub enum Task {
 #[serde(deny_unknown_fields)]
 struct Raw {
     context: Option<Value>,
+    messages: Option<Vec<RawMessage>>,
     continuation: Option<Value>,
     rolling: Option<Value>,
     until: Option<Vec<String>>,
@@ -92,6 +103,14 @@ struct Raw {
     seed: Option<u64>,
 }
 
+/// One message of a `messages` request: a role and a content, nothing else.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMessage {
+    role: String,
+    content: String,
+}
+
 /// Why a line is not a request. One variant per check.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum Problem {
@@ -104,8 +123,8 @@ pub enum Problem {
     EmptyLine,
     /// The keys fit none of the three kinds.
     #[error(
-        "not a request: give context + continuation (loglikelihood), rolling, or context + \
-         max_tokens (generate_until)"
+        "not a request: give context (or messages) + continuation (loglikelihood), rolling, or \
+         context (or messages) + max_tokens (generate_until)"
     )]
     NoKind,
     /// Keys of two kinds at once.
@@ -171,6 +190,18 @@ pub enum Problem {
     /// A sampling setting out of its range.
     #[error("{0}")]
     Sampling(SamplingError),
+    /// `messages` is an empty list.
+    #[error("messages is empty (a conversation needs at least one message)")]
+    EmptyMessages,
+    /// `messages`, and the bundle has no chat template.
+    #[error(
+        "messages needs the bundle's chat template (chat_template.jinja or tokenizer_config.json's \
+         chat_template), and the bundle has none"
+    )]
+    NoChatTemplate,
+    /// The template refused the conversation (its own message).
+    #[error("messages: {0}")]
+    Chat(String),
     /// A sampling key on a request that does not generate.
     #[error("{0} applies to generate_until (context + max_tokens) only")]
     SamplingWithoutGeneration(&'static str),
@@ -269,6 +300,24 @@ fn encode_pair(
     Ok((ctx, cont))
 }
 
+/// A `messages` conversation as the context's text (the assistant's turn opened).
+fn render(messages: &[RawMessage], limits: &Limits) -> Result<String, Problem> {
+    if messages.is_empty() {
+        return Err(Problem::EmptyMessages);
+    }
+    let template = limits
+        .chat
+        .map_err(|why| Problem::Chat(why.to_string()))?
+        .ok_or(Problem::NoChatTemplate)?;
+    let messages: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage::new(&m.role, &m.content))
+        .collect();
+    template
+        .render(&messages, true)
+        .map_err(|e| Problem::Chat(e.to_string()))
+}
+
 /// Parses and checks line `line` (1-based) of a requests file.
 pub fn parse_line(
     line: usize,
@@ -328,7 +377,15 @@ fn parse(text: &str, defaults: Options, limits: &Limits) -> Result<(Task, Option
         echo: raw.echo.unwrap_or(defaults.echo),
     };
     let max = limits.max_positions;
-    let task = match (raw.context, raw.continuation, raw.rolling) {
+    let context = match (raw.messages, raw.context) {
+        (Some(_), Some(_)) => return Err(Problem::Conflict("messages", "context")),
+        (Some(_), None) if raw.rolling.is_some() => {
+            return Err(Problem::Conflict("messages", "rolling"))
+        }
+        (Some(m), None) => Some(Value::String(render(&m, limits)?)),
+        (None, c) => c,
+    };
+    let task = match (context, raw.continuation, raw.rolling) {
         (_, _, Some(_)) if raw.until.is_some() || raw.max_tokens.is_some() => {
             return Err(Problem::Conflict("rolling", "until/max_tokens"))
         }
@@ -420,6 +477,7 @@ mod tests {
             max_positions: 10,
             eos: &[7],
             tokenizer: None,
+            chat: Ok(None),
         }
     }
 
@@ -472,6 +530,72 @@ mod tests {
                 context: vec![7],
                 continuation: vec![3, 4]
             }
+        );
+    }
+
+    #[test]
+    fn messages_are_rendered_with_the_template_or_refused_by_name() {
+        let template = ChatTemplate::from_files(
+            None,
+            Some(
+                "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}\
+                 {% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}\
+                 {% if add_generation_prompt %}<assistant>{% endif %}",
+            ),
+        )
+        .unwrap()
+        .unwrap();
+        let with = |chat| Limits { chat, ..limits() };
+        let pr = |s: &str, l: &Limits| parse_line(2, s, Options::default(), l).unwrap_err().problem;
+        let msgs = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        let ok = with(Ok(Some(&template)));
+        // rendered into the context's text, which then needs the tokenizer like any text
+        assert_eq!(
+            pr(&format!(r#"{{{msgs}, "max_tokens": 2}}"#), &ok),
+            Problem::NoTokenizer("context")
+        );
+        assert_eq!(
+            pr(&format!(r#"{{{msgs}, "continuation": "x"}}"#), &ok),
+            Problem::NoTokenizer("continuation")
+        );
+        // an id continuation after a rendered (text) context
+        assert_eq!(
+            pr(&format!(r#"{{{msgs}, "continuation": [1]}}"#), &ok),
+            Problem::MixedInputs
+        );
+        assert_eq!(
+            pr(&format!(r#"{{{msgs}, "max_tokens": 2}}"#), &limits()),
+            Problem::NoChatTemplate
+        );
+        assert_eq!(
+            pr(
+                &format!(r#"{{{msgs}, "max_tokens": 2}}"#),
+                &with(Err("broken"))
+            ),
+            Problem::Chat("broken".into())
+        );
+        assert_eq!(
+            pr(r#"{"messages": [], "max_tokens": 2}"#, &ok),
+            Problem::EmptyMessages
+        );
+        assert!(matches!(
+            pr(r#"{"messages": [{"role": "bad", "content": ""}], "max_tokens": 2}"#, &ok),
+            Problem::Chat(m) if m.contains("no bad roles")
+        ));
+        assert!(matches!(
+            pr(r#"{"messages": [{"role": "user", "content": "", "name": "x"}], "max_tokens": 2}"#, &ok),
+            Problem::Json(m) if m.contains("unknown field `name`")
+        ));
+        assert_eq!(
+            pr(
+                &format!(r#"{{{msgs}, "context": [1], "max_tokens": 2}}"#),
+                &ok
+            ),
+            Problem::Conflict("messages", "context")
+        );
+        assert_eq!(
+            pr(&format!(r#"{{{msgs}, "rolling": [1, 2]}}"#), &ok),
+            Problem::Conflict("messages", "rolling")
         );
     }
 

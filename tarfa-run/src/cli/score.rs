@@ -19,7 +19,7 @@ use crate::bundle::BundleSource;
 use crate::config::MoeConfig;
 use crate::weights::WeightSource;
 
-use super::generate::{eos_ids, kernel, BackendArg, KernelArg};
+use super::generate::{chat_template, eos_ids, kernel, BackendArg, KernelArg};
 use super::output::OutputRules;
 use super::stream::{StreamArgs, StreamRun};
 use super::{threads_arg, CliError};
@@ -88,7 +88,8 @@ pub struct ScoreArgs {
     pub model: ModelArgs,
     /// The requests, one JSON object per line: {"context", "continuation"} (loglikelihood),
     /// {"rolling"} or {"context", "max_tokens", "until"} (generate_until); text or token-id
-    /// lists; "top_logprobs" and "echo" per request. Every line is checked before the model is
+    /// lists; "messages" ([{"role", "content"}], rendered with the bundle's chat template) in
+    /// place of "context"; "top_logprobs" and "echo" per request. Every line is checked before the model is
     /// loaded: a bad line is exit 2 naming it, and nothing is computed or written.
     #[arg(long, value_name = "FILE")]
     pub requests: PathBuf,
@@ -174,11 +175,17 @@ fn load(a: &ModelArgs, o: &Opened, log: &dyn Fn(String)) -> Result<(Model, Strea
 fn read_requests(a: &ScoreArgs, o: &Opened) -> Result<Vec<Request>, CliError> {
     let path = &a.requests;
     let bytes = super::read_input(path, "--requests", MAX_INPUT_BYTES)?;
+    // A template that cannot be used fails only the requests that need it.
+    let chat = chat_template(&o.source, &a.model.bundle, "messages").map_err(|e| e.to_string());
     let limits = Limits {
         vocab_size: o.cfg.vocab_size,
         max_positions: o.cfg.max_position_embeddings,
         eos: &o.eos,
         tokenizer: o.tokenizer.as_ref(),
+        chat: match &chat {
+            Ok(t) => Ok(t.as_ref()),
+            Err(why) => Err(why.as_str()),
+        },
     };
     let defaults = Options {
         top_logprobs: a.top_logprobs,
