@@ -78,7 +78,7 @@ pub(crate) struct DevBuf {
 /// Who frees a [`DevBuf`].
 enum Owner {
     Cuda(Arc<CudaContext>),
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     Mock(Arc<Mutex<super::mock::Memory>>),
 }
 
@@ -105,7 +105,7 @@ impl Drop for DevBuf {
                     let _ = unsafe { cu::free_sync(self.ptr) };
                 }
             }
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Owner::Mock(m) => m.lock().unwrap_or_else(|p| p.into_inner()).free(self.ptr),
         }
     }
@@ -143,7 +143,7 @@ enum Inner {
         funcs: HashMap<&'static str, CudaFunction>,
     },
     /// Host memory and Rust reference kernels: tests the orchestration without a GPU.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     Mock(Arc<Mutex<super::mock::Memory>>),
 }
 
@@ -237,13 +237,13 @@ impl Gpu {
     }
 
     /// A device made of host memory whose kernels are the Rust reference functions.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     pub(crate) fn mock() -> Gpu {
         Gpu::mock_with_memory(1 << 36)
     }
 
     /// A mock device that reports `free` bytes of free memory.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     pub(crate) fn mock_with_memory(free: usize) -> Gpu {
         Gpu {
             inner: Inner::Mock(Arc::new(Mutex::new(super::mock::Memory::default()))),
@@ -265,12 +265,12 @@ impl Gpu {
     fn cuda(&self) -> Option<(&Arc<CudaContext>, &Arc<CudaStream>)> {
         match &self.inner {
             Inner::Cuda { ctx, stream, .. } => Some((ctx, stream)),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => None,
         }
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     fn mock_mem(&self) -> std::sync::MutexGuard<'_, super::mock::Memory> {
         match &self.inner {
             Inner::Mock(m) => m.lock().unwrap_or_else(|p| p.into_inner()),
@@ -306,7 +306,7 @@ impl Gpu {
     pub(crate) fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf, CudaError> {
         let n = bytes.max(16);
         let Some((ctx, stream)) = self.cuda() else {
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             {
                 let m = match &self.inner {
                     Inner::Mock(m) => m.clone(),
@@ -319,7 +319,7 @@ impl Gpu {
                     owner: Owner::Mock(m),
                 });
             }
-            #[cfg(not(test))]
+            #[cfg(not(any(test, feature = "mock-device")))]
             unreachable!()
         };
         self.bind()?;
@@ -349,7 +349,7 @@ impl Gpu {
             return Ok(());
         }
         let Some((_, stream)) = self.cuda() else {
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             {
                 // SAFETY: plain-data values viewed as bytes
                 let bytes = unsafe {
@@ -361,7 +361,7 @@ impl Gpu {
                 self.mock_mem().write(dst, bytes);
                 return Ok(());
             }
-            #[cfg(not(test))]
+            #[cfg(not(any(test, feature = "mock-device")))]
             unreachable!()
         };
         self.bind()?;
@@ -390,7 +390,7 @@ impl Gpu {
             return Ok(out);
         }
         let Some((_, stream)) = self.cuda() else {
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             {
                 // SAFETY: plain-data values viewed as bytes
                 let bytes = unsafe {
@@ -402,7 +402,7 @@ impl Gpu {
                 self.mock_mem().read(src, bytes);
                 return Ok(out);
             }
-            #[cfg(not(test))]
+            #[cfg(not(any(test, feature = "mock-device")))]
             unreachable!()
         };
         self.bind()?;
@@ -425,7 +425,7 @@ impl Gpu {
             return Ok(());
         }
         let Some((_, stream)) = self.cuda() else {
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             {
                 let mut m = self.mock_mem();
                 let mut tmp = vec![0u8; bytes];
@@ -433,7 +433,7 @@ impl Gpu {
                 m.write(dst, &tmp);
                 return Ok(());
             }
-            #[cfg(not(test))]
+            #[cfg(not(any(test, feature = "mock-device")))]
             unreachable!()
         };
         self.bind()?;
@@ -476,7 +476,7 @@ impl Gpu {
         }
         let (stream, funcs) = match &self.inner {
             Inner::Cuda { stream, funcs, .. } => (stream, funcs),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => {
                 *self.last_kernel.lock().unwrap_or_else(|p| p.into_inner()) = name;
                 return super::mock::launch(
@@ -556,7 +556,7 @@ pub(crate) struct Launch {
 /// A captured, instantiated CUDA graph (the mock device has none: it replays the launches).
 pub(crate) enum GpuGraph {
     Cuda(CudaGraph),
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     Mock(Vec<Launch>),
 }
 
@@ -568,7 +568,7 @@ impl Gpu {
         }
         let (stream, funcs) = match &self.inner {
             Inner::Cuda { stream, funcs, .. } => (stream, funcs),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => return self.launch(l.name, l.grid, l.block, l.shared, &l.args),
         };
         let f = funcs
@@ -631,7 +631,7 @@ impl Gpu {
     pub(crate) fn capture(&self, launches: &[Launch], pdl: bool) -> Result<GpuGraph, CudaError> {
         let stream = match &self.inner {
             Inner::Cuda { stream, .. } => stream,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => return Ok(GpuGraph::Mock(launches.to_vec())),
         };
         self.bind()?;
@@ -668,7 +668,7 @@ impl Gpu {
                 }
                 Ok(())
             }
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             GpuGraph::Mock(v) => {
                 for l in v {
                     self.launch(l.name, l.grid, l.block, l.shared, &l.args)?;
@@ -683,7 +683,7 @@ impl Gpu {
     pub(crate) fn occupancy(&self, name: &'static str, block: u32, shared: u32) -> u32 {
         let funcs = match &self.inner {
             Inner::Cuda { funcs, .. } => funcs,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => return 2,
         };
         let Some(f) = funcs.get(name) else {
@@ -710,7 +710,7 @@ impl Gpu {
     pub(crate) fn registers(&self, name: &'static str) -> i32 {
         let funcs = match &self.inner {
             Inner::Cuda { funcs, .. } => funcs,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => return 0,
         };
         let Some(f) = funcs.get(name) else {
@@ -732,7 +732,7 @@ impl Gpu {
     pub(crate) fn allow_shared(&self, name: &'static str, bytes: u32) -> Result<(), CudaError> {
         let funcs = match &self.inner {
             Inner::Cuda { funcs, .. } => funcs,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => return Ok(()),
         };
         if bytes <= 48 * 1024 {
@@ -764,7 +764,7 @@ impl Gpu {
     pub(crate) fn time_launches(&self, launches: &[Launch]) -> Result<Vec<f64>, CudaError> {
         let (ctx, stream) = match &self.inner {
             Inner::Cuda { ctx, stream, .. } => (ctx, stream),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => {
                 for l in launches {
                     self.launch_rec(l, false)?;
@@ -807,7 +807,7 @@ impl Gpu {
     ) -> Result<f64, CudaError> {
         let (ctx, stream) = match &self.inner {
             Inner::Cuda { ctx, stream, .. } => (ctx, stream),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             Inner::Mock(_) => {
                 let t = std::time::Instant::now();
                 f()?;
@@ -901,7 +901,7 @@ pub(crate) struct PinnedBuf {
     ptr: *mut u8,
     len: usize,
     /// The mock device's stand-in (plain memory), owned here while `ptr` points into it.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mock-device"))]
     _plain: Option<Vec<u8>>,
     ctx: Option<Arc<CudaContext>>,
 }
@@ -946,7 +946,7 @@ impl Gpu {
     pub(crate) fn alloc_pinned(&self, bytes: usize, what: &str) -> Result<PinnedBuf, CudaError> {
         let len = bytes.max(16);
         let Some((ctx, _)) = self.cuda() else {
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             {
                 let mut plain = vec![0u8; len + 16];
                 let ptr = plain.as_mut_ptr();
@@ -958,7 +958,7 @@ impl Gpu {
                     ctx: None,
                 });
             }
-            #[cfg(not(test))]
+            #[cfg(not(any(test, feature = "mock-device")))]
             unreachable!()
         };
         self.bind()?;
@@ -968,7 +968,7 @@ impl Gpu {
         Ok(PinnedBuf {
             ptr: ptr as *mut u8,
             len,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mock-device"))]
             _plain: None,
             ctx: Some(ctx.clone()),
         })

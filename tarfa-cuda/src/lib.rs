@@ -41,7 +41,7 @@ mod checks;
 pub mod compile;
 #[cfg(feature = "cuda")]
 mod device;
-#[cfg(all(test, feature = "cuda"))]
+#[cfg(all(any(test, feature = "mock-device"), feature = "cuda"))]
 mod mock;
 #[cfg(feature = "cuda")]
 mod model;
@@ -114,6 +114,11 @@ pub enum CudaError {
     /// This build has no CUDA backend.
     #[error("this build of tarfa-run has no CUDA backend (built without the `cuda` feature)")]
     NotCompiled,
+    /// [`CudaModel::load_mock`] in a build without the `mock-device` feature.
+    #[error(
+        "this build of tarfa-cuda has no mock device (built without the `mock-device` feature)"
+    )]
+    NoMockDevice,
     /// libcuda could not be loaded.
     #[error("no CUDA driver: libcuda.so could not be loaded (no NVIDIA driver on this machine?)")]
     NoDriver,
@@ -187,6 +192,7 @@ impl CudaError {
             | CudaError::VramBudgetTooSmall { .. }
             | CudaError::NoSuchDevice { .. } => exit::BAD_INPUT,
             CudaError::NotCompiled
+            | CudaError::NoMockDevice
             | CudaError::NoDriver
             | CudaError::NoNvrtc
             | CudaError::NoDevice
@@ -613,6 +619,7 @@ mod tests {
         }
         let machine = [
             CudaError::NotCompiled,
+            CudaError::NoMockDevice,
             CudaError::NoDriver,
             CudaError::NoNvrtc,
             CudaError::NoDevice,

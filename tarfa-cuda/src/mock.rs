@@ -277,6 +277,7 @@ fn emulator() -> Option<EmuLaunch> {
 }
 
 /// Whether the mock device runs the emulated CUDA kernels.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn emulated() -> bool {
     emulator().is_some()
 }

@@ -178,6 +178,28 @@ impl CudaModel {
         Ok(m)
     }
 
+    /// [`CudaModel::load`] on the mock device: host memory with every access bounds-checked,
+    /// the kernels' reference functions (or, under `TARFA_CUDA_EMU`, the real kernels on the CPU
+    /// emulator). For tests of the crates above: the same bits as a GPU, slowly. Without the
+    /// `mock-device` feature, [`CudaError::NoMockDevice`].
+    pub fn load_mock(
+        cfg: MoeConfig,
+        source: Arc<dyn WeightSource>,
+        opts: &CudaOptions,
+    ) -> Result<CudaModel, CudaError> {
+        #[cfg(any(test, feature = "mock-device"))]
+        {
+            let mut m = CudaModel::load_on(Gpu::mock(), cfg, source, opts.hot.as_ref())?;
+            m.decode_mode = opts.tuning.decode;
+            Ok(m)
+        }
+        #[cfg(not(any(test, feature = "mock-device")))]
+        {
+            let _ = (cfg, source, opts);
+            Err(CudaError::NoMockDevice)
+        }
+    }
+
     /// The decode mode new caches start with ([`CudaTuning::decode`](crate::CudaTuning)).
     pub fn default_decode_mode(&self) -> DecodeMode {
         self.decode_mode

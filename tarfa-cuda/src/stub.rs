@@ -36,6 +36,13 @@ impl CudaModel {
     ) -> Result<CudaModel, CudaError> {
         Err(CudaError::NotCompiled)
     }
+    pub fn load_mock(
+        _cfg: MoeConfig,
+        _source: Arc<dyn WeightSource>,
+        _opts: &CudaOptions,
+    ) -> Result<CudaModel, CudaError> {
+        Err(CudaError::NotCompiled)
+    }
     pub fn config(&self) -> &MoeConfig {
         match self.never {}
     }

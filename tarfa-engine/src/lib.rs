@@ -39,6 +39,11 @@ pub enum BackendChoice {
     Auto,
     Cpu,
     Cuda,
+    /// The CUDA backend on tarfa-cuda's mock device (host memory, the kernels' reference
+    /// functions or their emulator): its path without a GPU, for tests. It needs tarfa-cuda's
+    /// `mock-device` feature (a test's dev-dependency turns it on); otherwise loading fails with
+    /// [`CudaError::NoMockDevice`].
+    CudaMock,
 }
 
 /// How to load a model.
@@ -170,6 +175,7 @@ impl Model {
         let use_cuda = match opts.backend {
             BackendChoice::Cpu => false,
             BackendChoice::Cuda => true,
+            BackendChoice::CudaMock => true,
             BackendChoice::Auto => match tarfa_cuda::probe(0) {
                 Ok(info) => {
                     log(format!("backend auto: {info}; using CUDA"));
@@ -187,7 +193,11 @@ impl Model {
                 tuning: opts.cuda,
                 ..CudaOptions::default()
             };
-            let model = CudaModel::load(cfg, source, &cuda)?;
+            let model = if opts.backend == BackendChoice::CudaMock {
+                CudaModel::load_mock(cfg, source, &cuda)?
+            } else {
+                CudaModel::load(cfg, source, &cuda)?
+            };
             log(format!("backend cuda: {}", model.device()));
             match model.hot_stats() {
                 Some(h) => log(format!(

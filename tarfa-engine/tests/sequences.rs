@@ -1,7 +1,7 @@
 //! The many-sequence API ([`Model::step`]): a sequence's logits, router records and counters are
 //! bit-identical whether it runs alone or shares its steps with 1 or 7 others, and whether its
-//! prompt runs in one chunk, in several, or token by token. CPU only: the CUDA mock device is
-//! private to tarfa-cuda (its own tests use it), so the engine's CUDA arm is checked on a GPU.
+//! prompt runs in one chunk, in several, or token by token; and the engine's CUDA arm, on
+//! tarfa-cuda's mock device (the `mock-device` feature), gives the CPU's bits in every such step.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,13 +14,17 @@ use tarfa_core::weights::{load_safetensors_dir, WeightSource};
 use tarfa_engine::{BackendChoice, EngineError, LoadOptions, Model, SeqStep, Sequence};
 
 fn model(threads: usize) -> Model {
+    model_on(BackendChoice::Cpu, threads)
+}
+
+fn model_on(backend: BackendChoice, threads: usize) -> Model {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle/qwen3moe-a");
     let cfg = MoeConfig::from_json_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
         .unwrap();
     let source: Arc<dyn WeightSource> =
         Arc::new(load_safetensors_dir(&dir, &cfg, &ArchSpec::new(&cfg)).unwrap());
     let opts = LoadOptions {
-        backend: BackendChoice::Cpu,
+        backend,
         threads,
         kernel: Kernel::best(),
         hot: None,
@@ -123,6 +127,16 @@ fn a_sequences_bits_do_not_depend_on_its_step_companions_nor_its_chunks() {
     }
     // the thread count changes nothing either
     assert_eq!(run(&model(1), 3, 1, len), alone, "1 thread");
+}
+
+#[test]
+fn the_cuda_arm_on_the_mock_device_gives_the_cpus_bits_in_any_step() {
+    let cpu = run(&model(2), 5, 0, 5);
+    let cuda = model_on(BackendChoice::CudaMock, 0);
+    assert_eq!(cuda.name(), "cuda");
+    assert_eq!(run(&cuda, 5, 0, 5), cpu, "alone, one chunk");
+    assert_eq!(run(&cuda, 2, 2, 5), cpu, "chunks of 2, 2 others");
+    assert_eq!(run(&cuda, 1, 1, 5), cpu, "token by token, 1 other");
 }
 
 #[test]

@@ -1,9 +1,10 @@
 //! `tarfa-run score` and `tarfa-run perplexity` end to end, on the converted qwen3moe-code fixture
 //! (it has a tokenizer): agreement with transformers' log-probs, each request kind, bad input
 //! (exit 2 naming the line, nothing written), and the output file's bytes under every batch size,
-//! thread count and SIMD path. The CUDA backend is not exercised here: its mock device is private
-//! to tarfa-cuda and cannot be reached from the binary; on a GPU machine run the invariance test's
-//! command with `--backend cuda` and compare the files.
+//! thread count and SIMD path. The CUDA backend is not exercised here (the binary cannot reach the
+//! mock device): tarfa-score/tests/backends.rs scores on the CUDA arm over tarfa-cuda's mock
+//! device and compares with the CPU's bytes; on a GPU machine, validation/gpu/score.sh compares
+//! the CLI's files.
 
 use std::fs;
 use std::io::Read;

@@ -36,6 +36,7 @@ impl From<CudaError> for CliError {
         match e {
             CudaError::Run(r) => CliError::Run(r),
             e @ (CudaError::NotCompiled
+            | CudaError::NoMockDevice
             | CudaError::NoDriver
             | CudaError::NoNvrtc
             | CudaError::NoDevice
