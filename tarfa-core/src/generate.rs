@@ -5,6 +5,7 @@
 //!
 //! This module only sequences forward steps; it must never touch the arithmetic.
 
+use crate::batch::Rewind;
 use crate::step::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
 use crate::Backend;
 
@@ -35,6 +36,35 @@ pub trait Session {
     /// [`Backend::greedy_step`] on this sequence's cache: the next token and the step's counters,
     /// with no logits and no router records.
     fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), Self::Error>;
+
+    /// How many greedy decode steps [`Session::greedy_steps`] runs in one call to gain speed: 1
+    /// (the default) when running ahead gains nothing. A backend that waits for the device after
+    /// every token (CUDA) gains by queueing several steps and waiting once.
+    fn run_ahead(&self) -> usize {
+        1
+    }
+
+    /// `n` greedy decode steps from `first`: feeds `first`, then each step's token to the next;
+    /// returns the `n` tokens chosen, each with its step's counters. The tokens are
+    /// [`Session::greedy_step`]'s, bit for bit. [`run`] calls it only when
+    /// [`Session::run_ahead`] is above 1, and drops the positions past a stop with
+    /// [`Session::rewind_to`]. The default runs `greedy_step` `n` times.
+    fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<(u32, StepStats)>, Self::Error> {
+        let mut out = Vec::with_capacity(n);
+        let mut t = first;
+        for _ in 0..n {
+            let step = self.greedy_step(t)?;
+            t = step.0;
+            out.push(step);
+        }
+        Ok(out)
+    }
+
+    /// Positions in this sequence's cache.
+    fn cached_len(&self) -> usize;
+
+    /// Forgets the positions from `len` on (the steps run ahead past a stop).
+    fn rewind_to(&mut self, len: usize);
 }
 
 /// A backend and one sequence's cache, borrowed: the [`Session`] of [`greedy`].
@@ -43,8 +73,19 @@ pub struct Bound<'a, B: Backend> {
     pub cache: &'a mut B::Cache,
 }
 
-impl<B: Backend> Session for Bound<'_, B> {
+impl<B: Backend> Session for Bound<'_, B>
+where
+    B::Cache: Rewind,
+{
     type Error = B::Error;
+
+    fn cached_len(&self) -> usize {
+        self.cache.cached_len()
+    }
+
+    fn rewind_to(&mut self, len: usize) {
+        self.cache.rewind_to(len)
+    }
 
     fn forward(
         &mut self,
@@ -92,7 +133,10 @@ pub enum Keep {
 ///
 /// The calls come in this order: the prefill's `before_step` and `after_step`; then for each
 /// token j, `token(j, ..)`, and unless it said [`Flow::Stop`] or j was the last, the decode
-/// step's `before_step` and `after_step`.
+/// step's `before_step` and `after_step`. A session that runs ahead ([`Session::run_ahead`])
+/// makes that one decode step of k tokens (`before_step`/`after_step` with k, the counters of
+/// all k), then `token` for each of the k; the positions past a stop are dropped, so the run's
+/// tokens and the cache are those of one token per step.
 pub trait Observer<S: Session + ?Sized> {
     type Error: From<S::Error>;
 
@@ -228,7 +272,10 @@ where
         _ => Vec::new(),
     };
     let mut chosen: Option<u32> = None;
-    for j in 0..n_new {
+    // Token j, once chosen: pushed and shown to the observer, unless a run ahead already did.
+    let mut j = 0;
+    let mut seen = false;
+    while j < n_new {
         let next = chosen.take().unwrap_or_else(|| match choice {
             Choice::Sample { params, request } if !greedy => {
                 let t = crate::sampling::sample(&last, &history, params, request, j as u64);
@@ -237,14 +284,45 @@ where
             }
             _ => argmax(&last),
         });
-        out.tokens.push(next);
-        if keep == Keep::Logits {
-            out.step_logits.push(std::mem::take(&mut last));
+        if !std::mem::take(&mut seen) {
+            out.tokens.push(next);
+            if keep == Keep::Logits {
+                out.step_logits.push(std::mem::take(&mut last));
+            }
+            if observer.token(j, next)? == Flow::Stop || j + 1 == n_new {
+                break;
+            }
         }
-        if observer.token(j, next)? == Flow::Stop || j + 1 == n_new {
-            break;
+        if token_only && session.run_ahead() > 1 {
+            // Run k steps ahead (never past the last token to be chosen) and wait once, then
+            // hand their tokens over one by one; a stop drops the positions fed after the
+            // stopping token, so the cache is what one step per token leaves.
+            let k = session.run_ahead().min(n_new - 1 - j);
+            let base = session.cached_len();
+            observer.before_step(session, Step::Decode, k);
+            let steps = session.greedy_steps(next, k)?;
+            let mut stats = StepStats::default();
+            for (_, st) in &steps {
+                stats.weight_bytes += st.weight_bytes;
+                stats.experts_fetched += st.experts_fetched;
+            }
+            observer.after_step(session, Step::Decode, k, &stats, &mut Vec::new())?;
+            for (m, &(t, st)) in steps.iter().enumerate() {
+                out.tokens.push(t);
+                out.decode_weight_bytes += st.weight_bytes;
+                if observer.token(j + 1 + m, t)? == Flow::Stop || j + 2 + m == n_new {
+                    // steps 0..=m fed `next` and the tokens before `t`
+                    session.rewind_to(base + m + 1);
+                    return Ok(out);
+                }
+            }
+            j += k;
+            chosen = Some(steps[k - 1].0);
+            seen = true;
+            continue;
         }
         observer.before_step(session, Step::Decode, 1);
+        j += 1;
         if token_only {
             let (t, stats) = session.greedy_step(next)?;
             observer.after_step(session, Step::Decode, 1, &stats, &mut Vec::new())?;
@@ -290,7 +368,10 @@ pub fn greedy<B: Backend>(
     prompt: &[u32],
     n_new: usize,
     opts: &ForwardOptions,
-) -> Result<Greedy, B::Error> {
+) -> Result<Greedy, B::Error>
+where
+    B::Cache: Rewind,
+{
     let mut session = Bound {
         backend: engine,
         cache,
@@ -317,6 +398,17 @@ mod tests {
     struct Fake {
         len: usize,
         calls: Vec<String>,
+        /// Its [`Session::run_ahead`].
+        ahead: usize,
+    }
+
+    impl Rewind for Fake {
+        fn cached_len(&self) -> usize {
+            self.len
+        }
+        fn rewind_to(&mut self, len: usize) {
+            self.len = len;
+        }
     }
 
     fn row(t: u32, len: usize) -> Vec<f32> {
@@ -369,6 +461,33 @@ mod tests {
             };
             Ok((argmax(&row(t, self.len)), stats))
         }
+        fn run_ahead(&self) -> usize {
+            self.ahead
+        }
+        fn greedy_steps(&mut self, t: u32, n: usize) -> Result<Vec<(u32, StepStats)>, String> {
+            self.calls.push(format!("greedy_steps {t} {n}"));
+            let mut out = Vec::new();
+            let mut t = t;
+            for _ in 0..n {
+                self.len += 1;
+                t = argmax(&row(t, self.len));
+                out.push((
+                    t,
+                    StepStats {
+                        weight_bytes: 10,
+                        experts_fetched: 1,
+                    },
+                ));
+            }
+            Ok(out)
+        }
+        fn cached_len(&self) -> usize {
+            self.len
+        }
+        fn rewind_to(&mut self, len: usize) {
+            self.calls.push(format!("rewind_to {len}"));
+            self.len = len;
+        }
     }
 
     /// Logs the observer calls and stops at `eos`.
@@ -412,6 +531,7 @@ mod tests {
         Fake {
             len: 0,
             calls: vec![],
+            ahead: 1,
         }
     }
 
@@ -476,6 +596,84 @@ mod tests {
         assert_eq!(with.decode_weight_bytes, 50);
         assert_eq!(without.decode_weight_bytes, 50);
         assert_eq!(with.prefill.stats.weight_bytes, 20);
+    }
+
+    #[test]
+    fn running_ahead_gives_the_tokens_and_the_cache_of_one_step_per_token() {
+        let opts = ForwardOptions::default();
+        // the greedy path from [3, 1] is 9, 0, 4, 0, 6, 5, ...: stop at 0 (token 1), at 6
+        // (token 4), or never
+        for eos in [0u32, 6, 99] {
+            for n_new in [1usize, 2, 3, 5, 6, 9] {
+                let mut one = fake();
+                let want = run(
+                    &mut one,
+                    &[3, 1],
+                    n_new,
+                    &opts,
+                    Keep::Tokens,
+                    &mut Log { eos, calls: vec![] },
+                )
+                .unwrap();
+                for ahead in [2usize, 3, 8] {
+                    let mut s = Fake { ahead, ..fake() };
+                    let mut log = Log { eos, calls: vec![] };
+                    let got = run(&mut s, &[3, 1], n_new, &opts, Keep::Tokens, &mut log).unwrap();
+                    let case = format!("eos {eos}, {n_new} new, ahead {ahead}");
+                    assert_eq!(got.tokens, want.tokens, "{case}");
+                    assert_eq!(s.len, one.len, "{case}: the cache after the run");
+                    assert_eq!(got.decode_weight_bytes, want.decode_weight_bytes, "{case}");
+                    // each token shown once, in order
+                    let shown: Vec<String> = log
+                        .calls
+                        .iter()
+                        .filter(|c| c.starts_with("token"))
+                        .cloned()
+                        .collect();
+                    let want_shown: Vec<String> = want
+                        .tokens
+                        .iter()
+                        .enumerate()
+                        .map(|(j, t)| format!("token {j} {t}"))
+                        .collect();
+                    assert_eq!(shown, want_shown, "{case}");
+                    // never a step past the last token to be chosen
+                    let mut fed = 0;
+                    for c in s.calls.iter().filter(|c| c.starts_with("greedy_steps")) {
+                        let n: usize = c.rsplit(' ').next().unwrap().parse().unwrap();
+                        assert!(n >= 1 && n <= ahead, "{case}: {c}");
+                        fed += n;
+                    }
+                    assert!(fed < n_new.max(1), "{case}: {fed} steps for {n_new} tokens");
+                    assert!(
+                        !s.calls.iter().any(|c| c.starts_with("greedy_step ")),
+                        "{case}: {:?}",
+                        s.calls
+                    );
+                }
+            }
+        }
+        // a stop inside a run drops the positions fed after it
+        let mut s = Fake { ahead: 8, ..fake() };
+        let g = run(
+            &mut s,
+            &[3, 1],
+            9,
+            &opts,
+            Keep::Tokens,
+            &mut Log {
+                eos: 6,
+                calls: vec![],
+            },
+        )
+        .unwrap();
+        assert_eq!(g.tokens, vec![9, 0, 4, 0, 6]);
+        assert_eq!(s.calls[1..], ["greedy_steps 9 8", "rewind_to 6"]);
+        assert_eq!(
+            s.len,
+            2 + 4,
+            "the prompt and the 4 tokens fed before the stop"
+        );
     }
 
     #[test]

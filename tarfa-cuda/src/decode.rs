@@ -20,6 +20,11 @@ use super::*;
 use crate::device::{Arg, GpuGraph, Launch};
 use crate::{DecodeMode, KernelTime};
 
+/// Greedy decode steps queued before the host waits for their tokens ([`CudaModel::run_ahead`]).
+/// Waiting after every token leaves the GPU idle while the host reads the token and launches
+/// the next step; 8 steps make that once per 8 tokens, and a stop wastes at most 7 steps.
+pub const RUN_AHEAD: usize = 8;
+
 /// The decode step's own buffers (one token), sized for `cap` positions.
 pub(super) struct DecBufs {
     pub(super) cap: usize,
@@ -743,6 +748,35 @@ impl CudaModel {
         let ids = self.step_ids(b)?;
         cache.len = pos0 + 1;
         Ok((next[0], self.step_stats(1, &ids)))
+    }
+
+    /// How many greedy steps [`CudaModel::greedy_steps`] queues before it waits: 1 where the
+    /// decode kernels do not run (the legacy mode, a model they cannot take, streamed experts:
+    /// each step then waits anyway).
+    pub fn run_ahead(&self, cache: &CudaCache) -> usize {
+        if cache.mode == DecodeMode::Legacy || self.decode_unsupported().is_some() {
+            1
+        } else {
+            RUN_AHEAD
+        }
+    }
+
+    /// `n` greedy steps from `first`, queued on the device and waited for once
+    /// ([`CudaModel::decode_greedy`]): the tokens [`CudaModel::greedy_step`] chooses one by one,
+    /// bit for bit, each with its step's counters (those of a one-token step do not depend on
+    /// the router's choice: its k experts per layer are distinct).
+    pub fn greedy_steps(
+        &self,
+        cache: &mut CudaCache,
+        first: u32,
+        n: usize,
+    ) -> Result<Vec<(u32, StepStats)>, CudaError> {
+        let stats = self.one_token_stats();
+        Ok(self
+            .decode_greedy(cache, first, n)?
+            .into_iter()
+            .map(|t| (t, stats))
+            .collect())
     }
 
     /// Greedy decoding of `n` tokens on the device after `first` (the token at position

@@ -779,6 +779,14 @@ impl CudaModel {
 
     /// The CPU's statistics for this step: every matrix applied once, each distinct expert a
     /// layer's tokens chose, the embedding rows.
+    /// The counters of a one-token step: its k experts per MoE layer are distinct, whichever
+    /// they are.
+    pub(crate) fn one_token_stats(&self) -> StepStats {
+        let k = self.cfg.top_k as u32;
+        let ids: Vec<u32> = (0..self.moe_layers).flat_map(|_| 0..k).collect();
+        self.step_stats(1, &ids)
+    }
+
     fn step_stats(&self, t_count: usize, ids: &[u32]) -> StepStats {
         let cfg = &self.cfg;
         let mut s = StepStats {

@@ -96,6 +96,17 @@ impl CudaModel {
     ) -> Result<(u32, tarfa_core::step::StepStats), CudaError> {
         match self.never {}
     }
+    pub fn run_ahead(&self, _cache: &CudaCache) -> usize {
+        match self.never {}
+    }
+    pub fn greedy_steps(
+        &self,
+        _cache: &mut CudaCache,
+        _first: u32,
+        _n: usize,
+    ) -> Result<Vec<(u32, tarfa_core::step::StepStats)>, CudaError> {
+        match self.never {}
+    }
     pub fn profile_decode(
         &self,
         _cache: &mut CudaCache,

@@ -365,6 +365,41 @@ impl Model {
         }
     }
 
+    /// How many greedy steps [`Model::greedy_steps`] runs on `seq` before it waits for them:
+    /// 1 on the CPU (nothing to gain), several on CUDA's decode kernels.
+    pub fn run_ahead(&self, seq: &Sequence) -> usize {
+        match (self, &seq.cache) {
+            (Model::Cuda(m), SequenceCache::Cuda(c)) => m.run_ahead(c),
+            _ => 1,
+        }
+    }
+
+    /// `n` greedy steps from `first` on `seq`: the tokens [`Model::greedy_step`] chooses one by
+    /// one, bit for bit, each with its step's counters (CUDA queues them and waits once).
+    pub fn greedy_steps(
+        &self,
+        seq: &mut Sequence,
+        first: u32,
+        n: usize,
+    ) -> Result<Vec<(u32, StepStats)>, EngineError> {
+        if let (Model::Cuda(m), SequenceCache::Cuda(c)) = (self, &mut seq.cache) {
+            return Ok(m.greedy_steps(c, first, n)?);
+        }
+        match (self, &seq.cache) {
+            (Model::Cpu(_), SequenceCache::Cpu(_)) => {
+                let mut out = Vec::with_capacity(n);
+                let mut t = first;
+                for _ in 0..n {
+                    let step = self.greedy_step(seq, t)?;
+                    t = step.0;
+                    out.push(step);
+                }
+                Ok(out)
+            }
+            _ => Err(self.foreign(seq)),
+        }
+    }
+
     /// The GPU hot tier's counters (CUDA streaming only).
     pub fn hot_stats(&self) -> Option<HotStats> {
         match self {
@@ -440,5 +475,21 @@ impl Session for Engine {
 
     fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), EngineError> {
         self.model.greedy_step(&mut self.seq, token)
+    }
+
+    fn run_ahead(&self) -> usize {
+        self.model.run_ahead(&self.seq)
+    }
+
+    fn greedy_steps(&mut self, first: u32, n: usize) -> Result<Vec<(u32, StepStats)>, EngineError> {
+        self.model.greedy_steps(&mut self.seq, first, n)
+    }
+
+    fn cached_len(&self) -> usize {
+        self.seq.len()
+    }
+
+    fn rewind_to(&mut self, len: usize) {
+        self.seq.truncate(len)
     }
 }

@@ -76,6 +76,20 @@ impl Observer<Engine> for Records {
     }
 }
 
+/// Stops the run at the first `.0`.
+struct StopAt(u32);
+
+impl Observer<Engine> for StopAt {
+    type Error = EngineError;
+    fn token(&mut self, _j: usize, t: u32) -> Result<generate::Flow, EngineError> {
+        Ok(if t == self.0 {
+            generate::Flow::Stop
+        } else {
+            generate::Flow::Continue
+        })
+    }
+}
+
 fn engine_on(
     backend: BackendChoice,
     cfg: &MoeConfig,
@@ -138,7 +152,9 @@ fn the_engine_gives_the_cpu_greedy_loops_bits() {
         ..Default::default()
     };
     // Whatever `auto` picks here (the CPU without a GPU), the bits are the CPU's.
-    let mut choices = vec![BackendChoice::Cpu, BackendChoice::Auto];
+    // The CUDA arm runs on tarfa-cuda's mock device too (its decode kernels' orchestration,
+    // with run-ahead on the tokens-only path).
+    let mut choices = vec![BackendChoice::Cpu, BackendChoice::Auto, BackendChoice::CudaMock];
     match engine_on(BackendChoice::Cuda, &cfg, &source) {
         Ok(_) => choices.push(BackendChoice::Cuda),
         // No GPU (or a build without CUDA) is the environment's failure, not the runtime's.
@@ -175,6 +191,20 @@ fn the_engine_gives_the_cpu_greedy_loops_bits() {
                 bits(&want.prefill.logits[want.prefill.logits.len() - 1..]),
                 "{what}: the last prefill row"
             );
+
+            // A stop inside a run ahead: the tokens up to it, and the cache of one step per
+            // token (the prompt and the tokens fed before the stopping one).
+            let stop_at = n / 2;
+            let eos = want.tokens[stop_at];
+            let first = want.tokens.iter().position(|&t| t == eos).unwrap();
+            let mut engine = engine_on(choice, &cfg, &source).unwrap();
+            if choice == BackendChoice::CudaMock {
+                assert!(engine.model.run_ahead(&engine.seq) > 1, "{what}: runs ahead");
+            }
+            let mut stop = StopAt(eos);
+            let g = generate::run(&mut engine, prompt, n, &last, Keep::Tokens, &mut stop).unwrap();
+            assert_eq!(g.tokens, want.tokens[..=first], "{what}: stopped");
+            assert_eq!(engine.seq.len(), prompt.len() + first, "{what}: the cache");
         }
     }
 }
