@@ -754,7 +754,10 @@ impl CudaModel {
     /// decode kernels do not run (the legacy mode, a model they cannot take, streamed experts:
     /// each step then waits anyway).
     pub fn run_ahead(&self, cache: &CudaCache) -> usize {
-        if cache.mode == DecodeMode::Legacy || self.decode_unsupported().is_some() {
+        if self.wait_each_token
+            || cache.mode == DecodeMode::Legacy
+            || self.decode_unsupported().is_some()
+        {
             1
         } else {
             RUN_AHEAD

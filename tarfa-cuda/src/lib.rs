@@ -256,6 +256,9 @@ pub struct CudaTuning {
     /// Copy streamed experts to the hot tier from pageable host memory instead of page-locked
     /// buffers (slower; the other arm of PHASE_LOG S2's A/B).
     pub pageable_warm_tier: bool,
+    /// Wait for each greedy token before launching the next step, instead of running 8 steps
+    /// ahead ([`CudaModel::run_ahead`]; slower; the other arm of PHASE_LOG B2's A/B).
+    pub wait_each_token: bool,
 }
 
 /// The hot tier of expert streaming: GPU memory for experts ([`CudaOptions::hot`]).

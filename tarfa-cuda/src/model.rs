@@ -101,6 +101,8 @@ pub struct CudaModel {
     id: usize,
     /// How new caches run decode steps.
     decode_mode: DecodeMode,
+    /// [`CudaTuning::wait_each_token`](crate::CudaTuning).
+    pub(crate) wait_each_token: bool,
     /// Why the decode kernels cannot run this model (then decode steps use the legacy ones).
     decode_unsupported: Option<String>,
     /// Expert streaming: the hot tier, and the source its experts come from.
@@ -166,6 +168,7 @@ impl CudaModel {
     ) -> Result<CudaModel, CudaError> {
         let mut m = CudaModel::load_on(Gpu::open(opts)?, cfg, source, opts.hot.as_ref())?;
         m.decode_mode = opts.tuning.decode;
+        m.wait_each_token = opts.tuning.wait_each_token;
         // Streamed experts are copied from page-locked buffers, asynchronously at the bus's
         // speed, unless asked otherwise (the A/B's other arm).
         if let Some(source) = &m.stream_source {
@@ -191,6 +194,7 @@ impl CudaModel {
         {
             let mut m = CudaModel::load_on(Gpu::mock(), cfg, source, opts.hot.as_ref())?;
             m.decode_mode = opts.tuning.decode;
+            m.wait_each_token = opts.tuning.wait_each_token;
             Ok(m)
         }
         #[cfg(not(any(test, feature = "mock-device")))]
@@ -357,6 +361,7 @@ impl CudaModel {
             resident_bytes: need,
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             decode_mode,
+            wait_each_token: false,
             decode_unsupported: None,
             hot,
             stream_source,

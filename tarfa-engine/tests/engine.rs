@@ -154,7 +154,11 @@ fn the_engine_gives_the_cpu_greedy_loops_bits() {
     // Whatever `auto` picks here (the CPU without a GPU), the bits are the CPU's.
     // The CUDA arm runs on tarfa-cuda's mock device too (its decode kernels' orchestration,
     // with run-ahead on the tokens-only path).
-    let mut choices = vec![BackendChoice::Cpu, BackendChoice::Auto, BackendChoice::CudaMock];
+    let mut choices = vec![
+        BackendChoice::Cpu,
+        BackendChoice::Auto,
+        BackendChoice::CudaMock,
+    ];
     match engine_on(BackendChoice::Cuda, &cfg, &source) {
         Ok(_) => choices.push(BackendChoice::Cuda),
         // No GPU (or a build without CUDA) is the environment's failure, not the runtime's.
@@ -199,7 +203,25 @@ fn the_engine_gives_the_cpu_greedy_loops_bits() {
             let first = want.tokens.iter().position(|&t| t == eos).unwrap();
             let mut engine = engine_on(choice, &cfg, &source).unwrap();
             if choice == BackendChoice::CudaMock {
-                assert!(engine.model.run_ahead(&engine.seq) > 1, "{what}: runs ahead");
+                assert!(
+                    engine.model.run_ahead(&engine.seq) > 1,
+                    "{what}: runs ahead"
+                );
+                // and with --cuda-wait-each-token it does not, with the same tokens
+                let opts = LoadOptions {
+                    backend: choice,
+                    threads: 2,
+                    kernel: Kernel::best(),
+                    hot: None,
+                    cuda: tarfa_cuda::CudaTuning {
+                        wait_each_token: true,
+                        ..Default::default()
+                    },
+                };
+                let mut each = Engine::load(cfg.clone(), source.clone(), &opts, &|_| {}).unwrap();
+                assert_eq!(each.model.run_ahead(&each.seq), 1, "{what}");
+                let g = generate::run(&mut each, prompt, n, &last, Keep::Tokens, &mut ()).unwrap();
+                assert_eq!(g.tokens, want.tokens, "{what}: waiting for each token");
             }
             let mut stop = StopAt(eos);
             let g = generate::run(&mut engine, prompt, n, &last, Keep::Tokens, &mut stop).unwrap();

@@ -20,6 +20,10 @@ pub struct CudaArgs {
     /// buffers (slower; for comparisons).
     #[arg(long)]
     pub pageable_warm_tier: bool,
+    /// Wait for each generated token before the GPU starts the next step, instead of queueing 8
+    /// steps and waiting once (slower; for comparisons). Either way the same tokens.
+    #[arg(long)]
+    pub cuda_wait_each_token: bool,
 }
 
 impl CudaArgs {
@@ -28,6 +32,7 @@ impl CudaArgs {
             decode: self.cuda_decode.unwrap_or_default(),
             sync_each_kernel: self.cuda_sync,
             pageable_warm_tier: self.pageable_warm_tier,
+            wait_each_token: self.cuda_wait_each_token,
         }
     }
 }
@@ -54,6 +59,6 @@ mod tests {
         }
         let t = CudaArgs::default().tuning();
         assert_eq!(t.decode, DecodeMode::GraphPdl);
-        assert!(!t.sync_each_kernel && !t.pageable_warm_tier);
+        assert!(!t.sync_each_kernel && !t.pageable_warm_tier && !t.wait_each_token);
     }
 }
