@@ -612,9 +612,12 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// `--chat`: the prompt as one user message in the bundle's chat template, the assistant's turn
-/// opened. The template files are read through the manifest (verified).
-fn chat_prompt(source: &BundleSource, bundle: &Path, text: &str) -> Result<String, CliError> {
+/// The bundle's chat template (chat_template.jinja, else tokenizer_config.json's
+/// chat_template), read through the manifest (verified); `None` when it has none.
+pub(crate) fn bundle_chat_template(
+    source: &BundleSource,
+    bundle: &Path,
+) -> Result<Option<ChatTemplate>, CliError> {
     let read = |name: &str| -> Result<Option<String>, CliError> {
         if !source.has_file(name) {
             return Ok(None);
@@ -625,21 +628,23 @@ fn chat_prompt(source: &BundleSource, bundle: &Path, text: &str) -> Result<Strin
     };
     let config = read("tokenizer_config.json")?;
     let jinja = read("chat_template.jinja")?;
-    let usage = |e: tarfa_core::chat::ChatError| {
-        CliError::Usage(format!("{}: --chat: {e}", bundle.display()))
-    };
-    let template = ChatTemplate::from_files(config.as_deref(), jinja.as_deref())
-        .map_err(usage)?
-        .ok_or_else(|| {
-            CliError::Usage(format!(
-                "{}: --chat: the bundle has no chat template (no chat_template.jinja, and no \
-                 chat_template in tokenizer_config.json)",
-                bundle.display()
-            ))
-        })?;
+    ChatTemplate::from_files(config.as_deref(), jinja.as_deref())
+        .map_err(|e| CliError::Usage(format!("{}: chat template: {e}", bundle.display())))
+}
+
+/// `--chat`: the prompt as one user message in the bundle's chat template, the assistant's turn
+/// opened.
+fn chat_prompt(source: &BundleSource, bundle: &Path, text: &str) -> Result<String, CliError> {
+    let template = bundle_chat_template(source, bundle)?.ok_or_else(|| {
+        CliError::Usage(format!(
+            "{}: --chat: the bundle has no chat template (no chat_template.jinja, and no \
+             chat_template in tokenizer_config.json)",
+            bundle.display()
+        ))
+    })?;
     template
         .render(&[ChatMessage::new("user", text)], true)
-        .map_err(usage)
+        .map_err(|e| CliError::Usage(format!("{}: --chat: {e}", bundle.display())))
 }
 
 /// `--prompt-file`: the file's bytes (standard input for `-`), which must be UTF-8. A pipe or a
