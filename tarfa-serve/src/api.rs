@@ -352,7 +352,14 @@ fn enqueue(
             ),
         });
     }
-    let tx = s.submit.lock().expect("submit channel").clone();
+    let Some(tx) = s.submit.lock().expect("submit channel").clone() else {
+        s.pending.fetch_sub(runs, Ordering::SeqCst);
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            message: "the server is shutting down".into(),
+        });
+    };
     let mut out = Vec::new();
     for p in plans {
         match p {

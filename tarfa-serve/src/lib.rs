@@ -68,7 +68,8 @@ pub(crate) struct Submission {
 /// What the handlers share.
 pub(crate) struct Shared {
     pub cfg: ServeConfig,
-    pub submit: std::sync::Mutex<mpsc::Sender<Submission>>,
+    /// `None` once the server stops accepting: the scheduler thread then drains and returns.
+    pub submit: std::sync::Mutex<Option<mpsc::Sender<Submission>>>,
     /// Requests submitted and not yet finished (waiting or in flight): the backpressure count.
     pub pending: AtomicUsize,
     pub metrics: Metrics,
@@ -103,7 +104,7 @@ pub fn serve(
     let (tx, rx) = mpsc::channel::<Submission>();
     let shared = Arc::new(Shared {
         cfg,
-        submit: std::sync::Mutex::new(tx),
+        submit: std::sync::Mutex::new(Some(tx)),
         pending: AtomicUsize::new(0),
         metrics: Metrics::default(),
     });
@@ -121,6 +122,8 @@ pub fn serve(
             .await
     })?;
     // the handlers are gone: closing the channel lets the thread finish what it holds and stop
+    // (the thread holds `shared` too, so the sender is taken out rather than dropped with it)
+    shared.submit.lock().expect("submit channel").take();
     drop(shared);
     worker.join().map_err(|_| ServeError::SchedulerPanicked)?;
     Ok(())

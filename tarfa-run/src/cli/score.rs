@@ -145,7 +145,11 @@ pub(crate) fn open(a: &ModelArgs, log: &dyn Fn(String)) -> Result<Opened, CliErr
     })
 }
 
-pub(crate) fn load(a: &ModelArgs, o: &Opened, log: &dyn Fn(String)) -> Result<(Model, StreamRun), CliError> {
+pub(crate) fn load(
+    a: &ModelArgs,
+    o: &Opened,
+    log: &dyn Fn(String),
+) -> Result<(Model, StreamRun), CliError> {
     let streamed = super::stream::open(
         &a.stream,
         o.source.clone(),
