@@ -48,6 +48,12 @@ enum Command {
     /// The rolling log-likelihood of a text file: tokens, tok/s, the mean NLL and the perplexity.
     #[command(after_help = EXIT_CODES)]
     Perplexity(cli::score::PerplexityArgs),
+    /// Serve the OpenAI API (completions, chat completions, models, health, metrics) on the
+    /// bundle, with continuous batching: every answer is the same bits at any load, and equals
+    /// what `score` prints for the same request. Binds 127.0.0.1 unless --host says otherwise;
+    /// SIGTERM drains the requests in flight, then exits 0. A port in use is exit 3.
+    #[command(after_help = EXIT_CODES)]
+    Serve(Box<cli::serve::ServeArgs>),
     /// Check a GPU backend against the CPU reference, bit for bit, on bundles.
     #[command(after_help = EXIT_CODES)]
     Selftest(cli::selftest::SelftestArgs),
@@ -103,6 +109,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => cli::generate::run(&a),
         Command::Score(a) => cli::score::run(&a),
         Command::Perplexity(a) => cli::score::perplexity(&a),
+        Command::Serve(a) => cli::serve::run(&a),
         Command::Selftest(a) => cli::selftest::run(&a),
         Command::IoBench(a) => cli::io_bench::run(&a),
         Command::Demo { args } => return run_demo(&args),

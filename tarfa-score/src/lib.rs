@@ -14,10 +14,12 @@
 /// The contract's log-softmax (docs/EXACTNESS.md section 7), re-exported.
 pub use tarfa_core::logprob;
 pub mod request;
+pub mod scheduler;
 pub mod score;
 
 pub use request::{parse_line, BadRequest, Limits, Options, Problem, Request, Task};
+pub use scheduler::{Event, Scheduler, Sink, Ticket};
 pub use score::{
-    perplexity, rolling_windows, score, Decoding, Perplexity, Progress, ScoreError, ScoreOptions,
-    ScoreResult,
+    perplexity, rolling_windows, score, Decoding, FinishReason, GenerateResult, GeneratedToken,
+    LoglikelihoodResult, Perplexity, Progress, ScoreError, ScoreOptions, ScoreResult,
 };

@@ -23,16 +23,18 @@
 //!   the id is in `tokens`, not in `text`), or when the decoded text contains a stop string
 //!   (`stop`; `text` is cut before the earliest one; `tokens` keeps every generated id).
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 use tarfa_core::generate::argmax;
 use tarfa_core::sampling::{sample, SamplingParams};
-use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
-use tarfa_engine::{EngineError, Model, SeqStep, Sequence};
+use tarfa_core::step::{ForwardOutput, LogitRows};
+use tarfa_engine::{EngineError, Model};
 
 use crate::logprob::{token_logprob, top_logprobs};
 use crate::request::{Request, Task};
+use crate::scheduler::{Event, Scheduler};
 
 /// How the requests are scheduled (none of it changes a result's bytes).
 #[derive(Clone, Copy, Debug)]
@@ -126,6 +128,21 @@ pub enum FinishReason {
     Eos,
 }
 
+/// One generated token as it is produced (streaming): the same numbers the final
+/// [`GenerateResult`] holds at `index`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    /// Position among the generated tokens (0-based).
+    pub index: usize,
+    pub token: u32,
+    pub logprob: f64,
+    pub top_logprobs: Option<Top>,
+    /// The decoded text of every token so far (without a final EOS, cut before a stop string).
+    pub text: Option<String>,
+    /// Set on the last token.
+    pub finish_reason: Option<FinishReason>,
+}
+
 /// A generate_until result (`text` is `null` without a tokenizer).
 #[derive(Serialize, Debug, Clone, PartialEq)]
 pub struct GenerateResult {
@@ -158,10 +175,10 @@ impl ScoreResult {
 
 /// One scored position.
 #[derive(Clone, Debug)]
-struct Scored {
-    logprob: f64,
+pub(crate) struct Scored {
+    pub(crate) logprob: f64,
     greedy: bool,
-    top: Option<Top>,
+    pub(crate) top: Option<Top>,
 }
 
 fn score_row(row: &[f32], target: u32, k: usize) -> Scored {
@@ -173,19 +190,19 @@ fn score_row(row: &[f32], target: u32, k: usize) -> Scored {
 }
 
 /// A step's worth of one request's tokens.
-struct Chunk {
+pub(crate) struct Chunk {
     /// Start the sequence afresh (a rolling window) before these tokens.
-    reset: bool,
+    pub(crate) reset: bool,
     /// Index in the request's token list of the chunk's first input.
     start: usize,
     len: usize,
     /// Keep every row's logits (scored positions), or only the last (a prompt's end).
-    rows: LogitRows,
+    pub(crate) rows: LogitRows,
 }
 
 /// Teacher-forced scoring (loglikelihood, rolling): inputs `tokens[..n-1]`, the row of input `p`
 /// scores `tokens[p + 1]` when `p + 1 >= first_target`.
-struct TeacherForced {
+pub(crate) struct TeacherForced {
     tokens: Vec<u32>,
     first_target: usize,
     chunks: VecDeque<Chunk>,
@@ -247,7 +264,7 @@ impl TeacherForced {
 }
 
 /// Greedy generation after a prompt.
-struct Generation {
+pub(crate) struct Generation {
     context: Vec<u32>,
     until: Vec<String>,
     max_tokens: usize,
@@ -262,7 +279,7 @@ struct Generation {
     finish: Option<FinishReason>,
 }
 
-enum Work {
+pub(crate) enum Work {
     Forced {
         tf: TeacherForced,
         rolling: bool,
@@ -273,7 +290,7 @@ enum Work {
 }
 
 impl Work {
-    fn new(r: &Request, opts: &ScoreOptions) -> Work {
+    pub(crate) fn new(r: &Request, opts: &ScoreOptions) -> Work {
         let chunk = opts.chunk_tokens.max(1);
         match &r.task {
             Task::Loglikelihood {
@@ -339,7 +356,7 @@ impl Work {
     }
 
     /// The next step's tokens, or `None` when the request is finished.
-    fn next(&mut self) -> Option<(Chunk, Vec<u32>)> {
+    pub(crate) fn next(&mut self) -> Option<(Chunk, Vec<u32>)> {
         match self {
             Work::Forced { tf, .. } => {
                 let c = tf.chunks.pop_front()?;
@@ -368,7 +385,7 @@ impl Work {
         }
     }
 
-    fn absorb(&mut self, chunk: &Chunk, out: ForwardOutput, k: usize, dec: &Decoding) {
+    pub(crate) fn absorb(&mut self, chunk: &Chunk, out: ForwardOutput, k: usize, dec: &Decoding) {
         match self {
             Work::Forced { tf, .. } => tf.absorb(chunk, out, k),
             Work::Generate(g) => {
@@ -403,14 +420,37 @@ impl Work {
         }
     }
 
-    fn is_done(&self) -> bool {
+    /// Tokens generated so far (0 for teacher-forced work).
+    pub(crate) fn generated_len(&self) -> usize {
+        match self {
+            Work::Forced { .. } => 0,
+            Work::Generate(g) => g.generated.len(),
+        }
+    }
+
+    /// The last generated token, its score, the text so far (cut at a stop string) and whether
+    /// generation has finished: what a stream hands out after each token.
+    pub(crate) fn last_generated(&self) -> Option<GeneratedToken> {
+        let Work::Generate(g) = self else { return None };
+        let (&token, s) = (g.generated.last()?, g.scores.last()?);
+        Some(GeneratedToken {
+            index: g.generated.len() - 1,
+            token,
+            logprob: s.logprob,
+            top_logprobs: s.top.clone(),
+            text: g.text.clone(),
+            finish_reason: g.finish,
+        })
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
         match self {
             Work::Forced { tf, .. } => tf.chunks.is_empty(),
             Work::Generate(g) => g.prompt.is_empty() && g.finish.is_some(),
         }
     }
 
-    fn result(self) -> ScoreResult {
+    pub(crate) fn result(self) -> ScoreResult {
         fn split(s: Vec<Scored>) -> (Vec<f64>, Option<Vec<Top>>, bool) {
             let greedy = s.iter().all(|x| x.greedy);
             let lps = s.iter().map(|x| x.logprob).collect();
@@ -515,13 +555,6 @@ impl Generation {
     }
 }
 
-/// An in-flight request.
-struct Slot {
-    index: usize,
-    work: Work,
-    seq: Sequence,
-}
-
 /// Scores `requests` on `model`, `opts.max_batch` at a time, handing each result to `emit` in
 /// input order (index, result) as soon as it and every earlier one are done, and the counters to
 /// `progress` after every step.
@@ -534,91 +567,43 @@ pub fn score(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Progress, ScoreError> {
     let max_batch = opts.max_batch.max(1);
+    // results land here by index (the sinks outlive no step); emitted in input order
+    let done: RefCell<BTreeMap<usize, ScoreResult>> = RefCell::new(BTreeMap::new());
+    let mut sched = Scheduler::new(model, *opts);
     let mut next = 0usize;
-    let mut free: Vec<Sequence> = Vec::new();
-    let mut active: Vec<Slot> = Vec::new();
-    let mut done: BTreeMap<usize, ScoreResult> = BTreeMap::new();
     let mut emitted = 0usize;
-    let mut stats = Progress {
-        requests_total: requests.len(),
-        ..Progress::default()
-    };
-    let engine_err = |line: usize| move |source| ScoreError::Engine { line, source };
     loop {
-        while active.len() < max_batch && next < requests.len() {
-            let seq = match free.pop() {
-                Some(s) => s,
-                None => model
-                    .new_sequence()
-                    .map_err(engine_err(requests[next].line))?,
-            };
-            active.push(Slot {
-                index: next,
-                work: Work::new(&requests[next], opts),
-                seq,
-            });
+        // submitted only as slots free up, so that the requests are not held twice
+        while sched.running() + sched.waiting() < max_batch && next < requests.len() {
+            let index = next;
+            let done = &done;
+            sched.submit(
+                requests[index].clone(),
+                Box::new(move |event| {
+                    if let Event::Done(r) = event {
+                        done.borrow_mut().insert(index, r);
+                    }
+                    true
+                }),
+            );
             next += 1;
         }
-        if active.is_empty() {
+        if !sched.step(dec)? {
             break;
         }
-        let plans: Vec<(Chunk, Vec<u32>)> = active
-            .iter_mut()
-            .map(|s| s.work.next().expect("in-flight work has a next step"))
-            .collect();
-        for (s, (c, _)) in active.iter_mut().zip(&plans) {
-            if c.reset {
-                s.seq.truncate(0);
-            }
-        }
-        let lines: Vec<usize> = active.iter().map(|s| requests[s.index].line).collect();
-        let mut steps: Vec<SeqStep> = active
-            .iter_mut()
-            .zip(&plans)
-            .map(|(s, (c, toks))| SeqStep {
-                seq: &mut s.seq,
-                tokens: toks,
-                opts: ForwardOptions {
-                    logits: c.rows,
-                    ..ForwardOptions::default()
-                },
-            })
-            .collect();
-        let outs = model.step(&mut steps).map_err(|e| match e.index {
-            Some(i) => ScoreError::Engine {
-                line: lines[i],
-                source: e.error,
-            },
-            None => ScoreError::Step { source: e.error },
-        })?;
-        drop(steps);
-        for ((s, (c, toks)), out) in active.iter_mut().zip(&plans).zip(outs) {
-            stats.tokens += toks.len() as u64;
-            let k = requests[s.index].options.top_logprobs;
-            s.work.absorb(c, out, k, dec);
-        }
-        let mut i = 0;
-        while i < active.len() {
-            if active[i].work.is_done() {
-                let Slot {
-                    index,
-                    work,
-                    mut seq,
-                } = active.remove(i);
-                seq.truncate(0);
-                free.push(seq);
-                done.insert(index, work.result());
-                stats.requests_done += 1;
-            } else {
-                i += 1;
-            }
-        }
-        while let Some(r) = done.remove(&emitted) {
+        loop {
+            let Some(r) = done.borrow_mut().remove(&emitted) else {
+                break;
+            };
             emit(emitted, r).map_err(ScoreError::Output)?;
             emitted += 1;
         }
+        let mut stats = sched.progress();
+        stats.requests_total = requests.len();
         progress(&stats);
     }
+    let mut stats = sched.progress();
+    stats.requests_total = requests.len();
     Ok(stats)
 }
 

@@ -7,6 +7,7 @@ pub mod io_bench;
 pub mod output;
 pub mod score;
 pub mod selftest;
+pub mod serve;
 pub mod stream;
 pub mod tuning;
 

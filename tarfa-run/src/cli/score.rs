@@ -123,14 +123,14 @@ pub struct PerplexityArgs {
 
 /// The bundle opened, its config, tokenizer and EOS ids (everything a request is checked
 /// against, before any weight is loaded).
-struct Opened {
-    source: Arc<BundleSource>,
-    cfg: MoeConfig,
-    tokenizer: Option<tokenizers::Tokenizer>,
-    eos: Vec<u32>,
+pub(crate) struct Opened {
+    pub(crate) source: Arc<BundleSource>,
+    pub(crate) cfg: MoeConfig,
+    pub(crate) tokenizer: Option<tokenizers::Tokenizer>,
+    pub(crate) eos: Vec<u32>,
 }
 
-fn open(a: &ModelArgs, log: &dyn Fn(String)) -> Result<Opened, CliError> {
+pub(crate) fn open(a: &ModelArgs, log: &dyn Fn(String)) -> Result<Opened, CliError> {
     let super::OpenedBundle {
         source,
         cfg,
@@ -146,7 +146,11 @@ fn open(a: &ModelArgs, log: &dyn Fn(String)) -> Result<Opened, CliError> {
     })
 }
 
-fn load(a: &ModelArgs, o: &Opened, log: &dyn Fn(String)) -> Result<(Model, StreamRun), CliError> {
+pub(crate) fn load(
+    a: &ModelArgs,
+    o: &Opened,
+    log: &dyn Fn(String),
+) -> Result<(Model, StreamRun), CliError> {
     let streamed = super::stream::open(
         &a.stream,
         o.source.clone(),

@@ -1,0 +1,270 @@
+//! Continuous batching: requests join at any time, every in-flight request's next chunk runs as
+//! one [`Model::step`], and each request's results go to its own sink.
+//!
+//! [`crate::score()`] is a loop over a [`Scheduler`]; the server is another. A request's numbers
+//! come from its own logit rows, which do not depend on what shares its steps nor on when it
+//! joined or left (tarfa-engine's contract), so a result is the same bits alone or under any load.
+//! A cancelled request (or one whose sink has gone) is dropped before the next step plans, and
+//! its sequence goes back to the pool.
+
+use std::collections::VecDeque;
+
+use tarfa_core::step::ForwardOptions;
+use tarfa_engine::{Model, SeqStep, Sequence};
+
+use crate::request::Request;
+use crate::score::{
+    Chunk, Decoding, GeneratedToken, Progress, ScoreError, ScoreOptions, ScoreResult, Work,
+};
+
+/// A submitted request's handle, for [`Scheduler::cancel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Ticket(pub u64);
+
+/// What a request's sink receives.
+#[derive(Debug)]
+pub enum Event {
+    /// A generated token (generate_until only), as soon as it is chosen.
+    Token(GeneratedToken),
+    /// The request's result; nothing follows.
+    Done(ScoreResult),
+    /// The engine failed on this request (its sequence is freed); nothing follows.
+    Failed(String),
+}
+
+/// Where a request's events go. `false` means the receiver is gone (a client that
+/// disconnected): the request is cancelled and its sequence freed before the next step.
+pub type Sink<'a> = Box<dyn FnMut(Event) -> bool + 'a>;
+
+struct Queued<'a> {
+    ticket: Ticket,
+    request: Request,
+    sink: Sink<'a>,
+}
+
+struct Slot<'a> {
+    ticket: Ticket,
+    line: usize,
+    top_logprobs: usize,
+    work: Work,
+    seq: Sequence,
+    sink: Sink<'a>,
+    cancelled: bool,
+}
+
+/// The in-flight requests on one model, at most `max_batch` at once; the rest wait in arrival
+/// order.
+pub struct Scheduler<'a> {
+    model: &'a Model,
+    opts: ScoreOptions,
+    next_ticket: u64,
+    waiting: VecDeque<Queued<'a>>,
+    active: Vec<Slot<'a>>,
+    free: Vec<Sequence>,
+    stats: Progress,
+}
+
+impl<'a> Scheduler<'a> {
+    pub fn new(model: &'a Model, opts: ScoreOptions) -> Self {
+        Scheduler {
+            model,
+            opts: ScoreOptions {
+                max_batch: opts.max_batch.max(1),
+                ..opts
+            },
+            next_ticket: 0,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            free: Vec::new(),
+            stats: Progress::default(),
+        }
+    }
+
+    /// Queues `request`; it joins a step as soon as a slot is free.
+    pub fn submit(&mut self, request: Request, sink: Sink<'a>) -> Ticket {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        self.stats.requests_total += 1;
+        self.waiting.push_back(Queued {
+            ticket,
+            request,
+            sink,
+        });
+        ticket
+    }
+
+    /// Drops the request (waiting or in flight) before the next step; its sink hears nothing
+    /// more. `false` when no such request is pending (it finished, or was never submitted).
+    pub fn cancel(&mut self, ticket: Ticket) -> bool {
+        if let Some(i) = self.waiting.iter().position(|q| q.ticket == ticket) {
+            self.waiting.remove(i);
+            self.stats.requests_total -= 1;
+            return true;
+        }
+        match self.active.iter_mut().find(|s| s.ticket == ticket) {
+            Some(s) => {
+                s.cancelled = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Requests waiting for a slot.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests in flight (each on its own sequence).
+    pub fn running(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Nothing waiting and nothing in flight.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.active.is_empty()
+    }
+
+    /// The counters so far.
+    pub fn progress(&self) -> Progress {
+        self.stats
+    }
+
+    /// Fails every request (waiting and in flight) with `message`: after a step that failed as a
+    /// whole, when the caller stops.
+    pub fn fail_all(&mut self, message: &str) {
+        for mut q in self.waiting.drain(..) {
+            (q.sink)(Event::Failed(message.to_string()));
+        }
+        for mut s in self.active.drain(..) {
+            (s.sink)(Event::Failed(message.to_string()));
+            s.seq.truncate(0);
+            self.free.push(s.seq);
+        }
+    }
+
+    /// Admits waiting requests into free slots, drops cancelled ones, and runs one step of every
+    /// in-flight request. Returns `Ok(false)` when there was nothing to run.
+    ///
+    /// On an engine error every in-flight request fails (each sink gets [`Event::Failed`], the
+    /// sequences are freed: their planned chunks were taken) and the error is returned, naming
+    /// the request's line when one request caused it; waiting requests stay queued.
+    pub fn step(&mut self, dec: &Decoding) -> Result<bool, ScoreError> {
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].cancelled {
+                let mut s = self.active.remove(i);
+                s.seq.truncate(0);
+                self.free.push(s.seq);
+                self.stats.requests_total -= 1;
+            } else {
+                i += 1;
+            }
+        }
+        while self.active.len() < self.opts.max_batch {
+            let Some(q) = self.waiting.pop_front() else {
+                break;
+            };
+            let seq = match self.free.pop() {
+                Some(s) => s,
+                None => match self.model.new_sequence() {
+                    Ok(s) => s,
+                    Err(source) => {
+                        let line = q.request.line;
+                        let mut sink = q.sink;
+                        sink(Event::Failed(source.to_string()));
+                        self.stats.requests_total -= 1;
+                        return Err(ScoreError::Engine { line, source });
+                    }
+                },
+            };
+            self.active.push(Slot {
+                ticket: q.ticket,
+                line: q.request.line,
+                top_logprobs: q.request.options.top_logprobs,
+                work: Work::new(&q.request, &self.opts),
+                seq,
+                sink: q.sink,
+                cancelled: false,
+            });
+        }
+        if self.active.is_empty() {
+            return Ok(false);
+        }
+        let plans: Vec<(Chunk, Vec<u32>)> = self
+            .active
+            .iter_mut()
+            .map(|s| s.work.next().expect("in-flight work has a next step"))
+            .collect();
+        for (s, (c, _)) in self.active.iter_mut().zip(&plans) {
+            if c.reset {
+                s.seq.truncate(0);
+            }
+        }
+        let mut steps: Vec<SeqStep> = self
+            .active
+            .iter_mut()
+            .zip(&plans)
+            .map(|(s, (c, toks))| SeqStep {
+                seq: &mut s.seq,
+                tokens: toks,
+                opts: ForwardOptions {
+                    logits: c.rows,
+                    ..ForwardOptions::default()
+                },
+            })
+            .collect();
+        let result = self.model.step(&mut steps);
+        drop(steps);
+        let outs = match result {
+            Ok(outs) => outs,
+            Err(e) => {
+                let err = match e.index {
+                    Some(i) => ScoreError::Engine {
+                        line: self.active[i].line,
+                        source: e.error,
+                    },
+                    None => ScoreError::Step { source: e.error },
+                };
+                let message = err.to_string();
+                for mut s in self.active.drain(..) {
+                    (s.sink)(Event::Failed(message.clone()));
+                    s.seq.truncate(0);
+                    self.free.push(s.seq);
+                    self.stats.requests_total -= 1;
+                }
+                return Err(err);
+            }
+        };
+        for ((s, (c, toks)), out) in self.active.iter_mut().zip(&plans).zip(outs) {
+            self.stats.tokens += toks.len() as u64;
+            let before = s.work.generated_len();
+            s.work.absorb(c, out, s.top_logprobs, dec);
+            if s.work.generated_len() > before {
+                if let Some(t) = s.work.last_generated() {
+                    if !(s.sink)(Event::Token(t)) {
+                        s.cancelled = true;
+                    }
+                }
+            }
+        }
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].work.is_done() && !self.active[i].cancelled {
+                let Slot {
+                    work,
+                    mut seq,
+                    mut sink,
+                    ..
+                } = self.active.remove(i);
+                seq.truncate(0);
+                self.free.push(seq);
+                self.stats.requests_done += 1;
+                sink(Event::Done(work.result()));
+            } else {
+                i += 1;
+            }
+        }
+        Ok(true)
+    }
+}

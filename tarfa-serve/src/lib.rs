@@ -1,0 +1,202 @@
+//! The OpenAI-compatible server: `POST /v1/completions`, `POST /v1/chat/completions`,
+//! `GET /v1/models`, `GET /health`, `GET /metrics`.
+//!
+//! One std::thread owns the [`Model`] and runs tarfa-score's [`Scheduler`]: every in-flight
+//! request's next chunk is one engine step, requests join and leave between steps. The HTTP
+//! handlers (axum on tokio) only turn OpenAI's fields into the JSON of a `tarfa-run score`
+//! request, parsed by the same [`tarfa_score::parse_line`], and the result back into OpenAI's
+//! shape. So a completion's numbers are the ones `tarfa-run score` prints for the same request,
+//! and, since a request's logit rows do not depend on what shares its steps, the same bits at any
+//! load.
+
+mod api;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+
+use tarfa_core::chat::ChatTemplate;
+use tarfa_engine::Model;
+use tarfa_score::{Decoding, Event, Request, Scheduler, ScoreOptions};
+use tokio::sync::mpsc::UnboundedSender;
+
+pub use metrics::Metrics;
+
+/// What the server says about its model and how it schedules.
+pub struct ServeConfig {
+    /// The bundle's name (its directory's).
+    pub name: String,
+    /// The bundle's root digest (hex).
+    pub root_digest: String,
+    /// Requests in flight at once.
+    pub max_batch: usize,
+    /// Requests waiting beyond those in flight; more are answered 429.
+    pub max_queue: usize,
+    /// Bearer token every endpoint but /health requires.
+    pub api_key: Option<String>,
+    pub vocab_size: usize,
+    pub max_positions: usize,
+    pub eos: Vec<u32>,
+    pub tokenizer: Option<tokenizers::Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// Why the server did not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The address could not be bound (in use, not permitted).
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// The runtime or the connection loop failed.
+    #[error("server: {0}")]
+    Io(#[from] std::io::Error),
+    /// The scheduler thread panicked.
+    #[error("the scheduler thread stopped unexpectedly")]
+    SchedulerPanicked,
+}
+
+/// A request for the scheduler thread, with where its events go.
+pub(crate) struct Submission {
+    pub request: Request,
+    pub events: UnboundedSender<Event>,
+}
+
+/// What the handlers share.
+pub(crate) struct Shared {
+    pub cfg: ServeConfig,
+    /// `None` once the server stops accepting: the scheduler thread then drains and returns.
+    pub submit: std::sync::Mutex<Option<mpsc::Sender<Submission>>>,
+    /// Requests submitted and not yet finished (waiting or in flight): the backpressure count.
+    pub pending: AtomicUsize,
+    pub metrics: Metrics,
+}
+
+impl Shared {
+    pub(crate) fn decoding(&self) -> Decoding<'_> {
+        Decoding {
+            tokenizer: self.cfg.tokenizer.as_ref(),
+            eos: &self.cfg.eos,
+        }
+    }
+}
+
+/// Binds `addr`, calls `on_listening` with the bound address (a port of 0 picks a free one),
+/// serves until SIGTERM or SIGINT, then drains: every request already accepted runs to its end
+/// before this returns.
+pub fn serve(
+    model: Model,
+    cfg: ServeConfig,
+    addr: SocketAddr,
+    on_listening: &dyn Fn(SocketAddr),
+) -> Result<(), ServeError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .map_err(|source| ServeError::Bind { addr, source })?;
+    let bound = listener.local_addr()?;
+    let (tx, rx) = mpsc::channel::<Submission>();
+    let shared = Arc::new(Shared {
+        cfg,
+        submit: std::sync::Mutex::new(Some(tx)),
+        pending: AtomicUsize::new(0),
+        metrics: Metrics::default(),
+    });
+    let worker = {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("tarfa-scheduler".into())
+            .spawn(move || run_scheduler(&model, &shared, rx))?
+    };
+    on_listening(bound);
+    let app = api::router(shared.clone());
+    rt.block_on(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+    })?;
+    // the handlers are gone: closing the channel lets the thread finish what it holds and stop
+    // (the thread holds `shared` too, so the sender is taken out rather than dropped with it)
+    shared.submit.lock().expect("submit channel").take();
+    drop(shared);
+    worker.join().map_err(|_| ServeError::SchedulerPanicked)?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down: draining the requests in flight");
+}
+
+/// The scheduler thread: blocks while idle, otherwise takes every new submission and runs one
+/// step. Stops when every sender is gone and nothing is left to run.
+fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submission>) {
+    let opts = ScoreOptions {
+        max_batch: shared.cfg.max_batch,
+        ..ScoreOptions::default()
+    };
+    let dec = shared.decoding();
+    let mut sched = Scheduler::new(model, opts);
+    let mut open = true;
+    loop {
+        if sched.is_idle() {
+            if !open {
+                return;
+            }
+            match rx.recv() {
+                Ok(s) => submit(&mut sched, shared, s),
+                Err(_) => return,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(s) => submit(&mut sched, shared, s),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        shared
+            .metrics
+            .set_depths(sched.waiting() as u64, sched.running() as u64);
+        let before = sched.progress().tokens;
+        if let Err(e) = sched.step(&dec) {
+            tracing::error!("engine step failed: {e}");
+        }
+        shared
+            .metrics
+            .add_tokens(sched.progress().tokens.saturating_sub(before));
+        shared
+            .metrics
+            .set_depths(sched.waiting() as u64, sched.running() as u64);
+    }
+}
+
+fn submit<'a>(sched: &mut Scheduler<'a>, shared: &'a Arc<Shared>, s: Submission) {
+    let events = s.events;
+    let shared2: &'a Shared = shared;
+    sched.submit(
+        s.request,
+        Box::new(move |e: Event| {
+            let last = matches!(e, Event::Done(_) | Event::Failed(_));
+            let ok = events.send(e).is_ok();
+            if last || !ok {
+                shared2.pending.fetch_sub(1, Ordering::SeqCst);
+            }
+            ok
+        }),
+    );
+}
