@@ -102,6 +102,8 @@ struct Loaded {
     eos: Vec<u32>,
     vocab_size: usize,
     max_positions: usize,
+    num_layers: usize,
+    hidden_size: usize,
     /// Kept for as long as the model: the streamed weight source and its heat ledger.
     stream: StreamRun,
 }
@@ -185,6 +187,8 @@ fn backend_choice(name: &str) -> PyResult<BackendChoice> {
 impl NativeModel {
     /// Opens and verifies the bundle at `path`, as `tarfa-run` does, and loads it.
     #[new]
+    // one argument per keyword of `tarfa.open`
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (path, backend="auto", threads=None, ram_budget=None, vram_budget=None, expect_root=None, log=false))]
     fn new(
         py: Python<'_>,
@@ -248,6 +252,8 @@ impl NativeModel {
                         bundle: path.clone(),
                         vocab_size: opened.cfg.vocab_size,
                         max_positions: opened.cfg.max_position_embeddings,
+                        num_layers: opened.cfg.num_layers,
+                        hidden_size: opened.cfg.hidden_size,
                         source: opened.source,
                         config_json: opened.config_json,
                         tokenizer: opened.tokenizer,
@@ -369,15 +375,50 @@ impl NativeModel {
 
     /// One fresh sequence per entry of `batch`, run as one engine step: every position's logits
     /// and the router's records. Returns one dict per sequence.
+    ///
+    /// `residual_layers`: capture the residual stream entering each of these layers (the layer
+    /// count itself: after the last layer, before the final norm), per sequence `[n, hidden]`.
+    ///
+    /// `edits`: interventions, `(layer, replace, rows)`: before `layer` runs (the layer count:
+    /// before the final norm), the residual of every token of the step gets `rows` (token-major,
+    /// `[n_total, hidden]` flattened) added, or is replaced by it. Changes the model's output:
+    /// the caller labels it.
+    #[pyo3(signature = (batch, residual_layers=None, edits=None))]
     fn forward_batch<'py>(
         &self,
         py: Python<'py>,
         batch: Vec<Vec<u32>>,
+        residual_layers: Option<Vec<usize>>,
+        edits: Option<Vec<(usize, bool, Vec<f32>)>>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let l = self.loaded()?;
         if let Some(i) = batch.iter().position(|t| t.is_empty()) {
             return Err(input_err(format!("tokens {i}: no tokens")));
         }
+        let num_layers = l.num_layers;
+        if let Some(&bad) = residual_layers.iter().flatten().find(|&&x| x > num_layers) {
+            return Err(input_err(format!(
+                "layers: {bad} is not a layer of this model (0 to {num_layers}, {num_layers}: \
+                 after the last layer)"
+            )));
+        }
+        let total: usize = batch.iter().map(Vec::len).sum();
+        let hidden = l.hidden_size;
+        for (layer, _, rows) in edits.iter().flatten() {
+            if *layer > num_layers {
+                return Err(input_err(format!(
+                    "intervention: {layer} is not a layer of this model (0 to {num_layers})"
+                )));
+            }
+            if rows.len() != total * hidden {
+                return Err(input_err(format!(
+                    "intervention at layer {layer}: {} values, expected {total} tokens x {hidden}",
+                    rows.len()
+                )));
+            }
+        }
+        // (layer, every token's row of the step, in batch order)
+        let mut captured: Vec<(usize, Vec<Vec<f32>>)> = Vec::new();
         let outs = py.detach(|| {
             guarded(|| {
                 let mut seqs: Vec<Sequence> = batch
@@ -395,15 +436,55 @@ impl NativeModel {
                     .zip(&batch)
                     .map(|(seq, tokens)| SeqStep { seq, tokens, opts })
                     .collect();
-                l.model.step(&mut steps).map_err(|e| {
+                let result = if residual_layers.is_none() && edits.is_none() {
+                    l.model.step(&mut steps)
+                } else {
+                    let mut observe = |layer: usize, h: &mut [Vec<f32>]| {
+                        for (at, replace, rows) in edits.iter().flatten() {
+                            if *at != layer {
+                                continue;
+                            }
+                            for (row, new) in h.iter_mut().zip(rows.chunks_exact(hidden)) {
+                                if *replace {
+                                    row.copy_from_slice(new);
+                                } else {
+                                    row.iter_mut().zip(new).for_each(|(x, d)| *x += d);
+                                }
+                            }
+                        }
+                        if residual_layers.as_ref().is_some_and(|w| w.contains(&layer)) {
+                            captured.push((layer, h.to_vec()));
+                        }
+                    };
+                    l.model.step_observed(&mut steps, &mut observe)
+                };
+                result.map_err(|e| {
                     let prefix = e.index.map(|i| format!("tokens {i}: ")).unwrap_or_default();
                     py_err_prefixed(&prefix, e.error.into())
                 })
             })
         })?;
+        let mut first = 0;
         outs.iter()
             .zip(&batch)
-            .map(|(o, t)| output_to_py(py, o, l.vocab_size, t.len()))
+            .map(|(o, t)| {
+                let d = output_to_py(py, o, l.vocab_size, t.len())?;
+                if residual_layers.is_some() {
+                    let res = PyDict::new(py);
+                    for (layer, rows) in &captured {
+                        let mine = &rows[first..first + t.len()];
+                        let width = mine.first().map_or(0, Vec::len);
+                        let flat: Vec<f32> = mine.iter().flatten().copied().collect();
+                        res.set_item(
+                            layer,
+                            PyArray1::from_vec(py, flat).reshape([t.len(), width])?,
+                        )?;
+                    }
+                    d.set_item("residual", res)?;
+                }
+                first += t.len();
+                Ok(d)
+            })
             .collect()
     }
 

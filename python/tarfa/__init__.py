@@ -31,6 +31,9 @@ __all__ = [
     "EnvironmentError",
 ]
 
+# Captures the issue names that the engine cannot observe yet: refused by name, never empty.
+_CAPTURES_NOT_YET = ("attn_out", "moe_out", "router_logits", "router_probs", "expert_out")
+
 # Token ids cross into the engine as u32.
 _MAX_ID = 2**32 - 1
 
@@ -65,8 +68,10 @@ class ForwardOutput:
             order (descending probability, lower id first on ties).
         router_weights: ``{layer: float32 [n, k]}``, their mixing weights.
         router_topk_probs: ``{layer: float32 [n, k]}``, their softmax probabilities.
-        exact: True: the model's own output (an intervention would make it False).
-        interventions: the interventions applied (empty).
+        residual: ``{layer: float32 [n, hidden]}`` when ``capture=["residual"]``: the hidden
+            state entering ``layer``; at ``num_layers``, after the last layer.
+        exact: True for the model's own output; False when an intervention changed it.
+        interventions: the interventions applied, by name (empty when exact).
     """
 
     def __init__(self, raw: Dict[str, Any]):
@@ -81,6 +86,7 @@ class ForwardOutput:
         )
         self.weight_bytes: int = raw["weight_bytes"]
         self.experts_fetched: int = raw["experts_fetched"]
+        self.residual: Dict[int, np.ndarray] = dict(raw.get("residual", {}))
         self.exact: bool = True
         self.interventions: List[str] = []
 
@@ -173,18 +179,102 @@ class Model:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def forward(self, tokens: Any) -> ForwardOutput:
-        """One fresh sequence of ``tokens`` through the model: every position's logits and the
-        router's choices in every MoE layer."""
-        return self.forward_batch([tokens])[0]
+    def forward(
+        self,
+        tokens: Any,
+        capture: Sequence[str] = (),
+        layers: Optional[Sequence[int]] = None,
+        residual_add: Optional[Dict[int, Any]] = None,
+        residual_replace: Optional[Dict[int, Any]] = None,
+    ) -> ForwardOutput:
+        """One fresh sequence of ``tokens`` through the model: every position's logits, the
+        router's choices in every MoE layer, and the captures asked for (see
+        :meth:`forward_batch`)."""
+        return self.forward_batch(
+            [tokens],
+            capture=capture,
+            layers=layers,
+            residual_add=residual_add,
+            residual_replace=residual_replace,
+        )[0]
 
-    def forward_batch(self, batch: Sequence[Any]) -> List[ForwardOutput]:
+    def forward_batch(
+        self,
+        batch: Sequence[Any],
+        capture: Sequence[str] = (),
+        layers: Optional[Sequence[int]] = None,
+        residual_add: Optional[Dict[int, Any]] = None,
+        residual_replace: Optional[Dict[int, Any]] = None,
+    ) -> List[ForwardOutput]:
         """Each entry of ``batch`` as its own fresh sequence, all run as one engine step; each
-        output is the same bits as :meth:`forward` of that entry alone."""
+        output is the same bits as :meth:`forward` of that entry alone.
+
+        ``capture``: ``"residual"`` puts in ``out.residual[layer]`` (float32 ``[n, hidden]``)
+        the hidden state entering each layer, and at ``num_layers`` the state after the last
+        layer, before the final norm; ``layers`` limits it to those indices (memory). Captures
+        only observe: the logits are the same bits. CPU backend only for now.
+
+        Interventions (never the default; the output says ``exact=False`` and names each in
+        ``interventions``): ``residual_add={layer: delta}`` adds ``delta`` to the residual
+        entering ``layer``, ``residual_replace={layer: value}`` replaces it (``layer ==
+        num_layers``: the state before the final norm). Each value is float32, ``[hidden]``
+        (every token) or ``[tokens, hidden]`` (every token of the batch, in order). Additions
+        at a layer apply before replacements there."""
         if isinstance(batch, (str, bytes)) or len(batch) == 0:
             raise InputError("batch: expected a non-empty list of token sequences")
         ids = [_token_ids(t, f"tokens {i}") for i, t in enumerate(batch)]
-        return [ForwardOutput(r) for r in self._native.forward_batch(ids)]
+        capture = [capture] if isinstance(capture, str) else list(capture)
+        for name in capture:
+            if name in _CAPTURES_NOT_YET:
+                raise InputError(
+                    f"capture: {name!r} is not implemented yet (available: 'residual')"
+                )
+            if name != "residual":
+                raise InputError(f"capture: unknown capture {name!r} (available: 'residual')")
+        residual_layers = None
+        if "residual" in capture:
+            n = self.config["num_hidden_layers"]
+            if layers is None:
+                residual_layers = list(range(n + 1))
+            else:
+                residual_layers = [int(x) for x in _token_ids(layers, "layers")]
+        elif layers is not None:
+            raise InputError("layers: selects the layers of a capture; no capture was asked for")
+        total = sum(len(t) for t in ids)
+        edits, names = [], []
+        for label, replace, given in (
+            ("residual_add", False, residual_add),
+            ("residual_replace", True, residual_replace),
+        ):
+            if given is None:
+                continue
+            if not isinstance(given, dict):
+                raise InputError(f"{label}: expected a dict {{layer: float32 array}}")
+            for layer, value in sorted(given.items()):
+                rows = self._edit_rows(f"{label}[{layer}]", value, total)
+                edits.append((int(layer), replace, rows))
+                names.append(f"{label}(layer={int(layer)})")
+        raw = self._native.forward_batch(ids, residual_layers, edits or None)
+        outs = [ForwardOutput(r) for r in raw]
+        if names:
+            for o in outs:
+                o.exact = False
+                o.interventions = list(names)
+        return outs
+
+    def _edit_rows(self, what: str, value: Any, total: int) -> List[float]:
+        """An intervention's value as ``total`` rows of ``hidden`` float32, flattened."""
+        hidden = self.config["hidden_size"]
+        arr = np.asarray(value)
+        if arr.dtype != np.float32:
+            raise InputError(f"{what}: expected a float32 array, got dtype {arr.dtype}")
+        if arr.shape == (hidden,):
+            arr = np.broadcast_to(arr, (total, hidden))
+        elif arr.shape != (total, hidden):
+            raise InputError(
+                f"{what}: expected shape ({hidden},) or ({total}, {hidden}), got {arr.shape}"
+            )
+        return np.ascontiguousarray(arr).ravel().tolist()
 
     def score(
         self,

@@ -17,6 +17,7 @@ class ForwardOutput:
     router_topk: Dict[int, npt.NDArray[np.int64]]
     router_weights: Dict[int, npt.NDArray[np.float32]]
     router_topk_probs: Dict[int, npt.NDArray[np.float32]]
+    residual: Dict[int, npt.NDArray[np.float32]]
     weight_bytes: int
     experts_fetched: int
     exact: bool
@@ -48,8 +49,22 @@ class Model:
     def close(self) -> None: ...
     def __enter__(self) -> Model: ...
     def __exit__(self, *exc: Any) -> None: ...
-    def forward(self, tokens: TokenIds) -> ForwardOutput: ...
-    def forward_batch(self, batch: Sequence[TokenIds]) -> List[ForwardOutput]: ...
+    def forward(
+        self,
+        tokens: TokenIds,
+        capture: Sequence[str] = (),
+        layers: Optional[Sequence[int]] = None,
+        residual_add: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
+        residual_replace: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
+    ) -> ForwardOutput: ...
+    def forward_batch(
+        self,
+        batch: Sequence[TokenIds],
+        capture: Sequence[str] = (),
+        layers: Optional[Sequence[int]] = None,
+        residual_add: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
+        residual_replace: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
+    ) -> List[ForwardOutput]: ...
     def score(
         self,
         requests: Sequence[Dict[str, Any]],

@@ -136,10 +136,19 @@ fn check_entry(cfg: &tarfa_core::config::MoeConfig, e: &mut Entry<'_>) -> Result
 /// (docs/EXACTNESS.md, "Batching"). `forward` of one sequence is this with one entry.
 ///
 /// On error, pushed keys and values are not committed; the caller rolls every cache back.
+/// Shown the residual stream of a step (the Python package's captures and its labelled
+/// interventions): `(layer, h)` with the hidden state rows entering `layer` (the step's tokens
+/// in entry order), then `(num_layers, h)` with the state after the last layer, before the
+/// final norm. A hook that writes to `h` changes the model's function: only a caller's labelled
+/// intervention may. `None` on the default path: one check per layer, no value or reduction
+/// changes.
+pub type ResidualObserver<'o> = Option<&'o mut (dyn FnMut(usize, &mut [Vec<f32>]) + Send)>;
+
 pub(crate) fn forward_batch(
     model: &CpuModel,
     kernel: Kernel,
     entries: &mut [Entry<'_>],
+    mut observe: ResidualObserver<'_>,
 ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
     let cfg = &model.cfg;
     if entries.is_empty() {
@@ -182,6 +191,9 @@ pub(crate) fn forward_batch(
     let counts: Vec<usize> = entries.iter().map(|e| e.tokens.len()).collect();
     let mut caches: Vec<&mut KvCache> = entries.iter_mut().map(|e| &mut *e.cache).collect();
     for (l, layer) in w.layers.iter().enumerate() {
+        if let Some(o) = observe.as_mut() {
+            o(l, &mut h);
+        }
         attention_block(model, kernel, l, &mut h, &mut caches, &slots, &mut common);
         match &layer.mlp {
             LayerMlp::Dense(mlp) => {
@@ -200,6 +212,9 @@ pub(crate) fn forward_batch(
                 moe_block(model, kernel, l, moe, &mut h, &mut step).map_err(BatchError::whole)?;
             }
         }
+    }
+    if let Some(o) = observe.as_mut() {
+        o(w.layers.len(), &mut h);
     }
     for (c, &n) in caches.iter_mut().zip(&counts) {
         c.commit(n);

@@ -23,6 +23,8 @@
 mod forward;
 pub mod kv_cache;
 
+pub use forward::ResidualObserver;
+
 use std::sync::Arc;
 
 pub use kv_cache::KvCache;
@@ -172,9 +174,19 @@ impl CpuEngine {
         &self,
         seqs: &mut [BatchEntry<'_, KvCache>],
     ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
+        self.forward_batch_observed(seqs, None)
+    }
+
+    /// [`CpuEngine::forward_batch`], with `observe` shown the residual stream entering every
+    /// layer and after the last ([`ResidualObserver`]); the same bits unless it writes to it.
+    pub fn forward_batch_observed(
+        &self,
+        seqs: &mut [BatchEntry<'_, KvCache>],
+        observe: ResidualObserver<'_>,
+    ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
         let result = self
             .pool
-            .install(|| forward::forward_batch(&self.model, self.kernel, seqs));
+            .install(|| forward::forward_batch(&self.model, self.kernel, seqs, observe));
         if result.is_err() {
             for s in seqs.iter_mut() {
                 s.cache.rollback();

@@ -66,6 +66,12 @@ pub enum EngineError {
     /// [`CudaError::Run`]: that arrives as [`EngineError::Run`].
     #[error(transparent)]
     Cuda(CudaError),
+    /// Observing the residual stream (captures) is not available on this backend yet.
+    #[error(
+        "capturing or editing the residual stream is not available on the {backend} backend yet \
+         (use the CPU backend)"
+    )]
+    CaptureUnsupported { backend: &'static str },
     /// A sequence was stepped on a model of the other backend than the one that made it (a bug
     /// in the caller).
     #[error("a {sequence} sequence cannot be stepped on the {model} backend")]
@@ -305,6 +311,47 @@ impl Model {
                     })
                 })
             }
+        }
+    }
+
+    /// [`Model::step`] with `observe` shown the residual stream of the step's tokens entering
+    /// every layer and after the last ([`tarfa_cpu::ResidualObserver`]); the outputs are the same
+    /// bits unless `observe` writes to it (an intervention, which its caller must label). CPU
+    /// only for now: on CUDA it is [`EngineError::CaptureUnsupported`].
+    pub fn step_observed(
+        &self,
+        steps: &mut [SeqStep<'_>],
+        observe: &mut (dyn FnMut(usize, &mut [Vec<f32>]) + Send),
+    ) -> Result<Vec<ForwardOutput>, StepError> {
+        if let Some(index) = steps.iter().position(|s| !self.owns(s.seq)) {
+            return Err(StepError {
+                index: Some(index),
+                error: self.foreign(steps[index].seq),
+            });
+        }
+        match self {
+            Model::Cpu(e) => {
+                let mut entries: Vec<BatchEntry<'_, KvCache>> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.seq.cache {
+                        SequenceCache::Cpu(c) => BatchEntry {
+                            cache: c,
+                            tokens: s.tokens,
+                            opts: s.opts,
+                        },
+                        SequenceCache::Cuda(_) => unreachable!("checked above"),
+                    })
+                    .collect();
+                e.forward_batch_observed(&mut entries, Some(observe))
+                    .map_err(|b| StepError {
+                        index: b.sequence,
+                        error: b.error.into(),
+                    })
+            }
+            Model::Cuda(_) => Err(StepError {
+                index: None,
+                error: EngineError::CaptureUnsupported { backend: "cuda" },
+            }),
         }
     }
 
