@@ -104,6 +104,8 @@ struct Loaded {
     max_positions: usize,
     num_layers: usize,
     hidden_size: usize,
+    num_experts: usize,
+    top_k: usize,
     /// Kept for as long as the model: the streamed weight source and its heat ledger.
     stream: StreamRun,
 }
@@ -254,6 +256,8 @@ impl NativeModel {
                         max_positions: opened.cfg.max_position_embeddings,
                         num_layers: opened.cfg.num_layers,
                         hidden_size: opened.cfg.hidden_size,
+                        num_experts: opened.cfg.num_experts,
+                        top_k: opened.cfg.top_k,
                         source: opened.source,
                         config_json: opened.config_json,
                         tokenizer: opened.tokenizer,
@@ -383,13 +387,19 @@ impl NativeModel {
     /// before the final norm), the residual of every token of the step gets `rows` (token-major,
     /// `[n_total, hidden]` flattened) added, or is replaced by it. Changes the model's output:
     /// the caller labels it.
-    #[pyo3(signature = (batch, residual_layers=None, edits=None))]
+    ///
+    /// `router_layers`: capture these MoE layers' router logits, per sequence `[n, experts]`.
+    /// `ablate`: `(layer, experts)`: those experts' router logits become -inf before the
+    /// softmax, so the router never selects them (an intervention).
+    #[pyo3(signature = (batch, residual_layers=None, edits=None, router_layers=None, ablate=None))]
     fn forward_batch<'py>(
         &self,
         py: Python<'py>,
         batch: Vec<Vec<u32>>,
         residual_layers: Option<Vec<usize>>,
         edits: Option<Vec<(usize, bool, Vec<f32>)>>,
+        router_layers: Option<Vec<usize>>,
+        ablate: Option<Vec<(usize, Vec<usize>)>>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let l = self.loaded()?;
         if let Some(i) = batch.iter().position(|t| t.is_empty()) {
@@ -417,8 +427,43 @@ impl NativeModel {
                 )));
             }
         }
-        // (layer, every token's row of the step, in batch order)
-        let mut captured: Vec<(usize, Vec<Vec<f32>>)> = Vec::new();
+        for (layer, experts) in ablate.iter().flatten() {
+            if *layer >= num_layers {
+                return Err(input_err(format!(
+                    "ablate: {layer} is not a layer of this model (0 to {})",
+                    num_layers - 1
+                )));
+            }
+            if let Some(bad) = experts.iter().find(|&&e| e >= l.num_experts) {
+                return Err(input_err(format!(
+                    "ablate[{layer}]: expert {bad} is not an expert of this model (0 to {})",
+                    l.num_experts - 1
+                )));
+            }
+            let mut distinct: Vec<usize> = experts.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            if l.num_experts - distinct.len() < l.top_k {
+                return Err(input_err(format!(
+                    "ablate[{layer}]: ablating {} experts leaves fewer than the {} the router selects",
+                    distinct.len(),
+                    l.top_k
+                )));
+            }
+        }
+        let observed = residual_layers.is_some()
+            || router_layers.is_some()
+            || edits.is_some()
+            || ablate.is_some();
+        let mut hook = PyHook {
+            residual_layers: residual_layers.as_deref(),
+            router_layers: router_layers.as_deref(),
+            edits: edits.as_deref().unwrap_or_default(),
+            ablate: ablate.as_deref().unwrap_or_default(),
+            hidden,
+            residual: Vec::new(),
+            router: Vec::new(),
+        };
         let outs = py.detach(|| {
             guarded(|| {
                 let mut seqs: Vec<Sequence> = batch
@@ -436,27 +481,10 @@ impl NativeModel {
                     .zip(&batch)
                     .map(|(seq, tokens)| SeqStep { seq, tokens, opts })
                     .collect();
-                let result = if residual_layers.is_none() && edits.is_none() {
-                    l.model.step(&mut steps)
+                let result = if observed {
+                    l.model.step_observed(&mut steps, &mut hook)
                 } else {
-                    let mut observe = |layer: usize, h: &mut [Vec<f32>]| {
-                        for (at, replace, rows) in edits.iter().flatten() {
-                            if *at != layer {
-                                continue;
-                            }
-                            for (row, new) in h.iter_mut().zip(rows.chunks_exact(hidden)) {
-                                if *replace {
-                                    row.copy_from_slice(new);
-                                } else {
-                                    row.iter_mut().zip(new).for_each(|(x, d)| *x += d);
-                                }
-                            }
-                        }
-                        if residual_layers.as_ref().is_some_and(|w| w.contains(&layer)) {
-                            captured.push((layer, h.to_vec()));
-                        }
-                    };
-                    l.model.step_observed(&mut steps, &mut observe)
+                    l.model.step(&mut steps)
                 };
                 result.map_err(|e| {
                     let prefix = e.index.map(|i| format!("tokens {i}: ")).unwrap_or_default();
@@ -469,18 +497,22 @@ impl NativeModel {
             .zip(&batch)
             .map(|(o, t)| {
                 let d = output_to_py(py, o, l.vocab_size, t.len())?;
-                if residual_layers.is_some() {
+                for (key, wanted, captured) in [
+                    ("residual", residual_layers.is_some(), &hook.residual),
+                    ("router_logits", router_layers.is_some(), &hook.router),
+                ] {
+                    if !wanted {
+                        continue;
+                    }
                     let res = PyDict::new(py);
-                    for (layer, rows) in &captured {
+                    for (layer, rows) in captured {
                         let mine = &rows[first..first + t.len()];
                         let width = mine.first().map_or(0, Vec::len);
                         let flat: Vec<f32> = mine.iter().flatten().copied().collect();
-                        res.set_item(
-                            layer,
-                            PyArray1::from_vec(py, flat).reshape([t.len(), width])?,
-                        )?;
+                        let arr = PyArray1::from_vec(py, flat).reshape([t.len(), width])?;
+                        res.set_item(layer, arr)?;
                     }
-                    d.set_item("residual", res)?;
+                    d.set_item(key, res)?;
                 }
                 first += t.len();
                 Ok(d)
@@ -556,6 +588,56 @@ impl NativeModel {
                 }
             })
         })
+    }
+}
+
+/// What one `forward_batch` asks the engine to show it or change ([`tarfa_cpu::StepHook`]).
+struct PyHook<'a> {
+    residual_layers: Option<&'a [usize]>,
+    router_layers: Option<&'a [usize]>,
+    /// (layer, replace, rows `[n_total * hidden]`)
+    edits: &'a [(usize, bool, Vec<f32>)],
+    /// (layer, experts whose router logits become -inf)
+    ablate: &'a [(usize, Vec<usize>)],
+    hidden: usize,
+    /// (layer, every token's row of the step, in batch order)
+    residual: Vec<(usize, Vec<Vec<f32>>)>,
+    router: Vec<(usize, Vec<Vec<f32>>)>,
+}
+
+impl tarfa_cpu::StepHook for PyHook<'_> {
+    fn residual(&mut self, layer: usize, h: &mut [Vec<f32>]) {
+        // in the order given: the Python side puts additions before replacements
+        for (at, replace, rows) in self.edits {
+            if *at != layer {
+                continue;
+            }
+            for (row, new) in h.iter_mut().zip(rows.chunks_exact(self.hidden)) {
+                if *replace {
+                    row.copy_from_slice(new);
+                } else {
+                    row.iter_mut().zip(new).for_each(|(x, d)| *x += d);
+                }
+            }
+        }
+        if self.residual_layers.is_some_and(|w| w.contains(&layer)) {
+            self.residual.push((layer, h.to_vec()));
+        }
+    }
+
+    fn router_logits(&mut self, layer: usize, logits: &mut [Vec<f32>]) {
+        for (at, experts) in self.ablate {
+            if *at == layer {
+                for row in logits.iter_mut() {
+                    for &e in experts {
+                        row[e] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        if self.router_layers.is_some_and(|w| w.contains(&layer)) {
+            self.router.push((layer, logits.to_vec()));
+        }
     }
 }
 

@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 # Captures the issue names that the engine cannot observe yet: refused by name, never empty.
-_CAPTURES_NOT_YET = ("attn_out", "moe_out", "router_logits", "router_probs", "expert_out")
+_CAPTURES_NOT_YET = ("attn_out", "moe_out", "router_probs", "expert_out")
+_CAPTURES = ("residual", "router_logits")
 
 # Token ids cross into the engine as u32.
 _MAX_ID = 2**32 - 1
@@ -70,6 +71,7 @@ class ForwardOutput:
         router_topk_probs: ``{layer: float32 [n, k]}``, their softmax probabilities.
         residual: ``{layer: float32 [n, hidden]}`` when ``capture=["residual"]``: the hidden
             state entering ``layer``; at ``num_layers``, after the last layer.
+        router_logits: ``{layer: float32 [n, experts]}`` when ``capture=["router_logits"]``.
         exact: True for the model's own output; False when an intervention changed it.
         interventions: the interventions applied, by name (empty when exact).
     """
@@ -87,6 +89,7 @@ class ForwardOutput:
         self.weight_bytes: int = raw["weight_bytes"]
         self.experts_fetched: int = raw["experts_fetched"]
         self.residual: Dict[int, np.ndarray] = dict(raw.get("residual", {}))
+        self.router_logits: Dict[int, np.ndarray] = dict(raw.get("router_logits", {}))
         self.exact: bool = True
         self.interventions: List[str] = []
 
@@ -186,6 +189,7 @@ class Model:
         layers: Optional[Sequence[int]] = None,
         residual_add: Optional[Dict[int, Any]] = None,
         residual_replace: Optional[Dict[int, Any]] = None,
+        ablate: Optional[Dict[int, Sequence[int]]] = None,
     ) -> ForwardOutput:
         """One fresh sequence of ``tokens`` through the model: every position's logits, the
         router's choices in every MoE layer, and the captures asked for (see
@@ -196,6 +200,7 @@ class Model:
             layers=layers,
             residual_add=residual_add,
             residual_replace=residual_replace,
+            ablate=ablate,
         )[0]
 
     def forward_batch(
@@ -205,21 +210,26 @@ class Model:
         layers: Optional[Sequence[int]] = None,
         residual_add: Optional[Dict[int, Any]] = None,
         residual_replace: Optional[Dict[int, Any]] = None,
+        ablate: Optional[Dict[int, Sequence[int]]] = None,
     ) -> List[ForwardOutput]:
         """Each entry of ``batch`` as its own fresh sequence, all run as one engine step; each
         output is the same bits as :meth:`forward` of that entry alone.
 
         ``capture``: ``"residual"`` puts in ``out.residual[layer]`` (float32 ``[n, hidden]``)
         the hidden state entering each layer, and at ``num_layers`` the state after the last
-        layer, before the final norm; ``layers`` limits it to those indices (memory). Captures
-        only observe: the logits are the same bits. CPU backend only for now.
+        layer, before the final norm; ``"router_logits"`` puts in ``out.router_logits[layer]``
+        (float32 ``[n, experts]``) each MoE layer's router logits, before the softmax.
+        ``layers`` limits captures to those indices (memory). Captures only observe: the
+        logits are the same bits. CPU backend only for now.
 
         Interventions (never the default; the output says ``exact=False`` and names each in
         ``interventions``): ``residual_add={layer: delta}`` adds ``delta`` to the residual
         entering ``layer``, ``residual_replace={layer: value}`` replaces it (``layer ==
         num_layers``: the state before the final norm). Each value is float32, ``[hidden]``
         (every token) or ``[tokens, hidden]`` (every token of the batch, in order). Additions
-        at a layer apply before replacements there."""
+        at a layer apply before replacements there. ``ablate={layer: [expert ids]}``: the
+        router of that MoE layer never selects those experts (their router logits become -inf
+        before the softmax; the captured router logits show that)."""
         if isinstance(batch, (str, bytes)) or len(batch) == 0:
             raise InputError("batch: expected a non-empty list of token sequences")
         ids = [_token_ids(t, f"tokens {i}") for i, t in enumerate(batch)]
@@ -227,19 +237,22 @@ class Model:
         for name in capture:
             if name in _CAPTURES_NOT_YET:
                 raise InputError(
-                    f"capture: {name!r} is not implemented yet (available: 'residual')"
+                    f"capture: {name!r} is not implemented yet (available: 'residual', "
+                    "'router_logits')"
                 )
-            if name != "residual":
-                raise InputError(f"capture: unknown capture {name!r} (available: 'residual')")
-        residual_layers = None
-        if "residual" in capture:
-            n = self.config["num_hidden_layers"]
-            if layers is None:
-                residual_layers = list(range(n + 1))
-            else:
-                residual_layers = [int(x) for x in _token_ids(layers, "layers")]
-        elif layers is not None:
+            if name not in _CAPTURES:
+                raise InputError(
+                    f"capture: unknown capture {name!r} (available: 'residual', 'router_logits')"
+                )
+        if not capture and layers is not None:
             raise InputError("layers: selects the layers of a capture; no capture was asked for")
+        n = self.config["num_hidden_layers"]
+        wanted = None if layers is None else [int(x) for x in _token_ids(layers, "layers")]
+        residual_layers = router_layers = None
+        if "residual" in capture:
+            residual_layers = list(range(n + 1)) if wanted is None else wanted
+        if "router_logits" in capture:
+            router_layers = list(range(n)) if wanted is None else wanted
         total = sum(len(t) for t in ids)
         edits, names = [], []
         for label, replace, given in (
@@ -254,7 +267,18 @@ class Model:
                 rows = self._edit_rows(f"{label}[{layer}]", value, total)
                 edits.append((int(layer), replace, rows))
                 names.append(f"{label}(layer={int(layer)})")
-        raw = self._native.forward_batch(ids, residual_layers, edits or None)
+        cuts = None
+        if ablate is not None:
+            if not isinstance(ablate, dict):
+                raise InputError("ablate: expected a dict {layer: [expert ids]}")
+            cuts = []
+            for layer, experts in sorted(ablate.items()):
+                e = [int(x) for x in _token_ids(experts, f"ablate[{layer}]")]
+                cuts.append((int(layer), e))
+                names.append(f"ablate(layer={int(layer)}, experts={sorted(set(e))})")
+        raw = self._native.forward_batch(
+            ids, residual_layers, edits or None, router_layers, cuts
+        )
         outs = [ForwardOutput(r) for r in raw]
         if names:
             for o in outs:

@@ -18,6 +18,7 @@ class ForwardOutput:
     router_weights: Dict[int, npt.NDArray[np.float32]]
     router_topk_probs: Dict[int, npt.NDArray[np.float32]]
     residual: Dict[int, npt.NDArray[np.float32]]
+    router_logits: Dict[int, npt.NDArray[np.float32]]
     weight_bytes: int
     experts_fetched: int
     exact: bool
@@ -56,6 +57,7 @@ class Model:
         layers: Optional[Sequence[int]] = None,
         residual_add: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
         residual_replace: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
+        ablate: Optional[Dict[int, Sequence[int]]] = None,
     ) -> ForwardOutput: ...
     def forward_batch(
         self,
@@ -64,6 +66,7 @@ class Model:
         layers: Optional[Sequence[int]] = None,
         residual_add: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
         residual_replace: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
+        ablate: Optional[Dict[int, Sequence[int]]] = None,
     ) -> List[ForwardOutput]: ...
     def score(
         self,

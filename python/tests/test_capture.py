@@ -72,3 +72,21 @@ def test_captures_not_yet_and_bad_layers_are_refused(bundle):
             m.forward([1, 2], capture=["resid"])
         with pytest.raises(tarfa.InputError, match="layers: 9 is not a layer"):
             m.forward([1, 2], capture=["residual"], layers=[9])
+
+
+def test_router_logits_rank_the_chosen_experts(bundle, reference):
+    prompt = reference("qwen2moe-s")["prompt.2"]
+    with tarfa.open(bundle("qwen2moe-s"), backend="cpu") as m:
+        plain = m.forward(prompt)
+        out = m.forward(prompt, capture=["router_logits"])
+        n_experts = m.config["num_experts"]
+    assert out.logits.tobytes() == plain.logits.tobytes(), "a capture changes no bit"
+    assert sorted(out.router_logits) == out.moe_layers
+    for layer in out.moe_layers:
+        lg = out.router_logits[layer]
+        topk = out.router_topk[layer]
+        assert lg.dtype == np.float32 and lg.shape == (len(prompt), n_experts)
+        # the softmax is monotone: the k largest logits are the k experts chosen
+        k = topk.shape[1]
+        best = np.argsort(-lg, axis=1, kind="stable")[:, :k]
+        assert (np.sort(best, axis=1) == np.sort(topk, axis=1)).all(), layer

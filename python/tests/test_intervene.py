@@ -55,3 +55,31 @@ def test_bad_interventions_are_refused(run):
         m.forward(prompt, residual_add={1: np.zeros((2, h), np.float32)})
     with pytest.raises(tarfa.InputError, match="not a layer"):
         m.forward(prompt, residual_add={7: np.zeros(h, np.float32)})
+
+
+def test_ablated_experts_are_never_chosen(bundle, reference):
+    prompt = reference("mixtral-s")["prompt.2"]
+    with tarfa.open(bundle("mixtral-s"), backend="cpu") as m:
+        plain = m.forward(prompt)
+        first, last = plain.moe_layers[0], plain.moe_layers[-1]
+        # the expert the last MoE layer chose most often
+        gone = int(np.bincount(plain.router_topk[last].ravel()).argmax())
+        out = m.forward(prompt, capture=["router_logits"], ablate={last: [gone]})
+    assert not out.exact and out.interventions == [f"ablate(layer={last}, experts=[{gone}])"]
+    assert gone not in out.router_topk[last]
+    assert np.isneginf(out.router_logits[last][:, gone]).all()
+    assert np.isfinite(out.router_weights[last]).all()
+    if first != last:  # layers before the ablated one route as before
+        assert (out.router_topk[first] == plain.router_topk[first]).all()
+    assert not np.array_equal(out.logits, plain.logits)
+
+
+def test_bad_ablations_are_refused(run):
+    m, prompt = run
+    e = m.config["num_experts"]
+    with pytest.raises(tarfa.InputError, match="not an expert"):
+        m.forward(prompt, ablate={0: [e]})
+    with pytest.raises(tarfa.InputError, match="not a layer"):
+        m.forward(prompt, ablate={5: [0]})
+    with pytest.raises(tarfa.InputError, match="fewer than"):
+        m.forward(prompt, ablate={0: list(range(e))})

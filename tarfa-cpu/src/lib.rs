@@ -23,7 +23,7 @@
 mod forward;
 pub mod kv_cache;
 
-pub use forward::ResidualObserver;
+pub use forward::StepHook;
 
 use std::sync::Arc;
 
@@ -177,16 +177,16 @@ impl CpuEngine {
         self.forward_batch_observed(seqs, None)
     }
 
-    /// [`CpuEngine::forward_batch`], with `observe` shown the residual stream entering every
-    /// layer and after the last ([`ResidualObserver`]); the same bits unless it writes to it.
+    /// [`CpuEngine::forward_batch`], with `hook` shown the step's residual stream and router
+    /// logits ([`StepHook`]); the same bits unless it writes to them.
     pub fn forward_batch_observed(
         &self,
         seqs: &mut [BatchEntry<'_, KvCache>],
-        observe: ResidualObserver<'_>,
+        hook: Option<&mut dyn StepHook>,
     ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
         let result = self
             .pool
-            .install(|| forward::forward_batch(&self.model, self.kernel, seqs, observe));
+            .install(|| forward::forward_batch(&self.model, self.kernel, seqs, hook));
         if result.is_err() {
             for s in seqs.iter_mut() {
                 s.cache.rollback();

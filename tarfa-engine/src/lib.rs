@@ -66,10 +66,11 @@ pub enum EngineError {
     /// [`CudaError::Run`]: that arrives as [`EngineError::Run`].
     #[error(transparent)]
     Cuda(CudaError),
-    /// Observing the residual stream (captures) is not available on this backend yet.
+    /// Captures and interventions ([`Model::step_observed`]) are not available on this backend
+    /// yet.
     #[error(
-        "capturing or editing the residual stream is not available on the {backend} backend yet \
-         (use the CPU backend)"
+        "captures and interventions are not available on the {backend} backend yet (use the \
+         CPU backend)"
     )]
     CaptureUnsupported { backend: &'static str },
     /// A sequence was stepped on a model of the other backend than the one that made it (a bug
@@ -314,14 +315,14 @@ impl Model {
         }
     }
 
-    /// [`Model::step`] with `observe` shown the residual stream of the step's tokens entering
-    /// every layer and after the last ([`tarfa_cpu::ResidualObserver`]); the outputs are the same
-    /// bits unless `observe` writes to it (an intervention, which its caller must label). CPU
-    /// only for now: on CUDA it is [`EngineError::CaptureUnsupported`].
+    /// [`Model::step`] with `hook` shown the step's residual stream and router logits
+    /// ([`tarfa_cpu::StepHook`]); the outputs are the same bits unless `hook` writes to them (an
+    /// intervention, which its caller must label). CPU only for now: on CUDA it is
+    /// [`EngineError::CaptureUnsupported`].
     pub fn step_observed(
         &self,
         steps: &mut [SeqStep<'_>],
-        observe: &mut (dyn FnMut(usize, &mut [Vec<f32>]) + Send),
+        hook: &mut dyn tarfa_cpu::StepHook,
     ) -> Result<Vec<ForwardOutput>, StepError> {
         if let Some(index) = steps.iter().position(|s| !self.owns(s.seq)) {
             return Err(StepError {
@@ -342,7 +343,7 @@ impl Model {
                         SequenceCache::Cuda(_) => unreachable!("checked above"),
                     })
                     .collect();
-                e.forward_batch_observed(&mut entries, Some(observe))
+                e.forward_batch_observed(&mut entries, Some(hook))
                     .map_err(|b| StepError {
                         index: b.sequence,
                         error: b.error.into(),
