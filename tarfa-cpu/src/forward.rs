@@ -136,10 +136,23 @@ fn check_entry(cfg: &tarfa_core::config::MoeConfig, e: &mut Entry<'_>) -> Result
 /// (docs/EXACTNESS.md, "Batching"). `forward` of one sequence is this with one entry.
 ///
 /// On error, pushed keys and values are not committed; the caller rolls every cache back.
+/// Shown a step's internals (the Python package's captures and its labelled interventions).
+/// Each method's default does nothing. A hook that writes to what it is shown changes the
+/// model's function: only a caller's labelled intervention may. The default path passes no
+/// hook: one `Option` check per layer, no value or reduction changes.
+pub trait StepHook: Send {
+    /// The hidden state rows entering `layer` (the step's tokens in entry order); at
+    /// `layer == num_layers`, the state after the last layer, before the final norm.
+    fn residual(&mut self, _layer: usize, _h: &mut [Vec<f32>]) {}
+    /// MoE layer `layer`'s router logits `[T][E]`, before the softmax and the top-k.
+    fn router_logits(&mut self, _layer: usize, _logits: &mut [Vec<f32>]) {}
+}
+
 pub(crate) fn forward_batch(
     model: &CpuModel,
     kernel: Kernel,
     entries: &mut [Entry<'_>],
+    mut hook: Option<&mut dyn StepHook>,
 ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
     let cfg = &model.cfg;
     if entries.is_empty() {
@@ -182,6 +195,9 @@ pub(crate) fn forward_batch(
     let counts: Vec<usize> = entries.iter().map(|e| e.tokens.len()).collect();
     let mut caches: Vec<&mut KvCache> = entries.iter_mut().map(|e| &mut *e.cache).collect();
     for (l, layer) in w.layers.iter().enumerate() {
+        if let Some(k) = hook.as_mut() {
+            k.residual(l, &mut h);
+        }
         attention_block(model, kernel, l, &mut h, &mut caches, &slots, &mut common);
         match &layer.mlp {
             LayerMlp::Dense(mlp) => {
@@ -196,10 +212,14 @@ pub(crate) fn forward_batch(
                     router: &mut router,
                     own: &mut own,
                     common: &mut common,
+                    hook: hook.as_deref_mut(),
                 };
                 moe_block(model, kernel, l, moe, &mut h, &mut step).map_err(BatchError::whole)?;
             }
         }
+    }
+    if let Some(k) = hook.as_mut() {
+        k.residual(w.layers.len(), &mut h);
     }
     for (c, &n) in caches.iter_mut().zip(&counts) {
         c.commit(n);
@@ -450,12 +470,13 @@ fn check_batches(batches: &[Vec<usize>], ids: &[usize]) -> Result<(), RunError> 
 
 /// The step's side of a MoE layer: where each token comes from, which sequences want router
 /// records (and theirs), and the counters (see [`forward_batch`]).
-struct MoeStep<'s> {
+struct MoeStep<'s, 'h> {
     slots: &'s [Slot],
     trace: &'s [bool],
     router: &'s mut [Vec<RouterRecord>],
     own: &'s mut [StepStats],
     common: &'s mut StepStats,
+    hook: Option<&'s mut (dyn StepHook + 'h)>,
 }
 
 /// Step 4, the MoE block of layer `l`: route every token, fetch the needed experts, apply each
@@ -473,14 +494,17 @@ fn moe_block(
     l: usize,
     moe: &MoeResident,
     h: &mut [Vec<f32>],
-    step: &mut MoeStep<'_>,
+    step: &mut MoeStep<'_, '_>,
 ) -> Result<(), RunError> {
     let cfg = &model.cfg;
     let layer = &model.weights.layers[l];
     let xs = normed_activations(kernel, h, &layer.post_attention_norm, cfg.eps_f32());
 
     // router logits [T][E], then per-token routes
-    let logits = apply(kernel, &moe.router, &xs);
+    let mut logits = apply(kernel, &moe.router, &xs);
+    if let Some(k) = step.hook.as_mut() {
+        k.router_logits(l, &mut logits);
+    }
     step.common.weight_bytes += moe.router.as_ref().bytes();
     let routes: Vec<Route> = logits
         .iter()

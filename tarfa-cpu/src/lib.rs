@@ -23,6 +23,8 @@
 mod forward;
 pub mod kv_cache;
 
+pub use forward::StepHook;
+
 use std::sync::Arc;
 
 pub use kv_cache::KvCache;
@@ -172,9 +174,19 @@ impl CpuEngine {
         &self,
         seqs: &mut [BatchEntry<'_, KvCache>],
     ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
+        self.forward_batch_observed(seqs, None)
+    }
+
+    /// [`CpuEngine::forward_batch`], with `hook` shown the step's residual stream and router
+    /// logits ([`StepHook`]); the same bits unless it writes to them.
+    pub fn forward_batch_observed(
+        &self,
+        seqs: &mut [BatchEntry<'_, KvCache>],
+        hook: Option<&mut dyn StepHook>,
+    ) -> Result<Vec<ForwardOutput>, BatchError<RunError>> {
         let result = self
             .pool
-            .install(|| forward::forward_batch(&self.model, self.kernel, seqs));
+            .install(|| forward::forward_batch(&self.model, self.kernel, seqs, hook));
         if result.is_err() {
             for s in seqs.iter_mut() {
                 s.cache.rollback();

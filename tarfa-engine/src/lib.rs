@@ -71,6 +71,13 @@ pub enum EngineError {
     /// [`CudaError::Run`]: that arrives as [`EngineError::Run`].
     #[error(transparent)]
     Cuda(CudaError),
+    /// Captures and interventions ([`Model::step_observed`]) are not available on this backend
+    /// yet.
+    #[error(
+        "captures and interventions are not available on the {backend} backend yet (use the \
+         CPU backend)"
+    )]
+    CaptureUnsupported { backend: &'static str },
     /// A sequence was stepped on a model of the other backend than the one that made it (a bug
     /// in the caller).
     #[error("a {sequence} sequence cannot be stepped on the {model} backend")]
@@ -315,6 +322,47 @@ impl Model {
                     })
                 })
             }
+        }
+    }
+
+    /// [`Model::step`] with `hook` shown the step's residual stream and router logits
+    /// ([`tarfa_cpu::StepHook`]); the outputs are the same bits unless `hook` writes to them (an
+    /// intervention, which its caller must label). CPU only for now: on CUDA it is
+    /// [`EngineError::CaptureUnsupported`].
+    pub fn step_observed(
+        &self,
+        steps: &mut [SeqStep<'_>],
+        hook: &mut dyn tarfa_cpu::StepHook,
+    ) -> Result<Vec<ForwardOutput>, StepError> {
+        if let Some(index) = steps.iter().position(|s| !self.owns(s.seq)) {
+            return Err(StepError {
+                index: Some(index),
+                error: self.foreign(steps[index].seq),
+            });
+        }
+        match self {
+            Model::Cpu(e) => {
+                let mut entries: Vec<BatchEntry<'_, KvCache>> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.seq.cache {
+                        SequenceCache::Cpu(c) => BatchEntry {
+                            cache: c,
+                            tokens: s.tokens,
+                            opts: s.opts,
+                        },
+                        SequenceCache::Cuda(_) => unreachable!("checked above"),
+                    })
+                    .collect();
+                e.forward_batch_observed(&mut entries, Some(hook))
+                    .map_err(|b| StepError {
+                        index: b.sequence,
+                        error: b.error.into(),
+                    })
+            }
+            Model::Cuda(_) => Err(StepError {
+                index: None,
+                error: EngineError::CaptureUnsupported { backend: "cuda" },
+            }),
         }
     }
 

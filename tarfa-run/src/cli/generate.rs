@@ -195,11 +195,7 @@ pub(crate) fn kernel(k: KernelArg) -> Result<Kernel, CliError> {
 
 /// EOS ids: generation_config.json's when present, else config.json's; int or list. Ids outside
 /// the vocabulary can never be produced: they are dropped with a warning.
-pub(crate) fn eos_ids(
-    source: &BundleSource,
-    cfg: &MoeConfig,
-    quiet: bool,
-) -> Result<Vec<u32>, CliError> {
+pub fn eos_ids(source: &BundleSource, cfg: &MoeConfig, quiet: bool) -> Result<Vec<u32>, CliError> {
     let mut ids = cfg.eos_token_ids.clone();
     if source.has_file("generation_config.json") {
         let bytes = source.read_file("generation_config.json")?;
@@ -614,7 +610,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
 
 /// The bundle's chat template (`None` when it has none), its files read through the manifest
 /// (verified). `what` names the option or request kind that needs it, for messages.
-pub(super) fn chat_template(
+pub fn chat_template(
     source: &BundleSource,
     bundle: &Path,
     what: &str,

@@ -162,18 +162,18 @@ pub(crate) fn read_input(path: &Path, what: &str, max: u64) -> Result<Vec<u8>, C
 }
 
 /// A verified bundle with what every command reads from it first.
-pub(crate) struct OpenedBundle {
-    pub(crate) source: std::sync::Arc<crate::bundle::BundleSource>,
-    pub(crate) cfg: crate::config::MoeConfig,
+pub struct OpenedBundle {
+    pub source: std::sync::Arc<crate::bundle::BundleSource>,
+    pub cfg: crate::config::MoeConfig,
     /// config.json's text (for keys a record repeats as the config wrote them).
-    pub(crate) config_json: String,
+    pub config_json: String,
     /// `tokenizer.json`, when the bundle has one.
-    pub(crate) tokenizer: Option<tokenizers::Tokenizer>,
+    pub tokenizer: Option<tokenizers::Tokenizer>,
 }
 
 /// Opens and verifies the bundle at `path` (refused unless its root is `expect_root`, when
 /// given), logs its root digest, and reads its config and tokenizer.
-pub(crate) fn open_bundle(
+pub fn open_bundle(
     path: &Path,
     expect_root: Option<&str>,
     log: &dyn Fn(String),

@@ -48,7 +48,8 @@ pub fn run(a: &ServeArgs) -> Result<(), CliError> {
         return Err(CliError::Usage("--api-key: an empty key".into()));
     }
     let o = super::score::open(&a.model, &log)?;
-    let chat_template = super::generate::chat_template(&o.source, &a.model.bundle, "chat completions")?;
+    let chat_template =
+        super::generate::chat_template(&o.source, &a.model.bundle, "chat completions")?;
     let (model, streamed) = super::score::load(&a.model, &o, &log)?;
     let name = a
         .model
