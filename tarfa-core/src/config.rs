@@ -1021,6 +1021,149 @@ mod tests {
         assert_eq!(spec.moe_index(2), None);
     }
 
+    fn glm() -> Value {
+        serde_json::json!({
+            "model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "n_shared_experts": 2, "routed_scaling_factor": 1.8, "first_k_dense_replace": 1,
+            "norm_topk_prob": true, "use_qk_norm": true, "attention_bias": true,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "num_nextn_predict_layers": 1,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                "partial_rotary_factor": 0.5}
+        })
+    }
+
+    #[test]
+    fn glm4_moe_resolves_its_keys() {
+        let c = parse(&glm()).unwrap();
+        assert_eq!(c.rotary_dim, 4, "int(8 x 0.5)");
+        assert_eq!(c.shared_expert_width, Some(32), "2 shared experts x 16");
+        assert_eq!(c.first_k_dense_replace, 1);
+        assert_eq!(c.nextn_predict_layers, 1);
+        let g = c.group_routing.unwrap();
+        assert_eq!((g.n_group, g.topk_group), (2, 1));
+        assert_eq!(g.routed_scaling_factor, 1.8);
+        let spec = ArchSpec::new(&c);
+        assert_eq!(
+            spec.layers,
+            vec![MlpKind::Dense, MlpKind::Moe, MlpKind::Moe]
+        );
+        assert_eq!(spec.router, RouterRule::SigmoidGroupLimited);
+        assert!(spec.shared_experts_ungated && !spec.shared_expert);
+        assert_eq!(spec.qk_norm, QkNorm::PerHead);
+        assert!(spec.qkv_bias && !spec.o_bias);
+        // use_qk_norm off: no q/k norm
+        let c = parse(&with(glm(), "use_qk_norm", false.into())).unwrap();
+        assert_eq!(ArchSpec::new(&c).qk_norm, QkNorm::None);
+        // the top-level spelling of the factor
+        let mut v = glm();
+        v["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("partial_rotary_factor");
+        let v = with(v, "partial_rotary_factor", 0.75.into());
+        assert_eq!(parse(&v).unwrap().rotary_dim, 6);
+    }
+
+    #[test]
+    fn glm4_moe_refuses_what_it_cannot_run_by_name() {
+        let mut no_factor = glm();
+        no_factor["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("partial_rotary_factor");
+        for (v, key) in [
+            (without(glm(), "n_group"), "n_group"),
+            (without(glm(), "topk_group"), "topk_group"),
+            (
+                without(glm(), "routed_scaling_factor"),
+                "routed_scaling_factor",
+            ),
+            (
+                without(glm(), "first_k_dense_replace"),
+                "first_k_dense_replace",
+            ),
+            (without(glm(), "n_shared_experts"), "n_shared_experts"),
+            (no_factor, "partial_rotary_factor"),
+        ] {
+            assert_eq!(parse(&v), Err(ConfigError::Missing { key }));
+        }
+        assert_eq!(
+            parse(&with(glm(), "n_group", 3.into())),
+            Err(ConfigError::GroupsDoNotDivideExperts {
+                groups: 3,
+                experts: 8
+            })
+        );
+        assert_eq!(
+            parse(&with(glm(), "n_group", 8.into())),
+            Err(ConfigError::GroupTooSmall {
+                groups: 8,
+                experts: 8
+            })
+        );
+        assert_eq!(
+            parse(&with(glm(), "topk_group", 3.into())),
+            Err(ConfigError::TopKGroupExceedsGroups {
+                topk_group: 3,
+                groups: 2
+            })
+        );
+        assert_eq!(
+            parse(&with(glm(), "num_experts_per_tok", 5.into())),
+            Err(ConfigError::TopKExceedsKeptGroups { top_k: 5, kept: 4 })
+        );
+        for (key, value) in [
+            ("topk_method", serde_json::json!("greedy")),
+            ("scoring_func", serde_json::json!("softmax")),
+        ] {
+            let e = parse(&with(glm(), key, value)).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::Unsupported { key: k, .. } if k == key),
+                "{e}"
+            );
+        }
+        assert!(matches!(
+            parse(&with(glm(), "first_k_dense_replace", 4.into())),
+            Err(ConfigError::OutOfRange {
+                key: "first_k_dense_replace",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(glm(), "routed_scaling_factor", 0.into())),
+            Err(ConfigError::OutOfRange {
+                key: "routed_scaling_factor",
+                ..
+            })
+        ));
+        let mut tiny = glm();
+        tiny["rope_parameters"]["partial_rotary_factor"] = 0.1.into();
+        assert!(matches!(
+            parse(&tiny),
+            Err(ConfigError::OutOfRange {
+                key: "partial_rotary_factor",
+                ..
+            })
+        ));
+        // A family that rotates the whole head refuses another factor by name; 1 is accepted.
+        assert!(matches!(
+            parse(&with(base(), "partial_rotary_factor", 0.5.into())),
+            Err(ConfigError::Unsupported {
+                key: "partial_rotary_factor",
+                ..
+            })
+        ));
+        assert_eq!(
+            parse(&with(base(), "partial_rotary_factor", 1.0.into()))
+                .unwrap()
+                .rotary_dim,
+            32
+        );
+    }
+
     #[test]
     fn every_fixture_config_parses() {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/oracle");
