@@ -71,6 +71,9 @@ pub struct ExpertMatrixRule {
 
 /// The MLP of one layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// Built once per layer when a model loads or a checkpoint is checked: the variants' sizes do not
+// matter, and boxing would only add indirection to every reader.
+#[allow(clippy::large_enum_variant)]
 pub enum MlpRules {
     /// A dense MLP of width F.
     Dense(DenseMlpRules),
