@@ -87,6 +87,25 @@ fn glm4_moe_through_the_converter_and_the_cli_matches_transformers() {
     let bundle = tmp.path().join("bundle");
     tarfa_convert::convert(&dir, &bundle, &Default::default()).unwrap();
     let b = bundle.to_str().unwrap();
+    // The manifest: experts named by their source prefix; the shared experts and the router
+    // (with its correction bias) in the non-expert region, listed before the first expert.
+    let manifest = std::fs::read_to_string(bundle.join("manifest.toml")).unwrap();
+    let first_expert = manifest.find("[[experts]]").expect("an experts region");
+    for name in [
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "model.layers.2.mlp.shared_experts.down_proj.weight",
+    ] {
+        let at = manifest
+            .find(&format!("name = \"{name}\"\n"))
+            .unwrap_or_else(|| panic!("{name} not in the manifest"));
+        assert!(at < first_expert, "{name} is not a non-expert tensor");
+    }
+    let expert = manifest
+        .find("name = \"model.layers.1.mlp.experts.0\"\n")
+        .expect("expert 0 of layer 1 named by its source prefix");
+    assert!(expert > first_expert);
     let vocab = f.model.config().vocab_size;
     for (i, r) in f.prompts.iter().enumerate() {
         let tokens: Vec<String> = r.prompt.iter().map(|t| t.to_string()).collect();
