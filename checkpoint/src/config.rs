@@ -17,6 +17,10 @@ pub enum ModelFamily {
     Mixtral,
     /// `model_type: "olmoe"`.
     Olmoe,
+    /// `model_type: "glm4_moe"` (GLM-4.5): `n_routed_experts`, the first
+    /// `first_k_dense_replace` layers dense, `mlp.shared_experts.*` and the router's
+    /// `mlp.gate.e_score_correction_bias` non-expert tensors.
+    Glm4Moe,
 }
 
 impl ModelFamily {
@@ -27,6 +31,7 @@ impl ModelFamily {
             ModelFamily::Qwen2Moe => "qwen2_moe",
             ModelFamily::Mixtral => "mixtral",
             ModelFamily::Olmoe => "olmoe",
+            ModelFamily::Glm4Moe => "glm4_moe",
         }
     }
 
@@ -37,6 +42,7 @@ impl ModelFamily {
             ModelFamily::Qwen2Moe,
             ModelFamily::Mixtral,
             ModelFamily::Olmoe,
+            ModelFamily::Glm4Moe,
         ]
         .into_iter()
         .find(|f| f.model_type() == s)
@@ -154,6 +160,11 @@ impl ModelConfigSummary {
         let num_hidden_layers = c.required_u32("num_hidden_layers")?;
         c.positive("num_hidden_layers", num_hidden_layers.into())?;
         let (count_field, count) = match (c.uint("num_experts")?, c.uint("num_local_experts")?) {
+            // GLM-4.5 (and DeepSeek) count their routed experts under n_routed_experts.
+            (None, None) if family == ModelFamily::Glm4Moe => match c.uint("n_routed_experts")? {
+                Some(n) => ("n_routed_experts", n),
+                None => return Err(CheckpointError::ConfigMissingExpertCount { file: f() }),
+            },
             (None, None) => return Err(CheckpointError::ConfigMissingExpertCount { file: f() }),
             (Some(a), Some(b)) if a != b => {
                 return Err(CheckpointError::ConfigConflictingExpertCount {
@@ -181,7 +192,15 @@ impl ModelConfigSummary {
             .ok_or_else(|| c.missing("hidden_size"))?;
         c.positive("hidden_size", hidden_size)?;
 
-        let moe_layers = if family.has_dense_layers() {
+        let moe_layers = if family == ModelFamily::Glm4Moe {
+            // layers 0..first_k_dense_replace are dense, as transformers builds them
+            let k = c
+                .uint("first_k_dense_replace")?
+                .ok_or_else(|| c.missing("first_k_dense_replace"))?;
+            (0..num_hidden_layers)
+                .filter(|&l| u64::from(l) >= k)
+                .collect()
+        } else if family.has_dense_layers() {
             let step = match c.uint("decoder_sparse_step")? {
                 None => 1,
                 Some(s) => c.fits_u32("decoder_sparse_step", s)?,

@@ -157,10 +157,10 @@ pub enum CheckpointError {
         reason: &'static str,
     },
     /// `model_type` names an architecture Tarfa does not run.
-    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral and olmoe)", .file.display())]
+    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe and glm4_moe)", .file.display())]
     UnsupportedModelType { file: PathBuf, model_type: String },
     /// The config declares a `quantization_config` (or `compression_config`): a quantized release.
-    #[error("{}: declares a {key} ({method:?}); Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display())]
+    #[error("{}: declares a {key} ({method:?}); {}Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display(), fp8_note(method))]
     QuantizedConfig {
         file: PathBuf,
         key: &'static str,
@@ -308,7 +308,7 @@ pub enum CheckpointError {
     // ---- dtype policy ---------------------------------------------------------------------------
     /// A tensor's name marks it as part of a quantization scheme (`.qweight`, `.scales`,
     /// `.weight_scale_inv`, ...).
-    #[error("{}: tensor {tensor:?} is a quantization companion; Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display())]
+    #[error("{}: tensor {tensor:?} is a quantization companion; {}Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display(), if tensor.ends_with(".weight_scale_inv") { fp8_note("fp8") } else { "" })]
     QuantizationCompanion { file: PathBuf, tensor: String },
     /// A tensor has a quantized dtype (F8_*, F6_*, F4, I8, U8).
     #[error("{}: tensor {tensor:?} is {dtype:?}, a quantized type; Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display())]
@@ -518,5 +518,17 @@ impl CheckpointError {
             | UnknownShard { file, .. }
             | ShardChanged { file, .. } => file,
         }
+    }
+}
+
+/// What an FP8 release (DeepSeek-V3/R1's own weights: block-scaled FP8 with `weight_scale_inv`)
+/// needs said: its released form is FP8, so a BF16 conversion of it is another model's weights
+/// as far as exactness goes.
+fn fp8_note(method: &str) -> &'static str {
+    if method.eq_ignore_ascii_case("fp8") {
+        "this model's released form is FP8 (block-scaled, with weight_scale_inv tensors); a BF16 \
+         conversion of it is not the released weights, and exact FP8 is not implemented. "
+    } else {
+        ""
     }
 }

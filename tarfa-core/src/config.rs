@@ -8,7 +8,10 @@
 
 use serde_json::{Map, Value};
 
-use crate::model::{family_by_model_type, ArchSpec, Family, Flag, MlpKind, FAMILIES};
+use crate::model::{
+    family_by_model_type, ArchSpec, DenseLayerRule, Family, Flag, MlpKind, QkNorm, RouterRule,
+    SharedExpertRule, FAMILIES,
+};
 
 /// A config.json that cannot be run.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -55,6 +58,31 @@ pub enum ConfigError {
     /// A layer listed in `mlp_only_layers` does not exist.
     #[error("mlp_only_layers names layer {layer}, but num_hidden_layers is {layers}")]
     MlpOnlyLayerOutOfRange { layer: usize, layers: usize },
+    /// `n_group` does not divide the number of routed experts.
+    #[error("n_group {groups} does not divide n_routed_experts {experts}")]
+    GroupsDoNotDivideExperts { groups: usize, experts: usize },
+    /// Group-limited routing scores a group by its two best experts: a group needs two.
+    #[error("n_group {groups} leaves fewer than 2 experts per group (n_routed_experts {experts}); a group is scored by the sum of its two best")]
+    GroupTooSmall { groups: usize, experts: usize },
+    /// `topk_group` exceeds `n_group`.
+    #[error("topk_group {topk_group} exceeds n_group {groups}")]
+    TopKGroupExceedsGroups { topk_group: usize, groups: usize },
+    /// The kept groups hold fewer experts than `num_experts_per_tok`.
+    #[error(
+        "num_experts_per_tok {top_k} exceeds the {kept} experts of the topk_group groups kept"
+    )]
+    TopKExceedsKeptGroups { top_k: usize, kept: usize },
+}
+
+/// The group-limited sigmoid router's keys (DeepSeek-V3, GLM-4.5).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupRouting {
+    /// `n_group`: the experts split into this many equal groups, in id order.
+    pub n_group: usize,
+    /// `topk_group`: the groups kept.
+    pub topk_group: usize,
+    /// `routed_scaling_factor` as written; the forward multiplies by `f32(factor)`.
+    pub routed_scaling_factor: f64,
 }
 
 /// The validated, family-resolved configuration of an MoE decoder.
@@ -105,6 +133,18 @@ pub struct MoeConfig {
     /// `eos_token_id` (int or list; empty when null). Ids outside the vocabulary are kept here
     /// and can never be generated.
     pub eos_token_ids: Vec<u64>,
+    /// Rotary embedding width per head: `head_dim`, or `int(head_dim x partial_rotary_factor)`
+    /// for a family that reads that key (the leading dimensions rotate, the rest pass through).
+    pub rotary_dim: usize,
+    /// Whether the family's q/k norm is present (`use_qk_norm` for GLM-4.5).
+    pub qk_norm_on: bool,
+    /// `first_k_dense_replace` (families with that rule; 0 otherwise).
+    pub first_k_dense_replace: usize,
+    /// The group-limited sigmoid router's keys (families with that rule).
+    pub group_routing: Option<GroupRouting>,
+    /// `num_nextn_predict_layers`: multi-token-prediction layers the checkpoint may carry past
+    /// `num_hidden_layers`. They are never run (next-token logits do not use them).
+    pub nextn_predict_layers: usize,
 }
 
 /// Typed access to one config object; every getter names its key in errors.
@@ -296,9 +336,38 @@ impl MoeConfig {
             None => None,
         };
         let shared_expert_width = match family.shared_expert {
-            Some(keys) => Some(r.positive(keys.width_key)?),
+            Some(SharedExpertRule::SigmoidGated { width_key }) => Some(r.positive(width_key)?),
+            // n_shared_experts experts of the routed width, fused into one MLP as transformers
+            // builds it.
+            Some(SharedExpertRule::Ungated { count_key }) => {
+                let n = r.positive(count_key)?;
+                Some(n.checked_mul(expert_width).ok_or(ConfigError::OutOfRange {
+                    key: count_key,
+                    value: n.to_string(),
+                    why: "n_shared_experts x the expert width overflows",
+                })?)
+            }
             None => None,
         };
+        let first_k_dense_replace = match family.dense_layers {
+            DenseLayerRule::FirstKDense => {
+                let k = r.usize_req("first_k_dense_replace")?;
+                if k > num_layers {
+                    return Err(ConfigError::OutOfRange {
+                        key: "first_k_dense_replace",
+                        value: k.to_string(),
+                        why: "exceeds num_hidden_layers",
+                    });
+                }
+                k
+            }
+            DenseLayerRule::None | DenseLayerRule::QwenSparseStep => 0,
+        };
+        let group_routing = match family.router {
+            RouterRule::SoftmaxTopK => None,
+            RouterRule::SigmoidGroupLimited => Some(group_routing(&r, num_experts, top_k)?),
+        };
+        let nextn_predict_layers = r.usize_opt("num_nextn_predict_layers")?.unwrap_or(0);
 
         let decoder_sparse_step = r.usize_opt("decoder_sparse_step")?.unwrap_or(1);
         if decoder_sparse_step == 0 {
@@ -430,6 +499,8 @@ impl MoeConfig {
             });
         }
 
+        let rotary_dim = rotary_dim(&r, family, head_dim)?;
+
         if let Some(act) = r.str_opt("hidden_act")? {
             if act != "silu" {
                 return Err(ConfigError::Unsupported {
@@ -501,6 +572,11 @@ impl MoeConfig {
             qkv_bias: r.flag(family.qkv_bias)?,
             o_bias: r.flag(family.o_bias)?,
             eos_token_ids,
+            rotary_dim,
+            qk_norm_on: r.flag(family.qk_norm_on)?,
+            first_k_dense_replace,
+            group_routing,
+            nextn_predict_layers,
         };
         // A family with dense layers needs their width whenever one is dense.
         let spec = ArchSpec::new(&cfg);
@@ -528,6 +604,119 @@ impl MoeConfig {
     }
 }
 
+/// The rotary width: `head_dim` unless the family reads `partial_rotary_factor`
+/// (`rope_parameters.partial_rotary_factor` or the top level), where it is
+/// `int(head_dim x factor)` as transformers computes it, and must be even and non-zero. A family
+/// without partial rotary refuses a factor other than 1 by name.
+fn rotary_dim(r: &Reader<'_>, family: &Family, head_dim: usize) -> Result<usize, ConfigError> {
+    let nested = match r.get("rope_parameters") {
+        Some(Value::Object(rp)) => (Reader { obj: rp }).f64_opt("partial_rotary_factor")?,
+        _ => None,
+    };
+    let factor = match nested {
+        Some(f) => Some(f),
+        None => r.f64_opt("partial_rotary_factor")?,
+    };
+    let Some(factor) = factor else {
+        return if family.partial_rotary {
+            Err(ConfigError::Missing {
+                key: "partial_rotary_factor",
+            })
+        } else {
+            Ok(head_dim)
+        };
+    };
+    if !family.partial_rotary {
+        if factor == 1.0 {
+            return Ok(head_dim);
+        }
+        return Err(ConfigError::Unsupported {
+            key: "partial_rotary_factor",
+            value: factor.to_string(),
+            why: "this family rotates the whole head",
+        });
+    }
+    // int(head_dim * factor) in Python: the f64 product truncated.
+    let dim = (head_dim as f64 * factor).trunc();
+    if !(factor > 0.0 && factor <= 1.0 && dim >= 2.0 && (dim as usize).is_multiple_of(2)) {
+        return Err(ConfigError::OutOfRange {
+            key: "partial_rotary_factor",
+            value: factor.to_string(),
+            why: "head_dim x factor must be an even width of at least 2 and at most head_dim",
+        });
+    }
+    Ok(dim as usize)
+}
+
+/// The group-limited router's keys, each required (a default would be a guess about the
+/// model's function) and checked against the expert count.
+fn group_routing(
+    r: &Reader<'_>,
+    experts: usize,
+    top_k: usize,
+) -> Result<GroupRouting, ConfigError> {
+    let n_group = r.positive("n_group")?;
+    let topk_group = r.positive("topk_group")?;
+    if !experts.is_multiple_of(n_group) {
+        return Err(ConfigError::GroupsDoNotDivideExperts {
+            groups: n_group,
+            experts,
+        });
+    }
+    if experts / n_group < 2 {
+        return Err(ConfigError::GroupTooSmall {
+            groups: n_group,
+            experts,
+        });
+    }
+    if topk_group > n_group {
+        return Err(ConfigError::TopKGroupExceedsGroups {
+            topk_group,
+            groups: n_group,
+        });
+    }
+    let kept = topk_group * (experts / n_group);
+    if top_k > kept {
+        return Err(ConfigError::TopKExceedsKeptGroups { top_k, kept });
+    }
+    let factor = r
+        .f64_opt("routed_scaling_factor")?
+        .ok_or(ConfigError::Missing {
+            key: "routed_scaling_factor",
+        })?;
+    if !(factor.is_finite() && factor > 0.0 && (factor as f32).is_finite()) {
+        return Err(ConfigError::OutOfRange {
+            key: "routed_scaling_factor",
+            value: json_text(r.get("routed_scaling_factor")),
+            why: "must be finite and positive (also as an f32)",
+        });
+    }
+    // DeepSeek-V3 names its selection rule; only the group-limited one is this router.
+    if let Some(method) = r.str_opt("topk_method")? {
+        if method != "noaux_tc" {
+            return Err(ConfigError::Unsupported {
+                key: "topk_method",
+                value: Value::String(method.to_string()).to_string(),
+                why: "sigmoid routing with e_score_correction_bias is topk_method noaux_tc",
+            });
+        }
+    }
+    if let Some(func) = r.str_opt("scoring_func")? {
+        if func != "sigmoid" {
+            return Err(ConfigError::Unsupported {
+                key: "scoring_func",
+                value: Value::String(func.to_string()).to_string(),
+                why: "this family's router scores with a sigmoid",
+            });
+        }
+    }
+    Ok(GroupRouting {
+        n_group,
+        topk_group,
+        routed_scaling_factor: factor,
+    })
+}
+
 // ArchSpec is declared in `model` (with the families it resolves), but its constructor needs a
 // parsed config, so it lives here: `config` imports `model`, and `model` imports nothing of
 // `config`, which keeps the arrow between the two modules pointing one way.
@@ -542,6 +731,7 @@ impl ArchSpec {
                     cfg.num_experts,
                     cfg.decoder_sparse_step,
                     &cfg.mlp_only_layers,
+                    cfg.first_k_dense_replace,
                 )
             })
             .collect();
@@ -551,8 +741,20 @@ impl ArchSpec {
             renormalize_topk: cfg.renormalize_topk,
             qkv_bias: cfg.qkv_bias,
             o_bias: cfg.o_bias,
-            qk_norm: family.qk_norm,
-            shared_expert: family.shared_expert.is_some(),
+            qk_norm: if cfg.qk_norm_on {
+                family.qk_norm
+            } else {
+                QkNorm::None
+            },
+            shared_expert: matches!(
+                family.shared_expert,
+                Some(SharedExpertRule::SigmoidGated { .. })
+            ),
+            shared_experts_ungated: matches!(
+                family.shared_expert,
+                Some(SharedExpertRule::Ungated { .. })
+            ),
+            router: family.router,
             names: family.names,
         }
     }
@@ -817,6 +1019,149 @@ mod tests {
         assert_eq!(spec.layers, vec![Dense, Moe, Dense, Moe]);
         assert_eq!(spec.moe_index(3), Some(1));
         assert_eq!(spec.moe_index(2), None);
+    }
+
+    fn glm() -> Value {
+        serde_json::json!({
+            "model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "n_shared_experts": 2, "routed_scaling_factor": 1.8, "first_k_dense_replace": 1,
+            "norm_topk_prob": true, "use_qk_norm": true, "attention_bias": true,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "num_nextn_predict_layers": 1,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                "partial_rotary_factor": 0.5}
+        })
+    }
+
+    #[test]
+    fn glm4_moe_resolves_its_keys() {
+        let c = parse(&glm()).unwrap();
+        assert_eq!(c.rotary_dim, 4, "int(8 x 0.5)");
+        assert_eq!(c.shared_expert_width, Some(32), "2 shared experts x 16");
+        assert_eq!(c.first_k_dense_replace, 1);
+        assert_eq!(c.nextn_predict_layers, 1);
+        let g = c.group_routing.unwrap();
+        assert_eq!((g.n_group, g.topk_group), (2, 1));
+        assert_eq!(g.routed_scaling_factor, 1.8);
+        let spec = ArchSpec::new(&c);
+        assert_eq!(
+            spec.layers,
+            vec![MlpKind::Dense, MlpKind::Moe, MlpKind::Moe]
+        );
+        assert_eq!(spec.router, RouterRule::SigmoidGroupLimited);
+        assert!(spec.shared_experts_ungated && !spec.shared_expert);
+        assert_eq!(spec.qk_norm, QkNorm::PerHead);
+        assert!(spec.qkv_bias && !spec.o_bias);
+        // use_qk_norm off: no q/k norm
+        let c = parse(&with(glm(), "use_qk_norm", false.into())).unwrap();
+        assert_eq!(ArchSpec::new(&c).qk_norm, QkNorm::None);
+        // the top-level spelling of the factor
+        let mut v = glm();
+        v["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("partial_rotary_factor");
+        let v = with(v, "partial_rotary_factor", 0.75.into());
+        assert_eq!(parse(&v).unwrap().rotary_dim, 6);
+    }
+
+    #[test]
+    fn glm4_moe_refuses_what_it_cannot_run_by_name() {
+        let mut no_factor = glm();
+        no_factor["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("partial_rotary_factor");
+        for (v, key) in [
+            (without(glm(), "n_group"), "n_group"),
+            (without(glm(), "topk_group"), "topk_group"),
+            (
+                without(glm(), "routed_scaling_factor"),
+                "routed_scaling_factor",
+            ),
+            (
+                without(glm(), "first_k_dense_replace"),
+                "first_k_dense_replace",
+            ),
+            (without(glm(), "n_shared_experts"), "n_shared_experts"),
+            (no_factor, "partial_rotary_factor"),
+        ] {
+            assert_eq!(parse(&v), Err(ConfigError::Missing { key }));
+        }
+        assert_eq!(
+            parse(&with(glm(), "n_group", 3.into())),
+            Err(ConfigError::GroupsDoNotDivideExperts {
+                groups: 3,
+                experts: 8
+            })
+        );
+        assert_eq!(
+            parse(&with(glm(), "n_group", 8.into())),
+            Err(ConfigError::GroupTooSmall {
+                groups: 8,
+                experts: 8
+            })
+        );
+        assert_eq!(
+            parse(&with(glm(), "topk_group", 3.into())),
+            Err(ConfigError::TopKGroupExceedsGroups {
+                topk_group: 3,
+                groups: 2
+            })
+        );
+        assert_eq!(
+            parse(&with(glm(), "num_experts_per_tok", 5.into())),
+            Err(ConfigError::TopKExceedsKeptGroups { top_k: 5, kept: 4 })
+        );
+        for (key, value) in [
+            ("topk_method", serde_json::json!("greedy")),
+            ("scoring_func", serde_json::json!("softmax")),
+        ] {
+            let e = parse(&with(glm(), key, value)).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::Unsupported { key: k, .. } if k == key),
+                "{e}"
+            );
+        }
+        assert!(matches!(
+            parse(&with(glm(), "first_k_dense_replace", 4.into())),
+            Err(ConfigError::OutOfRange {
+                key: "first_k_dense_replace",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(glm(), "routed_scaling_factor", 0.into())),
+            Err(ConfigError::OutOfRange {
+                key: "routed_scaling_factor",
+                ..
+            })
+        ));
+        let mut tiny = glm();
+        tiny["rope_parameters"]["partial_rotary_factor"] = 0.1.into();
+        assert!(matches!(
+            parse(&tiny),
+            Err(ConfigError::OutOfRange {
+                key: "partial_rotary_factor",
+                ..
+            })
+        ));
+        // A family that rotates the whole head refuses another factor by name; 1 is accepted.
+        assert!(matches!(
+            parse(&with(base(), "partial_rotary_factor", 0.5.into())),
+            Err(ConfigError::Unsupported {
+                key: "partial_rotary_factor",
+                ..
+            })
+        ));
+        assert_eq!(
+            parse(&with(base(), "partial_rotary_factor", 1.0.into()))
+                .unwrap()
+                .rotary_dim,
+            32
+        );
     }
 
     #[test]

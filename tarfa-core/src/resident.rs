@@ -74,7 +74,12 @@ pub struct DenseMlp {
 #[derive(Clone, Debug)]
 pub struct MoeResident {
     pub router: Matrix,
+    /// Qwen2-MoE's shared expert and its sigmoid gate.
     pub shared: Option<(DenseMlp, Matrix)>,
+    /// The router's `e_score_correction_bias` (group-limited sigmoid routing), widened to f32.
+    pub correction_bias: Option<Vec<f32>>,
+    /// DeepSeek's / GLM-4.5's shared experts, added without a gate.
+    pub shared_ungated: Option<DenseMlp>,
 }
 
 /// The MLP of one layer.
@@ -178,12 +183,20 @@ impl ResidentWeights {
             };
             let mlp = match &layer.mlp {
                 MlpRules::Dense(d) => LayerMlp::Dense(dense(src, d)?),
-                MlpRules::Moe { router, shared, .. } => LayerMlp::Moe(MoeResident {
+                MlpRules::Moe {
+                    router,
+                    shared,
+                    router_bias,
+                    shared_ungated,
+                    ..
+                } => LayerMlp::Moe(MoeResident {
                     router: matrix(src, router)?,
                     shared: match shared {
                         Some((d, gate)) => Some((dense(src, d)?, matrix(src, gate)?)),
                         None => None,
                     },
+                    correction_bias: opt(router_bias)?,
+                    shared_ungated: shared_ungated.as_ref().map(|d| dense(src, d)).transpose()?,
                 }),
             };
             layers.push(LayerWeights {

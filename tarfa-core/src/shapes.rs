@@ -8,7 +8,7 @@
 //! E = experts, I = expert width, F = dense width, S = shared-expert width.
 
 use crate::config::MoeConfig;
-use crate::model::{expert_name, layer_name, ArchSpec, MlpKind, QkNorm};
+use crate::model::{expert_name, layer_name, ArchSpec, MlpKind, QkNorm, RouterRule};
 
 /// Whether a tensor must be in the checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +71,9 @@ pub struct ExpertMatrixRule {
 
 /// The MLP of one layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// Built once per layer when a model loads or a checkpoint is checked: the variants' sizes do not
+// matter, and boxing would only add indirection to every reader.
+#[allow(clippy::large_enum_variant)]
 pub enum MlpRules {
     /// A dense MLP of width F.
     Dense(DenseMlpRules),
@@ -80,6 +83,10 @@ pub enum MlpRules {
         router: TensorRule,
         /// Qwen2-MoE's shared expert and its sigmoid gate `[1, H]`.
         shared: Option<(DenseMlpRules, TensorRule)>,
+        /// The router's `e_score_correction_bias` `[E]` (group-limited sigmoid routing).
+        router_bias: Option<TensorRule>,
+        /// DeepSeek's / GLM-4.5's ungated shared experts, one MLP of width S.
+        shared_ungated: Option<DenseMlpRules>,
         /// Every routed expert's matrices.
         experts: ExpertShapes,
     },
@@ -202,6 +209,9 @@ const DENSE_OUT: &str = "hidden_size, intermediate_size";
 const SHARED_IN: &str = "shared_expert_intermediate_size, hidden_size";
 const SHARED_OUT: &str = "hidden_size, shared_expert_intermediate_size";
 const SHARED_GATE: &str = "1, hidden_size";
+const ROUTER_BIAS: &str = "number of experts";
+const SHARED_UNGATED_IN: &str = "n_shared_experts x moe_intermediate_size, hidden_size";
+const SHARED_UNGATED_OUT: &str = "hidden_size, n_shared_experts x moe_intermediate_size";
 const EXPERT_IN: &str = "expert width, hidden_size";
 const EXPERT_OUT: &str = "hidden_size, expert width";
 
@@ -262,10 +272,26 @@ impl ModelRules {
                             )),
                             _ => None,
                         };
+                        let shared_ungated = match cfg.shared_expert_width {
+                            Some(s) if spec.shared_experts_ungated => Some(DenseMlpRules {
+                                gate: rule(n.shared_gate_proj, vec![s, h], SHARED_UNGATED_IN),
+                                up: rule(n.shared_up_proj, vec![s, h], SHARED_UNGATED_IN),
+                                down: rule(n.shared_down_proj, vec![h, s], SHARED_UNGATED_OUT),
+                            }),
+                            _ => None,
+                        };
+                        let router_bias = match spec.router {
+                            RouterRule::SoftmaxTopK => None,
+                            RouterRule::SigmoidGroupLimited => {
+                                Some(rule(n.router_bias, vec![cfg.num_experts], ROUTER_BIAS))
+                            }
+                        };
                         let i = cfg.expert_width;
                         MlpRules::Moe {
                             router: rule(n.router, vec![cfg.num_experts, h], ROUTER),
                             shared,
+                            router_bias,
+                            shared_ungated,
                             experts: ExpertShapes {
                                 gate: [i, h],
                                 up: [i, h],
@@ -327,10 +353,20 @@ impl ModelRules {
             );
             match &layer.mlp {
                 MlpRules::Dense(d) => out.extend([&d.gate, &d.up, &d.down]),
-                MlpRules::Moe { router, shared, .. } => {
+                MlpRules::Moe {
+                    router,
+                    shared,
+                    router_bias,
+                    shared_ungated,
+                    ..
+                } => {
                     out.push(router);
+                    out.extend(router_bias);
                     if let Some((d, gate)) = shared {
                         out.extend([&d.gate, &d.up, &d.down, gate]);
+                    }
+                    if let Some(d) = shared_ungated {
+                        out.extend([&d.gate, &d.up, &d.down]);
                     }
                 }
             }

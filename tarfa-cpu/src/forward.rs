@@ -14,7 +14,7 @@ use super::{
     BatchEntry, BatchError, CpuModel, FinalHidden, ForwardOutput, KvCache, LogitRows, RouterRecord,
     StepStats,
 };
-use tarfa_core::model::QkNorm;
+use tarfa_core::model::{QkNorm, RouterRule};
 use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
 use tarfa_core::numerics::matvec::{transpose_rows, Activation};
 use tarfa_core::numerics::reduce::{fma_dispatch, weighted_row_sum};
@@ -334,11 +334,13 @@ fn attention_block(
             }
             _ => {}
         }
-        // RoPE at the token's position, on every head
+        // RoPE at the token's position, on every head's leading rotary_dim values (all D
+        // unless partial_rotary_factor; the rest pass through unchanged)
         let Slot { seq, pos } = slots[t];
         let cache = &mut *caches[seq];
+        let rd = cfg.rotary_dim;
         for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
-            cache.rope.apply(pos, head);
+            cache.rope.apply(pos, &mut head[..rd]);
         }
         for kh in 0..hkv {
             cache.push(l, kh, &k[kh * d..(kh + 1) * d], &v[kh * d..(kh + 1) * d]);
@@ -434,6 +436,73 @@ fn route(kernel: Kernel, logits: &[f32], k: usize, renormalize: bool) -> Route {
     }
 }
 
+/// Group-limited sigmoid routing (docs/EXACTNESS.md, "Sigmoid group-limited routing"), as
+/// transformers' DeepSeek-V3 / GLM-4.5 `route_tokens_to_experts`:
+/// - `s_e = sigmoid(logit_e)`; `c_e = s_e + bias_e` (chooses only);
+/// - group `g` (experts `g*G..(g+1)*G`, `G = E / n_group`) scores `a + b`, its two largest `c`
+///   (`a >= b`);
+/// - the `topk_group` best groups are kept (descending score, lower group first among equals);
+/// - every expert outside them competes with `c = 0.0` (transformers' `masked_fill(.., 0.0)`,
+///   kept as written: a kept expert with a negative `c` loses to a masked one);
+/// - the top-k by `c` (descending, lower id first among equals);
+/// - weights `w_e = s_e`, when renormalising `w_e = s_e / (canonical_sum(s) + 1e-20)` over the
+///   selection in selection order, then `w_e = w_e * f32(routed_scaling_factor)`.
+///
+/// The record's `probs` are the unbiased `s_e`; `kth_prob` and `next_prob` are the choice
+/// scores `c` of the k-th and (k+1)-th experts, the margin the choice was made by.
+fn route_sigmoid_grouped(
+    kernel: Kernel,
+    logits: &[f32],
+    bias: &[f32],
+    g: &tarfa_core::config::GroupRouting,
+    k: usize,
+    renormalize: bool,
+) -> Route {
+    let s: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
+    let c: Vec<f32> = s.iter().zip(bias).map(|(&x, &b)| x + b).collect();
+    let size = c.len() / g.n_group;
+    let desc = |v: &[f32], a: usize, b: usize| v[b].total_cmp(&v[a]).then(a.cmp(&b));
+    let group_scores: Vec<f32> = c
+        .chunks_exact(size)
+        .map(|grp| {
+            let mut idx: Vec<usize> = (0..grp.len()).collect();
+            idx.sort_by(|&a, &b| desc(grp, a, b));
+            grp[idx[0]] + grp[idx[1]]
+        })
+        .collect();
+    let mut groups: Vec<usize> = (0..g.n_group).collect();
+    groups.sort_by(|&a, &b| desc(&group_scores, a, b));
+    let mut kept = vec![false; g.n_group];
+    for &grp in &groups[..g.topk_group] {
+        kept[grp] = true;
+    }
+    let choice: Vec<f32> = c
+        .iter()
+        .enumerate()
+        .map(|(e, &x)| if kept[e / size] { x } else { 0.0 })
+        .collect();
+    let mut order: Vec<usize> = (0..choice.len()).collect();
+    order.sort_by(|&a, &b| desc(&choice, a, b));
+    let selected = &order[..k];
+    let probs: Vec<f32> = selected.iter().map(|&e| s[e]).collect();
+    let scale = g.routed_scaling_factor as f32;
+    let weights: Vec<f32> = if renormalize {
+        let denom = kernel.sum(&probs) + 1e-20f32;
+        probs.iter().map(|&x| (x / denom) * scale).collect()
+    } else {
+        probs.iter().map(|&x| x * scale).collect()
+    };
+    Route {
+        chosen: selected
+            .iter()
+            .zip(probs.iter().zip(&weights))
+            .map(|(&e, (&pr, &w))| (e, pr, w))
+            .collect(),
+        kth: choice[order[k - 1]],
+        next: order.get(k).map(|&e| choice[e]),
+    }
+}
+
 fn check_expert(
     e: &dyn ExpertData,
     layer: usize,
@@ -506,10 +575,32 @@ fn moe_block(
         k.router_logits(l, &mut logits);
     }
     step.common.weight_bytes += moe.router.as_ref().bytes();
-    let routes: Vec<Route> = logits
-        .iter()
-        .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
-        .collect();
+    let routes: Vec<Route> = match (model.spec.router, &cfg.group_routing) {
+        (RouterRule::SigmoidGroupLimited, Some(g)) => {
+            let bias = moe.correction_bias.as_deref().ok_or_else(|| {
+                RunError::SourceContract(format!(
+                    "layer {l}: group-limited routing without e_score_correction_bias"
+                ))
+            })?;
+            logits
+                .iter()
+                .map(|lg| {
+                    route_sigmoid_grouped(
+                        kernel,
+                        lg,
+                        bias,
+                        g,
+                        cfg.top_k,
+                        model.spec.renormalize_topk,
+                    )
+                })
+                .collect()
+        }
+        _ => logits
+            .iter()
+            .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
+            .collect(),
+    };
 
     // expert -> [(token, weight)], experts in ascending id (BTreeMap order)
     let mut assignment: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
@@ -546,6 +637,12 @@ fn moe_block(
     // output and gate logit per token.
     let mut ys: BTreeMap<usize, Vec<Vec<f32>>> = BTreeMap::new();
     let mut shared_out: Option<(Vec<Vec<f32>>, Vec<f32>)> = None;
+    // The ungated shared experts (DeepSeek, GLM-4.5) are a dense MLP over every token; they do
+    // not depend on the routed experts, so they run before them in their own regions.
+    let ungated_out = moe
+        .shared_ungated
+        .as_ref()
+        .map(|mlp| dense_mlp(kernel, mlp, &xs, step.common));
     let mut expert_bytes: BTreeMap<usize, u64> = BTreeMap::new();
     for (b, batch) in batches.iter().enumerate() {
         let experts: Vec<ExpertHandle> = model.source.expert_data(l, batch)?;
@@ -611,6 +708,10 @@ fn moe_block(
                 *a += gate * v;
             }
         }
+    }
+    // ungated shared experts: acc = acc + y_shared
+    if let Some(shared_y) = &ungated_out {
+        add_rows(&mut acc, shared_y);
     }
     add_rows(h, &acc);
     Ok(())

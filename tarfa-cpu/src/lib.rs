@@ -55,7 +55,8 @@ impl CpuModel {
     pub fn load(cfg: MoeConfig, source: Arc<dyn WeightSource>) -> Result<CpuModel, RunError> {
         let spec = ArchSpec::new(&cfg);
         let weights = ResidentWeights::load(&cfg, &spec, source.as_ref())?;
-        let rope = RopeTable::new(cfg.rope_theta, cfg.head_dim)?;
+        // The table's width is the rotary width (the whole head unless partial_rotary_factor).
+        let rope = RopeTable::new(cfg.rope_theta, cfg.rotary_dim)?;
         Ok(CpuModel {
             cfg,
             spec,

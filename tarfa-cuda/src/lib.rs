@@ -275,6 +275,39 @@ pub struct HotOptions {
     pub pins: Vec<(usize, usize)>,
 }
 
+/// Why the CUDA kernels cannot run this model's family, or `None` when they can. The kernels
+/// implement softmax top-k routing, a sigmoid-gated shared expert, GQA with rotary embedding on
+/// the whole head and the default rotary tables; a family that needs anything else (GLM-4.5's
+/// partial rotary and group-limited sigmoid routing, DeepSeek's MLA and YaRN) is refused by
+/// name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
+/// these families.
+pub fn unsupported_family(
+    cfg: &tarfa_core::config::MoeConfig,
+    spec: &tarfa_core::model::ArchSpec,
+) -> Option<String> {
+    use tarfa_core::model::RouterRule;
+    let mut missing = Vec::new();
+    if spec.router != RouterRule::SoftmaxTopK {
+        missing.push("group-limited sigmoid routing");
+    }
+    if spec.shared_experts_ungated {
+        missing.push("ungated shared experts");
+    }
+    if cfg.rotary_dim != cfg.head_dim {
+        missing.push("partial rotary embedding");
+    }
+    if missing.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "the {} family ({}) needs {}, which the CUDA kernels do not implement yet; run it with \
+         --backend cpu",
+        cfg.family.model_type,
+        cfg.family.architecture,
+        missing.join(", ")
+    ))
+}
+
 /// The smallest hot tier (`--vram-budget`) that holds one expert: a slot, the expert's three
 /// BF16 matrices rounded up to 256 bytes.
 pub fn min_vram_budget(cfg: &tarfa_core::config::MoeConfig) -> u64 {

@@ -222,6 +222,9 @@ impl CudaModel {
         hot: Option<&HotOptions>,
     ) -> Result<CudaModel, CudaError> {
         let spec = ArchSpec::new(&cfg);
+        if let Some(why) = crate::unsupported_family(&cfg, &spec) {
+            return Err(CudaError::UnsupportedModel(why));
+        }
         let host = ResidentWeights::load(&cfg, &spec, source.as_ref())?;
         if cfg.hidden_size == 0 || cfg.head_dim == 0 || cfg.num_heads == 0 {
             return Err(CudaError::UnsupportedModel(

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::generate::Session;
+use tarfa_core::model::ArchSpec;
 use tarfa_core::numerics::Kernel;
 use tarfa_core::step::{ForwardOptions, ForwardOutput, StepStats};
 use tarfa_core::weights::WeightSource;
@@ -179,11 +180,20 @@ impl Model {
         opts: &LoadOptions,
         log: &dyn Fn(String),
     ) -> Result<Model, EngineError> {
-        let use_cuda = match opts.backend {
-            BackendChoice::Cpu => false,
-            BackendChoice::Cuda => true,
-            BackendChoice::CudaMock => true,
-            BackendChoice::Auto => match tarfa_cuda::probe(0) {
+        // A family the CUDA kernels do not implement: `--backend cuda` is refused by name (bad
+        // input, exit 2), `--backend auto` runs it on the CPU and says why.
+        let cuda_gap = tarfa_cuda::unsupported_family(&cfg, &ArchSpec::new(&cfg));
+        let use_cuda = match (opts.backend, &cuda_gap) {
+            (BackendChoice::Cpu, _) => false,
+            (BackendChoice::Cuda | BackendChoice::CudaMock, Some(why)) => {
+                return Err(EngineError::Cuda(CudaError::UnsupportedModel(why.clone())))
+            }
+            (BackendChoice::Cuda | BackendChoice::CudaMock, None) => true,
+            (BackendChoice::Auto, Some(why)) => {
+                log(format!("backend auto: {why}; using the CPU"));
+                false
+            }
+            (BackendChoice::Auto, None) => match tarfa_cuda::probe(0) {
                 Ok(info) => {
                     log(format!("backend auto: {info}; using CUDA"));
                     true

@@ -55,3 +55,9 @@ fn qwen2_moe_matches_transformers() {
 fn olmoe_matches_transformers() {
     check_shared("olmoe-a");
 }
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn glm4_moe_matches_transformers() {
+    check_shared("glm4moe-a");
+}

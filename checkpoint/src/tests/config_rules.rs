@@ -171,7 +171,16 @@ fn quantized_config() {
         );
     });
     let e = assert_variant!(e, E::QuantizedConfig { ref method, .. } if method == "fp8");
-    assert!(e.to_string().contains("never re-quantises"), "{e}");
+    let m = e.to_string();
+    assert!(m.contains("never re-quantises"), "{m}");
+    // An FP8 release (DeepSeek-V3's own weights) is named as such: a BF16 conversion of it is
+    // not the released weights, and what Tarfa accepts.
+    assert!(m.contains("released form is FP8"), "{m}");
+    assert!(
+        m.contains("BF16 conversion of it is not the released weights"),
+        "{m}"
+    );
+    assert!(m.contains("only accepts BF16 checkpoints"), "{m}");
     let e = with_config(|t| {
         t.set("compression_config", json!({}));
     });

@@ -244,7 +244,10 @@ fn quantization_companions_are_refused() {
         let e = fails_with(|t| {
             t.add(name, "F32", &[1]);
         });
-        assert_variant!(e, E::QuantizationCompanion { ref tensor, .. } if tensor == name);
+        let e = assert_variant!(e, E::QuantizationCompanion { ref tensor, .. } if tensor == name);
+        // weight_scale_inv marks an FP8 release: the message says so.
+        let fp8 = e.to_string().contains("released form is FP8");
+        assert_eq!(fp8, name.ends_with(".weight_scale_inv"), "{e}");
     }
     // GPTQ packs int4 into I32 `qweight`: the name is refused before the dtype is looked at.
     let e = fails_with(|t| {

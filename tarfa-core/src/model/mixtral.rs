@@ -5,7 +5,7 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, TensorNames};
+use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
 
 /// The Mixtral family.
 pub static MIXTRAL: Family = Family {
@@ -18,6 +18,9 @@ pub static MIXTRAL: Family = Family {
     dense_layers: DenseLayerRule::None,
     renormalize_topk: Flag::Fixed(true),
     qk_norm: QkNorm::None,
+    qk_norm_on: Flag::Fixed(true),
+    partial_rotary: false,
+    router: RouterRule::SoftmaxTopK,
     qkv_bias: Flag::Fixed(false),
     o_bias: Flag::Fixed(false),
     shared_expert: None,

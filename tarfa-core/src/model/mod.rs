@@ -9,6 +9,7 @@
 //! arrow points from config to model only, and [`ArchSpec::new`] (which needs a parsed config)
 //! is implemented in `config.rs`.
 
+pub mod glm4_moe;
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen2_moe;
@@ -20,6 +21,7 @@ pub const FAMILIES: &[&Family] = &[
     &qwen2_moe::QWEN2_MOE,
     &mixtral::MIXTRAL,
     &olmoe::OLMOE,
+    &glm4_moe::GLM4_MOE,
 ];
 
 /// The family whose `model_type` is `model_type`.
@@ -58,14 +60,33 @@ pub enum DenseLayerRule {
     /// transformers' Qwen rule: layer `l` is dense when `l` is in `mlp_only_layers` or
     /// `(l + 1) % decoder_sparse_step != 0` (or there are no experts).
     QwenSparseStep,
+    /// DeepSeek's and GLM-4.5's rule: layers `0..first_k_dense_replace` are dense, the rest MoE.
+    FirstKDense,
 }
 
-/// The family's shared expert, if any (Qwen2-MoE): a dense MLP added to the routed mix, scaled by
-/// `sigmoid(dot(w_shared_gate, xn))`.
+/// How the router turns its logits into the chosen experts and their weights
+/// (docs/EXACTNESS.md section 2 and "Sigmoid group-limited routing").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SharedExpertKeys {
-    /// Config key of the shared expert's width.
-    pub width_key: &'static str,
+pub enum RouterRule {
+    /// Softmax over every expert, the top-k by probability (ties to the lower id), renormalised
+    /// when the spec says so (Qwen, Mixtral, OLMoE).
+    SoftmaxTopK,
+    /// DeepSeek-V3 / GLM-4.5: sigmoid scores; `score + e_score_correction_bias` chooses (the
+    /// best `topk_group` of `n_group` groups by the sum of each group's two best, then the top-k
+    /// within them); the weights are the unbiased scores, renormalised when the spec says so,
+    /// times `routed_scaling_factor`.
+    SigmoidGroupLimited,
+}
+
+/// The shared experts of a family that has them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedExpertRule {
+    /// Qwen2-MoE: one dense MLP of the width under `width_key`, scaled by
+    /// `sigmoid(dot(w_shared_gate, xn))`.
+    SigmoidGated { width_key: &'static str },
+    /// DeepSeek / GLM-4.5: one dense MLP of width `count_key x` the expert width (the
+    /// `n_shared_experts` experts fused), added without a gate after the routed mix.
+    Ungated { count_key: &'static str },
 }
 
 /// Tensor names with `{l}` for the layer index and `{e}` for the expert index.
@@ -88,6 +109,8 @@ pub struct TensorNames {
     pub q_norm: &'static str,
     pub k_norm: &'static str,
     pub router: &'static str,
+    /// The router's `e_score_correction_bias` (sigmoid group-limited routing only).
+    pub router_bias: &'static str,
     pub expert_gate: &'static str,
     pub expert_up: &'static str,
     pub expert_down: &'static str,
@@ -120,6 +143,7 @@ impl TensorNames {
         q_norm: "model.layers.{l}.self_attn.q_norm.weight",
         k_norm: "model.layers.{l}.self_attn.k_norm.weight",
         router: "model.layers.{l}.mlp.gate.weight",
+        router_bias: "model.layers.{l}.mlp.gate.e_score_correction_bias",
         expert_gate: "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
         expert_up: "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
         expert_down: "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
@@ -166,12 +190,19 @@ pub struct Family {
     pub renormalize_topk: Flag,
     /// q/k norm placement.
     pub qk_norm: QkNorm,
+    /// Whether the q/k norm is present (GLM-4.5 reads `use_qk_norm`; the others fix it).
+    pub qk_norm_on: Flag,
+    /// Whether the config may ask for rotary embedding on a leading fraction of each head
+    /// (`partial_rotary_factor`); a family without it refuses a factor other than 1.
+    pub partial_rotary: bool,
+    /// The router rule.
+    pub router: RouterRule,
     /// Biases on the q, k, v projections.
     pub qkv_bias: Flag,
     /// Bias on the o projection.
     pub o_bias: Flag,
     /// The shared expert, if the family has one.
-    pub shared_expert: Option<SharedExpertKeys>,
+    pub shared_expert: Option<SharedExpertRule>,
     /// Tensor names.
     pub names: TensorNames,
 }
@@ -179,16 +210,24 @@ pub struct Family {
 impl Family {
     /// What layer `layer` is under this family's [`DenseLayerRule`], given the config's
     /// `num_experts`, `decoder_sparse_step` and `mlp_only_layers` (transformers reads both keys;
-    /// `decoder_sparse_step` alone is not enough).
+    /// `decoder_sparse_step` alone is not enough), and `first_k_dense_replace`.
     pub fn layer_kind(
         &self,
         layer: usize,
         num_experts: usize,
         decoder_sparse_step: usize,
         mlp_only_layers: &[usize],
+        first_k_dense_replace: usize,
     ) -> MlpKind {
         match self.dense_layers {
             DenseLayerRule::None => MlpKind::Moe,
+            DenseLayerRule::FirstKDense => {
+                if layer < first_k_dense_replace {
+                    MlpKind::Dense
+                } else {
+                    MlpKind::Moe
+                }
+            }
             DenseLayerRule::QwenSparseStep => {
                 let sparse = !mlp_only_layers.contains(&layer)
                     && num_experts > 0
@@ -227,8 +266,12 @@ pub struct ArchSpec {
     pub o_bias: bool,
     /// q/k norm placement.
     pub qk_norm: QkNorm,
-    /// A shared expert with a sigmoid gate is present.
+    /// A shared expert with a sigmoid gate is present (Qwen2-MoE).
     pub shared_expert: bool,
+    /// Ungated shared experts (DeepSeek, GLM-4.5), added after the routed mix.
+    pub shared_experts_ungated: bool,
+    /// The router rule.
+    pub router: RouterRule,
     /// Tensor names.
     pub names: TensorNames,
 }
@@ -256,21 +299,26 @@ mod tests {
     #[test]
     fn the_dense_layer_rule_reads_both_keys() {
         let q = &qwen3_moe::QWEN3_MOE;
-        assert_eq!(q.layer_kind(0, 8, 1, &[]), MlpKind::Moe);
+        assert_eq!(q.layer_kind(0, 8, 1, &[], 0), MlpKind::Moe);
         assert_eq!(
-            q.layer_kind(0, 8, 1, &[0]),
+            q.layer_kind(0, 8, 1, &[0], 0),
             MlpKind::Dense,
             "mlp_only_layers"
         );
         assert_eq!(
-            q.layer_kind(0, 8, 2, &[]),
+            q.layer_kind(0, 8, 2, &[], 0),
             MlpKind::Dense,
             "(0 + 1) % 2 != 0"
         );
-        assert_eq!(q.layer_kind(1, 8, 2, &[]), MlpKind::Moe);
-        assert_eq!(q.layer_kind(1, 0, 1, &[]), MlpKind::Dense, "no experts");
+        assert_eq!(q.layer_kind(1, 8, 2, &[], 0), MlpKind::Moe);
+        assert_eq!(q.layer_kind(1, 0, 1, &[], 0), MlpKind::Dense, "no experts");
         // Mixtral has no dense layers, whatever the keys say.
         let m = &mixtral::MIXTRAL;
-        assert_eq!(m.layer_kind(0, 8, 2, &[0]), MlpKind::Moe);
+        assert_eq!(m.layer_kind(0, 8, 2, &[0], 3), MlpKind::Moe);
+        // GLM-4.5: the first first_k_dense_replace layers are dense, whatever the Qwen keys say.
+        let g = &glm4_moe::GLM4_MOE;
+        assert_eq!(g.layer_kind(0, 8, 2, &[], 1), MlpKind::Dense);
+        assert_eq!(g.layer_kind(1, 8, 2, &[1], 1), MlpKind::Moe);
+        assert_eq!(g.layer_kind(1, 8, 1, &[], 2), MlpKind::Dense);
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, TensorNames};
+use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
 
 /// The OLMoE family.
 pub static OLMOE: Family = Family {
@@ -19,6 +19,9 @@ pub static OLMOE: Family = Family {
     dense_layers: DenseLayerRule::None,
     renormalize_topk: Flag::Config("norm_topk_prob", false),
     qk_norm: QkNorm::WholeProjection,
+    qk_norm_on: Flag::Fixed(true),
+    partial_rotary: false,
+    router: RouterRule::SoftmaxTopK,
     qkv_bias: Flag::Config("attention_bias", false),
     o_bias: Flag::Config("attention_bias", false),
     shared_expert: None,

@@ -7,7 +7,7 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, SharedExpertKeys, TensorNames};
+use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames};
 
 /// The Qwen2-MoE family.
 pub static QWEN2_MOE: Family = Family {
@@ -20,9 +20,12 @@ pub static QWEN2_MOE: Family = Family {
     dense_layers: DenseLayerRule::QwenSparseStep,
     renormalize_topk: Flag::Config("norm_topk_prob", false),
     qk_norm: QkNorm::None,
+    qk_norm_on: Flag::Fixed(true),
+    partial_rotary: false,
+    router: RouterRule::SoftmaxTopK,
     qkv_bias: Flag::Config("qkv_bias", true),
     o_bias: Flag::Fixed(false),
-    shared_expert: Some(SharedExpertKeys {
+    shared_expert: Some(SharedExpertRule::SigmoidGated {
         width_key: "shared_expert_intermediate_size",
     }),
     names: TensorNames::HF_DEFAULT,

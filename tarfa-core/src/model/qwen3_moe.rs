@@ -7,7 +7,7 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, TensorNames};
+use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
 
 /// The Qwen3-MoE family.
 pub static QWEN3_MOE: Family = Family {
@@ -21,6 +21,9 @@ pub static QWEN3_MOE: Family = Family {
     dense_layers: DenseLayerRule::QwenSparseStep,
     renormalize_topk: Flag::Config("norm_topk_prob", false),
     qk_norm: QkNorm::PerHead,
+    qk_norm_on: Flag::Fixed(true),
+    partial_rotary: false,
+    router: RouterRule::SoftmaxTopK,
     qkv_bias: Flag::Config("attention_bias", false),
     o_bias: Flag::Config("attention_bias", false),
     shared_expert: None,

@@ -172,6 +172,7 @@ fn family_features_add_their_tensors() {
         shared: Some((ref d, ref gate)),
         experts,
         ref router,
+        ..
     } = rules.layers[1].mlp
     else {
         panic!("layer 1 is MoE with a shared expert");
