@@ -233,6 +233,15 @@ fn completions_equal_score_bit_for_bit_alone_and_under_load_and_stream_equals_no
         json!(lp["top_token_ids"].as_array().unwrap()[1..]),
         json!(top_ids)
     );
+    // lm-eval's local-completions form (max_tokens 1, temperature 0, a seed, a batch of token
+    // lists): its echoed log-probs are the same bits
+    let lm = json!({"prompt": [PROMPT], "max_tokens": 1, "echo": true, "logprobs": 1,
+                    "temperature": 0, "seed": 1234, "model": "qwen3moe-code"});
+    let r = post(&srv.addr, "/v1/completions", &lm);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let e = &r.json()["choices"][0]["logprobs"]["token_logprobs"];
+    let echoed = json!(e.as_array().unwrap()[1..PROMPT.len()]);
+    assert_eq!(f64_bits(&echoed), f64_bits(&want[0]["token_logprobs"]));
     let gl = &g["choices"][0]["logprobs"];
     assert_eq!(gl["token_ids"], want[1]["tokens"]);
     assert_eq!(
@@ -277,7 +286,15 @@ fn completions_equal_score_bit_for_bit_alone_and_under_load_and_stream_equals_no
     assert_eq!(json!(ids), gl["token_ids"]);
     assert_eq!(json!(text), g["choices"][0]["text"]);
 
-    let m = http(&srv.addr, "GET", "/metrics", "", &[]);
+    // the gauges are set after each step, just after the step's results went out
+    let t0 = Instant::now();
+    let m = loop {
+        let m = http(&srv.addr, "GET", "/metrics", "", &[]);
+        if m.body.contains("tarfa_running_sequences 0") || t0.elapsed() > Duration::from_secs(5) {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(m.body.contains("tarfa_running_sequences 0"), "{}", m.body);
     assert!(m.body.contains("tarfa_request_latency_seconds_count"));
     let models = http(&srv.addr, "GET", "/v1/models", "", &[]).json();
