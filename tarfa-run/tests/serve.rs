@@ -233,6 +233,15 @@ fn completions_equal_score_bit_for_bit_alone_and_under_load_and_stream_equals_no
         json!(lp["top_token_ids"].as_array().unwrap()[1..]),
         json!(top_ids)
     );
+    // lm-eval's local-completions form (max_tokens 1, temperature 0, a seed, a batch of token
+    // lists): its echoed log-probs are the same bits
+    let lm = json!({"prompt": [PROMPT], "max_tokens": 1, "echo": true, "logprobs": 1,
+                    "temperature": 0, "seed": 1234, "model": "qwen3moe-code"});
+    let r = post(&srv.addr, "/v1/completions", &lm);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let e = &r.json()["choices"][0]["logprobs"]["token_logprobs"];
+    let echoed = json!(e.as_array().unwrap()[1..PROMPT.len()]);
+    assert_eq!(f64_bits(&echoed), f64_bits(&want[0]["token_logprobs"]));
     let gl = &g["choices"][0]["logprobs"];
     assert_eq!(gl["token_ids"], want[1]["tokens"]);
     assert_eq!(
@@ -277,7 +286,15 @@ fn completions_equal_score_bit_for_bit_alone_and_under_load_and_stream_equals_no
     assert_eq!(json!(ids), gl["token_ids"]);
     assert_eq!(json!(text), g["choices"][0]["text"]);
 
-    let m = http(&srv.addr, "GET", "/metrics", "", &[]);
+    // the gauges are set after each step, just after the step's results went out
+    let t0 = Instant::now();
+    let m = loop {
+        let m = http(&srv.addr, "GET", "/metrics", "", &[]);
+        if m.body.contains("tarfa_running_sequences 0") || t0.elapsed() > Duration::from_secs(5) {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(m.body.contains("tarfa_running_sequences 0"), "{}", m.body);
     assert!(m.body.contains("tarfa_request_latency_seconds_count"));
     let models = http(&srv.addr, "GET", "/v1/models", "", &[]).json();
@@ -427,4 +444,60 @@ fn sigterm_drains_and_exits_0_and_a_port_in_use_is_exit_3() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn load_64_concurrent_clients_every_answer_equals_the_request_alone() {
+    let srv = Server::start(&["--max-batch", "16", "--max-queue", "256"]);
+    // four distinct requests (different prompts and lengths), each answered alone first
+    let bodies: Vec<Value> = (0..4u32)
+        .map(|i| {
+            let prompt: Vec<u32> = PROMPT.iter().map(|t| (t + 97 * i) % 4096).collect();
+            json!({"prompt": prompt, "max_tokens": 2 + i, "logprobs": 1})
+        })
+        .collect();
+    let alone: Vec<Value> = bodies
+        .iter()
+        .map(|b| post(&srv.addr, "/v1/completions", b).json()["choices"].clone())
+        .collect();
+    let t0 = Instant::now();
+    let results: Vec<(usize, Value, Duration, u64)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..64)
+            .map(|c| {
+                let (addr, bodies) = (&srv.addr, &bodies);
+                s.spawn(move || {
+                    (0..2)
+                        .map(|k| {
+                            let i = (c + k) % bodies.len();
+                            let t = Instant::now();
+                            let r = post(addr, "/v1/completions", &bodies[i]);
+                            assert_eq!(r.status, 200, "{}", r.body);
+                            let j = r.json();
+                            let n = j["choices"][0]["logprobs"]["token_ids"]
+                                .as_array()
+                                .unwrap()
+                                .len() as u64;
+                            (i, j["choices"].clone(), t.elapsed(), n)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    for (i, choices, _, _) in &results {
+        assert_eq!(choices, &alone[*i], "request {i} under load");
+    }
+    let mut lat: Vec<f64> = results.iter().map(|r| r.2.as_secs_f64()).collect();
+    lat.sort_by(f64::total_cmp);
+    let tokens: u64 = results.iter().map(|r| r.3).sum();
+    println!(
+        "load: {} requests from 64 clients in {wall:.2} s | p50 {:.3} s | p99 {:.3} s | {:.1} \
+         generated tok/s (test profile, CPU)",
+        results.len(),
+        lat[lat.len() / 2],
+        lat[(lat.len() * 99) / 100],
+        tokens as f64 / wall
+    );
 }
