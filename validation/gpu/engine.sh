@@ -2,7 +2,7 @@
 # The many-token engine's and the server's figures on the GPU machine (issues 17 and 19), with the
 # bitwise checks that make them count:
 #
-#   [PHASE=decode|serve|all] validation/gpu/engine.sh BIN_DIR [OUT_DIR]
+#   [PHASE=decode|sanitize|serve|all] validation/gpu/engine.sh BIN_DIR [OUT_DIR]
 #
 # BIN_DIR: release tarfa-run, tarfa-convert, tarfa-ab and examples/cuda_bench. BIG_DIR (default
 # /tmp/tarfa-q30-16) is reused when it holds a bundle, else the 16-layer synthetic
@@ -11,10 +11,13 @@
 #             without --cuda-wait-each-token (run-ahead, PHASE_LOG B2), ROUNDS (default 4)
 #             interleaved rounds: decode tok/s from --summary-json, the median paired ratio, and
 #             the printed tokens compared with cmp; the peak RSS of one run (VmHWM);
-#          2. tarfa-ab: wait-each-token (A) against run-ahead (B), PAIRS pairs (default 6);
+#             (not tarfa-ab: it writes every run's logits, which takes the forward path, where
+#             nothing runs ahead; the interleaved rounds are this change's paired A/B, with a
+#             bootstrap interval of the median paired ratio);
 #          3. cuda_bench's device loop (decode_greedy, one wait at the end) on the same bundle:
 #             the engine's own decode figure the CLI is measured against;
-#          4. compute-sanitizer memcheck and racecheck on `generate` with run-ahead (qwen3moe-a).
+#   sanitize 4. compute-sanitizer memcheck, racecheck, initcheck and synccheck on `generate` with
+#             run-ahead (qwen3moe-a, 20 tokens).
 #   serve  5. `tarfa-run serve BIG --backend cuda --max-batch 32`, validation/serve/load.py at
 #             1, 8, 32 and 128 concurrent clients (every answer against the same request alone).
 # Prints a short table last; OUT_DIR gets table.txt and the logs.
@@ -42,7 +45,7 @@ if [ ! -f "$BIG/model.jnf" ]; then
 fi
 toks=$(seq -s, 11 138)
 
-if [ "$PHASE" != serve ]; then
+if [ "$PHASE" = all ] || [ "$PHASE" = decode ]; then
   gen() { # ARM ROUND [extra args]
     local arm=$1 r=$2; shift 2
     timeout 120 "$BIN/tarfa-run" generate "$BIG" --backend cuda --ignore-eos --quiet --tokens "$toks" \
@@ -71,37 +74,37 @@ try:
     e = [tps("each", r) for r in range(1, rounds + 1)]
     a = [tps("ahead", r) for r in range(1, rounds + 1)]
     rs = [y / x for x, y in zip(e, a)]
+    import random
+    rnd = random.Random(1)
+    boot = sorted(statistics.median(rnd.choice(rs) for _ in rs) for _ in range(2000))
+    lo, hi = boot[50], boot[1949]
     print(f"decode tok/s, --cuda-wait-each-token (16 layers, 128+256)|{statistics.median(e):.1f}|rounds {', '.join(f'{x:.1f}' for x in e)}")
-    print(f"decode tok/s, run-ahead 8 (default)|{statistics.median(a):.1f}|rounds {', '.join(f'{x:.1f}' for x in a)}; median paired ratio {statistics.median(rs):.3f} (min {min(rs):.3f}, max {max(rs):.3f})")
+    print(f"decode tok/s, run-ahead 8 (default)|{statistics.median(a):.1f}|rounds {', '.join(f'{x:.1f}' for x in a)}; median paired ratio {statistics.median(rs):.3f} (95% bootstrap {lo:.3f}..{hi:.3f}; min {min(rs):.3f}, max {max(rs):.3f}; {len(rs)} pairs)")
 except Exception as ex:
     print(f"decode tok/s|ERROR|{ex}")
 PY
-  # peak resident memory of one run (every weight on the GPU)
-  "$BIN/tarfa-run" generate "$BIG" --backend cuda --ignore-eos --quiet --tokens "$toks" --max-new-tokens 16 \
+  # peak resident memory of one run (every weight on the GPU); SKIP_BENCH=1 skips it and step 3
+  [ -z "${SKIP_BENCH:-}" ] && "$BIN/tarfa-run" generate "$BIG" --backend cuda --ignore-eos --quiet --tokens "$toks" --max-new-tokens 16 \
     > /dev/null 2> "$LOG/rss.err" &
   pid=$!; hwm=0
   while kill -0 $pid 2>/dev/null; do
     v=$(awk '/VmHWM/ {print $2}' /proc/$pid/status 2>/dev/null); [ -n "$v" ] && hwm=$v; sleep 0.5
   done
   wait $pid; rc=$?
-  row "peak RSS of generate (16-layer bundle, all weights in VRAM)" "$(( hwm / 1024 )) MiB" "rc=$rc; model.jnf $(( $(stat -c %s "$BIG/model.jnf") / 1048576 )) MiB"
+  [ -z "${SKIP_BENCH:-}" ] && row "peak RSS of generate (16-layer bundle, all weights in VRAM)" "$(( hwm / 1024 )) MiB" "rc=$rc; model.jnf $(( $(stat -c %s "$BIG/model.jnf") / 1048576 )) MiB"
   say "rss ${hwm} kB"
-  if [ -x "$BIN/tarfa-ab" ]; then
-    timeout 300 "$BIN/tarfa-ab" "$BIG" --a-bin "$BIN/tarfa-run" --b-bin "$BIN/tarfa-run" \
-      --a-args "--backend cuda --cuda-wait-each-token" --b-args "--backend cuda" --workload 128:128 \
-      --pairs "${PAIRS:-6}" --metric decode --min-improvement-pct=2 --out "$OUTD/ab.md" > "$LOG/ab.log" 2>&1
-    row "tarfa-ab wait-each-token (A) vs run-ahead (B), decode, bar +2%" "rc=$?" "see ab.md"
-    say "ab"
-  fi
-  if [ -x "$BIN/cuda_bench" ]; then
+  if [ -z "${SKIP_BENCH:-}" ] && [ -x "$BIN/cuda_bench" ]; then
     timeout 240 "$BIN/cuda_bench" "$BIG" --prompt 128 --decode 256 --prefill 512 --pairs 2 --selftest-prompts 1 \
       > "$LOG/bench.log" 2>&1
     say "bench rc=$?"
     grep '^TABLE|' "$LOG/bench.log" | grep -i 'loop\|roofline\|HBM\|api' | head -8 | sed 's/^TABLE|//' >> "$TABLE"
   fi
+fi
+
+if [ "$PHASE" = all ] || [ "$PHASE" = sanitize ]; then
   if command -v compute-sanitizer > /dev/null; then
     "$BIN/tarfa-convert" "$ROOT/fixtures/oracle/qwen3moe-a" "$W/qa" > /dev/null 2>&1
-    for tool in memcheck racecheck; do
+    for tool in memcheck racecheck initcheck synccheck; do
       timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/tarfa-run" generate "$W/qa" \
         --backend cuda --tokens 1,2,3,4,5 --max-new-tokens 20 --ignore-eos --quiet > "$LOG/san-$tool.out" 2>&1
       rc=$?
@@ -111,7 +114,7 @@ PY
   fi
 fi
 
-if [ "$PHASE" != decode ]; then
+if [ "$PHASE" = all ] || [ "$PHASE" = serve ]; then
   "$BIN/tarfa-run" serve "$BIG" --backend cuda --port 0 --max-batch 32 --max-queue 1024 > "$LOG/serve.out" 2> "$LOG/serve.err" &
   spid=$!
   url=""
