@@ -84,15 +84,17 @@ except Exception as ex:
     print(f"decode tok/s|ERROR|{ex}")
 PY
   # peak resident memory of one run (every weight on the GPU); SKIP_BENCH=1 skips it and step 3
-  [ -z "${SKIP_BENCH:-}" ] && "$BIN/tarfa-run" generate "$BIG" --backend cuda --ignore-eos --quiet --tokens "$toks" --max-new-tokens 16 \
-    > /dev/null 2> "$LOG/rss.err" &
-  pid=$!; hwm=0
-  while kill -0 $pid 2>/dev/null; do
-    v=$(awk '/VmHWM/ {print $2}' /proc/$pid/status 2>/dev/null); [ -n "$v" ] && hwm=$v; sleep 0.5
-  done
-  wait $pid; rc=$?
-  [ -z "${SKIP_BENCH:-}" ] && row "peak RSS of generate (16-layer bundle, all weights in VRAM)" "$(( hwm / 1024 )) MiB" "rc=$rc; model.jnf $(( $(stat -c %s "$BIG/model.jnf") / 1048576 )) MiB"
-  say "rss ${hwm} kB"
+  if [ -z "${SKIP_BENCH:-}" ]; then
+    "$BIN/tarfa-run" generate "$BIG" --backend cuda --ignore-eos --quiet --tokens "$toks" --max-new-tokens 16 \
+      > /dev/null 2> "$LOG/rss.err" &
+    pid=$!; hwm=0
+    while kill -0 $pid 2>/dev/null; do
+      v=$(awk '/VmHWM/ {print $2}' /proc/$pid/status 2>/dev/null); [ -n "$v" ] && hwm=$v; sleep 0.5
+    done
+    wait $pid; rc=$?
+    row "peak RSS of generate (16-layer bundle, all weights in VRAM)" "$(( hwm / 1024 )) MiB" "rc=$rc; model.jnf $(( $(stat -c %s "$BIG/model.jnf") / 1048576 )) MiB"
+    say "rss ${hwm} kB"
+  fi
   if [ -z "${SKIP_BENCH:-}" ] && [ -x "$BIN/cuda_bench" ]; then
     timeout 240 "$BIN/cuda_bench" "$BIG" --prompt 128 --decode 256 --prefill 512 --pairs 2 --selftest-prompts 1 \
       > "$LOG/bench.log" 2>&1
