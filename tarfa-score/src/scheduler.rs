@@ -236,10 +236,25 @@ impl<'a> Scheduler<'a> {
                 return Err(err);
             }
         };
-        for ((s, (c, toks)), out) in self.active.iter_mut().zip(&plans).zip(outs) {
+        // Each request's log-probs, choices and text come from its own rows alone, so the
+        // requests are absorbed in parallel (a log-softmax over the vocabulary per row is most of
+        // a decode step's host time); the sinks then see them in slot order.
+        let before: Vec<usize> = self.active.iter().map(|s| s.work.generated_len()).collect();
+        {
+            use rayon::prelude::*;
+            let mut works: Vec<(&mut Work, usize)> = self
+                .active
+                .iter_mut()
+                .map(|s| (&mut s.work, s.top_logprobs))
+                .collect();
+            works
+                .par_iter_mut()
+                .zip(plans.par_iter())
+                .zip(outs.into_par_iter())
+                .for_each(|(((w, k), (c, _)), out)| w.absorb(c, out, *k, dec));
+        }
+        for ((s, (_, toks)), before) in self.active.iter_mut().zip(&plans).zip(before) {
             self.stats.tokens += toks.len() as u64;
-            let before = s.work.generated_len();
-            s.work.absorb(c, out, s.top_logprobs, dec);
             if s.work.generated_len() > before {
                 if let Some(t) = s.work.last_generated() {
                     if !(s.sink)(Event::Token(t)) {
