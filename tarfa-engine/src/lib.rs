@@ -287,25 +287,10 @@ impl Model {
             index: b.sequence,
             error: b.error,
         };
-        if let Some(index) = steps.iter().position(|s| !self.owns(s.seq)) {
-            return Err(StepError {
-                index: Some(index),
-                error: self.foreign(steps[index].seq),
-            });
-        }
+        self.check_owned(steps)?;
         match self {
             Model::Cpu(e) => {
-                let mut entries: Vec<BatchEntry<'_, KvCache>> = steps
-                    .iter_mut()
-                    .map(|s| match &mut s.seq.cache {
-                        SequenceCache::Cpu(c) => BatchEntry {
-                            cache: c,
-                            tokens: s.tokens,
-                            opts: s.opts,
-                        },
-                        SequenceCache::Cuda(_) => unreachable!("checked above"),
-                    })
-                    .collect();
+                let mut entries = cpu_entries(steps);
                 Backend::forward_batch(e, &mut entries).map_err(|b| {
                     step_err(BatchError {
                         sequence: b.sequence,
@@ -344,25 +329,10 @@ impl Model {
         steps: &mut [SeqStep<'_>],
         hook: &mut dyn tarfa_cpu::StepHook,
     ) -> Result<Vec<ForwardOutput>, StepError> {
-        if let Some(index) = steps.iter().position(|s| !self.owns(s.seq)) {
-            return Err(StepError {
-                index: Some(index),
-                error: self.foreign(steps[index].seq),
-            });
-        }
+        self.check_owned(steps)?;
         match self {
             Model::Cpu(e) => {
-                let mut entries: Vec<BatchEntry<'_, KvCache>> = steps
-                    .iter_mut()
-                    .map(|s| match &mut s.seq.cache {
-                        SequenceCache::Cpu(c) => BatchEntry {
-                            cache: c,
-                            tokens: s.tokens,
-                            opts: s.opts,
-                        },
-                        SequenceCache::Cuda(_) => unreachable!("checked above"),
-                    })
-                    .collect();
+                let mut entries = cpu_entries(steps);
                 e.forward_batch_observed(&mut entries, Some(hook))
                     .map_err(|b| StepError {
                         index: b.sequence,
@@ -413,6 +383,17 @@ impl Model {
                 Ok(Backend::greedy_step(m.as_ref(), c.as_mut(), token)?)
             }
             _ => Err(self.foreign(seq)),
+        }
+    }
+
+    /// Every sequence of `steps` was made by this model's backend.
+    fn check_owned(&self, steps: &[SeqStep<'_>]) -> Result<(), StepError> {
+        match steps.iter().position(|s| !self.owns(s.seq)) {
+            Some(index) => Err(StepError {
+                index: Some(index),
+                error: self.foreign(steps[index].seq),
+            }),
+            None => Ok(()),
         }
     }
 
@@ -550,4 +531,20 @@ impl Session for Engine {
     fn rewind_to(&mut self, len: usize) {
         self.seq.truncate(len)
     }
+}
+
+/// The CPU caches of `steps` as the backend's batch entries (every sequence checked to be the
+/// CPU's by [`Model::check_owned`]).
+fn cpu_entries<'s>(steps: &'s mut [SeqStep<'_>]) -> Vec<BatchEntry<'s, KvCache>> {
+    steps
+        .iter_mut()
+        .map(|s| match &mut s.seq.cache {
+            SequenceCache::Cpu(c) => BatchEntry {
+                cache: c,
+                tokens: s.tokens,
+                opts: s.opts,
+            },
+            SequenceCache::Cuda(_) => unreachable!("checked by check_owned"),
+        })
+        .collect()
 }
