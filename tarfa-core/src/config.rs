@@ -9,9 +9,10 @@
 use serde_json::{Map, Value};
 
 use crate::model::{
-    family_by_model_type, ArchSpec, DenseLayerRule, Family, Flag, MlpKind, QkNorm, RouterRule,
-    SharedExpertRule, FAMILIES,
+    family_by_model_type, ArchSpec, AttentionKind, DenseLayerRule, Family, Flag, MlpKind, QkNorm,
+    RouterRule, SharedExpertRule, FAMILIES,
 };
+use crate::numerics::rope::{yarn_mscale, RopeError, RopeTable, Yarn};
 
 /// A config.json that cannot be run.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -85,6 +86,37 @@ pub struct GroupRouting {
     pub routed_scaling_factor: f64,
 }
 
+/// Multi-head latent attention's dimensions (DeepSeek-V2/V3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaDims {
+    /// `q_lora_rank`: the q LoRA's rank, or None for a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// `kv_lora_rank` (r): the latent's width.
+    pub kv_lora_rank: usize,
+    /// `qk_nope_head_dim`: the part of each query/key head without rotary embedding.
+    pub qk_nope_head_dim: usize,
+    /// `qk_rope_head_dim`: the rotated part, shared by all heads on the key side.
+    pub qk_rope_head_dim: usize,
+    /// `v_head_dim`.
+    pub v_head_dim: usize,
+    /// Whether the rope part is read as interleaved pairs `(x0, x1), (x2, x3), ...` and
+    /// de-interleaved before the rotate-half rotation (V3's `rope_interleave`; V2's complex
+    /// form always is).
+    pub rope_interleave: bool,
+}
+
+impl MlaDims {
+    /// `qk_nope_head_dim + qk_rope_head_dim`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// One cached position of one layer: the normed latent and the rotated rope key.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+}
+
 /// The validated, family-resolved configuration of an MoE decoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
@@ -145,6 +177,10 @@ pub struct MoeConfig {
     /// `num_nextn_predict_layers`: multi-token-prediction layers the checkpoint may carry past
     /// `num_hidden_layers`. They are never run (next-token logits do not use them).
     pub nextn_predict_layers: usize,
+    /// Multi-head latent attention's dimensions (families with that attention).
+    pub mla: Option<MlaDims>,
+    /// YaRN rotary scaling, when the config asks for it.
+    pub yarn: Option<Yarn>,
 }
 
 /// Typed access to one config object; every getter names its key in errors.
@@ -306,6 +342,32 @@ impl MoeConfig {
             });
         }
 
+        let (head_dim, mla) = match family.attention {
+            AttentionKind::Gqa => (head_dim, None),
+            AttentionKind::Mla => {
+                let m = mla_dims(&r, family)?;
+                // transformers sets head_dim to qk_rope_head_dim (its rotary width); a config
+                // that writes another is not the model transformers runs.
+                if let Some(d) = r.usize_opt("head_dim")? {
+                    if d != m.qk_rope_head_dim {
+                        return Err(ConfigError::OutOfRange {
+                            key: "head_dim",
+                            value: d.to_string(),
+                            why: "multi-head latent attention's head_dim is qk_rope_head_dim",
+                        });
+                    }
+                }
+                if num_kv_heads != num_heads {
+                    return Err(ConfigError::OutOfRange {
+                        key: "num_key_value_heads",
+                        value: num_kv_heads.to_string(),
+                        why: "multi-head latent attention has one key and value per query head",
+                    });
+                }
+                (m.qk_rope_head_dim, Some(m))
+            }
+        };
+
         let mut num_experts = None;
         for &key in family.num_experts_keys {
             if let Some(n) = r.usize_opt(key)? {
@@ -366,6 +428,7 @@ impl MoeConfig {
         let group_routing = match family.router {
             RouterRule::SoftmaxTopK => None,
             RouterRule::SigmoidGroupLimited => Some(group_routing(&r, num_experts, top_k)?),
+            RouterRule::SoftmaxGroupLimited => Some(softmax_group_routing(&r, num_experts, top_k)?),
         };
         let nextn_predict_layers = r.usize_opt("num_nextn_predict_layers")?.unwrap_or(0);
 
@@ -425,7 +488,7 @@ impl MoeConfig {
 
         // rope: transformers 5 nests it in rope_parameters; older configs have rope_theta and
         // rope_scaling at the top level.
-        let (rope_theta, rope_type, rope_key) = match r.get("rope_parameters") {
+        let (rope_theta, nested) = match r.get("rope_parameters") {
             Some(Value::Object(rp)) => {
                 let rr = Reader { obj: rp };
                 let theta = match rr.f64_opt("rope_theta")? {
@@ -434,8 +497,7 @@ impl MoeConfig {
                         key: "rope_parameters.rope_theta",
                     })?,
                 };
-                let rope_type = rr.str_opt("rope_type")?.unwrap_or("default").to_string();
-                (theta, rope_type, "rope_parameters.rope_type")
+                (theta, Some(rp))
             }
             Some(v) => {
                 return Err(ConfigError::WrongType {
@@ -448,30 +510,18 @@ impl MoeConfig {
                 let theta = r
                     .f64_opt("rope_theta")?
                     .ok_or(ConfigError::Missing { key: "rope_theta" })?;
-                (theta, "default".to_string(), "rope_type")
+                (theta, None)
             }
         };
-        // A top-level rope_scaling asks for scaling even next to rope_parameters (transformers
-        // folds it in), so it is read either way.
-        let rope_type = match r.get("rope_scaling") {
-            None => rope_type,
-            Some(Value::Object(rs)) => {
-                let rr = Reader { obj: rs };
-                let scaling = match rr.str_opt("rope_type")? {
-                    Some(t) => Some(t),
-                    None => rr.str_opt("type")?,
-                };
-                match scaling {
-                    Some(t) if t != "default" => {
-                        return Err(ConfigError::Unsupported {
-                            key: "rope_scaling",
-                            value: Value::Object(rs.clone()).to_string(),
-                            why: "only the default rotary embedding is implemented",
-                        })
-                    }
-                    _ => rope_type,
-                }
-            }
+        // The block that asks for scaling: rope_parameters when its rope_type is not the
+        // default, or a top-level rope_scaling (transformers folds it in) that is not.
+        let nested_scaling = match nested {
+            Some(rp) => rope_block_type(rp, true)?.map(|t| (rp, t, true)),
+            None => None,
+        };
+        let top_scaling = match r.get("rope_scaling") {
+            None => None,
+            Some(Value::Object(rs)) => rope_block_type(rs, false)?.map(|t| (rs, t, false)),
             Some(v) => {
                 return Err(ConfigError::WrongType {
                     key: "rope_scaling",
@@ -479,6 +529,28 @@ impl MoeConfig {
                     found: type_name(v),
                 })
             }
+        };
+        let yarn = match (nested_scaling, top_scaling) {
+            (Some(_), Some((rs, _, _))) => return Err(ConfigError::Unsupported {
+                key: "rope_scaling",
+                value: Value::Object(rs.clone()).to_string(),
+                why: "rope_parameters already asks for rotary scaling; two requests are ambiguous",
+            }),
+            (Some((block, t, nested)), None) | (None, Some((block, t, nested))) => {
+                if t != "yarn" {
+                    return Err(ConfigError::Unsupported {
+                        key: if nested {
+                            "rope_parameters.rope_type"
+                        } else {
+                            "rope_scaling"
+                        },
+                        value: Value::String(t.to_string()).to_string(),
+                        why: "the default rotary embedding and YaRN are implemented",
+                    });
+                }
+                Some(yarn_block(block, nested)?)
+            }
+            (None, None) => None,
         };
         if !(rope_theta.is_finite() && rope_theta > 1.0) {
             let written = match r.get("rope_parameters") {
@@ -491,15 +563,15 @@ impl MoeConfig {
                 why: "must be finite and greater than 1",
             });
         }
-        if rope_type != "default" {
-            return Err(ConfigError::Unsupported {
-                key: rope_key,
-                value: Value::String(rope_type).to_string(),
-                why: "only the default rotary embedding is implemented",
-            });
-        }
 
-        let rotary_dim = rotary_dim(&r, family, head_dim)?;
+        let rotary_dim = match mla {
+            // the rope part of each head, whole
+            Some(m) => m.qk_rope_head_dim,
+            None => rotary_dim(&r, family, head_dim)?,
+        };
+        if let Some(m) = &mla {
+            mla_refusals(&r, m)?;
+        }
 
         if let Some(act) = r.str_opt("hidden_act")? {
             if act != "silu" {
@@ -577,6 +649,8 @@ impl MoeConfig {
             first_k_dense_replace,
             group_routing,
             nextn_predict_layers,
+            mla,
+            yarn,
         };
         // A family with dense layers needs their width whenever one is dense.
         let spec = ArchSpec::new(&cfg);
@@ -591,6 +665,27 @@ impl MoeConfig {
     /// `f32(rms_norm_eps)`, the value the forward adds.
     pub fn eps_f32(&self) -> f32 {
         self.rms_norm_eps as f32
+    }
+
+    /// A sequence's RoPE table: `rope_theta`, the rotary width, and YaRN when asked for.
+    pub fn rope_table(&self) -> Result<RopeTable, RopeError> {
+        RopeTable::with_scaling(self.rope_theta, self.rotary_dim, self.yarn.as_ref())
+    }
+
+    /// Multi-head latent attention's softmax scale, `f32(s)` of transformers' f64
+    /// `s = qk_head_dim^-0.5`, times `m * m` for `m = mscale(factor, mscale_all_dim)` when YaRN
+    /// writes a non-zero `mscale_all_dim` and the family applies it (`yarn_apply_mscale`).
+    /// None for other attention.
+    pub fn mla_softmax_scale(&self) -> Option<f32> {
+        let m = self.mla?;
+        let mut s = 1.0f64 / (m.qk_head_dim() as f64).sqrt();
+        if let (true, Some(y)) = (self.family.yarn_softmax_mscale, &self.yarn) {
+            if let Some(all) = y.mscale_all_dim.filter(|&a| a != 0.0) {
+                let ms = yarn_mscale(y.factor, all);
+                s = s * ms * ms;
+            }
+        }
+        Some(s as f32)
     }
 
     /// EOS ids that are inside the vocabulary (olmoe-a names one outside it: such ids can never
@@ -648,6 +743,307 @@ fn rotary_dim(r: &Reader<'_>, family: &Family, head_dim: usize) -> Result<usize,
     Ok(dim as usize)
 }
 
+/// The `rope_type` (or legacy `type`) of a rotary block, None when it is the default.
+fn rope_block_type(
+    block: &Map<String, Value>,
+    nested: bool,
+) -> Result<Option<String>, ConfigError> {
+    let rr = Reader { obj: block };
+    let t = match rr.str_opt("rope_type") {
+        Ok(Some(t)) => Some(t),
+        Ok(None) => rr.str_opt("type").ok().flatten(),
+        Err(_) => {
+            return Err(ConfigError::WrongType {
+                key: if nested {
+                    "rope_parameters.rope_type"
+                } else {
+                    "rope_scaling"
+                },
+                expected: "a string",
+                found: json_text(block.get("rope_type")),
+            })
+        }
+    };
+    Ok(t.filter(|t| *t != "default").map(str::to_string))
+}
+
+/// The keys a YaRN block may hold; any other is refused by name (it would change the model's
+/// function in a way this build does not implement, or it is a typo).
+const YARN_KEYS: &[&str] = &[
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+    "partial_rotary_factor",
+];
+
+/// A YaRN block (rope_parameters when `nested`, else a top-level rope_scaling), as
+/// transformers 5.17's `_compute_yarn_parameters` reads it.
+fn yarn_block(block: &Map<String, Value>, nested: bool) -> Result<Yarn, ConfigError> {
+    let at = if nested {
+        "rope_parameters"
+    } else {
+        "rope_scaling"
+    };
+    if let Some(k) = block.keys().find(|k| !YARN_KEYS.contains(&k.as_str())) {
+        return Err(ConfigError::Unsupported {
+            key: at,
+            value: Value::String(k.clone()).to_string(),
+            why: "a YaRN key this build does not implement",
+        });
+    }
+    let rr = Reader { obj: block };
+    // Each key's name in messages, in the block it is read from.
+    let name = |k: &'static str| -> &'static str {
+        match (nested, k) {
+            (true, "factor") => "rope_parameters.factor",
+            (true, "original_max_position_embeddings") => {
+                "rope_parameters.original_max_position_embeddings"
+            }
+            (true, "beta_fast") => "rope_parameters.beta_fast",
+            (true, "beta_slow") => "rope_parameters.beta_slow",
+            (true, "mscale") => "rope_parameters.mscale",
+            (true, "mscale_all_dim") => "rope_parameters.mscale_all_dim",
+            (true, "attention_factor") => "rope_parameters.attention_factor",
+            (true, _) => "rope_parameters.truncate",
+            (false, "factor") => "rope_scaling.factor",
+            (false, "original_max_position_embeddings") => {
+                "rope_scaling.original_max_position_embeddings"
+            }
+            (false, "beta_fast") => "rope_scaling.beta_fast",
+            (false, "beta_slow") => "rope_scaling.beta_slow",
+            (false, "mscale") => "rope_scaling.mscale",
+            (false, "mscale_all_dim") => "rope_scaling.mscale_all_dim",
+            (false, "attention_factor") => "rope_scaling.attention_factor",
+            (false, _) => "rope_scaling.truncate",
+        }
+    };
+    let rename = |k: &'static str, e: ConfigError| match e {
+        ConfigError::WrongType {
+            expected, found, ..
+        } => ConfigError::WrongType {
+            key: name(k),
+            expected,
+            found,
+        },
+        other => other,
+    };
+    let num = |k: &'static str| -> Result<Option<f64>, ConfigError> {
+        let v = rr.f64_opt(k).map_err(|e| rename(k, e))?;
+        match v {
+            Some(x) if !(x.is_finite() && (x as f32).is_finite()) => Err(ConfigError::OutOfRange {
+                key: name(k),
+                value: json_text(block.get(k)),
+                why: "must be finite (also as an f32)",
+            }),
+            v => Ok(v),
+        }
+    };
+    let positive = |k: &'static str| -> Result<Option<f64>, ConfigError> {
+        match num(k)? {
+            Some(x) if x <= 0.0 => Err(ConfigError::OutOfRange {
+                key: name(k),
+                value: json_text(block.get(k)),
+                why: "must be positive",
+            }),
+            v => Ok(v),
+        }
+    };
+    // transformers indexes factor and original_max_position_embeddings: both are required.
+    let factor = positive("factor")?.ok_or(ConfigError::Missing {
+        key: name("factor"),
+    })?;
+    let original = positive("original_max_position_embeddings")?.ok_or(ConfigError::Missing {
+        key: name("original_max_position_embeddings"),
+    })?;
+    // `get("beta_fast") or 32`: absent, null or 0 all mean the default.
+    let beta = |k: &'static str, default: f64| -> Result<f64, ConfigError> {
+        Ok(match num(k)? {
+            None => default,
+            Some(0.0) => default,
+            Some(x) if x < 0.0 => {
+                return Err(ConfigError::OutOfRange {
+                    key: name(k),
+                    value: json_text(block.get(k)),
+                    why: "must be positive",
+                })
+            }
+            Some(x) => x,
+        })
+    };
+    let truncate = rr
+        .bool_opt("truncate")
+        .map_err(|e| rename("truncate", e))?
+        .unwrap_or(true);
+    Ok(Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        mscale: num("mscale")?,
+        mscale_all_dim: num("mscale_all_dim")?,
+        attention_factor: positive("attention_factor")?,
+        truncate,
+    })
+}
+
+/// Multi-head latent attention's dimensions, each checked.
+fn mla_dims(r: &Reader<'_>, family: &Family) -> Result<MlaDims, ConfigError> {
+    let q_lora_rank = match r.usize_opt("q_lora_rank")? {
+        Some(0) => {
+            return Err(ConfigError::OutOfRange {
+                key: "q_lora_rank",
+                value: "0".into(),
+                why: "must be at least 1, or null for a plain q_proj",
+            })
+        }
+        q => q,
+    };
+    let qk_rope_head_dim = r.positive("qk_rope_head_dim")?;
+    if !qk_rope_head_dim.is_multiple_of(2) {
+        return Err(ConfigError::OutOfRange {
+            key: "qk_rope_head_dim",
+            value: qk_rope_head_dim.to_string(),
+            why: "must be even for rotary embeddings",
+        });
+    }
+    // V3 reads rope_interleave (default true); V2's complex rotary is always interleaved.
+    let rope_interleave = if family.model_type == "deepseek_v3" {
+        r.bool_opt("rope_interleave")?.unwrap_or(true)
+    } else {
+        true
+    };
+    Ok(MlaDims {
+        q_lora_rank,
+        kv_lora_rank: r.positive("kv_lora_rank")?,
+        qk_nope_head_dim: r.positive("qk_nope_head_dim")?,
+        qk_rope_head_dim,
+        v_head_dim: r.positive("v_head_dim")?,
+        rope_interleave,
+    })
+}
+
+/// The keys a DeepSeek config may set that change the function in a way this build does not
+/// implement: each is refused by name when it asks for that.
+fn mla_refusals(r: &Reader<'_>, m: &MlaDims) -> Result<(), ConfigError> {
+    let _ = m;
+    if r.bool_opt("attention_bias")? == Some(true) {
+        return Err(ConfigError::Unsupported {
+            key: "attention_bias",
+            value: "true".into(),
+            why: "biases on multi-head latent attention's projections are not implemented (no release sets it)",
+        });
+    }
+    if r.bool_opt("mlp_bias")? == Some(true) {
+        return Err(ConfigError::Unsupported {
+            key: "mlp_bias",
+            value: "true".into(),
+            why: "biases on the MLPs are not implemented (no release sets it)",
+        });
+    }
+    // DeepSeek's own code makes layer l MoE only when l % moe_layer_freq == 0; transformers
+    // reads no such key. 1 is the only value both agree on.
+    if let Some(f) = r.usize_opt("moe_layer_freq")? {
+        if f != 1 {
+            return Err(ConfigError::Unsupported {
+                key: "moe_layer_freq",
+                value: f.to_string(),
+                why: "only every layer past first_k_dense_replace being MoE (1) is implemented",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// DeepSeek-V2's router keys: `topk_method` `greedy` (one group holding every expert) or
+/// `group_limited_greedy` (`n_group`, `topk_group` required), softmax scoring,
+/// `routed_scaling_factor`, and no renormalisation.
+fn softmax_group_routing(
+    r: &Reader<'_>,
+    experts: usize,
+    top_k: usize,
+) -> Result<GroupRouting, ConfigError> {
+    if let Some(func) = r.str_opt("scoring_func")? {
+        if func != "softmax" {
+            return Err(ConfigError::Unsupported {
+                key: "scoring_func",
+                value: Value::String(func.to_string()).to_string(),
+                why: "DeepSeek-V2's router scores with a softmax",
+            });
+        }
+    }
+    // transformers 5.17's DeepseekV2Moe never renormalises; DeepSeek's own code does under
+    // norm_topk_prob. Only false means the same thing to both.
+    if r.bool_opt("norm_topk_prob")? == Some(true) {
+        return Err(ConfigError::Unsupported {
+            key: "norm_topk_prob",
+            value: "true".into(),
+            why: "transformers' DeepSeek-V2 does not renormalise the top-k and DeepSeek's own code does; the two disagree",
+        });
+    }
+    let method = r.str_opt("topk_method")?.unwrap_or("greedy");
+    let (n_group, topk_group) = match method {
+        "greedy" => (1, 1),
+        "group_limited_greedy" => {
+            let n_group = r.positive("n_group")?;
+            let topk_group = r.positive("topk_group")?;
+            if !experts.is_multiple_of(n_group) {
+                return Err(ConfigError::GroupsDoNotDivideExperts {
+                    groups: n_group,
+                    experts,
+                });
+            }
+            if topk_group > n_group {
+                return Err(ConfigError::TopKGroupExceedsGroups {
+                    topk_group,
+                    groups: n_group,
+                });
+            }
+            let kept = topk_group * (experts / n_group);
+            if top_k > kept {
+                return Err(ConfigError::TopKExceedsKeptGroups { top_k, kept });
+            }
+            (n_group, topk_group)
+        }
+        other => {
+            return Err(ConfigError::Unsupported {
+                key: "topk_method",
+                value: Value::String(other.to_string()).to_string(),
+                why: "DeepSeek-V2's topk_method is greedy or group_limited_greedy",
+            })
+        }
+    };
+    Ok(GroupRouting {
+        n_group,
+        topk_group,
+        routed_scaling_factor: scaling_factor(r)?,
+    })
+}
+
+/// `routed_scaling_factor`, required (a default would be a guess about the model's function).
+fn scaling_factor(r: &Reader<'_>) -> Result<f64, ConfigError> {
+    let factor = r
+        .f64_opt("routed_scaling_factor")?
+        .ok_or(ConfigError::Missing {
+            key: "routed_scaling_factor",
+        })?;
+    if !(factor.is_finite() && factor > 0.0 && (factor as f32).is_finite()) {
+        return Err(ConfigError::OutOfRange {
+            key: "routed_scaling_factor",
+            value: json_text(r.get("routed_scaling_factor")),
+            why: "must be finite and positive (also as an f32)",
+        });
+    }
+    Ok(factor)
+}
+
 /// The group-limited router's keys, each required (a default would be a guess about the
 /// model's function) and checked against the expert count.
 fn group_routing(
@@ -679,18 +1075,7 @@ fn group_routing(
     if top_k > kept {
         return Err(ConfigError::TopKExceedsKeptGroups { top_k, kept });
     }
-    let factor = r
-        .f64_opt("routed_scaling_factor")?
-        .ok_or(ConfigError::Missing {
-            key: "routed_scaling_factor",
-        })?;
-    if !(factor.is_finite() && factor > 0.0 && (factor as f32).is_finite()) {
-        return Err(ConfigError::OutOfRange {
-            key: "routed_scaling_factor",
-            value: json_text(r.get("routed_scaling_factor")),
-            why: "must be finite and positive (also as an f32)",
-        });
-    }
+    let factor = scaling_factor(r)?;
     // DeepSeek-V3 names its selection rule; only the group-limited one is this router.
     if let Some(method) = r.str_opt("topk_method")? {
         if method != "noaux_tc" {
@@ -755,6 +1140,7 @@ impl ArchSpec {
                 Some(SharedExpertRule::Ungated { .. })
             ),
             router: family.router,
+            attention: family.attention,
             names: family.names,
         }
     }
@@ -870,13 +1256,24 @@ mod tests {
             parse(&with(
                 base(),
                 "rope_parameters",
-                serde_json::json!({"rope_theta": 1e6, "rope_type": "yarn"})
+                serde_json::json!({"rope_theta": 1e6, "rope_type": "dynamic", "factor": 2.0})
             )),
             Err(ConfigError::Unsupported {
                 key: "rope_parameters.rope_type",
                 ..
             })
         ));
+        // YaRN without the keys transformers indexes
+        assert_eq!(
+            parse(&with(
+                base(),
+                "rope_parameters",
+                serde_json::json!({"rope_theta": 1e6, "rope_type": "yarn"})
+            )),
+            Err(ConfigError::Missing {
+                key: "rope_parameters.factor"
+            })
+        );
         assert!(matches!(
             parse(&with(base(), "hidden_act", "gelu".into())),
             Err(ConfigError::Unsupported {
@@ -940,14 +1337,14 @@ mod tests {
 
     #[test]
     fn rope_scaling_eps_and_theta_are_refused_when_the_forward_cannot_honour_them() {
-        let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
+        let linear = serde_json::json!({"rope_type": "linear", "factor": 4.0});
         // Next to rope_parameters (transformers folds rope_scaling in) and on its own.
         for v in [
-            with(base(), "rope_scaling", yarn.clone()),
+            with(base(), "rope_scaling", linear.clone()),
             with(
                 with(without(base(), "rope_parameters"), "rope_theta", 1e6.into()),
                 "rope_scaling",
-                serde_json::json!({"type": "yarn", "factor": 4.0}),
+                serde_json::json!({"type": "linear", "factor": 4.0}),
             ),
         ] {
             assert!(matches!(
@@ -1172,5 +1569,143 @@ mod tests {
             let c = MoeConfig::from_json_str(&text).unwrap();
             assert_eq!(c.family.model_type, "qwen3_moe");
         }
+    }
+
+    fn deepseek_v3() -> Value {
+        serde_json::json!({
+            "model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 128,
+            "intermediate_size": 256, "moe_intermediate_size": 48, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+            "n_routed_experts": 16, "routed_scaling_factor": 2.5, "kv_lora_rank": 32,
+            "q_lora_rank": 64, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
+            "head_dim": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+            "first_k_dense_replace": 1, "norm_topk_prob": true, "rope_interleave": true,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "yarn", "factor": 8.0,
+                "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+        })
+    }
+
+    #[test]
+    fn deepseek_configs_parse_with_their_latent_dimensions_and_yarn() {
+        let c = parse(&deepseek_v3()).unwrap();
+        let m = c.mla.unwrap();
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim()),
+            (Some(64), 32, 48)
+        );
+        assert_eq!((m.latent_width(), c.head_dim, c.rotary_dim), (48, 16, 16));
+        assert!(m.rope_interleave);
+        let y = c.yarn.unwrap();
+        assert_eq!((y.factor, y.original_max_position_embeddings), (8.0, 64.0));
+        assert!(y.truncate);
+        // mscale == mscale_all_dim: cos and sin unscaled; the softmax scale gets mscale^2
+        assert_eq!(y.attention_factor(), 1.0);
+        let ms = 0.1 * crate::numerics::detmath::ln_f64(8.0) + 1.0;
+        assert_eq!(
+            c.mla_softmax_scale(),
+            Some(((1.0 / 48f64.sqrt()) * ms * ms) as f32)
+        );
+        // the legacy spelling: top-level rope_theta and rope_scaling with "type"
+        let legacy = with(
+            with(
+                without(deepseek_v3(), "rope_parameters"),
+                "rope_theta",
+                1e4.into(),
+            ),
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 8.0,
+                "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0}),
+        );
+        assert_eq!(parse(&legacy).unwrap().yarn, c.yarn);
+        // null q_lora_rank: a plain q_proj
+        let plain = parse(&with(deepseek_v3(), "q_lora_rank", Value::Null)).unwrap();
+        assert_eq!(plain.mla.unwrap().q_lora_rank, None);
+        // V2: softmax routing, greedy is one group of every expert
+        let v2 = with(
+            with(deepseek_v3(), "model_type", "deepseek_v2".into()),
+            "norm_topk_prob",
+            false.into(),
+        );
+        let c2 = parse(&with(v2.clone(), "topk_method", "greedy".into())).unwrap();
+        let g = c2.group_routing.unwrap();
+        assert_eq!((g.n_group, g.topk_group), (1, 1));
+        let c2 = parse(&with(v2, "topk_method", "group_limited_greedy".into())).unwrap();
+        let g = c2.group_routing.unwrap();
+        assert_eq!((g.n_group, g.topk_group), (4, 2));
+    }
+
+    #[test]
+    fn deepseek_keys_this_build_cannot_honour_are_refused_by_name() {
+        let unsupported = |v: Value| match parse(&v) {
+            Err(ConfigError::Unsupported { key, .. }) => key,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert_eq!(
+            unsupported(with(deepseek_v3(), "attention_bias", true.into())),
+            "attention_bias"
+        );
+        assert_eq!(
+            unsupported(with(deepseek_v3(), "mlp_bias", true.into())),
+            "mlp_bias"
+        );
+        assert_eq!(
+            unsupported(with(deepseek_v3(), "moe_layer_freq", 2.into())),
+            "moe_layer_freq"
+        );
+        assert_eq!(
+            unsupported(with(deepseek_v3(), "topk_method", "greedy".into())),
+            "topk_method"
+        );
+        let v2 = with(deepseek_v3(), "model_type", "deepseek_v2".into());
+        // transformers' V2 never renormalises; DeepSeek's own code does: refused
+        assert_eq!(unsupported(v2.clone()), "norm_topk_prob");
+        let v2 = with(v2, "norm_topk_prob", false.into());
+        assert_eq!(
+            unsupported(with(v2.clone(), "topk_method", "noaux_tc".into())),
+            "topk_method"
+        );
+        assert_eq!(
+            unsupported(with(v2, "scoring_func", "sigmoid".into())),
+            "scoring_func"
+        );
+        // a YaRN key this build does not read
+        let mut v = deepseek_v3();
+        v["rope_parameters"]["extrapolation_factor"] = 1.0.into();
+        assert_eq!(unsupported(v), "rope_parameters");
+        // head_dim must be the rope width; one key and value per query head
+        assert!(matches!(
+            parse(&with(deepseek_v3(), "head_dim", 48.into())),
+            Err(ConfigError::OutOfRange {
+                key: "head_dim",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(deepseek_v3(), "num_key_value_heads", 2.into())),
+            Err(ConfigError::OutOfRange {
+                key: "num_key_value_heads",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&with(deepseek_v3(), "qk_rope_head_dim", 15.into())),
+            Err(ConfigError::OutOfRange {
+                key: "qk_rope_head_dim",
+                ..
+            })
+        ));
+        let mut v = deepseek_v3();
+        v["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("original_max_position_embeddings");
+        assert_eq!(
+            parse(&v),
+            Err(ConfigError::Missing {
+                key: "rope_parameters.original_max_position_embeddings"
+            })
+        );
     }
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use crate::config::MoeConfig;
 use crate::model::ArchSpec;
 use crate::numerics::{bf16_to_f32, MatrixRef};
-use crate::shapes::{DenseMlpRules, MlpRules, ModelRules, Need, TensorRule};
+use crate::shapes::{
+    AttentionRules, DenseMlpRules, MlaQueryRules, MlpRules, ModelRules, Need, TensorRule,
+};
 use crate::weights::{HostTensor, TensorData, WeightError, WeightSource};
 
 /// A resident weight matrix `[rows, cols]`.
@@ -62,6 +64,53 @@ pub struct AttentionWeights {
     pub k_norm: Option<Vec<f32>>,
 }
 
+/// Multi-head latent attention's query projection.
+#[derive(Clone, Debug)]
+pub enum MlaQuery {
+    /// `q_proj`.
+    Plain(Matrix),
+    /// `q_a_proj`, `q_a_layernorm` (widened to f32), `q_b_proj`.
+    LoRa {
+        a: Matrix,
+        norm: Vec<f32>,
+        b: Matrix,
+    },
+}
+
+/// Multi-head latent attention's weights of one layer.
+#[derive(Clone, Debug)]
+pub struct MlaWeights {
+    pub q: MlaQuery,
+    /// `kv_a_proj_with_mqa` `[r+dr, H]`.
+    pub kv_a: Matrix,
+    /// `kv_a_layernorm` `[r]`, widened to f32.
+    pub kv_a_norm: Vec<f32>,
+    /// `kv_b_proj` `[Hq*(dn+dv), r]`: per head, dn rows that absorb into the query and dv rows
+    /// that expand the attended latent into the value.
+    pub kv_b: Matrix,
+    /// `o_proj` `[H, Hq*dv]`.
+    pub o: Matrix,
+}
+
+/// A layer's attention weights.
+#[derive(Clone, Debug)]
+pub enum Attention {
+    /// Grouped-query attention.
+    Gqa(AttentionWeights),
+    /// Multi-head latent attention.
+    Mla(MlaWeights),
+}
+
+impl Attention {
+    /// The grouped-query weights, or None for multi-head latent attention.
+    pub fn gqa(&self) -> Option<&AttentionWeights> {
+        match self {
+            Attention::Gqa(a) => Some(a),
+            Attention::Mla(_) => None,
+        }
+    }
+}
+
 /// A dense SwiGLU MLP (dense layers, and Qwen2-MoE's shared expert).
 #[derive(Clone, Debug)]
 pub struct DenseMlp {
@@ -94,7 +143,7 @@ pub enum LayerMlp {
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub post_attention_norm: Vec<f32>,
-    pub attention: AttentionWeights,
+    pub attention: Attention,
     pub mlp: LayerMlp,
 }
 
@@ -169,17 +218,33 @@ impl ResidentWeights {
             let opt = |rule: &Option<TensorRule>| -> Result<Option<Vec<f32>>, WeightError> {
                 rule.as_ref().map(|r| vector(src, r)).transpose()
             };
-            let attention = AttentionWeights {
-                q: matrix(src, &layer.q_proj)?,
-                k: matrix(src, &layer.k_proj)?,
-                v: matrix(src, &layer.v_proj)?,
-                o: matrix(src, &layer.o_proj)?,
-                q_bias: opt(&layer.q_bias)?,
-                k_bias: opt(&layer.k_bias)?,
-                v_bias: opt(&layer.v_bias)?,
-                o_bias: opt(&layer.o_bias)?,
-                q_norm: opt(&layer.q_norm)?,
-                k_norm: opt(&layer.k_norm)?,
+            let attention = match &layer.attention {
+                AttentionRules::Gqa(a) => Attention::Gqa(AttentionWeights {
+                    q: matrix(src, &a.q_proj)?,
+                    k: matrix(src, &a.k_proj)?,
+                    v: matrix(src, &a.v_proj)?,
+                    o: matrix(src, &a.o_proj)?,
+                    q_bias: opt(&a.q_bias)?,
+                    k_bias: opt(&a.k_bias)?,
+                    v_bias: opt(&a.v_bias)?,
+                    o_bias: opt(&a.o_bias)?,
+                    q_norm: opt(&a.q_norm)?,
+                    k_norm: opt(&a.k_norm)?,
+                }),
+                AttentionRules::Mla(a) => Attention::Mla(MlaWeights {
+                    q: match &a.q {
+                        MlaQueryRules::Plain(q) => MlaQuery::Plain(matrix(src, q)?),
+                        MlaQueryRules::LoRa { a, norm, b } => MlaQuery::LoRa {
+                            a: matrix(src, a)?,
+                            norm: vector(src, norm)?,
+                            b: matrix(src, b)?,
+                        },
+                    },
+                    kv_a: matrix(src, &a.kv_a_proj)?,
+                    kv_a_norm: vector(src, &a.kv_a_norm)?,
+                    kv_b: matrix(src, &a.kv_b_proj)?,
+                    o: matrix(src, &a.o_proj)?,
+                }),
             };
             let mlp = match &layer.mlp {
                 MlpRules::Dense(d) => LayerMlp::Dense(dense(src, d)?),

@@ -92,11 +92,9 @@ pub enum MlpRules {
     },
 }
 
-/// One decoder layer's tensors.
+/// Grouped-query attention's tensors.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LayerRules {
-    pub input_norm: TensorRule,
-    pub post_attention_norm: TensorRule,
+pub struct GqaRules {
     pub q_proj: TensorRule,
     pub k_proj: TensorRule,
     pub v_proj: TensorRule,
@@ -107,6 +105,51 @@ pub struct LayerRules {
     pub o_bias: Option<TensorRule>,
     pub q_norm: Option<TensorRule>,
     pub k_norm: Option<TensorRule>,
+}
+
+/// Multi-head latent attention's query projection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MlaQueryRules {
+    /// `q_proj` `[Hq*(dn+dr), H]` (`q_lora_rank` null).
+    Plain(TensorRule),
+    /// `q_a_proj` `[rq, H]`, `q_a_layernorm` `[rq]`, `q_b_proj` `[Hq*(dn+dr), rq]`.
+    LoRa {
+        a: TensorRule,
+        norm: TensorRule,
+        b: TensorRule,
+    },
+}
+
+/// Multi-head latent attention's tensors (r = kv_lora_rank, dn/dr/dv = the nope, rope and
+/// value head widths).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MlaRules {
+    pub q: MlaQueryRules,
+    /// `kv_a_proj_with_mqa` `[r+dr, H]`.
+    pub kv_a_proj: TensorRule,
+    /// `kv_a_layernorm` `[r]`.
+    pub kv_a_norm: TensorRule,
+    /// `kv_b_proj` `[Hq*(dn+dv), r]`.
+    pub kv_b_proj: TensorRule,
+    /// `o_proj` `[H, Hq*dv]`.
+    pub o_proj: TensorRule,
+}
+
+/// A layer's attention tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+// Built once per layer, like MlpRules: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum AttentionRules {
+    Gqa(GqaRules),
+    Mla(MlaRules),
+}
+
+/// One decoder layer's tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerRules {
+    pub input_norm: TensorRule,
+    pub post_attention_norm: TensorRule,
+    pub attention: AttentionRules,
     pub mlp: MlpRules,
 }
 
@@ -212,6 +255,14 @@ const SHARED_GATE: &str = "1, hidden_size";
 const ROUTER_BIAS: &str = "number of experts";
 const SHARED_UNGATED_IN: &str = "n_shared_experts x moe_intermediate_size, hidden_size";
 const SHARED_UNGATED_OUT: &str = "hidden_size, n_shared_experts x moe_intermediate_size";
+const MLA_Q: &str = "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim), hidden_size";
+const MLA_Q_A: &str = "q_lora_rank, hidden_size";
+const MLA_Q_NORM: &str = "q_lora_rank";
+const MLA_Q_B: &str = "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank";
+const MLA_KV_A: &str = "kv_lora_rank + qk_rope_head_dim, hidden_size";
+const MLA_KV_NORM: &str = "kv_lora_rank";
+const MLA_KV_B: &str = "num_attention_heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank";
+const MLA_O: &str = "hidden_size, num_attention_heads x v_head_dim";
 const EXPERT_IN: &str = "expert width, hidden_size";
 const EXPERT_OUT: &str = "hidden_size, expert width";
 
@@ -281,7 +332,7 @@ impl ModelRules {
                             _ => None,
                         };
                         let router_bias = match spec.router {
-                            RouterRule::SoftmaxTopK => None,
+                            RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => None,
                             RouterRule::SigmoidGroupLimited => {
                                 Some(rule(n.router_bias, vec![cfg.num_experts], ROUTER_BIAS))
                             }
@@ -300,19 +351,47 @@ impl ModelRules {
                         }
                     }
                 };
+                let attention = match cfg.mla {
+                    None => AttentionRules::Gqa(GqaRules {
+                        q_proj: rule(n.q_proj, vec![q, h], Q),
+                        k_proj: rule(n.k_proj, vec![kv, h], KV),
+                        v_proj: rule(n.v_proj, vec![kv, h], KV),
+                        o_proj: rule(n.o_proj, vec![h, q], O),
+                        q_bias: opt(spec.qkv_bias, n.q_bias, vec![q], Q_VEC),
+                        k_bias: opt(spec.qkv_bias, n.k_bias, vec![kv], KV_VEC),
+                        v_bias: opt(spec.qkv_bias, n.v_bias, vec![kv], KV_VEC),
+                        o_bias: opt(spec.o_bias, n.o_bias, vec![h], NORM),
+                        q_norm: qn.map(|(len, why)| rule(n.q_norm, vec![len], why)),
+                        k_norm: kn.map(|(len, why)| rule(n.k_norm, vec![len], why)),
+                    }),
+                    Some(m) => {
+                        let hq = cfg.num_heads;
+                        let qo = hq * m.qk_head_dim();
+                        let r = m.kv_lora_rank;
+                        AttentionRules::Mla(MlaRules {
+                            q: match m.q_lora_rank {
+                                None => MlaQueryRules::Plain(rule(n.q_proj, vec![qo, h], MLA_Q)),
+                                Some(rq) => MlaQueryRules::LoRa {
+                                    a: rule(n.q_a_proj, vec![rq, h], MLA_Q_A),
+                                    norm: rule(n.q_a_norm, vec![rq], MLA_Q_NORM),
+                                    b: rule(n.q_b_proj, vec![qo, rq], MLA_Q_B),
+                                },
+                            },
+                            kv_a_proj: rule(n.kv_a_proj, vec![m.latent_width(), h], MLA_KV_A),
+                            kv_a_norm: rule(n.kv_a_norm, vec![r], MLA_KV_NORM),
+                            kv_b_proj: rule(
+                                n.kv_b_proj,
+                                vec![hq * (m.qk_nope_head_dim + m.v_head_dim), r],
+                                MLA_KV_B,
+                            ),
+                            o_proj: rule(n.o_proj, vec![h, hq * m.v_head_dim], MLA_O),
+                        })
+                    }
+                };
                 LayerRules {
                     input_norm: rule(n.input_norm, vec![h], NORM),
                     post_attention_norm: rule(n.post_attention_norm, vec![h], NORM),
-                    q_proj: rule(n.q_proj, vec![q, h], Q),
-                    k_proj: rule(n.k_proj, vec![kv, h], KV),
-                    v_proj: rule(n.v_proj, vec![kv, h], KV),
-                    o_proj: rule(n.o_proj, vec![h, q], O),
-                    q_bias: opt(spec.qkv_bias, n.q_bias, vec![q], Q_VEC),
-                    k_bias: opt(spec.qkv_bias, n.k_bias, vec![kv], KV_VEC),
-                    v_bias: opt(spec.qkv_bias, n.v_bias, vec![kv], KV_VEC),
-                    o_bias: opt(spec.o_bias, n.o_bias, vec![h], NORM),
-                    q_norm: qn.map(|(len, why)| rule(n.q_norm, vec![len], why)),
-                    k_norm: kn.map(|(len, why)| rule(n.k_norm, vec![len], why)),
+                    attention,
                     mlp,
                 }
             })
@@ -331,26 +410,26 @@ impl ModelRules {
     pub fn non_expert(&self) -> Vec<&TensorRule> {
         let mut out = vec![&self.embed, &self.lm_head, &self.final_norm];
         for layer in &self.layers {
-            out.extend([
-                &layer.input_norm,
-                &layer.post_attention_norm,
-                &layer.q_proj,
-                &layer.k_proj,
-                &layer.v_proj,
-                &layer.o_proj,
-            ]);
-            out.extend(
-                [
-                    &layer.q_bias,
-                    &layer.k_bias,
-                    &layer.v_bias,
-                    &layer.o_bias,
-                    &layer.q_norm,
-                    &layer.k_norm,
-                ]
-                .into_iter()
-                .flatten(),
-            );
+            out.extend([&layer.input_norm, &layer.post_attention_norm]);
+            match &layer.attention {
+                AttentionRules::Gqa(a) => {
+                    out.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]);
+                    out.extend(
+                        [
+                            &a.q_bias, &a.k_bias, &a.v_bias, &a.o_bias, &a.q_norm, &a.k_norm,
+                        ]
+                        .into_iter()
+                        .flatten(),
+                    );
+                }
+                AttentionRules::Mla(a) => {
+                    match &a.q {
+                        MlaQueryRules::Plain(q) => out.push(q),
+                        MlaQueryRules::LoRa { a, norm, b } => out.extend([a, norm, b]),
+                    }
+                    out.extend([&a.kv_a_proj, &a.kv_a_norm, &a.kv_b_proj, &a.o_proj]);
+                }
+            }
             match &layer.mlp {
                 MlpRules::Dense(d) => out.extend([&d.gate, &d.up, &d.down]),
                 MlpRules::Moe {

@@ -9,15 +9,19 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rayon::prelude::*;
 
-use super::resident::{DenseMlp, LayerMlp, Matrix, MoeResident};
+use super::resident::{
+    Attention, AttentionWeights, DenseMlp, LayerMlp, Matrix, MlaQuery, MlaWeights, MoeResident,
+};
 use super::{
     BatchEntry, BatchError, CpuModel, FinalHidden, ForwardOutput, KvCache, LogitRows, RouterRecord,
     StepStats,
 };
+use tarfa_core::config::MlaDims;
 use tarfa_core::model::{QkNorm, RouterRule};
 use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
 use tarfa_core::numerics::matvec::{transpose_rows, Activation};
 use tarfa_core::numerics::reduce::{fma_dispatch, weighted_row_sum};
+use tarfa_core::numerics::RopeTable;
 use tarfa_core::numerics::{bf16_to_f32, f32_to_bf16_rne, run_jobs, Kernel, MatJob, MatrixRef};
 use tarfa_core::weights::{Bf16View, ExpertData, ExpertHandle, WeightError};
 use tarfa_core::RunError;
@@ -293,8 +297,9 @@ fn add_rows(h: &mut [Vec<f32>], y: &[Vec<f32>]) {
 }
 
 /// Step 3, attention of layer `l` for the step's tokens (token `t` at `slots[t]`: its sequence
-/// and position); appends their keys and values to their sequences' caches and adds the output
-/// projection to `h`. Each token attends to positions `0..=pos` of its own sequence only.
+/// and position); appends their keys and values (or latents) to their sequences' caches and
+/// adds the output projection to `h`. Each token attends to positions `0..=pos` of its own
+/// sequence only.
 fn attention_block(
     model: &CpuModel,
     kernel: Kernel,
@@ -304,8 +309,29 @@ fn attention_block(
     slots: &[Slot],
     stats: &mut StepStats,
 ) {
+    match (&model.weights.layers[l].attention, &model.cfg.mla) {
+        (Attention::Mla(mw), Some(dims)) => {
+            mla_block(model, kernel, l, mw, dims, h, caches, slots, stats)
+        }
+        (Attention::Gqa(aw), _) => gqa_block(model, kernel, l, aw, h, caches, slots, stats),
+        // ResidentWeights::load builds MLA weights exactly when the config has MLA dims.
+        (Attention::Mla(_), None) => unreachable!("MLA weights without MLA dimensions"),
+    }
+}
+
+/// Grouped-query attention (section 6, step 3).
+#[allow(clippy::too_many_arguments)]
+fn gqa_block(
+    model: &CpuModel,
+    kernel: Kernel,
+    l: usize,
+    aw: &AttentionWeights,
+    h: &mut [Vec<f32>],
+    caches: &mut [&mut KvCache],
+    slots: &[Slot],
+    stats: &mut StepStats,
+) {
     let cfg = &model.cfg;
-    let aw = &model.weights.layers[l].attention;
     let eps = cfg.eps_f32();
     let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
 
@@ -380,6 +406,153 @@ fn attention_block(
     for yt in y.iter_mut() {
         add_bias(yt, &aw.o_bias);
     }
+    add_rows(h, &y);
+}
+
+/// `q_a_layernorm` and `kv_a_layernorm` are built as `RMSNorm(width)` with the class default
+/// eps 1e-6, not the config's `rms_norm_eps` (transformers' DeepseekV2/V3 attention).
+const MLA_NORM_EPS: f32 = 1e-6;
+
+/// RoPE on a head's rope part `x` (length dr) at `pos`: de-interleaved first when the model
+/// reads it as pairs (`x'_i = x_2i`, `x'_(dr/2+i) = x_(2i+1)`), then the rotate-half rotation.
+/// The result stays de-interleaved, for queries and keys alike.
+fn rope_part(rope: &RopeTable, pos: usize, x: &mut [f32], interleave: bool) {
+    if interleave {
+        let half = x.len() / 2;
+        let pairs: Vec<f32> = x.to_vec();
+        for i in 0..half {
+            x[i] = pairs[2 * i];
+            x[half + i] = pairs[2 * i + 1];
+        }
+    }
+    rope.apply(pos, x);
+}
+
+/// `rows` of `m` from `r0` widened to f32, into `out` (exact: BF16 widens exactly).
+fn widen_rows(m: MatrixRef<'_>, r0: usize, n: usize, out: &mut Vec<f32>) {
+    out.clear();
+    match m {
+        MatrixRef::Bf16 { cols, data, .. } => out.extend(
+            data[r0 * cols..(r0 + n) * cols]
+                .iter()
+                .map(|&b| bf16_to_f32(b)),
+        ),
+        MatrixRef::F32 { cols, data, .. } => {
+            out.extend_from_slice(&data[r0 * cols..(r0 + n) * cols])
+        }
+    }
+}
+
+/// Multi-head latent attention (docs/EXACTNESS.md, "Multi-head latent attention"), in the
+/// absorbed form. r = kv_lora_rank, dn/dr/dv = the nope, rope and value head widths.
+/// - q: `q_t = W_q xn_t`, or `W_qb RMSNorm(W_qa xn_t)`; per head `[q_nope (dn) | q_rope (dr)]`,
+///   `q_rope` rotated at the token's position.
+/// - The cache: per token `L_t = [RMSNorm(c_t) (r) | rope(k_rope_t) (dr)]` from
+///   `W_kva xn_t = [c_t | k_rope_t]`, stored as it is: one row of r+dr per token and layer.
+/// - Per head h: `q_abs = weighted_row_sum(q_nope, W_kb_h)` (the head's dn rows of `kv_b_proj`,
+///   widened), `qc = [q_abs | q_rope]`; `s_j = dot(qc, L_j) * scale`; `p = softmax(s)`;
+///   `u = weighted_row_sum(p, L)[..r]`; `o_h = W_vb_h u` (the head's dv rows, canonical dots).
+/// - `h_t = h_t + W_o [o_1 .. o_Hq]`.
+#[allow(clippy::too_many_arguments)]
+fn mla_block(
+    model: &CpuModel,
+    kernel: Kernel,
+    l: usize,
+    mw: &MlaWeights,
+    m: &MlaDims,
+    h: &mut [Vec<f32>],
+    caches: &mut [&mut KvCache],
+    slots: &[Slot],
+    stats: &mut StepStats,
+) {
+    let cfg = &model.cfg;
+    let hq = cfg.num_heads;
+    let (dn, dr, dv, r) = (
+        m.qk_nope_head_dim,
+        m.qk_rope_head_dim,
+        m.v_head_dim,
+        m.kv_lora_rank,
+    );
+    let (dq, w) = (dn + dr, r + dr);
+    let xs = normed_activations(
+        kernel,
+        h,
+        &model.weights.layers[l].input_norm,
+        cfg.eps_f32(),
+    );
+    // q [T][Hq*dq] and the kv_a output [T][r+dr]: the first projections share one region
+    let (mut q_all, kva) = match &mw.q {
+        MlaQuery::Plain(wq) => {
+            let mut o = apply_many(kernel, &[wq, &mw.kv_a], &xs);
+            stats.weight_bytes += wq.as_ref().bytes();
+            let kva = o.pop().unwrap_or_default();
+            (o.pop().unwrap_or_default(), kva)
+        }
+        MlaQuery::LoRa { a, norm, b } => {
+            let mut o = apply_many(kernel, &[a, &mw.kv_a], &xs);
+            let kva = o.pop().unwrap_or_default();
+            let qa: Vec<Activation> = o
+                .pop()
+                .unwrap_or_default()
+                .iter()
+                .map(|x| Activation::new(kernel, rms_norm(kernel, x, norm, MLA_NORM_EPS)))
+                .collect();
+            stats.weight_bytes += a.as_ref().bytes() + b.as_ref().bytes();
+            (apply(kernel, b, &qa), kva)
+        }
+    };
+    stats.weight_bytes += mw.kv_a.as_ref().bytes();
+
+    for (t, kv) in kva.iter().enumerate() {
+        let Slot { seq, pos } = slots[t];
+        let cache = &mut *caches[seq];
+        let mut latent = rms_norm(kernel, &kv[..r], &mw.kv_a_norm, MLA_NORM_EPS);
+        let mut k_rope = kv[r..].to_vec();
+        rope_part(&cache.rope, pos, &mut k_rope, m.rope_interleave);
+        latent.extend_from_slice(&k_rope);
+        cache.push(l, 0, &latent, &[]);
+        for head in q_all[t].chunks_exact_mut(dq) {
+            rope_part(&cache.rope, pos, &mut head[dn..], m.rope_interleave);
+        }
+    }
+
+    let scale = cfg
+        .mla_softmax_scale()
+        .expect("an MLA config has an MLA softmax scale");
+    let kv_b = mw.kv_b.as_ref();
+    stats.weight_bytes += kv_b.bytes();
+    let t_count = h.len();
+    let mut o_all = vec![0.0f32; t_count * hq * dv];
+    let cache_refs: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+    // one task per (token, head): independent outputs
+    o_all.par_chunks_mut(dv).enumerate().for_each_init(
+        || (Vec::new(), Vec::new(), vec![0.0f32; w], vec![0.0f32; w]),
+        |(scratch, rows, qc, u), (i, o)| {
+            let (t, head) = (i / hq, i % hq);
+            let q = &q_all[t][head * dq..(head + 1) * dq];
+            let row0 = head * (dn + dv);
+            widen_rows(kv_b, row0, dn, rows);
+            weighted_row_sum(kernel, &q[..dn], rows, &mut qc[..r], scratch);
+            qc[r..].copy_from_slice(&q[dn..]);
+            let Slot { seq, pos } = slots[t];
+            let (latents, _) = cache_refs[seq].head(l, 0);
+            let n = pos + 1; // causal: positions 0..=pos of the token's own sequence
+            let s: Vec<f32> = (0..n)
+                .map(|j| kernel.dot_f32(qc, &latents[j * w..(j + 1) * w]) * scale)
+                .collect();
+            let p = softmax(kernel, &s);
+            weighted_row_sum(kernel, &p, &latents[..n * w], u, scratch);
+            let attended = Activation::new(kernel, u[..r].to_vec());
+            kv_b.rows_dot(kernel, row0 + dn, &attended, o);
+        },
+    );
+
+    let os: Vec<Activation> = o_all
+        .chunks_exact(hq * dv)
+        .map(|o| Activation::new(kernel, o.to_vec()))
+        .collect();
+    let y = apply(kernel, &mw.o, &os);
+    stats.weight_bytes += mw.o.as_ref().bytes();
     add_rows(h, &y);
 }
 
@@ -503,6 +676,50 @@ fn route_sigmoid_grouped(
     }
 }
 
+/// DeepSeek-V2's routing (docs/EXACTNESS.md, "Softmax group-limited routing"), as
+/// transformers' `DeepseekV2Moe.route_tokens_to_experts`:
+/// - `p = softmax(logits)`;
+/// - group `g` (experts `g*G..(g+1)*G`, `G = E / n_group`) scores its largest `p`; the
+///   `topk_group` best groups are kept (descending score, lower group first among equals);
+///   `greedy` is one group holding every expert;
+/// - every expert outside them competes with `0.0` (transformers' `masked_fill(.., 0.0)`);
+/// - the top-k (descending, lower id first among equals);
+/// - weights `w_e = p_e * f32(routed_scaling_factor)`, never renormalised.
+fn route_softmax_grouped(
+    kernel: Kernel,
+    logits: &[f32],
+    g: &tarfa_core::config::GroupRouting,
+    k: usize,
+) -> Route {
+    let p = softmax(kernel, logits);
+    let size = p.len() / g.n_group;
+    let desc = |v: &[f32], a: usize, b: usize| v[b].total_cmp(&v[a]).then(a.cmp(&b));
+    let group_scores: Vec<f32> = p
+        .chunks_exact(size)
+        .map(|grp| grp.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        .collect();
+    let mut groups: Vec<usize> = (0..g.n_group).collect();
+    groups.sort_by(|&a, &b| desc(&group_scores, a, b));
+    let mut kept = vec![false; g.n_group];
+    for &grp in &groups[..g.topk_group] {
+        kept[grp] = true;
+    }
+    let choice: Vec<f32> = p
+        .iter()
+        .enumerate()
+        .map(|(e, &x)| if kept[e / size] { x } else { 0.0 })
+        .collect();
+    let mut order: Vec<usize> = (0..choice.len()).collect();
+    order.sort_by(|&a, &b| desc(&choice, a, b));
+    let selected = &order[..k];
+    let scale = g.routed_scaling_factor as f32;
+    Route {
+        chosen: selected.iter().map(|&e| (e, p[e], p[e] * scale)).collect(),
+        kth: choice[order[k - 1]],
+        next: order.get(k).map(|&e| choice[e]),
+    }
+}
+
 fn check_expert(
     e: &dyn ExpertData,
     layer: usize,
@@ -596,6 +813,10 @@ fn moe_block(
                 })
                 .collect()
         }
+        (RouterRule::SoftmaxGroupLimited, Some(g)) => logits
+            .iter()
+            .map(|lg| route_softmax_grouped(kernel, lg, g, cfg.top_k))
+            .collect(),
         _ => logits
             .iter()
             .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))

@@ -1,7 +1,9 @@
 //! The KV cache of one sequence, with its RoPE rows.
 //!
 //! Keys are stored after q/k norm and RoPE, values as projected; both f32, per layer and KV head
-//! `[position][head_dim]`, so a head's keys and values for positions `0..T` are contiguous. The
+//! `[position][head_dim]`, so a head's keys and values for positions `0..T` are contiguous.
+//! Multi-head latent attention stores one row per position and layer, the latent and its
+//! rotated rope key (`head_dim` = kv_lora_rank + qk_rope_head_dim, one "head", no values). The
 //! cache holds no weights and must never depend on how positions were batched: appending tokens
 //! one at a time or all at once stores the same values.
 

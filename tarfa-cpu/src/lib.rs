@@ -55,8 +55,9 @@ impl CpuModel {
     pub fn load(cfg: MoeConfig, source: Arc<dyn WeightSource>) -> Result<CpuModel, RunError> {
         let spec = ArchSpec::new(&cfg);
         let weights = ResidentWeights::load(&cfg, &spec, source.as_ref())?;
-        // The table's width is the rotary width (the whole head unless partial_rotary_factor).
-        let rope = RopeTable::new(cfg.rope_theta, cfg.rotary_dim)?;
+        // The table's width is the rotary width (the whole head unless partial_rotary_factor;
+        // multi-head latent attention's rope part), with YaRN when the config asks for it.
+        let rope = cfg.rope_table()?;
         Ok(CpuModel {
             cfg,
             spec,
@@ -78,10 +79,15 @@ impl CpuModel {
 
     /// An empty KV cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
+        // Multi-head latent attention caches one latent row per position and layer.
+        let (heads, width) = match &self.cfg.mla {
+            Some(m) => (1, m.latent_width()),
+            None => (self.cfg.num_kv_heads, self.cfg.head_dim),
+        };
         KvCache::new(
             self.cfg.num_layers,
-            self.cfg.num_kv_heads,
-            self.cfg.head_dim,
+            heads,
+            width,
             self.cfg.max_position_embeddings,
             self.rope.clone(),
         )

@@ -287,8 +287,13 @@ pub fn unsupported_family(
 ) -> Option<String> {
     use tarfa_core::model::RouterRule;
     let mut missing = Vec::new();
-    if spec.router != RouterRule::SoftmaxTopK {
-        missing.push("group-limited sigmoid routing");
+    match spec.router {
+        RouterRule::SoftmaxTopK => {}
+        RouterRule::SigmoidGroupLimited => missing.push("group-limited sigmoid routing"),
+        RouterRule::SoftmaxGroupLimited => missing.push("DeepSeek-V2's group-limited routing"),
+    }
+    if spec.attention != tarfa_core::model::AttentionKind::Gqa {
+        missing.push("multi-head latent attention");
     }
     if spec.shared_experts_ungated {
         missing.push("ungated shared experts");

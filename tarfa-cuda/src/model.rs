@@ -130,11 +130,14 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
     }
     let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| host_f32_bytes(v));
     for (l, layer) in w.layers.iter().enumerate() {
-        let a = &layer.attention;
         total += host_f32_bytes(&layer.input_norm) + host_f32_bytes(&layer.post_attention_norm);
-        total += matrix_bytes(&a.q) + matrix_bytes(&a.k) + matrix_bytes(&a.v) + matrix_bytes(&a.o);
-        total += opt(&a.q_bias) + opt(&a.k_bias) + opt(&a.v_bias) + opt(&a.o_bias);
-        total += opt(&a.q_norm) + opt(&a.k_norm);
+        // `unsupported_family` refuses multi-head latent attention before anything is sized.
+        if let Some(a) = layer.attention.gqa() {
+            total +=
+                matrix_bytes(&a.q) + matrix_bytes(&a.k) + matrix_bytes(&a.v) + matrix_bytes(&a.o);
+            total += opt(&a.q_bias) + opt(&a.k_bias) + opt(&a.v_bias) + opt(&a.o_bias);
+            total += opt(&a.q_norm) + opt(&a.k_norm);
+        }
         match &layer.mlp {
             LayerMlp::Dense(d) => {
                 total += matrix_bytes(&d.gate) + matrix_bytes(&d.up) + matrix_bytes(&d.down)
@@ -285,8 +288,11 @@ impl CudaModel {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         let mut moe_layers = 0;
         for (l, lw) in host.layers.iter().enumerate() {
-            let a = &lw.attention;
             let name = |s: &str| format!("layer {l} {s}");
+            let a = lw
+                .attention
+                .gqa()
+                .ok_or_else(|| CudaError::UnsupportedModel(name("multi-head latent attention")))?;
             let [q, k, v] = upload_stacked(&gpu, [&a.q, &a.k, &a.v], &name("q|k|v_proj"))?;
             let attn = DevAttention {
                 q,
@@ -397,8 +403,7 @@ impl CudaModel {
     /// An empty KV cache for one sequence, with room for `initial` positions (it grows on
     /// demand up to `max_position_embeddings`).
     pub fn new_cache(&self) -> Result<CudaCache, CudaError> {
-        let rope =
-            RopeTable::new(self.cfg.rope_theta, self.cfg.head_dim).map_err(RunError::from)?;
+        let rope = self.cfg.rope_table().map_err(RunError::from)?;
         let mut c = CudaCache {
             len: 0,
             max_len: self.cfg.max_position_embeddings,

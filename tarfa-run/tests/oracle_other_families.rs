@@ -61,3 +61,46 @@ fn olmoe_matches_transformers() {
 fn glm4_moe_matches_transformers() {
     check_shared("glm4moe-a");
 }
+
+// The second wave's small twins (validation/oracle/make_oracle2.py), shipped in fixtures/oracle.
+
+#[test]
+fn deepseek_v3_small_matches_transformers() {
+    // MLA with a q LoRA, interleaved rope, YaRN (mscale_all_dim 1), sigmoid group-limited routing
+    check_against_oracle(&load_fixture("deepseekv3-s"));
+}
+
+#[test]
+fn deepseek_v3_plain_small_matches_transformers() {
+    // MLA without a q LoRA, rotate-half rope, default rope, no renormalisation, one group
+    check_against_oracle(&load_fixture("deepseekv3-plain-s"));
+}
+
+#[test]
+fn deepseek_v2_yarn_small_matches_transformers() {
+    // V2: softmax group_limited_greedy routing, routed scaling 16, YaRN with mscale 0.707
+    check_against_oracle(&load_fixture("deepseekv2-yarn-s"));
+}
+
+#[test]
+fn qwen3_moe_yarn_small_matches_transformers() {
+    // YaRN without mscale keys: the attention factor scales cos and sin
+    check_against_oracle(&load_fixture("qwen3moe-yarn-s"));
+}
+
+#[test]
+fn glm4_moe_small_matches_transformers() {
+    check_against_oracle(&load_fixture("glm4moe-s"));
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn deepseek_v3_matches_transformers() {
+    check_shared("deepseekv3-a");
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn deepseek_v2_matches_transformers() {
+    check_shared("deepseekv2-a");
+}

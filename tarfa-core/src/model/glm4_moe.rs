@@ -10,7 +10,9 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames};
+use super::{
+    AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames,
+};
 
 /// The GLM-4.5 MoE family.
 pub static GLM4_MOE: Family = Family {
@@ -27,6 +29,8 @@ pub static GLM4_MOE: Family = Family {
     qk_norm_on: Flag::Config("use_qk_norm", false),
     partial_rotary: true,
     router: RouterRule::SigmoidGroupLimited,
+    attention: AttentionKind::Gqa,
+    yarn_softmax_mscale: false,
     qkv_bias: Flag::Config("attention_bias", false),
     o_bias: Flag::Fixed(false),
     shared_expert: Some(SharedExpertRule::Ungated {

@@ -5,7 +5,7 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
+use super::{AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
 
 /// The Mixtral family.
 pub static MIXTRAL: Family = Family {
@@ -21,6 +21,8 @@ pub static MIXTRAL: Family = Family {
     qk_norm_on: Flag::Fixed(true),
     partial_rotary: false,
     router: RouterRule::SoftmaxTopK,
+    attention: AttentionKind::Gqa,
+    yarn_softmax_mscale: false,
     qkv_bias: Flag::Fixed(false),
     o_bias: Flag::Fixed(false),
     shared_expert: None,

@@ -9,6 +9,8 @@
 //! arrow points from config to model only, and [`ArchSpec::new`] (which needs a parsed config)
 //! is implemented in `config.rs`.
 
+pub mod deepseek_v2;
+pub mod deepseek_v3;
 pub mod glm4_moe;
 pub mod mixtral;
 pub mod olmoe;
@@ -22,6 +24,8 @@ pub const FAMILIES: &[&Family] = &[
     &mixtral::MIXTRAL,
     &olmoe::OLMOE,
     &glm4_moe::GLM4_MOE,
+    &deepseek_v3::DEEPSEEK_V3,
+    &deepseek_v2::DEEPSEEK_V2,
 ];
 
 /// The family whose `model_type` is `model_type`.
@@ -76,6 +80,23 @@ pub enum RouterRule {
     /// within them); the weights are the unbiased scores, renormalised when the spec says so,
     /// times `routed_scaling_factor`.
     SigmoidGroupLimited,
+    /// DeepSeek-V2: softmax over every expert; `topk_method` `greedy` takes the top-k of the
+    /// probabilities, `group_limited_greedy` first keeps the `topk_group` best of `n_group`
+    /// groups (each scored by its largest probability) and masks the rest to 0.0; the weights
+    /// are the chosen probabilities times `routed_scaling_factor`, never renormalised.
+    SoftmaxGroupLimited,
+}
+
+/// How a layer's attention projects and caches (docs/EXACTNESS.md section 6 and "Multi-head
+/// latent attention").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// q/k/v projections, grouped-query attention over cached keys and values per KV head.
+    Gqa,
+    /// DeepSeek's multi-head latent attention: q through an optional LoRA, one latent
+    /// (`kv_lora_rank`) and one shared rope key (`qk_rope_head_dim`) per token, cached as they
+    /// are; the per-head keys and values are the latent through `kv_b_proj`, absorbed.
+    Mla,
 }
 
 /// The shared experts of a family that has them.
@@ -121,6 +142,13 @@ pub struct TensorNames {
     pub dense_gate: &'static str,
     pub dense_up: &'static str,
     pub dense_down: &'static str,
+    /// Multi-head latent attention (DeepSeek): the q LoRA, or `q_proj` when it has none.
+    pub q_a_proj: &'static str,
+    pub q_a_norm: &'static str,
+    pub q_b_proj: &'static str,
+    pub kv_a_proj: &'static str,
+    pub kv_a_norm: &'static str,
+    pub kv_b_proj: &'static str,
 }
 
 impl TensorNames {
@@ -154,6 +182,12 @@ impl TensorNames {
         dense_gate: "model.layers.{l}.mlp.gate_proj.weight",
         dense_up: "model.layers.{l}.mlp.up_proj.weight",
         dense_down: "model.layers.{l}.mlp.down_proj.weight",
+        q_a_proj: "model.layers.{l}.self_attn.q_a_proj.weight",
+        q_a_norm: "model.layers.{l}.self_attn.q_a_layernorm.weight",
+        q_b_proj: "model.layers.{l}.self_attn.q_b_proj.weight",
+        kv_a_proj: "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight",
+        kv_a_norm: "model.layers.{l}.self_attn.kv_a_layernorm.weight",
+        kv_b_proj: "model.layers.{l}.self_attn.kv_b_proj.weight",
     };
 }
 
@@ -197,6 +231,11 @@ pub struct Family {
     pub partial_rotary: bool,
     /// The router rule.
     pub router: RouterRule,
+    /// The attention.
+    pub attention: AttentionKind,
+    /// Whether a YaRN `mscale_all_dim` also multiplies the softmax scale by
+    /// `mscale(factor, mscale_all_dim)^2` (DeepSeek's MLA; transformers' `yarn_apply_mscale`).
+    pub yarn_softmax_mscale: bool,
     /// Biases on the q, k, v projections.
     pub qkv_bias: Flag,
     /// Bias on the o projection.
@@ -272,6 +311,8 @@ pub struct ArchSpec {
     pub shared_experts_ungated: bool,
     /// The router rule.
     pub router: RouterRule,
+    /// The attention.
+    pub attention: AttentionKind,
     /// Tensor names.
     pub names: TensorNames,
 }

@@ -6,7 +6,7 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
+use super::{AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
 
 /// The OLMoE family.
 pub static OLMOE: Family = Family {
@@ -22,6 +22,8 @@ pub static OLMOE: Family = Family {
     qk_norm_on: Flag::Fixed(true),
     partial_rotary: false,
     router: RouterRule::SoftmaxTopK,
+    attention: AttentionKind::Gqa,
+    yarn_softmax_mscale: false,
     qkv_bias: Flag::Config("attention_bias", false),
     o_bias: Flag::Config("attention_bias", false),
     shared_expert: None,

@@ -7,7 +7,9 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames};
+use super::{
+    AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames,
+};
 
 /// The Qwen2-MoE family.
 pub static QWEN2_MOE: Family = Family {
@@ -23,6 +25,8 @@ pub static QWEN2_MOE: Family = Family {
     qk_norm_on: Flag::Fixed(true),
     partial_rotary: false,
     router: RouterRule::SoftmaxTopK,
+    attention: AttentionKind::Gqa,
+    yarn_softmax_mscale: false,
     qkv_bias: Flag::Config("qkv_bias", true),
     o_bias: Flag::Fixed(false),
     shared_expert: Some(SharedExpertRule::SigmoidGated {

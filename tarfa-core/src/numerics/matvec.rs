@@ -53,8 +53,10 @@ impl<'a> MatrixRef<'a> {
         }
     }
 
-    /// `out[i] = dot(row r0 + i, x)` for consecutive rows.
-    fn rows_dot(&self, kernel: Kernel, r0: usize, x: &Activation, out: &mut [f32]) {
+    /// `out[i] = dot(row r0 + i, x)` for consecutive rows, each the canonical dot product of
+    /// the row's storage type (multi-head latent attention applies one head's rows of
+    /// `kv_b_proj` to that head's own vector with it).
+    pub fn rows_dot(&self, kernel: Kernel, r0: usize, x: &Activation, out: &mut [f32]) {
         match *self {
             MatrixRef::Bf16 { cols, data, .. } => {
                 let rows = &data[r0 * cols..(r0 + out.len()) * cols];

@@ -6,7 +6,7 @@
 //! The table grows on demand (a session computes only the positions it reaches); a row depends
 //! only on `(base, D, pos)`, never on when it was computed.
 
-use super::detmath::{pow_f64, sin_cos_f64};
+use super::detmath::{ln_f64, pow_f64, sin_cos_f64};
 
 /// Largest position a table accepts: `f32(pos)` is exact below 2^24, as the contract assumes.
 pub const MAX_POSITIONS: usize = 1 << 24;
@@ -25,11 +25,102 @@ pub enum RopeError {
     PositionTooLarge(usize),
 }
 
+/// YaRN rotary scaling (docs/EXACTNESS.md section 5, "YaRN"), the keys of a `rope_type: yarn`
+/// block as transformers 5.17's `_compute_yarn_parameters` reads them, after its defaults:
+/// `beta_fast` 32 and `beta_slow` 1 when absent (or 0), `truncate` true when absent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// `factor`.
+    pub factor: f64,
+    /// `original_max_position_embeddings`.
+    pub original_max_position_embeddings: f64,
+    /// `beta_fast`.
+    pub beta_fast: f64,
+    /// `beta_slow`.
+    pub beta_slow: f64,
+    /// `mscale` (absent: None).
+    pub mscale: Option<f64>,
+    /// `mscale_all_dim` (absent: None).
+    pub mscale_all_dim: Option<f64>,
+    /// `attention_factor` as written, when written.
+    pub attention_factor: Option<f64>,
+    /// `truncate`: round the correction range outward to whole dimensions.
+    pub truncate: bool,
+}
+
+/// YaRN's `get_mscale(scale, m) = 0.1 * m * ln(scale) + 1` (1 when `scale <= 1`), in f64 with
+/// Python's operation order.
+pub fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        return 1.0;
+    }
+    0.1 * m * ln_f64(scale) + 1.0
+}
+
+impl Yarn {
+    /// The factor cos and sin are multiplied by: `attention_factor` when written; else
+    /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are non-zero; else
+    /// `mscale(factor, 1)`.
+    pub fn attention_factor(&self) -> f64 {
+        if let Some(a) = self.attention_factor {
+            return a;
+        }
+        match (self.mscale, self.mscale_all_dim) {
+            (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                yarn_mscale(self.factor, m) / yarn_mscale(self.factor, a)
+            }
+            _ => yarn_mscale(self.factor, 1.0),
+        }
+    }
+
+    /// `inv_freq` for rotary width `dim` and base `base`, operation for operation as
+    /// transformers computes it (f32 tensors, f64 Python scalars):
+    /// - `p_i = f32(base^(f32(2i) / f32(dim)))`; `ext_i = 1 / p_i`; `int_i = 1 / (f32(factor) * p_i)`;
+    /// - `corr(r) = (dim * ln(orig / (r * 2 * pi))) / (2 * ln(base))` in f64; `low = corr(beta_fast)`,
+    ///   `high = corr(beta_slow)`, floored and ceiled when `truncate`, then `low = max(low, 0)`,
+    ///   `high = min(high, dim - 1)`, and `high += 0.001` when they are equal;
+    /// - `ramp_i = clamp((f32(i) - f32(low)) / f32(high - low), 0, 1)`; `e_i = 1 - ramp_i`;
+    /// - `inv_freq_i = int_i * (1 - e_i) + ext_i * e_i`, each operation rounded (no fma).
+    pub fn inv_freq(&self, base: f64, dim: usize) -> Vec<f32> {
+        let half = dim / 2;
+        let pi = std::f64::consts::PI;
+        let corr = |rot: f64| {
+            (dim as f64 * ln_f64(self.original_max_position_embeddings / (rot * 2.0 * pi)))
+                / (2.0 * ln_f64(base))
+        };
+        let (mut low, mut high) = (corr(self.beta_fast), corr(self.beta_slow));
+        if self.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let low = low.max(0.0);
+        let mut high = high.min((dim - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let (low32, span32) = (low as f32, (high - low) as f32);
+        let factor = self.factor as f32;
+        (0..half)
+            .map(|i| {
+                let e = (2 * i) as f32 / dim as f32;
+                let p = pow_f64(base, e as f64) as f32;
+                let ext = 1.0f32 / p;
+                let int = 1.0f32 / (factor * p);
+                let ramp = ((i as f32 - low32) / span32).clamp(0.0, 1.0);
+                let ef = 1.0f32 - ramp;
+                int * (1.0f32 - ef) + ext * ef
+            })
+            .collect()
+    }
+}
+
 /// `inv_freq` and the cos/sin rows computed so far.
 #[derive(Clone, Debug)]
 pub struct RopeTable {
     half: usize,
     inv_freq: Vec<f32>,
+    /// `f32(attention_factor)`: every cos and sin is multiplied by it (1 without YaRN).
+    scale: f32,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
@@ -37,6 +128,15 @@ pub struct RopeTable {
 impl RopeTable {
     /// `base` is the config's rope_theta (as an f64), `head_dim` is D.
     pub fn new(base: f64, head_dim: usize) -> Result<RopeTable, RopeError> {
+        RopeTable::with_scaling(base, head_dim, None)
+    }
+
+    /// A table with YaRN's frequencies and attention factor when `yarn` is given.
+    pub fn with_scaling(
+        base: f64,
+        head_dim: usize,
+        yarn: Option<&Yarn>,
+    ) -> Result<RopeTable, RopeError> {
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(RopeError::BadHeadDim(head_dim));
         }
@@ -44,17 +144,24 @@ impl RopeTable {
             return Err(RopeError::BadBase(base));
         }
         let half = head_dim / 2;
-        let inv_freq = (0..half)
-            .map(|i| {
-                // e_i = f32(2i) / f32(D); b_i = round_f32(base^e_i); inv_freq_i = 1 / b_i
-                let e = (2 * i) as f32 / head_dim as f32;
-                let b = pow_f64(base, e as f64) as f32;
-                1.0f32 / b
-            })
-            .collect();
+        let (inv_freq, scale) = match yarn {
+            Some(y) => (y.inv_freq(base, head_dim), y.attention_factor() as f32),
+            None => (
+                (0..half)
+                    .map(|i| {
+                        // e_i = f32(2i) / f32(D); b_i = round_f32(base^e_i); inv_freq_i = 1 / b_i
+                        let e = (2 * i) as f32 / head_dim as f32;
+                        let b = pow_f64(base, e as f64) as f32;
+                        1.0f32 / b
+                    })
+                    .collect(),
+                1.0,
+            ),
+        };
         Ok(RopeTable {
             half,
             inv_freq,
+            scale,
             cos: Vec::new(),
             sin: Vec::new(),
         })
@@ -79,8 +186,9 @@ impl RopeTable {
             for i in 0..self.half {
                 let theta = pos as f32 * self.inv_freq[i];
                 let (s, c) = sin_cos_f64(theta as f64);
-                self.cos.push(c as f32);
-                self.sin.push(s as f32);
+                // transformers rounds cos and sin to f32, then multiplies by the factor
+                self.cos.push(c as f32 * self.scale);
+                self.sin.push(s as f32 * self.scale);
             }
         }
         Ok(())
@@ -185,5 +293,66 @@ mod tests {
         let before = x;
         t.apply(0, &mut x);
         assert_eq!(x, before);
+    }
+
+    fn yarn(factor: f64) -> Yarn {
+        Yarn {
+            factor,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: None,
+            mscale_all_dim: None,
+            attention_factor: None,
+            truncate: true,
+        }
+    }
+
+    #[test]
+    fn yarn_interpolates_only_the_low_frequencies() {
+        // factor 1: interpolation is extrapolation, so the default table up to the rounding of
+        // the blend `a * (1 - e) + a * e` inside the ramp (transformers rounds it the same way)
+        let plain = RopeTable::new(1e4, 64).unwrap();
+        let one = RopeTable::with_scaling(1e4, 64, Some(&yarn(1.0))).unwrap();
+        for (a, b) in plain.inv_freq().iter().zip(one.inv_freq()) {
+            assert!(((a - b) / a).abs() < 1e-6, "{a} {b}");
+        }
+        assert_eq!(plain.inv_freq()[0], one.inv_freq()[0]);
+        // factor 40: the highest frequencies untouched, the lowest divided by 40, the ramp
+        // between monotone
+        let y = yarn(40.0);
+        let t = RopeTable::with_scaling(1e4, 64, Some(&y)).unwrap();
+        let (p, f) = (plain.inv_freq().to_vec(), t.inv_freq().to_vec());
+        assert_eq!(f[0], p[0]);
+        assert_eq!(f[31], 1.0f32 / (40.0f32 * (1.0 / p[31])));
+        for i in 0..32 {
+            assert!(f[i] <= p[i] && f[i] >= p[i] / 40.5, "{i}");
+        }
+        // no mscale keys: cos and sin scale by 0.1 ln(40) + 1
+        assert_eq!(y.attention_factor(), 0.1 * ln_f64(40.0) + 1.0);
+        let mut t = t;
+        t.ensure(1).unwrap();
+        let (c, s) = t.row(0);
+        assert_eq!(c[0], y.attention_factor() as f32);
+        assert_eq!(s[0], 0.0);
+        // equal mscale and mscale_all_dim cancel; attention_factor as written wins
+        let y = Yarn {
+            mscale: Some(0.707),
+            mscale_all_dim: Some(0.707),
+            ..yarn(40.0)
+        };
+        assert_eq!(y.attention_factor(), 1.0);
+        let y = Yarn {
+            attention_factor: Some(0.5),
+            ..y
+        };
+        assert_eq!(y.attention_factor(), 0.5);
+        // truncate false keeps a fractional ramp: a different table
+        let y = Yarn {
+            truncate: false,
+            ..yarn(40.0)
+        };
+        let u = RopeTable::with_scaling(1e4, 64, Some(&y)).unwrap();
+        assert_ne!(u.inv_freq(), &f[..]);
     }
 }

@@ -183,8 +183,8 @@ fn family_features_add_their_tensors() {
     );
     assert_eq!(router.shape, [4, 16]);
     assert_eq!(experts.down, [16, 8]);
-    assert_eq!(rules.layers[1].k_bias.as_ref().unwrap().shape, [8]);
-    assert!(rules.layers[1].q_norm.is_none());
+    assert_eq!(gqa(&rules.layers[1]).k_bias.as_ref().unwrap().shape, [8]);
+    assert!(gqa(&rules.layers[1]).q_norm.is_none());
     assert_eq!(rules.expert_matrices().count(), 4 * 3);
 
     let olmoe = serde_json::json!({
@@ -195,7 +195,14 @@ fn family_features_add_their_tensors() {
     });
     let cfg = MoeConfig::from_json_object(olmoe.as_object().unwrap()).unwrap();
     let rules = ModelRules::for_config(&cfg);
-    assert_eq!(rules.layers[0].q_norm.as_ref().unwrap().shape, [16]);
-    assert_eq!(rules.layers[0].k_norm.as_ref().unwrap().shape, [8]);
-    assert!(rules.layers[0].q_bias.is_none());
+    assert_eq!(gqa(&rules.layers[0]).q_norm.as_ref().unwrap().shape, [16]);
+    assert_eq!(gqa(&rules.layers[0]).k_norm.as_ref().unwrap().shape, [8]);
+    assert!(gqa(&rules.layers[0]).q_bias.is_none());
+}
+
+fn gqa(layer: &LayerRules) -> &GqaRules {
+    match &layer.attention {
+        AttentionRules::Gqa(a) => a,
+        AttentionRules::Mla(_) => panic!("a GQA layer was expected"),
+    }
 }
