@@ -21,6 +21,12 @@ pub enum ModelFamily {
     /// `first_k_dense_replace` layers dense, `mlp.shared_experts.*` and the router's
     /// `mlp.gate.e_score_correction_bias` non-expert tensors.
     Glm4Moe,
+    /// `model_type: "deepseek_v3"`: the same layout as GLM-4.5 (routed experts under
+    /// `n_routed_experts`, the first `first_k_dense_replace` layers dense, shared experts and the
+    /// router's correction bias non-expert), with multi-head latent attention.
+    DeepseekV3,
+    /// `model_type: "deepseek_v2"`: as DeepSeek-V3, without the correction bias.
+    DeepseekV2,
 }
 
 impl ModelFamily {
@@ -32,6 +38,8 @@ impl ModelFamily {
             ModelFamily::Mixtral => "mixtral",
             ModelFamily::Olmoe => "olmoe",
             ModelFamily::Glm4Moe => "glm4_moe",
+            ModelFamily::DeepseekV3 => "deepseek_v3",
+            ModelFamily::DeepseekV2 => "deepseek_v2",
         }
     }
 
@@ -43,6 +51,8 @@ impl ModelFamily {
             ModelFamily::Mixtral,
             ModelFamily::Olmoe,
             ModelFamily::Glm4Moe,
+            ModelFamily::DeepseekV3,
+            ModelFamily::DeepseekV2,
         ]
         .into_iter()
         .find(|f| f.model_type() == s)
@@ -60,6 +70,16 @@ impl ModelFamily {
     /// (as transformers' Qwen2-MoE and Qwen3-MoE read them; Mixtral and OLMoE have none).
     fn has_dense_layers(self) -> bool {
         matches!(self, ModelFamily::Qwen3Moe | ModelFamily::Qwen2Moe)
+    }
+
+    /// Whether the family counts its experts under `n_routed_experts`, makes the first
+    /// `first_k_dense_replace` layers dense, and may carry `num_nextn_predict_layers`
+    /// multi-token-prediction layers after the last decoder layer (GLM-4.5, DeepSeek).
+    fn first_k_dense(self) -> bool {
+        matches!(
+            self,
+            ModelFamily::Glm4Moe | ModelFamily::DeepseekV3 | ModelFamily::DeepseekV2
+        )
     }
 }
 
@@ -80,6 +100,11 @@ pub struct ModelConfigSummary {
     /// it is in `mlp_only_layers` or `(l + 1) % decoder_sparse_step != 0`, as in transformers;
     /// for Mixtral and OLMoE every layer.
     pub moe_layers: Vec<u32>,
+    /// `num_nextn_predict_layers` (GLM-4.5, DeepSeek; 0 otherwise): the checkpoint's layers
+    /// `num_hidden_layers..num_hidden_layers + n` are multi-token-prediction modules, which
+    /// next-token logits never use. Their tensors are skipped (listed in
+    /// [`crate::Checkpoint::skipped`]), never carried or run.
+    pub nextn_predict_layers: u32,
     /// The whole `config.json`.
     pub raw: Value,
 }
@@ -161,7 +186,7 @@ impl ModelConfigSummary {
         c.positive("num_hidden_layers", num_hidden_layers.into())?;
         let (count_field, count) = match (c.uint("num_experts")?, c.uint("num_local_experts")?) {
             // GLM-4.5 (and DeepSeek) count their routed experts under n_routed_experts.
-            (None, None) if family == ModelFamily::Glm4Moe => match c.uint("n_routed_experts")? {
+            (None, None) if family.first_k_dense() => match c.uint("n_routed_experts")? {
                 Some(n) => ("n_routed_experts", n),
                 None => return Err(CheckpointError::ConfigMissingExpertCount { file: f() }),
             },
@@ -192,7 +217,7 @@ impl ModelConfigSummary {
             .ok_or_else(|| c.missing("hidden_size"))?;
         c.positive("hidden_size", hidden_size)?;
 
-        let moe_layers = if family == ModelFamily::Glm4Moe {
+        let moe_layers = if family.first_k_dense() {
             // layers 0..first_k_dense_replace are dense, as transformers builds them
             let k = c
                 .uint("first_k_dense_replace")?
@@ -232,6 +257,15 @@ impl ModelConfigSummary {
             (0..num_hidden_layers).collect()
         };
 
+        let nextn_predict_layers = if family.first_k_dense() {
+            match c.uint("num_nextn_predict_layers")? {
+                None => 0,
+                Some(n) => c.fits_u32("num_nextn_predict_layers", n)?,
+            }
+        } else {
+            0
+        };
+
         Ok(ModelConfigSummary {
             model_type,
             family,
@@ -241,6 +275,7 @@ impl ModelConfigSummary {
             num_experts_per_tok,
             hidden_size,
             moe_layers,
+            nextn_predict_layers,
             raw,
         })
     }

@@ -149,6 +149,19 @@ pub(crate) struct ExpertTable {
     pub experts: BTreeMap<(u32, u32), ExpertSource>,
     pub dims: BTreeMap<u32, ExpertDims>,
     pub non_expert: Vec<String>,
+    /// Multi-token-prediction tensors (see `ModelConfigSummary::nextn_predict_layers`), sorted.
+    pub skipped: Vec<String>,
+}
+
+/// The layer index of a `model.layers.L.` tensor name.
+fn layer_of(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (idx, _) = rest.split_once('.')?;
+    // canonical decimal only: "01" is not layer 1
+    if idx.len() > 1 && idx.starts_with('0') {
+        return None;
+    }
+    idx.parse().ok()
 }
 
 /// Segments that only quantization schemes put in tensor names (GPTQ/AWQ `qweight`, `qzeros`,
@@ -251,7 +264,16 @@ pub(crate) fn classify(
 ) -> Result<ExpertTable, CheckpointError> {
     let mut slots: BTreeMap<(u32, u32), [Option<&str>; 3]> = BTreeMap::new();
     let mut non_expert = Vec::new();
+    let mut skipped = Vec::new();
+    let mtp = config.num_hidden_layers
+        ..config
+            .num_hidden_layers
+            .saturating_add(config.nextn_predict_layers);
     for (name, t) in tensors {
+        if layer_of(name).is_some_and(|l| mtp.contains(&l)) {
+            skipped.push(name.clone());
+            continue;
+        }
         if !under_experts(name) {
             non_expert.push(name.clone());
             continue;
@@ -387,6 +409,7 @@ pub(crate) fn classify(
         experts,
         dims,
         non_expert,
+        skipped,
     })
 }
 

@@ -188,6 +188,9 @@ pub struct Checkpoint {
     /// Every other tensor, sorted: embeddings, norms, attention, routers, Qwen2-MoE's
     /// `mlp.shared_expert.*` and `mlp.shared_expert_gate`, dense layers' MLPs.
     pub non_expert: Vec<String>,
+    /// Multi-token-prediction tensors (layers `num_hidden_layers..` under
+    /// `num_nextn_predict_layers`), sorted: validated like every tensor, never carried.
+    pub skipped: Vec<String>,
     /// Those of [`EXTRA_FILES`] that are present, in that order (always starts with config.json).
     pub extra_files: Vec<SourceFile>,
     /// One open handle per shard, same order: reads go to the files that were validated.
@@ -396,6 +399,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
         experts: table.experts,
         expert_dims: table.dims,
         non_expert: table.non_expert,
+        skipped: table.skipped,
         extra_files,
         handles,
     })

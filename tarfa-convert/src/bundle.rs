@@ -83,6 +83,9 @@ pub struct WriteSummary {
     pub removed_stale: Vec<PathBuf>,
     /// Tensors and experts holding NaN or infinite elements, with their counts (header order).
     pub nonfinite: Vec<(String, u64)>,
+    /// What the conversion left out of the source, and why (the MTP layers a DeepSeek or
+    /// GLM-4.5 checkpoint carries), one line each.
+    pub notes: Vec<String>,
 }
 
 const TMP_MARK: &str = ".tarfa-tmp-";
@@ -433,6 +436,7 @@ pub fn write_bundle(
         read_mode,
         removed_stale,
         nonfinite: nonfinite_tensors,
+        notes: Vec::new(),
     })
 }
 

@@ -80,6 +80,11 @@ pub fn convert(
         "model_type".to_string(),
         ckpt.config.family.model_type().to_string(),
     );
+    // The manifest's source table says what was left out, as the report does.
+    let note = skipped_note(&ckpt);
+    if let Some(n) = &note {
+        source.insert("skipped".to_string(), n.clone());
+    }
     let spec = BundleSpec {
         header,
         files,
@@ -90,7 +95,27 @@ pub fn convert(
         ckpt: &ckpt,
         opened,
     };
-    write_bundle(out, opts.force, spec, &src)
+    let mut summary = write_bundle(out, opts.force, spec, &src)?;
+    summary.notes.extend(note);
+    Ok(summary)
+}
+
+/// The note on the multi-token-prediction tensors a checkpoint carries past its last decoder
+/// layer: validated, never carried into the bundle (next-token logits never read them).
+fn skipped_note(ckpt: &Checkpoint) -> Option<String> {
+    if ckpt.skipped.is_empty() {
+        return None;
+    }
+    let first = ckpt.config.num_hidden_layers;
+    let n = ckpt.config.nextn_predict_layers;
+    Some(format!(
+        "skipped {} multi-token-prediction tensors of layers {first}..{} \
+         (num_nextn_predict_layers {n}, e.g. {}): next-token logits never use them, so the \
+         bundle does not carry them",
+        ckpt.skipped.len(),
+        first + n,
+        ckpt.skipped[0]
+    ))
 }
 
 /// The layout: non-expert tensors sorted by name, then experts by (layer, expert).

@@ -237,6 +237,9 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
     for p in &s.removed_stale {
         eprintln!("tarfa-convert: removed stale temporary {}", p.display());
     }
+    for n in &s.notes {
+        eprintln!("tarfa-convert: note: {n}");
+    }
     const SHOWN: usize = 20;
     for (name, n) in s.nonfinite.iter().take(SHOWN) {
         eprintln!(
@@ -261,6 +264,7 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
             "verify_s": s.verify_time.as_secs_f64(),
             "read_back": format!("{:?}", s.read_mode),
             "removed_stale": s.removed_stale,
+            "notes": s.notes,
             "nonfinite": s.nonfinite.iter().map(|(name, n)| serde_json::json!({"name": name, "count": n})).collect::<Vec<_>>(),
             "nonfinite_total": s.nonfinite.iter().map(|(_, n)| n).sum::<u64>(),
         });

@@ -819,7 +819,9 @@ fn open_shards(ck: &Checkpoint) -> Result<Vec<OpenShard>, VerifyError> {
         .collect()
 }
 
-/// The source's tensors are exactly the bundle's tensors and expert matrices.
+/// The source's tensors are exactly the bundle's tensors and expert matrices, but for the
+/// multi-token-prediction tensors the converter skips by rule (`Checkpoint::skipped`): they must
+/// be absent from the bundle.
 fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
     let bundle: HashSet<&str> = h
         .tensors
@@ -831,8 +833,9 @@ fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
                 .flat_map(|e| e.matrices.iter().map(|m| m.name.as_str())),
         )
         .collect();
+    let skipped: HashSet<&str> = ck.skipped.iter().map(String::as_str).collect();
     for name in ck.tensors.keys() {
-        if !bundle.contains(name.as_str()) {
+        if !bundle.contains(name.as_str()) && !skipped.contains(name.as_str()) {
             out.push(Failure::new(
                 name,
                 FailureKind::MissingInBundle,
@@ -842,7 +845,7 @@ fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
     }
     let mut extra: Vec<&str> = bundle
         .into_iter()
-        .filter(|n| !ck.tensors.contains_key(*n))
+        .filter(|n| !ck.tensors.contains_key(*n) || skipped.contains(*n))
         .collect();
     extra.sort_unstable();
     out.extend(extra.into_iter().map(|n| {

@@ -157,9 +157,9 @@ fn config_values_out_of_range() {
 #[test]
 fn unsupported_model_type() {
     let e = with_config(|t| {
-        t.set("model_type", json!("deepseek_v3"));
+        t.set("model_type", json!("llama4_text"));
     });
-    assert_variant!(e, E::UnsupportedModelType { ref model_type, .. } if model_type == "deepseek_v3");
+    assert_variant!(e, E::UnsupportedModelType { ref model_type, .. } if model_type == "llama4_text");
 }
 
 #[test]

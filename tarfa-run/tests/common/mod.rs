@@ -14,6 +14,7 @@ use tarfa_run::model::ArchSpec;
 use tarfa_run::numerics::Kernel;
 use tarfa_run::weights::{load_safetensors_dir, InMemorySource};
 
+pub mod family_cli;
 pub mod synthetic;
 
 pub fn fixture_dir(name: &str) -> PathBuf {
