@@ -377,6 +377,20 @@ fn completions_equal_score_bit_for_bit_alone_and_under_load_and_stream_equals_no
         let c = format!("tarfa_requests_cancelled_total{{reason=\"{reason}\"}}");
         assert_eq!(metric(&srv.addr, &c, &[]), 0, "{c}");
     }
+    // the tokenizer endpoints lm-eval's tokenizer_backend=remote uses: /tokenize gives the ids
+    // a text prompt is encoded to, /detokenize gives the text back
+    let text = "def f(x):\n    return x";
+    let t = post(&srv.addr, "/tokenize", &json!({"prompt": text})).json();
+    let echo = json!({"prompt": text, "max_tokens": 0, "echo": true});
+    let c = post(&srv.addr, "/v1/completions", &echo).json();
+    assert_eq!(t["tokens"], c["choices"][0]["logprobs"]["token_ids"]);
+    assert!(t["tokens"].as_array().unwrap().len() > 3);
+    let d = post(&srv.addr, "/detokenize", &json!({"tokens": t["tokens"]})).json();
+    assert_eq!(d["prompt"], json!(text));
+    let info = http(&srv.addr, "GET", "/tokenizer_info", "", &[]).json();
+    assert!(info["eos_token"].is_string(), "{info}");
+    let r = post(&srv.addr, "/detokenize", &json!({"tokens": [4096]}));
+    assert_eq!(r.status, 400, "{}", r.body);
 }
 
 #[test]

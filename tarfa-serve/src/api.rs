@@ -30,6 +30,9 @@ pub(crate) fn router(shared: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenizer_info", get(tokenizer_info))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(shared.clone(), authorize))
         .route("/health", get(health))
@@ -196,6 +199,84 @@ async fn models(State(s): State<AppState>) -> Response {
         "tarfa": tarfa_field(&s),
     }))
     .into_response()
+}
+
+/// The bundle's tokenizer, or a 400 saying there is none.
+fn tokenizer(s: &Shared) -> Result<&tokenizers::Tokenizer, ApiError> {
+    s.cfg
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| ApiError::bad("the bundle has no tokenizer"))
+}
+
+/// vLLM's `GET /tokenizer_info`, which lm-eval's `tokenizer_backend=remote` reads: with
+/// `/tokenize` and `/detokenize` it lets a client count and split tokens with the bundle's own
+/// tokenizer (the one every text prompt here is encoded with), not a re-creation of it.
+async fn tokenizer_info(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let tok = tokenizer(&s)?;
+    let eos = s.cfg.eos.first().and_then(|&id| tok.id_to_token(id));
+    Ok(axum::Json(json!({
+        "eos_token": eos,
+        "bos_token": null,
+        "pad_token": null,
+        "model_max_length": s.cfg.max_positions,
+        "tarfa": tarfa_field(&s),
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: String,
+    /// The tokenizer's post-processor (BOS and the like); completions encode without.
+    #[serde(default)]
+    add_special_tokens: bool,
+}
+
+/// vLLM's `POST /tokenize`: the ids of `prompt` (without special tokens unless asked, as a
+/// completion's text prompt is encoded).
+async fn tokenize(State(s): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let b: TokenizeBody = parse_body(&body)?;
+    check_model(&s, &b.model)?;
+    let ids = tokenizer(&s)?
+        .encode(b.prompt.as_str(), b.add_special_tokens)
+        .map_err(|e| ApiError::bad(format!("prompt: cannot encode: {e}")))?
+        .get_ids()
+        .to_vec();
+    Ok(axum::Json(json!({
+        "count": ids.len(),
+        "max_model_len": s.cfg.max_positions,
+        "tokens": ids,
+        "tarfa": tarfa_field(&s),
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// vLLM's `POST /detokenize`: the text of `tokens`, special tokens kept.
+async fn detokenize(State(s): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let b: DetokenizeBody = parse_body(&body)?;
+    check_model(&s, &b.model)?;
+    if let Some(&id) = b.tokens.iter().find(|&&t| t as usize >= s.cfg.vocab_size) {
+        return Err(ApiError::bad(format!(
+            "token id {id} is outside the vocabulary of {}",
+            s.cfg.vocab_size
+        )));
+    }
+    let text = tokenizer(&s)?
+        .decode(&b.tokens, false)
+        .map_err(|e| ApiError::bad(format!("tokens: cannot decode: {e}")))?;
+    Ok(axum::Json(json!({"prompt": text, "tarfa": tarfa_field(&s)})).into_response())
 }
 
 #[derive(Deserialize)]
