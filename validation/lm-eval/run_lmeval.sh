@@ -61,14 +61,16 @@ for mb in 1 8; do
     done
     [[ -n "$addr" ]] || { echo "the server did not start" >&2; exit 3; }
     model=$(python3 -c 'import json,sys,urllib.request; print(json.load(urllib.request.urlopen(sys.argv[1]))["data"][0]["id"])' "http://$addr/v1/models")
+    fetch() { python3 -c 'import sys,urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "$1"; }
+    fetch "http://$addr/tokenizer_info" >"$OUT/tokenizer_info-mb$mb.json"
     echo "== --max-batch $mb: $model at $addr" >&2
     "$VENV/bin/lm_eval" run --model local-completions --include_path validation/lm-eval \
         --tasks tarfa_tiny_mc tarfa_tiny_gen \
         --model_args "model=$model,base_url=http://$addr/v1/completions,tokenizer_backend=remote,num_concurrent=$CONC,max_retries=1" \
         --log_samples --output_path "$OUT/mb$mb" 2>&1 | tee "$OUT/lmeval-mb$mb.log" >&2
-    python3 -c 'import sys,urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "http://$addr/metrics" >"$OUT/metrics-mb$mb.txt"
+    fetch "http://$addr/metrics" >"$OUT/metrics-mb$mb.txt"
     stop_server
 done
 
 python3 "$ROOT/validation/lm-eval/compare.py" --tarfa-run "$TARFA_BIN/tarfa-run" --bundle "$BUNDLE" \
-    "$OUT/mb1" "$OUT/mb8"
+    --tokenizer-info "$OUT/tokenizer_info-mb1.json" "$OUT/mb1" "$OUT/mb8"
