@@ -608,6 +608,8 @@ fn departed_clients_requests_queued_or_running_are_cancelled_and_the_others_are_
     let srv = Server::start(&["--max-batch", "2", "--max-queue", "1"]);
     let ll = json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 1});
     let want = post(&srv.addr, "/v1/completions", &ll).json()["choices"].clone();
+    let gen = json!({"prompt": PROMPT, "max_tokens": 60, "logprobs": 2});
+    let want_gen = post(&srv.addr, "/v1/completions", &gen).json()["choices"].clone();
     let long = json!({"prompt": PROMPT, "max_tokens": 1500});
     // a stream and a plain request hold both slots; a third waits in the queue
     let mut streamed = long.clone();
@@ -628,14 +630,21 @@ fn departed_clients_requests_queued_or_running_are_cancelled_and_the_others_are_
     // the running plain request's client leaves, then the stream's
     drop(w);
     await_metric(&srv.addr, gone, 2);
-    await_metric(&srv.addr, "tarfa_running_sequences", 1);
-    drop(x);
-    await_metric(&srv.addr, gone, 3);
-    await_metric(&srv.addr, "tarfa_running_sequences", 0);
-    // none of them was answered, every slot and queue place is back (max-queue 1: a leaked
-    // place would make some of these 429), and the answers are the same bits
-    assert_eq!(metric(&srv.addr, "tarfa_requests_total", &[]), 1);
+    // a generation takes the freed slot beside the stream, which then leaves too (while the
+    // generation runs, unless it is already done: either way its answer is the one alone)
     let addr = srv.addr.as_str();
+    let beside = std::thread::scope(|s| {
+        let v = s.spawn(|| post(addr, "/v1/completions", &gen));
+        drop(x);
+        await_metric(addr, gone, 3);
+        v.join().unwrap()
+    });
+    assert_eq!(beside.status, 200, "{}", beside.body);
+    assert_eq!(beside.json()["choices"], want_gen);
+    await_metric(&srv.addr, "tarfa_running_sequences", 0);
+    // none of the three was answered, every slot and queue place is back (max-queue 1: a
+    // leaked place would make some of these 429), and the answers are the same bits
+    assert_eq!(metric(&srv.addr, "tarfa_requests_total", &[]), 3);
     let answers: Vec<Reply> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..3)
             .map(|_| s.spawn(|| post(addr, "/v1/completions", &ll)))
