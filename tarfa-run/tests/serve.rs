@@ -4,7 +4,10 @@
 //! echo + logprobs equal `tarfa-run score`'s numbers bit for bit, alone and under concurrent
 //! load; streaming yields the non-streaming tokens and text; bad input is 400 with an OpenAI
 //! error body; the queue limit is 429 with Retry-After; --api-key is 401 without the token; a
-//! disconnected stream's sequence is freed; SIGTERM drains and exits 0.
+//! disconnected stream's sequence is freed; SIGTERM drains and exits 0. A departed client's
+//! request (queued or running, streaming or not) is cancelled, and one past its deadline is 504
+//! (a stream: an error event), both counted in /metrics by reason, with every other answer
+//! exact; /metrics names the bundle's root digest and counts refusals and verification checks.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -143,6 +146,49 @@ fn http(addr: &str, method: &str, path: &str, body: &str, headers: &[&str]) -> R
         head: head.to_string(),
         body,
     }
+}
+
+/// The value of the sample `series` (a metric name with its labels, as printed) in /metrics.
+fn metric(addr: &str, series: &str, headers: &[&str]) -> u64 {
+    let m = http(addr, "GET", "/metrics", "", headers);
+    assert_eq!(m.status, 200, "{}", m.body);
+    m.body
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {series} in\n{}", m.body))
+        .parse()
+        .unwrap()
+}
+
+/// Polls /metrics until `series` reads `want` (the scheduler sets its counters between steps).
+fn await_metric(addr: &str, series: &str, want: u64) {
+    let t0 = Instant::now();
+    loop {
+        let v = metric(addr, series, &[]);
+        if v == want {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{series} is {v}, waited for {want}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends a request and returns the open connection without reading the answer.
+fn send(addr: &str, path: &str, body: &Value, headers: &[&str]) -> TcpStream {
+    let body = body.to_string();
+    let extra: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
 }
 
 fn post(addr: &str, path: &str, body: &Value) -> Reply {
@@ -300,6 +346,51 @@ fn completions_equal_score_bit_for_bit_alone_and_under_load_and_stream_equals_no
     let models = http(&srv.addr, "GET", "/v1/models", "", &[]).json();
     let id = models["data"][0]["id"].as_str().unwrap();
     assert!(id.starts_with("qwen3moe-code@"), "{id}");
+    // what the server verifies about itself: the root digest it names is the one every
+    // response carries, and the reader's checks ran (the root at open; the files, tensors and
+    // the experts the requests were routed to, on their reads)
+    let root = id.rsplit('@').next().unwrap();
+    assert!(
+        m.body.lines().any(|l| l
+            == format!(
+                "tarfa_bundle_info{{name=\"qwen3moe-code\",root_digest=\"{root}\",\
+                 contract_version=\"1\"}} 1"
+            )),
+        "{}",
+        m.body
+    );
+    assert!(m.body.contains("\ntarfa_contract_version 1\n"));
+    let checks = |what: &str| {
+        metric(
+            &srv.addr,
+            &format!("tarfa_verification_checks_total{{what=\"{what}\"}}"),
+            &[],
+        )
+    };
+    assert_eq!(checks("root_digest"), 1);
+    assert!(checks("file") >= 2, "config.json and tokenizer.json");
+    assert!(checks("tensor") >= 1);
+    assert!(checks("expert") >= 1);
+    // 1 + 1 + 1 alone, 8 under load, 1 stream
+    assert_eq!(metric(&srv.addr, "tarfa_requests_total", &[]), 12);
+    for reason in ["disconnect", "deadline"] {
+        let c = format!("tarfa_requests_cancelled_total{{reason=\"{reason}\"}}");
+        assert_eq!(metric(&srv.addr, &c, &[]), 0, "{c}");
+    }
+    // the tokenizer endpoints lm-eval's tokenizer_backend=remote uses: /tokenize gives the ids
+    // a text prompt is encoded to, /detokenize gives the text back
+    let text = "def f(x):\n    return x";
+    let t = post(&srv.addr, "/tokenize", &json!({"prompt": text})).json();
+    let echo = json!({"prompt": text, "max_tokens": 0, "echo": true});
+    let c = post(&srv.addr, "/v1/completions", &echo).json();
+    assert_eq!(t["tokens"], c["choices"][0]["logprobs"]["token_ids"]);
+    assert!(t["tokens"].as_array().unwrap().len() > 3);
+    let d = post(&srv.addr, "/detokenize", &json!({"tokens": t["tokens"]})).json();
+    assert_eq!(d["prompt"], json!(text));
+    let info = http(&srv.addr, "GET", "/tokenizer_info", "", &[]).json();
+    assert!(info["eos_token"].is_string(), "{info}");
+    let r = post(&srv.addr, "/detokenize", &json!({"tokens": [4096]}));
+    assert_eq!(r.status, 400, "{}", r.body);
 }
 
 #[test]
@@ -373,6 +464,16 @@ fn bad_input_is_400_with_an_openai_error_the_key_is_required_and_the_queue_is_bo
         "{}",
         r.head
     );
+    // every refusal counted once, by reason (the 429s below are polled: at least one)
+    let refused = |reason: &str| {
+        let r = format!("tarfa_requests_refused_total{{reason=\"{reason}\"}}");
+        metric(&srv.addr, &r, &[auth])
+    };
+    assert_eq!(refused("unauthorized"), 1);
+    assert_eq!(refused("too_long"), 1);
+    assert_eq!(refused("bad_input"), 6);
+    assert_eq!(refused("queue_full"), 1);
+    assert_eq!(refused("shutting_down"), 0);
     // the client goes away: its sequence is freed at the next step, and the slot serves again
     drop(s);
     let t0 = Instant::now();
@@ -500,4 +601,163 @@ fn load_64_concurrent_clients_every_answer_equals_the_request_alone() {
         lat[(lat.len() * 99) / 100],
         tokens as f64 / wall
     );
+}
+
+#[test]
+fn departed_clients_requests_queued_or_running_are_cancelled_and_the_others_are_exact() {
+    let srv = Server::start(&["--max-batch", "2", "--max-queue", "1"]);
+    let ll = json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 1});
+    let want = post(&srv.addr, "/v1/completions", &ll).json()["choices"].clone();
+    let gen = json!({"prompt": PROMPT, "max_tokens": 60, "logprobs": 2});
+    let want_gen = post(&srv.addr, "/v1/completions", &gen).json()["choices"].clone();
+    let long = json!({"prompt": PROMPT, "max_tokens": 1500});
+    // a stream and a plain request hold both slots; a third waits in the queue
+    let mut streamed = long.clone();
+    streamed["stream"] = json!(true);
+    let mut x = send(&srv.addr, "/v1/completions", &streamed, &[]);
+    let mut first = [0u8; 64];
+    assert!(x.read(&mut first).unwrap() > 0);
+    let w = send(&srv.addr, "/v1/completions", &long, &[]);
+    await_metric(&srv.addr, "tarfa_running_sequences", 2);
+    let y = send(&srv.addr, "/v1/completions", &ll, &[]);
+    await_metric(&srv.addr, "tarfa_queue_depth", 1);
+    let gone = "tarfa_requests_cancelled_total{reason=\"disconnect\"}";
+    // the queued client leaves: its request never runs
+    drop(y);
+    await_metric(&srv.addr, gone, 1);
+    await_metric(&srv.addr, "tarfa_queue_depth", 0);
+    assert_eq!(metric(&srv.addr, "tarfa_running_sequences", &[]), 2);
+    // the running plain request's client leaves, then the stream's
+    drop(w);
+    await_metric(&srv.addr, gone, 2);
+    // a generation takes the freed slot beside the stream, which then leaves too (while the
+    // generation runs, unless it is already done: either way its answer is the one alone)
+    let addr = srv.addr.as_str();
+    let beside = std::thread::scope(|s| {
+        let v = s.spawn(|| post(addr, "/v1/completions", &gen));
+        drop(x);
+        await_metric(addr, gone, 3);
+        v.join().unwrap()
+    });
+    assert_eq!(beside.status, 200, "{}", beside.body);
+    assert_eq!(beside.json()["choices"], want_gen);
+    await_metric(&srv.addr, "tarfa_running_sequences", 0);
+    // none of the three was answered, every slot and queue place is back (max-queue 1: a
+    // leaked place would make some of these 429), and the answers are the same bits
+    assert_eq!(metric(&srv.addr, "tarfa_requests_total", &[]), 3);
+    let answers: Vec<Reply> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|_| s.spawn(|| post(addr, "/v1/completions", &ll)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for a in &answers {
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.json()["choices"], want);
+    }
+    assert_eq!(
+        metric(
+            &srv.addr,
+            "tarfa_requests_cancelled_total{reason=\"deadline\"}",
+            &[]
+        ),
+        0
+    );
+}
+
+#[test]
+fn a_request_past_its_deadline_is_504_a_stream_ends_with_an_error_event_the_others_exact() {
+    let srv = Server::start(&["--max-batch", "4", "--request-timeout", "600"]);
+    let ll = json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 1});
+    let gen = json!({"prompt": PROMPT, "max_tokens": 4, "logprobs": 1});
+    let want_ll = post(&srv.addr, "/v1/completions", &ll).json()["choices"].clone();
+    let want_gen = post(&srv.addr, "/v1/completions", &gen).json()["choices"].clone();
+    // a deadline of 0 s has passed when the scheduler first looks (before any step): the
+    // request is cancelled, whatever the timing, while the others share the same steps
+    let due = "x-tarfa-timeout: 0";
+    let mut streamed = gen.clone();
+    streamed["stream"] = json!(true);
+    let addr = srv.addr.as_str();
+    let (gen_text, streamed_text) = (gen.to_string(), streamed.to_string());
+    let (others, late, late_stream) = std::thread::scope(|s| {
+        let others: Vec<_> = (0..4)
+            .map(|i| {
+                let b = if i % 2 == 0 { &ll } else { &gen };
+                s.spawn(move || post(addr, "/v1/completions", b))
+            })
+            .collect();
+        let late = s.spawn(|| http(addr, "POST", "/v1/completions", &gen_text, &[due]));
+        let late_stream = s.spawn(|| http(addr, "POST", "/v1/completions", &streamed_text, &[due]));
+        (
+            others
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>(),
+            late.join().unwrap(),
+            late_stream.join().unwrap(),
+        )
+    });
+    assert_eq!(late.status, 504, "{}", late.body);
+    let e = &late.json()["error"];
+    assert_eq!(e["code"], json!("deadline_exceeded"));
+    assert_eq!(e["type"], json!("timeout_error"));
+    assert!(e["message"].as_str().unwrap().contains("deadline of 0 s"));
+    assert_eq!(late_stream.status, 200, "{}", late_stream.body);
+    let events: Vec<&str> = late_stream
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.len(), 2, "{}", late_stream.body);
+    let err: Value = serde_json::from_str(events[0]).unwrap();
+    assert_eq!(err["error"]["code"], json!("deadline_exceeded"));
+    assert_eq!(events[1], "[DONE]");
+    for (i, a) in others.iter().enumerate() {
+        assert_eq!(a.status, 200, "{}", a.body);
+        let want = if i % 2 == 0 { &want_ll } else { &want_gen };
+        assert_eq!(&a.json()["choices"], want, "client {i}");
+    }
+    let expired = "tarfa_requests_cancelled_total{reason=\"deadline\"}";
+    assert_eq!(metric(&srv.addr, expired, &[]), 2);
+    // a longer deadline than the server's is not granted, a malformed one is refused
+    let r = http(
+        &srv.addr,
+        "POST",
+        "/v1/completions",
+        &gen.to_string(),
+        &["x-tarfa-timeout: 1e12"],
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = http(
+        &srv.addr,
+        "POST",
+        "/v1/completions",
+        &gen.to_string(),
+        &["x-tarfa-timeout: 9000"],
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"], want_gen);
+    assert_eq!(
+        metric(
+            &srv.addr,
+            "tarfa_requests_refused_total{reason=\"bad_input\"}",
+            &[]
+        ),
+        1
+    );
+}
+
+#[test]
+fn request_timeout_must_be_a_positive_number_of_seconds() {
+    let b = bundle();
+    for bad in ["0", "-1", "soon", "nan", "2e9"] {
+        let out = Command::new(BIN)
+            .args(["serve", b.to_str().unwrap()])
+            .arg(format!("--request-timeout={bad}"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--request-timeout"), "{bad}: {err}");
+    }
 }

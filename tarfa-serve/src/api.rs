@@ -3,11 +3,11 @@
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::{Request as HttpRequest, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -20,7 +20,8 @@ use tarfa_core::chat::ChatMessage;
 use tarfa_score::{Event, Limits, Options, ScoreResult};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::{Shared, Submission};
+use crate::metrics::{Identity, Refusal};
+use crate::{Origin, Reply, Shared, Submission};
 
 type AppState = Arc<Shared>;
 
@@ -29,18 +30,31 @@ pub(crate) fn router(shared: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenizer_info", get(tokenizer_info))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(shared.clone(), authorize))
         .route("/health", get(health))
         .layer(middleware::from_fn_with_state(shared.clone(), provenance))
+        .layer(middleware::from_fn_with_state(
+            shared.clone(),
+            count_refusals,
+        ))
         .with_state(shared)
 }
+
+/// The header a client sends to shorten its request's deadline (seconds from arrival).
+pub(crate) const TIMEOUT_HEADER: &str = "x-tarfa-timeout";
 
 /// An OpenAI-style error.
 pub(crate) struct ApiError {
     status: StatusCode,
     kind: &'static str,
+    code: Option<&'static str>,
     message: String,
+    /// Set when the request was refused before it was queued: counted in /metrics.
+    refusal: Option<Refusal>,
 }
 
 impl ApiError {
@@ -48,21 +62,74 @@ impl ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
+            code: None,
             message: message.into(),
+            refusal: Some(Refusal::BadInput),
+        }
+    }
+
+    fn server(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind: "server_error",
+            code: None,
+            message: message.into(),
+            refusal: None,
+        }
+    }
+
+    fn shutting_down() -> Self {
+        ApiError {
+            refusal: Some(Refusal::ShuttingDown),
+            ..ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            )
+        }
+    }
+
+    /// 504: the request passed its deadline and was cancelled (its sequence freed).
+    fn expired(timeout: Duration) -> Self {
+        ApiError {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            kind: "timeout_error",
+            code: Some("deadline_exceeded"),
+            message: expired_message(timeout),
+            refusal: None,
         }
     }
 }
 
+fn expired_message(timeout: Duration) -> String {
+    format!(
+        "the request passed its deadline of {} s from arrival and was cancelled \
+         (--request-timeout, or the {TIMEOUT_HEADER} header)",
+        timeout.as_secs_f64()
+    )
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}});
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
         let mut r = (self.status, axum::Json(body)).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        if let Some(why) = self.refusal {
+            r.extensions_mut().insert(why);
+        }
         r
     }
+}
+
+/// Counts every refusal once, whichever layer refused (the handlers, or authorization).
+async fn count_refusals(State(s): State<AppState>, req: HttpRequest, next: Next) -> Response {
+    let r = next.run(req).await;
+    if let Some(&why) = r.extensions().get::<Refusal>() {
+        s.metrics.refused(why);
+    }
+    r
 }
 
 /// Every response names the bundle and the exactness contract it was computed under.
@@ -90,7 +157,9 @@ async fn authorize(State(s): State<AppState>, req: HttpRequest, next: Next) -> R
             return ApiError {
                 status: StatusCode::UNAUTHORIZED,
                 kind: "authentication_error",
+                code: None,
                 message: "a valid API key is required: Authorization: Bearer KEY".into(),
+                refusal: Some(Refusal::Unauthorized),
             }
             .into_response();
         }
@@ -113,7 +182,11 @@ async fn health(State(s): State<AppState>) -> Response {
 async fn metrics(State(s): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.metrics.render(),
+        s.metrics.render(&Identity {
+            name: &s.cfg.name,
+            root_digest: &s.cfg.root_digest,
+            verification: s.cfg.verification.as_ref(),
+        }),
     )
         .into_response()
 }
@@ -126,6 +199,84 @@ async fn models(State(s): State<AppState>) -> Response {
         "tarfa": tarfa_field(&s),
     }))
     .into_response()
+}
+
+/// The bundle's tokenizer, or a 400 saying there is none.
+fn tokenizer(s: &Shared) -> Result<&tokenizers::Tokenizer, ApiError> {
+    s.cfg
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| ApiError::bad("the bundle has no tokenizer"))
+}
+
+/// vLLM's `GET /tokenizer_info`, which lm-eval's `tokenizer_backend=remote` reads: with
+/// `/tokenize` and `/detokenize` it lets a client count and split tokens with the bundle's own
+/// tokenizer (the one every text prompt here is encoded with), not a re-creation of it.
+async fn tokenizer_info(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let tok = tokenizer(&s)?;
+    let eos = s.cfg.eos.first().and_then(|&id| tok.id_to_token(id));
+    Ok(axum::Json(json!({
+        "eos_token": eos,
+        "bos_token": null,
+        "pad_token": null,
+        "model_max_length": s.cfg.max_positions,
+        "tarfa": tarfa_field(&s),
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: String,
+    /// The tokenizer's post-processor (BOS and the like); completions encode without.
+    #[serde(default)]
+    add_special_tokens: bool,
+}
+
+/// vLLM's `POST /tokenize`: the ids of `prompt` (without special tokens unless asked, as a
+/// completion's text prompt is encoded).
+async fn tokenize(State(s): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let b: TokenizeBody = parse_body(&body)?;
+    check_model(&s, &b.model)?;
+    let ids = tokenizer(&s)?
+        .encode(b.prompt.as_str(), b.add_special_tokens)
+        .map_err(|e| ApiError::bad(format!("prompt: cannot encode: {e}")))?
+        .get_ids()
+        .to_vec();
+    Ok(axum::Json(json!({
+        "count": ids.len(),
+        "max_model_len": s.cfg.max_positions,
+        "tokens": ids,
+        "tarfa": tarfa_field(&s),
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// vLLM's `POST /detokenize`: the text of `tokens`, special tokens kept.
+async fn detokenize(State(s): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let b: DetokenizeBody = parse_body(&body)?;
+    check_model(&s, &b.model)?;
+    if let Some(&id) = b.tokens.iter().find(|&&t| t as usize >= s.cfg.vocab_size) {
+        return Err(ApiError::bad(format!(
+            "token id {id} is outside the vocabulary of {}",
+            s.cfg.vocab_size
+        )));
+    }
+    let text = tokenizer(&s)?
+        .decode(&b.tokens, false)
+        .map_err(|e| ApiError::bad(format!("tokens: cannot decode: {e}")))?;
+    Ok(axum::Json(json!({"prompt": text, "tarfa": tarfa_field(&s)})).into_response())
 }
 
 #[derive(Deserialize)]
@@ -187,11 +338,10 @@ fn check_model(s: &Shared, model: &Option<String>) -> Result<(), ApiError> {
     match model {
         Some(m) if m != &model_id(s) && m != &s.cfg.name => Err(ApiError {
             status: StatusCode::NOT_FOUND,
-            kind: "invalid_request_error",
-            message: format!(
+            ..ApiError::bad(format!(
                 "model {m:?} is not served here; this server serves {:?}",
                 model_id(s)
-            ),
+            ))
         }),
         _ => Ok(()),
     }
@@ -321,67 +471,98 @@ fn plan(s: &Shared, ids: &[u32], i: u64, st: &Settings) -> Result<Plan, ApiError
         chat: Ok(None),
     };
     let text = Value::Object(line).to_string();
-    let r = tarfa_score::parse_line(1, &text, Options::default(), &limits).map_err(|e| {
-        let message = match e.problem {
-            tarfa_score::Problem::TooLong { needed, max } => format!(
-                "the request needs {needed} positions (prompt + max_tokens - 1); the model's \
-                 context is {max}"
-            ),
-            p => p.to_string(),
-        };
-        ApiError::bad(message)
+    let r = tarfa_score::parse_line(1, &text, Options::default(), &limits).map_err(|e| match e
+        .problem
+    {
+        tarfa_score::Problem::TooLong { needed, max } => ApiError {
+            refusal: Some(Refusal::TooLong),
+            ..ApiError::bad(format!(
+                "the request needs {needed} positions (prompt + max_tokens - 1); the \
+                     model's context is {max}"
+            ))
+        },
+        p => ApiError::bad(p.to_string()),
     })?;
     Ok(Plan::Run(r))
+}
+
+/// When a request that arrived at `t0` is cancelled: the server's `--request-timeout`, or the
+/// client's shorter `x-tarfa-timeout` (seconds, a non-negative decimal). Returns the timeout
+/// too, for the message.
+fn deadline(
+    s: &Shared,
+    headers: &HeaderMap,
+    t0: Instant,
+) -> Result<Option<(Instant, Duration)>, ApiError> {
+    let asked = match headers.get(TIMEOUT_HEADER) {
+        None => None,
+        Some(v) => {
+            let secs = v
+                .to_str()
+                .ok()
+                .and_then(|t| t.trim().parse::<f64>().ok())
+                .filter(|x| x.is_finite() && *x >= 0.0 && *x <= 1e9)
+                .ok_or_else(|| {
+                    ApiError::bad(format!(
+                        "{TIMEOUT_HEADER} must be a number of seconds, 0 to 1e9"
+                    ))
+                })?;
+            Some(Duration::from_secs_f64(secs))
+        }
+    };
+    let timeout = match (s.cfg.request_timeout, asked) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    Ok(timeout.map(|t| (t0 + t, t)))
 }
 
 /// Submits `plans`, failing with 429 when the queue is full. Returns each plan's receiver.
 fn enqueue(
     s: &Shared,
     plans: Vec<Plan>,
-) -> Result<Vec<Option<UnboundedReceiver<Event>>>, ApiError> {
+    deadline: Option<(Instant, Duration)>,
+) -> Result<Vec<Option<UnboundedReceiver<Reply>>>, ApiError> {
     let runs = plans.iter().filter(|p| matches!(p, Plan::Run(_))).count();
     let limit = s.cfg.max_batch + s.cfg.max_queue;
     let prev = s.pending.fetch_add(runs, Ordering::SeqCst);
     if runs > 0 && prev + runs > limit {
         s.pending.fetch_sub(runs, Ordering::SeqCst);
-        s.metrics.rejected();
         return Err(ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             kind: "rate_limit_error",
+            code: None,
             message: format!(
                 "the server is at its limit of {limit} requests ({} in flight, {} queued): retry later",
                 s.cfg.max_batch, s.cfg.max_queue
             ),
+            refusal: Some(Refusal::QueueFull),
         });
     }
     let Some(tx) = s.submit.lock().expect("submit channel").clone() else {
         s.pending.fetch_sub(runs, Ordering::SeqCst);
-        return Err(ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_error",
-            message: "the server is shutting down".into(),
-        });
+        return Err(ApiError::shutting_down());
     };
+    let origin = Arc::new(Origin::default());
     let mut out = Vec::new();
+    let mut sent = 0;
     for p in plans {
         match p {
             Plan::Run(request) => {
-                let (etx, erx) = unbounded_channel();
-                if tx
-                    .send(Submission {
-                        request,
-                        events: etx,
-                    })
-                    .is_err()
-                {
-                    s.pending.fetch_sub(1, Ordering::SeqCst);
-                    return Err(ApiError {
-                        status: StatusCode::SERVICE_UNAVAILABLE,
-                        kind: "server_error",
-                        message: "the server is shutting down".into(),
-                    });
+                let (rtx, rrx) = unbounded_channel();
+                let submission = Submission {
+                    request,
+                    replies: rtx,
+                    deadline: deadline.map(|d| d.0),
+                    origin: origin.clone(),
+                };
+                if tx.send(submission).is_err() {
+                    // those sent are the scheduler's to count down; the rest are not coming
+                    s.pending.fetch_sub(runs - sent, Ordering::SeqCst);
+                    return Err(ApiError::shutting_down());
                 }
-                out.push(Some(erx));
+                sent += 1;
+                out.push(Some(rrx));
             }
             Plan::Nothing => out.push(None),
         }
@@ -491,7 +672,9 @@ impl Settings {
 }
 
 async fn wait(
-    rx: Option<UnboundedReceiver<Event>>,
+    s: &Shared,
+    rx: Option<UnboundedReceiver<Reply>>,
+    deadline: Option<(Instant, Duration)>,
 ) -> Result<(Option<ScoreResult>, Option<Instant>), ApiError> {
     let Some(mut rx) = rx else {
         return Ok((None, None));
@@ -499,28 +682,33 @@ async fn wait(
     let mut first = None;
     while let Some(e) = rx.recv().await {
         match e {
-            Event::Token(_) => {
+            Reply::Event(Event::Token(_)) => {
                 first.get_or_insert_with(Instant::now);
             }
-            Event::Done(r) => return Ok((Some(r), first)),
-            Event::Failed(m) => {
-                return Err(ApiError {
-                    status: StatusCode::INTERNAL_SERVER_ERROR,
-                    kind: "server_error",
-                    message: m,
-                })
+            Reply::Event(Event::Done(r)) => return Ok((Some(r), first)),
+            Reply::Event(Event::Failed(m)) => {
+                s.metrics.failed();
+                return Err(ApiError::server(StatusCode::INTERNAL_SERVER_ERROR, m));
+            }
+            Reply::Expired => {
+                let timeout = deadline.map(|d| d.1).unwrap_or_default();
+                return Err(ApiError::expired(timeout));
             }
         }
     }
-    Err(ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        kind: "server_error",
-        message: "the scheduler stopped before the request finished".into(),
-    })
+    Err(ApiError::server(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the scheduler stopped before the request finished",
+    ))
 }
 
-async fn completions(State(s): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+async fn completions(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let t0 = Instant::now();
+    let due = deadline(&s, &headers, t0)?;
     let b: CompletionBody = parse_body(&body)?;
     check_model(&s, &b.model)?;
     let st = Settings {
@@ -551,14 +739,17 @@ async fn completions(State(s): State<AppState>, body: Bytes) -> Result<Response,
                 "stream takes one prompt, n = 1, max_tokens >= 1 and no echo",
             ));
         }
-        let rx = enqueue(&s, plans)?.pop().flatten().expect("a generation");
-        return Ok(stream_response(s, rx, t0, false, st.stop));
+        let rx = enqueue(&s, plans, due)?
+            .pop()
+            .flatten()
+            .expect("a generation");
+        return Ok(stream_response(s, rx, t0, false, st.stop, due));
     }
-    let rxs = enqueue(&s, plans)?;
+    let rxs = enqueue(&s, plans, due)?;
     let mut choices = Vec::new();
     let mut ttft = None;
     for (i, (rx, p)) in rxs.into_iter().zip(&which).enumerate() {
-        let (r, first) = wait(rx).await?;
+        let (r, first) = wait(&s, rx, due).await?;
         ttft = ttft.or(first);
         choices.push(choice(&s, i, p, &st, r));
     }
@@ -596,10 +787,11 @@ fn settled(text: &str, stops: &[String]) -> usize {
 
 fn stream_response(
     s: AppState,
-    rx: UnboundedReceiver<Event>,
+    rx: UnboundedReceiver<Reply>,
     t0: Instant,
     chat: bool,
     stops: Vec<String>,
+    due: Option<(Instant, Duration)>,
 ) -> Response {
     let state = (s, rx, 0usize, false, stops, false);
     let events = stream::unfold(state, move |(s, mut rx, sent, first, stops, done)| async move {
@@ -617,9 +809,9 @@ fn stream_response(
             json!({"object": object, "model": model_id(s), "choices": [c], "tarfa": tarfa_field(s)})
         };
         match rx.recv().await {
-            Some(Event::Token(t)) => {
+            Some(Reply::Event(Event::Token(t))) => {
                 if !first {
-                    s.metrics.finished(t0.elapsed().as_secs_f64(), Some(t0.elapsed().as_secs_f64()));
+                    s.metrics.first_token(t0.elapsed().as_secs_f64());
                 }
                 let text = t.text.clone().unwrap_or_default();
                 let end = if t.finish_reason.is_some() { text.len() } else { settled(&text, &stops) };
@@ -632,11 +824,22 @@ fn stream_response(
                 let ev = SseEvent::default().data(frame(&s, &delta, Some(&t), finish).to_string());
                 Some((vec![ev], (s, rx, end, true, stops, false)))
             }
-            Some(Event::Done(_)) | None => {
+            Some(Reply::Event(Event::Done(_))) => {
+                s.metrics.finished(t0.elapsed().as_secs_f64(), None);
                 Some((vec![SseEvent::default().data("[DONE]")], (s, rx, sent, first, stops, true)))
             }
-            Some(Event::Failed(m)) => {
-                let ev = SseEvent::default().data(json!({"error": {"message": m, "type": "server_error"}}).to_string());
+            None => {
+                Some((vec![SseEvent::default().data("[DONE]")], (s, rx, sent, first, stops, true)))
+            }
+            Some(Reply::Event(Event::Failed(m))) => {
+                s.metrics.failed();
+                let ev = SseEvent::default().data(json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}}).to_string());
+                Some((vec![ev, SseEvent::default().data("[DONE]")], (s, rx, sent, first, stops, true)))
+            }
+            // the stream ends with OpenAI's error object, code deadline_exceeded, then [DONE]
+            Some(Reply::Expired) => {
+                let m = expired_message(due.map(|d| d.1).unwrap_or_default());
+                let ev = SseEvent::default().data(json!({"error": {"message": m, "type": "timeout_error", "param": null, "code": "deadline_exceeded"}}).to_string());
                 Some((vec![ev, SseEvent::default().data("[DONE]")], (s, rx, sent, first, stops, true)))
             }
         }
@@ -649,8 +852,13 @@ fn sse<S: Stream<Item = Result<SseEvent, Infallible>> + Send + 'static>(s: S) ->
     Sse::new(s).into_response()
 }
 
-async fn chat_completions(State(s): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+async fn chat_completions(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let t0 = Instant::now();
+    let due = deadline(&s, &headers, t0)?;
     let b: ChatBody = parse_body(&body)?;
     check_model(&s, &b.model)?;
     let template = s
@@ -709,13 +917,16 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> Result<Resp
         if n != 1 {
             return Err(ApiError::bad("stream takes n = 1"));
         }
-        let rx = enqueue(&s, plans)?.pop().flatten().expect("a generation");
-        return Ok(stream_response(s, rx, t0, true, st.stop));
+        let rx = enqueue(&s, plans, due)?
+            .pop()
+            .flatten()
+            .expect("a generation");
+        return Ok(stream_response(s, rx, t0, true, st.stop, due));
     }
-    let rxs = enqueue(&s, plans)?;
+    let rxs = enqueue(&s, plans, due)?;
     let mut choices = Vec::new();
     for (i, rx) in rxs.into_iter().enumerate() {
-        let (r, _) = wait(rx).await?;
+        let (r, _) = wait(&s, rx, due).await?;
         let Some(ScoreResult::Generate(g)) = r else {
             unreachable!("a chat request generates")
         };

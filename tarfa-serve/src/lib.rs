@@ -8,20 +8,30 @@
 //! shape. So a completion's numbers are the ones `tarfa-run score` prints for the same request,
 //! and, since a request's logit rows do not depend on what shares its steps, the same bits at any
 //! load.
+//!
+//! A request leaves early in two ways, both at the next step, both through
+//! [`Scheduler::cancel`] (its sequence truncated and returned to the pool, never written again
+//! for it): its client closed the connection (queued or running, streaming or not), or it passed
+//! its deadline (`request_timeout`, or a shorter `x-tarfa-timeout` header), which is answered 504
+//! (a stream ends with an error event). What shares its steps is unaffected: each request's
+//! numbers come from its own rows.
 
 mod api;
 mod metrics;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use tarfa_core::chat::ChatTemplate;
 use tarfa_engine::Model;
-use tarfa_score::{Decoding, Event, Request, Scheduler, ScoreOptions};
+use tarfa_score::{Decoding, Event, Request, Scheduler, ScoreOptions, Ticket};
 use tokio::sync::mpsc::UnboundedSender;
 
-pub use metrics::Metrics;
+use metrics::Cancel;
+pub use metrics::{Metrics, VerificationProbe, Verified};
 
 /// What the server says about its model and how it schedules.
 pub struct ServeConfig {
@@ -40,6 +50,11 @@ pub struct ServeConfig {
     pub eos: Vec<u32>,
     pub tokenizer: Option<tokenizers::Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
+    /// Every request's deadline, from its arrival; `None`: no deadline. A client may ask for a
+    /// shorter one (`x-tarfa-timeout`), never a longer one.
+    pub request_timeout: Option<Duration>,
+    /// The bundle reader's verification counts, for /metrics.
+    pub verification: Option<VerificationProbe>,
 }
 
 /// Why the server did not run.
@@ -59,10 +74,35 @@ pub enum ServeError {
     SchedulerPanicked,
 }
 
-/// A request for the scheduler thread, with where its events go.
+/// What a request's handler hears from the scheduler thread.
+pub(crate) enum Reply {
+    Event(Event),
+    /// The request passed its deadline and was cancelled; nothing follows.
+    Expired,
+}
+
+/// One HTTP request, shared by the submissions of its prompts and choices: it is counted
+/// cancelled once, however many of its sequences are freed.
+#[derive(Default)]
+pub(crate) struct Origin {
+    cancelled: AtomicBool,
+}
+
+/// A request for the scheduler thread, with where its replies go.
 pub(crate) struct Submission {
     pub request: Request,
-    pub events: UnboundedSender<Event>,
+    pub replies: UnboundedSender<Reply>,
+    /// When the scheduler cancels it (checked before every step).
+    pub deadline: Option<Instant>,
+    pub origin: Arc<Origin>,
+}
+
+/// What the scheduler thread keeps of a submitted request to cancel it: a departed client is
+/// seen as its reply channel closed, a deadline against the clock, both before every step.
+struct Watched {
+    replies: UnboundedSender<Reply>,
+    deadline: Option<Instant>,
+    origin: Arc<Origin>,
 }
 
 /// What the handlers share.
@@ -148,20 +188,23 @@ fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submiss
     };
     let dec = shared.decoding();
     let mut sched = Scheduler::new(model, opts);
+    let mut watched: BTreeMap<Ticket, Watched> = BTreeMap::new();
     let mut open = true;
     loop {
         if sched.is_idle() {
+            // whatever is still watched has finished
+            watched.clear();
             if !open {
                 return;
             }
             match rx.recv() {
-                Ok(s) => submit(&mut sched, shared, s),
+                Ok(s) => submit(&mut sched, &mut watched, shared, s),
                 Err(_) => return,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(s) => submit(&mut sched, shared, s),
+                Ok(s) => submit(&mut sched, &mut watched, shared, s),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
                     open = false;
@@ -169,6 +212,7 @@ fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submiss
                 }
             }
         }
+        cancel_departed_and_expired(&mut sched, &mut watched, &shared.metrics, Instant::now());
         shared
             .metrics
             .set_depths(sched.waiting() as u64, sched.running() as u64);
@@ -185,18 +229,67 @@ fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submiss
     }
 }
 
-fn submit<'a>(sched: &mut Scheduler<'a>, shared: &'a Arc<Shared>, s: Submission) {
-    let events = s.events;
-    let shared2: &'a Shared = shared;
-    sched.submit(
+/// Cancels, before the next step, every request whose client has gone (its reply channel is
+/// closed: the handler, and with it the receiver, was dropped when the connection closed) or
+/// whose deadline has passed (its handler is told, and answers 504). A ticket the scheduler no
+/// longer holds has finished: it is forgotten.
+fn cancel_departed_and_expired(
+    sched: &mut Scheduler<'_>,
+    watched: &mut BTreeMap<Ticket, Watched>,
+    metrics: &Metrics,
+    now: Instant,
+) {
+    watched.retain(|&ticket, w| {
+        let why = if w.replies.is_closed() {
+            Cancel::Disconnect
+        } else if w.deadline.is_some_and(|d| now >= d) {
+            Cancel::Deadline
+        } else {
+            return true;
+        };
+        if sched.cancel(ticket) {
+            if why == Cancel::Deadline {
+                let _ = w.replies.send(Reply::Expired);
+            }
+            if !w.origin.cancelled.swap(true, Ordering::SeqCst) {
+                metrics.cancelled(why);
+            }
+        }
+        false
+    });
+}
+
+/// Decrements the backpressure count when the scheduler drops a request's sink: at its end,
+/// its failure, or its cancellation (where the sink hears nothing more).
+struct PendingSlot<'a>(&'a AtomicUsize);
+
+impl Drop for PendingSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn submit<'a>(
+    sched: &mut Scheduler<'a>,
+    watched: &mut BTreeMap<Ticket, Watched>,
+    shared: &'a Arc<Shared>,
+    s: Submission,
+) {
+    let replies = s.replies.clone();
+    let slot = PendingSlot(&shared.pending);
+    let ticket = sched.submit(
         s.request,
         Box::new(move |e: Event| {
-            let last = matches!(e, Event::Done(_) | Event::Failed(_));
-            let ok = events.send(e).is_ok();
-            if last || !ok {
-                shared2.pending.fetch_sub(1, Ordering::SeqCst);
-            }
-            ok
+            let _held = &slot;
+            replies.send(Reply::Event(e)).is_ok()
         }),
+    );
+    watched.insert(
+        ticket,
+        Watched {
+            replies: s.replies,
+            deadline: s.deadline,
+            origin: s.origin,
+        },
     );
 }

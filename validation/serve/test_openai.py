@@ -2,7 +2,7 @@
 """`tarfa-run serve` through the official `openai` Python client, on the qwen3moe-code fixture
 (converted here with a small chat template added): completions with echo and logprobs equal
 `tarfa-run score`'s numbers bit for bit, chat completions render the template, streaming yields
-the non-streaming tokens.
+the non-streaming tokens, and a request past its deadline is a 504 the client reports.
 
 Run from the repository root after a build (`cargo build -p tarfa-run -p tarfa-convert`):
     python3 validation/serve/test_openai.py
@@ -104,6 +104,16 @@ def check(url, bundle, tmp):
     streamed = "".join(x.choices[0].delta.content or "" for x in client.chat.completions.create(
         model=model, messages=msgs, max_tokens=3, stream=True))
     assert streamed == want["text"]
+    # a request past its deadline (x-tarfa-timeout: 0 has passed when the scheduler first looks)
+    # is the client's InternalServerError with status 504 and OpenAI's error body
+    strict = client.with_options(max_retries=0)
+    try:
+        strict.completions.create(model=model, prompt=prompt, max_tokens=4,
+                                  extra_headers={"x-tarfa-timeout": "0"})
+        raise AssertionError("a request past its deadline was answered")
+    except openai.InternalServerError as e:
+        assert e.status_code == 504, e
+        assert e.body["code"] == "deadline_exceeded", e.body
 
 
 if __name__ == "__main__":

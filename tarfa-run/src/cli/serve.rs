@@ -2,6 +2,7 @@
 //! as `score` does, hand the model to tarfa-serve, report where it listens.
 
 use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 use clap::Args;
 
@@ -27,6 +28,26 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Every request's deadline, in seconds from its arrival (a decimal above 0; default: none).
+    /// A request past it is cancelled at the next step, queued or running (its sequence freed;
+    /// what shares its steps is unaffected) and answered 504 with error code
+    /// `deadline_exceeded` (a stream ends with that error event, then [DONE]). A client may ask
+    /// for a shorter deadline with the header `x-tarfa-timeout: SECONDS`, never a longer one.
+    #[arg(long, value_name = "SECONDS", value_parser = timeout_arg)]
+    pub request_timeout: Option<Duration>,
+}
+
+/// The most seconds a deadline may be (about 31 years: beyond it, no deadline is meant).
+const MAX_TIMEOUT_SECS: f64 = 1e9;
+
+fn timeout_arg(s: &str) -> Result<Duration, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= MAX_TIMEOUT_SECS => Ok(Duration::from_secs_f64(x)),
+        _ => Err(format!(
+            "expected a number of seconds above 0 and at most {MAX_TIMEOUT_SECS:e} (omit the \
+             flag for no deadline)"
+        )),
+    }
 }
 
 fn serve_error(e: tarfa_serve::ServeError) -> CliError {
@@ -35,6 +56,23 @@ fn serve_error(e: tarfa_serve::ServeError) -> CliError {
         tarfa_serve::ServeError::Io(_) => CliError::Environment(e.to_string()),
         tarfa_serve::ServeError::SchedulerPanicked => CliError::Environment(e.to_string()),
     }
+}
+
+/// The bundle reader's own record of what it verified (the `--verify-report` ledger: every read
+/// of a copied file, tensor or expert, each checked against the manifest before use), as counts.
+fn verification_probe(
+    source: std::sync::Arc<crate::bundle::BundleSource>,
+) -> tarfa_serve::VerificationProbe {
+    Box::new(move || {
+        let r = source.report();
+        let reads = |v: &[crate::bundle::VerifiedEntry]| v.iter().map(|e| e.reads).sum();
+        tarfa_serve::Verified {
+            root_digest: u64::from(r.root_recomputed),
+            files: reads(&r.files),
+            tensors: reads(&r.tensors),
+            experts: reads(&r.experts),
+        }
+    })
 }
 
 pub fn run(a: &ServeArgs) -> Result<(), CliError> {
@@ -69,6 +107,8 @@ pub fn run(a: &ServeArgs) -> Result<(), CliError> {
         eos: o.eos.clone(),
         tokenizer: o.tokenizer.clone(),
         chat_template,
+        request_timeout: a.request_timeout,
+        verification: Some(verification_probe(o.source.clone())),
     };
     let addr = SocketAddr::new(a.host, a.port);
     // the one line a script waits for: printed even with --quiet
