@@ -378,7 +378,14 @@ impl NativeModel {
     /// `router_layers`: capture these MoE layers' router logits, per sequence `[n, experts]`.
     /// `ablate`: `(layer, experts)`: those experts' router logits become -inf before the
     /// softmax, so the router never selects them (an intervention).
-    #[pyo3(signature = (batch, residual_layers=None, edits=None, router_layers=None, ablate=None))]
+    ///
+    /// `attn_layers`, `mlp_layers`: capture these layers' attention and MLP block outputs
+    /// (before the residual add), `[n, hidden]`; `probs_layers`: these MoE layers' router
+    /// probabilities `[n, experts]`; `expert_layers`: these MoE layers' selected experts'
+    /// outputs before mixing, `[n, k, hidden]` in the router's selection order.
+    #[pyo3(signature = (batch, residual_layers=None, edits=None, router_layers=None, ablate=None,
+                        attn_layers=None, mlp_layers=None, probs_layers=None, expert_layers=None))]
+    #[allow(clippy::too_many_arguments)]
     fn forward_batch<'py>(
         &self,
         py: Python<'py>,
@@ -387,6 +394,10 @@ impl NativeModel {
         edits: Option<Vec<(usize, bool, Vec<f32>)>>,
         router_layers: Option<Vec<usize>>,
         ablate: Option<Vec<(usize, Vec<usize>)>>,
+        attn_layers: Option<Vec<usize>>,
+        mlp_layers: Option<Vec<usize>>,
+        probs_layers: Option<Vec<usize>>,
+        expert_layers: Option<Vec<usize>>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let l = self.loaded()?;
         if let Some(i) = batch.iter().position(|t| t.is_empty()) {
@@ -398,6 +409,14 @@ impl NativeModel {
                 "layers: {bad} is not a layer of this model (0 to {num_layers}, {num_layers}: \
                  after the last layer)"
             )));
+        }
+        for list in [&attn_layers, &mlp_layers, &probs_layers, &expert_layers] {
+            if let Some(&bad) = list.iter().flatten().find(|&&x| x >= num_layers) {
+                return Err(input_err(format!(
+                    "layers: {bad} is not a layer of this model (0 to {})",
+                    num_layers - 1
+                )));
+            }
         }
         let total: usize = batch.iter().map(Vec::len).sum();
         let hidden = l.hidden_size;
@@ -441,15 +460,27 @@ impl NativeModel {
         let observed = residual_layers.is_some()
             || router_layers.is_some()
             || edits.is_some()
-            || ablate.is_some();
+            || ablate.is_some()
+            || attn_layers.is_some()
+            || mlp_layers.is_some()
+            || probs_layers.is_some()
+            || expert_layers.is_some();
         let mut hook = PyHook {
             residual_layers: residual_layers.as_deref(),
             router_layers: router_layers.as_deref(),
+            attn_layers: attn_layers.as_deref(),
+            mlp_layers: mlp_layers.as_deref(),
+            probs_layers: probs_layers.as_deref(),
+            expert_layers: expert_layers.as_deref(),
             edits: edits.as_deref().unwrap_or_default(),
             ablate: ablate.as_deref().unwrap_or_default(),
             hidden,
             residual: Vec::new(),
             router: Vec::new(),
+            attn: Vec::new(),
+            mlp: Vec::new(),
+            probs: Vec::new(),
+            experts: std::collections::HashMap::new(),
         };
         let outs = py.detach(|| {
             guarded(|| {
@@ -487,6 +518,9 @@ impl NativeModel {
                 for (key, wanted, captured) in [
                     ("residual", residual_layers.is_some(), &hook.residual),
                     ("router_logits", router_layers.is_some(), &hook.router),
+                    ("attn_out", attn_layers.is_some(), &hook.attn),
+                    ("moe_out", mlp_layers.is_some(), &hook.mlp),
+                    ("router_probs", probs_layers.is_some(), &hook.probs),
                 ] {
                     if !wanted {
                         continue;
@@ -500,6 +534,33 @@ impl NativeModel {
                         res.set_item(layer, arr)?;
                     }
                     d.set_item(key, res)?;
+                }
+                if let Some(wanted) = &expert_layers {
+                    // [n, k, hidden] per MoE layer, in the router's selection order
+                    let res = PyDict::new(py);
+                    for block in o.router.chunk_by(|a, b| a.layer == b.layer) {
+                        let layer = block[0].layer;
+                        if !wanted.contains(&layer) {
+                            continue;
+                        }
+                        let k = block[0].experts.len();
+                        let mut flat = Vec::with_capacity(t.len() * k * hidden);
+                        for (i, rec) in block.iter().enumerate() {
+                            for &e in &rec.experts {
+                                let y = hook.experts.get(&(layer, first + i, e as usize));
+                                let y = y.ok_or_else(|| {
+                                    EnvironmentError::new_err(format!(
+                                        "internal error: no output of expert {e} at layer \
+                                         {layer}, token {i}"
+                                    ))
+                                })?;
+                                flat.extend_from_slice(y);
+                            }
+                        }
+                        let arr = PyArray1::from_vec(py, flat).reshape([t.len(), k, hidden])?;
+                        res.set_item(layer, arr)?;
+                    }
+                    d.set_item("expert_out", res)?;
                 }
                 first += t.len();
                 Ok(d)
@@ -589,6 +650,10 @@ impl NativeModel {
 struct PyHook<'a> {
     residual_layers: Option<&'a [usize]>,
     router_layers: Option<&'a [usize]>,
+    attn_layers: Option<&'a [usize]>,
+    mlp_layers: Option<&'a [usize]>,
+    probs_layers: Option<&'a [usize]>,
+    expert_layers: Option<&'a [usize]>,
     /// (layer, replace, rows `[n_total * hidden]`)
     edits: &'a [(usize, bool, Vec<f32>)],
     /// (layer, experts whose router logits become -inf)
@@ -597,6 +662,15 @@ struct PyHook<'a> {
     /// (layer, every token's row of the step, in batch order)
     residual: Vec<(usize, Vec<Vec<f32>>)>,
     router: Vec<(usize, Vec<Vec<f32>>)>,
+    attn: Vec<(usize, Vec<Vec<f32>>)>,
+    mlp: Vec<(usize, Vec<Vec<f32>>)>,
+    probs: Vec<(usize, Vec<Vec<f32>>)>,
+    /// (layer, the step's token, expert) -> the expert's output before its weight
+    experts: std::collections::HashMap<(usize, usize, usize), Vec<f32>>,
+}
+
+fn wants(layers: Option<&[usize]>, layer: usize) -> bool {
+    layers.is_some_and(|w| w.contains(&layer))
 }
 
 impl tarfa_cpu::StepHook for PyHook<'_> {
@@ -631,6 +705,30 @@ impl tarfa_cpu::StepHook for PyHook<'_> {
         }
         if self.router_layers.is_some_and(|w| w.contains(&layer)) {
             self.router.push((layer, logits.to_vec()));
+        }
+    }
+
+    fn attn_out(&mut self, layer: usize, y: &mut [Vec<f32>]) {
+        if wants(self.attn_layers, layer) {
+            self.attn.push((layer, y.to_vec()));
+        }
+    }
+
+    fn mlp_out(&mut self, layer: usize, y: &mut [Vec<f32>]) {
+        if wants(self.mlp_layers, layer) {
+            self.mlp.push((layer, y.to_vec()));
+        }
+    }
+
+    fn router_probs(&mut self, layer: usize, probs: &[Vec<f32>]) {
+        if wants(self.probs_layers, layer) {
+            self.probs.push((layer, probs.to_vec()));
+        }
+    }
+
+    fn expert_out(&mut self, layer: usize, token: usize, expert: usize, y: &[f32]) {
+        if wants(self.expert_layers, layer) {
+            self.experts.insert((layer, token, expert), y.to_vec());
         }
     }
 }

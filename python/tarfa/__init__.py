@@ -31,9 +31,8 @@ __all__ = [
     "EnvironmentError",
 ]
 
-# Captures the issue names that the engine cannot observe yet: refused by name, never empty.
-_CAPTURES_NOT_YET = ("attn_out", "moe_out", "router_probs", "expert_out")
-_CAPTURES = ("residual", "router_logits")
+# Every capture by name; an unknown one is refused by name, never returned empty.
+_CAPTURES = ("residual", "router_logits", "attn_out", "moe_out", "router_probs", "expert_out")
 
 # Token ids cross into the engine as u32.
 _MAX_ID = 2**32 - 1
@@ -72,6 +71,16 @@ class ForwardOutput:
         residual: ``{layer: float32 [n, hidden]}`` when ``capture=["residual"]``: the hidden
             state entering ``layer``; at ``num_layers``, after the last layer.
         router_logits: ``{layer: float32 [n, experts]}`` when ``capture=["router_logits"]``.
+        attn_out: ``{layer: float32 [n, hidden]}`` when ``capture=["attn_out"]``: the attention
+            block's output, before it is added to the residual.
+        moe_out: ``{layer: float32 [n, hidden]}`` when ``capture=["moe_out"]``: the MLP block's
+            output before the residual add (an MoE layer's routed mix with its shared experts;
+            a dense layer's MLP).
+        router_probs: ``{layer: float32 [n, experts]}`` when ``capture=["router_probs"]``: the
+            router's probabilities over every expert (softmax; the sigmoid scores, before the
+            correction bias, for sigmoid routing).
+        expert_out: ``{layer: float32 [n, k, hidden]}`` when ``capture=["expert_out"]``: the
+            selected experts' outputs before mixing, in ``router_topk``'s order.
         exact: True for the model's own output; False when an intervention changed it.
         interventions: the interventions applied, by name (empty when exact).
     """
@@ -90,6 +99,10 @@ class ForwardOutput:
         self.experts_fetched: int = raw["experts_fetched"]
         self.residual: Dict[int, np.ndarray] = dict(raw.get("residual", {}))
         self.router_logits: Dict[int, np.ndarray] = dict(raw.get("router_logits", {}))
+        self.attn_out: Dict[int, np.ndarray] = dict(raw.get("attn_out", {}))
+        self.moe_out: Dict[int, np.ndarray] = dict(raw.get("moe_out", {}))
+        self.router_probs: Dict[int, np.ndarray] = dict(raw.get("router_probs", {}))
+        self.expert_out: Dict[int, np.ndarray] = dict(raw.get("expert_out", {}))
         self.exact: bool = True
         self.interventions: List[str] = []
 
@@ -218,8 +231,9 @@ class Model:
         ``capture``: ``"residual"`` puts in ``out.residual[layer]`` (float32 ``[n, hidden]``)
         the hidden state entering each layer, and at ``num_layers`` the state after the last
         layer, before the final norm; ``"router_logits"`` puts in ``out.router_logits[layer]``
-        (float32 ``[n, experts]``) each MoE layer's router logits, before the softmax.
-        ``layers`` limits captures to those indices (memory). Captures only observe: the
+        (float32 ``[n, experts]``) each MoE layer's router logits, before the softmax;
+        ``"attn_out"``, ``"moe_out"``, ``"router_probs"`` and ``"expert_out"`` are described
+        on :class:`ForwardOutput`. ``layers`` limits captures to those indices (memory). Captures only observe: the
         logits are the same bits. CPU backend only for now.
 
         Interventions (never the default; the output says ``exact=False`` and names each in
@@ -235,14 +249,11 @@ class Model:
         ids = [_token_ids(t, f"tokens {i}") for i, t in enumerate(batch)]
         capture = [capture] if isinstance(capture, str) else list(capture)
         for name in capture:
-            if name in _CAPTURES_NOT_YET:
-                raise InputError(
-                    f"capture: {name!r} is not implemented yet (available: 'residual', "
-                    "'router_logits')"
-                )
             if name not in _CAPTURES:
                 raise InputError(
-                    f"capture: unknown capture {name!r} (available: 'residual', 'router_logits')"
+                    f"capture: unknown capture {name!r} (available: "
+                    + ", ".join(repr(c) for c in _CAPTURES)
+                    + ")"
                 )
         if not capture and layers is not None:
             raise InputError("layers: selects the layers of a capture; no capture was asked for")
@@ -251,8 +262,15 @@ class Model:
         residual_layers = router_layers = None
         if "residual" in capture:
             residual_layers = list(range(n + 1)) if wanted is None else wanted
-        if "router_logits" in capture:
-            router_layers = list(range(n)) if wanted is None else wanted
+
+        def per_layer(name: str) -> Optional[List[int]]:
+            if name not in capture:
+                return None
+            return list(range(n)) if wanted is None else [x for x in wanted if x < n]
+
+        router_layers = per_layer("router_logits")
+        attn_layers, moe_layers = per_layer("attn_out"), per_layer("moe_out")
+        probs_layers, expert_layers = per_layer("router_probs"), per_layer("expert_out")
         total = sum(len(t) for t in ids)
         edits, names = [], []
         for label, replace, given in (
@@ -277,7 +295,15 @@ class Model:
                 cuts.append((int(layer), e))
                 names.append(f"ablate(layer={int(layer)}, experts={sorted(set(e))})")
         raw = self._native.forward_batch(
-            ids, residual_layers, edits or None, router_layers, cuts
+            ids,
+            residual_layers,
+            edits or None,
+            router_layers,
+            cuts,
+            attn_layers,
+            moe_layers,
+            probs_layers,
+            expert_layers,
         )
         outs = [ForwardOutput(r) for r in raw]
         if names:

@@ -19,6 +19,10 @@ class ForwardOutput:
     router_topk_probs: Dict[int, npt.NDArray[np.float32]]
     residual: Dict[int, npt.NDArray[np.float32]]
     router_logits: Dict[int, npt.NDArray[np.float32]]
+    attn_out: Dict[int, npt.NDArray[np.float32]]
+    moe_out: Dict[int, npt.NDArray[np.float32]]
+    router_probs: Dict[int, npt.NDArray[np.float32]]
+    expert_out: Dict[int, npt.NDArray[np.float32]]
     weight_bytes: int
     experts_fetched: int
     exact: bool

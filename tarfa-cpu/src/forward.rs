@@ -150,6 +150,17 @@ pub trait StepHook: Send {
     fn residual(&mut self, _layer: usize, _h: &mut [Vec<f32>]) {}
     /// MoE layer `layer`'s router logits `[T][E]`, before the softmax and the top-k.
     fn router_logits(&mut self, _layer: usize, _logits: &mut [Vec<f32>]) {}
+    /// Layer `layer`'s attention output `[T][H]` (`W_o o (+ b_o)`), before the residual add.
+    fn attn_out(&mut self, _layer: usize, _y: &mut [Vec<f32>]) {}
+    /// Layer `layer`'s MLP block output `[T][H]`, before the residual add: an MoE layer's
+    /// routed mix with its shared experts, a dense layer's MLP.
+    fn mlp_out(&mut self, _layer: usize, _y: &mut [Vec<f32>]) {}
+    /// MoE layer `layer`'s router probabilities `[T][E]` as the rule computes them from the
+    /// logits (softmax; sigmoid scores for sigmoid routing, before the correction bias). Shown
+    /// only: the routes are computed from the logits, by the same functions.
+    fn router_probs(&mut self, _layer: usize, _probs: &[Vec<f32>]) {}
+    /// One selected expert's output `[H]` for the step's token `token`, before its weight.
+    fn expert_out(&mut self, _layer: usize, _token: usize, _expert: usize, _y: &[f32]) {}
 }
 
 pub(crate) fn forward_batch(
@@ -202,11 +213,18 @@ pub(crate) fn forward_batch(
         if let Some(k) = hook.as_mut() {
             k.residual(l, &mut h);
         }
-        attention_block(model, kernel, l, &mut h, &mut caches, &slots, &mut common);
+        let mut y = attention_block(model, kernel, l, &h, &mut caches, &slots, &mut common);
+        if let Some(k) = hook.as_mut() {
+            k.attn_out(l, &mut y);
+        }
+        add_rows(&mut h, &y);
         match &layer.mlp {
             LayerMlp::Dense(mlp) => {
                 let xs = normed_activations(kernel, &h, &layer.post_attention_norm, cfg.eps_f32());
-                let y = dense_mlp(kernel, mlp, &xs, &mut common);
+                let mut y = dense_mlp(kernel, mlp, &xs, &mut common);
+                if let Some(k) = hook.as_mut() {
+                    k.mlp_out(l, &mut y);
+                }
                 add_rows(&mut h, &y);
             }
             LayerMlp::Moe(moe) => {
@@ -298,17 +316,17 @@ fn add_rows(h: &mut [Vec<f32>], y: &[Vec<f32>]) {
 
 /// Step 3, attention of layer `l` for the step's tokens (token `t` at `slots[t]`: its sequence
 /// and position); appends their keys and values (or latents) to their sequences' caches and
-/// adds the output projection to `h`. Each token attends to positions `0..=pos` of its own
-/// sequence only.
+/// returns the output projection `[T][H]`, which the caller adds to `h`. Each token attends to
+/// positions `0..=pos` of its own sequence only.
 fn attention_block(
     model: &CpuModel,
     kernel: Kernel,
     l: usize,
-    h: &mut [Vec<f32>],
+    h: &[Vec<f32>],
     caches: &mut [&mut KvCache],
     slots: &[Slot],
     stats: &mut StepStats,
-) {
+) -> Vec<Vec<f32>> {
     match (&model.weights.layers[l].attention, &model.cfg.mla) {
         (Attention::Mla(mw), Some(dims)) => {
             mla_block(model, kernel, l, mw, dims, h, caches, slots, stats)
@@ -326,11 +344,11 @@ fn gqa_block(
     kernel: Kernel,
     l: usize,
     aw: &AttentionWeights,
-    h: &mut [Vec<f32>],
+    h: &[Vec<f32>],
     caches: &mut [&mut KvCache],
     slots: &[Slot],
     stats: &mut StepStats,
-) {
+) -> Vec<Vec<f32>> {
     let cfg = &model.cfg;
     let eps = cfg.eps_f32();
     let (hq, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -406,7 +424,7 @@ fn gqa_block(
     for yt in y.iter_mut() {
         add_bias(yt, &aw.o_bias);
     }
-    add_rows(h, &y);
+    y
 }
 
 /// `q_a_layernorm` and `kv_a_layernorm` are built as `RMSNorm(width)` with the class default
@@ -452,7 +470,7 @@ fn widen_rows(m: MatrixRef<'_>, r0: usize, n: usize, out: &mut Vec<f32>) {
 /// - Per head h: `q_abs = weighted_row_sum(q_nope, W_kb_h)` (the head's dn rows of `kv_b_proj`,
 ///   widened), `qc = [q_abs | q_rope]`; `s_j = dot(qc, L_j) * scale`; `p = softmax(s)`;
 ///   `u = weighted_row_sum(p, L)[..r]`; `o_h = W_vb_h u` (the head's dv rows, canonical dots).
-/// - `h_t = h_t + W_o [o_1 .. o_Hq]`.
+/// - the output `W_o [o_1 .. o_Hq]`, which the caller adds to `h_t`.
 #[allow(clippy::too_many_arguments)]
 fn mla_block(
     model: &CpuModel,
@@ -460,11 +478,11 @@ fn mla_block(
     l: usize,
     mw: &MlaWeights,
     m: &MlaDims,
-    h: &mut [Vec<f32>],
+    h: &[Vec<f32>],
     caches: &mut [&mut KvCache],
     slots: &[Slot],
     stats: &mut StepStats,
-) {
+) -> Vec<Vec<f32>> {
     let cfg = &model.cfg;
     let hq = cfg.num_heads;
     let (dn, dr, dv, r) = (
@@ -553,7 +571,7 @@ fn mla_block(
         .collect();
     let y = apply(kernel, &mw.o, &os);
     stats.weight_bytes += mw.o.as_ref().bytes();
-    add_rows(h, &y);
+    y
 }
 
 /// Dense SwiGLU MLP: `W_down(silu(W_gate x) * W_up x)` for every activation.
@@ -823,6 +841,17 @@ fn moe_block(
             .collect(),
     };
 
+    if let Some(k) = step.hook.as_mut() {
+        let probs: Vec<Vec<f32>> = logits
+            .iter()
+            .map(|lg| match model.spec.router {
+                RouterRule::SigmoidGroupLimited => lg.iter().map(|&x| sigmoid(x)).collect(),
+                RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => softmax(kernel, lg),
+            })
+            .collect();
+        k.router_probs(l, &probs);
+    }
+
     // expert -> [(token, weight)], experts in ascending id (BTreeMap order)
     let mut assignment: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
     for (t, r) in routes.iter().enumerate() {
@@ -933,6 +962,14 @@ fn moe_block(
     // ungated shared experts: acc = acc + y_shared
     if let Some(shared_y) = &ungated_out {
         add_rows(&mut acc, shared_y);
+    }
+    if let Some(k) = step.hook.as_mut() {
+        for (&e, y) in &ys {
+            for (j, &(t, _)) in assignment[&e].iter().enumerate() {
+                k.expert_out(l, t, e, &y[j]);
+            }
+        }
+        k.mlp_out(l, &mut acc);
     }
     add_rows(h, &acc);
     Ok(())
