@@ -83,16 +83,24 @@ enum Format {
 #[derive(Args)]
 #[command(after_help = EXIT_CODES)]
 struct SynthArgs {
-    /// Architecture: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, or tiny (tests).
+    /// Architecture: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, deepseek-v3,
+    /// deepseek-v2-lite, moonlight-16b-a3b, glm-4.5-air (their released configs' dimensions),
+    /// or tiny, tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe (small, for tests).
     #[arg(long)]
     shape: String,
-    /// Number of layers (default: the shape's own).
+    /// Number of layers (default: the shape's own). The DeepSeek and GLM-4.5 shapes keep
+    /// first_k_dense_replace at min(its released value, LAYERS - 1), so that a cut model still
+    /// has an MoE layer: deepseek-v3 --layers 4 is 3 dense layers and 1 MoE layer, --layers 2
+    /// is 1 and 1, --layers 1 is one MoE layer.
     #[arg(long)]
     layers: Option<u32>,
-    /// Number of experts per layer (default: the shape's own).
+    /// Routed experts per layer (default: the shape's own). A group-limited router needs
+    /// n_group to divide them (deepseek-v3: 8 groups, and a sigmoid router needs at least 2
+    /// experts per group, so 16, 24, 32, ...); another count is refused, naming this flag.
     #[arg(long)]
     experts: Option<u32>,
-    /// Experts per token (default: the shape's own).
+    /// Experts per token (default: the shape's own). With group-limited routing it must fit in
+    /// the topk_group groups kept (deepseek-v3: 4 x EXPERTS / 8).
     #[arg(long)]
     top_k: Option<u32>,
     /// Vocabulary size (default: the shape's own).
@@ -298,21 +306,7 @@ const SYNTH_MAX_TENSORS: u64 = 1_000_000;
 /// Refuse a synthetic shape whose size overflows, whose tensor list would not fit in memory, or
 /// that the output's file system cannot hold, naming the flags that set it.
 fn check_synth_size(shape: &synth::SynthShape, a: &SynthArgs) -> Result<(), ConvertError> {
-    let mut flags: Vec<String> = Vec::new();
-    if let Some(l) = a.layers {
-        flags.push(format!("--layers {l}"));
-    }
-    if let Some(e) = a.experts {
-        flags.push(format!("--experts {e}"));
-    }
-    if let Some(v) = a.vocab {
-        flags.push(format!("--vocab {v}"));
-    }
-    let by = if flags.is_empty() {
-        format!("--shape {}", a.shape)
-    } else {
-        format!("--shape {} with {}", a.shape, flags.join(" "))
-    };
+    let by = flags_text(a);
     let Some((tensors, bytes)) = shape.checked_size() else {
         return Err(ConvertError::Usage(format!(
             "{by}: the model's size overflows 64 bits"
@@ -337,6 +331,60 @@ fn check_synth_size(shape: &synth::SynthShape, a: &SynthArgs) -> Result<(), Conv
         )));
     }
     Ok(())
+}
+
+/// Refuse `--experts` that the shape's n_group does not divide into groups the router can
+/// score, before anything else (the size of such a model is beside the point).
+fn check_synth_groups(shape: &synth::SynthShape, a: &SynthArgs) -> Result<(), ConvertError> {
+    if let (Some((groups, per_group)), Some(e)) = (shape.expert_groups(), a.experts) {
+        if groups == 0 || e % groups != 0 || e / groups < per_group {
+            let two = if per_group > 1 {
+                " of at least 2 (its sigmoid router scores a group by its two best)"
+            } else {
+                ""
+            };
+            return Err(ConvertError::Usage(format!(
+                "--experts {e}: {} splits its routed experts into n_group {groups} equal groups{two}; use a multiple of {groups}, at least {}",
+                shape.name,
+                groups * per_group
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuse a synthetic shape whose config the runtime would refuse (checked after its size, so
+/// that the config's per-layer tables are never built for an absurd layer count), naming the
+/// flags that made it so.
+fn check_synth_config(shape: &synth::SynthShape, a: &SynthArgs) -> Result<(), ConvertError> {
+    shape.runtime_config().map(|_| ()).map_err(|e| {
+        ConvertError::Usage(format!(
+            "{}: the runtime would refuse this model: {e}",
+            flags_text(a)
+        ))
+    })
+}
+
+/// `--shape S with --layers L ...`: the flags that set the model, for messages.
+fn flags_text(a: &SynthArgs) -> String {
+    let mut flags: Vec<String> = Vec::new();
+    if let Some(l) = a.layers {
+        flags.push(format!("--layers {l}"));
+    }
+    if let Some(e) = a.experts {
+        flags.push(format!("--experts {e}"));
+    }
+    if let Some(k) = a.top_k {
+        flags.push(format!("--top-k {k}"));
+    }
+    if let Some(v) = a.vocab {
+        flags.push(format!("--vocab {v}"));
+    }
+    if flags.is_empty() {
+        format!("--shape {}", a.shape)
+    } else {
+        format!("--shape {} with {}", a.shape, flags.join(" "))
+    }
 }
 
 fn run_synth(a: SynthArgs, json: bool) -> Result<(), ConvertError> {
@@ -373,7 +421,9 @@ fn run_synth(a: SynthArgs, json: bool) -> Result<(), ConvertError> {
             "layers, experts, vocab and top-k must be positive, top-k <= experts".into(),
         ));
     }
+    check_synth_groups(&shape, &a)?;
     check_synth_size(&shape, &a)?;
+    check_synth_config(&shape, &a)?;
     if !(0.0..=100.0).contains(&a.skew) {
         return Err(ConvertError::Usage(
             "--skew must be between 0 and 100".into(),

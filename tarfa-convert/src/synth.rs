@@ -9,6 +9,10 @@
 //!
 //! Every tensor's bytes depend only on (seed, tensor name, shape): the Hub layout and a bundle
 //! written directly hold identical bytes, so converting one gives the other's hashes.
+//!
+//! Which tensors exist, with which names and shapes, is never written here: a shape's
+//! `config.json` is parsed by tarfa-core's config parser and its tensors are tarfa-core's shape
+//! rules for that config, the same rules the runtime loads with and the converter checks with.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -19,37 +23,121 @@ use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, TensorEntry, Tenso
 use rayon::prelude::*;
 use serde_json::json;
 
+use tarfa_core::config::{ConfigError, MoeConfig};
+use tarfa_core::shapes::{
+    AttentionRules, DenseMlpRules, ExpertMatrixRule, GqaRules, LayerRules, MlaQueryRules, MlaRules,
+    MlpRules, ModelRules, Need, TensorRule,
+};
+
 use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
 use crate::ConvertError;
 
-/// Architecture dimensions of a synthetic model.
+/// Architecture dimensions of a synthetic model. Its `config.json` ([`SynthShape::config_json`])
+/// is parsed by the runtime's own parser, and every tensor comes from the runtime's own shape
+/// rules for that config ([`SynthShape::tensors`]), so a synthetic checkpoint can never disagree
+/// with what `tarfa-run` loads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SynthShape {
     pub name: &'static str,
     pub family: Family,
     pub hidden: u64,
     pub layers: u32,
+    /// Routed experts per MoE layer.
     pub experts: u32,
     pub top_k: u32,
     pub expert_width: u64,
+    /// The dense MLP width (DeepSeek's and GLM-4.5's first layers; written as
+    /// `intermediate_size`).
     pub dense_width: u64,
     pub heads: u64,
     pub kv_heads: u64,
+    /// GQA's head width; multi-head latent attention's heads are in [`SynthShape::mla`] and this
+    /// is not written for it.
     pub head_dim: u64,
     pub vocab: u64,
     pub rope_theta: f64,
     pub rms_eps: f64,
     pub max_positions: u64,
     pub tie_embeddings: bool,
+    /// DeepSeek's and GLM-4.5's MoE block; None for Qwen3-MoE and Mixtral.
+    pub routed: Option<RoutedMoe>,
+    /// DeepSeek's multi-head latent attention; None for GQA.
+    pub mla: Option<MlaShape>,
+    /// YaRN rotary scaling, written as the released configs write it (`rope_scaling` with
+    /// `"type": "yarn"`); None for plain rotary embedding.
+    pub yarn: Option<YarnShape>,
+    /// GLM-4.5's attention keys; None for the other families.
+    pub glm: Option<GlmAttention>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Qwen3Moe,
     Mixtral,
+    /// `deepseek_v3`: DeepSeek-V3/V3.1/R1, Kimi K2, Moonlight.
+    DeepseekV3,
+    /// `deepseek_v2`: DeepSeek-V2, V2-Lite, V2.5.
+    DeepseekV2,
+    /// `glm4_moe`: GLM-4.5, GLM-4.5-Air.
+    Glm4Moe,
 }
 
-/// The shapes `--shape` accepts.
+/// The MoE block of DeepSeek and GLM-4.5: dense first layers, shared experts, group-limited
+/// routing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoutedMoe {
+    /// `first_k_dense_replace` as released. The config gets `min(this, layers - 1)`, so that a
+    /// model cut to a few layers with `--layers` keeps at least one MoE layer.
+    pub first_k_dense_replace: u32,
+    pub n_shared_experts: u32,
+    /// `n_group`: the routed experts split into this many equal groups.
+    pub n_group: u32,
+    pub topk_group: u32,
+    pub routed_scaling_factor: f64,
+    pub norm_topk_prob: bool,
+    /// `topk_method` and `scoring_func` as released (None: the release does not write the key).
+    pub topk_method: Option<&'static str>,
+    pub scoring_func: Option<&'static str>,
+}
+
+/// Multi-head latent attention's dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaShape {
+    /// None: a plain `q_proj` (written as `"q_lora_rank": null`).
+    pub q_lora_rank: Option<u64>,
+    pub kv_lora_rank: u64,
+    pub qk_nope_head_dim: u64,
+    pub qk_rope_head_dim: u64,
+    pub v_head_dim: u64,
+    /// `rope_interleave` (None: the release does not write it; DeepSeek-V3's default is true).
+    pub rope_interleave: Option<bool>,
+}
+
+/// A YaRN `rope_scaling` block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct YarnShape {
+    pub factor: f64,
+    pub original_max_position_embeddings: u64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+}
+
+/// GLM-4.5's GQA keys.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GlmAttention {
+    /// The leading fraction of each head that rotates.
+    pub partial_rotary_factor: f64,
+    /// Biases on q, k and v.
+    pub attention_bias: bool,
+    /// A per-head q/k RMSNorm.
+    pub use_qk_norm: bool,
+}
+
+/// The shapes `--shape` accepts. The released shapes carry their released configs' values;
+/// the multi-token-prediction layers that DeepSeek-V3 and GLM-4.5 ship
+/// (`num_nextn_predict_layers`) are not generated, since the runtime never runs them.
 pub fn shapes() -> Vec<SynthShape> {
     let qwen30 = SynthShape {
         name: "qwen3-30b-a3b",
@@ -68,6 +156,10 @@ pub fn shapes() -> Vec<SynthShape> {
         rms_eps: 1e-6,
         max_positions: 40_960,
         tie_embeddings: false,
+        routed: None,
+        mla: None,
+        yarn: None,
+        glm: None,
     };
     let qwen235 = SynthShape {
         name: "qwen3-235b-a22b",
@@ -95,6 +187,7 @@ pub fn shapes() -> Vec<SynthShape> {
         rms_eps: 1e-5,
         max_positions: 32_768,
         tie_embeddings: false,
+        ..qwen30.clone()
     };
     // For tests: every dimension small, some deliberately not multiples of 32.
     let tiny = SynthShape {
@@ -112,7 +205,243 @@ pub fn shapes() -> Vec<SynthShape> {
         max_positions: 512,
         ..qwen30.clone()
     };
-    vec![qwen30, qwen235, mixtral, tiny]
+    // deepseek-ai/DeepSeek-V3 (and V3.1, R1: the same shape).
+    let deepseek_v3 = SynthShape {
+        name: "deepseek-v3",
+        family: Family::DeepseekV3,
+        hidden: 7168,
+        layers: 61,
+        experts: 256,
+        top_k: 8,
+        expert_width: 2048,
+        dense_width: 18_432,
+        heads: 128,
+        kv_heads: 128,
+        head_dim: 64,
+        vocab: 129_280,
+        rope_theta: 10_000.0,
+        rms_eps: 1e-6,
+        max_positions: 163_840,
+        tie_embeddings: false,
+        routed: Some(RoutedMoe {
+            first_k_dense_replace: 3,
+            n_shared_experts: 1,
+            n_group: 8,
+            topk_group: 4,
+            routed_scaling_factor: 2.5,
+            norm_topk_prob: true,
+            topk_method: Some("noaux_tc"),
+            scoring_func: Some("sigmoid"),
+        }),
+        mla: Some(MlaShape {
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            rope_interleave: Some(true),
+        }),
+        yarn: Some(YarnShape {
+            factor: 40.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 1.0,
+            mscale_all_dim: 1.0,
+        }),
+        glm: None,
+    };
+    // deepseek-ai/DeepSeek-V2-Lite.
+    let deepseek_v2_lite = SynthShape {
+        name: "deepseek-v2-lite",
+        family: Family::DeepseekV2,
+        hidden: 2048,
+        layers: 27,
+        experts: 64,
+        top_k: 6,
+        expert_width: 1408,
+        dense_width: 10_944,
+        heads: 16,
+        kv_heads: 16,
+        head_dim: 64,
+        vocab: 102_400,
+        rope_theta: 10_000.0,
+        rms_eps: 1e-6,
+        max_positions: 163_840,
+        tie_embeddings: false,
+        routed: Some(RoutedMoe {
+            first_k_dense_replace: 1,
+            n_shared_experts: 2,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+            norm_topk_prob: false,
+            topk_method: Some("greedy"),
+            scoring_func: Some("softmax"),
+        }),
+        mla: Some(MlaShape {
+            q_lora_rank: None,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            rope_interleave: None,
+        }),
+        yarn: Some(YarnShape {
+            factor: 40.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 0.707,
+            mscale_all_dim: 0.707,
+        }),
+        glm: None,
+    };
+    // moonshotai/Moonlight-16B-A3B: the DeepSeek-V3 architecture at V2-Lite's size.
+    let moonlight = SynthShape {
+        name: "moonlight-16b-a3b",
+        family: Family::DeepseekV3,
+        dense_width: 11_264,
+        vocab: 163_840,
+        rope_theta: 50_000.0,
+        rms_eps: 1e-5,
+        max_positions: 8192,
+        routed: Some(RoutedMoe {
+            first_k_dense_replace: 1,
+            n_shared_experts: 2,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 2.446,
+            norm_topk_prob: true,
+            topk_method: Some("noaux_tc"),
+            scoring_func: Some("sigmoid"),
+        }),
+        yarn: None,
+        ..deepseek_v2_lite.clone()
+    };
+    // zai-org/GLM-4.5-Air.
+    let glm_air = SynthShape {
+        name: "glm-4.5-air",
+        family: Family::Glm4Moe,
+        hidden: 4096,
+        layers: 46,
+        experts: 128,
+        top_k: 8,
+        expert_width: 1408,
+        dense_width: 10_944,
+        heads: 96,
+        kv_heads: 8,
+        head_dim: 128,
+        vocab: 151_552,
+        rope_theta: 1_000_000.0,
+        rms_eps: 1e-5,
+        max_positions: 131_072,
+        tie_embeddings: false,
+        routed: Some(RoutedMoe {
+            first_k_dense_replace: 1,
+            n_shared_experts: 1,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+            norm_topk_prob: true,
+            topk_method: None,
+            scoring_func: None,
+        }),
+        mla: None,
+        yarn: None,
+        glm: Some(GlmAttention {
+            partial_rotary_factor: 0.5,
+            attention_bias: true,
+            use_qk_norm: false,
+        }),
+    };
+    // For tests, each new family small like `tiny`: one dense layer then one MoE layer, widths
+    // that differ wherever the family could confuse two of them (v_head_dim != qk_nope_head_dim).
+    let tiny_deepseek_v3 = SynthShape {
+        name: "tiny-deepseek-v3",
+        hidden: 96,
+        layers: 2,
+        experts: 8,
+        top_k: 2,
+        expert_width: 40,
+        dense_width: 80,
+        heads: 4,
+        kv_heads: 4,
+        head_dim: 8,
+        vocab: 300,
+        max_positions: 512,
+        routed: Some(RoutedMoe {
+            first_k_dense_replace: 1,
+            n_shared_experts: 1,
+            n_group: 4,
+            topk_group: 2,
+            routed_scaling_factor: 2.5,
+            norm_topk_prob: true,
+            topk_method: Some("noaux_tc"),
+            scoring_func: Some("sigmoid"),
+        }),
+        mla: Some(MlaShape {
+            q_lora_rank: Some(24),
+            kv_lora_rank: 32,
+            qk_nope_head_dim: 16,
+            qk_rope_head_dim: 8,
+            v_head_dim: 12,
+            rope_interleave: Some(true),
+        }),
+        yarn: Some(YarnShape {
+            factor: 4.0,
+            original_max_position_embeddings: 128,
+            ..deepseek_v3.yarn.expect("deepseek-v3 has YaRN")
+        }),
+        ..deepseek_v3.clone()
+    };
+    let tiny_deepseek_v2 = SynthShape {
+        name: "tiny-deepseek-v2",
+        family: Family::DeepseekV2,
+        routed: Some(RoutedMoe {
+            n_shared_experts: 2,
+            ..deepseek_v2_lite.routed.expect("deepseek-v2-lite routes")
+        }),
+        mla: Some(MlaShape {
+            q_lora_rank: None,
+            rope_interleave: None,
+            ..tiny_deepseek_v3.mla.expect("tiny-deepseek-v3 has MLA")
+        }),
+        yarn: Some(YarnShape {
+            factor: 4.0,
+            original_max_position_embeddings: 128,
+            ..deepseek_v2_lite.yarn.expect("deepseek-v2-lite has YaRN")
+        }),
+        ..tiny_deepseek_v3.clone()
+    };
+    let tiny_glm = SynthShape {
+        name: "tiny-glm4-moe",
+        hidden: 96,
+        layers: 2,
+        experts: 8,
+        top_k: 2,
+        expert_width: 40,
+        dense_width: 80,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 24,
+        vocab: 300,
+        max_positions: 512,
+        ..glm_air.clone()
+    };
+    vec![
+        qwen30,
+        qwen235,
+        mixtral,
+        tiny,
+        deepseek_v3,
+        deepseek_v2_lite,
+        moonlight,
+        glm_air,
+        tiny_deepseek_v3,
+        tiny_deepseek_v2,
+        tiny_glm,
+    ]
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +470,8 @@ pub struct SynthTensor {
     pub name: String,
     pub shape: Vec<u64>,
     kind: Kind,
+    /// (layer, expert) for a routed expert's matrix; its gate, up and down follow each other.
+    expert: Option<(u32, u32)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -157,6 +488,10 @@ enum Kind {
     Router {
         layer: u32,
     },
+    /// A bias vector (q/k/v biases, the router's `e_score_correction_bias`): small values
+    /// centred on zero, as trained biases are next to their weights, so that they shift without
+    /// dominating.
+    Bias,
 }
 
 /// How many leading hidden dimensions carry the massive activation. Its value is
@@ -172,201 +507,397 @@ const ROUTER_SKEW: f32 = 0.05;
 const EMBED_SIGMA: f32 = 1.0;
 
 impl SynthShape {
-    fn expert_prefix(&self, l: u32, e: u32) -> String {
-        match self.family {
-            Family::Qwen3Moe => format!("model.layers.{l}.mlp.experts.{e}"),
-            Family::Mixtral => format!("model.layers.{l}.block_sparse_moe.experts.{e}"),
-        }
+    /// `first_k_dense_replace` as the config writes it: the released value, but at most
+    /// `layers - 1`, so that at least one layer is MoE.
+    pub fn first_dense_layers(&self) -> u32 {
+        self.routed.map_or(0, |r| {
+            r.first_k_dense_replace.min(self.layers.saturating_sub(1))
+        })
     }
 
-    fn matrix_names(&self) -> [&'static str; 3] {
-        match self.family {
-            Family::Qwen3Moe => ["gate_proj", "up_proj", "down_proj"],
-            Family::Mixtral => ["w1", "w3", "w2"],
-        }
-    }
-
-    /// Every tensor, in state-dict order (so that a layer's experts spread over shards).
-    pub fn tensors(&self) -> Vec<SynthTensor> {
-        let out_proj = Kind::OutProj {
-            scale: 1.0 / (2.0 * self.layers.max(1) as f32).sqrt(),
+    /// The expert groups of a group-limited router: (`n_group`, the fewest experts a group may
+    /// hold). A sigmoid router scores a group by the sum of its two best, so it needs two.
+    pub fn expert_groups(&self) -> Option<(u32, u32)> {
+        let r = self.routed?;
+        let per_group = match self.family {
+            Family::DeepseekV3 | Family::Glm4Moe => 2,
+            Family::DeepseekV2 | Family::Qwen3Moe | Family::Mixtral => 1,
         };
-        let (h, hd) = (self.hidden, self.head_dim);
-        let t = |name: String, shape: Vec<u64>, kind| SynthTensor { name, shape, kind };
-        let mut out = vec![t(
-            "model.embed_tokens.weight".into(),
-            vec![self.vocab, h],
-            Kind::Embedding,
-        )];
-        for l in 0..self.layers {
-            let p = format!("model.layers.{l}");
-            out.push(t(
-                format!("{p}.input_layernorm.weight"),
-                vec![h],
-                Kind::Norm,
-            ));
-            out.push(t(
-                format!("{p}.self_attn.q_proj.weight"),
-                vec![self.heads * hd, h],
-                Kind::Matrix,
-            ));
-            out.push(t(
-                format!("{p}.self_attn.k_proj.weight"),
-                vec![self.kv_heads * hd, h],
-                Kind::Matrix,
-            ));
-            out.push(t(
-                format!("{p}.self_attn.v_proj.weight"),
-                vec![self.kv_heads * hd, h],
-                Kind::Matrix,
-            ));
-            out.push(t(
-                format!("{p}.self_attn.o_proj.weight"),
-                vec![h, self.heads * hd],
-                out_proj,
-            ));
-            if self.family == Family::Qwen3Moe {
-                out.push(t(
-                    format!("{p}.self_attn.q_norm.weight"),
-                    vec![hd],
-                    Kind::Norm,
-                ));
-                out.push(t(
-                    format!("{p}.self_attn.k_norm.weight"),
-                    vec![hd],
-                    Kind::Norm,
-                ));
-            }
-            out.push(t(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![h],
-                Kind::Norm,
-            ));
-            let gate = match self.family {
-                Family::Qwen3Moe => format!("{p}.mlp.gate.weight"),
-                Family::Mixtral => format!("{p}.block_sparse_moe.gate.weight"),
-            };
-            out.push(t(
-                gate,
-                vec![self.experts as u64, h],
-                Kind::Router { layer: l },
-            ));
-            let [g, u, d] = self.matrix_names();
-            for e in 0..self.experts {
-                let px = self.expert_prefix(l, e);
-                out.push(t(
-                    format!("{px}.{g}.weight"),
-                    vec![self.expert_width, h],
-                    Kind::Matrix,
-                ));
-                out.push(t(
-                    format!("{px}.{u}.weight"),
-                    vec![self.expert_width, h],
-                    Kind::Matrix,
-                ));
-                out.push(t(
-                    format!("{px}.{d}.weight"),
-                    vec![h, self.expert_width],
-                    out_proj,
-                ));
-            }
+        Some((r.n_group, per_group))
+    }
+
+    /// The config, parsed and validated by the runtime's own parser.
+    pub fn runtime_config(&self) -> Result<MoeConfig, ConfigError> {
+        match self.config_json() {
+            serde_json::Value::Object(m) => MoeConfig::from_json_object(&m),
+            _ => Err(ConfigError::NotAnObject),
         }
-        out.push(t("model.norm.weight".into(), vec![h], Kind::Norm));
-        if !self.tie_embeddings {
-            out.push(t(
-                "lm_head.weight".into(),
-                vec![self.vocab, h],
-                Kind::Matrix,
-            ));
-        }
-        out
+    }
+
+    /// Every tensor, in state-dict order (so that a layer's experts spread over shards): the
+    /// runtime's rules for [`SynthShape::runtime_config`], each tensor's [`Kind`] from its role.
+    pub fn tensors(&self) -> Result<Vec<SynthTensor>, ConfigError> {
+        Ok(state_dict(&ModelRules::for_config(&self.runtime_config()?)))
     }
 
     pub fn config_json(&self) -> serde_json::Value {
         let (arch, model_type) = match self.family {
             Family::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Family::Mixtral => ("MixtralForCausalLM", "mixtral"),
+            Family::DeepseekV3 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
+            Family::DeepseekV2 => ("DeepseekV2ForCausalLM", "deepseek_v2"),
+            Family::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
         };
-        let mut c = json!({
-            "architectures": [arch],
-            "model_type": model_type,
-            "hidden_size": self.hidden,
-            "intermediate_size": self.dense_width,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab,
-            "num_experts_per_tok": self.top_k,
-            "rms_norm_eps": self.rms_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_positions,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": false,
-            "torch_dtype": "bfloat16",
-            "bos_token_id": null,
-            "eos_token_id": null,
-        });
-        let m = c.as_object_mut().expect("object");
+        let mut m = serde_json::Map::new();
+        let mut put = |k: &str, v: serde_json::Value| {
+            m.insert(k.into(), v);
+        };
+        // The keys every family shares, in the order the first shapes wrote them (so that their
+        // config.json bytes stay the same with or without serde_json's preserve_order).
+        put("architectures", json!([arch]));
+        put("model_type", json!(model_type));
+        put("hidden_size", json!(self.hidden));
+        put("intermediate_size", json!(self.dense_width));
+        put("num_hidden_layers", json!(self.layers));
+        put("num_attention_heads", json!(self.heads));
+        put("num_key_value_heads", json!(self.kv_heads));
+        if self.mla.is_none() {
+            put("head_dim", json!(self.head_dim));
+        }
+        put("vocab_size", json!(self.vocab));
+        put("num_experts_per_tok", json!(self.top_k));
+        put("rms_norm_eps", json!(self.rms_eps));
+        put("rope_theta", json!(self.rope_theta));
+        put("max_position_embeddings", json!(self.max_positions));
+        put("tie_word_embeddings", json!(self.tie_embeddings));
+        put("hidden_act", json!("silu"));
+        put(
+            "attention_bias",
+            json!(self.glm.is_some_and(|g| g.attention_bias)),
+        );
+        put("torch_dtype", json!("bfloat16"));
+        put("bos_token_id", json!(null));
+        put("eos_token_id", json!(null));
         match self.family {
             Family::Qwen3Moe => {
-                m.insert("num_experts".into(), json!(self.experts));
-                m.insert("moe_intermediate_size".into(), json!(self.expert_width));
-                m.insert("norm_topk_prob".into(), json!(true));
-                m.insert("decoder_sparse_step".into(), json!(1));
-                m.insert("mlp_only_layers".into(), json!([]));
+                put("num_experts", json!(self.experts));
+                put("moe_intermediate_size", json!(self.expert_width));
+                put("norm_topk_prob", json!(true));
+                put("decoder_sparse_step", json!(1));
+                put("mlp_only_layers", json!([]));
             }
             Family::Mixtral => {
-                m.insert("num_local_experts".into(), json!(self.experts));
-                m.insert("intermediate_size".into(), json!(self.expert_width));
+                put("num_local_experts", json!(self.experts));
+                put("intermediate_size", json!(self.expert_width));
+            }
+            Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4Moe => {
+                put("n_routed_experts", json!(self.experts));
+                put("moe_intermediate_size", json!(self.expert_width));
             }
         }
-        c
+        if let Some(r) = self.routed {
+            put("first_k_dense_replace", json!(self.first_dense_layers()));
+            put("n_shared_experts", json!(r.n_shared_experts));
+            put("n_group", json!(r.n_group));
+            put("topk_group", json!(r.topk_group));
+            put("routed_scaling_factor", json!(r.routed_scaling_factor));
+            put("norm_topk_prob", json!(r.norm_topk_prob));
+            if let Some(t) = r.topk_method {
+                put("topk_method", json!(t));
+            }
+            if let Some(s) = r.scoring_func {
+                put("scoring_func", json!(s));
+            }
+        }
+        if let Some(a) = self.mla {
+            // DeepSeek's own code reads it; 1 (every layer past the dense ones) as released.
+            put("moe_layer_freq", json!(1));
+            put("q_lora_rank", json!(a.q_lora_rank));
+            put("kv_lora_rank", json!(a.kv_lora_rank));
+            put("qk_nope_head_dim", json!(a.qk_nope_head_dim));
+            put("qk_rope_head_dim", json!(a.qk_rope_head_dim));
+            put("v_head_dim", json!(a.v_head_dim));
+            if let Some(i) = a.rope_interleave {
+                put("rope_interleave", json!(i));
+            }
+        }
+        if let Some(y) = self.yarn {
+            put(
+                "rope_scaling",
+                json!({
+                    "type": "yarn",
+                    "factor": y.factor,
+                    "original_max_position_embeddings": y.original_max_position_embeddings,
+                    "beta_fast": y.beta_fast,
+                    "beta_slow": y.beta_slow,
+                    "mscale": y.mscale,
+                    "mscale_all_dim": y.mscale_all_dim,
+                }),
+            );
+        }
+        if let Some(g) = self.glm {
+            put("partial_rotary_factor", json!(g.partial_rotary_factor));
+            put("use_qk_norm", json!(g.use_qk_norm));
+        }
+        serde_json::Value::Object(m)
     }
 
-    /// (tensor count, total bytes), computed with checked arithmetic before any tensor list is
-    /// built; `None` when either overflows a u64.
+    /// (tensor count, total bytes), computed in closed form with checked arithmetic before any
+    /// config is parsed or tensor list built (both are linear in the layer count); `None` when
+    /// either overflows a u64, or for a DeepSeek shape without its MLA dimensions. A test holds
+    /// it equal to the tensor list of every shape.
     pub fn checked_size(&self) -> Option<(u64, u64)> {
-        let (h, hd) = (self.hidden, self.head_dim);
-        let mat = |r: u64, c: u64| r.checked_mul(c)?.checked_mul(2);
-        let per_layer_dense = [
-            mat(1, h)?,                                              // input norm
-            mat(self.heads.checked_mul(hd)?, h)?,                    // q
-            mat(self.kv_heads.checked_mul(hd)?, h)?.checked_mul(2)?, // k, v
-            mat(h, self.heads.checked_mul(hd)?)?,                    // o
-            mat(2, hd)?,                  // q/k norm (Qwen; an upper bound for Mixtral)
-            mat(1, h)?,                   // post-attention norm
-            mat(self.experts as u64, h)?, // router
-        ]
-        .iter()
-        .try_fold(0u64, |a, &b| a.checked_add(b))?;
-        let per_expert = mat(self.expert_width, h)?.checked_mul(3)?;
-        let per_layer =
-            per_layer_dense.checked_add(per_expert.checked_mul(self.experts as u64)?)?;
-        let global = mat(self.vocab, h)?
-            .checked_mul(2)?
-            .checked_add(mat(1, h)?)?;
-        let bytes = per_layer
-            .checked_mul(self.layers as u64)?
-            .checked_add(global)?;
-        let tensors = (self.experts as u64)
-            .checked_mul(3)?
-            .checked_add(10)?
-            .checked_mul(self.layers as u64)?
-            .checked_add(3)?;
-        Some((tensors, bytes))
+        let (h, e) = (self.hidden, u64::from(self.experts));
+        let layers = u64::from(self.layers);
+        let (q, kv) = (
+            self.heads.checked_mul(self.head_dim)?,
+            self.kv_heads.checked_mul(self.head_dim)?,
+        );
+        // Per layer, attention and the two norms: (tensors, elements).
+        let mut att = (2u64, h.checked_mul(2)?);
+        let add = |acc: &mut (u64, u64), n: u64, elems: Option<u64>| -> Option<()> {
+            acc.0 = acc.0.checked_add(n)?;
+            acc.1 = acc.1.checked_add(elems?)?;
+            Some(())
+        };
+        let gqa = |acc: &mut (u64, u64)| -> Option<()> {
+            // q, k, v, o
+            add(
+                acc,
+                4,
+                q.checked_mul(h)?
+                    .checked_add(kv.checked_mul(h)?.checked_mul(2)?)?
+                    .checked_add(h.checked_mul(q)?),
+            )
+        };
+        match self.family {
+            Family::Qwen3Moe => {
+                gqa(&mut att)?;
+                add(&mut att, 2, self.head_dim.checked_mul(2))?; // q/k norm, per head
+            }
+            Family::Mixtral => gqa(&mut att)?,
+            Family::Glm4Moe => {
+                gqa(&mut att)?;
+                let g = self.glm?;
+                if g.attention_bias {
+                    add(&mut att, 3, q.checked_add(kv.checked_mul(2)?))?;
+                }
+                if g.use_qk_norm {
+                    add(&mut att, 2, self.head_dim.checked_mul(2))?;
+                }
+            }
+            Family::DeepseekV3 | Family::DeepseekV2 => {
+                let m = self.mla?;
+                let qo = self
+                    .heads
+                    .checked_mul(m.qk_nope_head_dim.checked_add(m.qk_rope_head_dim)?)?;
+                match m.q_lora_rank {
+                    None => add(&mut att, 1, qo.checked_mul(h))?,
+                    // q_a, q_a_layernorm, q_b
+                    Some(rq) => add(
+                        &mut att,
+                        3,
+                        rq.checked_mul(h)?
+                            .checked_add(rq)?
+                            .checked_add(qo.checked_mul(rq)?),
+                    )?,
+                }
+                let r = m.kv_lora_rank;
+                let kv_a = r.checked_add(m.qk_rope_head_dim)?.checked_mul(h)?;
+                let kv_b = self
+                    .heads
+                    .checked_mul(m.qk_nope_head_dim.checked_add(m.v_head_dim)?)?
+                    .checked_mul(r)?;
+                let o = h.checked_mul(self.heads.checked_mul(m.v_head_dim)?)?;
+                // kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+                add(
+                    &mut att,
+                    4,
+                    kv_a.checked_add(r)?.checked_add(kv_b)?.checked_add(o),
+                )?;
+            }
+        }
+        // An MoE layer's MLP: router, expert matrices, and DeepSeek's / GLM's router bias and
+        // shared experts.
+        let mut moe = (1u64, e.checked_mul(h)?);
+        add(
+            &mut moe,
+            e.checked_mul(3)?,
+            e.checked_mul(3)?
+                .checked_mul(self.expert_width)?
+                .checked_mul(h),
+        )?;
+        if let Some(r) = self.routed {
+            if matches!(self.family, Family::DeepseekV3 | Family::Glm4Moe) {
+                add(&mut moe, 1, Some(e))?; // e_score_correction_bias
+            }
+            let s = u64::from(r.n_shared_experts).checked_mul(self.expert_width)?;
+            add(&mut moe, 3, s.checked_mul(h)?.checked_mul(3))?;
+        }
+        let dense = (3u64, self.dense_width.checked_mul(h)?.checked_mul(3)?);
+        let dense_layers = u64::from(self.first_dense_layers());
+        let moe_layers = layers.checked_sub(dense_layers)?;
+        let mut total = (0u64, 0u64);
+        add(
+            &mut total,
+            att.0.checked_mul(layers)?,
+            att.1.checked_mul(layers),
+        )?;
+        add(
+            &mut total,
+            moe.0.checked_mul(moe_layers)?,
+            moe.1.checked_mul(moe_layers),
+        )?;
+        add(
+            &mut total,
+            dense.0.checked_mul(dense_layers)?,
+            dense.1.checked_mul(dense_layers),
+        )?;
+        // embedding, final norm, lm_head unless tied
+        let heads_out = if self.tie_embeddings { 1 } else { 2 };
+        add(
+            &mut total,
+            heads_out + 1,
+            self.vocab
+                .checked_mul(h)?
+                .checked_mul(heads_out)?
+                .checked_add(h),
+        )?;
+        Some((total.0, total.1.checked_mul(2)?))
     }
 
     /// Total bytes of all tensors.
-    pub fn total_bytes(&self) -> u64 {
-        self.tensors()
-            .iter()
-            .map(|t| t.shape.iter().product::<u64>() * 2)
-            .sum()
+    pub fn total_bytes(&self) -> Result<u64, ConfigError> {
+        Ok(self.tensors()?.iter().map(SynthTensor::len_bytes).sum())
     }
 }
 
+/// The state dict of a model of these rules: the embedding; per layer its input norm, attention
+/// (each bias after its weight), post-attention norm, then its MLP (the router, its bias and
+/// the shared experts before the routed experts, so that a layer's experts lie together and
+/// spread over shards); the final norm and the lm_head. Each tensor's [`Kind`] is the role its
+/// rule plays. The rules are destructured field by field, so that a tensor a new tarfa-core adds
+/// is a compile error here rather than a silently missing tensor.
+fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
+    let out_proj = Kind::OutProj {
+        scale: 1.0 / (2.0 * rules.layers.len().max(1) as f32).sqrt(),
+    };
+    let t = |rule: &TensorRule, kind: Kind| SynthTensor {
+        name: rule.name.clone(),
+        shape: rule.shape.iter().map(|&d| d as u64).collect(),
+        kind,
+        expert: None,
+    };
+    let dense = |d: &DenseMlpRules| {
+        let DenseMlpRules { gate, up, down } = d;
+        [
+            t(gate, Kind::Matrix),
+            t(up, Kind::Matrix),
+            t(down, out_proj),
+        ]
+    };
+    let experts: Vec<ExpertMatrixRule> = rules.expert_matrices().collect();
+    // ModelRules::expert_matrices: gate, up, down per expert, experts ascending within a layer,
+    // layers ascending.
+    let mut triples = experts.chunks_exact(3).peekable();
+
+    let mut out = vec![t(&rules.embed, Kind::Embedding)];
+    for (l, layer) in rules.layers.iter().enumerate() {
+        let LayerRules {
+            input_norm,
+            post_attention_norm,
+            attention,
+            mlp,
+        } = layer;
+        out.push(t(input_norm, Kind::Norm));
+        match attention {
+            AttentionRules::Gqa(GqaRules {
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
+                q_bias,
+                k_bias,
+                v_bias,
+                o_bias,
+                q_norm,
+                k_norm,
+            }) => {
+                for (w, b) in [(q_proj, q_bias), (k_proj, k_bias), (v_proj, v_bias)] {
+                    out.push(t(w, Kind::Matrix));
+                    out.extend(b.iter().map(|b| t(b, Kind::Bias)));
+                }
+                out.push(t(o_proj, out_proj));
+                out.extend(o_bias.iter().map(|b| t(b, Kind::Bias)));
+                out.extend(
+                    [q_norm, k_norm]
+                        .into_iter()
+                        .flatten()
+                        .map(|n| t(n, Kind::Norm)),
+                );
+            }
+            AttentionRules::Mla(MlaRules {
+                q,
+                kv_a_proj,
+                kv_a_norm,
+                kv_b_proj,
+                o_proj,
+            }) => {
+                match q {
+                    MlaQueryRules::Plain(q) => out.push(t(q, Kind::Matrix)),
+                    MlaQueryRules::LoRa { a, norm, b } => {
+                        out.extend([t(a, Kind::Matrix), t(norm, Kind::Norm), t(b, Kind::Matrix)])
+                    }
+                }
+                out.extend([
+                    t(kv_a_proj, Kind::Matrix),
+                    t(kv_a_norm, Kind::Norm),
+                    t(kv_b_proj, Kind::Matrix),
+                    t(o_proj, out_proj),
+                ]);
+            }
+        }
+        out.push(t(post_attention_norm, Kind::Norm));
+        match mlp {
+            MlpRules::Dense(d) => out.extend(dense(d)),
+            MlpRules::Moe {
+                router,
+                shared,
+                router_bias,
+                shared_ungated,
+                experts: _,
+            } => {
+                let layer = l as u32;
+                out.push(t(router, Kind::Router { layer }));
+                out.extend(router_bias.iter().map(|b| t(b, Kind::Bias)));
+                if let Some((d, gate)) = shared {
+                    out.extend(dense(d));
+                    out.push(t(gate, Kind::Matrix));
+                }
+                if let Some(d) = shared_ungated {
+                    out.extend(dense(d));
+                }
+                let mut e = 0u32;
+                while let Some(triple) = triples.next_if(|m| m[0].layer == l) {
+                    for (m, kind) in triple.iter().zip([Kind::Matrix, Kind::Matrix, out_proj]) {
+                        out.push(SynthTensor {
+                            name: m.name.clone(),
+                            shape: m.shape.iter().map(|&d| d as u64).collect(),
+                            kind,
+                            expert: Some((layer, e)),
+                        });
+                    }
+                    e += 1;
+                }
+            }
+        }
+    }
+    out.push(t(&rules.final_norm, Kind::Norm));
+    if rules.lm_head.need == Need::Required {
+        out.push(t(&rules.lm_head, Kind::Matrix));
+    }
+    out
+}
 // ---- deterministic values ----
 
 /// SplitMix64's finaliser: a good 64-bit mix, used as a counter-based generator so that any
@@ -433,7 +964,7 @@ impl SynthTensor {
                     let r = mix(key.wrapping_add((i as u64).wrapping_mul(GOLDEN)));
                     let v = match kind {
                         Kind::Norm => 1.0 + 0.1 * normal(r),
-                        Kind::Matrix => sigma * normal(r),
+                        Kind::Matrix | Kind::Bias => sigma * normal(r),
                         Kind::OutProj { scale } => sigma * scale * normal(r),
                         Kind::Embedding => {
                             if ((i % cols) as u64) < MASSIVE_DIMS {
@@ -477,16 +1008,18 @@ pub struct SynthReport {
 /// Generate the model described by `opts` into `out`.
 pub fn synth(out: &Path, opts: &SynthOptions) -> Result<SynthReport, ConvertError> {
     let shape = &opts.shape;
-    let tensors = shape.tensors();
+    let tensors = shape.tensors().map_err(|source| ConvertError::Config {
+        file: "config.json".into(),
+        source,
+    })?;
     let bytes: u64 = tensors.iter().map(SynthTensor::len_bytes).sum();
-    // A sample of up to 16 MiB of expert bytes for the compressibility figure.
-    let sample_src = tensors
-        .iter()
-        .find(|t| t.name.contains(".experts."))
-        .expect("experts exist");
-    let mut sample = vec![0u8; sample_src.len_bytes() as usize];
-    sample_src.fill(opts.seed, opts.skew, &mut sample);
-    sample.truncate(16 << 20);
+    // A sample of up to 16 MiB of expert bytes for the compressibility figure (every shape has
+    // an MoE layer: the first dense layers stop one short of the last).
+    let mut sample = Vec::new();
+    if let Some(t) = tensors.iter().find(|t| t.expert.is_some()) {
+        sample = vec![0u8; t.len_bytes().min(16 << 20) as usize];
+        t.fill(opts.seed, opts.skew, &mut sample);
+    }
     let ratio = zstd_ratio(&sample);
 
     let config = serde_json::to_vec_pretty(&shape.config_json()).expect("json");
@@ -670,10 +1203,7 @@ fn write_direct(
 ) -> Result<WriteSummary, ConvertError> {
     let shape = &opts.shape;
     let mut layout = LayoutPlan::new();
-    let mut non_expert: Vec<&SynthTensor> = tensors
-        .iter()
-        .filter(|t| !t.name.contains(".experts."))
-        .collect();
+    let mut non_expert: Vec<&SynthTensor> = tensors.iter().filter(|t| t.expert.is_none()).collect();
     // The same order as a conversion: non-expert tensors sorted by name.
     non_expert.sort_by(|a, b| a.name.cmp(&b.name));
     for t in non_expert {
@@ -684,26 +1214,22 @@ fn write_direct(
             source: None,
         });
     }
-    let [g, u, d] = shape.matrix_names();
-    for l in 0..shape.layers {
-        for e in 0..shape.experts {
-            let p = shape.expert_prefix(l, e);
-            let spec = |m: &str, s: Vec<u64>| MatrixSpec {
-                name: format!("{p}.{m}.weight"),
+    // Then experts by (layer, expert): the state dict holds each one's gate, up and down in a
+    // row, layers and experts ascending.
+    let experts: Vec<&SynthTensor> = tensors.iter().filter(|t| t.expert.is_some()).collect();
+    for triple in experts.chunks_exact(3) {
+        if let [g, u, d] = triple {
+            let Some((l, e)) = g.expert else { continue };
+            // The expert's source prefix, `model.layers.L.mlp.experts.E`, as a conversion
+            // names it: the gate's name without `.gate_proj.weight`.
+            let prefix = g.name.rsplitn(3, '.').nth(2).unwrap_or(&g.name).to_string();
+            let spec = |t: &SynthTensor| MatrixSpec {
+                name: t.name.clone(),
                 dtype: Dtype::BF16,
-                shape: s,
+                shape: t.shape.clone(),
                 source: None,
             };
-            layout.add_expert(
-                l,
-                e,
-                p.clone(),
-                [
-                    spec(g, vec![shape.expert_width, shape.hidden]),
-                    spec(u, vec![shape.expert_width, shape.hidden]),
-                    spec(d, vec![shape.hidden, shape.expert_width]),
-                ],
-            );
+            layout.add_expert(l, e, prefix, [spec(g), spec(u), spec(d)]);
         }
     }
     let converter = format!("tarfa-convert synth {}", env!("CARGO_PKG_VERSION"));
