@@ -8,23 +8,17 @@
 
 #define ATT_TILE 32
 
-extern "C" __global__ void __launch_bounds__(256) attention(
-    const float* __restrict__ q, int hq, int hkv, int d, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, int cap, int pos0, float scale, float* scratch, int n_stride,
-    float* __restrict__ o) {
+// One (token, query head): the query qv at a position that sees n positions of its KV head's
+// cache rows keys/vals ([position][D]); scores in sc[0..n). Every thread of the block calls it.
+__device__ __forceinline__ void attend_one(const float* __restrict__ qv,
+                                           const float* __restrict__ keys,
+                                           const float* __restrict__ vals, int n, int d,
+                                           float scale, float* sc, float* __restrict__ ov) {
     __shared__ float red[TARFA_LANES];
     __shared__ float tile[TARFA_LANES][ATT_TILE + 1];
-    const int qh = blockIdx.x;
-    const int t = blockIdx.y;
-    const int kvh = qh / (hq / hkv);
-    const int n = pos0 + t + 1;
     const int v = threadIdx.x;
     const int p = v & 31;
     const int warp = v >> 5;
-    const float* qv = q + ((long)t * hq + qh) * d;
-    const float* keys = k_cache + (long)kvh * cap * d;
-    const float* vals = v_cache + (long)kvh * cap * d;
-    float* sc = scratch + ((long)t * hq + qh) * n_stride;
 
     for (int j = warp; j < n; j += 8) {
         float s = warp_dot_f32(qv, keys + (long)j * d, d, p);
@@ -38,7 +32,6 @@ extern "C" __global__ void __launch_bounds__(256) attention(
     for (int j = v; j < n; j += TARFA_LANES) sc[j] = __fdiv_rn(sc[j], total);
     // the lane loop below reads only j = v, v+256, ...: the p_j this thread wrote
 
-    float* ov = o + ((long)t * hq + qh) * d;
     for (int d0 = 0; d0 < d; d0 += ATT_TILE) {
         float acc[ATT_TILE];
 #pragma unroll
@@ -64,4 +57,34 @@ extern "C" __global__ void __launch_bounds__(256) attention(
         __syncthreads();
         if (v < ATT_TILE && d0 + v < d) ov[d0 + v] = tile[0][v];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) attention(
+    const float* __restrict__ q, int hq, int hkv, int d, const float* __restrict__ k_cache,
+    const float* __restrict__ v_cache, int cap, int pos0, float scale, float* scratch, int n_stride,
+    float* __restrict__ o) {
+    const int qh = blockIdx.x;
+    const int t = blockIdx.y;
+    const int kvh = qh / (hq / hkv);
+    attend_one(q + ((long)t * hq + qh) * d, k_cache + (long)kvh * cap * d,
+               v_cache + (long)kvh * cap * d, pos0 + t + 1, d, scale,
+               scratch + ((long)t * hq + qh) * n_stride, o + ((long)t * hq + qh) * d);
+}
+
+// The same for a step over several sequences: token t's own cache and position come from
+// tok[4t..4t+4) = (RoPE cos row, RoPE sin row, position, capacity) and kv[2t..2t+2) = this layer's
+// (keys, values) of its sequence (tarfa-cuda/src/model.rs `SeqTables`). grid (Hq, T), block 256.
+extern "C" __global__ void __launch_bounds__(256) attention_seqs(
+    const float* __restrict__ q, int hq, int hkv, int d, const u64* __restrict__ tok,
+    const u64* __restrict__ kv, float scale, float* scratch, int n_stride, float* __restrict__ o) {
+    const int qh = blockIdx.x;
+    const int t = blockIdx.y;
+    const int kvh = qh / (hq / hkv);
+    const int pos = (int)tok[4 * t + 2];
+    const long cap = (long)tok[4 * t + 3];
+    const float* k_cache = reinterpret_cast<const float*>(kv[2 * t]);
+    const float* v_cache = reinterpret_cast<const float*>(kv[2 * t + 1]);
+    attend_one(q + ((long)t * hq + qh) * d, k_cache + kvh * cap * d, v_cache + kvh * cap * d,
+               pos + 1, d, scale, scratch + ((long)t * hq + qh) * n_stride,
+               o + ((long)t * hq + qh) * d);
 }

@@ -44,16 +44,16 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm(
 // For i < D/2, j = i + D/2: x'_i = x_i*cos_i - x_j*sin_i, x'_j = x_j*cos_i + x_i*sin_i (each product
 // rounded, then the sum; no fma). cos/sin rows come from the host table: [position][D/2].
 // grid (Hq + Hkv, T), block 64.
-extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
-    float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
-    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
-    float* __restrict__ k_cache, float* __restrict__ v_cache, int cap) {
+// One token: RoPE with the table rows c, s on its query heads (in place) and key heads, its key and
+// value appended at position pos of this layer's cache ([Hkv][cap][D]). head: blockIdx.x.
+__device__ __forceinline__ void rope_append_one(float* q, const float* __restrict__ k,
+                                                const float* __restrict__ v, int t, int hq,
+                                                int hkv, int d, const float* __restrict__ c,
+                                                const float* __restrict__ s, int pos,
+                                                float* __restrict__ k_cache,
+                                                float* __restrict__ v_cache, long cap) {
     const int head = blockIdx.x;
-    const int t = blockIdx.y;
     const int half = d / 2;
-    const int pos = pos0 + t;
-    const float* c = cos_t + (long)pos * half;
-    const float* s = sin_t + (long)pos * half;
     if (head < hq) {
         float* x = q + ((long)t * hq + head) * d;
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -74,6 +74,29 @@ extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
         float* vc = v_cache + ((long)kh * cap + pos) * d;
         for (int i = threadIdx.x; i < d; i += blockDim.x) vc[i] = vs[i];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
+    float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
+    float* __restrict__ k_cache, float* __restrict__ v_cache, int cap) {
+    const int t = blockIdx.y;
+    const int pos = pos0 + t;
+    const long row = (long)pos * (d / 2);
+    rope_append_one(q, k, v, t, hq, hkv, d, cos_t + row, sin_t + row, pos, k_cache, v_cache, cap);
+}
+
+// The same for a step over several sequences: token t's RoPE rows, position and capacity are
+// tok[4t..4t+4), its sequence's cache of this layer kv[2t..2t+2) (attention.cu `attention_seqs`).
+// grid (Hq + Hkv, T), block 64.
+extern "C" __global__ void __launch_bounds__(64) rope_append_kv_seqs(
+    float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
+    const u64* __restrict__ tok, const u64* __restrict__ kv) {
+    const int t = blockIdx.y;
+    rope_append_one(q, k, v, t, hq, hkv, d, reinterpret_cast<const float*>(tok[4 * t]),
+                    reinterpret_cast<const float*>(tok[4 * t + 1]), (int)tok[4 * t + 2],
+                    reinterpret_cast<float*>(kv[2 * t]), reinterpret_cast<float*>(kv[2 * t + 1]),
+                    (long)tok[4 * t + 3]);
 }
 
 // The INVALID validation arm (cpu::FinalHidden::InvalidBf16BeforeLmHead): x = widen(bf16(x)).

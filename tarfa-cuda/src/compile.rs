@@ -45,13 +45,14 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "embed_f32",
             "rmsnorm",
             "rope_append_kv",
+            "rope_append_kv_seqs",
             "round_to_bf16",
         ],
     },
     KernelFile {
         name: "attention.cu",
         source: include_str!("../../kernels/attention.cu"),
-        entries: &["attention"],
+        entries: &["attention", "attention_seqs"],
     },
     KernelFile {
         name: "moe.cu",
@@ -64,6 +65,18 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gate_up_slots",
             "down_slots",
             "moe_mix",
+        ],
+    },
+    KernelFile {
+        name: "tile.cu",
+        source: include_str!("../../kernels/tile.cu"),
+        entries: &[
+            "mm_tile_bf16",
+            "mm_tile_f32",
+            "moe_group",
+            "gate_up_tile_bf16",
+            "gate_up_tile_f32",
+            "down_tile",
         ],
     },
     KernelFile {

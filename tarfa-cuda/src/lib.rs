@@ -84,6 +84,14 @@ impl tarfa_core::Backend for CudaModel {
         CudaModel::forward(self, cache, tokens, opts)
     }
 
+    /// All the sequences' tokens in one pass of the token-tiled kernels.
+    fn forward_batch(
+        &self,
+        seqs: &mut [tarfa_core::batch::BatchEntry<'_, CudaCache>],
+    ) -> Result<Vec<ForwardOutput>, tarfa_core::batch::BatchError<CudaError>> {
+        CudaModel::forward_seqs(self, seqs)
+    }
+
     /// The token is chosen on the GPU, and no logits are copied back.
     fn greedy_step(
         &self,
@@ -94,8 +102,7 @@ impl tarfa_core::Backend for CudaModel {
     }
 }
 
-// A batched step (tarfa_core::Backend::forward_batch, the default loop until the GPU has its
-// own) rewinds the caches it already advanced when a later sequence fails.
+// A caller that runs several steps as one (a draft's verification) rewinds a cache with this.
 impl tarfa_core::batch::Rewind for CudaCache {
     fn cached_len(&self) -> usize {
         self.len()

@@ -241,6 +241,168 @@ fn softmax(l: &[f32]) -> Vec<f32> {
     e.iter().map(|&x| x / s).collect()
 }
 
+/// A matrix-vector launch's arguments (matvec, mm_tile).
+struct MatvecArgs {
+    bf16: bool,
+    w: u64,
+    rows: usize,
+    cols: usize,
+    x: u64,
+    xs: usize,
+    bias: u64,
+    out: u64,
+    os: usize,
+    mode: usize,
+}
+
+/// `out[t][r] = (out[t][r] +) dot(W[r], x[t]) (+ bias[r])` for `tokens` tokens.
+fn matvec_reference(mem: &mut Memory, m: &MatvecArgs, tokens: usize) {
+    for t in 0..tokens {
+        let xv = mem.f32s(m.x + (t * m.xs * 4) as u64, m.cols);
+        for r in 0..m.rows {
+            let wr = rows_of(mem, m.w, m.bf16, r, m.cols);
+            let mut y = dot(&wr, &xv, m.bf16);
+            if m.bias != 0 {
+                y += mem.f32s(m.bias + (r * 4) as u64, 1)[0];
+            }
+            let o = m.out + ((t * m.os + r) * 4) as u64;
+            let v = if m.mode == 1 { mem.f32s(o, 1)[0] + y } else { y };
+            mem.put_f32s(o, &[v]);
+        }
+    }
+}
+
+/// moe_group's lists: the pairs by expert (ascending id, ascending pair within), and the tiles
+/// (expert, first, count <= 4) in that order.
+fn group_reference(ids: &[u32], experts: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut order = Vec::with_capacity(ids.len());
+    let mut tiles = Vec::new();
+    for e in 0..experts as u32 {
+        let first = order.len();
+        order.extend((0..ids.len() as u32).filter(|&q| ids[q as usize] == e));
+        for start in (first..order.len()).step_by(4) {
+            tiles.extend([e, start as u32, (order.len() - start).min(4) as u32]);
+        }
+    }
+    (order, tiles)
+}
+
+/// The (expert, pairs) of each of a tiled launch's `blocks` block rows (kernels/tile.cu
+/// `tile_pairs`): moe_group's tiles, or the dense MLP's runs of 4 tokens of `pairs`.
+fn tile_pairs_reference(
+    mem: &mut Memory,
+    order: u64,
+    tiles: u64,
+    n_tiles: u64,
+    pairs: usize,
+    blocks: usize,
+) -> Vec<(usize, Vec<usize>)> {
+    if order == 0 {
+        assert_eq!(blocks, pairs.div_ceil(4), "dense tiles");
+        return (0..pairs)
+            .step_by(4)
+            .map(|s| (0, (s..(s + 4).min(pairs)).collect()))
+            .collect();
+    }
+    let n = mem.u32s(n_tiles, 1)[0] as usize;
+    assert!(n <= blocks, "{n} tiles for {blocks} block rows");
+    let t = mem.u32s(tiles, 3 * n);
+    t.chunks_exact(3)
+        .map(|c| {
+            let q = mem.u32s(order + (c[1] as usize * 4) as u64, c[2] as usize);
+            (c[0] as usize, q.into_iter().map(|x| x as usize).collect())
+        })
+        .collect()
+}
+
+/// Token `t`'s entry of a multi-sequence step's tables: its RoPE rows, position, and this
+/// layer's (keys, values, capacity).
+fn seq_token(mem: &mut Memory, tok: u64, kv: u64, t: usize) -> ((u64, u64), usize, (u64, u64, usize)) {
+    let mut b = [0u8; 32];
+    mem.read(tok + (t * 32) as u64, &mut b);
+    let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+    let (cos, sin, pos, cap) = (w(0), w(1), w(2) as usize, w(3) as usize);
+    let mut c = [0u8; 16];
+    mem.read(kv + (t * 16) as u64, &mut c);
+    let kc = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
+    let vc = u64::from_le_bytes(c[8..].try_into().expect("8 bytes"));
+    ((cos, sin), pos, (kc, vc, cap))
+}
+
+/// RoPE of token `t` (table rows `rows` = (cos, sin) addresses) on its query heads in place and
+/// key heads, its key and value written at `pos` of `cache` = (keys, values, capacity).
+fn rope_reference(
+    mem: &mut Memory,
+    [q, k, v]: [u64; 3],
+    (hq, hkv, d): (usize, usize, usize),
+    t: usize,
+    (cos, sin): (u64, u64),
+    pos: usize,
+    (kc, vc, cap): (u64, u64, usize),
+) {
+    assert!(pos < cap, "rope: position {pos} past the cache capacity {cap}");
+    let half = d / 2;
+    let c = mem.f32s(cos, half);
+    let s = mem.f32s(sin, half);
+    let rot = |x: &mut [f32]| {
+        for i in 0..half {
+            let (p, r) = (x[i], x[i + half]);
+            x[i] = p * c[i] - r * s[i];
+            x[i + half] = r * c[i] + p * s[i];
+        }
+    };
+    for head in 0..hq {
+        let addr = q + (((t * hq + head) * d) * 4) as u64;
+        let mut x = mem.f32s(addr, d);
+        rot(&mut x);
+        mem.put_f32s(addr, &x);
+    }
+    for kh in 0..hkv {
+        let mut x = mem.f32s(k + (((t * hkv + kh) * d) * 4) as u64, d);
+        rot(&mut x);
+        mem.put_f32s(kc + (((kh * cap + pos) * d) * 4) as u64, &x);
+        let vv = mem.f32s(v + (((t * hkv + kh) * d) * 4) as u64, d);
+        mem.put_f32s(vc + (((kh * cap + pos) * d) * 4) as u64, &vv);
+    }
+}
+
+/// One token's attention: where its query, output and scores are, and its cache.
+struct AttnAt {
+    q: u64,
+    o: u64,
+    scratch: u64,
+    ns: usize,
+    scale: f32,
+    t: usize,
+    pos: usize,
+    cache: (u64, u64, usize),
+}
+
+fn attention_reference(mem: &mut Memory, (hq, hkv, d): (usize, usize, usize), at: &AttnAt) {
+    let (kc, vc, cap) = at.cache;
+    let (t, n) = (at.t, at.pos + 1);
+    assert!(
+        n <= at.ns && n <= cap,
+        "attention: {n} positions, stride {}, capacity {cap}",
+        at.ns
+    );
+    let mut tmp = Vec::new();
+    for h in 0..hq {
+        let kvh = h / (hq / hkv);
+        let qv = mem.f32s(at.q + (((t * hq + h) * d) * 4) as u64, d);
+        let keys = mem.f32s(kc + ((kvh * cap * d) * 4) as u64, n * d);
+        let vals = mem.f32s(vc + ((kvh * cap * d) * 4) as u64, n * d);
+        let s: Vec<f32> = (0..n)
+            .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * at.scale)
+            .collect();
+        mem.put_f32s(at.scratch + (((t * hq + h) * at.ns) * 4) as u64, &s);
+        let p = softmax(&s);
+        let mut out = vec![0.0f32; d];
+        weighted_row_sum(Kernel::scalar(), &p, &vals, &mut out, &mut tmp);
+        mem.put_f32s(at.o + (((t * hq + h) * d) * 4) as u64, &out);
+    }
+}
+
 type EmuLaunch = unsafe extern "C" fn(
     *const std::ffi::c_char,
     u32,
@@ -395,7 +557,6 @@ pub(crate) fn launch_reference(
     match name {
         "matvec_bf16" | "matvec_f32" => {
             a.count(9);
-            let bf16 = name == "matvec_bf16";
             let (w, rows, cols) = (a.ptr(0), a.int(1), a.int(2));
             let (x, xs, bias, out, os, mode) =
                 (a.ptr(3), a.long(4), a.ptr(5), a.ptr(6), a.long(7), a.int(8));
@@ -404,17 +565,63 @@ pub(crate) fn launch_reference(
                 (rows.div_ceil(8), 1, 256),
                 "{name} geometry"
             );
-            for t in 0..gy {
-                let xv = mem.f32s(x + (t * xs * 4) as u64, cols);
-                for r in 0..rows {
-                    let wr = rows_of(mem, w, bf16, r, cols);
-                    let mut y = dot(&wr, &xv, bf16);
-                    if bias != 0 {
-                        y += mem.f32s(bias + (r * 4) as u64, 1)[0];
-                    }
-                    let o = out + ((t * os + r) * 4) as u64;
-                    let v = if mode == 1 { mem.f32s(o, 1)[0] + y } else { y };
-                    mem.put_f32s(o, &[v]);
+            let m = MatvecArgs { bf16: name == "matvec_bf16", w, rows, cols, x, xs, bias, out, os, mode };
+            matvec_reference(mem, &m, gy);
+        }
+        "mm_tile_bf16" | "mm_tile_f32" => {
+            a.count(10);
+            let (w, rows, cols) = (a.ptr(0), a.int(1), a.int(2));
+            let (x, xs, tokens) = (a.ptr(3), a.long(4), a.int(5));
+            let (bias, out, os, mode) = (a.ptr(6), a.ptr(7), a.long(8), a.int(9));
+            assert_eq!(
+                (gx, gy, gz, block.0),
+                (tokens.div_ceil(4), rows.div_ceil(32), 1, 256),
+                "{name} geometry"
+            );
+            assert!(cols % 8 == 0 && xs % 4 == 0 && w % 16 == 0 && x % 16 == 0, "{name}: alignment");
+            let m = MatvecArgs { bf16: name == "mm_tile_bf16", w, rows, cols, x, xs, bias, out, os, mode };
+            matvec_reference(mem, &m, tokens);
+        }
+        "moe_group" => {
+            a.count(6);
+            let (ids, pairs, e_count) = (a.ptr(0), a.int(1), a.int(2));
+            let (order, tiles, n_tiles) = (a.ptr(3), a.ptr(4), a.ptr(5));
+            assert_eq!((gx, gy, gz), (1, 1, 1), "{name} geometry");
+            assert!(shared_bytes as usize >= 3 * e_count * 4, "{name}: shared memory");
+            let id = mem.u32s(ids, pairs);
+            let (o, t) = group_reference(&id, e_count);
+            mem.put_u32s(order, &o);
+            mem.put_u32s(tiles, &t);
+            mem.put_u32s(n_tiles, &[(t.len() / 3) as u32]);
+        }
+        "gate_up_tile_bf16" | "gate_up_tile_f32" => {
+            a.count(11);
+            let bf16 = name == "gate_up_tile_bf16";
+            let (gate, up, rows, cols) = (a.ptr(0), a.ptr(1), a.int(2), a.int(3));
+            let (order, tiles, n_tiles, pairs, k) = (a.ptr(4), a.ptr(5), a.ptr(6), a.int(7), a.int(8));
+            let (xn, act) = (a.ptr(9), a.ptr(10));
+            assert_eq!((gy, gz), (rows.div_ceil(16), 1), "{name} geometry");
+            for (e, qs) in tile_pairs_reference(mem, order, tiles, n_tiles, pairs, gx) {
+                for q in qs {
+                    let x = mem.f32s(xn + ((q / k * cols) * 4) as u64, cols);
+                    let out = swiglu_rows(mem, gate, up, bf16, e * rows, rows, cols, &x);
+                    mem.put_f32s(act + ((q * rows) * 4) as u64, &out);
+                }
+            }
+        }
+        "down_tile" => {
+            a.count(8);
+            let (down, hidden, width) = (a.ptr(0), a.int(1), a.int(2));
+            let (order, tiles, n_tiles, act, y) = (a.ptr(3), a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7));
+            assert_eq!((gy, gz), (hidden.div_ceil(32), 1), "{name} geometry");
+            assert!(order != 0, "{name}: grouped pairs only");
+            for (e, qs) in tile_pairs_reference(mem, order, tiles, n_tiles, 0, gx) {
+                for q in qs {
+                    let x = mem.f32s(act + ((q * width) * 4) as u64, width);
+                    let out: Vec<f32> = (0..hidden)
+                        .map(|r| dot(&rows_of(mem, down, true, e * hidden + r, width), &x, true))
+                        .collect();
+                    mem.put_f32s(y + ((q * hidden) * 4) as u64, &out);
                 }
             }
         }
@@ -461,34 +668,21 @@ pub(crate) fn launch_reference(
                 (a.ptr(6), a.ptr(7), a.int(8), a.ptr(9), a.ptr(10), a.int(11));
             assert_eq!(gx, hq + hkv, "{name} geometry");
             let half = d / 2;
-            let rot = |x: &mut [f32], c: &[f32], s: &[f32]| {
-                for i in 0..half {
-                    let (p, r) = (x[i], x[i + half]);
-                    x[i] = p * c[i] - r * s[i];
-                    x[i + half] = r * c[i] + p * s[i];
-                }
-            };
             for t in 0..gy {
                 let pos = pos0 + t;
-                assert!(
-                    pos < cap,
-                    "{name}: position {pos} past the cache capacity {cap}"
-                );
-                let c = mem.f32s(cos + (pos * half * 4) as u64, half);
-                let s = mem.f32s(sin + (pos * half * 4) as u64, half);
-                for head in 0..hq {
-                    let addr = q + (((t * hq + head) * d) * 4) as u64;
-                    let mut x = mem.f32s(addr, d);
-                    rot(&mut x, &c, &s);
-                    mem.put_f32s(addr, &x);
-                }
-                for kh in 0..hkv {
-                    let mut x = mem.f32s(k + (((t * hkv + kh) * d) * 4) as u64, d);
-                    rot(&mut x, &c, &s);
-                    mem.put_f32s(kc + (((kh * cap + pos) * d) * 4) as u64, &x);
-                    let vv = mem.f32s(v + (((t * hkv + kh) * d) * 4) as u64, d);
-                    mem.put_f32s(vc + (((kh * cap + pos) * d) * 4) as u64, &vv);
-                }
+                let rows = (cos + (pos * half * 4) as u64, sin + (pos * half * 4) as u64);
+                rope_reference(mem, [q, k, v], (hq, hkv, d), t, rows, pos, (kc, vc, cap));
+            }
+        }
+        "rope_append_kv_seqs" => {
+            a.count(8);
+            let (q, k, v) = (a.ptr(0), a.ptr(1), a.ptr(2));
+            let (hq, hkv, d) = (a.int(3), a.int(4), a.int(5));
+            let (tok, kv) = (a.ptr(6), a.ptr(7));
+            assert_eq!(gx, hq + hkv, "{name} geometry");
+            for t in 0..gy {
+                let (rows, pos, cache) = seq_token(mem, tok, kv, t);
+                rope_reference(mem, [q, k, v], (hq, hkv, d), t, rows, pos, cache);
             }
         }
         "attention" => {
@@ -497,27 +691,21 @@ pub(crate) fn launch_reference(
             let (kc, vc, cap, pos0, scale) = (a.ptr(4), a.ptr(5), a.int(6), a.int(7), a.float(8));
             let (scratch, ns, o) = (a.ptr(9), a.int(10), a.ptr(11));
             assert_eq!((gx, block.0), (hq, 256), "{name} geometry");
-            let mut tmp = Vec::new();
             for t in 0..gy {
-                let n = pos0 + t + 1;
-                assert!(
-                    n <= ns && n <= cap,
-                    "{name}: {n} positions, stride {ns}, capacity {cap}"
-                );
-                for h in 0..hq {
-                    let kvh = h / (hq / hkv);
-                    let qv = mem.f32s(q + (((t * hq + h) * d) * 4) as u64, d);
-                    let keys = mem.f32s(kc + ((kvh * cap * d) * 4) as u64, n * d);
-                    let vals = mem.f32s(vc + ((kvh * cap * d) * 4) as u64, n * d);
-                    let s: Vec<f32> = (0..n)
-                        .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * scale)
-                        .collect();
-                    mem.put_f32s(scratch + (((t * hq + h) * ns) * 4) as u64, &s);
-                    let p = softmax(&s);
-                    let mut out = vec![0.0f32; d];
-                    weighted_row_sum(Kernel::scalar(), &p, &vals, &mut out, &mut tmp);
-                    mem.put_f32s(o + (((t * hq + h) * d) * 4) as u64, &out);
-                }
+                let at = AttnAt { q, o, scratch, ns, scale, t, pos: pos0 + t, cache: (kc, vc, cap) };
+                attention_reference(mem, (hq, hkv, d), &at);
+            }
+        }
+        "attention_seqs" => {
+            a.count(10);
+            let (q, hq, hkv, d) = (a.ptr(0), a.int(1), a.int(2), a.int(3));
+            let (tok, kv, scale) = (a.ptr(4), a.ptr(5), a.float(6));
+            let (scratch, ns, o) = (a.ptr(7), a.int(8), a.ptr(9));
+            assert_eq!((gx, block.0), (hq, 256), "{name} geometry");
+            for t in 0..gy {
+                let (_, pos, cache) = seq_token(mem, tok, kv, t);
+                let at = AttnAt { q, o, scratch, ns, scale, t, pos, cache };
+                attention_reference(mem, (hq, hkv, d), &at);
             }
         }
         "route_topk" => {
@@ -2295,6 +2483,129 @@ mod tests {
             }
         }
         let _ = std::fs::remove_dir_all(&work);
+    }
+
+    #[test]
+    fn a_step_over_several_sequences_gives_each_the_cpus_bits_alone() {
+        // CudaModel::forward_seqs (Backend::forward_batch): sequences at different positions
+        // (one past the cache's first capacity, so it grows inside the step), prefill chunks
+        // and single tokens, Last and All rows, the router traced or not, the INVALID arm on
+        // one: each output (logits, router records, counters) equals the CPU backend's forward
+        // of that sequence alone, bit for bit; a bad entry is named and advances nothing.
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::step::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows};
+        use tarfa_core::Backend;
+        // on the emulator one family (CI time): mixtral's F32 tiles run in the prefills of
+        // the_orchestration_reproduces_the_cpu_for_every_family
+        let families: &[&str] = if super::emulated() {
+            &["qwen2_moe"]
+        } else {
+            &["qwen2_moe", "mixtral"]
+        };
+        for &family in families {
+            let (cfg, src) = random_model(&SyntheticShape::small(family), 21);
+            let src: Arc<dyn WeightSource> = Arc::new(src);
+            let v = cfg.vocab_size;
+            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+            let engine = CpuEngine::new(
+                cpu.clone(),
+                EngineOptions {
+                    threads: 2,
+                    kernel: Kernel::best(),
+                },
+            )
+            .unwrap();
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            let opts = |rows: LogitRows, trace: bool, invalid: bool| ForwardOptions {
+                logits: rows,
+                trace_router: trace,
+                final_hidden: if invalid {
+                    FinalHidden::InvalidBf16BeforeLmHead
+                } else {
+                    FinalHidden::default()
+                },
+                ..Default::default()
+            };
+            let toks = |seed: usize, n: usize| -> Vec<u32> {
+                (0..n).map(|i| ((seed * 97 + i * 41 + 3) % v) as u32).collect()
+            };
+            // (history already cached, this step's tokens, options)
+            let plan = [
+                (toks(1, 3), toks(2, 5), opts(LogitRows::All, true, false)),
+                (Vec::new(), toks(3, 1), opts(LogitRows::Last, false, false)),
+                (toks(4, 254), toks(5, 6), opts(LogitRows::All, true, false)),
+                (toks(6, 9), toks(7, 1), opts(LogitRows::Last, true, true)),
+                (Vec::new(), toks(8, 7), opts(LogitRows::Last, true, false)),
+            ];
+            let bits = |o: &ForwardOutput| {
+                let l: Vec<Vec<u32>> = o
+                    .logits
+                    .iter()
+                    .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                    .collect();
+                (l, format!("{:?}", o.router), o.stats)
+            };
+            let mut want = Vec::new();
+            for (hist, step, o) in &plan {
+                let mut c = cpu.new_cache();
+                if !hist.is_empty() {
+                    engine.forward(&mut c, hist, &ForwardOptions::default()).unwrap();
+                }
+                want.push(bits(&engine.forward(&mut c, step, o).unwrap()));
+            }
+            let mut caches: Vec<_> = plan
+                .iter()
+                .map(|(hist, _, _)| {
+                    let mut c = gpu.new_cache().unwrap();
+                    if !hist.is_empty() {
+                        gpu.forward(&mut c, hist, &ForwardOptions::default()).unwrap();
+                    }
+                    c
+                })
+                .collect();
+            // a bad entry: named, and no cache advanced
+            {
+                let bad = [1u32, v as u32];
+                let mut entries: Vec<_> = caches
+                    .iter_mut()
+                    .zip(&plan)
+                    .enumerate()
+                    .map(|(i, (c, (_, step, o)))| BatchEntry {
+                        cache: c,
+                        tokens: if i == 2 { &bad[..] } else { &step[..] },
+                        opts: *o,
+                    })
+                    .collect();
+                let err = gpu.forward_batch(&mut entries).unwrap_err();
+                assert_eq!(err.sequence, Some(2), "{family}: {err}");
+            }
+            let lens: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+            assert_eq!(lens, plan.iter().map(|p| p.0.len()).collect::<Vec<_>>());
+            let mut entries: Vec<_> = caches
+                .iter_mut()
+                .zip(&plan)
+                .map(|(c, (_, step, o))| BatchEntry {
+                    cache: c,
+                    tokens: &step[..],
+                    opts: *o,
+                })
+                .collect();
+            let outs = gpu.forward_batch(&mut entries).unwrap();
+            for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
+                assert_eq!(&bits(o), w, "{family}: sequence {i}");
+            }
+            // the caches advanced by their own tokens and decode on with the CPU's bits
+            for (i, c) in caches.iter_mut().enumerate() {
+                assert_eq!(c.len(), plan[i].0.len() + plan[i].1.len());
+            }
+            let mut c = cpu.new_cache();
+            let (hist, step, _) = &plan[2];
+            let all: Vec<u32> = hist.iter().chain(step).copied().collect();
+            engine.forward(&mut c, &all, &ForwardOptions::default()).unwrap();
+            let next = opts(LogitRows::Last, true, false);
+            let w = bits(&engine.forward(&mut c, &[9], &next).unwrap());
+            assert_eq!(bits(&gpu.forward(&mut caches[2], &[9], &next).unwrap()), w, "{family}: decode after");
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ use super::device::{open_context, DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut, SlotTable};
 use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo, HotOptions, HotStats};
 use hot::HotTier;
+use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::model::{ArchSpec, MlpKind, QkNorm};
 use tarfa_core::numerics::{MatrixRef, RopeTable};
@@ -433,38 +434,11 @@ impl CudaModel {
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, CudaError> {
         let cfg = &self.cfg;
-        if cache.model_id != self.id {
-            return Err(CudaError::Internal(
-                "a KV cache made by another model".into(),
-            ));
-        }
-        if tokens.is_empty() {
-            return Err(RunError::EmptyStep.into());
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(RunError::TokenOutOfRange {
-                token: bad,
-                vocab: cfg.vocab_size,
-            }
-            .into());
-        }
+        self.check_step(cache, tokens)?;
         let pos0 = cache.len;
         let t_count = tokens.len();
         let end = pos0 + t_count;
-        if end > cache.max_len {
-            return Err(RunError::ContextFull {
-                needed: end,
-                max: cache.max_len,
-            }
-            .into());
-        }
-        // The tokens of a step are a grid dimension of the kernels (at most 65,535 blocks).
-        if t_count > 65535 {
-            return Err(CudaError::TooManyTokens {
-                tokens: t_count,
-                max: 65535,
-            });
-        }
+        Self::check_step_size(t_count)?;
         if t_count == 1
             && cache.mode != DecodeMode::Legacy
             && self.decode_unsupported.is_none()
@@ -511,7 +485,7 @@ impl CudaModel {
         self.walk_layers(&mut steps::OpSteps {
             model: self,
             ws,
-            cache,
+            kv: steps::StepKv::One(cache),
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
         })?;
@@ -581,6 +555,264 @@ impl CudaModel {
             router,
             stats,
         })
+    }
+
+    /// What one sequence brings to a step: a cache of this model, tokens in the vocabulary, room
+    /// in its context.
+    fn check_step(&self, cache: &CudaCache, tokens: &[u32]) -> Result<(), CudaError> {
+        let cfg = &self.cfg;
+        if cache.model_id != self.id {
+            return Err(CudaError::Internal(
+                "a KV cache made by another model".into(),
+            ));
+        }
+        if tokens.is_empty() {
+            return Err(RunError::EmptyStep.into());
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(RunError::TokenOutOfRange {
+                token: bad,
+                vocab: cfg.vocab_size,
+            }
+            .into());
+        }
+        let end = cache.len + tokens.len();
+        if end > cache.max_len {
+            return Err(RunError::ContextFull {
+                needed: end,
+                max: cache.max_len,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The tokens of a step are a grid dimension of the kernels (at most 65,535 blocks).
+    fn check_step_size(t_count: usize) -> Result<(), CudaError> {
+        if t_count > 65535 {
+            return Err(CudaError::TooManyTokens {
+                tokens: t_count,
+                max: 65535,
+            });
+        }
+        Ok(())
+    }
+
+    /// One step over several sequences ([`tarfa_core::Backend::forward_batch`]): every entry's
+    /// tokens at positions `cache.len()..` of its own cache, all of them in one pass of the
+    /// token-tiled kernels, so each weight is read once per tile of the step's tokens (and each
+    /// expert once per tile of the pairs that chose it). Each sequence's output is bit-identical
+    /// to [`CudaModel::forward`] on it alone (docs/EXACTNESS.md section 9): every output of every
+    /// kernel is one reduction over one token's own values, in the canonical order, and
+    /// attention reads only the token's own cache. All or nothing: on an error no cache has
+    /// advanced. One entry runs [`CudaModel::forward`] itself.
+    pub fn forward_seqs(
+        &self,
+        seqs: &mut [BatchEntry<'_, CudaCache>],
+    ) -> Result<Vec<ForwardOutput>, BatchError<CudaError>> {
+        for (i, s) in seqs.iter().enumerate() {
+            self.check_step(s.cache, s.tokens)
+                .map_err(|error| BatchError {
+                    sequence: Some(i),
+                    error,
+                })?;
+        }
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        if seqs.len() == 1 {
+            let s = &mut seqs[0];
+            return self
+                .forward(s.cache, s.tokens, &s.opts)
+                .map(|o| vec![o])
+                .map_err(BatchError::whole);
+        }
+        let t_total: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        Self::check_step_size(t_total).map_err(BatchError::whole)?;
+        // the first cache's workspace serves the step; it goes back whatever happens
+        let mut ws = std::mem::take(&mut seqs[0].cache.ws);
+        let out = self.forward_seqs_in(&mut ws, seqs, t_total);
+        seqs[0].cache.ws = ws;
+        out.map_err(BatchError::whole)
+    }
+
+    fn forward_seqs_in(
+        &self,
+        ws: &mut Workspace,
+        seqs: &mut [BatchEntry<'_, CudaCache>],
+        t_total: usize,
+    ) -> Result<Vec<ForwardOutput>, CudaError> {
+        let cfg = &self.cfg;
+        let gpu = &self.gpu;
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        // room in every cache first: nothing below can fail for want of it
+        let mut longest = 0;
+        for s in seqs.iter_mut() {
+            let end = s.cache.len + s.tokens.len();
+            if end > s.cache.cap {
+                let want = end.max(2 * s.cache.cap).min(s.cache.max_len);
+                s.cache.grow(self, want)?;
+            }
+            s.cache.upload_rope(gpu, end)?;
+            longest = longest.max(end);
+        }
+        // the logit rows each entry asked for, contiguous per entry
+        let rows_of = |s: &BatchEntry<'_, CudaCache>| match s.opts.logits {
+            LogitRows::Last => 1,
+            LogitRows::All => s.tokens.len(),
+        };
+        let n_rows: usize = seqs.iter().map(rows_of).sum();
+        ws.ensure(gpu, cfg, self.moe_layers, t_total, longest, n_rows)?;
+        let half = d / 2;
+        let mut tokens = Vec::with_capacity(t_total);
+        let mut tok = Vec::with_capacity(4 * t_total);
+        let mut kv = vec![0u64; 2 * cfg.num_layers * t_total];
+        let mut t = 0;
+        for s in seqs.iter() {
+            let c = &*s.cache;
+            let (cos, sin) = c.rope_ptrs();
+            for (i, &token) in s.tokens.iter().enumerate() {
+                let pos = c.len + i;
+                tokens.push(token);
+                tok.extend([
+                    cos + (pos * half * 4) as u64,
+                    sin + (pos * half * 4) as u64,
+                    pos as u64,
+                    c.cap as u64,
+                ]);
+                for l in 0..cfg.num_layers {
+                    let at = 2 * (l * t_total + t);
+                    kv[at] = c.k[l].ptr();
+                    kv[at + 1] = c.v[l].ptr();
+                }
+                t += 1;
+            }
+        }
+        gpu.write(ws.tokens.ptr(), &tokens, "the step's tokens")?;
+        gpu.write(ws.seq_tok.ptr(), &tok, "the step's token table")?;
+        gpu.write(ws.seq_kv.ptr(), &kv, "the step's cache table")?;
+        let tables = SeqTables {
+            tok: ws.seq_tok.ptr(),
+            kv: ws.seq_kv.ptr(),
+            tokens: t_total,
+        };
+        ops::embed(gpu, &self.embed, ws.tokens.ptr(), t_total, ws.h.ptr())?;
+        let shape = AttnShape {
+            hq,
+            hkv,
+            d,
+            cap: 0,
+            pos0: 0,
+            tokens: t_total,
+        };
+        self.walk_layers(&mut steps::OpSteps {
+            model: self,
+            ws,
+            kv: steps::StepKv::Seqs {
+                tables,
+                n_stride: longest,
+            },
+            shape,
+            scale: (1.0f64 / (d as f64).sqrt()) as f32,
+        })?;
+
+        // final norm of each entry's rows into hn, one after another; then one lm_head product
+        let eps = cfg.eps_f32();
+        let (mut first, mut row) = (0usize, 0usize);
+        for s in seqs.iter() {
+            let n = rows_of(s);
+            let from = first + s.tokens.len() - n;
+            ops::rmsnorm(
+                gpu,
+                ws.h.ptr() + (from * h * 4) as u64,
+                h,
+                ws.hn.ptr() + (row * h * 4) as u64,
+                h,
+                self.final_norm.ptr(),
+                h,
+                n,
+                eps,
+            )?;
+            if s.opts.final_hidden == FinalHidden::InvalidBf16BeforeLmHead {
+                ops::round_to_bf16(gpu, ws.hn.ptr() + (row * h * 4) as u64, n * h)?;
+            }
+            first += s.tokens.len();
+            row += n;
+        }
+        let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let vocab = cfg.vocab_size;
+        ops::matmul(
+            gpu,
+            lm,
+            ws.hn.ptr(),
+            h,
+            0,
+            ws.logits.ptr(),
+            vocab,
+            n_rows,
+            false,
+        )?;
+        let flat: Vec<f32> = gpu.read(ws.logits.ptr(), n_rows * vocab, "the logits")?;
+        let k_top = cfg.top_k;
+        let ids: Vec<u32> = gpu.read(
+            ws.ids.ptr(),
+            self.moe_layers * t_total * k_top,
+            "the router's choices",
+        )?;
+        let records = if seqs.iter().any(|s| s.opts.trace_router) {
+            let rec = RecordPtrs {
+                probs: ws.probs.ptr(),
+                weights: ws.weights.ptr(),
+                kth: ws.kth.ptr(),
+                next: ws.next.ptr(),
+            };
+            Some(self.read_records(rec, t_total)?)
+        } else {
+            None
+        };
+        self.note_vram()?;
+        if let Some(hot) = &self.hot {
+            // the logits' read waited for the stream: the last copies have run
+            hot.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .in_flight
+                .clear();
+        }
+        let mut outs = Vec::with_capacity(seqs.len());
+        let (mut first, mut row) = (0usize, 0usize);
+        for s in seqs.iter_mut() {
+            let (n_tok, n) = (s.tokens.len(), rows_of(s));
+            let logits = flat[row * vocab..(row + n) * vocab]
+                .chunks_exact(vocab)
+                .map(|r| r.to_vec())
+                .collect();
+            // this sequence's choices, as a step of its tokens alone lays them out
+            let own: Vec<u32> = (0..self.moe_layers)
+                .flat_map(|ml| {
+                    let at = (ml * t_total + first) * k_top;
+                    ids[at..at + n_tok * k_top].iter().copied()
+                })
+                .collect();
+            let stats = self.step_stats(n_tok, &own);
+            let router = match (&records, s.opts.trace_router) {
+                (Some(a), true) => self.records_of(a, t_total, &ids, first..first + n_tok, s.cache.len),
+                _ => Vec::new(),
+            };
+            s.cache.len += n_tok;
+            outs.push(ForwardOutput {
+                logits,
+                router,
+                stats,
+            });
+            first += n_tok;
+            row += n;
+        }
+        Ok(outs)
     }
 
     /// The routed experts of MoE layer `l` from the hot tier (module `hot`): read the router's
@@ -845,41 +1077,85 @@ impl CudaModel {
         t_count: usize,
         ids: &[u32],
     ) -> Result<Vec<RouterRecord>, CudaError> {
+        let arrays = self.read_records(rec, t_count)?;
+        Ok(self.records_of(&arrays, t_count, ids, 0..t_count, pos0))
+    }
+
+    /// The router's records of a step of `t_count` tokens, copied back.
+    fn read_records(&self, rec: RecordPtrs, t_count: usize) -> Result<RecordArrays, CudaError> {
+        let n = self.moe_layers * t_count * self.cfg.top_k;
+        let rows = self.moe_layers * t_count;
+        Ok(RecordArrays {
+            probs: self.gpu.read(rec.probs, n, "the router's probabilities")?,
+            weights: self.gpu.read(rec.weights, n, "the router's weights")?,
+            kth: self
+                .gpu
+                .read(rec.kth, rows, "the router's k-th probabilities")?,
+            next: self
+                .gpu
+                .read(rec.next, rows, "the router's next probabilities")?,
+        })
+    }
+
+    /// The records of the step's tokens `tokens` (of `t_count`), the first at position `pos0`.
+    fn records_of(
+        &self,
+        a: &RecordArrays,
+        t_count: usize,
+        ids: &[u32],
+        tokens: std::ops::Range<usize>,
+        pos0: usize,
+    ) -> Vec<RouterRecord> {
         let k = self.cfg.top_k;
-        let n = self.moe_layers * t_count * k;
-        let probs: Vec<f32> = self.gpu.read(rec.probs, n, "the router's probabilities")?;
-        let weights: Vec<f32> = self.gpu.read(rec.weights, n, "the router's weights")?;
-        let kth: Vec<f32> = self.gpu.read(
-            rec.kth,
-            self.moe_layers * t_count,
-            "the router's k-th probabilities",
-        )?;
-        let next: Vec<f32> = self.gpu.read(
-            rec.next,
-            self.moe_layers * t_count,
-            "the router's next probabilities",
-        )?;
         let mut out = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let DevMlp::Moe { moe_index, .. } = &layer.mlp else {
                 continue;
             };
-            for t in 0..t_count {
-                let r = (moe_index * t_count + t) * k..(moe_index * t_count + t + 1) * k;
+            for t in tokens.clone() {
                 let row = moe_index * t_count + t;
+                let r = row * k..(row + 1) * k;
                 out.push(RouterRecord {
                     layer: l,
                     moe_layer: *moe_index,
-                    position: pos0 + t,
+                    position: pos0 + (t - tokens.start),
                     experts: ids[r.clone()].to_vec(),
-                    probs: probs[r.clone()].to_vec(),
-                    weights: weights[r].to_vec(),
-                    kth_prob: kth[row],
-                    next_prob: (self.cfg.num_experts > k).then_some(next[row]),
+                    probs: a.probs[r.clone()].to_vec(),
+                    weights: a.weights[r].to_vec(),
+                    kth_prob: a.kth[row],
+                    next_prob: (self.cfg.num_experts > k).then_some(a.next[row]),
                 });
             }
         }
-        Ok(out)
+        out
+    }
+}
+
+/// A step's router records on the host.
+struct RecordArrays {
+    probs: Vec<f32>,
+    weights: Vec<f32>,
+    kth: Vec<f32>,
+    next: Vec<f32>,
+}
+
+/// A step over several sequences: where its tables are on the device (`Workspace::seq_tok`,
+/// `seq_kv`), for `tokens` tokens. Per token (RoPE cos row, sin row, position, capacity) as four
+/// u64; per (layer, token) the token's sequence's (keys, values) of that layer as two.
+#[derive(Clone, Copy)]
+pub(super) struct SeqTables {
+    tok: u64,
+    kv: u64,
+    tokens: usize,
+}
+
+impl SeqTables {
+    /// Layer `l`'s view.
+    pub(super) fn layer(&self, l: usize) -> ops::SeqKv {
+        ops::SeqKv {
+            tok: self.tok,
+            kv: self.kv + (l * self.tokens * 16) as u64,
+        }
     }
 }
 
@@ -1151,6 +1427,13 @@ struct Workspace {
     next: Slot,
     hn: Slot,
     logits: Slot,
+    /// A MoE layer's routed pairs grouped by expert (`ops::moe_group`): order, tiles, count.
+    group_order: Slot,
+    group_tiles: Slot,
+    group_count: Slot,
+    /// A step over several sequences: its per-token and per-(layer, token) tables.
+    seq_tok: Slot,
+    seq_kv: Slot,
 }
 
 #[derive(Default)]
@@ -1223,10 +1506,26 @@ impl Workspace {
         self.hn.ensure(gpu, rows * h * f, w)?;
         self.logits
             .ensure(gpu, rows * cfg.vocab_size * f, "the logits")?;
+        let pairs = (t * k).max(1);
+        self.group_order.ensure(gpu, pairs * 4, w)?;
+        self.group_tiles
+            .ensure(gpu, 3 * ops::max_tiles(pairs, cfg.num_experts) * 4, w)?;
+        self.group_count.ensure(gpu, 4, w)?;
+        self.seq_tok.ensure(gpu, t * 32, w)?;
+        self.seq_kv.ensure(gpu, cfg.num_layers * t * 16, w)?;
         self.tokens_cap = t;
         self.positions_cap = positions;
         self.rows_cap = rows;
         Ok(())
+    }
+
+    /// Where `ops::moe_group` writes.
+    fn groups(&self) -> ops::Groups {
+        ops::Groups {
+            order: self.group_order.ptr(),
+            tiles: self.group_tiles.ptr(),
+            n_tiles: self.group_count.ptr(),
+        }
     }
 
     /// Where MoE layer `moe_index`'s router writes, for a step of `t` tokens.

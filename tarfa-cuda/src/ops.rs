@@ -98,6 +98,195 @@ pub(crate) fn matvec(
     )
 }
 
+/// Tokens per block and rows per warp of kernels/tile.cu (its `TILE_TOKENS`, `TILE_ROWS`,
+/// `GU_ROWS`).
+pub(crate) const TILE_TOKENS: usize = 4;
+const TILE_ROWS: usize = 4;
+const GU_ROWS: usize = 2;
+
+/// Whether the tiled kernels can read a matrix of `cols` columns and activations `x_stride`
+/// floats apart: whole 8-element groups, every row and vector 16-byte aligned.
+fn tileable(cols: usize, x_stride: usize, ptrs: &[u64]) -> bool {
+    cols % 8 == 0 && x_stride % 4 == 0 && ptrs.iter().all(|p| p % 16 == 0)
+}
+
+/// [`matvec`]'s function for many tokens: the token-tiled kernel (kernels/tile.cu `mm_tile`),
+/// each weight row loaded once per 4 tokens; the same bits (every output one canonical
+/// reduction). One token, or shapes the tiled kernel cannot read, take `matvec`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    gpu: &Gpu,
+    w: &DevMat,
+    x: u64,
+    x_stride: usize,
+    bias: u64,
+    out: u64,
+    out_stride: usize,
+    tokens: usize,
+    residual: bool,
+) -> Result<(), CudaError> {
+    if tokens < 2 || !tileable(w.cols, x_stride, &[w.ptr(), x]) {
+        return matvec(gpu, w, x, x_stride, bias, out, out_stride, tokens, residual);
+    }
+    let name = match w.dtype {
+        DType::Bf16 => "mm_tile_bf16",
+        DType::F32 => "mm_tile_f32",
+    };
+    gpu.launch(
+        name,
+        (blocks(tokens, TILE_TOKENS), blocks(w.rows, 8 * TILE_ROWS), 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(w.ptr()),
+            Arg::I32(i32_of(w.rows, "rows")?),
+            Arg::I32(i32_of(w.cols, "cols")?),
+            Arg::Ptr(x),
+            Arg::I64(x_stride as i64),
+            Arg::I32(i32_of(tokens, "tokens")?),
+            Arg::Ptr(bias),
+            Arg::Ptr(out),
+            Arg::I64(out_stride as i64),
+            Arg::I32(i32::from(residual)),
+        ],
+    )
+}
+
+/// Where [`moe_group`] writes a layer's pairs grouped by expert: `order` (`pairs` u32), `tiles`
+/// (3 u32 per tile, room for [`max_tiles`]) and the tile count (1 u32).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Groups {
+    pub(crate) order: u64,
+    pub(crate) tiles: u64,
+    pub(crate) n_tiles: u64,
+}
+
+/// The most tiles [`moe_group`] makes of `pairs` routed pairs over `experts` experts.
+pub(crate) fn max_tiles(pairs: usize, experts: usize) -> usize {
+    pairs.div_ceil(TILE_TOKENS) + experts.min(pairs)
+}
+
+/// The routed pairs `ids[0..pairs)` grouped by expert into tiles (kernels/tile.cu `moe_group`).
+pub(crate) fn moe_group(
+    gpu: &Gpu,
+    ids: u64,
+    pairs: usize,
+    experts: usize,
+    g: Groups,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "moe_group",
+        (1, 1, 1),
+        (256, 1, 1),
+        (3 * experts * 4) as u32,
+        &[
+            Arg::Ptr(ids),
+            Arg::I32(i32_of(pairs, "routed pairs")?),
+            Arg::I32(i32_of(experts, "experts")?),
+            Arg::Ptr(g.order),
+            Arg::Ptr(g.tiles),
+            Arg::Ptr(g.n_tiles),
+        ],
+    )
+}
+
+/// [`gate_up`]'s function, token-tiled (kernels/tile.cu `gate_up_tile`): grouped by expert
+/// (`groups`, the pairs of `pairs` = tokens * k), or a dense MLP over `pairs` tokens (`None`).
+/// `false` when the shapes are not tileable (the caller then takes `gate_up`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gate_up_tile(
+    gpu: &Gpu,
+    dtype: DType,
+    gate: u64,
+    up: u64,
+    rows: usize,
+    cols: usize,
+    groups: Option<(Groups, usize)>,
+    pairs: usize,
+    k: usize,
+    xn: u64,
+    act: u64,
+) -> Result<bool, CudaError> {
+    if !tileable(cols, cols, &[gate, up, xn]) {
+        return Ok(false);
+    }
+    let name = match dtype {
+        DType::Bf16 => "gate_up_tile_bf16",
+        DType::F32 => "gate_up_tile_f32",
+    };
+    let (g, tiles) = match groups {
+        Some((g, experts)) => (g, max_tiles(pairs, experts)),
+        None => (
+            Groups {
+                order: 0,
+                tiles: 0,
+                n_tiles: 0,
+            },
+            pairs.div_ceil(TILE_TOKENS),
+        ),
+    };
+    gpu.launch(
+        name,
+        (tiles as u32, blocks(rows, 8 * GU_ROWS), 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(gate),
+            Arg::Ptr(up),
+            Arg::I32(i32_of(rows, "rows")?),
+            Arg::I32(i32_of(cols, "cols")?),
+            Arg::Ptr(g.order),
+            Arg::Ptr(g.tiles),
+            Arg::Ptr(g.n_tiles),
+            Arg::I32(i32_of(pairs, "pairs")?),
+            Arg::I32(k as i32),
+            Arg::Ptr(xn),
+            Arg::Ptr(act),
+        ],
+    )?;
+    Ok(true)
+}
+
+/// The experts' down products `y[pair]` of a layer's grouped pairs, unmixed (kernels/tile.cu
+/// `down_tile`); [`moe_mix`] mixes them. `false` when the shapes are not tileable.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn down_tile(
+    gpu: &Gpu,
+    down: u64,
+    hidden: usize,
+    width: usize,
+    g: Groups,
+    pairs: usize,
+    experts: usize,
+    act: u64,
+    y: u64,
+) -> Result<bool, CudaError> {
+    if !tileable(width, width, &[down, act]) {
+        return Ok(false);
+    }
+    gpu.launch(
+        "down_tile",
+        (
+            max_tiles(pairs, experts) as u32,
+            blocks(hidden, 8 * TILE_ROWS),
+            1,
+        ),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(down),
+            Arg::I32(i32_of(hidden, "hidden")?),
+            Arg::I32(i32_of(width, "expert width")?),
+            Arg::Ptr(g.order),
+            Arg::Ptr(g.tiles),
+            Arg::Ptr(g.n_tiles),
+            Arg::Ptr(act),
+            Arg::Ptr(y),
+        ],
+    )?;
+    Ok(true)
+}
+
 /// RMSNorm of `count` segments of `n` values (see kernels/norm_rope.cu).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rmsnorm(
@@ -231,6 +420,74 @@ pub(crate) fn attention(
             Arg::Ptr(v_cache),
             Arg::I32(i32_of(s.cap, "cache capacity")?),
             Arg::I32(i32_of(s.pos0, "position")?),
+            Arg::F32(scale),
+            Arg::Ptr(scratch),
+            Arg::I32(i32_of(n_stride, "positions")?),
+            Arg::Ptr(o),
+        ],
+    )
+}
+
+/// A step over several sequences' tables on the device (model.rs `SeqTables`): per token
+/// (RoPE cos row, sin row, position, capacity), and this layer's per-token (keys, values).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeqKv {
+    pub(crate) tok: u64,
+    pub(crate) kv: u64,
+}
+
+/// [`rope_append_kv`] for a step over several sequences, each token into its own cache.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_append_kv_seqs(
+    gpu: &Gpu,
+    s: AttnShape,
+    q: u64,
+    k: u64,
+    v: u64,
+    t: SeqKv,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "rope_append_kv_seqs",
+        ((s.hq + s.hkv) as u32, s.tokens as u32, 1),
+        (64, 1, 1),
+        0,
+        &[
+            Arg::Ptr(q),
+            Arg::Ptr(k),
+            Arg::Ptr(v),
+            Arg::I32(s.hq as i32),
+            Arg::I32(s.hkv as i32),
+            Arg::I32(s.d as i32),
+            Arg::Ptr(t.tok),
+            Arg::Ptr(t.kv),
+        ],
+    )
+}
+
+/// [`attention`] for a step over several sequences, each token over its own cache.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_seqs(
+    gpu: &Gpu,
+    s: AttnShape,
+    q: u64,
+    t: SeqKv,
+    scale: f32,
+    scratch: u64,
+    n_stride: usize,
+    o: u64,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "attention_seqs",
+        (s.hq as u32, s.tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(q),
+            Arg::I32(s.hq as i32),
+            Arg::I32(s.hkv as i32),
+            Arg::I32(s.d as i32),
+            Arg::Ptr(t.tok),
+            Arg::Ptr(t.kv),
             Arg::F32(scale),
             Arg::Ptr(scratch),
             Arg::I32(i32_of(n_stride, "positions")?),

@@ -67,12 +67,23 @@ impl CudaModel {
     }
 }
 
-/// The per-operation step (`forward`): the kernels of kernels/{matvec,norm_rope,attention,moe}.cu
-/// launched one by one on `t_count` tokens at positions `shape.pos0..`, in the workspace `ws`.
+/// Where a per-operation step's tokens keep their keys and values.
+pub(super) enum StepKv<'a> {
+    /// One sequence: its cache, the tokens at positions `shape.pos0..`.
+    One(&'a CudaCache),
+    /// Several sequences (`forward_seqs`): each token's cache and position from the step's
+    /// tables; `n_stride` the scores' row stride (the longest sequence's positions).
+    Seqs { tables: SeqTables, n_stride: usize },
+}
+
+/// The per-operation step (`forward`, `forward_seqs`): the kernels of
+/// kernels/{matvec,tile,norm_rope,attention,moe}.cu launched one by one on `shape.tokens` tokens,
+/// in the workspace `ws`. Steps of several tokens take the token-tiled kernels (tile.cu), which
+/// compute every output as the one-token kernels do (the same bits).
 pub(super) struct OpSteps<'a> {
     pub(super) model: &'a CudaModel,
     pub(super) ws: &'a Workspace,
-    pub(super) cache: &'a CudaCache,
+    pub(super) kv: StepKv<'a>,
     pub(super) shape: AttnShape,
     /// round_f32(1 / sqrt(D)) computed in f64, as the CPU does
     pub(super) scale: f32,
@@ -103,20 +114,36 @@ impl OpSteps<'_> {
     fn gated_mlp(&self, d: &DevDense, act: u64, out: u64, residual: bool) -> Result<(), CudaError> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let (h, f) = (m.cfg.hidden_size, d.gate.rows);
-        ops::gate_up(
-            &m.gpu,
-            d.gate.dtype,
-            d.gate.ptr(),
-            d.up.ptr(),
-            f,
-            h,
-            0,
-            1,
-            ws.xn.ptr(),
-            act,
-            t_count,
-        )?;
-        ops::matvec(&m.gpu, &d.down, act, f, 0, out, h, t_count, residual)
+        let tiled = t_count >= 2
+            && ops::gate_up_tile(
+                &m.gpu,
+                d.gate.dtype,
+                d.gate.ptr(),
+                d.up.ptr(),
+                f,
+                h,
+                None,
+                t_count,
+                1,
+                ws.xn.ptr(),
+                act,
+            )?;
+        if !tiled {
+            ops::gate_up(
+                &m.gpu,
+                d.gate.dtype,
+                d.gate.ptr(),
+                d.up.ptr(),
+                f,
+                h,
+                0,
+                1,
+                ws.xn.ptr(),
+                act,
+                t_count,
+            )?;
+        }
+        ops::matmul(&m.gpu, &d.down, act, f, 0, out, h, t_count, residual)
     }
 }
 
@@ -149,7 +176,7 @@ impl LayerSteps for OpSteps<'_> {
             (&a.k, &a.k_bias, ws.k.ptr(), hkv * d),
             (&a.v, &a.v_bias, ws.v.ptr(), hkv * d),
         ] {
-            ops::matvec(gpu, w, ws.xn.ptr(), h, bias(b), out, rows, t_count, false)?;
+            ops::matmul(gpu, w, ws.xn.ptr(), h, bias(b), out, rows, t_count, false)?;
         }
         // q/k norm: per head (rows of D), or over the whole projection (one row per token)
         let per_head = match (m.spec.qk_norm, &a.q_norm, &a.k_norm) {
@@ -167,31 +194,49 @@ impl LayerSteps for OpSteps<'_> {
                 ops::rmsnorm(gpu, x, n, x, n, w.ptr(), n, rows, eps)?;
             }
         }
-        let (kc, vc) = (self.cache.k[l].ptr(), self.cache.v[l].ptr());
-        let (cos, sin) = self.cache.rope_ptrs();
-        ops::rope_append_kv(
-            gpu,
-            shape,
-            ws.q.ptr(),
-            ws.k.ptr(),
-            ws.v.ptr(),
-            cos,
-            sin,
-            kc,
-            vc,
-        )?;
-        ops::attention(
-            gpu,
-            shape,
-            ws.q.ptr(),
-            kc,
-            vc,
-            self.scale,
-            ws.scores.ptr(),
-            shape.pos0 + t_count,
-            ws.o.ptr(),
-        )?;
-        ops::matvec(
+        match &self.kv {
+            StepKv::One(cache) => {
+                let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
+                let (cos, sin) = cache.rope_ptrs();
+                ops::rope_append_kv(
+                    gpu,
+                    shape,
+                    ws.q.ptr(),
+                    ws.k.ptr(),
+                    ws.v.ptr(),
+                    cos,
+                    sin,
+                    kc,
+                    vc,
+                )?;
+                ops::attention(
+                    gpu,
+                    shape,
+                    ws.q.ptr(),
+                    kc,
+                    vc,
+                    self.scale,
+                    ws.scores.ptr(),
+                    shape.pos0 + t_count,
+                    ws.o.ptr(),
+                )?;
+            }
+            StepKv::Seqs { tables, n_stride } => {
+                let t = tables.layer(l);
+                ops::rope_append_kv_seqs(gpu, shape, ws.q.ptr(), ws.k.ptr(), ws.v.ptr(), t)?;
+                ops::attention_seqs(
+                    gpu,
+                    shape,
+                    ws.q.ptr(),
+                    t,
+                    self.scale,
+                    ws.scores.ptr(),
+                    *n_stride,
+                    ws.o.ptr(),
+                )?;
+            }
+        }
+        ops::matmul(
             gpu,
             &a.o,
             ws.o.ptr(),
@@ -219,7 +264,7 @@ impl LayerSteps for OpSteps<'_> {
         self.post_norm(layer)?;
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let cfg = &m.cfg;
-        ops::matvec(
+        ops::matmul(
             &m.gpu,
             router,
             ws.xn.ptr(),
@@ -245,7 +290,7 @@ impl LayerSteps for OpSteps<'_> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let h = m.cfg.hidden_size;
         self.gated_mlp(d, ws.act_shared.ptr(), ws.y_shared.ptr(), false)?;
-        ops::matvec(
+        ops::matmul(
             &m.gpu,
             gate,
             ws.xn.ptr(),
@@ -273,6 +318,9 @@ impl LayerSteps for OpSteps<'_> {
         let Some(experts) = experts else {
             return m.stream_moe(l, route, t_count, ws, y_sh, s_sh);
         };
+        if t_count >= 2 && self.experts_grouped(experts, route, (y_sh, s_sh))? {
+            return Ok(());
+        }
         ops::gate_up(
             &m.gpu,
             DType::Bf16,
@@ -299,5 +347,86 @@ impl LayerSteps for OpSteps<'_> {
             ws.h.ptr(),
             t_count,
         )
+    }
+}
+
+impl OpSteps<'_> {
+    /// The routed experts expert-major: the step's (token, slot) pairs grouped by expert on the
+    /// device, each expert's gate, up and down rows read once per tile of its pairs, then the
+    /// down products mixed per token in ascending expert id (moe_mix: down_mix's sums, in its
+    /// order). `false` (nothing launched) when the shapes are not tileable.
+    fn experts_grouped(
+        &self,
+        experts: &DevExperts,
+        route: RouteOut,
+        (y_sh, s_sh): (u64, u64),
+    ) -> Result<bool, CudaError> {
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let cfg = &m.cfg;
+        let (h, i, k, e) = (
+            cfg.hidden_size,
+            cfg.expert_width,
+            cfg.top_k,
+            cfg.num_experts,
+        );
+        let pairs = t_count * k;
+        let g = ws.groups();
+        ops::moe_group(&m.gpu, route.ids, pairs, e, g)?;
+        let gu = ops::gate_up_tile(
+            &m.gpu,
+            DType::Bf16,
+            experts.gate.ptr(),
+            experts.up.ptr(),
+            i,
+            h,
+            Some((g, e)),
+            pairs,
+            k,
+            ws.xn.ptr(),
+            ws.act.ptr(),
+        )?;
+        if !gu {
+            return Ok(false);
+        }
+        let dn = ops::down_tile(
+            &m.gpu,
+            experts.down.ptr(),
+            h,
+            i,
+            g,
+            pairs,
+            e,
+            ws.act.ptr(),
+            ws.y_experts.ptr(),
+        )?;
+        if !dn {
+            // gate_up_tile wrote the same activations gate_up would: finish with down_mix
+            ops::down_mix(
+                &m.gpu,
+                experts.down.ptr(),
+                h,
+                i,
+                route,
+                k,
+                ws.act.ptr(),
+                y_sh,
+                s_sh,
+                ws.h.ptr(),
+                t_count,
+            )?;
+            return Ok(true);
+        }
+        ops::moe_mix(
+            &m.gpu,
+            h,
+            route,
+            k,
+            ws.y_experts.ptr(),
+            y_sh,
+            s_sh,
+            ws.h.ptr(),
+            t_count,
+        )?;
+        Ok(true)
     }
 }

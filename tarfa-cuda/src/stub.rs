@@ -69,6 +69,12 @@ impl CudaModel {
     ) -> Result<ForwardOutput, CudaError> {
         match self.never {}
     }
+    pub fn forward_seqs(
+        &self,
+        _seqs: &mut [tarfa_core::batch::BatchEntry<'_, CudaCache>],
+    ) -> Result<Vec<ForwardOutput>, tarfa_core::batch::BatchError<CudaError>> {
+        match self.never {}
+    }
 }
 
 impl CudaModel {

@@ -124,3 +124,6 @@ inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline int __float2int_rz(float a) { return (int)a; }
 using std::fmaf;
 using std::fmaxf;
+// CUDA's integer min overloads
+inline int min(int a, int b) { return a < b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
