@@ -31,6 +31,18 @@
 //! 5. prefill of each `--prefill` length;
 //! 6. the CPU-vs-CUDA selftest on this model (prefill and decode, every logit and router record).
 //!
+//! `--only-many` (issue 17's figures; validation/gpu/many.sh): instead of 2-6, the token-tiled
+//! many-token step ([`CudaModel::forward_seqs`]):
+//! - prefill of each `--prefill` length (one sequence, one step): tok/s and TFLOP/s counting the
+//!   model's multiply-adds (2 per weight a token uses, attention's q.k and p.v, the lm_head of
+//!   the last row), the share of `--fma-peak` (TFLOP/s, default 66.9: the H200's FP32 FMA peak);
+//!   the last row's logits must be bit-identical to the same prompt run in chunks of 100 tokens;
+//! - batched greedy decode at each `--batch` size B (default 1,8,32,128): B sequences with their
+//!   own `--prompt`-token prompts, prefilled as one step, then `--batch-steps` (default 32) steps
+//!   of all B at once; tok/s, and the HBM roofline of the step (the weights of the union of the
+//!   experts its tokens chose plus the dense weights, at the measured copy rate). Every sequence's
+//!   tokens and last logits must be bit-identical to the same sequence decoded alone.
+//!
 //! Lines starting `TABLE|` go to bench.sh's summary; `--json` writes every figure.
 
 use std::path::{Path, PathBuf};
@@ -322,6 +334,14 @@ fn main() {
     let mut js = serde_json::Map::new();
     js.insert("model".into(), json!(name));
     js.insert("device".into(), json!(model.device().to_string()));
+
+    if args.iter().any(|a| a == "--only-many") {
+        let ok = many_token(&model, &cfg, &args, &prefills, &mut js);
+        if let Some(p) = json_out {
+            let _ = std::fs::write(&p, serde_json::to_string_pretty(&js).unwrap_or_default());
+        }
+        std::process::exit(if ok { 0 } else { 1 })
+    }
 
     // 1. the roofline
     let copy = model
@@ -671,4 +691,210 @@ fn main() {
         let _ = std::fs::write(&p, serde_json::to_string_pretty(&js).unwrap_or_default());
     }
     std::process::exit(if ok { 0 } else { 1 })
+}
+
+/// Multiply-adds of one token's weights (every matrix a token multiplies, with its chosen
+/// experts), from a one-token step's weight bytes: the BF16 weights less the embedding row and
+/// the lm_head (counted separately).
+fn body_macs(model: &CudaModel, cfg: &MoeConfig, last: &ForwardOptions) -> f64 {
+    let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
+    let st = model
+        .forward(&mut c, &[1], last)
+        .unwrap_or_else(|e| fail(e.to_string()))
+        .stats;
+    let lm = (cfg.vocab_size * cfg.hidden_size) as f64;
+    st.weight_bytes as f64 / 2.0 - lm - cfg.hidden_size as f64
+}
+
+fn bits_of(rows: &[Vec<f32>]) -> Vec<u32> {
+    rows.iter().flatten().map(|v| v.to_bits()).collect()
+}
+
+/// `--only-many`: prefill and batched-decode figures of the token-tiled step, each checked
+/// bitwise. Returns whether every check passed.
+fn many_token(
+    model: &CudaModel,
+    cfg: &MoeConfig,
+    args: &[String],
+    prefills: &[usize],
+    js: &mut serde_json::Map<String, serde_json::Value>,
+) -> bool {
+    use tarfa_run::batch::BatchEntry;
+    use tarfa_run::Backend;
+    let vocab = cfg.vocab_size;
+    let last = ForwardOptions {
+        logits: LogitRows::Last,
+        ..Default::default()
+    };
+    let peak: f64 = arg(args, "--fma-peak").map_or(66.9, |v| {
+        v.parse()
+            .unwrap_or_else(|_| fail("bad --fma-peak".into()))
+    });
+    let copy = model
+        .copy_rate(2 << 30, 10)
+        .unwrap_or_else(|e| fail(format!("copy rate: {e}")));
+    let body = body_macs(model, cfg, &last);
+    let attn_per_pos = (2 * cfg.num_heads * cfg.head_dim * cfg.num_layers) as f64;
+    let mut ok = true;
+
+    // prefill, one sequence per step
+    let mut pre_js = Vec::new();
+    for (k, &n) in prefills.iter().enumerate() {
+        let n = n.min(cfg.max_position_embeddings.saturating_sub(1)).max(1);
+        let p = prompt_of(vocab, n, 7 + k);
+        let reps = if n >= 4096 { 2 } else { 3 };
+        let mut ts = Vec::new();
+        let mut whole = Vec::new();
+        for r in 0..=reps {
+            let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
+            let t = Instant::now();
+            let out = model
+                .forward(&mut c, &p, &last)
+                .unwrap_or_else(|e| fail(format!("prefill {n}: {e}")));
+            if r > 0 {
+                ts.push(t.elapsed().as_secs_f64());
+            }
+            whole = bits_of(&out.logits);
+        }
+        // the same prompt in chunks of 100: other tiles, the same bits
+        let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
+        let mut chunked = Vec::new();
+        for piece in p.chunks(100) {
+            chunked = bits_of(
+                &model
+                    .forward(&mut c, piece, &last)
+                    .unwrap_or_else(|e| fail(format!("prefill {n} in chunks: {e}")))
+                    .logits,
+            );
+        }
+        let same = chunked == whole;
+        ok &= same;
+        let s = median(&mut ts);
+        // 2 FLOPs per multiply-add: the weights of every token, q.k and p.v over 1..=n
+        // positions, the lm_head once
+        let macs = n as f64 * body
+            + attn_per_pos * (n as f64) * (n as f64 + 1.0) / 2.0
+            + (vocab * cfg.hidden_size) as f64;
+        let tflops = 2.0 * macs / s / 1e12;
+        let d = format!(
+            "{:.0} tok/s, {tflops:.1} TFLOP/s = {:.1}% of {peak} ({n} tokens in {:.1} ms, median of {reps}); chunks of 100: {}",
+            n as f64 / s,
+            100.0 * tflops / peak,
+            1e3 * s,
+            if same { "same bits" } else { "DIFFERENT BITS" }
+        );
+        println!("prefill {n}: {d}");
+        table(&format!("prefill {n}"), if same { "PASS" } else { "FAIL" }, &d);
+        pre_js.push(json!({"tokens": n, "tok_s": n as f64 / s, "seconds": s, "tflops": tflops,
+            "fma_peak_share": tflops / peak, "chunked_same_bits": same}));
+    }
+    js.insert("prefill".into(), json!(pre_js));
+
+    // batched greedy decode
+    let sizes: Vec<usize> = arg(args, "--batch")
+        .unwrap_or("1,8,32,128")
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap_or_else(|_| fail("bad --batch".into())))
+        .collect();
+    let steps = arg_usize(args, "--batch-steps", 32);
+    let n_prompt = arg_usize(args, "--prompt", 128);
+    let most = sizes.iter().copied().max().unwrap_or(0);
+    // each sequence alone: its greedy tokens and last logits (the reference)
+    let t = Instant::now();
+    let alone: Vec<(Vec<u32>, Vec<u32>)> = (0..most)
+        .map(|i| {
+            let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
+            let mut out = model
+                .forward(&mut c, &prompt_of(vocab, n_prompt, 100 + i), &last)
+                .unwrap_or_else(|e| fail(e.to_string()));
+            let mut toks = Vec::new();
+            for _ in 0..steps {
+                let tok = argmax(&out.logits[0]);
+                toks.push(tok);
+                out = model
+                    .forward(&mut c, &[tok], &last)
+                    .unwrap_or_else(|e| fail(e.to_string()));
+            }
+            (toks, bits_of(&out.logits))
+        })
+        .collect();
+    println!(
+        "batched decode: {most} sequences decoded alone as the reference in {:.1}s",
+        t.elapsed().as_secs_f64()
+    );
+    let mut dec_js = Vec::new();
+    for &b in &sizes {
+        let prompts: Vec<Vec<u32>> = (0..b).map(|i| prompt_of(vocab, n_prompt, 100 + i)).collect();
+        let mut caches: Vec<CudaCache> = (0..b)
+            .map(|_| model.new_cache().unwrap_or_else(|e| fail(e.to_string())))
+            .collect();
+        let step = |caches: &mut [CudaCache], toks: &[Vec<u32>], opts: ForwardOptions| {
+            let mut entries: Vec<BatchEntry<'_, CudaCache>> = caches
+                .iter_mut()
+                .zip(toks)
+                .map(|(cache, t)| BatchEntry {
+                    cache,
+                    tokens: t,
+                    opts,
+                })
+                .collect();
+            model
+                .forward_batch(&mut entries)
+                .unwrap_or_else(|e| fail(format!("batch of {b}: {e}")))
+        };
+        let t = Instant::now();
+        let mut outs = step(&mut caches, &prompts, last);
+        let prefill_s = t.elapsed().as_secs_f64();
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); b];
+        let t = Instant::now();
+        for _ in 0..steps {
+            let next: Vec<Vec<u32>> = outs.iter().map(|o| vec![argmax(&o.logits[0])]).collect();
+            for (g, n) in got.iter_mut().zip(&next) {
+                g.push(n[0]);
+            }
+            outs = step(&mut caches, &next, last);
+        }
+        let s = t.elapsed().as_secs_f64();
+        let same = (0..b).all(|i| got[i] == alone[i].0 && bits_of(&outs[i].logits) == alone[i].1);
+        ok &= same;
+        // the roofline: one more step, traced, for the union of the experts its tokens chose
+        let traced = ForwardOptions {
+            trace_router: true,
+            ..last
+        };
+        let next: Vec<Vec<u32>> = outs.iter().map(|o| vec![argmax(&o.logits[0])]).collect();
+        let outs = step(&mut caches, &next, traced);
+        let mut union = std::collections::BTreeSet::new();
+        for o in &outs {
+            for r in &o.router {
+                for &e in &r.experts {
+                    union.insert((r.layer, e));
+                }
+            }
+        }
+        let one = &outs[0].stats;
+        let expert_bytes = (3 * 2 * cfg.expert_width * cfg.hidden_size) as u64;
+        let dense = one.weight_bytes - one.experts_fetched * expert_bytes;
+        let step_bytes = dense as f64 + union.len() as f64 * expert_bytes as f64;
+        let roof = b as f64 / (step_bytes / copy);
+        let tok_s = (b * steps) as f64 / s;
+        let d = format!(
+            "{tok_s:.0} tok/s ({:.2} ms/step), roofline {roof:.0} tok/s ({:.1} GB/step at {:.0} GB/s): {:.1}%; prefill of {b}x{n_prompt} in {:.0} ms; every sequence vs alone: {}",
+            1e3 * s / steps as f64,
+            step_bytes / 1e9,
+            copy / 1e9,
+            100.0 * tok_s / roof,
+            1e3 * prefill_s,
+            if same { "same tokens and bits" } else { "DIFFERENT" }
+        );
+        println!("batched decode B={b}: {d}");
+        table(&format!("batched decode B={b}"), if same { "PASS" } else { "FAIL" }, &d);
+        dec_js.push(json!({"batch": b, "tok_s": tok_s, "seconds": s, "steps": steps,
+            "roofline_tok_s": roof, "step_bytes": step_bytes, "same_as_alone": same,
+            "prefill_seconds": prefill_s}));
+    }
+    js.insert("batched_decode".into(), json!(dec_js));
+    js.insert("copy_rate_bytes_s".into(), json!(copy));
+    ok
 }

@@ -21,7 +21,7 @@ pub mod cli;
 
 // The crates this one was split into, under their old paths (tarfa_run::cpu, ...), so that the
 // CLI, the tests and the examples keep their imports while the split goes on.
-pub use tarfa_core::{config, generate, model, numerics, weights, Backend, RunError};
+pub use tarfa_core::{batch, config, generate, model, numerics, weights, Backend, RunError};
 pub use tarfa_cpu as cpu;
 pub use tarfa_cuda as cuda;
 pub use tarfa_stream as stream;
