@@ -63,10 +63,19 @@ __device__ __forceinline__ void tile_dots(float (&acc)[R][T][8], const W* const 
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int t = 0; t < T; t++) zero8(acc[r][t]);
-    for (int base = 8 * p; base < n; base += TARFA_LANES) {
-        Row8<W> wv[R];
+    // the next chunk's weights are loaded before this chunk's FMAs (loads in flight; the same
+    // terms in the same order)
+    Row8<W> wv[R];
+    if (8 * p < n) {
 #pragma unroll
-        for (int r = 0; r < R; r++) wv[r].load(w[r] + base);
+        for (int r = 0; r < R; r++) wv[r].load(w[r] + 8 * p);
+    }
+    for (int base = 8 * p; base < n; base += TARFA_LANES) {
+        Row8<W> nx[R];
+        if (base + TARFA_LANES < n) {
+#pragma unroll
+            for (int r = 0; r < R; r++) nx[r].load(w[r] + base + TARFA_LANES);
+        }
 #pragma unroll
         for (int t = 0; t < T; t++) {
             float xv[8];
@@ -76,6 +85,8 @@ __device__ __forceinline__ void tile_dots(float (&acc)[R][T][8], const W* const 
 #pragma unroll
                 for (int s = 0; s < 8; s++) acc[r][t][s] = fmaf(wv[r].at(s), xv[s], acc[r][t][s]);
         }
+#pragma unroll
+        for (int r = 0; r < R; r++) wv[r] = nx[r];
     }
 }
 
@@ -258,12 +269,22 @@ __device__ __forceinline__ void gate_up_tile_body(const W* __restrict__ gate,
             zero8(ag[r][u]);
             zero8(au[r][u]);
         }
-    for (int base = 8 * p; base < cols; base += TARFA_LANES) {
-        Row8<W> g8[GU_ROWS], u8[GU_ROWS];
+    Row8<W> g8[GU_ROWS], u8[GU_ROWS];
+    if (8 * p < cols) {
 #pragma unroll
         for (int r = 0; r < GU_ROWS; r++) {
-            g8[r].load(wg[r] + base);
-            u8[r].load(wu[r] + base);
+            g8[r].load(wg[r] + 8 * p);
+            u8[r].load(wu[r] + 8 * p);
+        }
+    }
+    for (int base = 8 * p; base < cols; base += TARFA_LANES) {
+        Row8<W> gn[GU_ROWS], un[GU_ROWS];
+        if (base + TARFA_LANES < cols) {
+#pragma unroll
+            for (int r = 0; r < GU_ROWS; r++) {
+                gn[r].load(wg[r] + base + TARFA_LANES);
+                un[r].load(wu[r] + base + TARFA_LANES);
+            }
         }
 #pragma unroll
         for (int u = 0; u < TILE_TOKENS; u++) {
@@ -276,6 +297,11 @@ __device__ __forceinline__ void gate_up_tile_body(const W* __restrict__ gate,
                     ag[r][u][s] = fmaf(g8[r].at(s), xv[s], ag[r][u][s]);
                     au[r][u][s] = fmaf(u8[r].at(s), xv[s], au[r][u][s]);
                 }
+        }
+#pragma unroll
+        for (int r = 0; r < GU_ROWS; r++) {
+            g8[r] = gn[r];
+            u8[r] = un[r];
         }
     }
 #pragma unroll

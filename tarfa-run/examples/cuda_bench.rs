@@ -877,13 +877,14 @@ fn many_token(
         let expert_bytes = (3 * 2 * cfg.expert_width * cfg.hidden_size) as u64;
         let dense = one.weight_bytes - one.experts_fetched * expert_bytes;
         let step_bytes = dense as f64 + union.len() as f64 * expert_bytes as f64;
-        let roof = b as f64 / (step_bytes / copy);
+        // copy_rate is in GB/s (bytes read + written)
+        let roof = b as f64 / (step_bytes / (copy * 1e9));
         let tok_s = (b * steps) as f64 / s;
         let d = format!(
             "{tok_s:.0} tok/s ({:.2} ms/step), roofline {roof:.0} tok/s ({:.1} GB/step at {:.0} GB/s): {:.1}%; prefill of {b}x{n_prompt} in {:.0} ms; every sequence vs alone: {}",
             1e3 * s / steps as f64,
             step_bytes / 1e9,
-            copy / 1e9,
+            copy,
             100.0 * tok_s / roof,
             1e3 * prefill_s,
             if same { "same tokens and bits" } else { "DIFFERENT" }
@@ -895,6 +896,6 @@ fn many_token(
             "prefill_seconds": prefill_s}));
     }
     js.insert("batched_decode".into(), json!(dec_js));
-    js.insert("copy_rate_bytes_s".into(), json!(copy));
+    js.insert("copy_rate_gb_s".into(), json!(copy));
     ok
 }
