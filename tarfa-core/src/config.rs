@@ -117,6 +117,17 @@ impl MlaDims {
     }
 }
 
+/// How a checkpoint stores its expert matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertDtype {
+    /// BF16, widened exactly to f32.
+    Bf16,
+    /// MXFP4 as gpt-oss is released (`quantization_config.quant_method = "mxfp4"`): two e2m1
+    /// values per byte, low nibble first, and one e8m0 scale (bias 127) per 32 values, widened
+    /// exactly to BF16 (docs/EXACTNESS.md, "MXFP4").
+    Mxfp4,
+}
+
 /// The validated, family-resolved configuration of an MoE decoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
@@ -181,6 +192,14 @@ pub struct MoeConfig {
     pub mla: Option<MlaDims>,
     /// YaRN rotary scaling, when the config asks for it.
     pub yarn: Option<Yarn>,
+    /// Per layer, the sliding window: a token attends to the last `w` positions (itself
+    /// included), or to every earlier position when None (gpt-oss's `layer_types`, Mixtral's
+    /// `sliding_window`).
+    pub layer_windows: Vec<Option<usize>>,
+    /// How the expert matrices are stored.
+    pub expert_dtype: ExpertDtype,
+    /// OLMoE's `clip_qkv`: q, k and v clamped to `[-c, c]` after their projections.
+    pub clip_qkv: Option<f64>,
 }
 
 /// Typed access to one config object; every getter names its key in errors.
@@ -426,7 +445,7 @@ impl MoeConfig {
             DenseLayerRule::None | DenseLayerRule::QwenSparseStep => 0,
         };
         let group_routing = match family.router {
-            RouterRule::SoftmaxTopK => None,
+            RouterRule::SoftmaxTopK | RouterRule::TopKThenSoftmax => None,
             RouterRule::SigmoidGroupLimited => Some(group_routing(&r, num_experts, top_k)?),
             RouterRule::SoftmaxGroupLimited => Some(softmax_group_routing(&r, num_experts, top_k)?),
         };
@@ -582,24 +601,57 @@ impl MoeConfig {
                 });
             }
         }
-        // Qwen configs gate the window with use_sliding_window; Mixtral applies sliding_window
-        // whenever it is set.
-        let window_flag = r.bool_opt("use_sliding_window")?;
-        let window = r.usize_opt("sliding_window")?.filter(|&w| w != 0);
-        if window_flag == Some(true) || (window_flag.is_none() && window.is_some()) {
-            // The value as the config writes it (`4096`, or `null` when only the flag is on).
-            return Err(ConfigError::Unsupported {
-                key: "sliding_window",
-                value: json_text(r.get("sliding_window")),
-                why: "sliding-window attention is not implemented",
-            });
+        let layer_windows = layer_windows(&r, family, num_layers)?;
+        let clip_qkv = match r.get("clip_qkv") {
+            None => None,
+            // OlmoeAttention clamps q, k and v; no other family reads the key.
+            Some(v) if family.model_type == "olmoe" => {
+                let c = r.f64_opt("clip_qkv")?.unwrap_or(0.0);
+                if !(c.is_finite() && c > 0.0 && (c as f32).is_finite()) {
+                    return Err(ConfigError::OutOfRange {
+                        key: "clip_qkv",
+                        value: v.to_string(),
+                        why: "must be finite and positive (also as an f32)",
+                    });
+                }
+                Some(c)
+            }
+            Some(v) => {
+                return Err(ConfigError::Unsupported {
+                    key: "clip_qkv",
+                    value: v.to_string(),
+                    why: "this family does not clip q/k/v",
+                })
+            }
+        };
+        let expert_dtype = expert_dtype(&r, family)?;
+        if expert_dtype == ExpertDtype::Mxfp4 {
+            // one e8m0 scale per 32 values along each matrix's input
+            for (key, n) in [
+                ("hidden_size", hidden_size),
+                (family.expert_width_key, expert_width),
+            ] {
+                if !n.is_multiple_of(32) {
+                    return Err(ConfigError::OutOfRange {
+                        key,
+                        value: n.to_string(),
+                        why: "MXFP4 experts need a multiple of 32 (one scale per 32 values)",
+                    });
+                }
+            }
         }
-        if let Some(v) = r.get("clip_qkv") {
-            return Err(ConfigError::Unsupported {
-                key: "clip_qkv",
-                value: v.to_string(),
-                why: "clipping q/k/v is not implemented",
-            });
+        if family.extras.activation != crate::model::ExpertActivation::SwiGlu {
+            // GptOssExperts fixes its limit at 7.0; a config that writes another would not be
+            // the model transformers runs.
+            if let Some(lim) = r.f64_opt("swiglu_limit")? {
+                if lim != 7.0 {
+                    return Err(ConfigError::Unsupported {
+                        key: "swiglu_limit",
+                        value: json_text(r.get("swiglu_limit")),
+                        why: "gpt-oss's experts clamp at 7.0",
+                    });
+                }
+            }
         }
 
         let eos_token_ids = match r.get("eos_token_id") {
@@ -651,6 +703,9 @@ impl MoeConfig {
             nextn_predict_layers,
             mla,
             yarn,
+            layer_windows,
+            expert_dtype,
+            clip_qkv,
         };
         // A family with dense layers needs their width whenever one is dense.
         let spec = ArchSpec::new(&cfg);
@@ -696,6 +751,149 @@ impl MoeConfig {
             .filter(|&&id| id < self.vocab_size as u64)
             .map(|&id| id as u32)
             .collect()
+    }
+}
+
+/// Each layer's sliding window. gpt-oss reads `layer_types` (`sliding_attention` layers use
+/// `sliding_window`; absent, GptOssConfig's default alternates, layer 0 sliding). Mixtral applies
+/// `sliding_window` to every layer whenever it is set (transformers' MixtralModel). The Qwen
+/// families' `use_sliding_window` (with `max_window_layers`) and any other family's window are
+/// refused by name.
+fn layer_windows(
+    r: &Reader<'_>,
+    family: &Family,
+    num_layers: usize,
+) -> Result<Vec<Option<usize>>, ConfigError> {
+    let window = r.usize_opt("sliding_window")?;
+    let positive = |w: Option<usize>| -> Result<usize, ConfigError> {
+        match w {
+            Some(w) if w > 0 => Ok(w),
+            Some(_) => Err(ConfigError::OutOfRange {
+                key: "sliding_window",
+                value: "0".into(),
+                why: "must be at least 1",
+            }),
+            None => Err(ConfigError::Missing {
+                key: "sliding_window",
+            }),
+        }
+    };
+    if family.extras.layer_types {
+        let types: Vec<bool> = match r.get("layer_types") {
+            None => (0..num_layers).map(|l| l % 2 == 0).collect(),
+            Some(Value::Array(items)) => {
+                if items.len() != num_layers {
+                    return Err(ConfigError::OutOfRange {
+                        key: "layer_types",
+                        value: format!("{} entries", items.len()),
+                        why: "must name one type per layer (num_hidden_layers)",
+                    });
+                }
+                items
+                    .iter()
+                    .map(|v| match v.as_str() {
+                        Some("sliding_attention") => Ok(true),
+                        Some("full_attention") => Ok(false),
+                        _ => Err(ConfigError::Unsupported {
+                            key: "layer_types",
+                            value: v.to_string(),
+                            why: "only sliding_attention and full_attention layers are implemented",
+                        }),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            Some(v) => {
+                return Err(ConfigError::WrongType {
+                    key: "layer_types",
+                    expected: "a list of layer types",
+                    found: type_name(v),
+                })
+            }
+        };
+        let w = if types.contains(&true) {
+            Some(positive(window)?)
+        } else {
+            None
+        };
+        return Ok(types
+            .into_iter()
+            .map(|s| if s { w } else { None })
+            .collect());
+    }
+    if let Some(v) = r.get("layer_types") {
+        // Every other family is all full attention; a list that says otherwise asks for
+        // something this family does not do.
+        let all_full = v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+        if !all_full {
+            return Err(ConfigError::Unsupported {
+                key: "layer_types",
+                value: v.to_string(),
+                why: "this family's layers are all full attention",
+            });
+        }
+    }
+    if family.model_type == "mixtral" {
+        if r.bool_opt("use_sliding_window")? == Some(true) && window.is_none() {
+            return Err(ConfigError::Missing {
+                key: "sliding_window",
+            });
+        }
+        return Ok(match window {
+            None => vec![None; num_layers],
+            Some(_) => vec![Some(positive(window)?); num_layers],
+        });
+    }
+    // Qwen configs gate the window with use_sliding_window (and max_window_layers).
+    let window_flag = r.bool_opt("use_sliding_window")?;
+    let window = window.filter(|&w| w != 0);
+    if window_flag == Some(true) || (window_flag.is_none() && window.is_some()) {
+        // The value as the config writes it (`4096`, or `null` when only the flag is on).
+        return Err(ConfigError::Unsupported {
+            key: "sliding_window",
+            value: json_text(r.get("sliding_window")),
+            why:
+                "sliding-window attention is implemented for gpt-oss's layer_types and Mixtral only",
+        });
+    }
+    Ok(vec![None; num_layers])
+}
+
+/// The experts' storage: BF16, or MXFP4 under `quantization_config.quant_method = "mxfp4"` for
+/// a family released that way. Every other quantization is refused by name.
+fn expert_dtype(r: &Reader<'_>, family: &Family) -> Result<ExpertDtype, ConfigError> {
+    let Some(q) = r.get("quantization_config") else {
+        return Ok(ExpertDtype::Bf16);
+    };
+    let method = q.get("quant_method").and_then(Value::as_str);
+    match method {
+        Some("mxfp4") if family.extras.mxfp4_experts => {
+            // transformers' Mxfp4Config(dequantize=True) is a loading choice, not the model's;
+            // any other key in the block would be a quantization this build does not know.
+            let known = ["quant_method", "modules_to_not_convert", "dequantize"];
+            if let Some(k) = q
+                .as_object()
+                .and_then(|o| o.keys().find(|k| !known.contains(&k.as_str())))
+            {
+                return Err(ConfigError::Unsupported {
+                    key: "quantization_config",
+                    value: Value::String(k.clone()).to_string(),
+                    why: "an MXFP4 key this build does not implement",
+                });
+            }
+            Ok(ExpertDtype::Mxfp4)
+        }
+        Some("mxfp4") => Err(ConfigError::Unsupported {
+            key: "quantization_config.quant_method",
+            value: "\"mxfp4\"".into(),
+            why: "MXFP4 experts are read for gpt-oss only, as it is released",
+        }),
+        _ => Err(ConfigError::Unsupported {
+            key: "quantization_config.quant_method",
+            value: json_text(q.get("quant_method")),
+            why: "quantized weights other than gpt-oss's released MXFP4 experts are not run (they would not be the checkpoint's own values widened exactly)",
+        }),
     }
 }
 
@@ -1141,6 +1339,7 @@ impl ArchSpec {
             ),
             router: family.router,
             attention: family.attention,
+            extras: family.extras,
             names: family.names,
         }
     }
