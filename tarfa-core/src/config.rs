@@ -1907,4 +1907,151 @@ mod tests {
             })
         );
     }
+
+    fn gpt_oss() -> Value {
+        // the shared oracle's gptoss-mxfp4-a config
+        serde_json::from_str(
+            r#"{"model_type": "gpt_oss", "attention_bias": true, "head_dim": 32,
+                "hidden_act": "silu", "hidden_size": 128, "intermediate_size": 64,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                "full_attention"], "max_position_embeddings": 512, "num_attention_heads": 4,
+                "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                "num_local_experts": 8, "rms_norm_eps": 1e-06, "rope_parameters": {"beta_fast":
+                32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0, "rope_type": "yarn", "truncate": false},
+                "sliding_window": 16, "tie_word_embeddings": false, "vocab_size": 512,
+                "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert":
+                ["model.layers.*.self_attn"]}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn gpt_oss_reads_its_windows_biases_and_mxfp4() {
+        let c = parse(&gpt_oss()).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(16), None, Some(16), None]);
+        assert_eq!(c.expert_dtype, ExpertDtype::Mxfp4);
+        assert!(c.qkv_bias && c.o_bias);
+        assert!(c.yarn.is_some());
+        let spec = ArchSpec::new(&c);
+        assert!(spec.extras.attention_sinks && spec.extras.expert_bias);
+        // absent layer_types: GptOssConfig's default alternates, layer 0 sliding
+        let c = parse(&without(gpt_oss(), "layer_types")).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(16), None, Some(16), None]);
+        let c = parse(&without(gpt_oss(), "quantization_config")).unwrap();
+        assert_eq!(c.expert_dtype, ExpertDtype::Bf16);
+    }
+
+    #[test]
+    fn gpt_oss_refuses_what_it_cannot_run_by_name() {
+        let key = |v: Value| match parse(&v) {
+            Err(ConfigError::Unsupported { key, .. })
+            | Err(ConfigError::OutOfRange { key, .. })
+            | Err(ConfigError::Missing { key }) => key,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            key(with(gpt_oss(), "swiglu_limit", 10.0.into())),
+            "swiglu_limit"
+        );
+        assert!(parse(&with(gpt_oss(), "swiglu_limit", 7.0.into())).is_ok());
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "layer_types",
+                serde_json::json!(vec!["chunked_attention"; 4])
+            )),
+            "layer_types"
+        );
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "layer_types",
+                serde_json::json!(vec!["full_attention"; 3])
+            )),
+            "layer_types"
+        );
+        assert_eq!(key(without(gpt_oss(), "sliding_window")), "sliding_window");
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "fp8"})
+            )),
+            "quantization_config.quant_method"
+        );
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "mxfp4", "group_size": 64})
+            )),
+            "quantization_config"
+        );
+        assert_eq!(
+            key(with(gpt_oss(), "intermediate_size", 48.into())),
+            "intermediate_size"
+        );
+        // MXFP4 is gpt-oss's released form only
+        assert_eq!(
+            key(with(
+                base(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "mxfp4"})
+            )),
+            "quantization_config.quant_method"
+        );
+    }
+
+    #[test]
+    fn windows_and_clip_qkv_where_transformers_reads_them() {
+        let mixtral = serde_json::json!({
+            "model_type": "mixtral", "vocab_size": 512, "hidden_size": 128,
+            "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_theta": 1e6,
+            "sliding_window": null
+        });
+        assert_eq!(parse(&mixtral).unwrap().layer_windows, vec![None; 3]);
+        let c = parse(&with(mixtral.clone(), "sliding_window", 4096.into())).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(4096); 3]);
+        assert!(matches!(
+            parse(&with(mixtral, "clip_qkv", 8.0.into())),
+            Err(ConfigError::Unsupported {
+                key: "clip_qkv",
+                ..
+            })
+        ));
+        // the Qwen families' use_sliding_window stays refused
+        assert!(matches!(
+            parse(&with(base(), "use_sliding_window", true.into())),
+            Err(ConfigError::Unsupported {
+                key: "sliding_window",
+                ..
+            })
+        ));
+        let olmoe = with(
+            with(
+                without(base(), "moe_intermediate_size"),
+                "model_type",
+                "olmoe".into(),
+            ),
+            "intermediate_size",
+            64.into(),
+        );
+        let olmoe = without(olmoe, "mlp_only_layers");
+        assert_eq!(
+            parse(&with(olmoe.clone(), "clip_qkv", 8.into()))
+                .unwrap()
+                .clip_qkv,
+            Some(8.0)
+        );
+        assert!(matches!(
+            parse(&with(olmoe, "clip_qkv", (-1.0).into())),
+            Err(ConfigError::OutOfRange {
+                key: "clip_qkv",
+                ..
+            })
+        ));
+    }
 }
