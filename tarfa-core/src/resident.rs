@@ -148,6 +148,9 @@ pub struct ExpertBias {
 
 /// The MLP of one layer.
 #[derive(Clone, Debug)]
+// One per layer, built when a model loads: the variants' sizes do not matter, and boxing would
+// add an indirection to every step's read of the router.
+#[allow(clippy::large_enum_variant)]
 pub enum LayerMlp {
     Dense(DenseMlp),
     Moe(MoeResident),
