@@ -105,18 +105,3 @@ fn deepseek_v2_matches_transformers() {
     check_shared("deepseekv2-a");
 }
 
-// Issue 22's config features against transformers: fixtures made by validation/oracle/make_oracle.py
-// (`python3 make_oracle.py OUT mixtral-window-s olmoe-clip-s` on the GPU machine, copied into
-// fixtures/oracle). Until they are there these are ignored, with that reason.
-
-#[test]
-#[ignore = "needs fixtures/oracle/mixtral-window-s (make_oracle.py on the GPU machine)"]
-fn mixtral_sliding_window_matches_transformers() {
-    check_against_oracle(&load_fixture("mixtral-window-s"));
-}
-
-#[test]
-#[ignore = "needs fixtures/oracle/olmoe-clip-s (make_oracle.py on the GPU machine)"]
-fn olmoe_clip_qkv_matches_transformers() {
-    check_against_oracle(&load_fixture("olmoe-clip-s"));
-}
