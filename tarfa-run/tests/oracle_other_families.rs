@@ -104,4 +104,3 @@ fn deepseek_v3_matches_transformers() {
 fn deepseek_v2_matches_transformers() {
     check_shared("deepseekv2-a");
 }
-
