@@ -822,6 +822,7 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                 o_bias,
                 q_norm,
                 k_norm,
+                sinks,
             }) => {
                 for (w, b) in [(q_proj, q_bias), (k_proj, k_bias), (v_proj, v_bias)] {
                     out.push(t(w, Kind::Matrix));
@@ -829,6 +830,7 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                 }
                 out.push(t(o_proj, out_proj));
                 out.extend(o_bias.iter().map(|b| t(b, Kind::Bias)));
+                out.extend(sinks.iter().map(|b| t(b, Kind::Bias)));
                 out.extend(
                     [q_norm, k_norm]
                         .into_iter()
@@ -865,6 +867,9 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                 shared,
                 router_bias,
                 shared_ungated,
+                // gpt-oss (fused experts) has no synthetic shape: its biases never occur here.
+                router_linear_bias: _,
+                expert_bias: _,
                 experts: _,
             } => {
                 let layer = l as u32;

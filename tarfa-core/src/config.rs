@@ -117,6 +117,17 @@ impl MlaDims {
     }
 }
 
+/// How a checkpoint stores its expert matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertDtype {
+    /// BF16, widened exactly to f32.
+    Bf16,
+    /// MXFP4 as gpt-oss is released (`quantization_config.quant_method = "mxfp4"`): two e2m1
+    /// values per byte, low nibble first, and one e8m0 scale (bias 127) per 32 values, widened
+    /// exactly to BF16 (docs/EXACTNESS.md, "MXFP4").
+    Mxfp4,
+}
+
 /// The validated, family-resolved configuration of an MoE decoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
@@ -181,6 +192,14 @@ pub struct MoeConfig {
     pub mla: Option<MlaDims>,
     /// YaRN rotary scaling, when the config asks for it.
     pub yarn: Option<Yarn>,
+    /// Per layer, the sliding window: a token attends to the last `w` positions (itself
+    /// included), or to every earlier position when None (gpt-oss's `layer_types`, Mixtral's
+    /// `sliding_window`).
+    pub layer_windows: Vec<Option<usize>>,
+    /// How the expert matrices are stored.
+    pub expert_dtype: ExpertDtype,
+    /// OLMoE's `clip_qkv`: q, k and v clamped to `[-c, c]` after their projections.
+    pub clip_qkv: Option<f64>,
 }
 
 /// Typed access to one config object; every getter names its key in errors.
@@ -426,7 +445,7 @@ impl MoeConfig {
             DenseLayerRule::None | DenseLayerRule::QwenSparseStep => 0,
         };
         let group_routing = match family.router {
-            RouterRule::SoftmaxTopK => None,
+            RouterRule::SoftmaxTopK | RouterRule::TopKThenSoftmax => None,
             RouterRule::SigmoidGroupLimited => Some(group_routing(&r, num_experts, top_k)?),
             RouterRule::SoftmaxGroupLimited => Some(softmax_group_routing(&r, num_experts, top_k)?),
         };
@@ -582,24 +601,57 @@ impl MoeConfig {
                 });
             }
         }
-        // Qwen configs gate the window with use_sliding_window; Mixtral applies sliding_window
-        // whenever it is set.
-        let window_flag = r.bool_opt("use_sliding_window")?;
-        let window = r.usize_opt("sliding_window")?.filter(|&w| w != 0);
-        if window_flag == Some(true) || (window_flag.is_none() && window.is_some()) {
-            // The value as the config writes it (`4096`, or `null` when only the flag is on).
-            return Err(ConfigError::Unsupported {
-                key: "sliding_window",
-                value: json_text(r.get("sliding_window")),
-                why: "sliding-window attention is not implemented",
-            });
+        let layer_windows = layer_windows(&r, family, num_layers)?;
+        let clip_qkv = match r.get("clip_qkv") {
+            None => None,
+            // OlmoeAttention clamps q, k and v; no other family reads the key.
+            Some(v) if family.model_type == "olmoe" => {
+                let c = r.f64_opt("clip_qkv")?.unwrap_or(0.0);
+                if !(c.is_finite() && c > 0.0 && (c as f32).is_finite()) {
+                    return Err(ConfigError::OutOfRange {
+                        key: "clip_qkv",
+                        value: v.to_string(),
+                        why: "must be finite and positive (also as an f32)",
+                    });
+                }
+                Some(c)
+            }
+            Some(v) => {
+                return Err(ConfigError::Unsupported {
+                    key: "clip_qkv",
+                    value: v.to_string(),
+                    why: "this family does not clip q/k/v",
+                })
+            }
+        };
+        let expert_dtype = expert_dtype(&r, family)?;
+        if expert_dtype == ExpertDtype::Mxfp4 {
+            // one e8m0 scale per 32 values along each matrix's input
+            for (key, n) in [
+                ("hidden_size", hidden_size),
+                (family.expert_width_key, expert_width),
+            ] {
+                if !n.is_multiple_of(32) {
+                    return Err(ConfigError::OutOfRange {
+                        key,
+                        value: n.to_string(),
+                        why: "MXFP4 experts need a multiple of 32 (one scale per 32 values)",
+                    });
+                }
+            }
         }
-        if let Some(v) = r.get("clip_qkv") {
-            return Err(ConfigError::Unsupported {
-                key: "clip_qkv",
-                value: v.to_string(),
-                why: "clipping q/k/v is not implemented",
-            });
+        if family.extras.activation != crate::model::ExpertActivation::SwiGlu {
+            // GptOssExperts fixes its limit at 7.0; a config that writes another would not be
+            // the model transformers runs.
+            if let Some(lim) = r.f64_opt("swiglu_limit")? {
+                if lim != 7.0 {
+                    return Err(ConfigError::Unsupported {
+                        key: "swiglu_limit",
+                        value: json_text(r.get("swiglu_limit")),
+                        why: "gpt-oss's experts clamp at 7.0",
+                    });
+                }
+            }
         }
 
         let eos_token_ids = match r.get("eos_token_id") {
@@ -651,6 +703,9 @@ impl MoeConfig {
             nextn_predict_layers,
             mla,
             yarn,
+            layer_windows,
+            expert_dtype,
+            clip_qkv,
         };
         // A family with dense layers needs their width whenever one is dense.
         let spec = ArchSpec::new(&cfg);
@@ -696,6 +751,149 @@ impl MoeConfig {
             .filter(|&&id| id < self.vocab_size as u64)
             .map(|&id| id as u32)
             .collect()
+    }
+}
+
+/// Each layer's sliding window. gpt-oss reads `layer_types` (`sliding_attention` layers use
+/// `sliding_window`; absent, GptOssConfig's default alternates, layer 0 sliding). Mixtral applies
+/// `sliding_window` to every layer whenever it is set (transformers' MixtralModel). The Qwen
+/// families' `use_sliding_window` (with `max_window_layers`) and any other family's window are
+/// refused by name.
+fn layer_windows(
+    r: &Reader<'_>,
+    family: &Family,
+    num_layers: usize,
+) -> Result<Vec<Option<usize>>, ConfigError> {
+    let window = r.usize_opt("sliding_window")?;
+    let positive = |w: Option<usize>| -> Result<usize, ConfigError> {
+        match w {
+            Some(w) if w > 0 => Ok(w),
+            Some(_) => Err(ConfigError::OutOfRange {
+                key: "sliding_window",
+                value: "0".into(),
+                why: "must be at least 1",
+            }),
+            None => Err(ConfigError::Missing {
+                key: "sliding_window",
+            }),
+        }
+    };
+    if family.extras.layer_types {
+        let types: Vec<bool> = match r.get("layer_types") {
+            None => (0..num_layers).map(|l| l % 2 == 0).collect(),
+            Some(Value::Array(items)) => {
+                if items.len() != num_layers {
+                    return Err(ConfigError::OutOfRange {
+                        key: "layer_types",
+                        value: format!("{} entries", items.len()),
+                        why: "must name one type per layer (num_hidden_layers)",
+                    });
+                }
+                items
+                    .iter()
+                    .map(|v| match v.as_str() {
+                        Some("sliding_attention") => Ok(true),
+                        Some("full_attention") => Ok(false),
+                        _ => Err(ConfigError::Unsupported {
+                            key: "layer_types",
+                            value: v.to_string(),
+                            why: "only sliding_attention and full_attention layers are implemented",
+                        }),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            Some(v) => {
+                return Err(ConfigError::WrongType {
+                    key: "layer_types",
+                    expected: "a list of layer types",
+                    found: type_name(v),
+                })
+            }
+        };
+        let w = if types.contains(&true) {
+            Some(positive(window)?)
+        } else {
+            None
+        };
+        return Ok(types
+            .into_iter()
+            .map(|s| if s { w } else { None })
+            .collect());
+    }
+    if let Some(v) = r.get("layer_types") {
+        // Every other family is all full attention; a list that says otherwise asks for
+        // something this family does not do.
+        let all_full = v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+        if !all_full {
+            return Err(ConfigError::Unsupported {
+                key: "layer_types",
+                value: v.to_string(),
+                why: "this family's layers are all full attention",
+            });
+        }
+    }
+    if family.model_type == "mixtral" {
+        if r.bool_opt("use_sliding_window")? == Some(true) && window.is_none() {
+            return Err(ConfigError::Missing {
+                key: "sliding_window",
+            });
+        }
+        return Ok(match window {
+            None => vec![None; num_layers],
+            Some(_) => vec![Some(positive(window)?); num_layers],
+        });
+    }
+    // Qwen configs gate the window with use_sliding_window (and max_window_layers).
+    let window_flag = r.bool_opt("use_sliding_window")?;
+    let window = window.filter(|&w| w != 0);
+    if window_flag == Some(true) || (window_flag.is_none() && window.is_some()) {
+        // The value as the config writes it (`4096`, or `null` when only the flag is on).
+        return Err(ConfigError::Unsupported {
+            key: "sliding_window",
+            value: json_text(r.get("sliding_window")),
+            why:
+                "sliding-window attention is implemented for gpt-oss's layer_types and Mixtral only",
+        });
+    }
+    Ok(vec![None; num_layers])
+}
+
+/// The experts' storage: BF16, or MXFP4 under `quantization_config.quant_method = "mxfp4"` for
+/// a family released that way. Every other quantization is refused by name.
+fn expert_dtype(r: &Reader<'_>, family: &Family) -> Result<ExpertDtype, ConfigError> {
+    let Some(q) = r.get("quantization_config") else {
+        return Ok(ExpertDtype::Bf16);
+    };
+    let method = q.get("quant_method").and_then(Value::as_str);
+    match method {
+        Some("mxfp4") if family.extras.mxfp4_experts => {
+            // transformers' Mxfp4Config(dequantize=True) is a loading choice, not the model's;
+            // any other key in the block would be a quantization this build does not know.
+            let known = ["quant_method", "modules_to_not_convert", "dequantize"];
+            if let Some(k) = q
+                .as_object()
+                .and_then(|o| o.keys().find(|k| !known.contains(&k.as_str())))
+            {
+                return Err(ConfigError::Unsupported {
+                    key: "quantization_config",
+                    value: Value::String(k.clone()).to_string(),
+                    why: "an MXFP4 key this build does not implement",
+                });
+            }
+            Ok(ExpertDtype::Mxfp4)
+        }
+        Some("mxfp4") => Err(ConfigError::Unsupported {
+            key: "quantization_config.quant_method",
+            value: "\"mxfp4\"".into(),
+            why: "MXFP4 experts are read for gpt-oss only, as it is released",
+        }),
+        _ => Err(ConfigError::Unsupported {
+            key: "quantization_config.quant_method",
+            value: json_text(q.get("quant_method")),
+            why: "quantized weights other than gpt-oss's released MXFP4 experts are not run (they would not be the checkpoint's own values widened exactly)",
+        }),
     }
 }
 
@@ -1141,6 +1339,7 @@ impl ArchSpec {
             ),
             router: family.router,
             attention: family.attention,
+            extras: family.extras,
             names: family.names,
         }
     }
@@ -1707,5 +1906,152 @@ mod tests {
                 key: "rope_parameters.original_max_position_embeddings"
             })
         );
+    }
+
+    fn gpt_oss() -> Value {
+        // the shared oracle's gptoss-mxfp4-a config
+        serde_json::from_str(
+            r#"{"model_type": "gpt_oss", "attention_bias": true, "head_dim": 32,
+                "hidden_act": "silu", "hidden_size": 128, "intermediate_size": 64,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                "full_attention"], "max_position_embeddings": 512, "num_attention_heads": 4,
+                "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                "num_local_experts": 8, "rms_norm_eps": 1e-06, "rope_parameters": {"beta_fast":
+                32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0, "rope_type": "yarn", "truncate": false},
+                "sliding_window": 16, "tie_word_embeddings": false, "vocab_size": 512,
+                "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert":
+                ["model.layers.*.self_attn"]}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn gpt_oss_reads_its_windows_biases_and_mxfp4() {
+        let c = parse(&gpt_oss()).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(16), None, Some(16), None]);
+        assert_eq!(c.expert_dtype, ExpertDtype::Mxfp4);
+        assert!(c.qkv_bias && c.o_bias);
+        assert!(c.yarn.is_some());
+        let spec = ArchSpec::new(&c);
+        assert!(spec.extras.attention_sinks && spec.extras.expert_bias);
+        // absent layer_types: GptOssConfig's default alternates, layer 0 sliding
+        let c = parse(&without(gpt_oss(), "layer_types")).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(16), None, Some(16), None]);
+        let c = parse(&without(gpt_oss(), "quantization_config")).unwrap();
+        assert_eq!(c.expert_dtype, ExpertDtype::Bf16);
+    }
+
+    #[test]
+    fn gpt_oss_refuses_what_it_cannot_run_by_name() {
+        let key = |v: Value| match parse(&v) {
+            Err(ConfigError::Unsupported { key, .. })
+            | Err(ConfigError::OutOfRange { key, .. })
+            | Err(ConfigError::Missing { key }) => key,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            key(with(gpt_oss(), "swiglu_limit", 10.0.into())),
+            "swiglu_limit"
+        );
+        assert!(parse(&with(gpt_oss(), "swiglu_limit", 7.0.into())).is_ok());
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "layer_types",
+                serde_json::json!(vec!["chunked_attention"; 4])
+            )),
+            "layer_types"
+        );
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "layer_types",
+                serde_json::json!(vec!["full_attention"; 3])
+            )),
+            "layer_types"
+        );
+        assert_eq!(key(without(gpt_oss(), "sliding_window")), "sliding_window");
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "fp8"})
+            )),
+            "quantization_config.quant_method"
+        );
+        assert_eq!(
+            key(with(
+                gpt_oss(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "mxfp4", "group_size": 64})
+            )),
+            "quantization_config"
+        );
+        assert_eq!(
+            key(with(gpt_oss(), "intermediate_size", 48.into())),
+            "intermediate_size"
+        );
+        // MXFP4 is gpt-oss's released form only
+        assert_eq!(
+            key(with(
+                base(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "mxfp4"})
+            )),
+            "quantization_config.quant_method"
+        );
+    }
+
+    #[test]
+    fn windows_and_clip_qkv_where_transformers_reads_them() {
+        let mixtral = serde_json::json!({
+            "model_type": "mixtral", "vocab_size": 512, "hidden_size": 128,
+            "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_theta": 1e6,
+            "sliding_window": null
+        });
+        assert_eq!(parse(&mixtral).unwrap().layer_windows, vec![None; 3]);
+        let c = parse(&with(mixtral.clone(), "sliding_window", 4096.into())).unwrap();
+        assert_eq!(c.layer_windows, vec![Some(4096); 3]);
+        assert!(matches!(
+            parse(&with(mixtral, "clip_qkv", 8.0.into())),
+            Err(ConfigError::Unsupported {
+                key: "clip_qkv",
+                ..
+            })
+        ));
+        // the Qwen families' use_sliding_window stays refused
+        assert!(matches!(
+            parse(&with(base(), "use_sliding_window", true.into())),
+            Err(ConfigError::Unsupported {
+                key: "sliding_window",
+                ..
+            })
+        ));
+        let olmoe = with(
+            with(
+                without(base(), "moe_intermediate_size"),
+                "model_type",
+                "olmoe".into(),
+            ),
+            "intermediate_size",
+            64.into(),
+        );
+        let olmoe = without(olmoe, "mlp_only_layers");
+        assert_eq!(
+            parse(&with(olmoe.clone(), "clip_qkv", 8.into()))
+                .unwrap()
+                .clip_qkv,
+            Some(8.0)
+        );
+        assert!(matches!(
+            parse(&with(olmoe, "clip_qkv", (-1.0).into())),
+            Err(ConfigError::OutOfRange {
+                key: "clip_qkv",
+                ..
+            })
+        ));
     }
 }

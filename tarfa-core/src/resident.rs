@@ -62,6 +62,8 @@ pub struct AttentionWeights {
     pub o_bias: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// gpt-oss: one sink logit per query head, widened to f32.
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// Multi-head latent attention's query projection.
@@ -129,10 +131,26 @@ pub struct MoeResident {
     pub correction_bias: Option<Vec<f32>>,
     /// DeepSeek's / GLM-4.5's shared experts, added without a gate.
     pub shared_ungated: Option<DenseMlp>,
+    /// gpt-oss: the router's bias `[E]`, widened to f32.
+    pub router_linear_bias: Option<Vec<f32>>,
+    /// gpt-oss: the experts' biases, de-interleaved and widened to f32: per expert `e`,
+    /// `gate[e*I..(e+1)*I]`, `up[e*I..(e+1)*I]` and `down[e*H..(e+1)*H]`.
+    pub expert_bias: Option<ExpertBias>,
+}
+
+/// gpt-oss's expert biases (see [`MoeResident::expert_bias`]).
+#[derive(Clone, Debug)]
+pub struct ExpertBias {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 /// The MLP of one layer.
 #[derive(Clone, Debug)]
+// One per layer, built when a model loads: the variants' sizes do not matter, and boxing would
+// add an indirection to every step's read of the router.
+#[allow(clippy::large_enum_variant)]
 pub enum LayerMlp {
     Dense(DenseMlp),
     Moe(MoeResident),
@@ -230,6 +248,7 @@ impl ResidentWeights {
                     o_bias: opt(&a.o_bias)?,
                     q_norm: opt(&a.q_norm)?,
                     k_norm: opt(&a.k_norm)?,
+                    sinks: opt(&a.sinks)?,
                 }),
                 AttentionRules::Mla(a) => Attention::Mla(MlaWeights {
                     q: match &a.q {
@@ -253,8 +272,23 @@ impl ResidentWeights {
                     shared,
                     router_bias,
                     shared_ungated,
+                    router_linear_bias,
+                    expert_bias,
                     ..
                 } => LayerMlp::Moe(MoeResident {
+                    router_linear_bias: opt(router_linear_bias)?,
+                    expert_bias: match expert_bias {
+                        None => None,
+                        Some((gu, d)) => {
+                            // gate_up_proj_bias interleaves like its columns: 2j gate, 2j+1 up
+                            let gu = vector(src, gu)?;
+                            Some(ExpertBias {
+                                gate: gu.iter().step_by(2).copied().collect(),
+                                up: gu.iter().skip(1).step_by(2).copied().collect(),
+                                down: vector(src, d)?,
+                            })
+                        }
+                    },
                     router: matrix(src, router)?,
                     shared: match shared {
                         Some((d, gate)) => Some((dense(src, d)?, matrix(src, gate)?)),

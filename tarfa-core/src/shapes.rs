@@ -7,8 +7,8 @@
 //! `[out, in]`. H = hidden_size, V = vocab_size, Hq/Hkv = attention/KV heads, D = head_dim,
 //! E = experts, I = expert width, F = dense width, S = shared-expert width.
 
-use crate::config::MoeConfig;
-use crate::model::{expert_name, layer_name, ArchSpec, MlpKind, QkNorm, RouterRule};
+use crate::config::{ExpertDtype, MoeConfig};
+use crate::model::{expert_name, layer_name, ArchSpec, ExpertLayout, MlpKind, QkNorm, RouterRule};
 
 /// Whether a tensor must be in the checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +87,12 @@ pub enum MlpRules {
         router_bias: Option<TensorRule>,
         /// DeepSeek's / GLM-4.5's ungated shared experts, one MLP of width S.
         shared_ungated: Option<DenseMlpRules>,
+        /// gpt-oss: the router's bias `[E]`.
+        router_linear_bias: Option<TensorRule>,
+        /// gpt-oss: the experts' biases, `gate_up_proj_bias` `[E, 2I]` (interleaved like the
+        /// columns: `2j` gate, `2j+1` up) and `down_proj_bias` `[E, H]`. Resident: they are
+        /// small, and the forward adds the chosen experts' rows.
+        expert_bias: Option<(TensorRule, TensorRule)>,
         /// Every routed expert's matrices.
         experts: ExpertShapes,
     },
@@ -105,6 +111,8 @@ pub struct GqaRules {
     pub o_bias: Option<TensorRule>,
     pub q_norm: Option<TensorRule>,
     pub k_norm: Option<TensorRule>,
+    /// gpt-oss: one sink logit per query head `[Hq]`.
+    pub sinks: Option<TensorRule>,
 }
 
 /// Multi-head latent attention's query projection.
@@ -166,6 +174,72 @@ pub struct ModelRules {
     /// The family's expert name patterns (`{l}`, `{e}`) in gate, up, down order.
     expert_names: [&'static str; 3],
     num_experts: usize,
+    /// The fused expert tensors of every MoE layer ([`ExpertLayout::FusedInterleaved`]), empty
+    /// for a family whose experts are separate tensors.
+    pub fused: Vec<FusedExpertRules>,
+}
+
+/// One fused expert tensor of one layer (gpt-oss): all E experts' slices of one matrix, the
+/// expert index outermost, so expert `e`'s slice is one contiguous byte range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedTensorRule {
+    pub name: String,
+    /// The safetensors dtype it must have (`BF16`, or `U8` for MXFP4 blocks and scales).
+    pub dtype: &'static str,
+    /// Outermost first; `shape[0]` is E.
+    pub shape: Vec<usize>,
+    pub why: &'static str,
+}
+
+impl FusedTensorRule {
+    /// Bytes of one expert's slice.
+    pub fn expert_bytes(&self) -> usize {
+        let elem = if self.dtype == "BF16" { 2 } else { 1 };
+        self.shape[1..].iter().product::<usize>() * elem
+    }
+}
+
+/// A layer's fused expert tensors, in the order an expert's extent holds its slices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FusedExpertRules {
+    /// `gate_up_proj` `[E, H, 2I]` and `down_proj` `[E, I, H]`, BF16.
+    Bf16 {
+        layer: usize,
+        gate_up: FusedTensorRule,
+        down: FusedTensorRule,
+    },
+    /// MXFP4 as released: `gate_up_proj_blocks` `[E, 2I, H/32, 16]`, `gate_up_proj_scales`
+    /// `[E, 2I, H/32]`, `down_proj_blocks` `[E, H, I/32, 16]`, `down_proj_scales` `[E, H, I/32]`.
+    Mxfp4 {
+        layer: usize,
+        gate_up_blocks: FusedTensorRule,
+        gate_up_scales: FusedTensorRule,
+        down_blocks: FusedTensorRule,
+        down_scales: FusedTensorRule,
+    },
+}
+
+impl FusedExpertRules {
+    /// The layer.
+    pub fn layer(&self) -> usize {
+        match self {
+            FusedExpertRules::Bf16 { layer, .. } | FusedExpertRules::Mxfp4 { layer, .. } => *layer,
+        }
+    }
+
+    /// The tensors, in extent order.
+    pub fn tensors(&self) -> Vec<&FusedTensorRule> {
+        match self {
+            FusedExpertRules::Bf16 { gate_up, down, .. } => vec![gate_up, down],
+            FusedExpertRules::Mxfp4 {
+                gate_up_blocks,
+                gate_up_scales,
+                down_blocks,
+                down_scales,
+                ..
+            } => vec![gate_up_blocks, gate_up_scales, down_blocks, down_scales],
+        }
+    }
 }
 
 /// The element types the runtime computes with. Nothing else is ever widened or narrowed into
@@ -263,6 +337,15 @@ const MLA_KV_A: &str = "kv_lora_rank + qk_rope_head_dim, hidden_size";
 const MLA_KV_NORM: &str = "kv_lora_rank";
 const MLA_KV_B: &str = "num_attention_heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank";
 const MLA_O: &str = "hidden_size, num_attention_heads x v_head_dim";
+const SINKS: &str = "num_attention_heads";
+const EXPERT_GATE_UP_BIAS: &str = "number of experts, 2 x expert width";
+const EXPERT_DOWN_BIAS: &str = "number of experts, hidden_size";
+const FUSED_GATE_UP: &str = "number of experts, hidden_size, 2 x expert width";
+const FUSED_DOWN: &str = "number of experts, expert width, hidden_size";
+const MX_GATE_UP_BLOCKS: &str = "number of experts, 2 x expert width, hidden_size / 32, 16";
+const MX_GATE_UP_SCALES: &str = "number of experts, 2 x expert width, hidden_size / 32";
+const MX_DOWN_BLOCKS: &str = "number of experts, hidden_size, expert width / 32, 16";
+const MX_DOWN_SCALES: &str = "number of experts, hidden_size, expert width / 32";
 const EXPERT_IN: &str = "expert width, hidden_size";
 const EXPERT_OUT: &str = "hidden_size, expert width";
 
@@ -332,7 +415,9 @@ impl ModelRules {
                             _ => None,
                         };
                         let router_bias = match spec.router {
-                            RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => None,
+                            RouterRule::SoftmaxTopK
+                            | RouterRule::SoftmaxGroupLimited
+                            | RouterRule::TopKThenSoftmax => None,
                             RouterRule::SigmoidGroupLimited => {
                                 Some(rule(n.router_bias, vec![cfg.num_experts], ROUTER_BIAS))
                             }
@@ -343,6 +428,26 @@ impl ModelRules {
                             shared,
                             router_bias,
                             shared_ungated,
+                            router_linear_bias: opt(
+                                spec.extras.router_bias,
+                                n.router_linear_bias,
+                                vec![cfg.num_experts],
+                                ROUTER_BIAS,
+                            ),
+                            expert_bias: spec.extras.expert_bias.then(|| {
+                                (
+                                    rule(
+                                        n.fused_gate_up_bias,
+                                        vec![cfg.num_experts, 2 * i],
+                                        EXPERT_GATE_UP_BIAS,
+                                    ),
+                                    rule(
+                                        n.fused_down_bias,
+                                        vec![cfg.num_experts, h],
+                                        EXPERT_DOWN_BIAS,
+                                    ),
+                                )
+                            }),
                             experts: ExpertShapes {
                                 gate: [i, h],
                                 up: [i, h],
@@ -363,6 +468,12 @@ impl ModelRules {
                         o_bias: opt(spec.o_bias, n.o_bias, vec![h], NORM),
                         q_norm: qn.map(|(len, why)| rule(n.q_norm, vec![len], why)),
                         k_norm: kn.map(|(len, why)| rule(n.k_norm, vec![len], why)),
+                        sinks: opt(
+                            spec.extras.attention_sinks,
+                            n.sinks,
+                            vec![cfg.num_heads],
+                            SINKS,
+                        ),
                     }),
                     Some(m) => {
                         let hq = cfg.num_heads;
@@ -403,6 +514,10 @@ impl ModelRules {
             layers,
             expert_names: [n.expert_gate, n.expert_up, n.expert_down],
             num_experts: cfg.num_experts,
+            fused: match spec.extras.expert_layout {
+                ExpertLayout::Separate => Vec::new(),
+                ExpertLayout::FusedInterleaved => fused_rules(cfg, spec),
+            },
         }
     }
 
@@ -417,6 +532,7 @@ impl ModelRules {
                     out.extend(
                         [
                             &a.q_bias, &a.k_bias, &a.v_bias, &a.o_bias, &a.q_norm, &a.k_norm,
+                            &a.sinks,
                         ]
                         .into_iter()
                         .flatten(),
@@ -437,10 +553,16 @@ impl ModelRules {
                     shared,
                     router_bias,
                     shared_ungated,
+                    router_linear_bias,
+                    expert_bias,
                     ..
                 } => {
                     out.push(router);
                     out.extend(router_bias);
+                    out.extend(router_linear_bias);
+                    if let Some((gu, d)) = expert_bias {
+                        out.extend([gu, d]);
+                    }
                     if let Some((d, gate)) = shared {
                         out.extend([&d.gate, &d.up, &d.down, gate]);
                     }
@@ -464,21 +586,25 @@ impl ModelRules {
             })
     }
 
-    /// Every expert matrix of every MoE layer, gate, up, down per expert, experts ascending.
+    /// Every expert matrix of every MoE layer, gate, up, down per expert, experts ascending
+    /// (none for fused experts: see [`ModelRules::fused`]).
     pub fn expert_matrices(&self) -> impl Iterator<Item = ExpertMatrixRule> + '_ {
-        self.expert_layers().flat_map(move |(layer, s)| {
-            (0..self.num_experts).flat_map(move |e| {
-                [(s.gate, EXPERT_IN), (s.up, EXPERT_IN), (s.down, EXPERT_OUT)]
-                    .into_iter()
-                    .zip(self.expert_names)
-                    .map(move |((shape, why), pattern)| ExpertMatrixRule {
-                        layer,
-                        name: expert_name(pattern, layer, e),
-                        shape,
-                        why,
-                    })
+        let separate = self.fused.is_empty();
+        self.expert_layers()
+            .filter(move |_| separate)
+            .flat_map(move |(layer, s)| {
+                (0..self.num_experts).flat_map(move |e| {
+                    [(s.gate, EXPERT_IN), (s.up, EXPERT_IN), (s.down, EXPERT_OUT)]
+                        .into_iter()
+                        .zip(self.expert_names)
+                        .map(move |((shape, why), pattern)| ExpertMatrixRule {
+                            layer,
+                            name: expert_name(pattern, layer, e),
+                            shape,
+                            why,
+                        })
+                })
             })
-        })
     }
 
     /// Checks a checkpoint's tensor table against the rules: every needed tensor present with
@@ -526,8 +652,91 @@ impl ModelRules {
             }
             check_shape(&name, found.shape, &shape, why)?;
         }
+        for rule in self.fused.iter().flat_map(|f| f.tensors()) {
+            let Some(found) = lookup(&rule.name) else {
+                return Err(ShapeError::Missing {
+                    name: rule.name.clone(),
+                    why: rule.why,
+                });
+            };
+            if found.dtype != rule.dtype {
+                return Err(ShapeError::ExpertDtype {
+                    name: rule.name.clone(),
+                    dtype: found.dtype.to_string(),
+                });
+            }
+            check_shape(&rule.name, found.shape, &rule.shape, rule.why)?;
+        }
         Ok(())
     }
+}
+
+/// The fused expert tensors of every MoE layer of a gpt-oss config, BF16 or MXFP4.
+fn fused_rules(cfg: &MoeConfig, spec: &ArchSpec) -> Vec<FusedExpertRules> {
+    let n = &spec.names;
+    let (e, h, i) = (cfg.num_experts, cfg.hidden_size, cfg.expert_width);
+    let t =
+        |pattern: &str, l: usize, suffix: &str, dtype, shape: Vec<usize>, why| FusedTensorRule {
+            name: format!("{}{suffix}", layer_name(pattern, l)),
+            dtype,
+            shape,
+            why,
+        };
+    spec.layers
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| **k == MlpKind::Moe)
+        .map(|(l, _)| match cfg.expert_dtype {
+            ExpertDtype::Bf16 => FusedExpertRules::Bf16 {
+                layer: l,
+                gate_up: t(
+                    n.fused_gate_up,
+                    l,
+                    "",
+                    "BF16",
+                    vec![e, h, 2 * i],
+                    FUSED_GATE_UP,
+                ),
+                down: t(n.fused_down, l, "", "BF16", vec![e, i, h], FUSED_DOWN),
+            },
+            // The config parser checks H and I are multiples of 32.
+            ExpertDtype::Mxfp4 => FusedExpertRules::Mxfp4 {
+                layer: l,
+                gate_up_blocks: t(
+                    n.fused_gate_up,
+                    l,
+                    "_blocks",
+                    "U8",
+                    vec![e, 2 * i, h / 32, 16],
+                    MX_GATE_UP_BLOCKS,
+                ),
+                gate_up_scales: t(
+                    n.fused_gate_up,
+                    l,
+                    "_scales",
+                    "U8",
+                    vec![e, 2 * i, h / 32],
+                    MX_GATE_UP_SCALES,
+                ),
+                down_blocks: t(
+                    n.fused_down,
+                    l,
+                    "_blocks",
+                    "U8",
+                    vec![e, h, i / 32, 16],
+                    MX_DOWN_BLOCKS,
+                ),
+                down_scales: t(
+                    n.fused_down,
+                    l,
+                    "_scales",
+                    "U8",
+                    vec![e, h, i / 32],
+                    MX_DOWN_SCALES,
+                ),
+            },
+        })
+        .collect()
 }
 
 /// The dtype policy for non-expert tensors: BF16 or F32, carried as stored. F16 and F64 are

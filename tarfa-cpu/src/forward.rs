@@ -10,14 +10,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use rayon::prelude::*;
 
 use super::resident::{
-    Attention, AttentionWeights, DenseMlp, LayerMlp, Matrix, MlaQuery, MlaWeights, MoeResident,
+    Attention, AttentionWeights, DenseMlp, ExpertBias, LayerMlp, Matrix, MlaQuery, MlaWeights,
+    MoeResident,
 };
 use super::{
     BatchEntry, BatchError, CpuModel, FinalHidden, ForwardOutput, KvCache, LogitRows, RouterRecord,
     StepStats,
 };
 use tarfa_core::config::MlaDims;
-use tarfa_core::model::{QkNorm, RouterRule};
+use tarfa_core::model::{ExpertActivation, QkNorm, RouterRule};
 use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
 use tarfa_core::numerics::matvec::{transpose_rows, Activation};
 use tarfa_core::numerics::reduce::{fma_dispatch, weighted_row_sum};
@@ -98,6 +99,31 @@ fma_dispatch! {
 fn swiglu(g: &[f32], u: &[f32]) -> Vec<f32> {
     g.iter().zip(u).map(|(&gi, &ui)| silu(gi) * ui).collect()
 }
+}
+
+fma_dispatch! {
+/// gpt-oss's clamped SwiGLU (docs/EXACTNESS.md, "gpt-oss"): `g' = min(g, limit)`,
+/// `u' = max(min(u, limit), -limit)`, `a_i = (u' + 1) * (g' * sigmoid(g' * alpha))`.
+fn clamped_swiglu(g: &[f32], u: &[f32], alpha: f32, limit: f32) -> Vec<f32> {
+    g.iter()
+        .zip(u)
+        .map(|(&gi, &ui)| {
+            let gc = gi.min(limit);
+            let uc = ui.min(limit).max(-limit);
+            (uc + 1.0) * (gc * sigmoid(gc * alpha))
+        })
+        .collect()
+}
+}
+
+/// The expert activation of `act` on one token's gate and up vectors.
+fn expert_activation(kernel: Kernel, act: ExpertActivation, g: &[f32], u: &[f32]) -> Vec<f32> {
+    match act {
+        ExpertActivation::SwiGlu => swiglu(kernel, g, u),
+        ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+            clamped_swiglu(kernel, g, u, alpha, limit)
+        }
+    }
 }
 
 /// One sequence's part of a step, as the layers see it: its cache, its tokens, what it wants.
@@ -366,6 +392,13 @@ fn gqa_block(
         add_bias(q, &aw.q_bias);
         add_bias(k, &aw.k_bias);
         add_bias(v, &aw.v_bias);
+        // OLMoE's clip_qkv: each of q, k, v clamped to [-c, c], before the q/k norm
+        if let Some(c) = cfg.clip_qkv {
+            let c = c as f32;
+            for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *x = x.min(c).max(-c);
+            }
+        }
         // q/k norm: per head over D (Qwen3) or over the whole projection (OLMoE)
         match (model.spec.qk_norm, &aw.q_norm, &aw.k_norm) {
             (QkNorm::PerHead, Some(qn), Some(kn)) => {
@@ -397,6 +430,8 @@ fn gqa_block(
     let t_count = h.len();
     let mut o_all = vec![0.0f32; t_count * hq * d];
     let cache_refs: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+    let window = cfg.layer_windows.get(l).copied().flatten();
+    let sinks = aw.sinks.as_deref();
     // one task per (token, query head): independent outputs
     o_all
         .par_chunks_mut(d)
@@ -406,12 +441,21 @@ fn gqa_block(
             let q = &q_all[t][qh * d..(qh + 1) * d];
             let Slot { seq, pos } = slots[t];
             let (keys, values) = cache_refs[seq].head(l, qh / group);
-            let n = pos + 1; // causal: positions 0..=pos of the token's own sequence
-            let s: Vec<f32> = (0..n)
+            // causal: positions 0..=pos of the token's own sequence; a sliding layer keeps
+            // the last w of them (transformers' mask: key j is seen when pos - j < w)
+            let n = pos + 1;
+            let start = window.map_or(0, |w| n.saturating_sub(w));
+            let mut s: Vec<f32> = (start..n)
                 .map(|j| kernel.dot_f32(q, &keys[j * d..(j + 1) * d]) * scale)
                 .collect();
-            let p = softmax(kernel, &s);
-            weighted_row_sum(kernel, &p, &values[..n * d], o, scratch);
+            // gpt-oss's sink: one more logit in the softmax, after the keys; its probability
+            // is dropped (the weights then sum to less than 1)
+            if let Some(sk) = sinks {
+                s.push(sk[qh]);
+            }
+            let mut p = softmax(kernel, &s);
+            p.truncate(n - start);
+            weighted_row_sum(kernel, &p, &values[start * d..n * d], o, scratch);
         });
 
     // h_t = h_t + (W_o o_t (+ b_o))
@@ -738,6 +782,23 @@ fn route_softmax_grouped(
     }
 }
 
+/// gpt-oss's routing (docs/EXACTNESS.md, "gpt-oss"), as transformers' `GptOssTopKRouter`:
+/// the top-k of the logits (descending, lower id first among equals), then the softmax over
+/// those k logits only, in selection order. The record's `probs` are those weights;
+/// `kth_prob` and `next_prob` are the k-th and (k+1)-th logits, the margin of the choice.
+fn route_topk_then_softmax(kernel: Kernel, logits: &[f32], k: usize) -> Route {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let selected = &order[..k];
+    let chosen: Vec<f32> = selected.iter().map(|&e| logits[e]).collect();
+    let w = softmax(kernel, &chosen);
+    Route {
+        chosen: selected.iter().zip(&w).map(|(&e, &w)| (e, w, w)).collect(),
+        kth: logits[order[k - 1]],
+        next: order.get(k).map(|&e| logits[e]),
+    }
+}
+
 fn check_expert(
     e: &dyn ExpertData,
     layer: usize,
@@ -806,6 +867,10 @@ fn moe_block(
 
     // router logits [T][E], then per-token routes
     let mut logits = apply(kernel, &moe.router, &xs);
+    // gpt-oss's router is a linear layer with a bias: logits = W x + b
+    for lg in logits.iter_mut() {
+        add_bias(lg, &moe.router_linear_bias);
+    }
     if let Some(k) = step.hook.as_mut() {
         k.router_logits(l, &mut logits);
     }
@@ -835,6 +900,10 @@ fn moe_block(
             .iter()
             .map(|lg| route_softmax_grouped(kernel, lg, g, cfg.top_k))
             .collect(),
+        (RouterRule::TopKThenSoftmax, _) => logits
+            .iter()
+            .map(|lg| route_topk_then_softmax(kernel, lg, cfg.top_k))
+            .collect(),
         _ => logits
             .iter()
             .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
@@ -847,6 +916,15 @@ fn moe_block(
             .map(|lg| match model.spec.router {
                 RouterRule::SigmoidGroupLimited => lg.iter().map(|&x| sigmoid(x)).collect(),
                 RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => softmax(kernel, lg),
+                // transformers' router_scores: the chosen experts' weights, 0 elsewhere
+                RouterRule::TopKThenSoftmax => {
+                    let r = route_topk_then_softmax(kernel, lg, cfg.top_k);
+                    let mut p = vec![0.0f32; lg.len()];
+                    for &(e, _, w) in &r.chosen {
+                        p[e] = w;
+                    }
+                    p
+                }
             })
             .collect();
         k.router_probs(l, &probs);
@@ -914,6 +992,8 @@ fn moe_block(
         let (group_ys, sh) = expert_products(
             kernel,
             cfg,
+            model.spec.extras.activation,
+            (batch, moe.expert_bias.as_ref()),
             &experts,
             &token_lists,
             &xs,
@@ -980,9 +1060,12 @@ fn moe_block(
 /// Returns each expert's outputs per token of its list, and the shared expert's outputs per
 /// token with its gate logits.
 #[allow(clippy::type_complexity)]
+#[allow(clippy::too_many_arguments)]
 fn expert_products(
     kernel: Kernel,
     cfg: &tarfa_core::config::MoeConfig,
+    activation: ExpertActivation,
+    (ids, bias): (&[usize], Option<&ExpertBias>),
     experts: &[ExpertHandle],
     token_lists: &[&Vec<(usize, f32)>],
     xs: &[Activation],
@@ -1049,18 +1132,27 @@ fn expert_products(
         run_jobs(kernel, jobs);
     }
 
-    // a = silu(g) * u per (expert, token)
+    // a = silu(g) * u per (expert, token), or gpt-oss's clamped form on g + b_g, u + b_u
+    let iw = cfg.expert_width;
     let acts: Vec<Vec<Activation>> = token_lists
         .iter()
         .zip(gate_out.iter().zip(&up_out))
-        .map(|(tl, (g, u))| {
-            let (g, u) = (
-                transpose_rows(g, cfg.expert_width, tl.len()),
-                transpose_rows(u, cfg.expert_width, tl.len()),
+        .zip(ids)
+        .map(|((tl, (g, u)), &e)| {
+            let (mut g, mut u) = (
+                transpose_rows(g, iw, tl.len()),
+                transpose_rows(u, iw, tl.len()),
             );
+            if let Some(b) = bias {
+                let (bg, bu) = (&b.gate[e * iw..(e + 1) * iw], &b.up[e * iw..(e + 1) * iw]);
+                for (g, u) in g.iter_mut().zip(u.iter_mut()) {
+                    g.iter_mut().zip(bg).for_each(|(x, &b)| *x += b);
+                    u.iter_mut().zip(bu).for_each(|(x, &b)| *x += b);
+                }
+            }
             g.iter()
                 .zip(&u)
-                .map(|(g, u)| Activation::new(kernel, swiglu(kernel, g, u)))
+                .map(|(g, u)| Activation::new(kernel, expert_activation(kernel, activation, g, u)))
                 .collect()
         })
         .collect();
@@ -1109,10 +1201,22 @@ fn expert_products(
         run_jobs(kernel, jobs);
     }
 
+    let hs = cfg.hidden_size;
     let ys = token_lists
         .iter()
         .zip(&down_out)
-        .map(|(tl, y)| transpose_rows(y, cfg.hidden_size, tl.len()))
+        .zip(ids)
+        .map(|((tl, y), &e)| {
+            let mut y = transpose_rows(y, hs, tl.len());
+            // gpt-oss: y = W_down a + b_down, before the routing weight
+            if let Some(b) = bias {
+                let bd = &b.down[e * hs..(e + 1) * hs];
+                for yt in y.iter_mut() {
+                    yt.iter_mut().zip(bd).for_each(|(x, &b)| *x += b);
+                }
+            }
+            y
+        })
         .collect();
     let shared_out = shared.map(|_| (transpose_rows(&sh_y, cfg.hidden_size, t_count), sh_s));
     (ys, shared_out)

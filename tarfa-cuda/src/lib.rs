@@ -285,7 +285,8 @@ pub struct HotOptions {
 /// Why the CUDA kernels cannot run this model's family, or `None` when they can. The kernels
 /// implement softmax top-k routing, a sigmoid-gated shared expert, GQA with rotary embedding on
 /// the whole head and the default rotary tables; a family that needs anything else (GLM-4.5's
-/// partial rotary and group-limited sigmoid routing, DeepSeek's MLA and YaRN) is refused by
+/// partial rotary and group-limited sigmoid routing, DeepSeek's MLA, gpt-oss's sinks, sliding
+/// windows, biased router, expert biases, fused and MXFP4 experts, OLMoE's clip_qkv) is refused by
 /// name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
 /// these families.
 pub fn unsupported_family(
@@ -298,6 +299,26 @@ pub fn unsupported_family(
         RouterRule::SoftmaxTopK => {}
         RouterRule::SigmoidGroupLimited => missing.push("group-limited sigmoid routing"),
         RouterRule::SoftmaxGroupLimited => missing.push("DeepSeek-V2's group-limited routing"),
+        RouterRule::TopKThenSoftmax => missing.push("gpt-oss's biased top-k-then-softmax router"),
+    }
+    let x = &spec.extras;
+    if x.attention_sinks {
+        missing.push("attention sinks");
+    }
+    if cfg.layer_windows.iter().any(Option::is_some) {
+        missing.push("sliding-window attention");
+    }
+    if x.expert_bias || x.activation != tarfa_core::model::ExpertActivation::SwiGlu {
+        missing.push("expert biases and the clamped SwiGLU");
+    }
+    if x.expert_layout != tarfa_core::model::ExpertLayout::Separate {
+        missing.push("fused expert tensors");
+    }
+    if cfg.expert_dtype != tarfa_core::config::ExpertDtype::Bf16 {
+        missing.push("MXFP4 experts");
+    }
+    if cfg.clip_qkv.is_some() {
+        missing.push("clip_qkv");
     }
     if spec.attention != tarfa_core::model::AttentionKind::Gqa {
         missing.push("multi-head latent attention");

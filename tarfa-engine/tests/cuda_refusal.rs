@@ -69,3 +69,63 @@ fn auto_takes_the_cpu_for_such_a_family_and_says_why() {
     assert!(matches!(err, EngineError::Run(_)), "{err}");
     assert!(err.to_string().contains("embed_tokens"), "{err}");
 }
+
+/// gpt-oss (issue 22): every feature the CUDA kernels lack is named, and `auto` takes the CPU.
+#[test]
+fn cuda_refuses_gpt_oss_naming_each_missing_feature_and_auto_takes_the_cpu() {
+    let cfg = MoeConfig::from_json_str(
+        r#"{"model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
+            "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
+            "rope_parameters": {"rope_theta": 150000.0, "rope_type": "default"},
+            "quantization_config": {"quant_method": "mxfp4"}}"#,
+    )
+    .unwrap();
+    let opts = |backend| LoadOptions {
+        backend,
+        threads: 1,
+        kernel: Kernel::best(),
+        hot: None,
+        cuda: Default::default(),
+    };
+    let err = Engine::load(
+        cfg.clone(),
+        Arc::new(InMemorySource::new()),
+        &opts(BackendChoice::Cuda),
+        &|_| {},
+    )
+    .err()
+    .expect("refused");
+    let msg = err.to_string();
+    for what in [
+        "gpt_oss",
+        "attention sinks",
+        "sliding-window attention",
+        "expert biases",
+        "fused expert tensors",
+        "MXFP4 experts",
+        "--backend cpu",
+    ] {
+        assert!(msg.contains(what), "{what}: {msg}");
+    }
+    let lines = Mutex::new(Vec::new());
+    let err = Engine::load(
+        cfg,
+        Arc::new(InMemorySource::new()),
+        &opts(BackendChoice::Auto),
+        &|l| lines.lock().unwrap().push(l),
+    )
+    .err()
+    .expect("the empty source has no weights");
+    assert!(
+        matches!(err, EngineError::Run(_)),
+        "the CPU's loader: {err}"
+    );
+    assert!(lines
+        .into_inner()
+        .unwrap()
+        .iter()
+        .any(|l| l.contains("gpt_oss") && l.contains("using the CPU")),);
+}

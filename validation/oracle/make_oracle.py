@@ -4,7 +4,8 @@
 exercise the config paths the shared fixtures do not: dense layers through mlp_only_layers and
 decoder_sparse_step, norm_topk_prob false, tied embeddings, a top-level rope_theta, and sizes that
 are not multiples of 32. Run it on the GPU machine: python3 make_oracle.py OUTDIR qwen3moe-dense
-qwen3moe-odd.)
+qwen3moe-odd. Issue 22 adds mixtral-window-s (sliding_window 8) and olmoe-clip-s (clip_qkv 0.5):
+python3 make_oracle.py OUTDIR mixtral-window-s olmoe-clip-s, then copy both into fixtures/oracle.)
 
 For each config: save a sharded BF16 safetensors checkpoint (hub layout), then record, with
 transformers' own forward pass in float32 on the CPU (bf16 weights upcast exactly), the greedy
@@ -82,13 +83,28 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4,
         norm_topk_prob=False, tie_word_embeddings=False, rope_theta=10000.0,
         initializer_range=0.06, **COMMON)),
+    # Issue 22's config features, on the small twins (appended last: the seeds of the configs
+    # above, which follow the order, stay as they were). Mixtral applies sliding_window to every
+    # layer; 8 is shorter than the 33- and 100-token prompts. clip_qkv 0.5 clamps a good part of
+    # OLMoE's q/k/v at this initialisation (their spread is about 0.06 x sqrt(64)).
+    "mixtral-window-s": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1000000.0,
+        sliding_window=8, initializer_range=0.06, **COMMON)),
+    "olmoe-clip-s": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4,
+        norm_topk_prob=False, tie_word_embeddings=False, rope_theta=10000.0, clip_qkv=0.5,
+        initializer_range=0.06, **COMMON)),
 }
 
 # Configs whose saved config.json gets rope_theta at the top level instead of rope_parameters.
 TOPLEVEL_ROPE = {"qwen3moe-odd"}
 
 # Configs saved in smaller shards than the default 1 MB.
-SHARD_SIZE = {"mixtral-s": "128KB", "qwen2moe-s": "128KB", "olmoe-s": "128KB"}
+SHARD_SIZE = {"mixtral-s": "128KB", "qwen2moe-s": "128KB", "olmoe-s": "128KB",
+              "mixtral-window-s": "128KB", "olmoe-clip-s": "128KB"}
 
 PROMPT_LENS = [1, 7, 33, 100]
 NEW_TOKENS = 24

@@ -12,7 +12,8 @@
 //! This file only describes the family; it must never contain arithmetic.
 
 use super::{
-    AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames,
+    AttentionKind, DenseLayerRule, Family, FamilyExtras, Flag, QkNorm, RouterRule,
+    SharedExpertRule, TensorNames,
 };
 
 /// The DeepSeek-V2 family.
@@ -36,6 +37,7 @@ pub static DEEPSEEK_V2: Family = Family {
     shared_expert: Some(SharedExpertRule::Ungated {
         count_key: "n_shared_experts",
     }),
+    extras: FamilyExtras::NONE,
     names: TensorNames {
         shared_gate_proj: "model.layers.{l}.mlp.shared_experts.gate_proj.weight",
         shared_up_proj: "model.layers.{l}.mlp.shared_experts.up_proj.weight",

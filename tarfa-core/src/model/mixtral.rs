@@ -5,7 +5,9 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
+use super::{
+    AttentionKind, DenseLayerRule, Family, FamilyExtras, Flag, QkNorm, RouterRule, TensorNames,
+};
 
 /// The Mixtral family.
 pub static MIXTRAL: Family = Family {
@@ -26,6 +28,7 @@ pub static MIXTRAL: Family = Family {
     qkv_bias: Flag::Fixed(false),
     o_bias: Flag::Fixed(false),
     shared_expert: None,
+    extras: FamilyExtras::NONE,
     names: TensorNames {
         router: "model.layers.{l}.block_sparse_moe.gate.weight",
         expert_gate: "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",

@@ -12,6 +12,7 @@
 pub mod deepseek_v2;
 pub mod deepseek_v3;
 pub mod glm4_moe;
+pub mod gpt_oss;
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen2_moe;
@@ -26,6 +27,7 @@ pub const FAMILIES: &[&Family] = &[
     &glm4_moe::GLM4_MOE,
     &deepseek_v3::DEEPSEEK_V3,
     &deepseek_v2::DEEPSEEK_V2,
+    &gpt_oss::GPT_OSS,
 ];
 
 /// The family whose `model_type` is `model_type`.
@@ -85,6 +87,68 @@ pub enum RouterRule {
     /// groups (each scored by its largest probability) and masks the rest to 0.0; the weights
     /// are the chosen probabilities times `routed_scaling_factor`, never renormalised.
     SoftmaxGroupLimited,
+    /// gpt-oss: the router's logits (`W x + b`) choose, the top-k by logit (descending, lower
+    /// id first among equals); the weights are the softmax over the k chosen logits only, in
+    /// selection order (transformers' `GptOssTopKRouter`).
+    TopKThenSoftmax,
+}
+
+/// How a family stores each layer's experts in its checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// One `[I, H]` gate, `[I, H]` up and `[H, I]` down matrix per expert, each its own tensor
+    /// (`expert_gate`, `expert_up`, `expert_down` with `{e}`).
+    Separate,
+    /// gpt-oss: one tensor per layer for all experts, `gate_up_proj` `[E, H, 2I]` (the input
+    /// dimension first, gate and up interleaved by column: column `2j` is gate row `j`, `2j+1`
+    /// up row `j`) and `down_proj` `[E, I, H]`, with `gate_up_proj_bias` `[E, 2I]` and
+    /// `down_proj_bias` `[E, H]`; or, released in MXFP4, `*_blocks` `[E, rows, cols/32, 16]` and
+    /// `*_scales` `[E, rows, cols/32]` in the `[out, in]` orientation (rows 2j / 2j+1 gate / up).
+    FusedInterleaved,
+}
+
+/// The expert MLP's activation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertActivation {
+    /// `silu(g) * u`.
+    SwiGlu,
+    /// gpt-oss: `g' = min(g, limit)`, `u' = clamp(u, -limit, limit)`,
+    /// `a = (u' + 1) * (g' * sigmoid(g' * alpha))`.
+    ClampedSwiGlu { alpha: f32, limit: f32 },
+}
+
+/// What some families add to the common decoder; [`FamilyExtras::NONE`] for the rest.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FamilyExtras {
+    /// A learned logit per query head (`sinks`) in every attention softmax's denominator.
+    pub attention_sinks: bool,
+    /// The config's `layer_types` (`sliding_attention` / `full_attention`) with
+    /// `sliding_window` chooses each layer's window.
+    pub layer_types: bool,
+    /// The router has a bias (`router_linear_bias`): its logits are `W x + b`.
+    pub router_bias: bool,
+    /// Each expert's gate/up and down projections have biases.
+    pub expert_bias: bool,
+    /// How the experts are stored.
+    pub expert_layout: ExpertLayout,
+    /// The expert activation.
+    pub activation: ExpertActivation,
+    /// Whether `quantization_config.quant_method = "mxfp4"` may hold the experts (released
+    /// gpt-oss); every other family refuses a quantization_config.
+    pub mxfp4_experts: bool,
+}
+
+impl FamilyExtras {
+    /// None of the extras: the common decoder.
+    pub const NONE: FamilyExtras = FamilyExtras {
+        attention_sinks: false,
+        layer_types: false,
+        router_bias: false,
+        expert_bias: false,
+        expert_layout: ExpertLayout::Separate,
+        activation: ExpertActivation::SwiGlu,
+        mxfp4_experts: false,
+    };
 }
 
 /// How a layer's attention projects and caches (docs/EXACTNESS.md section 6 and "Multi-head
@@ -149,6 +213,14 @@ pub struct TensorNames {
     pub kv_a_proj: &'static str,
     pub kv_a_norm: &'static str,
     pub kv_b_proj: &'static str,
+    /// gpt-oss: the router's bias, the attention sinks, and the fused expert tensors
+    /// ([`ExpertLayout::FusedInterleaved`]; `{l}` only).
+    pub router_linear_bias: &'static str,
+    pub sinks: &'static str,
+    pub fused_gate_up: &'static str,
+    pub fused_gate_up_bias: &'static str,
+    pub fused_down: &'static str,
+    pub fused_down_bias: &'static str,
 }
 
 impl TensorNames {
@@ -188,6 +260,12 @@ impl TensorNames {
         kv_a_proj: "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight",
         kv_a_norm: "model.layers.{l}.self_attn.kv_a_layernorm.weight",
         kv_b_proj: "model.layers.{l}.self_attn.kv_b_proj.weight",
+        router_linear_bias: "model.layers.{l}.mlp.router.bias",
+        sinks: "model.layers.{l}.self_attn.sinks",
+        fused_gate_up: "model.layers.{l}.mlp.experts.gate_up_proj",
+        fused_gate_up_bias: "model.layers.{l}.mlp.experts.gate_up_proj_bias",
+        fused_down: "model.layers.{l}.mlp.experts.down_proj",
+        fused_down_bias: "model.layers.{l}.mlp.experts.down_proj_bias",
     };
 }
 
@@ -242,6 +320,8 @@ pub struct Family {
     pub o_bias: Flag,
     /// The shared expert, if the family has one.
     pub shared_expert: Option<SharedExpertRule>,
+    /// What the family adds to the common decoder (gpt-oss).
+    pub extras: FamilyExtras,
     /// Tensor names.
     pub names: TensorNames,
 }
@@ -313,6 +393,8 @@ pub struct ArchSpec {
     pub router: RouterRule,
     /// The attention.
     pub attention: AttentionKind,
+    /// The family's extras (sinks, biases, fused experts, activation).
+    pub extras: FamilyExtras,
     /// Tensor names.
     pub names: TensorNames,
 }

@@ -6,7 +6,9 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
+use super::{
+    AttentionKind, DenseLayerRule, Family, FamilyExtras, Flag, QkNorm, RouterRule, TensorNames,
+};
 
 /// The OLMoE family.
 pub static OLMOE: Family = Family {
@@ -27,5 +29,6 @@ pub static OLMOE: Family = Family {
     qkv_bias: Flag::Config("attention_bias", false),
     o_bias: Flag::Config("attention_bias", false),
     shared_expert: None,
+    extras: FamilyExtras::NONE,
     names: TensorNames::HF_DEFAULT,
 };

@@ -8,7 +8,8 @@
 //! This file only describes the family; it must never contain arithmetic.
 
 use super::{
-    AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, SharedExpertRule, TensorNames,
+    AttentionKind, DenseLayerRule, Family, FamilyExtras, Flag, QkNorm, RouterRule,
+    SharedExpertRule, TensorNames,
 };
 
 /// The Qwen2-MoE family.
@@ -32,5 +33,6 @@ pub static QWEN2_MOE: Family = Family {
     shared_expert: Some(SharedExpertRule::SigmoidGated {
         width_key: "shared_expert_intermediate_size",
     }),
+    extras: FamilyExtras::NONE,
     names: TensorNames::HF_DEFAULT,
 };

@@ -7,7 +7,9 @@
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
-use super::{AttentionKind, DenseLayerRule, Family, Flag, QkNorm, RouterRule, TensorNames};
+use super::{
+    AttentionKind, DenseLayerRule, Family, FamilyExtras, Flag, QkNorm, RouterRule, TensorNames,
+};
 
 /// The Qwen3-MoE family.
 pub static QWEN3_MOE: Family = Family {
@@ -29,5 +31,6 @@ pub static QWEN3_MOE: Family = Family {
     qkv_bias: Flag::Config("attention_bias", false),
     o_bias: Flag::Config("attention_bias", false),
     shared_expert: None,
+    extras: FamilyExtras::NONE,
     names: TensorNames::HF_DEFAULT,
 };

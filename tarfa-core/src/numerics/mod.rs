@@ -9,6 +9,7 @@
 pub mod aligned;
 pub mod detmath;
 pub mod matvec;
+pub mod mxfp4;
 pub mod reduce;
 pub mod rope;
 

@@ -9,6 +9,7 @@
 //! ([`WeightSource::prefetch`]). Implementations must hand out bytes that were verified in the very buffer returned
 //! (docs/EXACTNESS.md section 1) and must never memory-map weights for compute.
 
+pub mod fused;
 pub mod memory;
 pub mod safetensors_dir;
 
@@ -181,6 +182,13 @@ pub enum WeightError {
         shape: Vec<usize>,
         len: usize,
     },
+    /// An MXFP4 block of an expert has no exact BF16 widening (scale 255, or an overflow).
+    #[error("tensor `{name}`, expert {expert}: {msg}; MXFP4 is widened exactly or refused")]
+    Mxfp4 {
+        name: String,
+        expert: usize,
+        msg: String,
+    },
     /// The same tensor name appears twice.
     #[error("tensor `{0}` appears in more than one file")]
     Duplicate(String),
@@ -227,6 +235,7 @@ impl WeightError {
             | WeightError::MissingExpert { .. }
             | WeightError::UnsupportedDtype { .. }
             | WeightError::ExpertNotBf16 { .. }
+            | WeightError::Mxfp4 { .. }
             | WeightError::ShapeMismatch { .. }
             | WeightError::LengthMismatch { .. }
             | WeightError::Duplicate(_)

@@ -9,10 +9,12 @@ use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
 
+use super::fused::{expert_from_fused_bf16, expert_from_mxfp4, Mxfp4Part};
 use super::{Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData, WeightError};
 use crate::config::MoeConfig;
 use crate::model::{expert_name, ArchSpec, MlpKind};
 use crate::numerics::AlignedVec;
+use crate::shapes::{FusedExpertRules, FusedTensorRule, ModelRules};
 
 /// Reads every `*.safetensors` file in `dir` (sorted by name) and sorts its tensors into
 /// non-expert tensors and the experts of `spec`'s MoE layers.
@@ -37,6 +39,8 @@ pub fn load_safetensors_dir(
     }
 
     let mut all: std::collections::HashMap<String, HostTensor> = Default::default();
+    // U8 tensors: MXFP4 blocks and scales, which only the fused-expert rules below may take.
+    let mut raw_u8: std::collections::HashMap<String, (Vec<usize>, Vec<u8>)> = Default::default();
     for path in &files {
         let shown = path.display().to_string();
         let bytes = read_shard(path).map_err(|e| WeightError::Io {
@@ -49,6 +53,19 @@ pub fn load_safetensors_dir(
         })?;
         for (name, view) in st.tensors() {
             let raw = view.data();
+            if view.dtype() == Dtype::U8 {
+                if all.contains_key(&name)
+                    || raw_u8
+                        .insert(name.clone(), (view.shape().to_vec(), raw.to_vec()))
+                        .is_some()
+                {
+                    return Err(WeightError::Duplicate(name));
+                }
+                continue;
+            }
+            if raw_u8.contains_key(&name) {
+                return Err(WeightError::Duplicate(name));
+            }
             let data = match view.dtype() {
                 Dtype::BF16 => TensorData::Bf16(AlignedVec::<u16>::from_le_bytes(raw)),
                 Dtype::F32 => TensorData::F32(AlignedVec::<f32>::from_le_bytes(raw)),
@@ -69,8 +86,104 @@ pub fn load_safetensors_dir(
     let mut source = InMemorySource::new();
     let names = &spec.names;
     let (h, i) = (cfg.hidden_size, cfg.expert_width);
+    let rules = ModelRules::new(cfg, spec);
+    for fused in &rules.fused {
+        let layer = fused.layer();
+        let shape_of = |r: &FusedTensorRule, found: &[usize]| -> Result<(), WeightError> {
+            if found != r.shape.as_slice() {
+                return Err(WeightError::ShapeMismatch {
+                    name: r.name.clone(),
+                    expected: r.shape.clone(),
+                    found: found.to_vec(),
+                });
+            }
+            Ok(())
+        };
+        let missing = |r: &FusedTensorRule| WeightError::MissingExpert {
+            layer,
+            expert: 0,
+            name: r.name.clone(),
+        };
+        match fused {
+            FusedExpertRules::Bf16 { gate_up, down, .. } => {
+                let mut take = |r: &FusedTensorRule| -> Result<AlignedVec<u16>, WeightError> {
+                    let t = all.remove(&r.name).ok_or_else(|| {
+                        if raw_u8.contains_key(&r.name) {
+                            WeightError::ExpertNotBf16 {
+                                name: r.name.clone(),
+                                dtype: "U8".into(),
+                            }
+                        } else {
+                            missing(r)
+                        }
+                    })?;
+                    shape_of(r, &t.shape)?;
+                    match t.data {
+                        TensorData::Bf16(d) => Ok(d),
+                        TensorData::F32(_) => Err(WeightError::ExpertNotBf16 {
+                            name: r.name.clone(),
+                            dtype: "F32".into(),
+                        }),
+                    }
+                };
+                let (gu, d) = (take(gate_up)?, take(down)?);
+                for e in 0..cfg.num_experts {
+                    let ew = expert_from_fused_bf16(
+                        &gu[e * h * 2 * i..(e + 1) * h * 2 * i],
+                        &d[e * i * h..(e + 1) * i * h],
+                        h,
+                        i,
+                    );
+                    source.insert_expert(layer, e, ew);
+                }
+            }
+            FusedExpertRules::Mxfp4 {
+                gate_up_blocks,
+                gate_up_scales,
+                down_blocks,
+                down_scales,
+                ..
+            } => {
+                let mut take = |r: &FusedTensorRule| -> Result<Vec<u8>, WeightError> {
+                    let (shape, bytes) = raw_u8.remove(&r.name).ok_or_else(|| missing(r))?;
+                    shape_of(r, &shape)?;
+                    Ok(bytes)
+                };
+                let parts = [
+                    take(gate_up_blocks)?,
+                    take(gate_up_scales)?,
+                    take(down_blocks)?,
+                    take(down_scales)?,
+                ];
+                let per: Vec<usize> = [gate_up_blocks, gate_up_scales, down_blocks, down_scales]
+                    .iter()
+                    .map(|r| r.expert_bytes())
+                    .collect();
+                for e in 0..cfg.num_experts {
+                    let s = |k: usize| &parts[k][e * per[k]..(e + 1) * per[k]];
+                    let ew = expert_from_mxfp4(s(0), s(1), s(2), s(3), h, i).map_err(
+                        |(part, err)| WeightError::Mxfp4 {
+                            name: match part {
+                                Mxfp4Part::GateUp => gate_up_scales.name.clone(),
+                                Mxfp4Part::Down => down_scales.name.clone(),
+                            },
+                            expert: e,
+                            msg: err.to_string(),
+                        },
+                    )?;
+                    source.insert_expert(layer, e, ew);
+                }
+            }
+        }
+    }
+    if let Some(name) = raw_u8.keys().min() {
+        return Err(WeightError::UnsupportedDtype {
+            name: name.clone(),
+            dtype: "U8".into(),
+        });
+    }
     for (layer, kind) in spec.layers.iter().enumerate() {
-        if *kind != MlpKind::Moe {
+        if *kind != MlpKind::Moe || !rules.fused.is_empty() {
             continue;
         }
         for e in 0..cfg.num_experts {

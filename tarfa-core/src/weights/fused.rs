@@ -1,0 +1,110 @@
+//! One expert's matrices out of gpt-oss's fused expert tensors (docs/FORMAT.md, "Fused
+//! experts"): the declared re-layout from the checkpoint's orientation into the runtime's
+//! `[out, in]` gate, up and down, and its inverse. Both are pure permutations of BF16 values
+//! (the BF16 form) or an exact widening followed by one (the MXFP4 form): no value changes.
+
+use super::{Bf16Matrix, ExpertWeights};
+use crate::numerics::mxfp4::{widen_rows, Mxfp4Error};
+use crate::numerics::AlignedVec;
+
+fn matrix(rows: usize, cols: usize, v: Vec<u16>) -> Bf16Matrix {
+    Bf16Matrix {
+        rows,
+        cols,
+        data: AlignedVec::from_slice(&v),
+    }
+}
+
+/// Expert `e`'s slice of `gate_up_proj` (`[H, 2I]`, column `2j` gate row `j`, `2j+1` up row
+/// `j`) and of `down_proj` (`[I, H]`) as the runtime's matrices: `gate[j][x] = gu[x][2j]`,
+/// `up[j][x] = gu[x][2j+1]`, `down[y][j] = d[j][y]`.
+pub fn expert_from_fused_bf16(gate_up: &[u16], down: &[u16], h: usize, i: usize) -> ExpertWeights {
+    let mut gate = Vec::with_capacity(i * h);
+    let mut up = Vec::with_capacity(i * h);
+    for j in 0..i {
+        gate.extend((0..h).map(|x| gate_up[x * 2 * i + 2 * j]));
+        up.extend((0..h).map(|x| gate_up[x * 2 * i + 2 * j + 1]));
+    }
+    let mut dn = Vec::with_capacity(h * i);
+    for y in 0..h {
+        dn.extend((0..i).map(|j| down[j * h + y]));
+    }
+    ExpertWeights {
+        gate: matrix(i, h, gate),
+        up: matrix(i, h, up),
+        down: matrix(h, i, dn),
+    }
+}
+
+/// The inverse of [`expert_from_fused_bf16`]: the fused slices `(gate_up [H, 2I], down [I, H])`
+/// of an expert's matrices. `tarfa-verify check --source` and the tests use it to prove the
+/// re-layout loses nothing.
+pub fn fused_bf16_from_expert(e: &ExpertWeights, h: usize, i: usize) -> (Vec<u16>, Vec<u16>) {
+    let mut gu = vec![0u16; h * 2 * i];
+    for j in 0..i {
+        for x in 0..h {
+            gu[x * 2 * i + 2 * j] = e.gate.data[j * h + x];
+            gu[x * 2 * i + 2 * j + 1] = e.up.data[j * h + x];
+        }
+    }
+    let mut d = vec![0u16; i * h];
+    for y in 0..h {
+        for j in 0..i {
+            d[j * h + y] = e.down.data[y * i + j];
+        }
+    }
+    (gu, d)
+}
+
+/// Which MXFP4 tensor a block that cannot be widened is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mxfp4Part {
+    GateUp,
+    Down,
+}
+
+/// Expert `e`'s MXFP4 slices (gate_up: `2I` rows of `H` values; down: `H` rows of `I` values,
+/// both `[out, in]`) widened exactly into the runtime's matrices: gate is rows `2j`, up rows
+/// `2j+1`, down as it is.
+pub fn expert_from_mxfp4(
+    gate_up_blocks: &[u8],
+    gate_up_scales: &[u8],
+    down_blocks: &[u8],
+    down_scales: &[u8],
+    h: usize,
+    i: usize,
+) -> Result<ExpertWeights, (Mxfp4Part, Mxfp4Error)> {
+    let gu = |rows: Box<dyn Iterator<Item = usize>>| {
+        let mut v = Vec::with_capacity(i * h);
+        widen_rows(gate_up_blocks, gate_up_scales, h, rows, &mut v)
+            .map_err(|e| (Mxfp4Part::GateUp, e))?;
+        Ok(v)
+    };
+    let gate = gu(Box::new((0..i).map(|j| 2 * j)))?;
+    let up = gu(Box::new((0..i).map(|j| 2 * j + 1)))?;
+    let mut dn = Vec::with_capacity(h * i);
+    widen_rows(down_blocks, down_scales, i, 0..h, &mut dn).map_err(|e| (Mxfp4Part::Down, e))?;
+    Ok(ExpertWeights {
+        gate: matrix(i, h, gate),
+        up: matrix(i, h, up),
+        down: matrix(h, i, dn),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bf16_relayout_is_an_invertible_permutation() {
+        let (h, i) = (6, 4);
+        let gu: Vec<u16> = (0..(h * 2 * i) as u16).collect();
+        let d: Vec<u16> = (1000..1000 + (i * h) as u16).collect();
+        let e = expert_from_fused_bf16(&gu, &d, h, i);
+        // gate row 1, column 2 is gate_up[2][2]; up row 1, column 2 is gate_up[2][3]
+        assert_eq!(e.gate.data[h + 2], gu[2 * 2 * i + 2]);
+        assert_eq!(e.up.data[h + 2], gu[2 * 2 * i + 3]);
+        assert_eq!(e.down.data[3 * i + 1], d[h + 3]);
+        assert_eq!(fused_bf16_from_expert(&e, h, i), (gu, d));
+    }
+}

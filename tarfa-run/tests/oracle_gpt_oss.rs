@@ -1,0 +1,219 @@
+//! gpt-oss against transformers' float32 runs: the fused BF16 checkpoint (`gptoss-a`) and the
+//! released form, MXFP4 experts (`gptoss-mxfp4-a`), whose logits must be its exact BF16 twin's
+//! (`gptoss-mxfp4-a-bf16`) bit for bit, which proves the widening exact.
+//!
+//! The small twins `gptoss-s`, `gptoss-mxfp4-s` and `gptoss-mxfp4-s-bf16` ship in fixtures/oracle
+//! when present; the shared ones run when TARFA_EXTRA_ORACLES names ../shared/oracle:
+//! `TARFA_EXTRA_ORACLES=/work/shared/oracle cargo test -p tarfa-run --test oracle_gpt_oss -- --ignored`
+
+mod common;
+
+use common::family_cli::invariances_are_bitwise;
+use common::*;
+use tarfa_run::cpu::{ForwardOptions, LogitRows};
+use tarfa_run::generate::greedy;
+use tarfa_run::numerics::Kernel;
+
+fn shared(name: &str) -> std::path::PathBuf {
+    let root = std::env::var("TARFA_EXTRA_ORACLES")
+        .expect("set TARFA_EXTRA_ORACLES to the directory holding the extra oracle fixtures");
+    let dir = std::path::Path::new(&root).join(name);
+    assert!(
+        dir.join("reference.safetensors").is_file(),
+        "{}: no reference.safetensors (TARFA_EXTRA_ORACLES={root})",
+        dir.display()
+    );
+    dir
+}
+
+/// Every prompt's prefill logits (all positions) and greedy step logits, as bits.
+fn all_logit_bits(f: &Fixture) -> Vec<Vec<Vec<u32>>> {
+    let eng = engine(f, 2, Kernel::best());
+    let opts = ForwardOptions {
+        logits: LogitRows::All,
+        ..Default::default()
+    };
+    f.prompts
+        .iter()
+        .map(|r| {
+            let mut cache = f.model.new_cache();
+            let g = greedy(&eng, &mut cache, &r.prompt, r.greedy.len(), &opts).unwrap();
+            let mut rows = bits(&g.prefill.logits);
+            rows.extend(bits(&g.step_logits));
+            rows
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn gpt_oss_bf16_matches_transformers() {
+    check_against_oracle(&load_fixture_from(&shared("gptoss-a"), "gptoss-a"));
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn gpt_oss_mxfp4_twin_matches_transformers() {
+    check_against_oracle(&load_fixture_from(
+        &shared("gptoss-mxfp4-a-bf16"),
+        "gptoss-mxfp4-a-bf16",
+    ));
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn gpt_oss_mxfp4_gives_its_bf16_twins_logits_bit_for_bit() {
+    let mx = load_fixture_from(&shared("gptoss-mxfp4-a"), "gptoss-mxfp4-a");
+    check_against_oracle(&mx);
+    let twin = load_fixture_from(&shared("gptoss-mxfp4-a-bf16"), "gptoss-mxfp4-a-bf16");
+    assert_eq!(
+        all_logit_bits(&mx),
+        all_logit_bits(&twin),
+        "the MXFP4 experts widened are the twin's BF16 experts"
+    );
+}
+
+/// `f`'s checkpoint run under its config with `edit` applied: every prompt's prefill logits at
+/// every position, as bits.
+fn prefill_bits_with(
+    f: &Fixture,
+    dir: &std::path::Path,
+    edit: impl Fn(&mut serde_json::Value),
+) -> Vec<Vec<Vec<u32>>> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    edit(&mut v);
+    let cfg = tarfa_run::config::MoeConfig::from_json_str(&v.to_string()).unwrap();
+    let model = std::sync::Arc::new(tarfa_run::cpu::CpuModel::load(cfg, f.source.clone()).unwrap());
+    let eng = tarfa_run::cpu::CpuEngine::new(
+        model.clone(),
+        tarfa_run::cpu::EngineOptions {
+            threads: 2,
+            kernel: Kernel::best(),
+        },
+    )
+    .unwrap();
+    let opts = ForwardOptions {
+        logits: LogitRows::All,
+        ..Default::default()
+    };
+    f.prompts
+        .iter()
+        .map(|r| {
+            let mut cache = model.new_cache();
+            bits(&eng.forward(&mut cache, &r.prompt, &opts).unwrap().logits)
+        })
+        .collect()
+}
+
+/// Mixtral's `sliding_window` (every layer, as transformers' MixtralModel applies it), derived
+/// by hand: a window at least as long as every prompt is no window, bit for bit; with a window
+/// of w, the positions before w saw every key anyway and keep their bits, and later ones change.
+#[test]
+fn mixtral_sliding_window_is_exact_where_it_can_be_derived() {
+    let dir = fixture_dir("mixtral-s");
+    let f = load_fixture("mixtral-s");
+    let none = prefill_bits_with(&f, &dir, |_| {});
+    let longest = f.prompts.iter().map(|r| r.prompt.len()).max().unwrap();
+    for w in [longest, longest + 1000] {
+        let wide = prefill_bits_with(&f, &dir, |v| v["sliding_window"] = w.into());
+        assert!(
+            wide == none,
+            "a window of {w} >= every prompt changes nothing"
+        );
+    }
+    let w = 8;
+    let narrow = prefill_bits_with(&f, &dir, |v| v["sliding_window"] = w.into());
+    for (i, (got, want)) in narrow.iter().zip(&none).enumerate() {
+        let n = got.len();
+        assert!(
+            got[..n.min(w)] == want[..n.min(w)],
+            "prompt {i}: positions < {w} keep their bits"
+        );
+        if n > w {
+            assert!(
+                got[n - 1] != want[n - 1],
+                "prompt {i}: the last position sees only {w} keys"
+            );
+        }
+    }
+}
+
+/// OLMoE's `clip_qkv`: a bound no projection reaches changes nothing, bit for bit; a tight one
+/// changes the logits.
+#[test]
+fn olmoe_clip_qkv_clamps_only_what_exceeds_it() {
+    let dir = fixture_dir("olmoe-s");
+    let f = load_fixture("olmoe-s");
+    let none = prefill_bits_with(&f, &dir, |_| {});
+    let loose = prefill_bits_with(&f, &dir, |v| v["clip_qkv"] = 1e30.into());
+    assert!(loose == none, "an unreached bound clamps nothing");
+    let tight = prefill_bits_with(&f, &dir, |v| v["clip_qkv"] = 0.01.into());
+    assert!(tight != none, "a bound of 0.01 clamps");
+}
+
+/// gpt-oss's sliding layers: a window longer than every prompt equals making every layer full
+/// attention, bit for bit (the window is the only difference between the two kinds).
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn gpt_oss_wide_window_equals_full_attention() {
+    let dir = shared("gptoss-a");
+    let f = load_fixture_from(&dir, "gptoss-a");
+    let wide = prefill_bits_with(&f, &dir, |v| v["sliding_window"] = 4096.into());
+    let full = prefill_bits_with(&f, &dir, |v| {
+        let n = v["num_hidden_layers"].as_u64().unwrap() as usize;
+        v["layer_types"] = serde_json::json!(vec!["full_attention"; n]);
+    });
+    assert!(wide == full);
+    let own = prefill_bits_with(&f, &dir, |_| {});
+    assert!(
+        own != full,
+        "the fixture's window of 16 matters on its 33- and 100-token prompts"
+    );
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn gpt_oss_invariances_are_bitwise() {
+    invariances_are_bitwise(&load_fixture_from(
+        &shared("gptoss-mxfp4-a"),
+        "gptoss-mxfp4-a",
+    ));
+}
+
+/// The released MXFP4 bytes with one scale set to 255 (NaN in the OCP MX format): the load is
+/// refused, naming the tensor and the expert, instead of widening to a non-finite value.
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn a_nan_mxfp4_scale_is_refused_naming_the_tensor_and_expert() {
+    let src = shared("gptoss-mxfp4-a");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let path = tmp.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let name = "model.layers.1.mlp.experts.down_proj_scales";
+    let (start, per_expert) = {
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let v = st.tensor(name).unwrap();
+        let shape = v.shape().to_vec();
+        let start = v.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        (start, shape[1..].iter().product::<usize>())
+    };
+    bytes[start + 3 * per_expert + 1] = 255;
+    std::fs::write(&path, &bytes).unwrap();
+    let cfg = tarfa_run::config::MoeConfig::from_json_str(
+        &std::fs::read_to_string(tmp.path().join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let spec = tarfa_run::model::ArchSpec::new(&cfg);
+    let err = match tarfa_run::weights::load_safetensors_dir(tmp.path(), &cfg, &spec) {
+        Ok(_) => panic!("a NaN scale is refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(name) && err.contains("expert 3") && err.contains("scale 255"),
+        "{err}"
+    );
+}
