@@ -112,6 +112,35 @@ __device__ __forceinline__ int total_order_key(float x) {
     return b ^ (int)(((u32)(b >> 31)) >> 1);
 }
 
+// Eight consecutive weights of type W (16-byte aligned): one 16-byte load for BF16, two for
+// F32 (decode.cu, tile.cu).
+template <typename W>
+struct Pack8;
+
+template <>
+struct Pack8<u16> {
+    uint4 v;
+    __device__ __forceinline__ void load(const u16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
+    __device__ __forceinline__ float at(int s) const {
+        const u32 w = (s >> 1) == 0 ? v.x : (s >> 1) == 1 ? v.y : (s >> 1) == 2 ? v.z : v.w;
+        return (s & 1) ? bf16_hi(w) : bf16_lo(w);
+    }
+};
+
+template <>
+struct Pack8<float> {
+    uint4 v0, v1;
+    __device__ __forceinline__ void load(const float* p) {
+        v0 = __ldg(reinterpret_cast<const uint4*>(p));
+        v1 = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+    }
+    __device__ __forceinline__ float at(int s) const {
+        const uint4& q = s < 4 ? v0 : v1;
+        const int i = s & 3;
+        return __uint_as_float(i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w);
+    }
+};
+
 // ---------------------------------------------------------------------------------------------
 // The canonical reduction with a warp: thread p (0..31) holds virtual lanes 8p..8p+7 of every
 // 256-element chunk in a[0..7]; chunks are visited in increasing order, so lane v accumulates

@@ -19,34 +19,6 @@
 #define GU_ROWS 2      // rows per warp in gate_up_tile (gate and up: twice the accumulators)
 #define TILE_TOKENS 4  // tokens, or routed pairs, per block
 
-// Eight consecutive weights of type W (16-byte aligned): one 16-byte load for BF16, two for F32.
-template <typename W>
-struct Row8;
-
-template <>
-struct Row8<u16> {
-    uint4 v;
-    __device__ __forceinline__ void load(const u16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
-    __device__ __forceinline__ float at(int s) const {
-        const u32 w = (s >> 1) == 0 ? v.x : (s >> 1) == 1 ? v.y : (s >> 1) == 2 ? v.z : v.w;
-        return (s & 1) ? bf16_hi(w) : bf16_lo(w);
-    }
-};
-
-template <>
-struct Row8<float> {
-    float4 a, b;
-    __device__ __forceinline__ void load(const float* p) {
-        a = __ldg(reinterpret_cast<const float4*>(p));
-        b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    }
-    __device__ __forceinline__ float at(int s) const {
-        const float4& q = s < 4 ? a : b;
-        const int i = s & 3;
-        return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
-    }
-};
-
 __device__ __forceinline__ void load_x8(float xv[8], const float* p) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(p));
     const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -65,13 +37,13 @@ __device__ __forceinline__ void tile_dots(float (&acc)[R][T][8], const W* const 
         for (int t = 0; t < T; t++) zero8(acc[r][t]);
     // the next chunk's weights are loaded before this chunk's FMAs (loads in flight; the same
     // terms in the same order)
-    Row8<W> wv[R];
+    Pack8<W> wv[R];
     if (8 * p < n) {
 #pragma unroll
         for (int r = 0; r < R; r++) wv[r].load(w[r] + 8 * p);
     }
     for (int base = 8 * p; base < n; base += TARFA_LANES) {
-        Row8<W> nx[R];
+        Pack8<W> nx[R];
         if (base + TARFA_LANES < n) {
 #pragma unroll
             for (int r = 0; r < R; r++) nx[r].load(w[r] + base + TARFA_LANES);
@@ -269,7 +241,7 @@ __device__ __forceinline__ void gate_up_tile_body(const W* __restrict__ gate,
             zero8(ag[r][u]);
             zero8(au[r][u]);
         }
-    Row8<W> g8[GU_ROWS], u8[GU_ROWS];
+    Pack8<W> g8[GU_ROWS], u8[GU_ROWS];
     if (8 * p < cols) {
 #pragma unroll
         for (int r = 0; r < GU_ROWS; r++) {
@@ -278,7 +250,7 @@ __device__ __forceinline__ void gate_up_tile_body(const W* __restrict__ gate,
         }
     }
     for (int base = 8 * p; base < cols; base += TARFA_LANES) {
-        Row8<W> gn[GU_ROWS], un[GU_ROWS];
+        Pack8<W> gn[GU_ROWS], un[GU_ROWS];
         if (base + TARFA_LANES < cols) {
 #pragma unroll
             for (int r = 0; r < GU_ROWS; r++) {
