@@ -456,8 +456,8 @@ impl NativeModel {
     /// the router's top-k at that MoE layer (a row of -1s leaves that token's choice to the
     /// router); see [`tarfa_cpu::StepHook::forced_experts`] for the weights (an intervention).
     ///
-    /// Interruptible: Ctrl-C stops the step before the next layer (CPU) and raises
-    /// `KeyboardInterrupt`.
+    /// Interruptible: Ctrl-C stops the step before the next attention or MLP block (CPU) and
+    /// raises `KeyboardInterrupt`.
     #[pyo3(signature = (batch, residual_layers=None, edits=None, router_layers=None, ablate=None,
                         attn_layers=None, mlp_layers=None, probs_layers=None, expert_layers=None,
                         force=None))]
@@ -515,6 +515,13 @@ impl NativeModel {
                 return Err(input_err(format!(
                     "ablate: {layer} is not a layer of this model (0 to {})",
                     num_layers - 1
+                )));
+            }
+            if !l.moe_layers.contains(layer) {
+                // a dense layer has no router: the ablation would silently do nothing
+                return Err(input_err(format!(
+                    "ablate: {layer} is not an MoE layer of this model (MoE layers: {:?})",
+                    l.moe_layers
                 )));
             }
             if let Some(bad) = experts.iter().find(|&&e| e >= l.num_experts) {

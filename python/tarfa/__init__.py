@@ -193,6 +193,7 @@ class Model:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called (every call then raises InputError)."""
         return self._native.closed
 
     def close(self) -> None:
@@ -273,8 +274,8 @@ class Model:
         (``router_logits`` and ``router_probs`` stay the router's own). A layer cannot be both
         forced and ablated.
 
-        A long call is interrupted by Ctrl-C (``KeyboardInterrupt``) before the next layer on
-        the CPU (between calls on CUDA); the model stays usable."""
+        A long call is interrupted by Ctrl-C (``KeyboardInterrupt``) before the next attention
+        or MLP block on the CPU (between calls on CUDA); the model stays usable."""
         if isinstance(batch, (str, bytes)) or len(batch) == 0:
             raise InputError("batch: expected a non-empty list of token sequences")
         ids = [_token_ids(t, f"tokens {i}") for i, t in enumerate(batch)]

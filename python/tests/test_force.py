@@ -82,6 +82,8 @@ def test_bad_forces_are_refused_by_name(bundle, reference):
         assert moe == [1, 2]  # first_k_dense_replace = 1
         with pytest.raises(tarfa.InputError, match="force: 0 is not an MoE layer"):
             m.forward(prompt, force={0: list(range(k))})
+        with pytest.raises(tarfa.InputError, match="ablate: 0 is not an MoE layer"):
+            m.forward(prompt, ablate={0: [1]})
         with pytest.raises(tarfa.InputError, match="force: 9 is not an MoE layer"):
             m.forward(prompt, force={9: list(range(k))})
         with pytest.raises(tarfa.InputError, match="expert 8 is not an expert"):

@@ -414,8 +414,8 @@ fn experts_fetched_one_by_one_give_the_same_bits_and_a_failed_fetch_rewinds_ever
     assert!(after == untouched, "a cache changed in the failed step");
 }
 
-/// A hook that stops the step before layer `at` (Ctrl-C from Python), or forces `force` at
-/// every MoE layer.
+/// A hook that stops the step at its poll number `at` (Ctrl-C from Python), or forces
+/// `force` at every MoE layer.
 struct Stopper {
     at: usize,
     layers_seen: usize,
@@ -451,8 +451,9 @@ fn an_interrupted_or_refused_hooked_step_changes_no_cache() {
         eng.forward_batch_observed(&mut entries, hook)
     };
     let want = fingerprint(&step(&mut cache.clone(), None).unwrap());
-    // stopped before each layer, and before the final norm
-    for at in 0..=layers {
+    // stopped at each poll: before each layer's attention and its MLP block, and before the
+    // final norm
+    for at in 0..2 * layers + 1 {
         let mut c = cache.clone();
         let mut hook = Stopper {
             at,
@@ -465,7 +466,11 @@ fn an_interrupted_or_refused_hooked_step_changes_no_cache() {
             "at {at}: {}",
             err.error
         );
-        assert_eq!(hook.layers_seen, at + 1, "polled once per layer");
+        assert_eq!(
+            hook.layers_seen,
+            at + 1,
+            "stopped at the first poll that said so"
+        );
         assert_eq!(c.len(), prompt.len(), "at {at}: no position committed");
         assert!(fingerprint(&step(&mut c, None).unwrap()) == want, "at {at}");
     }
