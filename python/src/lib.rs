@@ -11,7 +11,9 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyException;
@@ -92,6 +94,53 @@ fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
+/// How often a call in progress looks for a signal (Ctrl-C): often enough that an interrupt
+/// feels immediate, rarely enough to cost nothing.
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// Runs `work` on a scoped thread, the GIL released, while the calling thread (Python's main
+/// thread, the only one whose signal check runs the handlers) looks for a signal every
+/// [`SIGNAL_POLL`]. When a handler raises (Ctrl-C: `KeyboardInterrupt`), `stop` is set; `work`
+/// polls it between layers or engine steps and returns early, and that exception is raised
+/// once it has. Nothing of an interrupted call is kept: every call runs on its own fresh
+/// sequences, so the model is as it was before.
+fn interruptible<T: Send>(
+    py: Python<'_>,
+    stop: &AtomicBool,
+    work: impl FnOnce() -> PyResult<T> + Send,
+) -> PyResult<T> {
+    py.detach(|| {
+        let caller = std::thread::current();
+        std::thread::scope(|s| {
+            let worker = s.spawn(|| {
+                let r = guarded(work);
+                caller.unpark();
+                r
+            });
+            let mut signal: Option<PyErr> = None;
+            while !worker.is_finished() {
+                std::thread::park_timeout(SIGNAL_POLL);
+                if signal.is_none() {
+                    if let Err(e) = Python::attach(|py| py.check_signals()) {
+                        stop.store(true, Ordering::Relaxed);
+                        signal = Some(e);
+                    }
+                }
+            }
+            // `guarded` caught any panic of `work`
+            let r = worker.join().unwrap_or_else(|_| {
+                Err(EnvironmentError::new_err(
+                    "internal error: a worker panicked",
+                ))
+            });
+            match signal {
+                Some(e) => Err(e),
+                None => r,
+            }
+        })
+    })
+}
+
 /// What an open model holds: the engine and what the bundle said about itself.
 struct Loaded {
     model: Model,
@@ -106,6 +155,8 @@ struct Loaded {
     hidden_size: usize,
     num_experts: usize,
     top_k: usize,
+    /// The MoE layers' absolute indices (the layers `force` can name).
+    moe_layers: Vec<usize>,
     /// Kept for as long as the model: the streamed weight source and its heat ledger.
     stream: StreamRun,
 }
@@ -258,6 +309,12 @@ impl NativeModel {
                         hidden_size: opened.cfg.hidden_size,
                         num_experts: opened.cfg.num_experts,
                         top_k: opened.cfg.top_k,
+                        moe_layers: {
+                            let spec = tarfa_core::model::ArchSpec::new(&opened.cfg);
+                            (0..opened.cfg.num_layers)
+                                .filter(|&l| spec.moe_index(l).is_some())
+                                .collect()
+                        },
                         source: opened.source,
                         config_json: opened.config_json,
                         tokenizer: opened.tokenizer,
@@ -292,6 +349,17 @@ impl NativeModel {
     #[getter]
     fn eos_token_ids(&self) -> PyResult<Vec<u32>> {
         Ok(self.loaded()?.eos.clone())
+    }
+
+    /// The experts the router selects per token (the resolved `num_experts_per_tok`).
+    #[getter]
+    fn top_k(&self) -> PyResult<usize> {
+        Ok(self.loaded()?.top_k)
+    }
+
+    #[getter]
+    fn moe_layers(&self) -> PyResult<Vec<usize>> {
+        Ok(self.loaded()?.moe_layers.clone())
     }
 
     #[getter]
@@ -383,8 +451,16 @@ impl NativeModel {
     /// (before the residual add), `[n, hidden]`; `probs_layers`: these MoE layers' router
     /// probabilities `[n, experts]`; `expert_layers`: these MoE layers' selected experts'
     /// outputs before mixing, `[n, k, hidden]` in the router's selection order.
+    ///
+    /// `force`: `(layer, ids)`, `ids` token-major `[n_total * top_k]`: each token's row replaces
+    /// the router's top-k at that MoE layer (a row of -1s leaves that token's choice to the
+    /// router); see [`tarfa_cpu::StepHook::forced_experts`] for the weights (an intervention).
+    ///
+    /// Interruptible: Ctrl-C stops the step before the next attention or MLP block (CPU) and
+    /// raises `KeyboardInterrupt`.
     #[pyo3(signature = (batch, residual_layers=None, edits=None, router_layers=None, ablate=None,
-                        attn_layers=None, mlp_layers=None, probs_layers=None, expert_layers=None))]
+                        attn_layers=None, mlp_layers=None, probs_layers=None, expert_layers=None,
+                        force=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward_batch<'py>(
         &self,
@@ -398,6 +474,7 @@ impl NativeModel {
         mlp_layers: Option<Vec<usize>>,
         probs_layers: Option<Vec<usize>>,
         expert_layers: Option<Vec<usize>>,
+        force: Option<Vec<(usize, Vec<i64>)>>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let l = self.loaded()?;
         if let Some(i) = batch.iter().position(|t| t.is_empty()) {
@@ -440,6 +517,13 @@ impl NativeModel {
                     num_layers - 1
                 )));
             }
+            if !l.moe_layers.contains(layer) {
+                // a dense layer has no router: the ablation would silently do nothing
+                return Err(input_err(format!(
+                    "ablate: {layer} is not an MoE layer of this model (MoE layers: {:?})",
+                    l.moe_layers
+                )));
+            }
             if let Some(bad) = experts.iter().find(|&&e| e >= l.num_experts) {
                 return Err(input_err(format!(
                     "ablate[{layer}]: expert {bad} is not an expert of this model (0 to {})",
@@ -457,6 +541,54 @@ impl NativeModel {
                 )));
             }
         }
+        let k = l.top_k;
+        let mut forced: Vec<(usize, Vec<Option<Vec<usize>>>)> = Vec::new();
+        for (layer, ids) in force.iter().flatten() {
+            if !l.moe_layers.contains(layer) {
+                return Err(input_err(format!(
+                    "force: {layer} is not an MoE layer of this model (MoE layers: {:?})",
+                    l.moe_layers
+                )));
+            }
+            if ablate.iter().flatten().any(|(a, _)| a == layer) {
+                return Err(input_err(format!(
+                    "force[{layer}] and ablate[{layer}]: forcing replaces the router's choice, \
+                     ablating restricts it; give one of them per layer"
+                )));
+            }
+            if ids.len() != total * k {
+                return Err(input_err(format!(
+                    "force[{layer}]: {} expert ids, expected {total} tokens x {k} (the router's top-k)",
+                    ids.len()
+                )));
+            }
+            let mut rows = Vec::with_capacity(total);
+            for (t, row) in ids.chunks_exact(k).enumerate() {
+                if row.iter().all(|&e| e == -1) {
+                    rows.push(None);
+                    continue;
+                }
+                if let Some(&bad) = row.iter().find(|&&e| e < 0 || e as usize >= l.num_experts) {
+                    return Err(input_err(format!(
+                        "force[{layer}], token {t}: expert {bad} is not an expert of this model \
+                         (0 to {})",
+                        l.num_experts - 1
+                    )));
+                }
+                let row: Vec<usize> = row.iter().map(|&e| e as usize).collect();
+                let mut distinct = row.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                if distinct.len() != k {
+                    return Err(input_err(format!(
+                        "force[{layer}], token {t}: the experts {row:?} repeat an expert (the \
+                         router selects {k} distinct experts)"
+                    )));
+                }
+                rows.push(Some(row));
+            }
+            forced.push((*layer, rows));
+        }
         let observed = residual_layers.is_some()
             || router_layers.is_some()
             || edits.is_some()
@@ -464,8 +596,16 @@ impl NativeModel {
             || attn_layers.is_some()
             || mlp_layers.is_some()
             || probs_layers.is_some()
-            || expert_layers.is_some();
+            || expert_layers.is_some()
+            || force.is_some();
+        // Without an observation the CPU step still takes the hook, which then only polls for
+        // an interrupt between layers (it writes nothing: the same bits). CUDA has no hook seam:
+        // it is interrupted between calls only.
+        let on_cpu = l.model.name() == "cpu";
+        let stop_flag = AtomicBool::new(false);
         let mut hook = PyHook {
+            stop: &stop_flag,
+            forced: &forced,
             residual_layers: residual_layers.as_deref(),
             router_layers: router_layers.as_deref(),
             attn_layers: attn_layers.as_deref(),
@@ -482,32 +622,30 @@ impl NativeModel {
             probs: Vec::new(),
             experts: std::collections::HashMap::new(),
         };
-        let outs = py.detach(|| {
-            guarded(|| {
-                let mut seqs: Vec<Sequence> = batch
-                    .iter()
-                    .map(|_| l.model.new_sequence())
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| py_err(e.into()))?;
-                let opts = ForwardOptions {
-                    logits: LogitRows::All,
-                    trace_router: true,
-                    ..ForwardOptions::default()
-                };
-                let mut steps: Vec<SeqStep<'_>> = seqs
-                    .iter_mut()
-                    .zip(&batch)
-                    .map(|(seq, tokens)| SeqStep { seq, tokens, opts })
-                    .collect();
-                let result = if observed {
-                    l.model.step_observed(&mut steps, &mut hook)
-                } else {
-                    l.model.step(&mut steps)
-                };
-                result.map_err(|e| {
-                    let prefix = e.index.map(|i| format!("tokens {i}: ")).unwrap_or_default();
-                    py_err_prefixed(&prefix, e.error.into())
-                })
+        let outs = interruptible(py, &stop_flag, || {
+            let mut seqs: Vec<Sequence> = batch
+                .iter()
+                .map(|_| l.model.new_sequence())
+                .collect::<Result<_, _>>()
+                .map_err(|e| py_err(e.into()))?;
+            let opts = ForwardOptions {
+                logits: LogitRows::All,
+                trace_router: true,
+                ..ForwardOptions::default()
+            };
+            let mut steps: Vec<SeqStep<'_>> = seqs
+                .iter_mut()
+                .zip(&batch)
+                .map(|(seq, tokens)| SeqStep { seq, tokens, opts })
+                .collect();
+            let result = if observed || on_cpu {
+                l.model.step_observed(&mut steps, &mut hook)
+            } else {
+                l.model.step(&mut steps)
+            };
+            result.map_err(|e| {
+                let prefix = e.index.map(|i| format!("tokens {i}: ")).unwrap_or_default();
+                py_err_prefixed(&prefix, e.error.into())
             })
         })?;
         let mut first = 0;
@@ -569,8 +707,8 @@ impl NativeModel {
     }
 
     /// Scores requests (one JSON object each, the `tarfa-run score` requests file's lines) and
-    /// returns each result as the JSON line `tarfa-run score` writes for it. Signals are
-    /// checked as each result is done.
+    /// returns each result as the JSON line `tarfa-run score` writes for it. Interruptible:
+    /// Ctrl-C stops it before the next engine step and raises `KeyboardInterrupt`.
     #[pyo3(signature = (requests, top_logprobs=0, echo=false, max_batch=1))]
     fn score(
         &self,
@@ -614,40 +752,43 @@ impl NativeModel {
             max_batch: max_batch.max(1),
             ..ScoreOptions::default()
         };
-        py.detach(|| {
-            guarded(|| {
-                let mut lines = Vec::with_capacity(parsed.len());
-                let mut interrupted: Option<PyErr> = None;
-                let mut emit = |_i: usize, r: tarfa_score::ScoreResult| {
-                    lines.push(r.to_json_line());
-                    match Python::attach(|py| py.check_signals()) {
-                        Ok(()) => Ok(()),
-                        Err(e) => {
-                            interrupted = Some(e);
-                            Err(std::io::Error::from(std::io::ErrorKind::Interrupted))
-                        }
-                    }
-                };
-                let res =
-                    tarfa_score::score(&l.model, &parsed, &dec, &opts, &mut emit, &mut |_| {});
-                match res {
-                    Ok(_) => Ok(lines),
-                    Err(ScoreError::Engine { line, source }) => Err(py_err_prefixed(
-                        &format!("request {}: ", line - 1),
-                        source.into(),
-                    )),
-                    Err(ScoreError::Step { source }) => Err(py_err(source.into())),
-                    Err(ScoreError::Output(e)) => {
-                        Err(interrupted.unwrap_or_else(|| EnvironmentError::new_err(e.to_string())))
-                    }
-                }
-            })
+        let stop = AtomicBool::new(false);
+        interruptible(py, &stop, || {
+            let mut lines = Vec::with_capacity(parsed.len());
+            let mut emit = |_i: usize, r: tarfa_score::ScoreResult| {
+                lines.push(r.to_json_line());
+                Ok(())
+            };
+            let res = tarfa_score::score_stoppable(
+                &l.model,
+                &parsed,
+                &dec,
+                &opts,
+                &mut emit,
+                &mut |_| {},
+                &|| stop.load(Ordering::Relaxed),
+            );
+            match res {
+                Ok(_) => Ok(lines),
+                Err(ScoreError::Engine { line, source }) => Err(py_err_prefixed(
+                    &format!("request {}: ", line - 1),
+                    source.into(),
+                )),
+                Err(ScoreError::Step { source }) => Err(py_err(source.into())),
+                // `interruptible` raises the signal's exception in place of this
+                Err(ScoreError::Interrupted) => Err(EnvironmentError::new_err("interrupted")),
+                Err(ScoreError::Output(e)) => Err(EnvironmentError::new_err(e.to_string())),
+            }
         })
     }
 }
 
 /// What one `forward_batch` asks the engine to show it or change ([`tarfa_cpu::StepHook`]).
 struct PyHook<'a> {
+    /// Set by [`interruptible`] when a signal handler raised: the step stops at the next layer.
+    stop: &'a AtomicBool,
+    /// (MoE layer, per token of the step: the forced experts or the router's own choice)
+    forced: &'a [(usize, Vec<Option<Vec<usize>>>)],
     residual_layers: Option<&'a [usize]>,
     router_layers: Option<&'a [usize]>,
     attn_layers: Option<&'a [usize]>,
@@ -730,6 +871,15 @@ impl tarfa_cpu::StepHook for PyHook<'_> {
         if wants(self.expert_layers, layer) {
             self.experts.insert((layer, token, expert), y.to_vec());
         }
+    }
+
+    fn forced_experts(&mut self, layer: usize, token: usize) -> Option<Vec<usize>> {
+        let (_, rows) = self.forced.iter().find(|(at, _)| *at == layer)?;
+        rows.get(token).cloned().flatten()
+    }
+
+    fn interrupted(&mut self) -> bool {
+        self.stop.load(Ordering::Relaxed)
     }
 }
 

@@ -175,6 +175,16 @@ class Model:
         return list(self._native.eos_token_ids)
 
     @property
+    def top_k(self) -> int:
+        """The experts the router selects per token (``num_experts_per_tok``)."""
+        return self._native.top_k
+
+    @property
+    def moe_layers(self) -> List[int]:
+        """The absolute indices of the MoE layers (the layers ``force`` and ``ablate`` name)."""
+        return list(self._native.moe_layers)
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The bundle's tokenizer; InputError when the bundle has none."""
         if not self._native.has_tokenizer:
@@ -183,6 +193,7 @@ class Model:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called (every call then raises InputError)."""
         return self._native.closed
 
     def close(self) -> None:
@@ -203,6 +214,7 @@ class Model:
         residual_add: Optional[Dict[int, Any]] = None,
         residual_replace: Optional[Dict[int, Any]] = None,
         ablate: Optional[Dict[int, Sequence[int]]] = None,
+        force: Optional[Dict[int, Any]] = None,
     ) -> ForwardOutput:
         """One fresh sequence of ``tokens`` through the model: every position's logits, the
         router's choices in every MoE layer, and the captures asked for (see
@@ -214,6 +226,7 @@ class Model:
             residual_add=residual_add,
             residual_replace=residual_replace,
             ablate=ablate,
+            force=force,
         )[0]
 
     def forward_batch(
@@ -224,6 +237,7 @@ class Model:
         residual_add: Optional[Dict[int, Any]] = None,
         residual_replace: Optional[Dict[int, Any]] = None,
         ablate: Optional[Dict[int, Sequence[int]]] = None,
+        force: Optional[Dict[int, Any]] = None,
     ) -> List[ForwardOutput]:
         """Each entry of ``batch`` as its own fresh sequence, all run as one engine step; each
         output is the same bits as :meth:`forward` of that entry alone.
@@ -243,7 +257,25 @@ class Model:
         (every token) or ``[tokens, hidden]`` (every token of the batch, in order). Additions
         at a layer apply before replacements there. ``ablate={layer: [expert ids]}``: the
         router of that MoE layer never selects those experts (their router logits become -inf
-        before the softmax; the captured router logits show that)."""
+        before the softmax; the captured router logits show that).
+
+        ``force={layer: experts}`` replaces the router's top-k choice at that MoE layer by
+        ``experts``: ``[k]`` ids (every token), or ``[tokens, k]`` (each token of the batch, in
+        order; a row of ``-1`` leaves that token's choice to the router), ``k`` the model's
+        ``num_experts_per_tok`` (:attr:`Model.top_k`), distinct ids. The forced set is put in the router's own order
+        (descending router score, lower id first among equals) and weighted by the family's own
+        rule over it: softmax routers use their softmax probabilities of the forced experts
+        (over all experts), renormalised over the forced set when the model renormalises its
+        top-k (``norm_topk_prob``); sigmoid routers (DeepSeek-V3, GLM-4.5) their sigmoid
+        scores, renormalised when configured, times ``routed_scaling_factor``; DeepSeek-V2
+        their probabilities times ``routed_scaling_factor``; gpt-oss the softmax over the
+        forced experts' logits. So forcing the router's own choice changes no bit, and
+        ``router_topk``/``router_weights``/``router_topk_probs`` show the forced route
+        (``router_logits`` and ``router_probs`` stay the router's own). A layer cannot be both
+        forced and ablated.
+
+        A long call is interrupted by Ctrl-C (``KeyboardInterrupt``) before the next attention
+        or MLP block on the CPU (between calls on CUDA); the model stays usable."""
         if isinstance(batch, (str, bytes)) or len(batch) == 0:
             raise InputError("batch: expected a non-empty list of token sequences")
         ids = [_token_ids(t, f"tokens {i}") for i, t in enumerate(batch)]
@@ -294,6 +326,21 @@ class Model:
                 e = [int(x) for x in _token_ids(experts, f"ablate[{layer}]")]
                 cuts.append((int(layer), e))
                 names.append(f"ablate(layer={int(layer)}, experts={sorted(set(e))})")
+        forced = None
+        if force is not None:
+            if not isinstance(force, dict):
+                raise InputError("force: expected a dict {layer: expert ids}")
+            forced = []
+            for layer, experts in sorted(force.items()):
+                rows = self._forced_rows(f"force[{layer}]", experts, total)
+                forced.append((int(layer), rows))
+                arr = np.asarray(experts)
+                what = (
+                    f"experts={[int(e) for e in arr]}"
+                    if arr.ndim == 1
+                    else "experts=per token"
+                )
+                names.append(f"force(layer={int(layer)}, {what})")
         raw = self._native.forward_batch(
             ids,
             residual_layers,
@@ -304,6 +351,7 @@ class Model:
             moe_layers,
             probs_layers,
             expert_layers,
+            forced,
         )
         outs = [ForwardOutput(r) for r in raw]
         if names:
@@ -311,6 +359,21 @@ class Model:
                 o.exact = False
                 o.interventions = list(names)
         return outs
+
+    def _forced_rows(self, what: str, value: Any, total: int) -> List[int]:
+        """A force's experts as ``total`` rows of ``k`` ids (-1: the router's choice), flattened."""
+        k = self._native.top_k
+        arr = np.asarray(value)
+        if arr.size == 0 or arr.dtype.kind not in "iu":
+            raise InputError(f"{what}: expected integer expert ids, got {arr.dtype} {arr.shape}")
+        if arr.shape == (k,):
+            arr = np.broadcast_to(arr, (total, k))
+        elif arr.shape != (total, k):
+            raise InputError(
+                f"{what}: expected shape ({k},) or ({total}, {k}) (the router selects {k} "
+                f"experts per token), got {arr.shape}"
+            )
+        return [int(x) for x in np.ascontiguousarray(arr).ravel()]
 
     def _edit_rows(self, what: str, value: Any, total: int) -> List[float]:
         """An intervention's value as ``total`` rows of ``hidden`` float32, flattened."""

@@ -48,6 +48,10 @@ class Model:
     @property
     def eos_token_ids(self) -> List[int]: ...
     @property
+    def top_k(self) -> int: ...
+    @property
+    def moe_layers(self) -> List[int]: ...
+    @property
     def tokenizer(self) -> Tokenizer: ...
     @property
     def closed(self) -> bool: ...
@@ -62,6 +66,7 @@ class Model:
         residual_add: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
         residual_replace: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
         ablate: Optional[Dict[int, Sequence[int]]] = None,
+        force: Optional[Dict[int, Union[Sequence[int], npt.NDArray[np.integer[Any]]]]] = None,
     ) -> ForwardOutput: ...
     def forward_batch(
         self,
@@ -71,6 +76,7 @@ class Model:
         residual_add: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
         residual_replace: Optional[Dict[int, npt.NDArray[np.float32]]] = None,
         ablate: Optional[Dict[int, Sequence[int]]] = None,
+        force: Optional[Dict[int, Union[Sequence[int], npt.NDArray[np.integer[Any]]]]] = None,
     ) -> List[ForwardOutput]: ...
     def score(
         self,

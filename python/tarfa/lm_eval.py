@@ -1,13 +1,15 @@
 """The lm-evaluation-harness model ``tarfa``: lm-eval's three request types answered in process by
 :meth:`tarfa.Model.score`, so the numbers are the ones ``tarfa-run score`` writes.
 
-    pip install ./python lm_eval
-    lm_eval --model tarfa --model_args bundle=PATH,backend=cpu,max_batch=8 --tasks TASK
+    pip install ./python lm-eval
+    python -m tarfa.lm_eval run --model tarfa --model_args bundle=PATH,backend=cpu,max_batch=8 \
+        --tasks TASK
 
-lm-eval finds the model through the ``lm_eval.models`` entry point (pyproject.toml); importing
-this module also registers it with ``@register_model`` for lm-eval versions without plugin
-discovery (``--include_package tarfa.lm_eval``). Not imported by ``import tarfa``: lm-eval (and
-its torch) is needed only here.
+``python -m tarfa.lm_eval`` (or the ``tarfa-lm-eval`` script) is lm-eval's own command line with
+this model registered: lm-eval 0.4.13 registers models only by importing them (``@register_model``)
+and reads no plugin entry points, so a bare ``lm_eval --model tarfa`` does not find it there. The
+``lm_eval.models`` entry point in pyproject.toml names this class for tools that do look plugins
+up. Not imported by ``import tarfa``: lm-eval is needed only here.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ def _int(name: str, v: Any) -> Optional[int]:
         raise tarfa.InputError(f"--model_args {name}: expected an integer, got {v!r}") from None
 
 
-@register_model("tarfa")
 class TarfaLM(LM):
     """``--model_args``: ``bundle`` (required), ``backend`` (auto, cpu, cuda), ``threads``,
     ``ram_budget``, ``vram_budget`` (bytes), ``max_batch`` (requests in flight per engine
@@ -90,3 +91,21 @@ class TarfaLM(LM):
                         req[key] = kwargs[key]
             reqs.append(req)
         return [o["text"] or "" for o in self._score(reqs)]
+
+
+# Registered once, by the module `tarfa.lm_eval` (under `python -m` this file runs as `__main__`
+# first and imports that module below: one class under the name, not two).
+if __name__ != "__main__":
+    register_model("tarfa")(TarfaLM)
+
+
+def main() -> None:
+    """lm-eval's command line (``lm_eval``'s arguments) with the ``tarfa`` model registered."""
+    import tarfa.lm_eval  # noqa: F401  (registers the model)
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

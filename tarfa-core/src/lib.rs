@@ -156,6 +156,14 @@ pub enum RunError {
     /// A weight source broke its contract (a bug in the source).
     #[error("weight source error: {0}")]
     SourceContract(String),
+    /// A step hook's intervention cannot be applied (the Python package's labelled
+    /// interventions; never on the default path).
+    #[error("intervention: {0}")]
+    Intervention(String),
+    /// A step hook stopped the step before it finished (Ctrl-C in the Python package); no
+    /// cache was committed.
+    #[error("the step was interrupted")]
+    Interrupted,
 }
 
 impl RunError {
@@ -174,6 +182,8 @@ impl RunError {
             | RunError::ContextFull { .. } => exit::BAD_INPUT,
             RunError::Kernel(_) | RunError::ThreadPool(_) => exit::ENVIRONMENT,
             RunError::SourceContract(_) => exit::ENVIRONMENT,
+            RunError::Intervention(_) => exit::BAD_INPUT,
+            RunError::Interrupted => exit::ENVIRONMENT,
         }
     }
 }

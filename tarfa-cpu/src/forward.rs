@@ -187,6 +187,19 @@ pub trait StepHook: Send {
     fn router_probs(&mut self, _layer: usize, _probs: &[Vec<f32>]) {}
     /// One selected expert's output `[H]` for the step's token `token`, before its weight.
     fn expert_out(&mut self, _layer: usize, _token: usize, _expert: usize, _y: &[f32]) {}
+    /// The experts MoE layer `layer` must use for the step's token `token` instead of the
+    /// router's top-k (an intervention), or `None` for the router's own choice. Exactly `top_k`
+    /// distinct ids, else the step fails with [`RunError::Intervention`]. The forced set is
+    /// ranked as the router ranks experts and weighted by the family's own rule over it (see
+    /// [`select`]): forcing the router's own choice is the same bits as not forcing.
+    fn forced_experts(&mut self, _layer: usize, _token: usize) -> Option<Vec<usize>> {
+        None
+    }
+    /// Polled before each layer's attention and MLP blocks and before the final norm: `true`
+    /// stops the step with [`RunError::Interrupted`], no cache committed (Ctrl-C from Python).
+    fn interrupted(&mut self) -> bool {
+        false
+    }
 }
 
 pub(crate) fn forward_batch(
@@ -237,6 +250,9 @@ pub(crate) fn forward_batch(
     let mut caches: Vec<&mut KvCache> = entries.iter_mut().map(|e| &mut *e.cache).collect();
     for (l, layer) in w.layers.iter().enumerate() {
         if let Some(k) = hook.as_mut() {
+            if k.interrupted() {
+                return Err(BatchError::whole(RunError::Interrupted));
+            }
             k.residual(l, &mut h);
         }
         let mut y = attention_block(model, kernel, l, &h, &mut caches, &slots, &mut common);
@@ -244,6 +260,11 @@ pub(crate) fn forward_batch(
             k.attn_out(l, &mut y);
         }
         add_rows(&mut h, &y);
+        if let Some(k) = hook.as_mut() {
+            if k.interrupted() {
+                return Err(BatchError::whole(RunError::Interrupted));
+            }
+        }
         match &layer.mlp {
             LayerMlp::Dense(mlp) => {
                 let xs = normed_activations(kernel, &h, &layer.post_attention_norm, cfg.eps_f32());
@@ -267,6 +288,9 @@ pub(crate) fn forward_batch(
         }
     }
     if let Some(k) = hook.as_mut() {
+        if k.interrupted() {
+            return Err(BatchError::whole(RunError::Interrupted));
+        }
         k.residual(w.layers.len(), &mut h);
     }
     for (c, &n) in caches.iter_mut().zip(&counts) {
@@ -646,13 +670,38 @@ struct Route {
     next: Option<f32>,
 }
 
+/// The experts a route takes, ranked by `rank` (descending, lower id first among equals, a
+/// total order): the first `k`, or, when `forced` (an intervention), exactly the forced experts
+/// in that same ranking, whatever order they were given in. Returns them in selection order
+/// and the best-ranked expert left out (the route's `next`).
+///
+/// Because the forced set is put in the router's own order, and the weights are then computed
+/// over it by the same expressions in the same order, forcing the router's own top-k is the
+/// same bits as not forcing.
+fn select(rank: &[f32], k: usize, forced: Option<&[usize]>) -> (Vec<usize>, Option<usize>) {
+    let mut order: Vec<usize> = (0..rank.len()).collect();
+    order.sort_by(|&a, &b| rank[b].total_cmp(&rank[a]).then(a.cmp(&b)));
+    match forced {
+        None => (order[..k].to_vec(), order.get(k).copied()),
+        Some(f) => {
+            let (selected, rest): (Vec<usize>, Vec<usize>) =
+                order.iter().partition(|e| f.contains(e));
+            (selected, rest.first().copied())
+        }
+    }
+}
+
 /// Softmax over all experts, top-k (ties to the lower id), optional renormalisation.
-fn route(kernel: Kernel, logits: &[f32], k: usize, renormalize: bool) -> Route {
+fn route(
+    kernel: Kernel,
+    logits: &[f32],
+    k: usize,
+    renormalize: bool,
+    forced: Option<&[usize]>,
+) -> Route {
     let p = softmax(kernel, logits);
-    let mut order: Vec<usize> = (0..p.len()).collect();
     // descending probability, lower index first among equals (a stable, total order)
-    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-    let selected = &order[..k];
+    let (selected, next) = select(&p, k, forced);
     let probs: Vec<f32> = selected.iter().map(|&e| p[e]).collect();
     let weights = if renormalize {
         let s = kernel.sum(&probs);
@@ -666,8 +715,8 @@ fn route(kernel: Kernel, logits: &[f32], k: usize, renormalize: bool) -> Route {
             .zip(probs.iter().zip(&weights))
             .map(|(&e, (&pr, &w))| (e, pr, w))
             .collect(),
-        kth: p[order[k - 1]],
-        next: order.get(k).map(|&e| p[e]),
+        kth: p[selected[selected.len() - 1]],
+        next: next.map(|e| p[e]),
     }
 }
 
@@ -692,6 +741,7 @@ fn route_sigmoid_grouped(
     g: &tarfa_core::config::GroupRouting,
     k: usize,
     renormalize: bool,
+    forced: Option<&[usize]>,
 ) -> Route {
     let s: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
     let c: Vec<f32> = s.iter().zip(bias).map(|(&x, &b)| x + b).collect();
@@ -716,9 +766,7 @@ fn route_sigmoid_grouped(
         .enumerate()
         .map(|(e, &x)| if kept[e / size] { x } else { 0.0 })
         .collect();
-    let mut order: Vec<usize> = (0..choice.len()).collect();
-    order.sort_by(|&a, &b| desc(&choice, a, b));
-    let selected = &order[..k];
+    let (selected, next) = select(&choice, k, forced);
     let probs: Vec<f32> = selected.iter().map(|&e| s[e]).collect();
     let scale = g.routed_scaling_factor as f32;
     let weights: Vec<f32> = if renormalize {
@@ -733,8 +781,8 @@ fn route_sigmoid_grouped(
             .zip(probs.iter().zip(&weights))
             .map(|(&e, (&pr, &w))| (e, pr, w))
             .collect(),
-        kth: choice[order[k - 1]],
-        next: order.get(k).map(|&e| choice[e]),
+        kth: choice[selected[selected.len() - 1]],
+        next: next.map(|e| choice[e]),
     }
 }
 
@@ -752,6 +800,7 @@ fn route_softmax_grouped(
     logits: &[f32],
     g: &tarfa_core::config::GroupRouting,
     k: usize,
+    forced: Option<&[usize]>,
 ) -> Route {
     let p = softmax(kernel, logits);
     let size = p.len() / g.n_group;
@@ -771,14 +820,12 @@ fn route_softmax_grouped(
         .enumerate()
         .map(|(e, &x)| if kept[e / size] { x } else { 0.0 })
         .collect();
-    let mut order: Vec<usize> = (0..choice.len()).collect();
-    order.sort_by(|&a, &b| desc(&choice, a, b));
-    let selected = &order[..k];
+    let (selected, next) = select(&choice, k, forced);
     let scale = g.routed_scaling_factor as f32;
     Route {
         chosen: selected.iter().map(|&e| (e, p[e], p[e] * scale)).collect(),
-        kth: choice[order[k - 1]],
-        next: order.get(k).map(|&e| choice[e]),
+        kth: choice[selected[selected.len() - 1]],
+        next: next.map(|e| choice[e]),
     }
 }
 
@@ -786,17 +833,43 @@ fn route_softmax_grouped(
 /// the top-k of the logits (descending, lower id first among equals), then the softmax over
 /// those k logits only, in selection order. The record's `probs` are those weights;
 /// `kth_prob` and `next_prob` are the k-th and (k+1)-th logits, the margin of the choice.
-fn route_topk_then_softmax(kernel: Kernel, logits: &[f32], k: usize) -> Route {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    let selected = &order[..k];
+fn route_topk_then_softmax(
+    kernel: Kernel,
+    logits: &[f32],
+    k: usize,
+    forced: Option<&[usize]>,
+) -> Route {
+    let (selected, next) = select(logits, k, forced);
     let chosen: Vec<f32> = selected.iter().map(|&e| logits[e]).collect();
     let w = softmax(kernel, &chosen);
     Route {
         chosen: selected.iter().zip(&w).map(|(&e, &w)| (e, w, w)).collect(),
-        kth: logits[order[k - 1]],
-        next: order.get(k).map(|&e| logits[e]),
+        kth: logits[selected[selected.len() - 1]],
+        next: next.map(|e| logits[e]),
     }
+}
+
+/// A hook's forced experts for token `t` of layer `l`: exactly `k` distinct ids of the `n`
+/// experts (a route of another size would change the family's weighting rule).
+fn check_forced(f: &[usize], l: usize, t: usize, k: usize, n: usize) -> Result<(), RunError> {
+    let mut distinct = f.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let problem = if let Some(bad) = f.iter().find(|&&e| e >= n) {
+        format!(
+            "expert {bad} is not an expert of this model (0 to {})",
+            n - 1
+        )
+    } else if distinct.len() != f.len() {
+        format!("the forced experts {f:?} repeat an expert")
+    } else if f.len() != k {
+        format!("{} experts forced, the router selects {k}", f.len())
+    } else {
+        return Ok(());
+    };
+    Err(RunError::Intervention(format!(
+        "layer {l}, token {t}: {problem}"
+    )))
 }
 
 fn check_expert(
@@ -875,6 +948,17 @@ fn moe_block(
         k.router_logits(l, &mut logits);
     }
     step.common.weight_bytes += moe.router.as_ref().bytes();
+    // an intervention's forced experts per token (none on the default path: no hook)
+    let forced: Vec<Option<Vec<usize>>> = match step.hook.as_mut() {
+        Some(k) => (0..logits.len()).map(|t| k.forced_experts(l, t)).collect(),
+        None => Vec::new(),
+    };
+    for (t, f) in forced.iter().enumerate() {
+        if let Some(f) = f {
+            check_forced(f, l, t, cfg.top_k, cfg.num_experts)?;
+        }
+    }
+    let force = |t: usize| forced.get(t).and_then(Option::as_deref);
     let routes: Vec<Route> = match (model.spec.router, &cfg.group_routing) {
         (RouterRule::SigmoidGroupLimited, Some(g)) => {
             let bias = moe.correction_bias.as_deref().ok_or_else(|| {
@@ -884,7 +968,8 @@ fn moe_block(
             })?;
             logits
                 .iter()
-                .map(|lg| {
+                .enumerate()
+                .map(|(t, lg)| {
                     route_sigmoid_grouped(
                         kernel,
                         lg,
@@ -892,21 +977,25 @@ fn moe_block(
                         g,
                         cfg.top_k,
                         model.spec.renormalize_topk,
+                        force(t),
                     )
                 })
                 .collect()
         }
         (RouterRule::SoftmaxGroupLimited, Some(g)) => logits
             .iter()
-            .map(|lg| route_softmax_grouped(kernel, lg, g, cfg.top_k))
+            .enumerate()
+            .map(|(t, lg)| route_softmax_grouped(kernel, lg, g, cfg.top_k, force(t)))
             .collect(),
         (RouterRule::TopKThenSoftmax, _) => logits
             .iter()
-            .map(|lg| route_topk_then_softmax(kernel, lg, cfg.top_k))
+            .enumerate()
+            .map(|(t, lg)| route_topk_then_softmax(kernel, lg, cfg.top_k, force(t)))
             .collect(),
         _ => logits
             .iter()
-            .map(|lg| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk))
+            .enumerate()
+            .map(|(t, lg)| route(kernel, lg, cfg.top_k, model.spec.renormalize_topk, force(t)))
             .collect(),
     };
 
@@ -918,7 +1007,7 @@ fn moe_block(
                 RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => softmax(kernel, lg),
                 // transformers' router_scores: the chosen experts' weights, 0 elsewhere
                 RouterRule::TopKThenSoftmax => {
-                    let r = route_topk_then_softmax(kernel, lg, cfg.top_k);
+                    let r = route_topk_then_softmax(kernel, lg, cfg.top_k, None);
                     let mut p = vec![0.0f32; lg.len()];
                     for &(e, _, w) in &r.chosen {
                         p[e] = w;

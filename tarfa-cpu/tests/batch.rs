@@ -413,3 +413,92 @@ fn experts_fetched_one_by_one_give_the_same_bits_and_a_failed_fetch_rewinds_ever
     let untouched = step(&grouped, &mut neighbours(&grouped, 3, vocab)).unwrap();
     assert!(after == untouched, "a cache changed in the failed step");
 }
+
+/// A hook that stops the step at its poll number `at` (Ctrl-C from Python), or forces
+/// `force` at every MoE layer.
+struct Stopper {
+    at: usize,
+    layers_seen: usize,
+    force: Option<Vec<usize>>,
+}
+
+impl tarfa_cpu::StepHook for Stopper {
+    fn interrupted(&mut self) -> bool {
+        self.layers_seen += 1;
+        self.layers_seen > self.at
+    }
+    fn forced_experts(&mut self, _layer: usize, _token: usize) -> Option<Vec<usize>> {
+        self.force.clone()
+    }
+}
+
+#[test]
+fn an_interrupted_or_refused_hooked_step_changes_no_cache() {
+    let m = model("olmoe-s", None);
+    let eng = engine(&m, 2, Kernel::best());
+    let vocab = m.config().vocab_size;
+    let layers = m.config().num_layers;
+    let prompt = tokens(3, 4, vocab);
+    let next = tokens(4, 2, vocab);
+    let mut cache = m.new_cache();
+    eng.forward(&mut cache, &prompt, &opts()).unwrap();
+    let step = |cache: &mut KvCache, hook: Option<&mut dyn tarfa_cpu::StepHook>| {
+        let mut entries = [BatchEntry {
+            cache,
+            tokens: &next,
+            opts: opts(),
+        }];
+        eng.forward_batch_observed(&mut entries, hook)
+    };
+    let want = fingerprint(&step(&mut cache.clone(), None).unwrap());
+    // stopped at each poll: before each layer's attention and its MLP block, and before the
+    // final norm
+    for at in 0..2 * layers + 1 {
+        let mut c = cache.clone();
+        let mut hook = Stopper {
+            at,
+            layers_seen: 0,
+            force: None,
+        };
+        let err = step(&mut c, Some(&mut hook)).unwrap_err();
+        assert!(
+            matches!(err.error, RunError::Interrupted),
+            "at {at}: {}",
+            err.error
+        );
+        assert_eq!(
+            hook.layers_seen,
+            at + 1,
+            "stopped at the first poll that said so"
+        );
+        assert_eq!(c.len(), prompt.len(), "at {at}: no position committed");
+        assert!(fingerprint(&step(&mut c, None).unwrap()) == want, "at {at}");
+    }
+    // a hook that never stops and forces nothing is the same bits
+    let mut idle = Stopper {
+        at: usize::MAX,
+        layers_seen: 0,
+        force: None,
+    };
+    assert!(fingerprint(&step(&mut cache.clone(), Some(&mut idle)).unwrap()) == want);
+    // a forced set of the wrong size (OLMoE selects 4) is refused by name
+    for (bad, why) in [
+        (vec![0, 1], "2 experts forced, the router selects 4"),
+        (vec![0, 1, 2, 2], "repeat an expert"),
+        (vec![0, 1, 2, 99], "expert 99 is not an expert"),
+    ] {
+        let mut c = cache.clone();
+        let mut hook = Stopper {
+            at: usize::MAX,
+            layers_seen: 0,
+            force: Some(bad),
+        };
+        let err = step(&mut c, Some(&mut hook)).unwrap_err();
+        assert!(
+            matches!(&err.error, RunError::Intervention(s) if s.contains(why)),
+            "{}",
+            err.error
+        );
+        assert_eq!(c.len(), prompt.len());
+    }
+}

@@ -83,6 +83,9 @@ pub enum ScoreError {
     /// The caller's sink refused a result (writing the output).
     #[error(transparent)]
     Output(std::io::Error),
+    /// The caller's `stop` said so between two steps ([`score_stoppable`]; Ctrl-C in Python).
+    #[error("interrupted")]
+    Interrupted,
 }
 
 /// One position's alternatives: `[token, logprob]` pairs, best first.
@@ -566,6 +569,21 @@ pub fn score(
     emit: &mut dyn FnMut(usize, ScoreResult) -> Result<(), std::io::Error>,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Progress, ScoreError> {
+    score_stoppable(model, requests, dec, opts, emit, progress, &|| false)
+}
+
+/// [`score`], asking `stop` before every engine step: `true` ends the run with
+/// [`ScoreError::Interrupted`] (what was emitted stays emitted; nothing else changes, the
+/// sequences are the run's own).
+pub fn score_stoppable(
+    model: &Model,
+    requests: &[Request],
+    dec: &Decoding,
+    opts: &ScoreOptions,
+    emit: &mut dyn FnMut(usize, ScoreResult) -> Result<(), std::io::Error>,
+    progress: &mut dyn FnMut(&Progress),
+    stop: &dyn Fn() -> bool,
+) -> Result<Progress, ScoreError> {
     let max_batch = opts.max_batch.max(1);
     // results land here by index (the sinks outlive no step); emitted in input order
     let done: RefCell<BTreeMap<usize, ScoreResult>> = RefCell::new(BTreeMap::new());
@@ -587,6 +605,9 @@ pub fn score(
                 }),
             );
             next += 1;
+        }
+        if stop() {
+            return Err(ScoreError::Interrupted);
         }
         if !sched.step(dec)? {
             break;

@@ -57,11 +57,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tarfa-run", required=True, help="the tarfa-run binary")
     ap.add_argument("--bundle", required=True, help="the bundle the servers served")
-    ap.add_argument("--tokenizer-info", required=True,
-                    help="the server's GET /tokenizer_info (its eos_token is lm-eval's stop string)")
+    ap.add_argument("--tokenizer-info",
+                    help="the server's GET /tokenizer_info (its eos_token is lm-eval's stop "
+                         "string); without it, the task's stop strings alone (the in-process "
+                         "plugin, run_plugin.sh: score stops at the EOS ids itself)")
     ap.add_argument("runs", nargs=2, help="two lm-eval --output_path directories")
     a = ap.parse_args()
-    eos = json.load(open(a.tokenizer_info)).get("eos_token")
+    eos = json.load(open(a.tokenizer_info)).get("eos_token") if a.tokenizer_info else None
     (res_a, smp_a), (res_b, smp_b) = (load_run(d) for d in a.runs)
     problems = []
 

@@ -321,6 +321,8 @@ fn score_error(e: ScoreError, out: &Path) -> CliError {
             op: "write",
             source,
         },
+        // the CLI's stop never says so (Ctrl-C ends the process)
+        ScoreError::Interrupted => CliError::Environment("interrupted".into()),
     }
 }
 
