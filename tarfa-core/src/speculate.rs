@@ -169,7 +169,11 @@ where
     loop {
         // `pending` is token j, chosen and shown, not yet fed; j + 1 < n_new. The step's rows
         // choose tokens j+1 ..= j+1+m, never past the last (n_new - 1).
-        let room = if opts.trace_router { 0 } else { k.min(n_new - 2 - j) };
+        let room = if opts.trace_router {
+            0
+        } else {
+            k.min(n_new - 2 - j)
+        };
         let mut drafts = if room > 0 {
             drafter.draft(&context, room)
         } else {
@@ -364,7 +368,16 @@ mod tests {
             forwards: 0,
         };
         let mut po = Stop { eos, calls: vec![] };
-        let p = run_with(&mut plain, prompt, n_new, &opts, Keep::Logits, choice, &mut po).unwrap();
+        let p = run_with(
+            &mut plain,
+            prompt,
+            n_new,
+            &opts,
+            Keep::Logits,
+            choice,
+            &mut po,
+        )
+        .unwrap();
         let mut spec = Fake {
             cache: vec![],
             forwards: 0,
@@ -468,8 +481,8 @@ mod tests {
                             params: &params,
                             request: 3,
                         };
-                        accepted += check(&mut NgramDrafter::default(), &prompt, n_new, k, c, eos)
-                            .accepted;
+                        accepted +=
+                            check(&mut NgramDrafter::default(), &prompt, n_new, k, c, eos).accepted;
                         check(&mut Wrong, &prompt, n_new, k, c, eos);
                         check(&mut Oracle, &prompt, n_new, k, c, eos);
                     }
