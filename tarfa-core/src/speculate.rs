@@ -257,7 +257,7 @@ mod tests {
         // Repetition: after token t, favour what followed t's previous occurrence.
         if let Some((&last, before)) = prefix.split_last() {
             if let Some(p) = before.iter().rposition(|&x| x == last) {
-                if h % 4 != 0 {
+                if !h.is_multiple_of(4) {
                     r[before.get(p + 1).copied().unwrap_or(last) as usize] += 8.0;
                 }
             }
