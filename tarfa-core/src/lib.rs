@@ -23,6 +23,7 @@
 //!   logits, its randomness Philox4x32-10 keyed by the seed at counter (request, step).
 //! - [`stop`]: stop strings over incrementally decoded text.
 //! - [`Backend`] and [`generate`]: the one greedy decode loop, generic over the backend.
+//! - [`speculate`]: exact speculative decoding: drafts (prompt lookup) verified in one step.
 //! - [`batch`]: one step over several sequences ([`Backend::forward_batch`]), each sequence's
 //!   output bit-identical to running it alone.
 //! - [`exit`]: the documented exit codes, and [`RunError::exit_code`] mapping the runtime's
@@ -45,6 +46,7 @@ pub mod numerics;
 pub mod resident;
 pub mod sampling;
 pub mod shapes;
+pub mod speculate;
 pub mod step;
 pub mod stop;
 pub mod tokenizer;

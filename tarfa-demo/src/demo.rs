@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use sha2::{Digest, Sha256};
 use tarfa_run::bundle::BundleSource;
-use tarfa_run::cli::generate::{self, BackendArg, GenerateArgs, KernelArg};
+use tarfa_run::cli::generate::{self, BackendArg, GenerateArgs, KernelArg, SpeculateArg};
 use tarfa_run::cli::{cache_root, threads_arg, CliError};
 
 /// The demo's failure: the conversion's, or the runtime command's, each with its own exit code.
@@ -241,6 +241,9 @@ pub fn run(a: &DemoArgs) -> Result<(), DemoError> {
         presence_penalty: 0.0,
         seed: 0,
         stop: Vec::new(),
+        // Plain decoding, as `generate`'s defaults.
+        speculate: SpeculateArg::Off,
+        draft_tokens: 4,
     };
     generate::run(&g)?;
     Ok(())

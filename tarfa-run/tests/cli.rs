@@ -1053,3 +1053,77 @@ fn chat_renders_the_bundles_template_or_says_there_is_none() {
     ]);
     assert_eq!(code, 2, "{err}");
 }
+
+#[test]
+fn speculate_ngram_gives_the_plain_output_byte_for_byte() {
+    // The code fixture has a tokenizer: a prompt that quotes itself (drafts accepted), stop
+    // strings cutting a draft, greedy and sampled, the logits file compared byte for byte.
+    let b = bundle("qwen3moe-code");
+    let d = tempfile::tempdir().unwrap();
+    let prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(";
+    let gen = |name: &str, extra: &[&str]| {
+        let p = d.path().join(name);
+        let s = d.path().join(format!("{name}.json"));
+        let mut args = vec![
+            "generate",
+            b.to_str().unwrap(),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "20",
+            "--ignore-eos",
+            "--threads",
+            "2",
+            "--logits-out",
+            p.to_str().unwrap(),
+            "--summary-json",
+            s.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let (code, stdout, err) = run(&args);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_slice(&fs::read(&s).unwrap()).unwrap();
+        (fs::read(p).unwrap(), stdout, v, err)
+    };
+    let (plain, text, v, _) = gen("off", &[]);
+    assert!(v["speculate"].is_null());
+    // A stop string from the middle of the plain output's text.
+    let stop: String = text.trim_end().chars().skip(6).take(3).collect();
+    let sampled = ["--temperature", "0.8", "--seed", "5"];
+    let (plain_stop, text_stop, _, _) = gen("off-stop", &["--stop", &stop]);
+    let (plain_s, text_s, _, _) = gen("off-sampled", &sampled);
+    assert!(text_stop.len() < text.len(), "{stop:?} stops the run early");
+    let mut accepted = 0;
+    for k in ["1", "2", "4", "8"] {
+        let on = ["--speculate", "ngram", "--draft-tokens", k];
+        let (l, t, v, err) = gen("on", &on);
+        assert_eq!((l == plain, &t), (true, &text), "k {k}");
+        assert!(err.contains("speculate ngram"), "{err}");
+        assert!(v["speculate"]["decode_steps"].as_u64().unwrap() <= 19);
+        accepted += v["speculate"]["accepted"].as_u64().unwrap();
+        let (l, t, _, _) = gen("on-stop", &[&on[..], &["--stop", &stop]].concat());
+        assert_eq!(
+            (l == plain_stop, &t),
+            (true, &text_stop),
+            "k {k} stop {stop:?}"
+        );
+        let (l, t, _, _) = gen("on-sampled", &[&on[..], &sampled].concat());
+        assert_eq!((l == plain_s, &t), (true, &text_s), "k {k} sampled");
+    }
+    assert!(accepted > 0, "the repeating prompt has drafts accepted");
+    // With a router trace speculation is refused by name (the trace would hold rejected
+    // positions).
+    let r = d.path().join("r.jsonl");
+    let (code, _, err) = run(&[
+        "generate",
+        b.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--speculate",
+        "ngram",
+        "--router-trace",
+        r.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--router-trace"), "{err}");
+}

@@ -17,6 +17,7 @@ use clap::{ArgGroup, Args, ValueEnum};
 use serde_json::json;
 use tarfa_core::chat::{ChatMessage, ChatTemplate};
 use tarfa_core::sampling::SamplingParams;
+use tarfa_core::speculate::{run_speculative, NgramDrafter};
 use tarfa_core::stop::StopStrings;
 
 use tarfa_engine::{Engine, LoadOptions};
@@ -33,6 +34,15 @@ pub enum KernelArg {
     Scalar,
     Avx2,
     Avx512,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum SpeculateArg {
+    /// One token per decode step.
+    Off,
+    /// Prompt lookup: the context's last 3 (else 2) tokens are looked up in the earlier context
+    /// and what followed their most recent match is drafted.
+    Ngram,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -172,6 +182,15 @@ pub struct GenerateArgs {
     /// Needs the bundle's tokenizer.json.
     #[arg(long = "stop", value_name = "STR")]
     pub stop: Vec<String>,
+    /// Speculative decoding: draft up to --draft-tokens tokens per step and verify them all in
+    /// one forward step. Exact: the tokens and logits are those of `off`, bit for bit
+    /// (docs/EXACTNESS.md "Speculative decoding"); only the speed differs. Off by default until
+    /// it is measured faster. Not with --router-trace.
+    #[arg(long, value_enum, default_value_t = SpeculateArg::Off, conflicts_with = "router_trace")]
+    pub speculate: SpeculateArg,
+    /// The most tokens drafted per decode step (1 to 64) with --speculate.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub draft_tokens: u16,
     #[command(flatten)]
     pub stream: StreamArgs,
     #[command(flatten)]
@@ -528,15 +547,34 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         }
     };
     let t0 = Instant::now();
-    let g = generate::run_with(
-        &mut engine,
-        &prompt,
-        max_new,
-        &opts,
-        keep,
-        choice,
-        &mut hooks,
-    )?;
+    let (g, spec) = match a.speculate {
+        SpeculateArg::Off => (
+            generate::run_with(
+                &mut engine,
+                &prompt,
+                max_new,
+                &opts,
+                keep,
+                choice,
+                &mut hooks,
+            )?,
+            None,
+        ),
+        SpeculateArg::Ngram => {
+            let (g, st) = run_speculative(
+                &mut engine,
+                &prompt,
+                max_new,
+                &opts,
+                keep,
+                choice,
+                &mut NgramDrafter::default(),
+                a.draft_tokens as usize,
+                &mut hooks,
+            )?;
+            (g, Some(st))
+        }
+    };
     // The text a stop string might have begun, when none did.
     if let Some(rest) = hooks.stop.as_mut().map(|s| s.finish()) {
         let _ = hooks.out.write_all(rest.as_bytes());
@@ -593,11 +631,29 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 "prefill_weight_bytes": g.prefill.stats.weight_bytes,
                 "decode_weight_bytes_per_token": if decode_steps > 0 { g.decode_weight_bytes / decode_steps as u64 } else { 0 },
                 "peak_rss_bytes": peak_rss_bytes(),
+                "speculate": spec.map(|st| json!({
+                    "drafter": "ngram",
+                    "draft_tokens": a.draft_tokens,
+                    "decode_steps": st.steps,
+                    "drafted": st.drafted,
+                    "accepted": st.accepted,
+                    "acceptance": st.acceptance(),
+                })),
                 "stream": streamed.summary(),
             }),
         )?;
     }
     streamed.finish(&log);
+    if let Some(st) = spec {
+        log(format!(
+            "speculate ngram k {}: {} decode steps, {} drafted, {} accepted ({:.1}%)",
+            a.draft_tokens,
+            st.steps,
+            st.drafted,
+            st.accepted,
+            100.0 * st.acceptance()
+        ));
+    }
     log(format!(
         "{} tokens generated after a {}-token prompt | prefill {:.1} tok/s | decode {:.1} tok/s",
         tokens.len(),

@@ -1,0 +1,502 @@
+//! Exact speculative decoding: a [`Drafter`] proposes the next few tokens, one forward step over
+//! the pending token and the drafts verifies them all, and the run keeps the drafts the model
+//! itself would have chosen. The output is [`generate::run_with`]'s, bit for bit: the contract
+//! (docs/EXACTNESS.md §9) makes every row of a many-token step the logits that one token per step
+//! would give, and each token is chosen from its own row exactly as the plain loop chooses it
+//! (greedy: [`argmax`]; sampling: [`sampling::sample`] at that token's own step counter with that
+//! token's own history). docs/EXACTNESS.md "Speculative decoding" says why this is exact.
+//!
+//! This module only sequences forward steps and rewinds; it must never touch the arithmetic.
+
+use crate::generate::{argmax, Choice, Flow, Greedy, Keep, Observer, Session, Step};
+use crate::sampling;
+use crate::step::{ForwardOptions, LogitRows};
+
+/// Proposes tokens to follow a context. Its proposals only decide how much work a step may save:
+/// a wrong draft costs a wasted position, never a different token.
+pub trait Drafter {
+    /// Up to `k` tokens proposed to follow `context` (the prompt and every token chosen so far);
+    /// any beyond `k` are ignored.
+    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32>;
+}
+
+/// Prompt lookup (n-gram) drafting, no model: the context's last `n` tokens are looked up in
+/// the earlier context, and the tokens that followed the match are proposed.
+///
+/// The rule: for `n` from `max_n` down to `min_n`, the most recent earlier occurrence of the last
+/// `n` tokens (one that starts before the suffix itself does) wins, and up to `k` of the tokens
+/// that followed it are the draft; the longest `n` that matches anywhere is used. The most recent
+/// match is taken because it is the one most likely to continue as the text now does (a quoted
+/// passage, a repeated line of code). No match: no draft (the step is a plain one-token step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NgramDrafter {
+    /// The longest suffix looked up.
+    pub max_n: usize,
+    /// The shortest suffix looked up (at least 1).
+    pub min_n: usize,
+}
+
+impl Default for NgramDrafter {
+    /// Suffixes of 3 down to 2 tokens: one token alone matches too often in text that does not
+    /// repeat, and every wrong draft is a position computed for nothing.
+    fn default() -> Self {
+        NgramDrafter { max_n: 3, min_n: 2 }
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+        let len = context.len();
+        if k == 0 {
+            return Vec::new();
+        }
+        for n in (self.min_n.max(1)..=self.max_n).rev() {
+            if n >= len {
+                continue;
+            }
+            let suffix = &context[len - n..];
+            // Starts p with p + n < len: the match ends before the context does, so at least
+            // one token follows it. The most recent first.
+            if let Some(p) = (0..len - n).rev().find(|&p| &context[p..p + n] == suffix) {
+                let from = p + n;
+                return context[from..len.min(from + k)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// A drafter that never proposes anything: every step is a plain one-token step.
+impl Drafter for () {
+    fn draft(&mut self, _context: &[u32], _k: usize) -> Vec<u32> {
+        Vec::new()
+    }
+}
+
+/// What speculation did in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Decode steps run (each one forward over the pending token and its drafts).
+    pub steps: u64,
+    /// Draft tokens fed to those steps.
+    pub drafted: u64,
+    /// Draft tokens accepted (equal to the token the model chose at their position).
+    pub accepted: u64,
+}
+
+impl SpecStats {
+    /// Accepted over drafted (0 when nothing was drafted).
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}
+
+/// [`generate::run_with`] with up to `k` drafted tokens verified per decode step: the same
+/// tokens, the same logits in [`Greedy::step_logits`] (under [`Keep::Logits`]), the same
+/// observer [`Observer::token`] calls, and the same cache length at the end (positions past a
+/// rejected draft or past a stop are rewound with [`Session::rewind_to`]).
+///
+/// Each decode step feeds `[pending, d_1..d_m]` (m <= k drafts, never more than the tokens still
+/// to be chosen after the next) with the logits of every row. Row i chooses the token at its
+/// position as the plain loop would; drafts are accepted while the chosen token equals the draft,
+/// and the first token that differs (or the token after the last draft) is the next pending
+/// token. `before_step`/`after_step` see one decode step of m + 1 tokens with the counters of all
+/// m + 1 (rejected positions were computed: their bytes count). With a router trace
+/// (`opts.trace_router`) nothing is drafted, so that the trace holds no rejected position.
+///
+/// [`generate::run_with`]: crate::generate::run_with
+#[allow(clippy::too_many_arguments)]
+pub fn run_speculative<S, O, D>(
+    session: &mut S,
+    prompt: &[u32],
+    n_new: usize,
+    opts: &ForwardOptions,
+    keep: Keep,
+    choice: Choice<'_>,
+    drafter: &mut D,
+    k: usize,
+    observer: &mut O,
+) -> Result<(Greedy, SpecStats), O::Error>
+where
+    S: Session + ?Sized,
+    O: Observer<S> + ?Sized,
+    D: Drafter + ?Sized,
+{
+    let mut stats = SpecStats::default();
+    observer.before_step(session, Step::Prefill, prompt.len());
+    let mut prefill = session.forward(prompt, opts)?;
+    observer.after_step(
+        session,
+        Step::Prefill,
+        prompt.len(),
+        &prefill.stats,
+        &mut prefill.router,
+    )?;
+    let first_row = prefill.logits.last().cloned().unwrap_or_default();
+    let mut out = Greedy {
+        prefill,
+        ..Greedy::default()
+    };
+    if n_new == 0 {
+        return Ok((out, stats));
+    }
+    // As run_with chooses: greedy settings take the argmax, others the counter-based sample at
+    // the token's own step with the prompt and the tokens before it as history.
+    let sample = match choice {
+        Choice::Sample { params, request } if !params.is_greedy() => Some((params, request)),
+        _ => None,
+    };
+    let pick = |row: &[f32], history: &[u32], step: usize| match sample {
+        Some((params, request)) => sampling::sample(row, history, params, request, step as u64),
+        None => argmax(row),
+    };
+    // The prompt and every token chosen: the sampler's history and the drafter's context.
+    let mut context = prompt.to_vec();
+    let mut j = 0;
+    let mut pending = pick(&first_row, &context, 0);
+    context.push(pending);
+    out.tokens.push(pending);
+    if keep == Keep::Logits {
+        out.step_logits.push(first_row);
+    }
+    if observer.token(0, pending)? == Flow::Stop || n_new == 1 {
+        return Ok((out, stats));
+    }
+    loop {
+        // `pending` is token j, chosen and shown, not yet fed; j + 1 < n_new. The step's rows
+        // choose tokens j+1 ..= j+1+m, never past the last (n_new - 1).
+        let room = if opts.trace_router {
+            0
+        } else {
+            k.min(n_new - 2 - j)
+        };
+        let mut drafts = if room > 0 {
+            drafter.draft(&context, room)
+        } else {
+            Vec::new()
+        };
+        drafts.truncate(room);
+        let mut feed = Vec::with_capacity(drafts.len() + 1);
+        feed.push(pending);
+        feed.extend_from_slice(&drafts);
+        let step_opts = ForwardOptions {
+            logits: if drafts.is_empty() {
+                LogitRows::Last
+            } else {
+                LogitRows::All
+            },
+            ..*opts
+        };
+        let base = session.cached_len();
+        observer.before_step(session, Step::Decode, feed.len());
+        let mut step = session.forward(&feed, &step_opts)?;
+        observer.after_step(
+            session,
+            Step::Decode,
+            feed.len(),
+            &step.stats,
+            &mut step.router,
+        )?;
+        out.decode_weight_bytes += step.stats.weight_bytes;
+        stats.steps += 1;
+        stats.drafted += drafts.len() as u64;
+        for (i, row) in step.logits.into_iter().enumerate().take(feed.len()) {
+            let at = j + 1 + i;
+            let t = pick(&row, &context, at);
+            context.push(t);
+            out.tokens.push(t);
+            if keep == Keep::Logits {
+                out.step_logits.push(row);
+            }
+            // The cache keeps `pending` and the drafts accepted before row i: what one token
+            // per step would have fed before choosing token `at`.
+            if observer.token(at, t)? == Flow::Stop || at + 1 == n_new {
+                session.rewind_to(base + i + 1);
+                return Ok((out, stats));
+            }
+            if i == drafts.len() || t != drafts[i] {
+                session.rewind_to(base + i + 1);
+                pending = t;
+                j = at;
+                break;
+            }
+            stats.accepted += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::run_with;
+    use crate::sampling::SamplingParams;
+    use crate::step::{ForwardOutput, StepStats};
+
+    const VOCAB: usize = 13;
+
+    /// A session whose logits at each position depend on every token cached so far (so a wrong
+    /// rewind or a lost position changes the rest of the run), with a repetitive bias: the
+    /// largest logit is often the token that followed the previous token last time.
+    struct Fake {
+        cache: Vec<u32>,
+        forwards: usize,
+    }
+
+    fn row(prefix: &[u32]) -> Vec<f32> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &t in prefix {
+            h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        let mut r: Vec<f32> = (0..VOCAB)
+            .map(|i| ((h >> (i % 8 * 8)) & 0xff) as f32 / 64.0 + i as f32 * 0.001)
+            .collect();
+        // Repetition: after token t, favour what followed t's previous occurrence.
+        if let Some((&last, before)) = prefix.split_last() {
+            if let Some(p) = before.iter().rposition(|&x| x == last) {
+                if !h.is_multiple_of(4) {
+                    r[before.get(p + 1).copied().unwrap_or(last) as usize] += 8.0;
+                }
+            }
+        }
+        r
+    }
+
+    impl Session for Fake {
+        type Error = String;
+        fn forward(&mut self, t: &[u32], o: &ForwardOptions) -> Result<ForwardOutput, String> {
+            if t.is_empty() {
+                return Err("empty step".into());
+            }
+            self.forwards += 1;
+            let mut logits = Vec::new();
+            for &tok in t {
+                self.cache.push(tok);
+                logits.push(row(&self.cache));
+            }
+            if o.logits == LogitRows::Last {
+                logits.drain(..logits.len() - 1);
+            }
+            Ok(ForwardOutput {
+                logits,
+                router: vec![],
+                stats: StepStats {
+                    weight_bytes: t.len() as u64,
+                    experts_fetched: 0,
+                },
+            })
+        }
+        fn greedy_step(&mut self, t: u32) -> Result<(u32, StepStats), String> {
+            let o = ForwardOptions::default();
+            let out = self.forward(&[t], &o)?;
+            Ok((argmax(&out.logits[0]), out.stats))
+        }
+        fn cached_len(&self) -> usize {
+            self.cache.len()
+        }
+        fn rewind_to(&mut self, len: usize) {
+            self.cache.truncate(len);
+        }
+    }
+
+    /// Stops at `eos` and records every token call.
+    struct Stop {
+        eos: Option<u32>,
+        calls: Vec<(usize, u32)>,
+    }
+
+    impl Observer<Fake> for Stop {
+        type Error = String;
+        fn token(&mut self, j: usize, t: u32) -> Result<Flow, String> {
+            self.calls.push((j, t));
+            Ok(if Some(t) == self.eos {
+                Flow::Stop
+            } else {
+                Flow::Continue
+            })
+        }
+    }
+
+    /// Always proposes tokens the model never chooses first (the greedy token plus one).
+    struct Wrong;
+    impl Drafter for Wrong {
+        fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+            let mut c = context.to_vec();
+            let mut d = Vec::new();
+            for _ in 0..k {
+                let t = (argmax(&row(&c)) + 1) % VOCAB as u32;
+                c.push(t);
+                d.push(t);
+            }
+            d
+        }
+    }
+
+    /// Proposes exactly the greedy continuation (every draft accepted under greedy).
+    struct Oracle;
+    impl Drafter for Oracle {
+        fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+            let mut c = context.to_vec();
+            for _ in 0..k {
+                c.push(argmax(&row(&c)));
+            }
+            c[context.len()..].to_vec()
+        }
+    }
+
+    fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+
+    /// Plain and speculative runs agree on tokens, logits, token calls and the cache.
+    fn check<D: Drafter>(
+        drafter: &mut D,
+        prompt: &[u32],
+        n_new: usize,
+        k: usize,
+        choice: Choice<'_>,
+        eos: Option<u32>,
+    ) -> SpecStats {
+        let opts = ForwardOptions::default();
+        let mut plain = Fake {
+            cache: vec![],
+            forwards: 0,
+        };
+        let mut po = Stop { eos, calls: vec![] };
+        let p = run_with(
+            &mut plain,
+            prompt,
+            n_new,
+            &opts,
+            Keep::Logits,
+            choice,
+            &mut po,
+        )
+        .unwrap();
+        let mut spec = Fake {
+            cache: vec![],
+            forwards: 0,
+        };
+        let mut so = Stop { eos, calls: vec![] };
+        let (s, stats) = run_speculative(
+            &mut spec,
+            prompt,
+            n_new,
+            &opts,
+            Keep::Logits,
+            choice,
+            drafter,
+            k,
+            &mut so,
+        )
+        .unwrap();
+        let what = format!("k {k} n_new {n_new} eos {eos:?} {choice:?}");
+        assert_eq!(p.tokens, s.tokens, "{what}");
+        assert_eq!(bits(&p.step_logits), bits(&s.step_logits), "{what}");
+        assert_eq!(po.calls, so.calls, "{what}");
+        assert_eq!(plain.cache, spec.cache, "{what}");
+        assert!(stats.accepted <= stats.drafted);
+        assert!(spec.forwards <= plain.forwards, "{what}");
+        // Continuing after the run gives the same bits.
+        let next = [3u32];
+        let a = plain.forward(&next, &opts).unwrap();
+        let b = spec.forward(&next, &opts).unwrap();
+        assert_eq!(bits(&a.logits), bits(&b.logits), "{what}");
+        stats
+    }
+
+    fn prompts() -> Vec<Vec<u32>> {
+        vec![
+            // Repeats: drafts match.
+            vec![1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3],
+            // Never repeats a pair.
+            vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+            vec![7],
+        ]
+    }
+
+    #[test]
+    fn ngram_takes_the_longest_most_recent_match() {
+        let mut d = NgramDrafter { max_n: 3, min_n: 1 };
+        // Suffix [1, 2] occurs at 0 and 4; the most recent (4) is followed by 9.
+        assert_eq!(d.draft(&[1, 2, 7, 8, 1, 2, 9, 6, 1, 2], 2), vec![9, 6]);
+        // Longest first: [5, 1, 2] matches at 0 (followed by 3), though [1, 2] matches later.
+        assert_eq!(d.draft(&[5, 1, 2, 3, 1, 2, 4, 5, 1, 2], 3), vec![3, 1, 2]);
+        // The draft stops at the end of the context and at k.
+        assert_eq!(d.draft(&[4, 4], 5), vec![4]);
+        assert_eq!(d.draft(&[1, 2, 3, 1, 2, 3, 1], 1), vec![2]);
+        // No match, no context, k = 0: nothing.
+        assert!(d.draft(&[1, 2, 3], 4).is_empty());
+        assert!(d.draft(&[], 4).is_empty());
+        assert!(d.draft(&[1, 1, 1], 0).is_empty());
+        // min_n 2 ignores a one-token match.
+        let mut d2 = NgramDrafter::default();
+        assert!(d2.draft(&[1, 5, 2, 1], 3).is_empty());
+    }
+
+    #[test]
+    fn greedy_output_is_plain_output_for_every_drafter() {
+        let mut accepted = 0;
+        for prompt in prompts() {
+            for k in [1, 2, 3, 4, 8] {
+                for n_new in [0, 1, 2, 3, 5, 9, 24] {
+                    for eos in [None, Some(2), Some(4)] {
+                        let g = Choice::Greedy;
+                        let st = check(&mut NgramDrafter::default(), &prompt, n_new, k, g, eos);
+                        accepted += st.accepted;
+                        let st = check(&mut Wrong, &prompt, n_new, k, g, eos);
+                        assert_eq!(st.accepted, 0);
+                        let st = check(&mut Oracle, &prompt, n_new, k, g, eos);
+                        if eos.is_none() {
+                            assert_eq!(st.accepted, st.drafted, "the oracle's drafts are greedy");
+                        }
+                        check(&mut (), &prompt, n_new, k, g, eos);
+                    }
+                }
+            }
+        }
+        assert!(accepted > 0, "the repeating prompt has drafts accepted");
+    }
+
+    #[test]
+    fn sampled_output_is_plain_output() {
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 5,
+            repetition_penalty: 1.1,
+            seed: 42,
+            ..SamplingParams::default()
+        };
+        let mut accepted = 0;
+        for prompt in prompts() {
+            for k in [1, 2, 4, 8] {
+                for n_new in [1, 2, 7, 24] {
+                    for eos in [None, Some(5)] {
+                        let c = Choice::Sample {
+                            params: &params,
+                            request: 3,
+                        };
+                        accepted +=
+                            check(&mut NgramDrafter::default(), &prompt, n_new, k, c, eos).accepted;
+                        check(&mut Wrong, &prompt, n_new, k, c, eos);
+                        check(&mut Oracle, &prompt, n_new, k, c, eos);
+                    }
+                }
+            }
+        }
+        assert!(accepted > 0);
+    }
+
+    #[test]
+    fn oracle_drafts_save_steps() {
+        let st = check(&mut Oracle, &[1, 2, 3], 25, 4, Choice::Greedy, None);
+        // 24 tokens after the first, 5 per step: 5 steps (the last one shortened).
+        assert_eq!(st.steps, 5);
+        assert_eq!(st.accepted, 19);
+    }
+}
