@@ -266,7 +266,11 @@ fn matvec_reference(mem: &mut Memory, m: &MatvecArgs, tokens: usize) {
                 y += mem.f32s(m.bias + (r * 4) as u64, 1)[0];
             }
             let o = m.out + ((t * m.os + r) * 4) as u64;
-            let v = if m.mode == 1 { mem.f32s(o, 1)[0] + y } else { y };
+            let v = if m.mode == 1 {
+                mem.f32s(o, 1)[0] + y
+            } else {
+                y
+            };
             mem.put_f32s(o, &[v]);
         }
     }
@@ -317,7 +321,12 @@ fn tile_pairs_reference(
 
 /// Token `t`'s entry of a multi-sequence step's tables: its RoPE rows, position, and this
 /// layer's (keys, values, capacity).
-fn seq_token(mem: &mut Memory, tok: u64, kv: u64, t: usize) -> ((u64, u64), usize, (u64, u64, usize)) {
+fn seq_token(
+    mem: &mut Memory,
+    tok: u64,
+    kv: u64,
+    t: usize,
+) -> ((u64, u64), usize, (u64, u64, usize)) {
     let mut b = [0u8; 32];
     mem.read(tok + (t * 32) as u64, &mut b);
     let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
@@ -340,7 +349,10 @@ fn rope_reference(
     pos: usize,
     (kc, vc, cap): (u64, u64, usize),
 ) {
-    assert!(pos < cap, "rope: position {pos} past the cache capacity {cap}");
+    assert!(
+        pos < cap,
+        "rope: position {pos} past the cache capacity {cap}"
+    );
     let half = d / 2;
     let c = mem.f32s(cos, half);
     let s = mem.f32s(sin, half);
@@ -565,7 +577,18 @@ pub(crate) fn launch_reference(
                 (rows.div_ceil(8), 1, 256),
                 "{name} geometry"
             );
-            let m = MatvecArgs { bf16: name == "matvec_bf16", w, rows, cols, x, xs, bias, out, os, mode };
+            let m = MatvecArgs {
+                bf16: name == "matvec_bf16",
+                w,
+                rows,
+                cols,
+                x,
+                xs,
+                bias,
+                out,
+                os,
+                mode,
+            };
             matvec_reference(mem, &m, gy);
         }
         "mm_tile_bf16" | "mm_tile_f32" => {
@@ -578,8 +601,22 @@ pub(crate) fn launch_reference(
                 (tokens.div_ceil(4), rows.div_ceil(32), 1, 256),
                 "{name} geometry"
             );
-            assert!(cols % 8 == 0 && xs % 4 == 0 && w % 16 == 0 && x % 16 == 0, "{name}: alignment");
-            let m = MatvecArgs { bf16: name == "mm_tile_bf16", w, rows, cols, x, xs, bias, out, os, mode };
+            assert!(
+                cols % 8 == 0 && xs % 4 == 0 && w % 16 == 0 && x % 16 == 0,
+                "{name}: alignment"
+            );
+            let m = MatvecArgs {
+                bf16: name == "mm_tile_bf16",
+                w,
+                rows,
+                cols,
+                x,
+                xs,
+                bias,
+                out,
+                os,
+                mode,
+            };
             matvec_reference(mem, &m, tokens);
         }
         "moe_group" => {
@@ -587,7 +624,10 @@ pub(crate) fn launch_reference(
             let (ids, pairs, e_count) = (a.ptr(0), a.int(1), a.int(2));
             let (order, tiles, n_tiles) = (a.ptr(3), a.ptr(4), a.ptr(5));
             assert_eq!((gx, gy, gz), (1, 1, 1), "{name} geometry");
-            assert!(shared_bytes as usize >= 3 * e_count * 4, "{name}: shared memory");
+            assert!(
+                shared_bytes as usize >= 3 * e_count * 4,
+                "{name}: shared memory"
+            );
             let id = mem.u32s(ids, pairs);
             let (o, t) = group_reference(&id, e_count);
             mem.put_u32s(order, &o);
@@ -598,7 +638,8 @@ pub(crate) fn launch_reference(
             a.count(11);
             let bf16 = name == "gate_up_tile_bf16";
             let (gate, up, rows, cols) = (a.ptr(0), a.ptr(1), a.int(2), a.int(3));
-            let (order, tiles, n_tiles, pairs, k) = (a.ptr(4), a.ptr(5), a.ptr(6), a.int(7), a.int(8));
+            let (order, tiles, n_tiles, pairs, k) =
+                (a.ptr(4), a.ptr(5), a.ptr(6), a.int(7), a.int(8));
             let (xn, act) = (a.ptr(9), a.ptr(10));
             assert_eq!((gy, gz), (rows.div_ceil(16), 1), "{name} geometry");
             for (e, qs) in tile_pairs_reference(mem, order, tiles, n_tiles, pairs, gx) {
@@ -612,7 +653,8 @@ pub(crate) fn launch_reference(
         "down_tile" => {
             a.count(8);
             let (down, hidden, width) = (a.ptr(0), a.int(1), a.int(2));
-            let (order, tiles, n_tiles, act, y) = (a.ptr(3), a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7));
+            let (order, tiles, n_tiles, act, y) =
+                (a.ptr(3), a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7));
             assert_eq!((gy, gz), (hidden.div_ceil(32), 1), "{name} geometry");
             assert!(order != 0, "{name}: grouped pairs only");
             for (e, qs) in tile_pairs_reference(mem, order, tiles, n_tiles, 0, gx) {
@@ -692,7 +734,16 @@ pub(crate) fn launch_reference(
             let (scratch, ns, o) = (a.ptr(9), a.int(10), a.ptr(11));
             assert_eq!((gx, block.0), (hq, 256), "{name} geometry");
             for t in 0..gy {
-                let at = AttnAt { q, o, scratch, ns, scale, t, pos: pos0 + t, cache: (kc, vc, cap) };
+                let at = AttnAt {
+                    q,
+                    o,
+                    scratch,
+                    ns,
+                    scale,
+                    t,
+                    pos: pos0 + t,
+                    cache: (kc, vc, cap),
+                };
                 attention_reference(mem, (hq, hkv, d), &at);
             }
         }
@@ -704,7 +755,16 @@ pub(crate) fn launch_reference(
             assert_eq!((gx, block.0), (hq, 256), "{name} geometry");
             for t in 0..gy {
                 let (_, pos, cache) = seq_token(mem, tok, kv, t);
-                let at = AttnAt { q, o, scratch, ns, scale, t, pos, cache };
+                let at = AttnAt {
+                    q,
+                    o,
+                    scratch,
+                    ns,
+                    scale,
+                    t,
+                    pos,
+                    cache,
+                };
                 attention_reference(mem, (hq, hkv, d), &at);
             }
         }
@@ -2527,7 +2587,9 @@ mod tests {
                 ..Default::default()
             };
             let toks = |seed: usize, n: usize| -> Vec<u32> {
-                (0..n).map(|i| ((seed * 97 + i * 41 + 3) % v) as u32).collect()
+                (0..n)
+                    .map(|i| ((seed * 97 + i * 41 + 3) % v) as u32)
+                    .collect()
             };
             // (history already cached, this step's tokens, options)
             let plan = [
@@ -2549,7 +2611,9 @@ mod tests {
             for (hist, step, o) in &plan {
                 let mut c = cpu.new_cache();
                 if !hist.is_empty() {
-                    engine.forward(&mut c, hist, &ForwardOptions::default()).unwrap();
+                    engine
+                        .forward(&mut c, hist, &ForwardOptions::default())
+                        .unwrap();
                 }
                 want.push(bits(&engine.forward(&mut c, step, o).unwrap()));
             }
@@ -2558,7 +2622,8 @@ mod tests {
                 .map(|(hist, _, _)| {
                     let mut c = gpu.new_cache().unwrap();
                     if !hist.is_empty() {
-                        gpu.forward(&mut c, hist, &ForwardOptions::default()).unwrap();
+                        gpu.forward(&mut c, hist, &ForwardOptions::default())
+                            .unwrap();
                     }
                     c
                 })
@@ -2601,10 +2666,16 @@ mod tests {
             let mut c = cpu.new_cache();
             let (hist, step, _) = &plan[2];
             let all: Vec<u32> = hist.iter().chain(step).copied().collect();
-            engine.forward(&mut c, &all, &ForwardOptions::default()).unwrap();
+            engine
+                .forward(&mut c, &all, &ForwardOptions::default())
+                .unwrap();
             let next = opts(LogitRows::Last, true, false);
             let w = bits(&engine.forward(&mut c, &[9], &next).unwrap());
-            assert_eq!(bits(&gpu.forward(&mut caches[2], &[9], &next).unwrap()), w, "{family}: decode after");
+            assert_eq!(
+                bits(&gpu.forward(&mut caches[2], &[9], &next).unwrap()),
+                w,
+                "{family}: decode after"
+            );
         }
     }
 

@@ -800,7 +800,9 @@ impl CudaModel {
                 .collect();
             let stats = self.step_stats(n_tok, &own);
             let router = match (&records, s.opts.trace_router) {
-                (Some(a), true) => self.records_of(a, t_total, &ids, first..first + n_tok, s.cache.len),
+                (Some(a), true) => {
+                    self.records_of(a, t_total, &ids, first..first + n_tok, s.cache.len)
+                }
                 _ => Vec::new(),
             };
             s.cache.len += n_tok;

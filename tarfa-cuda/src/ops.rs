@@ -107,7 +107,9 @@ const GU_ROWS: usize = 2;
 /// Whether the tiled kernels can read a matrix of `cols` columns and activations `x_stride`
 /// floats apart: whole 8-element groups, every row and vector 16-byte aligned.
 fn tileable(cols: usize, x_stride: usize, ptrs: &[u64]) -> bool {
-    cols.is_multiple_of(8) && x_stride.is_multiple_of(4) && ptrs.iter().all(|p| p.is_multiple_of(16))
+    cols.is_multiple_of(8)
+        && x_stride.is_multiple_of(4)
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
 }
 
 /// [`matvec`]'s function for many tokens: the token-tiled kernel (kernels/tile.cu `mm_tile`),
@@ -134,7 +136,11 @@ pub(crate) fn matmul(
     };
     gpu.launch(
         name,
-        (blocks(tokens, TILE_TOKENS), blocks(w.rows, 8 * TILE_ROWS), 1),
+        (
+            blocks(tokens, TILE_TOKENS),
+            blocks(w.rows, 8 * TILE_ROWS),
+            1,
+        ),
         (256, 1, 1),
         0,
         &[

@@ -727,8 +727,7 @@ fn many_token(
         ..Default::default()
     };
     let peak: f64 = arg(args, "--fma-peak").map_or(66.9, |v| {
-        v.parse()
-            .unwrap_or_else(|_| fail("bad --fma-peak".into()))
+        v.parse().unwrap_or_else(|_| fail("bad --fma-peak".into()))
     });
     let copy = model
         .copy_rate(2 << 30, 10)
@@ -784,9 +783,15 @@ fn many_token(
             if same { "same bits" } else { "DIFFERENT BITS" }
         );
         println!("prefill {n}: {d}");
-        table(&format!("prefill {n}"), if same { "PASS" } else { "FAIL" }, &d);
-        pre_js.push(json!({"tokens": n, "tok_s": n as f64 / s, "seconds": s, "tflops": tflops,
-            "fma_peak_share": tflops / peak, "chunked_same_bits": same}));
+        table(
+            &format!("prefill {n}"),
+            if same { "PASS" } else { "FAIL" },
+            &d,
+        );
+        pre_js.push(
+            json!({"tokens": n, "tok_s": n as f64 / s, "seconds": s, "tflops": tflops,
+            "fma_peak_share": tflops / peak, "chunked_same_bits": same}),
+        );
     }
     js.insert("prefill".into(), json!(pre_js));
 
@@ -825,7 +830,9 @@ fn many_token(
     );
     let mut dec_js = Vec::new();
     for &b in &sizes {
-        let prompts: Vec<Vec<u32>> = (0..b).map(|i| prompt_of(vocab, n_prompt, 100 + i)).collect();
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|i| prompt_of(vocab, n_prompt, 100 + i))
+            .collect();
         let mut caches: Vec<CudaCache> = (0..b)
             .map(|_| model.new_cache().unwrap_or_else(|e| fail(e.to_string())))
             .collect();
@@ -890,10 +897,16 @@ fn many_token(
             if same { "same tokens and bits" } else { "DIFFERENT" }
         );
         println!("batched decode B={b}: {d}");
-        table(&format!("batched decode B={b}"), if same { "PASS" } else { "FAIL" }, &d);
-        dec_js.push(json!({"batch": b, "tok_s": tok_s, "seconds": s, "steps": steps,
+        table(
+            &format!("batched decode B={b}"),
+            if same { "PASS" } else { "FAIL" },
+            &d,
+        );
+        dec_js.push(
+            json!({"batch": b, "tok_s": tok_s, "seconds": s, "steps": steps,
             "roofline_tok_s": roof, "step_bytes": step_bytes, "same_as_alone": same,
-            "prefill_seconds": prefill_s}));
+            "prefill_seconds": prefill_s}),
+        );
     }
     js.insert("batched_decode".into(), json!(dec_js));
     js.insert("copy_rate_gb_s".into(), json!(copy));
