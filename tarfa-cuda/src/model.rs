@@ -530,21 +530,9 @@ impl CudaModel {
             "the router's choices",
         )?;
         let stats = self.step_stats(t_count, &ids);
-        self.note_vram()?;
-        if let Some(hot) = &self.hot {
-            // the logits' read waited for the stream: the last copies have run
-            hot.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .in_flight
-                .clear();
-        }
+        self.step_done()?;
         let router = if opts.trace_router {
-            let rec = RecordPtrs {
-                probs: ws.probs.ptr(),
-                weights: ws.weights.ptr(),
-                kth: ws.kth.ptr(),
-                next: ws.next.ptr(),
-            };
+            let rec = ws.records();
             self.router_records_at(rec, pos0, t_count, &ids)?
         } else {
             Vec::new()
@@ -765,24 +753,12 @@ impl CudaModel {
             "the router's choices",
         )?;
         let records = if seqs.iter().any(|s| s.opts.trace_router) {
-            let rec = RecordPtrs {
-                probs: ws.probs.ptr(),
-                weights: ws.weights.ptr(),
-                kth: ws.kth.ptr(),
-                next: ws.next.ptr(),
-            };
+            let rec = ws.records();
             Some(self.read_records(rec, t_total)?)
         } else {
             None
         };
-        self.note_vram()?;
-        if let Some(hot) = &self.hot {
-            // the logits' read waited for the stream: the last copies have run
-            hot.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .in_flight
-                .clear();
-        }
+        self.step_done()?;
         let mut outs = Vec::with_capacity(seqs.len());
         let (mut first, mut row) = (0usize, 0usize);
         for s in seqs.iter_mut() {
@@ -1014,6 +990,19 @@ impl CudaModel {
     }
 
     /// Records the device memory in use now in the hot tier's peak.
+    /// After a step's logits were read (which waited for the stream): the VRAM peak noted, and
+    /// the hot tier's copies of the step known to have run.
+    fn step_done(&self) -> Result<(), CudaError> {
+        self.note_vram()?;
+        if let Some(hot) = &self.hot {
+            hot.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .in_flight
+                .clear();
+        }
+        Ok(())
+    }
+
     fn note_vram(&self) -> Result<(), CudaError> {
         if let Some(hot) = &self.hot {
             let (free, total) = self.gpu.mem_info()?;
@@ -1519,6 +1508,16 @@ impl Workspace {
         self.positions_cap = positions;
         self.rows_cap = rows;
         Ok(())
+    }
+
+    /// Where the step's router records are.
+    fn records(&self) -> RecordPtrs {
+        RecordPtrs {
+            probs: self.probs.ptr(),
+            weights: self.weights.ptr(),
+            kth: self.kth.ptr(),
+            next: self.next.ptr(),
+        }
     }
 
     /// Where `ops::moe_group` writes.
