@@ -2584,7 +2584,6 @@ mod tests {
                 } else {
                     FinalHidden::default()
                 },
-                ..Default::default()
             };
             let toks = |seed: usize, n: usize| -> Vec<u32> {
                 (0..n)
