@@ -60,6 +60,20 @@ pub trait Session {
         Ok(out)
     }
 
+    /// One step over `tokens` and the greedy token after each of them: row i's [`argmax`], the
+    /// tokens [`Session::forward`] with the logits of every row gives (verifying drafts greedily,
+    /// [`crate::speculate`]). The default takes the argmaxes on the host; [`Bound`] and the
+    /// engine hand it to [`Backend::greedy_rows`], which a backend that chooses tokens where it
+    /// computes them may override.
+    fn greedy_rows(&mut self, tokens: &[u32]) -> Result<(Vec<u32>, StepStats), Self::Error> {
+        let opts = ForwardOptions {
+            logits: LogitRows::All,
+            ..ForwardOptions::default()
+        };
+        let out = self.forward(tokens, &opts)?;
+        Ok((out.logits.iter().map(|r| argmax(r)).collect(), out.stats))
+    }
+
     /// Positions in this sequence's cache.
     fn cached_len(&self) -> usize;
 
@@ -97,6 +111,10 @@ where
 
     fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), B::Error> {
         self.backend.greedy_step(self.cache, token)
+    }
+
+    fn greedy_rows(&mut self, tokens: &[u32]) -> Result<(Vec<u32>, StepStats), B::Error> {
+        self.backend.greedy_rows(self.cache, tokens)
     }
 }
 

@@ -126,6 +126,26 @@ pub trait Backend {
         let out = self.forward(cache, &[token], &opts)?;
         Ok((generate::argmax(&out.logits[0]), out.stats))
     }
+
+    /// One step over `tokens` and the greedy token after each: [`Backend::forward`] with the
+    /// logits of every row, each reduced to its argmax (verifying drafts greedily,
+    /// [`speculate`]). The default takes the argmaxes on the host; a backend that can choose
+    /// them where it computes them (the GPU) may override this, with the same tokens.
+    fn greedy_rows(
+        &self,
+        cache: &mut Self::Cache,
+        tokens: &[u32],
+    ) -> Result<(Vec<u32>, StepStats), Self::Error> {
+        let opts = ForwardOptions {
+            logits: LogitRows::All,
+            ..ForwardOptions::default()
+        };
+        let out = self.forward(cache, tokens, &opts)?;
+        Ok((
+            out.logits.iter().map(|r| generate::argmax(r)).collect(),
+            out.stats,
+        ))
+    }
 }
 
 /// An error from loading or running a model.

@@ -10,7 +10,7 @@
 
 use crate::generate::{argmax, Choice, Flow, Greedy, Keep, Observer, Session, Step};
 use crate::sampling;
-use crate::step::{ForwardOptions, LogitRows};
+use crate::step::{FinalHidden, ForwardOptions, LogitRows};
 
 /// Proposes tokens to follow a context. Its proposals only decide how much work a step may save:
 /// a wrong draft costs a wasted position, never a different token.
@@ -108,6 +108,12 @@ impl SpecStats {
 /// m + 1 (rejected positions were computed: their bytes count). With a router trace
 /// (`opts.trace_router`) nothing is drafted, so that the trace holds no rejected position.
 ///
+/// When nothing but the greedy tokens is asked for (greedy, [`Keep::Tokens`], no trace, the exact
+/// final hidden state: `run_with`'s token-only path) no logits come back to the host: a step
+/// without drafts is [`Session::greedy_step`], the plain loop's own step (CUDA's argmax on the
+/// device), and a step with drafts is [`Session::greedy_rows`]. Plain decoding's run-ahead
+/// ([`Session::run_ahead`]) is not used: each step's drafts depend on the tokens before it.
+///
 /// [`generate::run_with`]: crate::generate::run_with
 #[allow(clippy::too_many_arguments)]
 pub fn run_speculative<S, O, D>(
@@ -150,6 +156,12 @@ where
         Choice::Sample { params, request } if !params.is_greedy() => Some((params, request)),
         _ => None,
     };
+    // As run_with: nothing but the greedy token is asked for, so the backend may choose it where
+    // it computes it and no logits come back.
+    let token_only = sample.is_none()
+        && keep == Keep::Tokens
+        && !opts.trace_router
+        && opts.final_hidden == FinalHidden::Exact;
     let pick = |row: &[f32], history: &[u32], step: usize| match sample {
         Some((params, request)) => sampling::sample(row, history, params, request, step as u64),
         None => argmax(row),
@@ -183,35 +195,57 @@ where
         let mut feed = Vec::with_capacity(drafts.len() + 1);
         feed.push(pending);
         feed.extend_from_slice(&drafts);
-        let step_opts = ForwardOptions {
-            logits: if drafts.is_empty() {
-                LogitRows::Last
-            } else {
-                LogitRows::All
-            },
-            ..*opts
-        };
         let base = session.cached_len();
         observer.before_step(session, Step::Decode, feed.len());
-        let mut step = session.forward(&feed, &step_opts)?;
-        observer.after_step(
-            session,
-            Step::Decode,
-            feed.len(),
-            &step.stats,
-            &mut step.router,
-        )?;
-        out.decode_weight_bytes += step.stats.weight_bytes;
+        // Rows of logits (chosen from on the host), or, on the token-only path, the greedy
+        // tokens themselves (chosen by the backend: CUDA's argmax on the device, no logits
+        // copied back; a step without drafts is plain decoding's own `greedy_step`).
+        let (rows, greedy_tokens, step_stats) = if token_only {
+            let (tokens, st) = if drafts.is_empty() {
+                let (t, st) = session.greedy_step(pending)?;
+                (vec![t], st)
+            } else {
+                session.greedy_rows(&feed)?
+            };
+            observer.after_step(session, Step::Decode, feed.len(), &st, &mut Vec::new())?;
+            (Vec::new(), tokens, st)
+        } else {
+            let step_opts = ForwardOptions {
+                logits: if drafts.is_empty() {
+                    LogitRows::Last
+                } else {
+                    LogitRows::All
+                },
+                ..*opts
+            };
+            let mut step = session.forward(&feed, &step_opts)?;
+            observer.after_step(
+                session,
+                Step::Decode,
+                feed.len(),
+                &step.stats,
+                &mut step.router,
+            )?;
+            (step.logits, Vec::new(), step.stats)
+        };
+        out.decode_weight_bytes += step_stats.weight_bytes;
         stats.steps += 1;
         stats.drafted += drafts.len() as u64;
-        for (i, row) in step.logits.into_iter().enumerate().take(feed.len()) {
+        let mut rows = rows.into_iter();
+        for i in 0..feed.len() {
             let at = j + 1 + i;
-            let t = pick(&row, &context, at);
+            let t = if token_only {
+                greedy_tokens[i]
+            } else {
+                let row = rows.next().unwrap_or_default();
+                let t = pick(&row, &context, at);
+                if keep == Keep::Logits {
+                    out.step_logits.push(row);
+                }
+                t
+            };
             context.push(t);
             out.tokens.push(t);
-            if keep == Keep::Logits {
-                out.step_logits.push(row);
-            }
             // The cache keeps `pending` and the drafts accepted before row i: what one token
             // per step would have fed before choosing token `at`.
             if observer.token(at, t)? == Flow::Stop || at + 1 == n_new {
@@ -241,9 +275,13 @@ mod tests {
     /// A session whose logits at each position depend on every token cached so far (so a wrong
     /// rewind or a lost position changes the rest of the run), with a repetitive bias: the
     /// largest logit is often the token that followed the previous token last time.
+    #[derive(Default)]
     struct Fake {
         cache: Vec<u32>,
         forwards: usize,
+        /// Calls of the token-only entry points.
+        greedy_steps: usize,
+        greedy_rows: usize,
     }
 
     fn row(prefix: &[u32]) -> Vec<f32> {
@@ -290,9 +328,19 @@ mod tests {
             })
         }
         fn greedy_step(&mut self, t: u32) -> Result<(u32, StepStats), String> {
+            self.greedy_steps += 1;
             let o = ForwardOptions::default();
             let out = self.forward(&[t], &o)?;
             Ok((argmax(&out.logits[0]), out.stats))
+        }
+        fn greedy_rows(&mut self, t: &[u32]) -> Result<(Vec<u32>, StepStats), String> {
+            self.greedy_rows += 1;
+            let o = ForwardOptions {
+                logits: LogitRows::All,
+                ..ForwardOptions::default()
+            };
+            let out = self.forward(t, &o)?;
+            Ok((out.logits.iter().map(|r| argmax(r)).collect(), out.stats))
         }
         fn cached_len(&self) -> usize {
             self.cache.len()
@@ -363,10 +411,7 @@ mod tests {
         eos: Option<u32>,
     ) -> SpecStats {
         let opts = ForwardOptions::default();
-        let mut plain = Fake {
-            cache: vec![],
-            forwards: 0,
-        };
+        let mut plain = Fake::default();
         let mut po = Stop { eos, calls: vec![] };
         let p = run_with(
             &mut plain,
@@ -378,10 +423,7 @@ mod tests {
             &mut po,
         )
         .unwrap();
-        let mut spec = Fake {
-            cache: vec![],
-            forwards: 0,
-        };
+        let mut spec = Fake::default();
         let mut so = Stop { eos, calls: vec![] };
         let (s, stats) = run_speculative(
             &mut spec,
@@ -407,6 +449,50 @@ mod tests {
         let a = plain.forward(&next, &opts).unwrap();
         let b = spec.forward(&next, &opts).unwrap();
         assert_eq!(bits(&a.logits), bits(&b.logits), "{what}");
+        if matches!(choice, Choice::Greedy) {
+            // The token-only path: the same tokens, token calls and cache, every decode step
+            // chosen by the session (greedy_step without drafts, greedy_rows with them).
+            let mut plain = Fake::default();
+            let mut po = Stop { eos, calls: vec![] };
+            let pt = run_with(
+                &mut plain,
+                prompt,
+                n_new,
+                &opts,
+                Keep::Tokens,
+                choice,
+                &mut po,
+            )
+            .unwrap();
+            let mut spec = Fake::default();
+            let mut so = Stop { eos, calls: vec![] };
+            let (st, tstats) = run_speculative(
+                &mut spec,
+                prompt,
+                n_new,
+                &opts,
+                Keep::Tokens,
+                choice,
+                drafter,
+                k,
+                &mut so,
+            )
+            .unwrap();
+            assert_eq!(st.tokens, p.tokens, "{what}: token-only");
+            assert_eq!(pt.tokens, p.tokens, "{what}: token-only plain");
+            assert!(st.step_logits.is_empty());
+            assert_eq!(po.calls, so.calls, "{what}: token-only");
+            assert_eq!(plain.cache, spec.cache, "{what}: token-only");
+            assert_eq!(tstats, stats, "{what}: token-only");
+            assert_eq!(
+                (spec.greedy_steps + spec.greedy_rows) as u64,
+                tstats.steps,
+                "{what}"
+            );
+            assert_eq!(tstats.drafted == 0, spec.greedy_rows == 0, "{what}");
+            // prefill, then each step's one forward
+            assert_eq!(spec.forwards as u64, 1 + tstats.steps, "{what}");
+        }
         stats
     }
 

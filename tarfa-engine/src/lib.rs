@@ -386,6 +386,22 @@ impl Model {
         }
     }
 
+    /// One step over `tokens` on `seq` and the greedy token after each
+    /// ([`Backend::greedy_rows`]: the argmax of every row; verifying drafts greedily).
+    pub fn greedy_rows(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+    ) -> Result<(Vec<u32>, StepStats), EngineError> {
+        match (self, &mut seq.cache) {
+            (Model::Cpu(e), SequenceCache::Cpu(c)) => Ok(Backend::greedy_rows(e, c, tokens)?),
+            (Model::Cuda(m), SequenceCache::Cuda(c)) => {
+                Ok(Backend::greedy_rows(m.as_ref(), c.as_mut(), tokens)?)
+            }
+            _ => Err(self.foreign(seq)),
+        }
+    }
+
     /// Every sequence of `steps` was made by this model's backend.
     fn check_owned(&self, steps: &[SeqStep<'_>]) -> Result<(), StepError> {
         match steps.iter().position(|s| !self.owns(s.seq)) {
@@ -514,6 +530,10 @@ impl Session for Engine {
 
     fn greedy_step(&mut self, token: u32) -> Result<(u32, StepStats), EngineError> {
         self.model.greedy_step(&mut self.seq, token)
+    }
+
+    fn greedy_rows(&mut self, tokens: &[u32]) -> Result<(Vec<u32>, StepStats), EngineError> {
+        self.model.greedy_rows(&mut self.seq, tokens)
     }
 
     fn run_ahead(&self) -> usize {

@@ -136,6 +136,49 @@ fn same(
         bits(&b.logits),
         "{what}: the step after the run"
     );
+    if matches!(choice, Choice::Greedy) {
+        // The token-only path (no logits kept): plain decoding's greedy steps (CUDA's run-ahead
+        // on the mock device) against speculation's greedy_step / greedy_rows.
+        let mut plain = engine(cfg, source, backend, threads);
+        let fast = generate::run_with(
+            &mut plain,
+            prompt,
+            n,
+            &opts,
+            Keep::Tokens,
+            choice,
+            &mut StopAt(eos),
+        )
+        .unwrap();
+        let mut spec = engine(cfg, source, backend, threads);
+        let (got, tst) = run_speculative(
+            &mut spec,
+            prompt,
+            n,
+            &opts,
+            Keep::Tokens,
+            choice,
+            drafter,
+            k,
+            &mut StopAt(eos),
+        )
+        .unwrap();
+        assert_eq!(fast.tokens, want.tokens, "{what}: token-only plain");
+        assert_eq!(got.tokens, want.tokens, "{what}: token-only tokens");
+        assert_eq!(tst, st, "{what}: token-only drafts");
+        assert_eq!(
+            spec.cached_len(),
+            plain.cached_len(),
+            "{what}: token-only cache"
+        );
+        let a = plain.forward(&[1, 2], &all).unwrap();
+        let b = spec.forward(&[1, 2], &all).unwrap();
+        assert_eq!(
+            bits(&a.logits),
+            bits(&b.logits),
+            "{what}: token-only, the step after the run"
+        );
+    }
     (want, st)
 }
 
@@ -257,4 +300,70 @@ fn speculation_on_the_cuda_mock_device() {
             &mut Shifted,
         );
     }
+}
+
+#[test]
+fn speculation_is_plain_decoding_on_every_oracle_fixture() {
+    // Every family and config feature of the oracle fixtures (qwen3moe-a and the 28 MB demo
+    // model aside: the test above and the CLI's cover them), greedy and sampled, with a stop
+    // inside the run: a repeating prompt, so that drafts are fed and some accepted.
+    let params = SamplingParams {
+        temperature: 0.7,
+        top_p: 0.9,
+        seed: 3,
+        ..SamplingParams::default()
+    };
+    let sampled = Choice::Sample {
+        params: &params,
+        request: 1,
+    };
+    let repeats: Vec<u32> = [11u32, 40, 3, 29]
+        .iter()
+        .cycle()
+        .take(14)
+        .copied()
+        .collect();
+    let mut drafted = 0;
+    for name in [
+        "deepseekv2-yarn-s",
+        "deepseekv3-plain-s",
+        "deepseekv3-s",
+        "glm4moe-s",
+        "mixtral-s",
+        "olmoe-s",
+        "qwen2moe-s",
+        "qwen3moe-dense",
+        "qwen3moe-odd",
+        "qwen3moe-yarn-s",
+    ] {
+        let (cfg, source) = load(name);
+        for (k, choice) in [(2, Choice::Greedy), (8, Choice::Greedy), (4, sampled)] {
+            let (g, st) = same(
+                &cfg,
+                &source,
+                BackendChoice::Cpu,
+                2,
+                &repeats,
+                12,
+                k,
+                choice,
+                None,
+                &mut NgramDrafter::default(),
+            );
+            drafted += st.drafted;
+            same(
+                &cfg,
+                &source,
+                BackendChoice::Cpu,
+                1,
+                &repeats,
+                12,
+                k,
+                choice,
+                Some(g.tokens[5]),
+                &mut NgramDrafter::default(),
+            );
+        }
+    }
+    assert!(drafted > 0, "the repeating prompt is drafted from");
 }

@@ -660,3 +660,56 @@ fn a_sampled_generation_is_generates_for_the_same_prompt_settings_and_seed() {
         r[0]["token_logprobs"]
     );
 }
+
+#[test]
+fn score_speculate_ngram_gives_the_plain_results_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let quoting =
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(";
+    let reqs = write_requests(
+        dir.path(),
+        "gen.jsonl",
+        &[
+            json!({"context": quoting, "max_tokens": 20, "top_logprobs": 2}),
+            json!({"context": quoting, "max_tokens": 20, "until": ["b\n"]}),
+            json!({"context": "import os\nimport os\nimport", "max_tokens": 7, "temperature": 0.8, "seed": 2}),
+            json!({"context": "x = 1", "max_tokens": 5, "echo": true}),
+        ],
+    );
+    let b = bundle();
+    let args = |extra: &[&'static str]| {
+        let mut v = vec![
+            "score".to_string(),
+            b.to_str().unwrap().to_string(),
+            "--requests".into(),
+            reqs.to_str().unwrap().to_string(),
+            "--backend".into(),
+            "cpu".into(),
+            "--max-batch".into(),
+            "3".into(),
+            "--json".into(),
+        ];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let call = |extra: &[&'static str]| {
+        let a = args(extra);
+        let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        let (code, out, err) = run(&a);
+        assert_eq!(code, 0, "{err}");
+        (out, err)
+    };
+    let (want, _) = call(&[]);
+    assert_eq!(want.lines().count(), 4, "{want}");
+    let mut accepted = 0;
+    for k in ["1", "4", "8"] {
+        let k: &'static str = k;
+        let (got, err) = call(&["--speculate", "ngram", "--draft-tokens", k]);
+        assert_eq!(got, want, "--draft-tokens {k}");
+        let summary: Value = serde_json::from_str(last_line(&err)).unwrap();
+        let s = &summary["speculate"];
+        assert!(s["drafted"].as_u64().unwrap() > 0, "{summary}");
+        accepted += s["accepted"].as_u64().unwrap();
+    }
+    assert!(accepted > 0, "the quoting context has drafts accepted");
+}

@@ -761,3 +761,56 @@ fn request_timeout_must_be_a_positive_number_of_seconds() {
         assert!(err.contains("--request-timeout"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn speculate_ngram_answers_are_the_plain_answers_streamed_or_not() {
+    // A prompt that quotes itself (drafts accepted), greedy and sampled, with a stop string.
+    let quoting =
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(";
+    let srv = Server::start(&[
+        "--max-batch",
+        "3",
+        "--speculate",
+        "ngram",
+        "--draft-tokens",
+        "4",
+    ]);
+    let reqs = [
+        json!({"prompt": quoting, "max_tokens": 16, "logprobs": 2}),
+        json!({"prompt": quoting, "max_tokens": 16, "stop": ["with"], "logprobs": 1}),
+        json!({"prompt": quoting, "max_tokens": 9, "temperature": 0.8, "seed": 5, "logprobs": 1}),
+    ];
+    let want = score(&[
+        json!({"context": quoting, "max_tokens": 16, "top_logprobs": 2}),
+        json!({"context": quoting, "max_tokens": 16, "until": ["with"], "top_logprobs": 1}),
+        json!({"context": quoting, "max_tokens": 9, "temperature": 0.8, "seed": 5,
+               "top_logprobs": 1}),
+    ]);
+    assert_eq!(want[1]["finish_reason"], json!("stop"), "{}", want[1]);
+    for (r, w) in reqs.iter().zip(&want) {
+        let a = post(&srv.addr, "/v1/completions", r);
+        assert_eq!(a.status, 200, "{}", a.body);
+        let a = a.json();
+        let lp = &a["choices"][0]["logprobs"];
+        assert_eq!(lp["token_ids"], w["tokens"], "{r}");
+        assert_eq!(
+            f64_bits(&lp["token_logprobs"]),
+            f64_bits(&w["token_logprobs"]),
+            "{r}"
+        );
+        assert_eq!(a["choices"][0]["text"], w["text"], "{r}");
+        // streamed: one event per token, the deltas joining into the same text
+        let mut sr = r.clone();
+        sr["stream"] = json!(true);
+        let s = post(&srv.addr, "/v1/completions", &sr);
+        assert_eq!(s.status, 200, "{}", s.body);
+        let mut text = String::new();
+        for line in s.body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if line != "[DONE]" {
+                let c: Value = serde_json::from_str(line).unwrap();
+                text.push_str(c["choices"][0]["text"].as_str().unwrap());
+            }
+        }
+        assert_eq!(json!(text), w["text"], "{r} streamed");
+    }
+}

@@ -239,7 +239,6 @@ impl<'a> Scheduler<'a> {
         // Each request's log-probs, choices and text come from its own rows alone, so the
         // requests are absorbed in parallel (a log-softmax over the vocabulary per row is most of
         // a decode step's host time); the sinks then see them in slot order.
-        let before: Vec<usize> = self.active.iter().map(|s| s.work.generated_len()).collect();
         {
             use rayon::prelude::*;
             let mut works: Vec<(&mut Work, usize)> = self
@@ -253,13 +252,15 @@ impl<'a> Scheduler<'a> {
                 .zip(outs.into_par_iter())
                 .for_each(|(((w, k), (c, _)), out)| w.absorb(c, out, *k, dec));
         }
-        for ((s, (_, toks)), before) in self.active.iter_mut().zip(&plans).zip(before) {
+        for (s, (_, toks)) in self.active.iter_mut().zip(&plans) {
             self.stats.tokens += toks.len() as u64;
-            if s.work.generated_len() > before {
-                if let Some(t) = s.work.last_generated() {
-                    if !(s.sink)(Event::Token(t)) {
-                        s.cancelled = true;
-                    }
+            // the positions of drafts the step rejected are forgotten
+            if let Some(len) = s.work.kept_len() {
+                s.seq.truncate(len);
+            }
+            for t in s.work.take_new_tokens() {
+                if !s.cancelled && !(s.sink)(Event::Token(t)) {
+                    s.cancelled = true;
                 }
             }
         }
@@ -275,6 +276,9 @@ impl<'a> Scheduler<'a> {
                 seq.truncate(0);
                 self.free.push(seq);
                 self.stats.requests_done += 1;
+                let (drafted, accepted) = work.drafts();
+                self.stats.drafted += drafted;
+                self.stats.accepted += accepted;
                 sink(Event::Done(work.result()));
             } else {
                 i += 1;

@@ -53,6 +53,7 @@ fn run(m: &Model, lines: &[&str], max_batch: usize) -> Vec<String> {
     let opts = ScoreOptions {
         max_batch,
         chunk_tokens: 4,
+        draft_tokens: 0,
     };
     let mut out = vec![String::new(); requests.len()];
     score(

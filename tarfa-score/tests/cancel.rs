@@ -72,6 +72,7 @@ fn opts(max_batch: usize) -> ScoreOptions {
     ScoreOptions {
         max_batch,
         chunk_tokens: 3,
+        draft_tokens: 0,
     }
 }
 

@@ -43,6 +43,9 @@ pub struct ServeConfig {
     pub max_batch: usize,
     /// Requests waiting beyond those in flight; more are answered 429.
     pub max_queue: usize,
+    /// Completions' speculative decoding: prompt-lookup drafts per decode step (0: none);
+    /// [`ScoreOptions::draft_tokens`]. Every answer is the same bits either way.
+    pub draft_tokens: usize,
     /// Bearer token every endpoint but /health requires.
     pub api_key: Option<String>,
     pub vocab_size: usize,
@@ -184,6 +187,7 @@ async fn shutdown_signal() {
 fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submission>) {
     let opts = ScoreOptions {
         max_batch: shared.cfg.max_batch,
+        draft_tokens: shared.cfg.draft_tokens,
         ..ScoreOptions::default()
     };
     let dec = shared.decoding();

@@ -19,7 +19,7 @@ use crate::bundle::BundleSource;
 use crate::config::MoeConfig;
 use crate::weights::WeightSource;
 
-use super::generate::{chat_template, eos_ids, kernel, BackendArg, KernelArg};
+use super::generate::{chat_template, eos_ids, kernel, BackendArg, KernelArg, SpeculateArg};
 use super::output::OutputRules;
 use super::stream::{StreamArgs, StreamRun};
 use super::{threads_arg, CliError};
@@ -106,6 +106,15 @@ pub struct ScoreArgs {
     /// Default echo of every request: also the log-probs of the context's tokens.
     #[arg(long)]
     pub echo: bool,
+    /// generate_until's speculative decoding: draft up to --draft-tokens tokens per decode step
+    /// by prompt lookup and verify them in that step. Exact: every result line is the bytes of
+    /// `off` (docs/EXACTNESS.md "Speculative decoding"); only the speed differs. Off by default
+    /// until it is measured faster.
+    #[arg(long, value_enum, default_value_t = SpeculateArg::Off)]
+    pub speculate: SpeculateArg,
+    /// The most tokens drafted per decode step (1 to 64) with --speculate.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub draft_tokens: u16,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -359,7 +368,10 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
         a.requests.display()
     ));
     let (model, streamed) = load(&a.model, &o, &log)?;
-    let (dec, opts, bar) = run_parts(&a.model, &o, requests.len(), "requests");
+    let (dec, mut opts, bar) = run_parts(&a.model, &o, requests.len(), "requests");
+    if a.speculate == SpeculateArg::Ngram {
+        opts.draft_tokens = a.draft_tokens as usize;
+    }
     let t0 = Instant::now();
     let stdout = std::io::stdout();
     let out_path = a.out.clone().unwrap_or_else(|| PathBuf::from("<stdout>"));
@@ -401,8 +413,28 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
         "max_batch": a.model.max_batch,
         "backend": model.name(),
         "threads": model.threads(),
+        // generate_until's drafts: fed to steps, and accepted (the tokens count them all)
+        "speculate": (a.speculate == SpeculateArg::Ngram).then(|| json!({
+            "drafter": "ngram",
+            "draft_tokens": a.draft_tokens,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+        })),
     });
     streamed.finish(&log);
+    if a.speculate == SpeculateArg::Ngram {
+        log(format!(
+            "speculate ngram k {}: {} drafted, {} accepted ({:.1}%)",
+            a.draft_tokens,
+            stats.drafted,
+            stats.accepted,
+            if stats.drafted > 0 {
+                100.0 * stats.accepted as f64 / stats.drafted as f64
+            } else {
+                0.0
+            }
+        ));
+    }
     if a.model.json {
         if a.out.is_some() {
             println!("{summary}");

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
+use super::generate::SpeculateArg;
 use super::score::ModelArgs;
 use super::CliError;
 
@@ -35,6 +36,15 @@ pub struct ServeArgs {
     /// for a shorter deadline with the header `x-tarfa-timeout: SECONDS`, never a longer one.
     #[arg(long, value_name = "SECONDS", value_parser = timeout_arg)]
     pub request_timeout: Option<Duration>,
+    /// Speculative decoding of completions: draft up to --draft-tokens tokens per decode step by
+    /// prompt lookup and verify them in that step. Exact: every answer is the bits of `off`
+    /// (docs/EXACTNESS.md "Speculative decoding"); only the speed differs. Off by default until
+    /// it is measured faster.
+    #[arg(long, value_enum, default_value_t = SpeculateArg::Off)]
+    pub speculate: SpeculateArg,
+    /// The most tokens drafted per decode step (1 to 64) with --speculate.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub draft_tokens: u16,
 }
 
 /// The most seconds a deadline may be (about 31 years: beyond it, no deadline is meant).
@@ -101,6 +111,10 @@ pub fn run(a: &ServeArgs) -> Result<(), CliError> {
         root_digest: o.source.root_digest().to_string(),
         max_batch: a.model.max_batch,
         max_queue: a.max_queue,
+        draft_tokens: match a.speculate {
+            SpeculateArg::Off => 0,
+            SpeculateArg::Ngram => a.draft_tokens as usize,
+        },
         api_key: a.api_key.clone(),
         vocab_size: o.cfg.vocab_size,
         max_positions: o.cfg.max_position_embeddings,
