@@ -325,6 +325,58 @@ __device__ __forceinline__ float block_max_256(const float* t, int n, float* s) 
 
 
 // ---------------------------------------------------------------------------------------------
+// The router's selection for one token, by a block of 256 threads (cpu/forward.rs `select`): the
+// k experts of largest c[i] in descending total order, the lower expert id first among equals, into
+// sel[0..k) (shared); next[t] = the (k+1)-th's c, or NaN when E == k. Ends with a barrier.
+__device__ __forceinline__ void route_select_block(const float* c, int e_count, int k, int t,
+                                                   int* sel, float* __restrict__ next) {
+    const int v = threadIdx.x;
+    // rank of expert i in the order (descending total order of c, ascending id among equals)
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        const int ki = total_order_key(c[i]);
+        int rank = 0;
+        for (int j = 0; j < e_count; j++) {
+            const int kj = total_order_key(c[j]);
+            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
+        }
+        if (rank < k) sel[rank] = i;
+        if (rank == k) next[t] = c[i];
+    }
+    if (v == 0 && e_count == k) next[t] = f32_bits(0x7fc00000u);
+    __syncthreads();
+}
+
+// The router's records of one token from its selection sel[0..k) and each slot's probability
+// sp[j] and weight wt[j] (shared): at `base` = t*k ids, probs, weights and by_id (the selection
+// slots in ascending expert id: the mixing order); kth[t] = kth_value.
+__device__ __forceinline__ void route_write_block(const int* sel, const float* sp, const float* wt,
+                                                  int k, int t, float kth_value,
+                                                  u32* __restrict__ ids, float* __restrict__ probs,
+                                                  float* __restrict__ weights,
+                                                  u32* __restrict__ by_id, float* __restrict__ kth) {
+    const long base = (long)t * k;
+    for (int j = threadIdx.x; j < k; j += TARFA_LANES) {
+        const int e = sel[j];
+        ids[base + j] = (u32)e;
+        probs[base + j] = sp[j];
+        weights[base + j] = wt[j];
+        int pos = 0;  // the slot's place in ascending expert id (ids are distinct)
+        for (int jj = 0; jj < k; jj++) pos += (sel[jj] < e) ? 1 : 0;
+        by_id[base + pos] = (u32)j;
+    }
+    if (threadIdx.x == 0) kth[t] = kth_value;
+}
+
+// p = softmax(l) into pe[0..E) (max, exp, canonical sum, divide). Ends with a barrier.
+__device__ __forceinline__ void softmax_block(const float* l, int e_count, float* pe, float* red) {
+    const int v = threadIdx.x;
+    const float m = block_max_256(l, e_count, red);
+    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = det_exp(__fsub_rn(l[i], m));
+    const float total = block_sum_256(pe, e_count, red);  // ends with a barrier
+    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = __fdiv_rn(pe[i], total);
+    __syncthreads();
+}
+
 // The router's softmax and top-k for one token, by a block of 256 threads (cpu/forward.rs `route`,
 // contract section 2): l = the token's E logits (any memory the block can read);
 //   p = softmax(l) (max, exp, canonical sum, divide)
@@ -340,25 +392,8 @@ __device__ __forceinline__ void route_block(const float* l, int e_count, int k, 
                                             float* __restrict__ kth, float* __restrict__ next,
                                             float* pe, float* sp, int* sel, float* red) {
     const int v = threadIdx.x;
-    const float m = block_max_256(l, e_count, red);
-    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = det_exp(__fsub_rn(l[i], m));
-    const float total = block_sum_256(pe, e_count, red);  // ends with a barrier
-    for (int i = v; i < e_count; i += TARFA_LANES) pe[i] = __fdiv_rn(pe[i], total);
-    __syncthreads();
-
-    // rank of expert i in the order (descending total order of p, ascending id among equals)
-    for (int i = v; i < e_count; i += TARFA_LANES) {
-        const int ki = total_order_key(pe[i]);
-        int rank = 0;
-        for (int j = 0; j < e_count; j++) {
-            const int kj = total_order_key(pe[j]);
-            rank += (kj > ki || (kj == ki && j < i)) ? 1 : 0;
-        }
-        if (rank < k) sel[rank] = i;
-        if (rank == k) next[t] = pe[i];
-    }
-    if (v == 0 && e_count == k) next[t] = f32_bits(0x7fc00000u);
-    __syncthreads();
+    softmax_block(l, e_count, pe, red);
+    route_select_block(pe, e_count, k, t, sel, next);
     for (int j = v; j < k; j += TARFA_LANES) sp[j] = pe[sel[j]];
     __syncthreads();
     float s = 1.0f;

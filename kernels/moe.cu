@@ -21,6 +21,98 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(
                 next, dyn, dyn + e_count, sel, red);
 }
 
+// Group-limited router of one token per block of 256 threads (cpu/forward.rs
+// `route_sigmoid_grouped` when `sigmoid`, else `route_softmax_grouped`; EXACTNESS.md's
+// "Sigmoid group-limited routing" and "Softmax group-limited routing"). logits [T][E]:
+//   sigmoid: s_e = sigmoid(l_e), c_e = s_e + bias_e; a group (G = E / n_group experts in id order)
+//            scores a + b, its two largest c (descending total order, lower id first)
+//   softmax: s = c = softmax(l); a group scores its largest c (fmaxf from -inf)
+//   the `topk_group` best groups are kept (descending total order, lower group first); experts
+//   outside them compete with +0.0; the top-k of that choice (route_select_block)
+//   probs: s_e; weights: sigmoid: (s_e / (canonical_sum(s over the selection) + 1e-20)) * scale
+//   when `renorm`, else s_e * scale; softmax: s_e * scale; kth / next: the choice values.
+// Outputs as route_topk's. Dynamic shared memory: 2*E + 2*k + n_group floats.
+extern "C" __global__ void __launch_bounds__(256) route_grouped(
+    const float* __restrict__ logits, const float* __restrict__ bias, int e_count, int k,
+    int n_group, int topk_group, int sigmoid, int renorm, float scale, u32* __restrict__ ids,
+    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
+    float* __restrict__ kth, float* __restrict__ next) {
+    TARFA_DYN_SMEM(float, dyn);
+    __shared__ float red[TARFA_LANES];
+    __shared__ int sel[1024];
+    float* s = dyn;                // [E] the unbiased scores
+    float* c = dyn + e_count;      // [E] the choice values
+    float* sp = c + e_count;       // [k] the selection's scores
+    float* wt = sp + k;            // [k] their weights
+    float* gs = wt + k;            // [n_group] the group scores, then 1 (kept) or 0
+    const int t = blockIdx.x;
+    const int v = threadIdx.x;
+    const float* l = logits + (long)t * e_count;
+    if (sigmoid) {
+        for (int i = v; i < e_count; i += TARFA_LANES) {
+            s[i] = det_sigmoid(l[i]);
+            c[i] = __fadd_rn(s[i], bias[i]);
+        }
+        __syncthreads();
+    } else {
+        softmax_block(l, e_count, s, red);
+        for (int i = v; i < e_count; i += TARFA_LANES) c[i] = s[i];
+        __syncthreads();
+    }
+    const int size = e_count / n_group;
+    for (int g = v; g < n_group; g += TARFA_LANES) {
+        const float* grp = c + (long)g * size;
+        if (sigmoid) {
+            // the first and second of the group in (descending total order, lower id first)
+            int a = 0, b = -1;
+            for (int i = 1; i < size; i++) {
+                const int ki = total_order_key(grp[i]);
+                if (ki > total_order_key(grp[a])) {
+                    b = a;
+                    a = i;
+                } else if (b < 0 || ki > total_order_key(grp[b])) {
+                    b = i;
+                }
+            }
+            gs[g] = __fadd_rn(grp[a], grp[b]);
+        } else {
+            float m = f32_bits(0xff800000u);
+            for (int i = 0; i < size; i++) m = fmaxf(m, grp[i]);
+            gs[g] = m;
+        }
+    }
+    __syncthreads();
+    // each group's rank among the groups; its flag read by every expert after the barrier
+    float kept = 0.0f;
+    if (v < n_group) {
+        const int kg = total_order_key(gs[v]);
+        int rank = 0;
+        for (int h = 0; h < n_group; h++) {
+            const int kh = total_order_key(gs[h]);
+            rank += (kh > kg || (kh == kg && h < v)) ? 1 : 0;
+        }
+        kept = rank < topk_group ? 1.0f : 0.0f;
+    }
+    __syncthreads();
+    if (v < n_group) gs[v] = kept;
+    __syncthreads();
+    for (int i = v; i < e_count; i += TARFA_LANES) {
+        if (gs[i / size] == 0.0f) c[i] = 0.0f;
+    }
+    __syncthreads();
+    route_select_block(c, e_count, k, t, sel, next);
+    for (int j = v; j < k; j += TARFA_LANES) sp[j] = s[sel[j]];
+    __syncthreads();
+    float denom = 1.0f;
+    if (sigmoid && renorm) denom = __fadd_rn(block_sum_256(sp, k, red), 1e-20f);
+    for (int j = v; j < k; j += TARFA_LANES) {
+        wt[j] = (sigmoid && renorm) ? __fmul_rn(__fdiv_rn(sp[j], denom), scale)
+                                    : __fmul_rn(sp[j], scale);
+    }
+    __syncthreads();
+    route_write_block(sel, sp, wt, k, t, c[sel[k - 1]], ids, probs, weights, by_id, kth);
+}
+
 // Gate and up projections of the chosen experts with the SwiGLU, a warp per (row i, slot j, token t):
 //   g = dot(W_gate[e][i], xn[t]), u = dot(W_up[e][i], xn[t]), act[t][j][i] = silu(g) * u
 // with e = ids[t*k + j] read from device memory (ids == null: a dense MLP, e = 0, k = 1).
@@ -65,9 +157,17 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_f32(
     gate_up_body<float>(gate, up, rows, cols, ids, k, xn, act);
 }
 
+// The shared expert's term of the mix (cpu/forward.rs `moe_block`): Qwen2-MoE's gated one,
+// acc + sigmoid(s_sh[t]) * y; with s_sh null, DeepSeek's / GLM-4.5's ungated ones, acc + y.
+__device__ __forceinline__ float add_shared(float acc, float y, const float* __restrict__ s_sh,
+                                            int t) {
+    return s_sh != nullptr ? __fadd_rn(acc, __fmul_rn(det_sigmoid(s_sh[t]), y))
+                           : __fadd_rn(acc, y);
+}
+
 // Down projections of the chosen experts, mixed, added to the residual: a warp per (row r, token t):
 //   acc = +0; for the slots in ascending expert id: acc = acc + w_e * dot(W_down[e][r], act[t][slot])
-//   (shared expert, when y_sh is not null: acc = acc + sigmoid(s_sh[t]) * y_sh[t][r])
+//   (shared expert, when y_sh is not null: add_shared)
 //   h[t][r] = h[t][r] + acc
 // W_down of one layer is stacked [E][hidden][width]. grid (ceil(hidden/8), T).
 extern "C" __global__ void __launch_bounds__(256) down_mix(
@@ -88,9 +188,7 @@ extern "C" __global__ void __launch_bounds__(256) down_mix(
         if (p == 0) acc = __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], y));
     }
     if (p == 0) {
-        if (y_sh != nullptr) {
-            acc = __fadd_rn(acc, __fmul_rn(det_sigmoid(s_sh[t]), y_sh[(long)t * hidden + r]));
-        }
+        if (y_sh != nullptr) acc = add_shared(acc, y_sh[(long)t * hidden + r], s_sh, t);
         h[(long)t * hidden + r] = __fadd_rn(h[(long)t * hidden + r], acc);
     }
 }
@@ -148,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(256) down_slots(
 
 // down_mix's epilogue from the products down_slots wrote: a thread per (row r, token t):
 //   acc = +0; for the slots in ascending expert id: acc = acc + w_j * y[t][j][r]
-//   (shared expert: acc = acc + sigmoid(s_sh[t]) * y_sh[t][r]); h[t][r] = h[t][r] + acc
+//   (shared expert: add_shared); h[t][r] = h[t][r] + acc
 // Grid (ceil(hidden/256), T).
 extern "C" __global__ void __launch_bounds__(256) moe_mix(
     int hidden, const float* __restrict__ weights, const u32* __restrict__ by_id, int k,
@@ -162,8 +260,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_mix(
         const int j = (int)by_id[(long)t * k + jj];
         acc = __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], y[((long)t * k + j) * hidden + r]));
     }
-    if (y_sh != nullptr) {
-        acc = __fadd_rn(acc, __fmul_rn(det_sigmoid(s_sh[t]), y_sh[(long)t * hidden + r]));
-    }
+    if (y_sh != nullptr) acc = add_shared(acc, y_sh[(long)t * hidden + r], s_sh, t);
     h[(long)t * hidden + r] = __fadd_rn(h[(long)t * hidden + r], acc);
 }

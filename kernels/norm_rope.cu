@@ -41,19 +41,21 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm(
 // RoPE at positions pos0 + t on every query head (in place) and key head, then the key and value
 // of every KV head appended to the cache of this layer (cpu/kv_cache.rs layout per head:
 // [position][D], here with `cap` positions per (layer, head)).
-// For i < D/2, j = i + D/2: x'_i = x_i*cos_i - x_j*sin_i, x'_j = x_j*cos_i + x_i*sin_i (each product
-// rounded, then the sum; no fma). cos/sin rows come from the host table: [position][D/2].
-// grid (Hq + Hkv, T), block 64.
+// The rotation covers each head's leading rd values (rd = D unless partial_rotary_factor; the rest
+// pass through unchanged): for i < rd/2, j = i + rd/2: x'_i = x_i*cos_i - x_j*sin_i,
+// x'_j = x_j*cos_i + x_i*sin_i (each product rounded, then the sum; no fma). cos/sin rows come
+// from the host table: [position][rd/2].
 // One token: RoPE with the table rows c, s on its query heads (in place) and key heads, its key and
 // value appended at position pos of this layer's cache ([Hkv][cap][D]). head: blockIdx.x.
 __device__ __forceinline__ void rope_append_one(float* q, const float* __restrict__ k,
                                                 const float* __restrict__ v, int t, int hq,
-                                                int hkv, int d, const float* __restrict__ c,
+                                                int hkv, int d, int rd,
+                                                const float* __restrict__ c,
                                                 const float* __restrict__ s, int pos,
                                                 float* __restrict__ k_cache,
                                                 float* __restrict__ v_cache, long cap) {
     const int head = blockIdx.x;
-    const int half = d / 2;
+    const int half = rd / 2;
     if (head < hq) {
         float* x = q + ((long)t * hq + head) * d;
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -70,20 +72,23 @@ __device__ __forceinline__ void rope_append_one(float* q, const float* __restric
             kc[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
             kc[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
         }
+        for (int i = rd + threadIdx.x; i < d; i += blockDim.x) kc[i] = x[i];
         const float* vs = v + ((long)t * hkv + kh) * d;
         float* vc = v_cache + ((long)kh * cap + pos) * d;
         for (int i = threadIdx.x; i < d; i += blockDim.x) vc[i] = vs[i];
     }
 }
 
+// grid (Hq + Hkv, T), block 64.
 extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
     float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
-    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
+    int rd, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
     float* __restrict__ k_cache, float* __restrict__ v_cache, int cap) {
     const int t = blockIdx.y;
     const int pos = pos0 + t;
-    const long row = (long)pos * (d / 2);
-    rope_append_one(q, k, v, t, hq, hkv, d, cos_t + row, sin_t + row, pos, k_cache, v_cache, cap);
+    const long row = (long)pos * (rd / 2);
+    rope_append_one(q, k, v, t, hq, hkv, d, rd, cos_t + row, sin_t + row, pos, k_cache, v_cache,
+                    cap);
 }
 
 // The same for a step over several sequences: token t's RoPE rows, position and capacity are
@@ -91,9 +96,9 @@ extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
 // grid (Hq + Hkv, T), block 64.
 extern "C" __global__ void __launch_bounds__(64) rope_append_kv_seqs(
     float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
-    const u64* __restrict__ tok, const u64* __restrict__ kv) {
+    int rd, const u64* __restrict__ tok, const u64* __restrict__ kv) {
     const int t = blockIdx.y;
-    rope_append_one(q, k, v, t, hq, hkv, d, reinterpret_cast<const float*>(tok[4 * t]),
+    rope_append_one(q, k, v, t, hq, hkv, d, rd, reinterpret_cast<const float*>(tok[4 * t]),
                     reinterpret_cast<const float*>(tok[4 * t + 1]), (int)tok[4 * t + 2],
                     reinterpret_cast<float*>(kv[2 * t]), reinterpret_cast<float*>(kv[2 * t + 1]),
                     (long)tok[4 * t + 3]);

@@ -117,6 +117,7 @@ pub(crate) fn kernel_checks_on(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError>
     out.push(check_rope(gpu)?);
     out.push(check_attention(gpu)?);
     out.push(check_router(gpu)?);
+    out.push(check_grouped_router(gpu)?);
     out.push(check_experts(gpu)?);
     gpu.sync("the kernel checks")?;
     Ok(out)
@@ -325,15 +326,18 @@ fn check_rmsnorm(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
 fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
     let mut c = Check::new("rope_append_kv");
     let mut rng = Rng(31);
-    for (hq, hkv, d, pos0, t) in [
-        (4usize, 2usize, 32usize, 0usize, 5usize),
-        (3, 1, 24, 7, 2),
-        (8, 4, 128, 300, 3),
+    // rd < d: partial rotary (GLM-4.5's partial_rotary_factor 0.5), the rest passed through
+    for (hq, hkv, d, rd, pos0, t) in [
+        (4usize, 2usize, 32usize, 32usize, 0usize, 5usize),
+        (3, 1, 24, 24, 7, 2),
+        (8, 4, 128, 128, 300, 3),
+        (4, 2, 32, 16, 3, 4),
+        (2, 1, 128, 64, 100, 2),
     ] {
         let cap = pos0 + t + 3;
-        let mut rope = RopeTable::new(1_000_000.0, d).map_err(tarfa_core::RunError::from)?;
+        let mut rope = RopeTable::new(1_000_000.0, rd).map_err(tarfa_core::RunError::from)?;
         rope.ensure(cap).map_err(tarfa_core::RunError::from)?;
-        let half = d / 2;
+        let half = rd / 2;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for p in 0..cap {
             let (cc, ss) = rope.row(p);
@@ -355,6 +359,7 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             hq,
             hkv,
             d,
+            rd,
             cap,
             pos0,
             tokens: t,
@@ -377,10 +382,10 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             let pos = pos0 + ti;
             for h in 0..hq {
                 let mut want = q[(ti * hq + h) * d..(ti * hq + h + 1) * d].to_vec();
-                rope.apply(pos, &mut want);
+                rope.apply(pos, &mut want[..rd]);
                 for i in 0..d {
                     c.eq(
-                        || format!("q d={d} token {ti} head {h} [{i}]"),
+                        || format!("q d={d} rd={rd} token {ti} head {h} [{i}]"),
                         want[i],
                         gq[(ti * hq + h) * d + i],
                     );
@@ -388,10 +393,10 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             }
             for h in 0..hkv {
                 let mut want = k[(ti * hkv + h) * d..(ti * hkv + h + 1) * d].to_vec();
-                rope.apply(pos, &mut want);
+                rope.apply(pos, &mut want[..rd]);
                 for i in 0..d {
                     c.eq(
-                        || format!("k d={d} token {ti} head {h} [{i}]"),
+                        || format!("k d={d} rd={rd} token {ti} head {h} [{i}]"),
                         want[i],
                         gk[(h * cap + pos) * d + i],
                     );
@@ -439,6 +444,7 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             hq,
             hkv,
             d,
+            rd: d,
             cap,
             pos0,
             tokens: t,
@@ -556,6 +562,165 @@ fn check_router(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             c.eq(|| tag("kth", 0), p[order[k - 1]], g_kth[ti]);
             if e > k {
                 c.eq(|| tag("next", 0), p[order[k]], g_next[ti]);
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+/// One token's route by the group-limited rules (moe.cu `route_grouped`, cpu/forward.rs
+/// `route_sigmoid_grouped` / `route_softmax_grouped`): sigmoid scores plus `bias` with groups
+/// scored by their two largest choice values, or (no bias) softmax with groups scored by their
+/// largest; the `topk_group` best groups kept, the rest competing with +0.0; weights
+/// renormalised (sigmoid, `renorm`) over canonical_sum + 1e-20, times `scale`.
+pub(crate) struct GroupedChoice {
+    pub(crate) ids: Vec<u32>,
+    pub(crate) probs: Vec<f32>,
+    pub(crate) weights: Vec<f32>,
+    pub(crate) by_id: Vec<u32>,
+    pub(crate) kth: f32,
+    pub(crate) next: f32,
+}
+
+pub(crate) fn grouped_route_reference(
+    l: &[f32],
+    bias: Option<&[f32]>,
+    k: usize,
+    (n_group, topk_group): (usize, usize),
+    renorm: bool,
+    scale: f32,
+) -> GroupedChoice {
+    let e = l.len();
+    let s: Vec<f32> = match bias {
+        Some(_) => l.iter().map(|&x| sigmoid(x)).collect(),
+        None => softmax_ref(l),
+    };
+    let mut c: Vec<f32> = match bias {
+        Some(b) => s.iter().zip(b).map(|(&x, &y)| x + y).collect(),
+        None => s.clone(),
+    };
+    let desc = |v: &[f32], x: usize, y: usize| v[y].total_cmp(&v[x]).then(x.cmp(&y));
+    let size = e / n_group;
+    let gs: Vec<f32> = c
+        .chunks_exact(size)
+        .map(|g| match bias {
+            Some(_) => {
+                let mut o: Vec<usize> = (0..size).collect();
+                o.sort_by(|&x, &y| desc(g, x, y));
+                g[o[0]] + g[o[1]]
+            }
+            None => g.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+        })
+        .collect();
+    let mut go: Vec<usize> = (0..n_group).collect();
+    go.sort_by(|&x, &y| desc(&gs, x, y));
+    for (i, ci) in c.iter_mut().enumerate() {
+        if !go[..topk_group].contains(&(i / size)) {
+            *ci = 0.0;
+        }
+    }
+    let mut order: Vec<usize> = (0..e).collect();
+    order.sort_by(|&x, &y| desc(&c, x, y));
+    let sel = &order[..k];
+    let sp: Vec<f32> = sel.iter().map(|&i| s[i]).collect();
+    let weights: Vec<f32> = if bias.is_some() && renorm {
+        let d = sum_reference(&sp) + 1e-20;
+        sp.iter().map(|&x| (x / d) * scale).collect()
+    } else {
+        sp.iter().map(|&x| x * scale).collect()
+    };
+    let mut by_id: Vec<u32> = (0..k as u32).collect();
+    by_id.sort_by_key(|&j| sel[j as usize]);
+    GroupedChoice {
+        ids: sel.iter().map(|&i| i as u32).collect(),
+        probs: sp,
+        weights,
+        by_id,
+        kth: c[order[k - 1]],
+        next: order.get(k).map_or(f32::NAN, |&i| c[i]),
+    }
+}
+
+fn check_grouped_router(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("route_grouped (sigmoid + bias / softmax, groups, ties)");
+    let mut rng = Rng(57);
+    // (E, k, n_group, topk_group, sigmoid, renorm, ties): DeepSeek-V3's 256/8/8/4, V2's
+    // group-limited and greedy (one group) forms, GLM-4.5-Air's 128/8/1/1
+    for (e, k, ng, kg, sig, renorm, ties) in [
+        (256usize, 8usize, 8usize, 4usize, true, true, false),
+        (256, 8, 8, 4, true, true, true),
+        (64, 6, 8, 3, true, false, false),
+        (128, 8, 1, 1, true, true, false),
+        (16, 4, 4, 2, true, true, true),
+        (160, 6, 8, 3, false, false, false),
+        (64, 6, 1, 1, false, false, true),
+        (32, 4, 4, 1, false, false, false),
+    ] {
+        let t = 5;
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| {
+                let v = rng.f32();
+                if ties {
+                    (v * 0.25).round() // few distinct values: exact ties in the scores
+                } else {
+                    v
+                }
+            })
+            .collect();
+        // a correction bias of the size real checkpoints carry, with exact zeros
+        let bias: Vec<f32> = (0..e).map(|_| rng.f32() * 0.01).collect();
+        let lb = gpu.upload(&logits, "router logits")?;
+        let bb = gpu.upload(&bias, "router bias")?;
+        let bufs: Vec<DevBuf> = [t * k, t * k, t * k, t * k, t, t]
+            .iter()
+            .map(|&n| gpu.alloc(n * 4, "route output"))
+            .collect::<Result<_, _>>()?;
+        let out = RouteOut {
+            ids: bufs[0].ptr(),
+            probs: bufs[1].ptr(),
+            weights: bufs[2].ptr(),
+            by_id: bufs[3].ptr(),
+            kth: bufs[4].ptr(),
+            next: bufs[5].ptr(),
+        };
+        let scale = 2.5f32;
+        let g = ops::GroupedRoute {
+            bias: sig.then(|| bb.ptr()),
+            n_group: ng,
+            topk_group: kg,
+            renorm,
+            scale,
+        };
+        ops::route_grouped(gpu, lb.ptr(), e, k, &g, t, out)?;
+        let g_ids: Vec<u32> = gpu.read(out.ids, t * k, "ids")?;
+        let g_probs = read_f32(gpu, &bufs[1], t * k)?;
+        let g_w = read_f32(gpu, &bufs[2], t * k)?;
+        let g_by: Vec<u32> = gpu.read(out.by_id, t * k, "by_id")?;
+        let g_kth = read_f32(gpu, &bufs[4], t)?;
+        let g_next = read_f32(gpu, &bufs[5], t)?;
+        for ti in 0..t {
+            let r = grouped_route_reference(
+                &logits[ti * e..(ti + 1) * e],
+                sig.then_some(&bias[..]),
+                k,
+                (ng, kg),
+                renorm,
+                scale,
+            );
+            let tag = |what: &str, j: usize| {
+                format!(
+                    "E={e} k={k} groups {ng}/{kg} sigmoid={sig} ties={ties} token {ti} {what} {j}"
+                )
+            };
+            for j in 0..k {
+                c.eq_u32(|| tag("id", j), r.ids[j], g_ids[ti * k + j]);
+                c.eq(|| tag("prob", j), r.probs[j], g_probs[ti * k + j]);
+                c.eq(|| tag("weight", j), r.weights[j], g_w[ti * k + j]);
+                c.eq_u32(|| tag("by_id", j), r.by_id[j], g_by[ti * k + j]);
+            }
+            c.eq(|| tag("kth", 0), r.kth, g_kth[ti]);
+            if e > k {
+                c.eq(|| tag("next", 0), r.next, g_next[ti]);
             }
         }
     }

@@ -168,6 +168,19 @@ impl CudaModel {
                 "head dimension {d} (the decode attention takes even D <= 256)"
             ));
         }
+        // The decode kernels route by softmax top-k inside the experts' kernels, add a gated
+        // shared expert, and rotate whole heads; other families take the per-operation kernels.
+        if self.spec.router != tarfa_core::model::RouterRule::SoftmaxTopK {
+            return Some(
+                "group-limited routing (the decode kernels route by softmax top-k)".into(),
+            );
+        }
+        if cfg.rotary_dim != d {
+            return Some(format!(
+                "partial rotary embedding ({} of {d} values per head)",
+                cfg.rotary_dim
+            ));
+        }
         for layer in &self.layers {
             match &layer.mlp {
                 DevMlp::Dense(m) => {
@@ -211,7 +224,10 @@ impl CudaModel {
                         return Some(format!("{} experts", cfg.num_experts));
                     }
                     if let Some(sh) = shared {
-                        if !sh.0.gate.rows.is_multiple_of(8) {
+                        if sh.gate().is_none() {
+                            return Some("ungated shared experts".into());
+                        }
+                        if !sh.mlp().gate.rows.is_multiple_of(8) {
                             return Some("shared expert width is not a multiple of 8".into());
                         }
                     }
@@ -1280,6 +1296,7 @@ impl LayerSteps for PlanSteps<'_> {
         &mut self,
         layer: &DevLayer,
         router: &DevMat,
+        _bias: Option<&DevBuf>,
         _moe_index: usize,
     ) -> Result<(), CudaError> {
         let (model, b, kernels) = (self.model, self.b, self.kernels);
@@ -1301,8 +1318,14 @@ impl LayerSteps for PlanSteps<'_> {
         Ok(())
     }
 
-    fn shared_expert(&mut self, m: &DevDense, sg: &DevMat) -> Result<(u64, u64), CudaError> {
+    fn shared_expert(&mut self, sh: &DevShared) -> Result<(u64, u64), CudaError> {
         let (model, b, kernels) = (self.model, self.b, self.kernels);
+        // decode_unsupported keeps ungated shared experts off these kernels
+        let (m, Some(sg)) = (sh.mlp(), sh.gate()) else {
+            return Err(CudaError::Internal(
+                "the decode kernels with ungated shared experts".into(),
+            ));
+        };
         // from the router kernel's normalised vector; down into y_sh
         self.gated_mlp(
             m,

@@ -283,11 +283,12 @@ pub struct HotOptions {
 }
 
 /// Why the CUDA kernels cannot run this model's family, or `None` when they can. The kernels
-/// implement softmax top-k routing, a sigmoid-gated shared expert, GQA with rotary embedding on
-/// the whole head and the default rotary tables; a family that needs anything else (GLM-4.5's
-/// partial rotary and group-limited sigmoid routing, DeepSeek's MLA, gpt-oss's sinks, sliding
-/// windows, biased router, expert biases, fused and MXFP4 experts, OLMoE's clip_qkv) is refused by
-/// name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
+/// implement softmax top-k and both group-limited routers (DeepSeek's and GLM-4.5's sigmoid
+/// scores with the correction bias, DeepSeek-V2's softmax), gated and ungated shared experts,
+/// GQA with rotary embedding on the whole head or its leading `rotary_dim` values, and the
+/// host's rotary tables (YaRN included); a family that needs anything else (DeepSeek's MLA,
+/// gpt-oss's sinks, sliding windows, biased router, expert biases, fused and MXFP4 experts,
+/// OLMoE's clip_qkv) is refused by name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
 /// these families.
 pub fn unsupported_family(
     cfg: &tarfa_core::config::MoeConfig,
@@ -295,11 +296,8 @@ pub fn unsupported_family(
 ) -> Option<String> {
     use tarfa_core::model::RouterRule;
     let mut missing = Vec::new();
-    match spec.router {
-        RouterRule::SoftmaxTopK => {}
-        RouterRule::SigmoidGroupLimited => missing.push("group-limited sigmoid routing"),
-        RouterRule::SoftmaxGroupLimited => missing.push("DeepSeek-V2's group-limited routing"),
-        RouterRule::TopKThenSoftmax => missing.push("gpt-oss's biased top-k-then-softmax router"),
+    if spec.router == RouterRule::TopKThenSoftmax {
+        missing.push("gpt-oss's biased top-k-then-softmax router");
     }
     let x = &spec.extras;
     if x.attention_sinks {
@@ -322,12 +320,6 @@ pub fn unsupported_family(
     }
     if spec.attention != tarfa_core::model::AttentionKind::Gqa {
         missing.push("multi-head latent attention");
-    }
-    if spec.shared_experts_ungated {
-        missing.push("ungated shared experts");
-    }
-    if cfg.rotary_dim != cfg.head_dim {
-        missing.push("partial rotary embedding");
     }
     if missing.is_empty() {
         return None;

@@ -221,15 +221,18 @@ fn mix_row(
     order: &[u32],
     w: &[f32],
     mut y: impl FnMut(usize) -> f32,
-    shared: Option<(f32, f32)>,
+    shared: Option<(Option<f32>, f32)>,
 ) -> f32 {
     let mut acc = 0.0f32;
     for &j in order {
         let j = j as usize;
         acc += w[j] * y(j);
     }
-    if let Some((s, y_sh)) = shared {
-        acc += sigmoid(s) * y_sh;
+    // the shared expert: gated by sigmoid(s) (Qwen2-MoE), or ungated without a gate logit
+    match shared {
+        Some((Some(s), y_sh)) => acc += sigmoid(s) * y_sh,
+        Some((None, y_sh)) => acc += y_sh,
+        None => {}
     }
     acc
 }
@@ -343,7 +346,7 @@ fn seq_token(
 fn rope_reference(
     mem: &mut Memory,
     [q, k, v]: [u64; 3],
-    (hq, hkv, d): (usize, usize, usize),
+    (hq, hkv, d, rd): (usize, usize, usize, usize),
     t: usize,
     (cos, sin): (u64, u64),
     pos: usize,
@@ -353,7 +356,8 @@ fn rope_reference(
         pos < cap,
         "rope: position {pos} past the cache capacity {cap}"
     );
-    let half = d / 2;
+    // the leading rd values of each head rotate (pairs i, i + rd/2); the rest pass through
+    let half = rd / 2;
     let c = mem.f32s(cos, half);
     let s = mem.f32s(sin, half);
     let rot = |x: &mut [f32]| {
@@ -493,10 +497,9 @@ fn route_choice(l: &[f32], k: usize, renorm: bool) -> RouteChoice {
     }
 }
 
-/// [`route_choice`] written at token `t`'s slots of `[ids, probs, weights, by_id, kth, next]`.
-fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize, out: [u64; 6]) {
+/// A [`RouteChoice`] written at token `t`'s slots of `[ids, probs, weights, by_id, kth, next]`.
+fn put_route(mem: &mut Memory, c: &RouteChoice, k: usize, t: usize, out: [u64; 6]) {
     let [ids, probs, weights, by_id, kth, next] = out;
-    let c = route_choice(l, k, renorm);
     let base = (t * k * 4) as u64;
     mem.put_u32s(ids + base, &c.ids);
     mem.put_f32s(probs + base, &c.probs);
@@ -504,6 +507,12 @@ fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize
     mem.put_u32s(by_id + base, &c.by_id);
     mem.put_f32s(kth + (t * 4) as u64, &[c.kth]);
     mem.put_f32s(next + (t * 4) as u64, &[c.next]);
+}
+
+/// [`route_choice`] written at token `t`'s slots of `[ids, probs, weights, by_id, kth, next]`.
+fn route_reference(mem: &mut Memory, l: &[f32], k: usize, renorm: bool, t: usize, out: [u64; 6]) {
+    let c = route_choice(l, k, renorm);
+    put_route(mem, &c, k, t, out);
 }
 
 /// Runs kernel `name` as the reference functions define it (or, with the emulator, as the CUDA
@@ -703,28 +712,42 @@ pub(crate) fn launch_reference(
             }
         }
         "rope_append_kv" => {
-            a.count(12);
+            a.count(13);
             let (q, k, v) = (a.ptr(0), a.ptr(1), a.ptr(2));
-            let (hq, hkv, d) = (a.int(3), a.int(4), a.int(5));
-            let (cos, sin, pos0, kc, vc, cap) =
-                (a.ptr(6), a.ptr(7), a.int(8), a.ptr(9), a.ptr(10), a.int(11));
+            let (hq, hkv, d, rd) = (a.int(3), a.int(4), a.int(5), a.int(6));
+            let (cos, sin, pos0, kc, vc, cap) = (
+                a.ptr(7),
+                a.ptr(8),
+                a.int(9),
+                a.ptr(10),
+                a.ptr(11),
+                a.int(12),
+            );
             assert_eq!(gx, hq + hkv, "{name} geometry");
-            let half = d / 2;
+            let half = rd / 2;
             for t in 0..gy {
                 let pos = pos0 + t;
                 let rows = (cos + (pos * half * 4) as u64, sin + (pos * half * 4) as u64);
-                rope_reference(mem, [q, k, v], (hq, hkv, d), t, rows, pos, (kc, vc, cap));
+                rope_reference(
+                    mem,
+                    [q, k, v],
+                    (hq, hkv, d, rd),
+                    t,
+                    rows,
+                    pos,
+                    (kc, vc, cap),
+                );
             }
         }
         "rope_append_kv_seqs" => {
-            a.count(8);
+            a.count(9);
             let (q, k, v) = (a.ptr(0), a.ptr(1), a.ptr(2));
-            let (hq, hkv, d) = (a.int(3), a.int(4), a.int(5));
-            let (tok, kv) = (a.ptr(6), a.ptr(7));
+            let (hq, hkv, d, rd) = (a.int(3), a.int(4), a.int(5), a.int(6));
+            let (tok, kv) = (a.ptr(7), a.ptr(8));
             assert_eq!(gx, hq + hkv, "{name} geometry");
             for t in 0..gy {
                 let (rows, pos, cache) = seq_token(mem, tok, kv, t);
-                rope_reference(mem, [q, k, v], (hq, hkv, d), t, rows, pos, cache);
+                rope_reference(mem, [q, k, v], (hq, hkv, d, rd), t, rows, pos, cache);
             }
         }
         "attention" => {
@@ -789,6 +812,50 @@ pub(crate) fn launch_reference(
                 );
             }
         }
+        "route_grouped" => {
+            a.count(15);
+            let (logits, bias, e, k) = (a.ptr(0), a.ptr(1), a.int(2), a.int(3));
+            let (n_group, topk_group, sigmoid_scores, renorm, scale) =
+                (a.int(4), a.int(5), a.int(6) == 1, a.int(7) == 1, a.float(8));
+            assert!(
+                shared_bytes as usize >= (2 * e + 2 * k + n_group) * 4,
+                "{name}: shared memory"
+            );
+            assert_eq!(
+                sigmoid_scores,
+                bias != 0,
+                "{name}: sigmoid scores take the bias"
+            );
+            let b = (bias != 0).then(|| mem.f32s(bias, e));
+            for t in 0..gx {
+                let l = mem.f32s(logits + ((t * e) * 4) as u64, e);
+                let r = super::checks::grouped_route_reference(
+                    &l,
+                    b.as_deref(),
+                    k,
+                    (n_group, topk_group),
+                    renorm,
+                    scale,
+                );
+                let c = RouteChoice {
+                    ids: r.ids,
+                    probs: r.probs,
+                    weights: r.weights,
+                    by_id: r.by_id,
+                    kth: r.kth,
+                    next: r.next,
+                };
+                let out = [
+                    a.ptr(9),
+                    a.ptr(10),
+                    a.ptr(11),
+                    a.ptr(12),
+                    a.ptr(13),
+                    a.ptr(14),
+                ];
+                put_route(mem, &c, k, t, out);
+            }
+        }
         "gate_up_bf16" | "gate_up_f32" => {
             a.count(8);
             let bf16 = name == "gate_up_bf16";
@@ -839,7 +906,7 @@ pub(crate) fn launch_reference(
                 let mut hv = mem.f32s(h + ((t * hidden) * 4) as u64, hidden);
                 for (r, hr) in hv.iter_mut().enumerate() {
                     let shared = (y_sh != 0).then(|| {
-                        let s = mem.f32s(s_sh + (t * 4) as u64, 1)[0];
+                        let s = (s_sh != 0).then(|| mem.f32s(s_sh + (t * 4) as u64, 1)[0]);
                         (s, mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0])
                     });
                     let y = |j: usize| {
@@ -908,7 +975,7 @@ pub(crate) fn launch_reference(
                 let mut hv = mem.f32s(h + ((t * hidden) * 4) as u64, hidden);
                 for (r, hr) in hv.iter_mut().enumerate() {
                     let shared = (y_sh != 0).then(|| {
-                        let s = mem.f32s(s_sh + (t * 4) as u64, 1)[0];
+                        let s = (s_sh != 0).then(|| mem.f32s(s_sh + (t * 4) as u64, 1)[0]);
                         (s, mem.f32s(y_sh + ((t * hidden + r) * 4) as u64, 1)[0])
                     });
                     *hr += mix_row(&order, &w, |j| ys[j][r], shared);
@@ -1107,8 +1174,13 @@ pub(crate) fn launch_reference(
                 .collect();
             let mut hv = mem.f32s(h, hidden);
             for (r, hr) in hv.iter_mut().enumerate() {
-                let shared = (y_sh != 0)
-                    .then(|| (mem.f32s(s_sh, 1)[0], mem.f32s(y_sh + (r * 4) as u64, 1)[0]));
+                // the decode kernels take only the gated shared expert (decode_unsupported)
+                let shared = (y_sh != 0).then(|| {
+                    (
+                        Some(mem.f32s(s_sh, 1)[0]),
+                        mem.f32s(y_sh + (r * 4) as u64, 1)[0],
+                    )
+                });
                 let y = |j: usize| {
                     let row = rows_of(mem, down, true, id[j] as usize * hidden + r, width);
                     dot(&row, &acts[j], true)
@@ -2272,7 +2344,7 @@ mod tests {
             eprintln!("{c}");
             assert!(c.compared > 0 && c.mismatches == 0, "{c}");
         }
-        assert_eq!(checks.len(), 11);
+        assert_eq!(checks.len(), 12);
     }
 
     #[test]
@@ -2685,6 +2757,65 @@ mod tests {
         let v = cfg.vocab_size;
         let prompts = vec![(0..250).map(|i| (i * 7 % v) as u32).collect()];
         compare("growth", cfg, Arc::new(src), prompts, 9);
+    }
+
+    #[test]
+    fn glm4_moe_runs_on_the_kernels_with_the_cpus_bits_resident_and_streamed() {
+        // GLM-4.5's partial rotary (half of each head), q/k/v biases, per-head q/k norm,
+        // group-limited sigmoid routing with the correction bias, an ungated shared expert and
+        // a first dense layer: the fixture as transformers made it (one group), the same
+        // weights routed in 2 groups of 4 keeping 1 (what the fixture's one group cannot
+        // test), and that model with its experts streamed through a hot tier of 3 slots
+        use tarfa_stream::CachePolicy;
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle/glm4moe-s");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let mut grouped: serde_json::Value = serde_json::from_str(&text).unwrap();
+        grouped["n_group"] = 2.into();
+        grouped["topk_group"] = 1.into();
+        for (name, json) in [
+            ("glm4moe-s", text.clone()),
+            ("glm4moe-s 2 groups", grouped.to_string()),
+        ] {
+            let cfg = MoeConfig::from_json_str(&json).unwrap();
+            assert!(cfg.rotary_dim < cfg.head_dim, "{name}: partial rotary");
+            let spec = ArchSpec::new(&cfg);
+            assert_eq!(
+                super::super::unsupported_family(&cfg, &spec),
+                None,
+                "{name}"
+            );
+            let src: Arc<dyn WeightSource> =
+                Arc::new(load_safetensors_dir(&dir, &cfg, &spec).unwrap());
+            let v = cfg.vocab_size;
+            let prompts = vec![vec![1], (0..12).map(|i| (i * 13 % v) as u32).collect()];
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            // the decode kernels route by softmax top-k: these steps take the per-op kernels
+            let why = gpu
+                .decode_unsupported_reason()
+                .unwrap_or_default()
+                .to_string();
+            assert!(why.contains("group-limited"), "{name}: {why}");
+            compare(name, cfg.clone(), src.clone(), prompts.clone(), 3);
+            if name.contains("groups") {
+                let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+                let engine = CpuEngine::new(
+                    cpu,
+                    EngineOptions {
+                        threads: 2,
+                        kernel: Kernel::best(),
+                    },
+                )
+                .unwrap();
+                let gpu = streamed(&cfg, src.clone(), 3, CachePolicy::Lru, Vec::new());
+                let opts = SelftestOptions {
+                    prompts,
+                    decode_steps: 3,
+                    cpu_threads: 2,
+                };
+                let rep = selftest_models(&engine, &gpu, &opts).unwrap();
+                assert!(rep.passed(), "{name} streamed: {rep}");
+            }
+        }
     }
 
     #[test]

@@ -74,10 +74,34 @@ enum DevMlp {
         router: DevMat,
         /// `None` when streaming: the experts are in the hot tier's slots.
         experts: Option<DevExperts>,
-        shared: Option<Box<(DevDense, DevMat)>>,
+        shared: Option<Box<DevShared>>,
+        /// The router's `e_score_correction_bias` (group-limited sigmoid routing).
+        correction_bias: Option<DevBuf>,
         /// Index among MoE layers (router records, per-step record slots).
         moe_index: usize,
     },
+}
+
+/// A MoE layer's shared experts: Qwen2-MoE's, gated by sigmoid(W_g xn), or DeepSeek's and
+/// GLM-4.5's, added without a gate.
+enum DevShared {
+    Gated(DevDense, DevMat),
+    Ungated(DevDense),
+}
+
+impl DevShared {
+    fn mlp(&self) -> &DevDense {
+        match self {
+            DevShared::Gated(m, _) | DevShared::Ungated(m) => m,
+        }
+    }
+
+    fn gate(&self) -> Option<&DevMat> {
+        match self {
+            DevShared::Gated(_, g) => Some(g),
+            DevShared::Ungated(_) => None,
+        }
+    }
 }
 
 struct DevLayer {
@@ -151,6 +175,10 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
                         + matrix_bytes(&d.down)
                         + matrix_bytes(sg);
                 }
+                if let Some(d) = &m.shared_ungated {
+                    total += matrix_bytes(&d.gate) + matrix_bytes(&d.up) + matrix_bytes(&d.down);
+                }
+                total += opt(&m.correction_bias);
                 if experts && spec.layers[l] == MlpKind::Moe {
                     total += 3 * 2 * (cfg.num_experts * cfg.expert_width * cfg.hidden_size) as u64;
                 }
@@ -206,6 +234,45 @@ impl CudaModel {
             let _ = (cfg, source, opts);
             Err(CudaError::NoMockDevice)
         }
+    }
+
+    /// The router kernel's arguments when this family routes by groups (moe.cu
+    /// `route_grouped`), `None` for softmax top-k (`route_topk`). `bias`: the layer's
+    /// correction bias, which sigmoid scores need.
+    pub(crate) fn grouped_route(
+        &self,
+        bias: Option<&DevBuf>,
+    ) -> Result<Option<ops::GroupedRoute>, CudaError> {
+        use tarfa_core::model::RouterRule;
+        let sigmoid = match self.spec.router {
+            RouterRule::SigmoidGroupLimited => true,
+            RouterRule::SoftmaxGroupLimited => false,
+            RouterRule::SoftmaxTopK => return Ok(None),
+            RouterRule::TopKThenSoftmax => {
+                return Err(CudaError::UnsupportedModel(
+                    "gpt-oss's biased top-k-then-softmax router".into(),
+                ))
+            }
+        };
+        let g = self.cfg.group_routing.as_ref().ok_or_else(|| {
+            CudaError::UnsupportedModel("group-limited routing without its groups".into())
+        })?;
+        let bias = match (sigmoid, bias) {
+            (true, Some(b)) => Some(b.ptr()),
+            (true, None) => {
+                return Err(CudaError::UnsupportedModel(
+                    "group-limited sigmoid routing without e_score_correction_bias".into(),
+                ))
+            }
+            (false, _) => None,
+        };
+        Ok(Some(ops::GroupedRoute {
+            bias,
+            n_group: g.n_group,
+            topk_group: g.topk_group,
+            renorm: self.spec.renormalize_topk,
+            scale: g.routed_scaling_factor as f32,
+        }))
     }
 
     /// The decode mode new caches start with ([`CudaTuning::decode`](crate::CudaTuning)).
@@ -324,13 +391,23 @@ impl CudaModel {
             let mlp = match &lw.mlp {
                 LayerMlp::Dense(d) => DevMlp::Dense(dense(d, &name("mlp"))?),
                 LayerMlp::Moe(m) => {
-                    let shared = match &m.shared {
-                        Some((d, sg)) => Some(Box::new((
+                    let shared = match (&m.shared, &m.shared_ungated) {
+                        (Some(_), Some(_)) => {
+                            return Err(CudaError::UnsupportedModel(name(
+                                "both a gated and an ungated shared expert",
+                            )))
+                        }
+                        (Some((d, sg)), None) => Some(Box::new(DevShared::Gated(
                             dense(d, &name("shared expert"))?,
                             up_mat(sg, &name("shared expert gate"))?,
                         ))),
-                        None => None,
+                        (None, Some(d)) => Some(Box::new(DevShared::Ungated(dense(
+                            d,
+                            &name("shared experts"),
+                        )?))),
+                        (None, None) => None,
                     };
+                    let correction_bias = up_opt(&m.correction_bias, &name("router bias"))?;
                     let experts = match hot {
                         None => Some(upload_experts(&gpu, &cfg, source.as_ref(), l)?),
                         Some(_) => None,
@@ -340,6 +417,7 @@ impl CudaModel {
                         router: up_mat(&m.router, &name("router"))?,
                         experts,
                         shared,
+                        correction_bias,
                         moe_index: moe_layers - 1,
                     }
                 }
@@ -477,6 +555,7 @@ impl CudaModel {
             hq,
             hkv,
             d,
+            rd: cfg.rotary_dim,
             cap: cache.cap,
             pos0,
             tokens: t_count,
@@ -656,7 +735,8 @@ impl CudaModel {
         };
         let n_rows: usize = seqs.iter().map(rows_of).sum();
         ws.ensure(gpu, cfg, self.moe_layers, t_total, longest, n_rows)?;
-        let half = d / 2;
+        // RoPE table rows hold rotary_dim / 2 values
+        let half = cfg.rotary_dim / 2;
         let mut tokens = Vec::with_capacity(t_total);
         let mut tok = Vec::with_capacity(4 * t_total);
         let mut kv = vec![0u64; 2 * cfg.num_layers * t_total];
@@ -694,6 +774,7 @@ impl CudaModel {
             hq,
             hkv,
             d,
+            rd: cfg.rotary_dim,
             cap: 0,
             pos0: 0,
             tokens: t_total,
@@ -1050,9 +1131,11 @@ impl CudaModel {
                     s.weight_bytes += distinct.len() as u64 * expert_bytes;
                     s.experts_fetched += distinct.len() as u64;
                     if let Some(sh) = shared {
-                        let (m, sg) = &**sh;
-                        s.weight_bytes +=
-                            m.gate.bytes() + m.up.bytes() + sg.bytes() + m.down.bytes();
+                        let m = sh.mlp();
+                        s.weight_bytes += m.gate.bytes()
+                            + m.up.bytes()
+                            + sh.gate().map_or(0, DevMat::bytes)
+                            + m.down.bytes();
                     }
                 }
             }
@@ -1359,8 +1442,8 @@ impl CudaCache {
         self.k = k;
         self.v = v;
         self.cap = cap;
-        // the RoPE rows move to a table of the new capacity
-        let half = d / 2;
+        // the RoPE rows (rotary_dim / 2 values each) move to a table of the new capacity
+        let half = self.rope.inv_freq().len();
         self.rope_cos = Some(gpu.alloc(cap * half * 4, "the RoPE cos table")?);
         self.rope_sin = Some(gpu.alloc(cap * half * 4, "the RoPE sin table")?);
         self.rope_rows = 0;

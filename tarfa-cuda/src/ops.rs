@@ -356,6 +356,9 @@ pub(crate) struct AttnShape {
     pub(crate) hq: usize,
     pub(crate) hkv: usize,
     pub(crate) d: usize,
+    /// The rotated part of each head (`rotary_dim`: `d` unless partial_rotary_factor); the RoPE
+    /// table rows hold `rd / 2` values.
+    pub(crate) rd: usize,
     /// Positions allocated per (layer, KV head) in the cache.
     pub(crate) cap: usize,
     /// Position of the step's first token.
@@ -389,6 +392,7 @@ pub(crate) fn rope_append_kv(
             Arg::I32(s.hq as i32),
             Arg::I32(s.hkv as i32),
             Arg::I32(s.d as i32),
+            Arg::I32(s.rd as i32),
             Arg::Ptr(cos),
             Arg::Ptr(sin),
             Arg::I32(i32_of(s.pos0, "position")?),
@@ -464,6 +468,7 @@ pub(crate) fn rope_append_kv_seqs(
             Arg::I32(s.hq as i32),
             Arg::I32(s.hkv as i32),
             Arg::I32(s.d as i32),
+            Arg::I32(s.rd as i32),
             Arg::Ptr(t.tok),
             Arg::Ptr(t.kv),
         ],
@@ -547,6 +552,69 @@ pub(crate) fn route_topk(
             Arg::I32(experts as i32),
             Arg::I32(k as i32),
             Arg::I32(i32::from(renorm)),
+            Arg::Ptr(out.ids),
+            Arg::Ptr(out.probs),
+            Arg::Ptr(out.weights),
+            Arg::Ptr(out.by_id),
+            Arg::Ptr(out.kth),
+            Arg::Ptr(out.next),
+        ],
+    )
+}
+
+/// The group-limited routers (moe.cu `route_grouped`): DeepSeek-V3's and GLM-4.5's sigmoid
+/// scores with the correction bias `bias` (`Some`), or DeepSeek-V2's softmax (`None`).
+pub(crate) struct GroupedRoute {
+    pub(crate) bias: Option<u64>,
+    pub(crate) n_group: usize,
+    pub(crate) topk_group: usize,
+    pub(crate) renorm: bool,
+    /// `f32(routed_scaling_factor)`
+    pub(crate) scale: f32,
+}
+
+/// Group-limited routing over `experts` logits per token (the records as [`route_topk`]'s).
+pub(crate) fn route_grouped(
+    gpu: &Gpu,
+    logits: u64,
+    experts: usize,
+    k: usize,
+    g: &GroupedRoute,
+    tokens: usize,
+    out: RouteOut,
+) -> Result<(), CudaError> {
+    let groups_ok = g.n_group >= 1
+        && experts.is_multiple_of(g.n_group)
+        && (1..=g.n_group).contains(&g.topk_group)
+        && (g.bias.is_none() || experts / g.n_group >= 2);
+    if k == 0 || k > experts || k > MAX_TOP_K || !groups_ok {
+        return Err(CudaError::UnsupportedModel(format!(
+            "top-{k} of {experts} experts in {} groups keeping {} (the router kernel takes \
+             1 <= k <= min(E, {MAX_TOP_K}) and equal groups, of two or more for sigmoid scores)",
+            g.n_group, g.topk_group
+        )));
+    }
+    let shared = (2 * experts + 2 * k + g.n_group) * 4;
+    if shared > 40 * 1024 {
+        return Err(CudaError::UnsupportedModel(format!(
+            "{experts} experts (the grouped router kernel holds at most about 5,000)"
+        )));
+    }
+    gpu.launch(
+        "route_grouped",
+        (tokens as u32, 1, 1),
+        (256, 1, 1),
+        shared as u32,
+        &[
+            Arg::Ptr(logits),
+            Arg::Ptr(g.bias.unwrap_or(0)),
+            Arg::I32(experts as i32),
+            Arg::I32(k as i32),
+            Arg::I32(g.n_group as i32),
+            Arg::I32(g.topk_group as i32),
+            Arg::I32(i32::from(g.bias.is_some())),
+            Arg::I32(i32::from(g.renorm)),
+            Arg::F32(g.scale),
             Arg::Ptr(out.ids),
             Arg::Ptr(out.probs),
             Arg::Ptr(out.weights),

@@ -25,11 +25,12 @@ pub(super) trait LayerSteps {
         &mut self,
         layer: &DevLayer,
         router: &DevMat,
+        bias: Option<&DevBuf>,
         moe_index: usize,
     ) -> Result<(), CudaError>;
     /// The shared expert and its gate's logit, from the normalised input; returns where they
-    /// are (y_sh, s_sh) for the experts' mix.
-    fn shared_expert(&mut self, m: &DevDense, gate: &DevMat) -> Result<(u64, u64), CudaError>;
+    /// are (y_sh, s_sh) for the experts' mix (s_sh = 0: ungated shared experts).
+    fn shared_expert(&mut self, sh: &DevShared) -> Result<(u64, u64), CudaError>;
     /// The routed experts (`None`: in the hot tier), mixed in ascending expert id with the
     /// shared expert (`shared`: (0, 0) without), and the residual.
     fn experts(
@@ -52,11 +53,12 @@ impl CudaModel {
                     router,
                     experts,
                     shared,
+                    correction_bias,
                     moe_index,
                 } => {
-                    steps.router(layer, router, *moe_index)?;
+                    steps.router(layer, router, correction_bias.as_ref(), *moe_index)?;
                     let sh = match shared {
-                        Some(sh) => steps.shared_expert(&sh.0, &sh.1)?,
+                        Some(sh) => steps.shared_expert(sh)?,
                         None => (0, 0),
                     };
                     steps.experts(l, experts.as_ref(), *moe_index, sh)?;
@@ -259,6 +261,7 @@ impl LayerSteps for OpSteps<'_> {
         &mut self,
         layer: &DevLayer,
         router: &DevMat,
+        bias: Option<&DevBuf>,
         moe_index: usize,
     ) -> Result<(), CudaError> {
         self.post_norm(layer)?;
@@ -275,21 +278,36 @@ impl LayerSteps for OpSteps<'_> {
             t_count,
             false,
         )?;
-        ops::route_topk(
-            &m.gpu,
-            ws.router_logits.ptr(),
-            cfg.num_experts,
-            cfg.top_k,
-            m.spec.renormalize_topk,
-            t_count,
-            ws.route_out(moe_index, t_count, cfg.top_k),
-        )
+        let out = ws.route_out(moe_index, t_count, cfg.top_k);
+        match m.grouped_route(bias)? {
+            Some(g) => ops::route_grouped(
+                &m.gpu,
+                ws.router_logits.ptr(),
+                cfg.num_experts,
+                cfg.top_k,
+                &g,
+                t_count,
+                out,
+            ),
+            None => ops::route_topk(
+                &m.gpu,
+                ws.router_logits.ptr(),
+                cfg.num_experts,
+                cfg.top_k,
+                m.spec.renormalize_topk,
+                t_count,
+                out,
+            ),
+        }
     }
 
-    fn shared_expert(&mut self, d: &DevDense, gate: &DevMat) -> Result<(u64, u64), CudaError> {
+    fn shared_expert(&mut self, sh: &DevShared) -> Result<(u64, u64), CudaError> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let h = m.cfg.hidden_size;
-        self.gated_mlp(d, ws.act_shared.ptr(), ws.y_shared.ptr(), false)?;
+        self.gated_mlp(sh.mlp(), ws.act_shared.ptr(), ws.y_shared.ptr(), false)?;
+        let Some(gate) = sh.gate() else {
+            return Ok((ws.y_shared.ptr(), 0));
+        };
         ops::matmul(
             &m.gpu,
             gate,
