@@ -282,6 +282,20 @@ __device__ __forceinline__ float warp_dot_f32(const float* w, const float* x, in
     return warp_tree(a);
 }
 
+// Canonical dot of a weight row (BF16 widened, or F32) with an f32 vector, valid in lane 0
+// (matvec.cu, mla.cu).
+template <typename W>
+__device__ __forceinline__ float row_dot(const W* w, const float* x, int n, int p);
+
+template <>
+__device__ __forceinline__ float row_dot<u16>(const u16* w, const float* x, int n, int p) {
+    return warp_dot_bf16(w, x, n, p);
+}
+template <>
+__device__ __forceinline__ float row_dot<float>(const float* w, const float* x, int n, int p) {
+    return warp_dot_f32(w, x, n, p);
+}
+
 // The same tree with a 256-thread block where thread v holds lane v (s[] has 256 floats of
 // shared memory; the caller has stored its lane in s[threadIdx.x]). Returns the result to every
 // thread. Starts and ends with a barrier, so s[] may be reused right after.

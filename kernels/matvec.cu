@@ -7,17 +7,6 @@
 // `add_rows` compute it.
 #include "common.cuh"
 
-template <typename W>
-__device__ __forceinline__ float row_dot(const W* w, const float* x, int n, int p);
-
-template <>
-__device__ __forceinline__ float row_dot<u16>(const u16* w, const float* x, int n, int p) {
-    return warp_dot_bf16(w, x, n, p);
-}
-template <>
-__device__ __forceinline__ float row_dot<float>(const float* w, const float* x, int n, int p) {
-    return warp_dot_f32(w, x, n, p);
-}
 
 template <typename W>
 __device__ __forceinline__ void matvec_body(const W* __restrict__ w, int rows, int cols,

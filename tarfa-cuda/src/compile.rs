@@ -81,6 +81,18 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "mla.cu",
+        source: include_str!("../../kernels/mla.cu"),
+        entries: &[
+            "mla_rope_append",
+            "mla_rope_append_seqs",
+            "mla_attention_bf16",
+            "mla_attention_f32",
+            "mla_attention_seqs_bf16",
+            "mla_attention_seqs_f32",
+        ],
+    },
+    KernelFile {
         name: "decode.cu",
         source: include_str!("../../kernels/decode.cu"),
         entries: &[

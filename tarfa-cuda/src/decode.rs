@@ -157,6 +157,9 @@ impl CudaModel {
     pub(super) fn decode_unsupported(&self) -> Option<String> {
         let cfg = &self.cfg;
         let (h, hq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
+        if cfg.mla.is_some() {
+            return Some("multi-head latent attention (the decode kernels run GQA)".into());
+        }
         if !h.is_multiple_of(8) {
             return Some(format!("hidden size {h} is not a multiple of 8"));
         }
@@ -1139,7 +1142,12 @@ impl LayerSteps for PlanSteps<'_> {
         let scale = (1.0f64 / (d as f64).sqrt()) as f32;
         let slices = d.div_ceil(32);
         let qkv_rows = (hq + 2 * hkv) * d;
-        let a = &layer.attn;
+        // decode_unsupported keeps multi-head latent attention off these kernels
+        let DevAttn::Gqa(a) = &layer.attn else {
+            return Err(CudaError::Internal(
+                "the decode kernels with multi-head latent attention".into(),
+            ));
+        };
         let qkv = b.qkv.ptr();
         let k_raw = qkv + (hq * d * F) as u64;
         let v_raw = qkv + ((hq + hkv) * d * F) as u64;

@@ -286,8 +286,8 @@ pub struct HotOptions {
 /// implement softmax top-k and both group-limited routers (DeepSeek's and GLM-4.5's sigmoid
 /// scores with the correction bias, DeepSeek-V2's softmax), gated and ungated shared experts,
 /// GQA with rotary embedding on the whole head or its leading `rotary_dim` values, and the
-/// host's rotary tables (YaRN included); a family that needs anything else (DeepSeek's MLA,
-/// gpt-oss's sinks, sliding windows, biased router, expert biases, fused and MXFP4 experts,
+/// host's rotary tables (YaRN included), and DeepSeek's multi-head latent attention with its
+/// latent cache; a family that needs anything else (gpt-oss's sinks, sliding windows, biased router, expert biases, fused and MXFP4 experts,
 /// OLMoE's clip_qkv) is refused by name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
 /// these families.
 pub fn unsupported_family(
@@ -317,9 +317,6 @@ pub fn unsupported_family(
     }
     if cfg.clip_qkv.is_some() {
         missing.push("clip_qkv");
-    }
-    if spec.attention != tarfa_core::model::AttentionKind::Gqa {
-        missing.push("multi-head latent attention");
     }
     if missing.is_empty() {
         return None;

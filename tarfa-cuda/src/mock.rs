@@ -419,6 +419,108 @@ fn attention_reference(mem: &mut Memory, (hq, hkv, d): (usize, usize, usize), at
     }
 }
 
+/// MLA's widths as the kernels take them (mla.cu): (hq, dn, dr, dv, r) and the interleave flag.
+#[derive(Clone, Copy)]
+struct MlaDims {
+    hq: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+    r: usize,
+}
+
+/// RoPE on one rope part (mla.cu `mla_rope_part`): de-interleaved first when `interleave`, then
+/// the rotate-half rotation with the rows (cos, sin) of dr/2 values.
+fn mla_rope_ref(mem: &mut Memory, x: &[f32], interleave: bool, (cos, sin): (u64, u64)) -> Vec<f32> {
+    let half = x.len() / 2;
+    let (c, s) = (mem.f32s(cos, half), mem.f32s(sin, half));
+    let b: Vec<f32> = if interleave {
+        (0..half)
+            .map(|i| x[2 * i])
+            .chain((0..half).map(|i| x[2 * i + 1]))
+            .collect()
+    } else {
+        x.to_vec()
+    };
+    let mut out = b.clone();
+    for i in 0..half {
+        out[i] = b[i] * c[i] - b[half + i] * s[i];
+        out[half + i] = b[half + i] * c[i] + b[i] * s[i];
+    }
+    out
+}
+
+/// One token of `mla_rope_append`: its queries' rope parts rotated in place, its latent row
+/// `[kva[..r] | rope(kva[r..])]` written at `pos` of `cache` ([position][r + dr]).
+fn mla_rope_append_ref(
+    mem: &mut Memory,
+    m: MlaDims,
+    (q, kva, interleave): (u64, u64, bool),
+    t: usize,
+    rows: (u64, u64),
+    pos: usize,
+    cache: u64,
+) {
+    let (dq, w) = (m.dn + m.dr, m.r + m.dr);
+    for head in 0..m.hq {
+        let at = q + (((t * m.hq + head) * dq + m.dn) * 4) as u64;
+        let x = mem.f32s(at, m.dr);
+        let y = mla_rope_ref(mem, &x, interleave, rows);
+        mem.put_f32s(at, &y);
+    }
+    let kv = mem.f32s(kva + ((t * w) * 4) as u64, w);
+    let mut row = kv[..m.r].to_vec();
+    row.extend(mla_rope_ref(mem, &kv[m.r..], interleave, rows));
+    mem.put_f32s(cache + ((pos * w) * 4) as u64, &row);
+}
+
+/// One token of `mla_attention` (mla.cu `mla_attend_one`) for every head: the absorbed query,
+/// the scores against the n = pos + 1 latent rows, the softmax, the attended latent and the
+/// head's value rows.
+#[allow(clippy::too_many_arguments)]
+fn mla_attention_ref(
+    mem: &mut Memory,
+    m: MlaDims,
+    (q, kv_b, bf16): (u64, u64, bool),
+    t: usize,
+    (cache, pos): (u64, usize),
+    scale: f32,
+    (scratch, ns): (u64, usize),
+    o: u64,
+) {
+    let (dq, w, n) = (m.dn + m.dr, m.r + m.dr, pos + 1);
+    assert!(n <= ns, "mla attention: {n} positions, stride {ns}");
+    let lat = mem.f32s(cache, n * w);
+    let mut tmp = Vec::new();
+    for head in 0..m.hq {
+        let qh = mem.f32s(q + (((t * m.hq + head) * dq) * 4) as u64, dq);
+        let row0 = head * (m.dn + m.dv);
+        let kb: Vec<f32> = (0..m.dn)
+            .flat_map(|i| rows_of(mem, kv_b, bf16, row0 + i, m.r))
+            .collect();
+        let mut qc = vec![0.0f32; w];
+        weighted_row_sum(Kernel::scalar(), &qh[..m.dn], &kb, &mut qc[..m.r], &mut tmp);
+        qc[m.r..].copy_from_slice(&qh[m.dn..]);
+        let s: Vec<f32> = (0..n)
+            .map(|j| dot_f32_reference(&qc, &lat[j * w..(j + 1) * w]) * scale)
+            .collect();
+        mem.put_f32s(scratch + (((t * m.hq + head) * ns) * 4) as u64, &s);
+        let p = softmax(&s);
+        let mut u = vec![0.0f32; w];
+        weighted_row_sum(Kernel::scalar(), &p, &lat, &mut u, &mut tmp);
+        let out: Vec<f32> = (0..m.dv)
+            .map(|i| {
+                dot(
+                    &rows_of(mem, kv_b, bf16, row0 + m.dn + i, m.r),
+                    &u[..m.r],
+                    bf16,
+                )
+            })
+            .collect();
+        mem.put_f32s(o + (((t * m.hq + head) * m.dv) * 4) as u64, &out);
+    }
+}
+
 type EmuLaunch = unsafe extern "C" fn(
     *const std::ffi::c_char,
     u32,
@@ -789,6 +891,59 @@ pub(crate) fn launch_reference(
                     cache,
                 };
                 attention_reference(mem, (hq, hkv, d), &at);
+            }
+        }
+        "mla_rope_append" | "mla_rope_append_seqs" => {
+            let seqs = name.ends_with("seqs");
+            a.count(if seqs { 9 } else { 11 });
+            let (q, kva) = (a.ptr(0), a.ptr(1));
+            let m = MlaDims {
+                hq: a.int(2),
+                dn: a.int(3),
+                dr: a.int(4),
+                dv: 0,
+                r: a.int(5),
+            };
+            let interleave = a.int(6) == 1;
+            assert_eq!(gx, m.hq + 1, "{name} geometry");
+            for t in 0..gy {
+                let (rows, pos, cache) = if seqs {
+                    let (rows, pos, (kc, _, _)) = seq_token(mem, a.ptr(7), a.ptr(8), t);
+                    (rows, pos, kc)
+                } else {
+                    let (cos, sin, pos) = (a.ptr(7), a.ptr(8), a.int(9) + t);
+                    let half = m.dr / 2;
+                    let rows = (cos + (pos * half * 4) as u64, sin + (pos * half * 4) as u64);
+                    (rows, pos, a.ptr(10))
+                };
+                mla_rope_append_ref(mem, m, (q, kva, interleave), t, rows, pos, cache);
+            }
+        }
+        "mla_attention_bf16"
+        | "mla_attention_f32"
+        | "mla_attention_seqs_bf16"
+        | "mla_attention_seqs_f32" => {
+            a.count(13);
+            let seqs = name.contains("seqs");
+            let bf16 = name.ends_with("bf16");
+            let (q, kv_b) = (a.ptr(0), a.ptr(1));
+            let m = MlaDims {
+                hq: a.int(2),
+                dn: a.int(3),
+                dr: a.int(4),
+                dv: a.int(5),
+                r: a.int(6),
+            };
+            let (scale, scratch, ns, o) = (a.float(9), a.ptr(10), a.int(11), a.ptr(12));
+            assert_eq!((gx, block.0), (m.hq, 256), "{name} geometry");
+            for t in 0..gy {
+                let at = if seqs {
+                    let (_, pos, (kc, _, _)) = seq_token(mem, a.ptr(7), a.ptr(8), t);
+                    (kc, pos)
+                } else {
+                    (a.ptr(7), a.int(8) + t)
+                };
+                mla_attention_ref(mem, m, (q, kv_b, bf16), t, at, scale, (scratch, ns), o);
             }
         }
         "route_topk" => {
@@ -2629,14 +2784,20 @@ mod tests {
         use tarfa_core::Backend;
         // on the emulator one family (CI time): mixtral's F32 tiles run in the prefills of
         // the_orchestration_reproduces_the_cpu_for_every_family
+        // and DeepSeek-V3's multi-head latent attention (the fixture: each token's latent rows
+        // into its own cache, the absorbed attention over them)
         let families: &[&str] = if super::emulated() {
-            &["qwen2_moe"]
+            &["qwen2_moe", "deepseekv3-s"]
         } else {
-            &["qwen2_moe", "mixtral"]
+            &["qwen2_moe", "mixtral", "deepseekv3-s"]
         };
         for &family in families {
-            let (cfg, src) = random_model(&SyntheticShape::small(family), 21);
-            let src: Arc<dyn WeightSource> = Arc::new(src);
+            let (cfg, src): (MoeConfig, Arc<dyn WeightSource>) = if family.contains('-') {
+                fixture(family)
+            } else {
+                let (cfg, src) = random_model(&SyntheticShape::small(family), 21);
+                (cfg, Arc::new(src))
+            };
             let v = cfg.vocab_size;
             let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
             let engine = CpuEngine::new(
@@ -2757,6 +2918,67 @@ mod tests {
         let v = cfg.vocab_size;
         let prompts = vec![(0..250).map(|i| (i * 7 % v) as u32).collect()];
         compare("growth", cfg, Arc::new(src), prompts, 9);
+    }
+
+    /// An oracle fixture of fixtures/oracle: its config and weights.
+    fn fixture(name: &str) -> (MoeConfig, Arc<dyn WeightSource>) {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/oracle")
+            .join(name);
+        let cfg =
+            MoeConfig::from_json_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let spec = ArchSpec::new(&cfg);
+        let src = Arc::new(load_safetensors_dir(&dir, &cfg, &spec).unwrap());
+        (cfg, src)
+    }
+
+    #[test]
+    fn deepseek_runs_on_the_kernels_with_the_cpus_bits_resident_and_streamed() {
+        // multi-head latent attention (q LoRA or plain q_proj, interleaved rope, YaRN's
+        // softmax scale), the latent cache, group-limited sigmoid routing (V3) and V2's softmax
+        // routing, ungated shared experts, a first dense layer; resident, and V3 streamed
+        // through a hot tier of 3 slots
+        use tarfa_stream::CachePolicy;
+        for name in ["deepseekv3-s", "deepseekv3-plain-s", "deepseekv2-yarn-s"] {
+            let (cfg, src) = fixture(name);
+            assert!(cfg.mla.is_some(), "{name}");
+            let spec = ArchSpec::new(&cfg);
+            assert_eq!(
+                super::super::unsupported_family(&cfg, &spec),
+                None,
+                "{name}"
+            );
+            let v = cfg.vocab_size;
+            let prompts = vec![vec![1], (0..12).map(|i| (i * 13 % v) as u32).collect()];
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            let why = gpu
+                .decode_unsupported_reason()
+                .unwrap_or_default()
+                .to_string();
+            assert!(why.contains("latent"), "{name}: {why}");
+            drop(gpu);
+            compare(name, cfg.clone(), src.clone(), prompts.clone(), 3);
+            if name == "deepseekv3-s" {
+                let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+                let engine = CpuEngine::new(
+                    cpu,
+                    EngineOptions {
+                        threads: 2,
+                        kernel: Kernel::best(),
+                    },
+                )
+                .unwrap();
+                let gpu = streamed(&cfg, src.clone(), 3, CachePolicy::Lru, Vec::new());
+                let opts = SelftestOptions {
+                    prompts,
+                    decode_steps: 3,
+                    cpu_threads: 2,
+                };
+                let rep = selftest_models(&engine, &gpu, &opts).unwrap();
+                assert!(rep.passed(), "{name} streamed: {rep}");
+            }
+        }
     }
 
     #[test]

@@ -29,7 +29,7 @@ use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::model::{ArchSpec, MlpKind, QkNorm};
 use tarfa_core::numerics::{MatrixRef, RopeTable};
-use tarfa_core::resident::{LayerMlp, Matrix, ResidentWeights};
+use tarfa_core::resident::{Attention, LayerMlp, Matrix, MlaQuery, ResidentWeights};
 use tarfa_core::step::{
     FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats,
 };
@@ -104,10 +104,46 @@ impl DevShared {
     }
 }
 
+/// Multi-head latent attention's weights on the device (kernels/mla.cu).
+struct DevMla {
+    q: DevMlaQuery,
+    kv_a: DevMat,
+    kv_a_norm: DevBuf,
+    kv_b: DevMat,
+    o: DevMat,
+}
+
+enum DevMlaQuery {
+    Plain(DevMat),
+    LoRa { a: DevMat, norm: DevBuf, b: DevMat },
+}
+
+/// A layer's attention: grouped-query, or multi-head latent (DeepSeek-V2/V3).
+enum DevAttn {
+    Gqa(DevAttention),
+    Mla(DevMla),
+}
+
+impl DevAttn {
+    /// Every matrix the attention reads, once (the step's weight bytes).
+    fn bytes(&self) -> u64 {
+        match self {
+            DevAttn::Gqa(a) => a.q.bytes() + a.k.bytes() + a.v.bytes() + a.o.bytes(),
+            DevAttn::Mla(m) => {
+                let q = match &m.q {
+                    DevMlaQuery::Plain(q) => q.bytes(),
+                    DevMlaQuery::LoRa { a, b, .. } => a.bytes() + b.bytes(),
+                };
+                q + m.kv_a.bytes() + m.kv_b.bytes() + m.o.bytes()
+            }
+        }
+    }
+}
+
 struct DevLayer {
     input_norm: DevBuf,
     post_norm: DevBuf,
-    attn: DevAttention,
+    attn: DevAttn,
     mlp: DevMlp,
 }
 
@@ -156,12 +192,27 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
     let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| host_f32_bytes(v));
     for (l, layer) in w.layers.iter().enumerate() {
         total += host_f32_bytes(&layer.input_norm) + host_f32_bytes(&layer.post_attention_norm);
-        // `unsupported_family` refuses multi-head latent attention before anything is sized.
-        if let Some(a) = layer.attention.gqa() {
-            total +=
-                matrix_bytes(&a.q) + matrix_bytes(&a.k) + matrix_bytes(&a.v) + matrix_bytes(&a.o);
-            total += opt(&a.q_bias) + opt(&a.k_bias) + opt(&a.v_bias) + opt(&a.o_bias);
-            total += opt(&a.q_norm) + opt(&a.k_norm);
+        match &layer.attention {
+            Attention::Gqa(a) => {
+                total += matrix_bytes(&a.q)
+                    + matrix_bytes(&a.k)
+                    + matrix_bytes(&a.v)
+                    + matrix_bytes(&a.o);
+                total += opt(&a.q_bias) + opt(&a.k_bias) + opt(&a.v_bias) + opt(&a.o_bias);
+                total += opt(&a.q_norm) + opt(&a.k_norm);
+            }
+            Attention::Mla(m) => {
+                total += match &m.q {
+                    MlaQuery::Plain(q) => matrix_bytes(q),
+                    MlaQuery::LoRa { a, norm, b } => {
+                        matrix_bytes(a) + host_f32_bytes(norm) + matrix_bytes(b)
+                    }
+                };
+                total += matrix_bytes(&m.kv_a)
+                    + host_f32_bytes(&m.kv_a_norm)
+                    + matrix_bytes(&m.kv_b)
+                    + matrix_bytes(&m.o);
+            }
         }
         match &layer.mlp {
             LayerMlp::Dense(d) => {
@@ -357,22 +408,36 @@ impl CudaModel {
         let mut moe_layers = 0;
         for (l, lw) in host.layers.iter().enumerate() {
             let name = |s: &str| format!("layer {l} {s}");
-            let a = lw
-                .attention
-                .gqa()
-                .ok_or_else(|| CudaError::UnsupportedModel(name("multi-head latent attention")))?;
-            let [q, k, v] = upload_stacked(&gpu, [&a.q, &a.k, &a.v], &name("q|k|v_proj"))?;
-            let attn = DevAttention {
-                q,
-                k,
-                v,
-                o: up_mat(&a.o, &name("o_proj"))?,
-                q_bias: up_opt(&a.q_bias, &name("q bias"))?,
-                k_bias: up_opt(&a.k_bias, &name("k bias"))?,
-                v_bias: up_opt(&a.v_bias, &name("v bias"))?,
-                o_bias: up_opt(&a.o_bias, &name("o bias"))?,
-                q_norm: up_opt(&a.q_norm, &name("q norm"))?,
-                k_norm: up_opt(&a.k_norm, &name("k norm"))?,
+            let attn = match &lw.attention {
+                Attention::Gqa(a) => {
+                    let [q, k, v] = upload_stacked(&gpu, [&a.q, &a.k, &a.v], &name("q|k|v_proj"))?;
+                    DevAttn::Gqa(DevAttention {
+                        q,
+                        k,
+                        v,
+                        o: up_mat(&a.o, &name("o_proj"))?,
+                        q_bias: up_opt(&a.q_bias, &name("q bias"))?,
+                        k_bias: up_opt(&a.k_bias, &name("k bias"))?,
+                        v_bias: up_opt(&a.v_bias, &name("v bias"))?,
+                        o_bias: up_opt(&a.o_bias, &name("o bias"))?,
+                        q_norm: up_opt(&a.q_norm, &name("q norm"))?,
+                        k_norm: up_opt(&a.k_norm, &name("k norm"))?,
+                    })
+                }
+                Attention::Mla(m) => DevAttn::Mla(DevMla {
+                    q: match &m.q {
+                        MlaQuery::Plain(q) => DevMlaQuery::Plain(up_mat(q, &name("q_proj"))?),
+                        MlaQuery::LoRa { a, norm, b } => DevMlaQuery::LoRa {
+                            a: up_mat(a, &name("q_a_proj"))?,
+                            norm: up_vec(norm, &name("q_a_layernorm"))?,
+                            b: up_mat(b, &name("q_b_proj"))?,
+                        },
+                    },
+                    kv_a: up_mat(&m.kv_a, &name("kv_a_proj_with_mqa"))?,
+                    kv_a_norm: up_vec(&m.kv_a_norm, &name("kv_a_layernorm"))?,
+                    kv_b: up_mat(&m.kv_b, &name("kv_b_proj"))?,
+                    o: up_mat(&m.o, &name("o_proj"))?,
+                }),
             };
             let dense =
                 |d: &tarfa_core::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
@@ -1113,8 +1178,7 @@ impl CudaModel {
         let per_layer = t_count * cfg.top_k;
         let expert_bytes = 3 * 2 * (cfg.expert_width * cfg.hidden_size) as u64;
         for layer in &self.layers {
-            let a = &layer.attn;
-            s.weight_bytes += a.q.bytes() + a.k.bytes() + a.v.bytes() + a.o.bytes();
+            s.weight_bytes += layer.attn.bytes();
             match &layer.mlp {
                 DevMlp::Dense(m) => {
                     s.weight_bytes += m.gate.bytes() + m.up.bytes() + m.down.bytes()
@@ -1350,6 +1414,16 @@ fn upload_experts(
     Ok(DevExperts { gate, up, down })
 }
 
+/// The cache's rows per (layer, position): (heads, key width, value width). Grouped-query
+/// attention keeps each KV head's key and value; multi-head latent attention one latent row of
+/// kv_lora_rank + rope dim and no value (tarfa-cpu's `new_cache`).
+fn kv_rows(cfg: &MoeConfig) -> (usize, usize, usize) {
+    match &cfg.mla {
+        Some(m) => (1, m.latent_width(), 0),
+        None => (cfg.num_kv_heads, cfg.head_dim, cfg.head_dim),
+    }
+}
+
 /// One sequence on the GPU: its KV cache, RoPE rows and the step workspace.
 pub struct CudaCache {
     len: usize,
@@ -1404,35 +1478,31 @@ impl CudaCache {
     fn grow(&mut self, model: &CudaModel, cap: usize) -> Result<(), CudaError> {
         let cfg = &model.cfg;
         let gpu = &model.gpu;
-        let (hkv, d) = (cfg.num_kv_heads, cfg.head_dim);
+        let (hkv, d, dv) = kv_rows(cfg);
         let mut k = Vec::with_capacity(cfg.num_layers);
         let mut v = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let bytes = hkv * cap * d * 4;
-            let nk = gpu.alloc(bytes, &format!("layer {l} KV cache keys ({cap} positions)"))?;
+            let nk = gpu.alloc(
+                hkv * cap * d * 4,
+                &format!("layer {l} KV cache keys ({cap} positions)"),
+            )?;
+            // (MLA caches no values: a buffer of one float keeps the tables' pointers valid)
             let nv = gpu.alloc(
-                bytes,
+                (hkv * cap * dv * 4).max(4),
                 &format!("layer {l} KV cache values ({cap} positions)"),
             )?;
             if self.len > 0 {
                 for head in 0..hkv {
-                    let (src_off, dst_off) = (
-                        (head * self.cap * d * 4) as u64,
-                        (head * cap * d * 4) as u64,
-                    );
-                    let n = self.len * d * 4;
-                    gpu.copy(
-                        nk.ptr() + dst_off,
-                        self.k[l].ptr() + src_off,
-                        n,
-                        "the KV cache",
-                    )?;
-                    gpu.copy(
-                        nv.ptr() + dst_off,
-                        self.v[l].ptr() + src_off,
-                        n,
-                        "the KV cache",
-                    )?;
+                    for (new, old, w) in [(&nk, &self.k[l], d), (&nv, &self.v[l], dv)] {
+                        let n = self.len * w * 4;
+                        if n > 0 {
+                            let (src_off, dst_off) = (
+                                (head * self.cap * w * 4) as u64,
+                                (head * cap * w * 4) as u64,
+                            );
+                            gpu.copy(new.ptr() + dst_off, old.ptr() + src_off, n, "the KV cache")?;
+                        }
+                    }
                 }
             }
             k.push(nk);
@@ -1557,10 +1627,20 @@ impl Workspace {
         self.tokens.ensure(gpu, t * 4, w)?;
         self.h.ensure(gpu, t * h * f, w)?;
         self.xn.ensure(gpu, t * h * f, w)?;
-        self.q.ensure(gpu, t * hq * d * f, w)?;
-        self.k.ensure(gpu, t * hkv * d * f, w)?;
-        self.v.ensure(gpu, t * hkv * d * f, w)?;
-        self.o.ensure(gpu, t * hq * d * f, w)?;
+        // MLA: q [Hq][dn+dr], k holds q_a's output, v the kv_a output, o [Hq][dv]
+        let (qw, kw, vw, ow) = match &cfg.mla {
+            Some(m) => (
+                hq * m.qk_head_dim(),
+                m.q_lora_rank.unwrap_or(0),
+                m.latent_width(),
+                hq * m.v_head_dim,
+            ),
+            None => (hq * d, hkv * d, hkv * d, hq * d),
+        };
+        self.q.ensure(gpu, t * qw * f, w)?;
+        self.k.ensure(gpu, t * kw.max(1) * f, w)?;
+        self.v.ensure(gpu, t * vw * f, w)?;
+        self.o.ensure(gpu, t * ow * f, w)?;
         self.scores
             .ensure(gpu, t * hq * positions * f, "the attention scores")?;
         self.router_logits

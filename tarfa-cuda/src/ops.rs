@@ -507,6 +507,142 @@ pub(crate) fn attention_seqs(
     )
 }
 
+/// Multi-head latent attention's widths (kernels/mla.cu): `r` the latent, `dn`/`dr`/`dv` the
+/// nope, rope and value head widths; `interleave`: the rope part read as pairs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MlaShape {
+    pub(crate) hq: usize,
+    pub(crate) dn: usize,
+    pub(crate) dr: usize,
+    pub(crate) dv: usize,
+    pub(crate) r: usize,
+    pub(crate) interleave: bool,
+    /// Position of the step's first token (one cache).
+    pub(crate) pos0: usize,
+    pub(crate) tokens: usize,
+}
+
+/// The largest latent row (r + dr) and rope part the MLA kernels hold in shared memory.
+pub(crate) const MLA_MAX_W: usize = 1024;
+pub(crate) const MLA_MAX_DR: usize = 512;
+
+impl MlaShape {
+    /// Why the MLA kernels cannot take these widths, if they cannot.
+    pub(crate) fn unsupported(&self) -> Option<String> {
+        let w = self.r + self.dr;
+        (w > MLA_MAX_W || self.dr > MLA_MAX_DR || self.dn > 256 || !self.dr.is_multiple_of(2)).then(
+            || {
+                format!(
+                    "latent width {} + rope {} and nope width {} (the MLA kernels take r + dr <= \
+                     {MLA_MAX_W}, even dr <= {MLA_MAX_DR}, dn <= 256)",
+                    self.r, self.dr, self.dn
+                )
+            },
+        )
+    }
+}
+
+/// Where a step's latent rows go: one cache (`cache`, positions `pos0..`), or each token's own
+/// from the step's tables.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum MlaKv {
+    One { cache: u64, cos: u64, sin: u64 },
+    Seqs(SeqKv),
+}
+
+/// RoPE on the queries' rope parts (in place) and each token's latent row `[kva[..r] |
+/// rope(kva[r..])]` written into its cache.
+pub(crate) fn mla_rope_append(
+    gpu: &Gpu,
+    s: &MlaShape,
+    q: u64,
+    kva: u64,
+    kv: MlaKv,
+) -> Result<(), CudaError> {
+    let mut args = vec![
+        Arg::Ptr(q),
+        Arg::Ptr(kva),
+        Arg::I32(s.hq as i32),
+        Arg::I32(s.dn as i32),
+        Arg::I32(s.dr as i32),
+        Arg::I32(s.r as i32),
+        Arg::I32(i32::from(s.interleave)),
+    ];
+    let name = match kv {
+        MlaKv::One { cache, cos, sin } => {
+            args.extend([
+                Arg::Ptr(cos),
+                Arg::Ptr(sin),
+                Arg::I32(i32_of(s.pos0, "position")?),
+                Arg::Ptr(cache),
+            ]);
+            "mla_rope_append"
+        }
+        MlaKv::Seqs(t) => {
+            args.extend([Arg::Ptr(t.tok), Arg::Ptr(t.kv)]);
+            "mla_rope_append_seqs"
+        }
+    };
+    gpu.launch(
+        name,
+        ((s.hq + 1) as u32, s.tokens as u32, 1),
+        (64, 1, 1),
+        0,
+        &args,
+    )
+}
+
+/// MLA attention of every (token, head) against its cache's latent rows, the output
+/// `[T][Hq][dv]`; `scratch` holds `tokens * hq * n_stride` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mla_attention(
+    gpu: &Gpu,
+    s: &MlaShape,
+    q: u64,
+    kv_b: &DevMat,
+    kv: MlaKv,
+    scale: f32,
+    scratch: u64,
+    n_stride: usize,
+    o: u64,
+) -> Result<(), CudaError> {
+    let mut args = vec![
+        Arg::Ptr(q),
+        Arg::Ptr(kv_b.ptr()),
+        Arg::I32(s.hq as i32),
+        Arg::I32(s.dn as i32),
+        Arg::I32(s.dr as i32),
+        Arg::I32(s.dv as i32),
+        Arg::I32(s.r as i32),
+    ];
+    let seqs = matches!(kv, MlaKv::Seqs(_));
+    match kv {
+        MlaKv::One { cache, .. } => {
+            args.extend([Arg::Ptr(cache), Arg::I32(i32_of(s.pos0, "position")?)])
+        }
+        MlaKv::Seqs(t) => args.extend([Arg::Ptr(t.tok), Arg::Ptr(t.kv)]),
+    }
+    args.extend([
+        Arg::F32(scale),
+        Arg::Ptr(scratch),
+        Arg::I32(i32_of(n_stride, "positions")?),
+        Arg::Ptr(o),
+    ]);
+    let name = match (kv_b.dtype, seqs) {
+        (DType::Bf16, false) => "mla_attention_bf16",
+        (DType::F32, false) => "mla_attention_f32",
+        (DType::Bf16, true) => "mla_attention_seqs_bf16",
+        (DType::F32, true) => "mla_attention_seqs_f32",
+    };
+    gpu.launch(
+        name,
+        (s.hq as u32, s.tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &args,
+    )
+}
+
 /// Where one MoE layer's router writes its choices ([tokens][k], and [tokens]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RouteOut {

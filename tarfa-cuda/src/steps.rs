@@ -149,8 +149,9 @@ impl OpSteps<'_> {
     }
 }
 
-impl LayerSteps for OpSteps<'_> {
-    fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
+impl OpSteps<'_> {
+    /// Grouped-query attention of the step (LayerSteps::attention's body for GQA layers).
+    fn gqa(&mut self, l: usize, layer: &DevLayer, a: &DevAttention) -> Result<(), CudaError> {
         let (m, ws, shape) = (self.model, self.ws, self.shape);
         let (gpu, cfg) = (&m.gpu, &m.cfg);
         let (h, hq, hkv, d) = (
@@ -160,7 +161,6 @@ impl LayerSteps for OpSteps<'_> {
             cfg.head_dim,
         );
         let (t_count, eps) = (shape.tokens, cfg.eps_f32());
-        let a = &layer.attn;
         ops::rmsnorm(
             gpu,
             ws.h.ptr(),
@@ -249,6 +249,163 @@ impl LayerSteps for OpSteps<'_> {
             t_count,
             true,
         )
+    }
+
+    /// Multi-head latent attention of the step (cpu/forward.rs `mla_block`'s order): the input
+    /// norm; q (q_proj, or q_a, its norm, q_b) and kva = W_kva xn; the latent's norm in place;
+    /// RoPE and the latent rows appended (mla.cu); the absorbed attention; h = h + W_o o.
+    fn mla(&mut self, l: usize, layer: &DevLayer, a: &DevMla) -> Result<(), CudaError> {
+        let (m, ws, shape) = (self.model, self.ws, self.shape);
+        let (gpu, cfg) = (&m.gpu, &m.cfg);
+        let dims = cfg
+            .mla
+            .as_ref()
+            .ok_or_else(|| CudaError::Internal("MLA weights without MLA dimensions".into()))?;
+        let (h, hq, t_count) = (cfg.hidden_size, cfg.num_heads, shape.tokens);
+        let (dn, dr, dv, r) = (
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+            dims.kv_lora_rank,
+        );
+        let (dq, w) = (dn + dr, r + dr);
+        ops::rmsnorm(
+            gpu,
+            ws.h.ptr(),
+            h,
+            ws.xn.ptr(),
+            h,
+            layer.input_norm.ptr(),
+            h,
+            t_count,
+            cfg.eps_f32(),
+        )?;
+        match &a.q {
+            DevMlaQuery::Plain(q) => ops::matmul(
+                gpu,
+                q,
+                ws.xn.ptr(),
+                h,
+                0,
+                ws.q.ptr(),
+                hq * dq,
+                t_count,
+                false,
+            )?,
+            DevMlaQuery::LoRa { a: qa, norm, b } => {
+                let rank = qa.rows;
+                ops::matmul(gpu, qa, ws.xn.ptr(), h, 0, ws.k.ptr(), rank, t_count, false)?;
+                ops::rmsnorm(
+                    gpu,
+                    ws.k.ptr(),
+                    rank,
+                    ws.k.ptr(),
+                    rank,
+                    norm.ptr(),
+                    rank,
+                    t_count,
+                    MLA_NORM_EPS,
+                )?;
+                ops::matmul(
+                    gpu,
+                    b,
+                    ws.k.ptr(),
+                    rank,
+                    0,
+                    ws.q.ptr(),
+                    hq * dq,
+                    t_count,
+                    false,
+                )?;
+            }
+        }
+        ops::matmul(
+            gpu,
+            &a.kv_a,
+            ws.xn.ptr(),
+            h,
+            0,
+            ws.v.ptr(),
+            w,
+            t_count,
+            false,
+        )?;
+        // the latent's norm over its first r values, in place (the rope key follows it)
+        ops::rmsnorm(
+            gpu,
+            ws.v.ptr(),
+            w,
+            ws.v.ptr(),
+            w,
+            a.kv_a_norm.ptr(),
+            r,
+            t_count,
+            MLA_NORM_EPS,
+        )?;
+        let s = ops::MlaShape {
+            hq,
+            dn,
+            dr,
+            dv,
+            r,
+            interleave: dims.rope_interleave,
+            pos0: shape.pos0,
+            tokens: t_count,
+        };
+        if let Some(why) = s.unsupported() {
+            return Err(CudaError::UnsupportedModel(why));
+        }
+        let (kv, n_stride) = match &self.kv {
+            StepKv::One(cache) => {
+                let (cos, sin) = cache.rope_ptrs();
+                let kv = ops::MlaKv::One {
+                    cache: cache.k[l].ptr(),
+                    cos,
+                    sin,
+                };
+                (kv, shape.pos0 + t_count)
+            }
+            StepKv::Seqs { tables, n_stride } => (ops::MlaKv::Seqs(tables.layer(l)), *n_stride),
+        };
+        ops::mla_rope_append(gpu, &s, ws.q.ptr(), ws.v.ptr(), kv)?;
+        let scale = cfg
+            .mla_softmax_scale()
+            .ok_or_else(|| CudaError::Internal("an MLA config without its softmax scale".into()))?;
+        ops::mla_attention(
+            gpu,
+            &s,
+            ws.q.ptr(),
+            &a.kv_b,
+            kv,
+            scale,
+            ws.scores.ptr(),
+            n_stride,
+            ws.o.ptr(),
+        )?;
+        ops::matmul(
+            gpu,
+            &a.o,
+            ws.o.ptr(),
+            hq * dv,
+            0,
+            ws.h.ptr(),
+            h,
+            t_count,
+            true,
+        )
+    }
+}
+
+/// `q_a_layernorm` and `kv_a_layernorm` use the class default eps 1e-6, not the config's
+/// `rms_norm_eps` (tarfa-cpu's `MLA_NORM_EPS`, transformers' DeepseekV2/V3 attention).
+const MLA_NORM_EPS: f32 = 1e-6;
+
+impl LayerSteps for OpSteps<'_> {
+    fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
+        match &layer.attn {
+            DevAttn::Gqa(a) => self.gqa(l, layer, a),
+            DevAttn::Mla(a) => self.mla(l, layer, a),
+        }
     }
 
     fn dense(&mut self, layer: &DevLayer, d: &DevDense) -> Result<(), CudaError> {
