@@ -1,5 +1,4 @@
-//! A family the CUDA kernels do not implement (GLM-4.5's partial rotary and group-limited
-//! sigmoid routing) is never computed on CUDA: `--backend cuda` is refused by name before any
+//! A config the CUDA kernels do not implement (Mixtral's sliding window) is never computed on CUDA: `--backend cuda` is refused by name before any
 //! weight is read (exit 2), and `--backend auto` says why and takes the CPU. Weightless: the
 //! choice is made from the config alone, so an empty source shows which backend was taken
 //! (the CPU's loader then names the first missing tensor).
@@ -11,17 +10,13 @@ use tarfa_core::numerics::Kernel;
 use tarfa_core::weights::InMemorySource;
 use tarfa_engine::{BackendChoice, Engine, EngineError, LoadOptions};
 
-fn glm_config() -> MoeConfig {
+fn windowed_config() -> MoeConfig {
     MoeConfig::from_json_str(
-        r#"{"model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 32,
-            "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-            "n_shared_experts": 1, "routed_scaling_factor": 1.8, "first_k_dense_replace": 1,
-            "norm_topk_prob": true, "use_qk_norm": true, "attention_bias": true,
-            "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
-            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
-                                "partial_rotary_factor": 0.5}}"#,
+        r#"{"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
+            "rope_theta": 10000.0, "sliding_window": 16}"#,
     )
     .unwrap()
 }
@@ -34,7 +29,12 @@ fn load(backend: BackendChoice, log: &dyn Fn(String)) -> Result<Engine, EngineEr
         hot: None,
         cuda: Default::default(),
     };
-    Engine::load(glm_config(), Arc::new(InMemorySource::new()), &opts, log)
+    Engine::load(
+        windowed_config(),
+        Arc::new(InMemorySource::new()),
+        &opts,
+        log,
+    )
 }
 
 #[test]
@@ -42,10 +42,10 @@ fn cuda_refuses_a_family_its_kernels_do_not_implement_by_name() {
     let err = load(BackendChoice::Cuda, &|_| {}).err().expect("refused");
     let msg = err.to_string();
     assert!(
-        msg.contains("glm4_moe") && msg.contains("--backend cpu"),
+        msg.contains("mixtral") && msg.contains("--backend cpu"),
         "{msg}"
     );
-    assert!(msg.contains("partial rotary"), "{msg}");
+    assert!(msg.contains("sliding-window attention"), "{msg}");
     let EngineError::Cuda(cuda) = &err else {
         panic!("not a CUDA refusal: {err}")
     };
@@ -62,7 +62,7 @@ fn auto_takes_the_cpu_for_such_a_family_and_says_why() {
     assert!(
         lines
             .iter()
-            .any(|l| l.contains("glm4_moe") && l.contains("using the CPU")),
+            .any(|l| l.contains("mixtral") && l.contains("using the CPU")),
         "{lines:?}"
     );
     // The CPU's loader, not CUDA, failed: it names the first tensor it needed.
