@@ -811,7 +811,12 @@ __device__ __forceinline__ void moe_down_dec_body(
                 for (int s = 0; s < DOWN_MAX_K; s++) {
                     if (KF || s < k) mix = __fadd_rn(mix, __fmul_rn(wslot[s], y[s]));
                 }
-                if (y_sh != nullptr) mix = __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r));
+                // the shared expert: gated (Qwen2-MoE), or ungated without a gate logit
+                // (DeepSeek, GLM-4.5), as moe.cu's add_shared
+                if (y_sh != nullptr) {
+                    mix = s_sh != nullptr ? __fadd_rn(mix, __fmul_rn(det_sigmoid(s_sh[0]), sh_r))
+                                          : __fadd_rn(mix, sh_r);
+                }
                 h[r] = __fadd_rn(h_r, mix);
             }
 #pragma unroll

@@ -207,3 +207,26 @@ MLA_ATTENTION(mla_attention_f32, float)
     }
 MLA_ATTENTION_SEQS(mla_attention_seqs_bf16, u16)
 MLA_ATTENTION_SEQS(mla_attention_seqs_f32, float)
+
+// The decode graph's forms (tarfa-cuda/src/decode.rs): one token at the position the
+// device-resident decode state holds (st[1]), so one captured graph serves every position.
+extern "C" __global__ void __launch_bounds__(64) mla_rope_append_dec(
+    float* q, const float* __restrict__ kva, int hq, int dn, int dr, int r, int interleave,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, const u32* __restrict__ st,
+    float* __restrict__ cache) {
+    const int pos = (int)st[1];
+    const long row = (long)pos * (dr / 2);
+    mla_rope_append_one(q, kva, 0, hq, dn, dr, r, interleave, cos_t + row, sin_t + row, pos, cache);
+}
+
+#define MLA_ATTENTION_DEC(NAME, W)                                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                       \
+        const float* __restrict__ q, const W* __restrict__ kv_b, int hq, int dn, int dr, int dv,  \
+        int r, const float* __restrict__ cache, const u32* __restrict__ st, float scale,          \
+        float* scratch, int n_stride, float* __restrict__ o) {                                    \
+        const int head = blockIdx.x;                                                              \
+        mla_attend_one<W>(q + (long)head * (dn + dr), kv_b, cache, (int)st[1] + 1, head, dn, dr,  \
+                          dv, r, scale, scratch + (long)head * n_stride, o + (long)head * dv);    \
+    }
+MLA_ATTENTION_DEC(mla_attention_dec_bf16, u16)
+MLA_ATTENTION_DEC(mla_attention_dec_f32, float)

@@ -90,6 +90,9 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "mla_attention_f32",
             "mla_attention_seqs_bf16",
             "mla_attention_seqs_f32",
+            "mla_rope_append_dec",
+            "mla_attention_dec_bf16",
+            "mla_attention_dec_f32",
         ],
     },
     KernelFile {

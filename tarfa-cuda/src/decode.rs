@@ -157,28 +157,40 @@ impl CudaModel {
     pub(super) fn decode_unsupported(&self) -> Option<String> {
         let cfg = &self.cfg;
         let (h, hq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
-        if cfg.mla.is_some() {
-            return Some("multi-head latent attention (the decode kernels run GQA)".into());
-        }
         if !h.is_multiple_of(8) {
             return Some(format!("hidden size {h} is not a multiple of 8"));
         }
-        if !(hq * d).is_multiple_of(8) {
-            return Some(format!("{hq} x {d} query values are not a multiple of 8"));
+        match &cfg.mla {
+            // multi-head latent attention: mla.cu's kernels, the position from the state
+            Some(m) => {
+                let s = super::ops::MlaShape {
+                    hq,
+                    dn: m.qk_nope_head_dim,
+                    dr: m.qk_rope_head_dim,
+                    dv: m.v_head_dim,
+                    r: m.kv_lora_rank,
+                    interleave: m.rope_interleave,
+                    pos0: 0,
+                    tokens: 1,
+                };
+                if let Some(why) = s.unsupported() {
+                    return Some(why);
+                }
+            }
+            None => {
+                if !(hq * d).is_multiple_of(8) {
+                    return Some(format!("{hq} x {d} query values are not a multiple of 8"));
+                }
+                if d > 256 || !d.is_multiple_of(2) {
+                    return Some(format!(
+                        "head dimension {d} (the decode attention takes even D <= 256)"
+                    ));
+                }
+            }
         }
-        if d > 256 || !d.is_multiple_of(2) {
-            return Some(format!(
-                "head dimension {d} (the decode attention takes even D <= 256)"
-            ));
-        }
-        // The decode kernels route by softmax top-k inside the experts' kernels, add a gated
-        // shared expert, and rotate whole heads; other families take the per-operation kernels.
-        if self.spec.router != tarfa_core::model::RouterRule::SoftmaxTopK {
-            return Some(
-                "group-limited routing (the decode kernels route by softmax top-k)".into(),
-            );
-        }
-        if cfg.rotary_dim != d {
+        // The decode attention rotates whole heads; partial rotary takes the per-operation
+        // kernels.
+        if cfg.mla.is_none() && cfg.rotary_dim != d {
             return Some(format!(
                 "partial rotary embedding ({} of {d} values per head)",
                 cfg.rotary_dim
@@ -227,9 +239,6 @@ impl CudaModel {
                         return Some(format!("{} experts", cfg.num_experts));
                     }
                     if let Some(sh) = shared {
-                        if sh.gate().is_none() {
-                            return Some("ungated shared experts".into());
-                        }
                         if !sh.mlp().gate.rows.is_multiple_of(8) {
                             return Some("shared expert width is not a multiple of 8".into());
                         }
@@ -257,6 +266,14 @@ impl CudaModel {
             .max(1);
         let lm_grid = self.lm_grid(kernels.early);
         let slices = d.div_ceil(32);
+        // MLA: q [Hq][dn+dr], the kv_a output and q_a's in the q|k|v buffer, o [Hq][dv]
+        let (qkv_len, o_len) = match &cfg.mla {
+            Some(m) => (
+                hq * m.qk_head_dim() + m.latent_width() + m.q_lora_rank.unwrap_or(0),
+                hq * m.v_head_dim,
+            ),
+            None => ((hq + 2 * hkv) * d, hq * d),
+        };
         Ok(DecBufs {
             cap,
             state: g.alloc(16, w)?,
@@ -266,8 +283,8 @@ impl CudaModel {
             part_i: g.alloc(lm_grid as usize * 4, w)?,
             h: g.alloc(h * F, w)?,
             xn: g.alloc(h * F, w)?,
-            qkv: g.alloc((hq + 2 * hkv) * d * F, w)?,
-            o: g.alloc(hq * d * F, w)?,
+            qkv: g.alloc(qkv_len * F, w)?,
+            o: g.alloc(o_len * F, w)?,
             router_logits: g.alloc(cfg.num_experts.max(1) * F, w)?,
             act: g.alloc(act * F, w)?,
             act_sh: g.alloc(cfg.shared_expert_width.unwrap_or(0).max(1) * F, w)?,
@@ -282,7 +299,10 @@ impl CudaModel {
             logits: g.alloc(cfg.vocab_size * F, "the decode step's logits")?,
             // a pair of rows per (query head, slice): attn_decode4's scores and probabilities when
             // they do not fit in shared memory
-            scores: g.alloc(hq * slices * 2 * cap * F, "the decode attention's scores")?,
+            scores: g.alloc(
+                hq * (slices * 2).max(1) * cap * F,
+                "the decode attention's scores",
+            )?,
             lm_grid,
         })
     }
@@ -1110,6 +1130,195 @@ impl PlanSteps<'_> {
         ));
     }
 
+    /// An RMSNorm of one segment of `n` values at `x` (row stride `stride`) in place, eps
+    /// `eps` (norm_rope.cu `rmsnorm`, one warp).
+    fn rmsnorm_in_place(
+        &mut self,
+        x: u64,
+        stride: usize,
+        w: u64,
+        n: usize,
+        eps: f32,
+        label: &'static str,
+    ) {
+        self.v.push(Launch {
+            name: "rmsnorm",
+            grid: (1, 1, 1),
+            block: (256, 1, 1),
+            shared: 0,
+            args: vec![
+                Arg::Ptr(x),
+                Arg::I64(stride as i64),
+                Arg::Ptr(x),
+                Arg::I64(stride as i64),
+                Arg::Ptr(w),
+                i32a(n),
+                i32a(1),
+                Arg::F32(eps),
+            ],
+            pdl: false,
+            label,
+            bytes: 0,
+        });
+    }
+
+    /// Multi-head latent attention of the decode token (steps.rs `OpSteps::mla`'s operations):
+    /// q (q_proj, or q_a + its norm + q_b) and kva = W_kva xn, each with the input norm in
+    /// front; the latent's norm; mla.cu's RoPE + latent append and attention at the state's
+    /// position; h = h + W_o o.
+    fn mla(&mut self, l: usize, layer: &DevLayer, a: &DevMla) -> Result<(), CudaError> {
+        let (model, b, cache, kernels) = (self.model, self.b, self.cache, self.kernels);
+        let cfg = &model.cfg;
+        let dims = cfg
+            .mla
+            .as_ref()
+            .ok_or_else(|| CudaError::Internal("MLA weights without MLA dimensions".into()))?;
+        let (h, hq) = (cfg.hidden_size, cfg.num_heads);
+        let (dn, dr, dv, r) = (
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+            dims.kv_lora_rank,
+        );
+        let (dq, w) = (dn + dr, r + dr);
+        let q = b.qkv.ptr();
+        let kva = q + (hq * dq * F) as u64;
+        let qa = kva + (w * F) as u64;
+        let early = kernels.early;
+        let label = "attention (MLA projections)";
+        match &a.q {
+            DevMlaQuery::Plain(wq) => {
+                let rows = wq.rows;
+                self.v.push(model.dmv(
+                    wq,
+                    b.h.ptr(),
+                    layer.input_norm.ptr(),
+                    [0; 3],
+                    (rows, rows),
+                    q,
+                    false,
+                    0,
+                    label,
+                    early,
+                ));
+            }
+            DevMlaQuery::LoRa { a: wa, norm, b: wb } => {
+                let rank = wa.rows;
+                self.v.push(model.dmv(
+                    wa,
+                    b.h.ptr(),
+                    layer.input_norm.ptr(),
+                    [0; 3],
+                    (rank, rank),
+                    qa,
+                    false,
+                    0,
+                    label,
+                    early,
+                ));
+                self.rmsnorm_in_place(
+                    qa,
+                    rank,
+                    norm.ptr(),
+                    rank,
+                    MLA_NORM_EPS,
+                    "attention (MLA norms)",
+                );
+                let rows = wb.rows;
+                self.v
+                    .push(model.dmv(wb, qa, 0, [0; 3], (rows, rows), q, false, 0, label, early));
+            }
+        }
+        self.v.push(model.dmv(
+            &a.kv_a,
+            b.h.ptr(),
+            layer.input_norm.ptr(),
+            [0; 3],
+            (w, w),
+            kva,
+            false,
+            0,
+            label,
+            early,
+        ));
+        self.rmsnorm_in_place(
+            kva,
+            w,
+            a.kv_a_norm.ptr(),
+            r,
+            MLA_NORM_EPS,
+            "attention (MLA norms)",
+        );
+        let (cos, sin) = cache.rope_ptrs();
+        let latent = cache.k[l].ptr();
+        self.v.push(Launch {
+            name: "mla_rope_append_dec",
+            grid: ((hq + 1) as u32, 1, 1),
+            block: (64, 1, 1),
+            shared: 0,
+            args: vec![
+                Arg::Ptr(q),
+                Arg::Ptr(kva),
+                i32a(hq),
+                i32a(dn),
+                i32a(dr),
+                i32a(r),
+                Arg::I32(i32::from(dims.rope_interleave)),
+                Arg::Ptr(cos),
+                Arg::Ptr(sin),
+                p(&b.state),
+                Arg::Ptr(latent),
+            ],
+            pdl: false,
+            label: "attention (MLA RoPE, latent append, softmax)",
+            bytes: 0,
+        });
+        let scale = cfg
+            .mla_softmax_scale()
+            .ok_or_else(|| CudaError::Internal("an MLA config without its softmax scale".into()))?;
+        self.v.push(Launch {
+            name: match a.kv_b.dtype {
+                DType::Bf16 => "mla_attention_dec_bf16",
+                DType::F32 => "mla_attention_dec_f32",
+            },
+            grid: (hq as u32, 1, 1),
+            block: (256, 1, 1),
+            shared: 0,
+            args: vec![
+                Arg::Ptr(q),
+                Arg::Ptr(a.kv_b.ptr()),
+                i32a(hq),
+                i32a(dn),
+                i32a(dr),
+                i32a(dv),
+                i32a(r),
+                Arg::Ptr(latent),
+                p(&b.state),
+                Arg::F32(scale),
+                p(&b.scores),
+                i32a(cache.cap),
+                p(&b.o),
+            ],
+            pdl: false,
+            label: "attention (MLA RoPE, latent append, softmax)",
+            bytes: a.kv_b.bytes(),
+        });
+        // h = h + W_o o
+        self.v.push(model.dmv(
+            &a.o,
+            b.o.ptr(),
+            0,
+            [0; 3],
+            (h, h),
+            b.h.ptr(),
+            true,
+            0,
+            "attention o_proj (+residual)",
+            early,
+        ));
+        Ok(())
+    }
+
     /// MoE layer `moe_index`'s router records (gate_up_route2's last six arguments): ids,
     /// probs, weights, by_id (k each), kth, next.
     fn records(&self, moe_index: usize) -> [Arg; 6] {
@@ -1142,11 +1351,9 @@ impl LayerSteps for PlanSteps<'_> {
         let scale = (1.0f64 / (d as f64).sqrt()) as f32;
         let slices = d.div_ceil(32);
         let qkv_rows = (hq + 2 * hkv) * d;
-        // decode_unsupported keeps multi-head latent attention off these kernels
-        let DevAttn::Gqa(a) = &layer.attn else {
-            return Err(CudaError::Internal(
-                "the decode kernels with multi-head latent attention".into(),
-            ));
+        let a = match &layer.attn {
+            DevAttn::Gqa(a) => a,
+            DevAttn::Mla(m) => return self.mla(l, layer, m),
         };
         let qkv = b.qkv.ptr();
         let k_raw = qkv + (hq * d * F) as u64;
@@ -1304,13 +1511,16 @@ impl LayerSteps for PlanSteps<'_> {
         &mut self,
         layer: &DevLayer,
         router: &DevMat,
-        _bias: Option<&DevBuf>,
-        _moe_index: usize,
+        bias: Option<&DevBuf>,
+        moe_index: usize,
     ) -> Result<(), CudaError> {
         let (model, b, kernels) = (self.model, self.b, self.kernels);
         let e_count = model.cfg.num_experts;
+        let grouped = model.grouped_route(bias)?;
+        let records = self.records(moe_index);
         let v = &mut self.v;
-        // the logits by a row kernel; the top-k in the experts' kernels
+        // the logits by a row kernel; the top-k in the experts' kernels (softmax top-k), or
+        // route_grouped's own launch writing the records the experts' kernels read
         v.push(model.dmv(
             router,
             b.h.ptr(),
@@ -1323,17 +1533,37 @@ impl LayerSteps for PlanSteps<'_> {
             "router (+post norm, top-k)",
             kernels.early,
         ));
+        if let Some(g) = grouped {
+            let k = model.cfg.top_k;
+            let mut args = vec![
+                p(&b.router_logits),
+                Arg::Ptr(g.bias.unwrap_or(0)),
+                i32a(e_count),
+                i32a(k),
+                i32a(g.n_group),
+                i32a(g.topk_group),
+                Arg::I32(i32::from(g.bias.is_some())),
+                Arg::I32(i32::from(g.renorm)),
+                Arg::F32(g.scale),
+            ];
+            args.extend(records.iter().cloned());
+            v.push(Launch {
+                name: "route_grouped",
+                grid: (1, 1, 1),
+                block: (256, 1, 1),
+                shared: ((2 * e_count + 2 * k + g.n_group) * F) as u32,
+                args,
+                pdl: false,
+                label: "router (+post norm, top-k)",
+                bytes: 0,
+            });
+        }
         Ok(())
     }
 
     fn shared_expert(&mut self, sh: &DevShared) -> Result<(u64, u64), CudaError> {
         let (model, b, kernels) = (self.model, self.b, self.kernels);
-        // decode_unsupported keeps ungated shared experts off these kernels
-        let (m, Some(sg)) = (sh.mlp(), sh.gate()) else {
-            return Err(CudaError::Internal(
-                "the decode kernels with ungated shared experts".into(),
-            ));
-        };
+        let m = sh.mlp();
         // from the router kernel's normalised vector; down into y_sh
         self.gated_mlp(
             m,
@@ -1342,6 +1572,10 @@ impl LayerSteps for PlanSteps<'_> {
             (b.y_sh.ptr(), false),
             ["shared expert", "shared expert"],
         );
+        // ungated shared experts: no gate logit (the mix adds y_sh as it is)
+        let Some(sg) = sh.gate() else {
+            return Ok((b.y_sh.ptr(), 0));
+        };
         let v = &mut self.v;
         v.push(model.dmv(
             sg,
@@ -1378,20 +1612,38 @@ impl LayerSteps for PlanSteps<'_> {
         let (e_count, k_top) = (cfg.num_experts, cfg.top_k);
         let rec = (moe_index * k_top * 4) as u64;
         let i = cfg.expert_width;
-        v.push(model.gate_up_route(
-            experts.gate.ptr(),
-            experts.up.ptr(),
-            i,
-            b.xn.ptr(),
-            b.act.ptr(),
-            b.router_logits.ptr(),
-            &records,
-        ));
+        // group-limited routers wrote the records in their own launch (router above): the
+        // experts' kernels read the ids from them instead of selecting from the logits
+        let grouped = model.spec.router != tarfa_core::model::RouterRule::SoftmaxTopK;
+        if grouped {
+            v.push(model.gate_up_dec(
+                DType::Bf16,
+                experts.gate.ptr(),
+                experts.up.ptr(),
+                i,
+                b.ids.ptr() + rec,
+                k_top,
+                b.xn.ptr(),
+                0,
+                b.act.ptr(),
+                "experts gate+up (+top-k, k experts, SwiGLU)",
+            ));
+        } else {
+            v.push(model.gate_up_route(
+                experts.gate.ptr(),
+                experts.up.ptr(),
+                i,
+                b.xn.ptr(),
+                b.act.ptr(),
+                b.router_logits.ptr(),
+                &records,
+            ));
+        }
         // top-8 over whole chunks: without guards, and with programmatic launch its
         // slots, residuals and first weights loaded before the wait (the router's
         // choice recomputed from its logits, as the kernel just before writes it)
         let name = if k_top == 8 && i.is_multiple_of(256) {
-            if kernels.early {
+            if kernels.early && !grouped {
                 "moe_down_route2f8e"
             } else {
                 "moe_down_dec2f8"

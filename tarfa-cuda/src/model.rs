@@ -118,6 +118,10 @@ enum DevMlaQuery {
     LoRa { a: DevMat, norm: DevBuf, b: DevMat },
 }
 
+/// `q_a_layernorm` and `kv_a_layernorm` use the class default eps 1e-6, not the config's
+/// `rms_norm_eps` (tarfa-cpu's `MLA_NORM_EPS`, transformers' DeepseekV2/V3 attention).
+const MLA_NORM_EPS: f32 = 1e-6;
+
 /// A layer's attention: grouped-query, or multi-head latent (DeepSeek-V2/V3).
 enum DevAttn {
     Gqa(DevAttention),

@@ -396,10 +396,6 @@ impl OpSteps<'_> {
     }
 }
 
-/// `q_a_layernorm` and `kv_a_layernorm` use the class default eps 1e-6, not the config's
-/// `rms_norm_eps` (tarfa-cpu's `MLA_NORM_EPS`, transformers' DeepseekV2/V3 attention).
-const MLA_NORM_EPS: f32 = 1e-6;
-
 impl LayerSteps for OpSteps<'_> {
     fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
         match &layer.attn {
