@@ -1008,13 +1008,17 @@ __device__ __forceinline__ void att3_score_iter(float (&kb)[ATT3_U][ATT3_K],
     }
 }
 
-template <int X, bool EXACT, bool EARLY = false>
+// PARTIAL (attn_decode4p, the bounds-checked body only): RoPE on the leading rd values of each
+// head (pairs e, e + rd/2; table rows of rd/2), the rest normalised and passed through
+// (norm_rope.cu's partial rotary).
+template <int X, bool EXACT, bool EARLY = false, bool PARTIAL = false>
 __device__ __forceinline__ void att3_body(
     float* sm, const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv,
     int d, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
     float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
-    float* __restrict__ o) {
+    float* __restrict__ o, int rd = 0) {
+    static_assert(!(PARTIAL && EXACT), "partial rotary takes the bounds-checked body");
     constexpr int NI = X / 32;  // layout A slots
     constexpr int T = X / 16;   // layout B threads per position
     constexpr int G = 32 / T;   // positions per warp-step
@@ -1102,7 +1106,7 @@ __device__ __forceinline__ void att3_body(
             rq = det_rsqrt(__fadd_rn(__fdiv_rn(ssq, (float)dd), eps));
             rk = det_rsqrt(__fadd_rn(__fdiv_rn(ssk, (float)dd), eps));
         }
-        const int half = dd / 2;
+        const int half = PARTIAL ? rd / 2 : dd / 2;
         const float* cr = cos_t + (long)pos * half;
         const float* sr = sin_t + (long)pos * half;
         float qa[NI], ka[NI];
@@ -1150,8 +1154,13 @@ __device__ __forceinline__ void att3_body(
             for (int i = 0; i < NI; i++) {
                 const int e = p + 32 * i;
                 const bool in = e < dd;
-                qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
-                ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+                if (PARTIAL && e >= rd) {  // past the rotated part: normalised, unrotated
+                    qa[i] = in ? att_normed(qg, q_norm, rq, e) : 0.0f;
+                    ka[i] = in ? att_normed(kg, k_norm, rk, e) : 0.0f;
+                } else {
+                    qa[i] = in ? att_rope(qg, q_norm, rq, cr, sr, half, e) : 0.0f;
+                    ka[i] = in ? att_rope(kg, k_norm, rk, cr, sr, half, e) : 0.0f;
+                }
             }
         }
         if (qh % group == 0 && slice == 0) {
@@ -1300,3 +1309,15 @@ ATT3_KERNEL(32)
 ATT3_KERNEL(64)
 ATT3_KERNEL(128)
 ATT3_KERNEL(256)
+// attn_decode4p_dX: partial rotary (GLM-4.5), RoPE on the leading rd values (att3_body's
+// PARTIAL), the bounds-checked body
+#define ATT3P_KERNEL(X)                                                                \
+    extern "C" __global__ void __launch_bounds__(ATT3_THREADS, 1) attn_decode4p_d##X(  \
+        ATT3_PARAMS, int rd) {                                                         \
+        TARFA_DYN_SMEM(float, sm);                                                     \
+        att3_body<X, false, false, true>(sm, ATT3_ARGS, rd);                           \
+    }
+ATT3P_KERNEL(32)
+ATT3P_KERNEL(64)
+ATT3P_KERNEL(128)
+ATT3P_KERNEL(256)

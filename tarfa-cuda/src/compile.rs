@@ -122,6 +122,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "attn_decode4_d64",
             "attn_decode4_d128",
             "attn_decode4_d256",
+            "attn_decode4p_d32",
+            "attn_decode4p_d64",
+            "attn_decode4p_d128",
+            "attn_decode4p_d256",
         ],
     },
     KernelFile {

@@ -129,6 +129,17 @@ pub(crate) fn attn_decode4_name(d: usize) -> &'static str {
     }
 }
 
+/// [`attn_decode4_name`]'s kernel for partial rotary (GLM-4.5: RoPE on the leading
+/// `rotary_dim` values of each head).
+pub(crate) fn attn_decode4p_name(d: usize) -> &'static str {
+    match d {
+        0..=32 => "attn_decode4p_d32",
+        33..=64 => "attn_decode4p_d64",
+        65..=128 => "attn_decode4p_d128",
+        _ => "attn_decode4p_d256",
+    }
+}
+
 /// Blocks (of 8 warps) of the stacked q|k|v launch over `rows` rows when the GPU holds
 /// `resident` such blocks at once: two rows per warp (each warp issues its second row's loads
 /// before its first row's tree), which measured faster than one pass of one row per warp
@@ -187,14 +198,6 @@ impl CudaModel {
                     ));
                 }
             }
-        }
-        // The decode attention rotates whole heads; partial rotary takes the per-operation
-        // kernels.
-        if cfg.mla.is_none() && cfg.rotary_dim != d {
-            return Some(format!(
-                "partial rotary embedding ({} of {d} values per head)",
-                cfg.rotary_dim
-            ));
         }
         for layer in &self.layers {
             match &layer.mlp {
@@ -1439,7 +1442,13 @@ impl LayerSteps for PlanSteps<'_> {
         };
         // the scores and probabilities (2 x cap floats) in shared memory when they fit,
         // else in the global scratch rows
-        let att_name = attn_decode4_name(d);
+        // partial rotary (GLM-4.5): the kernel that rotates the leading rotary_dim values
+        let partial = cfg.rotary_dim != d;
+        let att_name = if partial {
+            attn_decode4p_name(d)
+        } else {
+            attn_decode4_name(d)
+        };
         let (att_shared, att_scratch) = if 2 * cache.cap * F <= kernels.attn_shared_max {
             ((2 * cache.cap * F) as u32, 0)
         } else {
@@ -1470,7 +1479,10 @@ impl LayerSteps for PlanSteps<'_> {
                 Arg::Ptr(att_scratch),
                 i32a(cache.cap),
                 p(&b.o),
-            ],
+            ]
+            .into_iter()
+            .chain(partial.then(|| i32a(cfg.rotary_dim)))
+            .collect(),
             pdl: true,
             label: "attention (norm, RoPE, KV append, softmax)",
             bytes: 0,

@@ -1375,8 +1375,12 @@ pub(crate) fn launch_reference(
             }
             mem.put_f32s(h, &hv);
         }
-        "attn_decode4_d32" | "attn_decode4_d64" | "attn_decode4_d128" | "attn_decode4_d256" => {
-            a.count(19);
+        "attn_decode4_d32" | "attn_decode4_d64" | "attn_decode4_d128" | "attn_decode4_d256"
+        | "attn_decode4p_d32" | "attn_decode4p_d64" | "attn_decode4p_d128"
+        | "attn_decode4p_d256" => {
+            // attn_decode4p: partial rotary, the rotated width as a 20th argument
+            let partial = name.starts_with("attn_decode4p");
+            a.count(if partial { 20 } else { 19 });
             let (qr, kr, vr, hq, hkv, d) =
                 (a.ptr(0), a.ptr(1), a.ptr(2), a.int(3), a.int(4), a.int(5));
             let (qn, kn, eps, cos, sin, st) = (
@@ -1403,9 +1407,12 @@ pub(crate) fn launch_reference(
                 "{name} geometry"
             );
             assert!(
-                name == super::model::decode::attn_decode4_name(d),
+                name == super::model::decode::attn_decode4_name(d)
+                    || name == super::model::decode::attn_decode4p_name(d),
                 "{name}: head dimension {d}"
             );
+            let rd = if partial { a.int(19) } else { d };
+            assert!(rd <= d && rd % 2 == 0, "{name}: rotary width {rd}");
             assert!(d <= 256 && d % 2 == 0, "{name}: head dimension {d}");
             // scores and probabilities (2 x ns floats) in shared memory unless a scratch row
             // pair is given
@@ -1420,7 +1427,7 @@ pub(crate) fn launch_reference(
                 "{name}: position {pos}, capacity {cap}"
             );
             assert_eq!((qn == 0), (kn == 0), "{name}: q and k norms come together");
-            let half = d / 2;
+            let half = rd / 2;
             let c = mem.f32s(cos + (pos * half * 4) as u64, half);
             let s = mem.f32s(sin + (pos * half * 4) as u64, half);
             let prep = |mem: &mut Memory, addr: u64, nw: u64| -> Vec<f32> {
@@ -3047,12 +3054,9 @@ mod tests {
             let v = cfg.vocab_size;
             let prompts = vec![vec![1], (0..12).map(|i| (i * 13 % v) as u32).collect()];
             let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
-            // the decode attention rotates whole heads: these steps take the per-op kernels
-            let why = gpu
-                .decode_unsupported_reason()
-                .unwrap_or_default()
-                .to_string();
-            assert!(why.contains("partial rotary"), "{name}: {why}");
+            // the decode graph too (attn_decode4p: partial rotary), every mode the CPU's bits
+            drop(gpu);
+            modes_match_the_cpu_on(name, cfg.clone(), src.clone(), &modes_to_check());
             compare(name, cfg.clone(), src.clone(), prompts.clone(), 3);
             if name.contains("groups") {
                 let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
