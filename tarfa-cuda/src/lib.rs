@@ -286,7 +286,8 @@ pub struct HotOptions {
 /// implement softmax top-k routing, a sigmoid-gated shared expert, GQA with rotary embedding on
 /// the whole head and the default rotary tables; a family that needs anything else (GLM-4.5's
 /// partial rotary and group-limited sigmoid routing, DeepSeek's MLA, gpt-oss's sinks, sliding
-/// windows, biased router, expert biases, fused and MXFP4 experts, OLMoE's clip_qkv) is refused by
+/// windows, biased router, expert biases, fused and MXFP4 experts, OLMoE's clip_qkv, Llama 4's
+/// input-scaling router, pairwise rope, NoPE and chunked layers and L2 q/k norm) is refused by
 /// name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
 /// these families.
 pub fn unsupported_family(
@@ -300,6 +301,9 @@ pub fn unsupported_family(
         RouterRule::SigmoidGroupLimited => missing.push("group-limited sigmoid routing"),
         RouterRule::SoftmaxGroupLimited => missing.push("DeepSeek-V2's group-limited routing"),
         RouterRule::TopKThenSoftmax => missing.push("gpt-oss's biased top-k-then-softmax router"),
+        RouterRule::SigmoidScalesInput => {
+            missing.push("Llama 4's sigmoid router that scales the experts' input")
+        }
     }
     let x = &spec.extras;
     if x.attention_sinks {
@@ -328,6 +332,12 @@ pub fn unsupported_family(
     }
     if cfg.rotary_dim != cfg.head_dim {
         missing.push("partial rotary embedding");
+    }
+    if x.llama4_attention {
+        missing.push("Llama 4's pairwise rotary embedding, NoPE layers with attention temperature tuning and chunked attention");
+    }
+    if spec.qk_norm == tarfa_core::model::QkNorm::L2AfterRope {
+        missing.push("Llama 4's weightless q/k L2 norm");
     }
     if missing.is_empty() {
         return None;

@@ -212,11 +212,44 @@ impl RopeTable {
             hi[i] = b * cos[i] + a * sin[i];
         }
     }
+
+    /// Llama 4's complex form (`view_as_complex` of pairs times `cos + i sin`): for `i < D/2`,
+    /// the pair `(a, b) = (x_2i, x_2i+1)` becomes `(a cos_i - b sin_i, a sin_i + b cos_i)`, each
+    /// product rounded, then the sum (no fma); the pairs stay where they are.
+    pub fn apply_pairs(&self, pos: usize, x: &mut [f32]) {
+        let (cos, sin) = self.row(pos);
+        for (i, pair) in x.chunks_exact_mut(2).enumerate().take(self.half) {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos[i] - b * sin[i];
+            pair[1] = a * sin[i] + b * cos[i];
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The complex form is the rotate-half form on the de-interleaved vector, re-interleaved:
+    /// the same products and sums, bit for bit.
+    #[test]
+    fn the_pair_form_is_rotate_half_on_deinterleaved_pairs() {
+        let d = 16;
+        let mut t = RopeTable::new(500000.0, d).unwrap();
+        t.ensure(40).unwrap();
+        let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37 - 2.0).sin()).collect();
+        for pos in [0, 1, 17, 39] {
+            let mut pairs = x.clone();
+            t.apply_pairs(pos, &mut pairs);
+            let mut halves: Vec<f32> = (0..d / 2).map(|i| x[2 * i]).collect();
+            halves.extend((0..d / 2).map(|i| x[2 * i + 1]));
+            t.apply(pos, &mut halves);
+            for i in 0..d / 2 {
+                assert_eq!(pairs[2 * i].to_bits(), halves[i].to_bits());
+                assert_eq!(pairs[2 * i + 1].to_bits(), halves[d / 2 + i].to_bits());
+            }
+        }
+    }
 
     fn ulps(a: f32, b: f32) -> u32 {
         if a == b {
