@@ -1429,3 +1429,26 @@ fn bf16_ref(m: Bf16View<'_>) -> MatrixRef<'_> {
         data: m.data,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::attn_temperature;
+    use tarfa_core::config::AttnTemperature;
+
+    /// Llama 4's temperature by hand: exactly 1 while `(pos + 1) / floor_scale < 1`, then
+    /// `f32(ln(1 + f)) * f32(attn_scale) + 1` with `f` the floor.
+    #[test]
+    fn attention_temperature_is_one_below_floor_scale_then_grows_by_log1p() {
+        let t = AttnTemperature {
+            floor_scale: 8192.0,
+            attn_scale: 0.1,
+        };
+        assert_eq!(attn_temperature(&t, 0), 1.0);
+        assert_eq!(attn_temperature(&t, 8190), 1.0);
+        let ln2 = std::f64::consts::LN_2 as f32;
+        assert_eq!(attn_temperature(&t, 8191), ln2 * 0.1f32 + 1.0);
+        assert_eq!(attn_temperature(&t, 2 * 8192 - 2), ln2 * 0.1f32 + 1.0);
+        let ln3 = 3f64.ln() as f32;
+        assert_eq!(attn_temperature(&t, 2 * 8192 - 1), ln3 * 0.1f32 + 1.0);
+    }
+}
