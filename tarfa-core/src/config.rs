@@ -12,7 +12,7 @@ use crate::model::{
     family_by_model_type, ArchSpec, AttentionKind, DenseLayerRule, Family, Flag, MlpKind, QkNorm,
     RouterRule, SharedExpertRule, FAMILIES,
 };
-use crate::numerics::rope::{yarn_mscale, RopeError, RopeTable, Yarn};
+use crate::numerics::rope::{yarn_mscale, Llama3, RopeError, RopeTable, Yarn};
 
 /// A config.json that cannot be run.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -192,6 +192,8 @@ pub struct MoeConfig {
     pub mla: Option<MlaDims>,
     /// YaRN rotary scaling, when the config asks for it.
     pub yarn: Option<Yarn>,
+    /// Llama 3.1's rotary scaling (`rope_type: llama3`), read for Llama 4 only.
+    pub llama3_rope: Option<Llama3>,
     /// Per layer, the sliding window: a token attends to the last `w` positions (itself
     /// included), or to every earlier position when None (gpt-oss's `layer_types`, Mixtral's
     /// `sliding_window`).
@@ -583,12 +585,19 @@ impl MoeConfig {
                 })
             }
         };
+        let mut llama3_rope = None;
         let yarn = match (nested_scaling, top_scaling) {
             (Some(_), Some((rs, _, _))) => return Err(ConfigError::Unsupported {
                 key: "rope_scaling",
                 value: Value::Object(rs.clone()).to_string(),
                 why: "rope_parameters already asks for rotary scaling; two requests are ambiguous",
             }),
+            (Some((block, t, nested)), None) | (None, Some((block, t, nested)))
+                if t == "llama3" && family.extras.llama4_attention =>
+            {
+                llama3_rope = Some(llama3_block(block, nested)?);
+                None
+            }
             (Some((block, t, nested)), None) | (None, Some((block, t, nested))) => {
                 if t != "yarn" {
                     return Err(ConfigError::Unsupported {
@@ -598,7 +607,7 @@ impl MoeConfig {
                             "rope_scaling"
                         },
                         value: Value::String(t.to_string()).to_string(),
-                        why: "the default rotary embedding and YaRN are implemented",
+                        why: "the default rotary embedding and YaRN are implemented (and llama3 for Llama 4)",
                     });
                 }
                 Some(yarn_block(block, nested)?)
@@ -742,6 +751,7 @@ impl MoeConfig {
             nextn_predict_layers,
             mla,
             yarn,
+            llama3_rope,
             layer_windows,
             expert_dtype,
             clip_qkv,
@@ -767,7 +777,10 @@ impl MoeConfig {
 
     /// A sequence's RoPE table: `rope_theta`, the rotary width, and YaRN when asked for.
     pub fn rope_table(&self) -> Result<RopeTable, RopeError> {
-        RopeTable::with_scaling(self.rope_theta, self.rotary_dim, self.yarn.as_ref())
+        match &self.llama3_rope {
+            Some(l3) => RopeTable::with_llama3(self.rope_theta, self.rotary_dim, l3),
+            None => RopeTable::with_scaling(self.rope_theta, self.rotary_dim, self.yarn.as_ref()),
+        }
     }
 
     /// Multi-head latent attention's softmax scale, `f32(s)` of transformers' f64
@@ -1330,6 +1343,71 @@ fn yarn_block(block: &Map<String, Value>, nested: bool) -> Result<Yarn, ConfigEr
         mscale_all_dim: num("mscale_all_dim")?,
         attention_factor: positive("attention_factor")?,
         truncate,
+    })
+}
+
+/// A `rope_type: llama3` block (rope_parameters when `nested`, else a top-level rope_scaling),
+/// as transformers 5.17's `_compute_llama3_parameters` reads it: `factor`, `low_freq_factor`,
+/// `high_freq_factor` and `original_max_position_embeddings` required and positive; any other
+/// key refused by name.
+fn llama3_block(block: &Map<String, Value>, nested: bool) -> Result<Llama3, ConfigError> {
+    const KEYS: &[&str] = &[
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ];
+    let at = if nested {
+        "rope_parameters"
+    } else {
+        "rope_scaling"
+    };
+    if let Some(k) = block.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(ConfigError::Unsupported {
+            key: at,
+            value: Value::String(k.clone()).to_string(),
+            why: "a llama3 rope key this build does not implement",
+        });
+    }
+    let name = |k: &'static str| -> &'static str {
+        match (nested, k) {
+            (true, "factor") => "rope_parameters.factor",
+            (true, "low_freq_factor") => "rope_parameters.low_freq_factor",
+            (true, "high_freq_factor") => "rope_parameters.high_freq_factor",
+            (true, _) => "rope_parameters.original_max_position_embeddings",
+            (false, "factor") => "rope_scaling.factor",
+            (false, "low_freq_factor") => "rope_scaling.low_freq_factor",
+            (false, "high_freq_factor") => "rope_scaling.high_freq_factor",
+            (false, _) => "rope_scaling.original_max_position_embeddings",
+        }
+    };
+    let rr = Reader { obj: block };
+    let positive = |k: &'static str| -> Result<f64, ConfigError> {
+        let x = rr
+            .f64_opt(k)
+            .map_err(|_| ConfigError::WrongType {
+                key: name(k),
+                expected: "a number",
+                found: json_text(block.get(k)),
+            })?
+            .ok_or(ConfigError::Missing { key: name(k) })?;
+        if !(x.is_finite() && x > 0.0 && (x as f32).is_finite() && (x as f32) > 0.0) {
+            return Err(ConfigError::OutOfRange {
+                key: name(k),
+                value: json_text(block.get(k)),
+                why: "must be finite and positive (also as an f32)",
+            });
+        }
+        Ok(x)
+    };
+    Ok(Llama3 {
+        factor: positive("factor")?,
+        low_freq_factor: positive("low_freq_factor")?,
+        high_freq_factor: positive("high_freq_factor")?,
+        original_max_position_embeddings: positive("original_max_position_embeddings")?,
     })
 }
 
@@ -2353,18 +2431,25 @@ mod tests {
             | Err(ConfigError::Missing { key }) => key,
             other => panic!("{other:?}"),
         };
-        // Scout's rope_scaling (llama3 type) is not implemented yet
+        // Scout's rope scaling (llama3) is read, for Llama 4 only; its four keys are required
         let mut scout = llama4();
         scout["rope_parameters"] = serde_json::json!({"rope_theta": 500000.0,
             "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192});
-        assert_eq!(key(scout), "rope_parameters.rope_type");
+        let l3 = parse(&scout).unwrap().llama3_rope.unwrap();
+        assert_eq!((l3.factor, l3.original_max_position_embeddings), (16.0, 8192.0));
+        let mut extra = scout.clone();
+        extra["rope_parameters"]["beta_fast"] = 32.into();
+        assert_eq!(key(extra), "rope_parameters");
         let legacy = with(
             llama4(),
             "rope_scaling",
             serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
         );
-        assert_eq!(key(legacy), "rope_scaling");
+        assert_eq!(key(legacy), "rope_scaling.low_freq_factor");
+        let mut qwen = base();
+        qwen["rope_parameters"] = scout["rope_parameters"].clone();
+        assert_eq!(key(qwen), "rope_parameters.rope_type");
         assert_eq!(
             key(with(llama4(), "sliding_window", 8.into())),
             "sliding_window"

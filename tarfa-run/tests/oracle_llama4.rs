@@ -217,3 +217,26 @@ fn llama4_a_dense_layer_is_the_shared_expert_alone() {
     let own = prefill_bits_with(&f, &dir, f.source.clone(), |_| {});
     assert!(own != z, "layer 3's routed experts matter");
 }
+
+/// Llama 3.1's rope scaling (Scout's and Maverick's configs) by hand: with `factor` 1 and
+/// `low_freq_factor == high_freq_factor` (no medium band, Scout's form) every frequency is kept
+/// or divided by 1, so the logits are the unscaled ones bit for bit; with factor 8 the low
+/// frequencies change and so do the logits (positions past 0: position 0 does not rotate).
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn llama4_llama3_rope_scaling_of_factor_one_changes_nothing() {
+    let dir = shared("llama4-a");
+    let f = load_fixture_from(&dir, "llama4-a");
+    let src = || f.source.clone();
+    let l3 = |factor: f64| {
+        move |v: &mut serde_json::Value| {
+            v["rope_parameters"] = serde_json::json!({"rope_type": "llama3",
+                "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0, "original_max_position_embeddings": 64});
+        }
+    };
+    let own = prefill_bits_with(&f, &dir, src(), |_| {});
+    assert!(prefill_bits_with(&f, &dir, src(), l3(1.0)) == own);
+    let scaled = prefill_bits_with(&f, &dir, src(), l3(8.0));
+    assert!(scaled[3][0] == own[3][0] && scaled[3][99] != own[3][99]);
+}
