@@ -150,7 +150,10 @@ impl Llama3 {
             .map(|f| {
                 let w = (1.0f32 / f) * two_pi;
                 let g = if w > lo { f / factor } else { f };
-                if !(w < hi) && !(w > lo) {
+                // transformers' `~(w < hi) * ~(w > lo)`, written as such (a NaN is medium)
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                let medium = !(w < hi) && !(w > lo);
+                if medium {
                     let s = ((1.0f32 / w) * orig as f32 - self.low_freq_factor as f32) / span;
                     ((1.0f32 - s) * g) / factor + s * g
                 } else {
