@@ -269,7 +269,8 @@ class Model:
         top-k (``norm_topk_prob``); sigmoid routers (DeepSeek-V3, GLM-4.5) their sigmoid
         scores, renormalised when configured, times ``routed_scaling_factor``; DeepSeek-V2
         their probabilities times ``routed_scaling_factor``; gpt-oss the softmax over the
-        forced experts' logits. So forcing the router's own choice changes no bit, and
+        forced experts' logits; Llama 4 each forced expert's ``sigmoid(logit)``, which scales
+        that expert's input. So forcing the router's own choice changes no bit, and
         ``router_topk``/``router_weights``/``router_topk_probs`` show the forced route
         (``router_logits`` and ``router_probs`` stay the router's own). A layer cannot be both
         forced and ablated.

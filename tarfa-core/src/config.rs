@@ -12,7 +12,7 @@ use crate::model::{
     family_by_model_type, ArchSpec, AttentionKind, DenseLayerRule, Family, Flag, MlpKind, QkNorm,
     RouterRule, SharedExpertRule, FAMILIES,
 };
-use crate::numerics::rope::{yarn_mscale, RopeError, RopeTable, Yarn};
+use crate::numerics::rope::{yarn_mscale, Llama3, RopeError, RopeTable, Yarn};
 
 /// A config.json that cannot be run.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -192,6 +192,8 @@ pub struct MoeConfig {
     pub mla: Option<MlaDims>,
     /// YaRN rotary scaling, when the config asks for it.
     pub yarn: Option<Yarn>,
+    /// Llama 3.1's rotary scaling (`rope_type: llama3`), read for Llama 4 only.
+    pub llama3_rope: Option<Llama3>,
     /// Per layer, the sliding window: a token attends to the last `w` positions (itself
     /// included), or to every earlier position when None (gpt-oss's `layer_types`, Mixtral's
     /// `sliding_window`).
@@ -200,6 +202,30 @@ pub struct MoeConfig {
     pub expert_dtype: ExpertDtype,
     /// OLMoE's `clip_qkv`: q, k and v clamped to `[-c, c]` after their projections.
     pub clip_qkv: Option<f64>,
+    /// Llama 4's MoE layers, ascending: `moe_layers`, or every `interleave_moe_layer_step`-th
+    /// layer (`step - 1, 2 step - 1, ...`) when it is absent. Empty for other families.
+    pub moe_layers: Vec<usize>,
+    /// Per layer, whether the rotary embedding is applied: false for Llama 4's NoPE layers
+    /// (`no_rope_layers[l] == 0`), true everywhere else.
+    pub layer_rope: Vec<bool>,
+    /// Per layer, Llama 4's chunked attention: a token at `pos` attends to the positions
+    /// `C * (pos / C) ..= pos` of its chunk (`layer_types` `chunked_attention`,
+    /// `attention_chunk_size` C), or None.
+    pub layer_chunks: Vec<Option<usize>>,
+    /// Llama 4's attention temperature tuning of the NoPE layers' queries
+    /// (`attn_temperature_tuning`), or None when off or for other families.
+    pub attn_temperature: Option<AttnTemperature>,
+}
+
+/// Llama 4's attention temperature tuning: on a NoPE layer, the query at position `pos` is
+/// multiplied by `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1` (docs/EXACTNESS.md,
+/// "Llama 4", gives the f32 operations).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnTemperature {
+    /// `floor_scale` as written (the forward divides by `f32(floor_scale)`).
+    pub floor_scale: f64,
+    /// `attn_scale` as written (the forward multiplies by `f32(attn_scale)`).
+    pub attn_scale: f64,
 }
 
 /// Typed access to one config object; every getter names its key in errors.
@@ -420,6 +446,8 @@ impl MoeConfig {
             Some(SharedExpertRule::SigmoidGated { width_key }) => Some(r.positive(width_key)?),
             // n_shared_experts experts of the routed width, fused into one MLP as transformers
             // builds it.
+            // Llama 4: one shared expert of the routed width
+            Some(SharedExpertRule::UngatedExpertWidth) => Some(expert_width),
             Some(SharedExpertRule::Ungated { count_key }) => {
                 let n = r.positive(count_key)?;
                 Some(n.checked_mul(expert_width).ok_or(ConfigError::OutOfRange {
@@ -442,10 +470,18 @@ impl MoeConfig {
                 }
                 k
             }
-            DenseLayerRule::None | DenseLayerRule::QwenSparseStep => 0,
+            DenseLayerRule::None | DenseLayerRule::QwenSparseStep | DenseLayerRule::MoeLayers => 0,
+        };
+        let moe_layers = match family.dense_layers {
+            DenseLayerRule::MoeLayers => moe_layers(&r, num_layers)?,
+            DenseLayerRule::None | DenseLayerRule::QwenSparseStep | DenseLayerRule::FirstKDense => {
+                Vec::new()
+            }
         };
         let group_routing = match family.router {
-            RouterRule::SoftmaxTopK | RouterRule::TopKThenSoftmax => None,
+            RouterRule::SoftmaxTopK
+            | RouterRule::TopKThenSoftmax
+            | RouterRule::SigmoidScalesInput => None,
             RouterRule::SigmoidGroupLimited => Some(group_routing(&r, num_experts, top_k)?),
             RouterRule::SoftmaxGroupLimited => Some(softmax_group_routing(&r, num_experts, top_k)?),
         };
@@ -549,12 +585,19 @@ impl MoeConfig {
                 })
             }
         };
+        let mut llama3_rope = None;
         let yarn = match (nested_scaling, top_scaling) {
             (Some(_), Some((rs, _, _))) => return Err(ConfigError::Unsupported {
                 key: "rope_scaling",
                 value: Value::Object(rs.clone()).to_string(),
                 why: "rope_parameters already asks for rotary scaling; two requests are ambiguous",
             }),
+            (Some((block, t, nested)), None) | (None, Some((block, t, nested)))
+                if t == "llama3" && family.extras.llama4_attention =>
+            {
+                llama3_rope = Some(llama3_block(block, nested)?);
+                None
+            }
             (Some((block, t, nested)), None) | (None, Some((block, t, nested))) => {
                 if t != "yarn" {
                     return Err(ConfigError::Unsupported {
@@ -564,7 +607,7 @@ impl MoeConfig {
                             "rope_scaling"
                         },
                         value: Value::String(t.to_string()).to_string(),
-                        why: "the default rotary embedding and YaRN are implemented",
+                        why: "the default rotary embedding and YaRN are implemented (and llama3 for Llama 4)",
                     });
                 }
                 Some(yarn_block(block, nested)?)
@@ -602,6 +645,11 @@ impl MoeConfig {
             }
         }
         let layer_windows = layer_windows(&r, family, num_layers)?;
+        let (layer_rope, layer_chunks, attn_temperature) = if family.extras.llama4_attention {
+            llama4_attention(&r, num_layers)?
+        } else {
+            (vec![true; num_layers], vec![None; num_layers], None)
+        };
         let clip_qkv = match r.get("clip_qkv") {
             None => None,
             // OlmoeAttention clamps q, k and v; no other family reads the key.
@@ -703,15 +751,20 @@ impl MoeConfig {
             nextn_predict_layers,
             mla,
             yarn,
+            llama3_rope,
             layer_windows,
             expert_dtype,
             clip_qkv,
+            moe_layers,
+            layer_rope,
+            layer_chunks,
+            attn_temperature,
         };
         // A family with dense layers needs their width whenever one is dense.
         let spec = ArchSpec::new(&cfg);
         if spec.layers.contains(&MlpKind::Dense) && cfg.dense_width.is_none() {
             return Err(ConfigError::Missing {
-                key: "intermediate_size",
+                key: family.dense_width_key.unwrap_or("intermediate_size"),
             });
         }
         Ok(cfg)
@@ -724,7 +777,10 @@ impl MoeConfig {
 
     /// A sequence's RoPE table: `rope_theta`, the rotary width, and YaRN when asked for.
     pub fn rope_table(&self) -> Result<RopeTable, RopeError> {
-        RopeTable::with_scaling(self.rope_theta, self.rotary_dim, self.yarn.as_ref())
+        match &self.llama3_rope {
+            Some(l3) => RopeTable::with_llama3(self.rope_theta, self.rotary_dim, l3),
+            None => RopeTable::with_scaling(self.rope_theta, self.rotary_dim, self.yarn.as_ref()),
+        }
     }
 
     /// Multi-head latent attention's softmax scale, `f32(s)` of transformers' f64
@@ -778,6 +834,18 @@ fn layer_windows(
             }),
         }
     };
+    if family.extras.llama4_attention {
+        // Llama 4's layer_types name chunked layers (read by `llama4_attention`); a sliding
+        // window is no key of Llama4TextConfig, yet transformers' cache would read one.
+        if let Some(v) = r.get("sliding_window") {
+            return Err(ConfigError::Unsupported {
+                key: "sliding_window",
+                value: v.to_string(),
+                why: "Llama 4 attends in chunks (attention_chunk_size), not in a sliding window",
+            });
+        }
+        return Ok(vec![None; num_layers]);
+    }
     if family.extras.layer_types {
         let types: Vec<bool> = match r.get("layer_types") {
             None => (0..num_layers).map(|l| l % 2 == 0).collect(),
@@ -858,6 +926,195 @@ fn layer_windows(
         });
     }
     Ok(vec![None; num_layers])
+}
+
+/// A list of layer indices under `key`, or None when absent (or null).
+fn layer_list(
+    r: &Reader<'_>,
+    key: &'static str,
+    num_layers: usize,
+) -> Result<Option<Vec<usize>>, ConfigError> {
+    let Some(v) = r.get(key) else {
+        return Ok(None);
+    };
+    let wrong = |found: &Value| ConfigError::WrongType {
+        key,
+        expected: "a list of layer indices",
+        found: type_name(found),
+    };
+    let items = v.as_array().ok_or_else(|| wrong(v))?;
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        let l = item
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| wrong(item))?;
+        if l >= num_layers {
+            return Err(ConfigError::OutOfRange {
+                key,
+                value: l.to_string(),
+                why: "names a layer past num_hidden_layers",
+            });
+        }
+        out.push(l);
+    }
+    Ok(Some(out))
+}
+
+/// Llama 4's MoE layers (Llama4TextConfig): `moe_layers` as written, else
+/// `range(interleave_moe_layer_step - 1, num_hidden_layers, interleave_moe_layer_step)`.
+fn moe_layers(r: &Reader<'_>, num_layers: usize) -> Result<Vec<usize>, ConfigError> {
+    let step = r.usize_opt("interleave_moe_layer_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(ConfigError::OutOfRange {
+            key: "interleave_moe_layer_step",
+            value: "0".into(),
+            why: "must be at least 1",
+        });
+    }
+    let mut layers = match layer_list(r, "moe_layers", num_layers)? {
+        Some(l) => l,
+        None => (step - 1..num_layers).step_by(step).collect(),
+    };
+    layers.sort_unstable();
+    layers.dedup();
+    Ok(layers)
+}
+
+/// The per-layer parts of Llama 4's attention, as Llama4TextConfig resolves them:
+/// - `no_rope_layers` (1: the layer rotates, 0: a NoPE layer), at least one entry per layer;
+///   absent or empty, `int((l + 1) % no_rope_layer_interval != 0)` (default interval 4);
+/// - `layer_types` (`chunked_attention` / `full_attention`, one per layer); absent, a rotating
+///   layer is chunked and a NoPE layer full;
+/// - `attention_chunk_size` (default 8192) for the chunked layers; written null, refused when
+///   a layer is chunked (transformers' chunked mask needs it);
+/// - `attn_temperature_tuning` (default true), `floor_scale` (8192), `attn_scale` (0.1).
+#[allow(clippy::type_complexity)]
+fn llama4_attention(
+    r: &Reader<'_>,
+    num_layers: usize,
+) -> Result<(Vec<bool>, Vec<Option<usize>>, Option<AttnTemperature>), ConfigError> {
+    let rope: Vec<bool> = match r.get("no_rope_layers") {
+        Some(Value::Array(items)) if !items.is_empty() => {
+            if items.len() < num_layers {
+                return Err(ConfigError::OutOfRange {
+                    key: "no_rope_layers",
+                    value: format!("{} entries", items.len()),
+                    why: "must hold an entry for every layer (num_hidden_layers)",
+                });
+            }
+            items[..num_layers]
+                .iter()
+                .map(|v| match v.as_u64() {
+                    Some(1) => Ok(true),
+                    Some(0) => Ok(false),
+                    _ => Err(ConfigError::OutOfRange {
+                        key: "no_rope_layers",
+                        value: v.to_string(),
+                        why: "each entry is 1 (the layer uses rope) or 0 (a NoPE layer)",
+                    }),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Some(Value::Array(_)) | None => {
+            let interval = r.usize_opt("no_rope_layer_interval")?.unwrap_or(4);
+            if interval == 0 {
+                return Err(ConfigError::OutOfRange {
+                    key: "no_rope_layer_interval",
+                    value: "0".into(),
+                    why: "must be at least 1",
+                });
+            }
+            (0..num_layers)
+                .map(|l| !(l + 1).is_multiple_of(interval))
+                .collect()
+        }
+        Some(v) => {
+            return Err(ConfigError::WrongType {
+                key: "no_rope_layers",
+                expected: "a list of 0 and 1",
+                found: type_name(v),
+            })
+        }
+    };
+    let chunked: Vec<bool> = match r.get("layer_types") {
+        None => rope.clone(),
+        Some(Value::Array(items)) => {
+            if items.len() != num_layers {
+                return Err(ConfigError::OutOfRange {
+                    key: "layer_types",
+                    value: format!("{} entries", items.len()),
+                    why: "must name one type per layer (num_hidden_layers)",
+                });
+            }
+            items
+                .iter()
+                .map(|v| match v.as_str() {
+                    Some("chunked_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(ConfigError::Unsupported {
+                        key: "layer_types",
+                        value: v.to_string(),
+                        why: "Llama 4's layers are chunked_attention or full_attention",
+                    }),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Some(v) => {
+            return Err(ConfigError::WrongType {
+                key: "layer_types",
+                expected: "a list of layer types",
+                found: type_name(v),
+            })
+        }
+    };
+    let chunk = if chunked.contains(&true) {
+        if r.obj.get("attention_chunk_size") == Some(&Value::Null) {
+            return Err(ConfigError::Missing {
+                key: "attention_chunk_size",
+            });
+        }
+        let c = r.usize_opt("attention_chunk_size")?.unwrap_or(8192);
+        if c == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "attention_chunk_size",
+                value: "0".into(),
+                why: "must be at least 1",
+            });
+        }
+        Some(c)
+    } else {
+        None
+    };
+    let chunks = chunked
+        .iter()
+        .map(|&c| if c { chunk } else { None })
+        .collect();
+    let temperature = if r.bool_opt("attn_temperature_tuning")?.unwrap_or(true) {
+        let floor_scale = r.f64_opt("floor_scale")?.unwrap_or(8192.0);
+        if !(floor_scale.is_finite() && floor_scale > 0.0 && (floor_scale as f32) > 0.0) {
+            return Err(ConfigError::OutOfRange {
+                key: "floor_scale",
+                value: json_text(r.get("floor_scale")),
+                why: "must be finite and positive (also as an f32)",
+            });
+        }
+        let attn_scale = r.f64_opt("attn_scale")?.unwrap_or(0.1);
+        if !(attn_scale.is_finite() && (attn_scale as f32).is_finite()) {
+            return Err(ConfigError::OutOfRange {
+                key: "attn_scale",
+                value: json_text(r.get("attn_scale")),
+                why: "must be finite (also as an f32)",
+            });
+        }
+        Some(AttnTemperature {
+            floor_scale,
+            attn_scale,
+        })
+    } else {
+        None
+    };
+    Ok((rope, chunks, temperature))
 }
 
 /// The experts' storage: BF16, or MXFP4 under `quantization_config.quant_method = "mxfp4"` for
@@ -1092,6 +1349,71 @@ fn yarn_block(block: &Map<String, Value>, nested: bool) -> Result<Yarn, ConfigEr
     })
 }
 
+/// A `rope_type: llama3` block (rope_parameters when `nested`, else a top-level rope_scaling),
+/// as transformers 5.17's `_compute_llama3_parameters` reads it: `factor`, `low_freq_factor`,
+/// `high_freq_factor` and `original_max_position_embeddings` required and positive; any other
+/// key refused by name.
+fn llama3_block(block: &Map<String, Value>, nested: bool) -> Result<Llama3, ConfigError> {
+    const KEYS: &[&str] = &[
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ];
+    let at = if nested {
+        "rope_parameters"
+    } else {
+        "rope_scaling"
+    };
+    if let Some(k) = block.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(ConfigError::Unsupported {
+            key: at,
+            value: Value::String(k.clone()).to_string(),
+            why: "a llama3 rope key this build does not implement",
+        });
+    }
+    let name = |k: &'static str| -> &'static str {
+        match (nested, k) {
+            (true, "factor") => "rope_parameters.factor",
+            (true, "low_freq_factor") => "rope_parameters.low_freq_factor",
+            (true, "high_freq_factor") => "rope_parameters.high_freq_factor",
+            (true, _) => "rope_parameters.original_max_position_embeddings",
+            (false, "factor") => "rope_scaling.factor",
+            (false, "low_freq_factor") => "rope_scaling.low_freq_factor",
+            (false, "high_freq_factor") => "rope_scaling.high_freq_factor",
+            (false, _) => "rope_scaling.original_max_position_embeddings",
+        }
+    };
+    let rr = Reader { obj: block };
+    let positive = |k: &'static str| -> Result<f64, ConfigError> {
+        let x = rr
+            .f64_opt(k)
+            .map_err(|_| ConfigError::WrongType {
+                key: name(k),
+                expected: "a number",
+                found: json_text(block.get(k)),
+            })?
+            .ok_or(ConfigError::Missing { key: name(k) })?;
+        if !(x.is_finite() && x > 0.0 && (x as f32).is_finite() && (x as f32) > 0.0) {
+            return Err(ConfigError::OutOfRange {
+                key: name(k),
+                value: json_text(block.get(k)),
+                why: "must be finite and positive (also as an f32)",
+            });
+        }
+        Ok(x)
+    };
+    Ok(Llama3 {
+        factor: positive("factor")?,
+        low_freq_factor: positive("low_freq_factor")?,
+        high_freq_factor: positive("high_freq_factor")?,
+        original_max_position_embeddings: positive("original_max_position_embeddings")?,
+    })
+}
+
 /// Multi-head latent attention's dimensions, each checked.
 fn mla_dims(r: &Reader<'_>, family: &Family) -> Result<MlaDims, ConfigError> {
     let q_lora_rank = match r.usize_opt("q_lora_rank")? {
@@ -1315,6 +1637,7 @@ impl ArchSpec {
                     cfg.decoder_sparse_step,
                     &cfg.mlp_only_layers,
                     cfg.first_k_dense_replace,
+                    &cfg.moe_layers,
                 )
             })
             .collect();
@@ -1335,7 +1658,7 @@ impl ArchSpec {
             ),
             shared_experts_ungated: matches!(
                 family.shared_expert,
-                Some(SharedExpertRule::Ungated { .. })
+                Some(SharedExpertRule::Ungated { .. } | SharedExpertRule::UngatedExpertWidth)
             ),
             router: family.router,
             attention: family.attention,
@@ -2001,6 +2324,235 @@ mod tests {
             )),
             "quantization_config.quant_method"
         );
+    }
+
+    fn llama4() -> Value {
+        // the shared oracle's llama4-a config
+        serde_json::from_str(
+            r#"{"architectures": ["Llama4ForCausalLM"], "attention_bias": false,
+                "attention_chunk_size": 16, "attention_dropout": 0.0, "attn_scale": 0.1,
+                "attn_temperature_tuning": true, "bos_token_id": 1, "dtype": "bfloat16",
+                "eos_token_id": 2, "floor_scale": 8192, "head_dim": 32, "hidden_act": "silu",
+                "hidden_size": 128, "initializer_range": 0.06, "interleave_moe_layer_step": 1,
+                "intermediate_size": 64, "intermediate_size_mlp": 256,
+                "layer_types": ["chunked_attention", "chunked_attention", "chunked_attention",
+                "full_attention"], "max_position_embeddings": 512, "model_type": "llama4_text",
+                "moe_layers": [0, 1, 2, 3], "no_rope_layer_interval": 4,
+                "no_rope_layers": [1, 1, 1, 0], "num_attention_heads": 4,
+                "num_experts_per_tok": 1, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                "num_local_experts": 8, "output_router_logits": false, "pad_token_id": null,
+                "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 500000.0,
+                "rope_type": "default"}, "router_aux_loss_coef": 0.001,
+                "router_jitter_noise": 0.0, "tie_word_embeddings": false, "use_cache": true,
+                "use_qk_norm": true, "vocab_size": 512}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn llama4_resolves_its_layers_as_llama4_text_config_does() {
+        let c = parse(&llama4()).unwrap();
+        assert_eq!(c.layer_rope, vec![true, true, true, false]);
+        assert_eq!(c.layer_chunks, vec![Some(16), Some(16), Some(16), None]);
+        assert_eq!(
+            c.attn_temperature,
+            Some(AttnTemperature {
+                floor_scale: 8192.0,
+                attn_scale: 0.1
+            })
+        );
+        assert_eq!(c.shared_expert_width, Some(64));
+        let spec = ArchSpec::new(&c);
+        assert_eq!(spec.layers, vec![MlpKind::Moe; 4]);
+        assert_eq!(spec.qk_norm, QkNorm::L2AfterRope);
+        assert!(spec.shared_experts_ungated && !spec.shared_expert);
+        assert_eq!(spec.router, RouterRule::SigmoidScalesInput);
+        // the defaults: no_rope_layers every 4th layer NoPE, layer_types from it, chunk 8192
+        let mut v = llama4();
+        for k in [
+            "no_rope_layers",
+            "layer_types",
+            "attention_chunk_size",
+            "moe_layers",
+        ] {
+            v = without(v, k);
+        }
+        let d = parse(&with(v.clone(), "num_hidden_layers", 8.into())).unwrap();
+        assert_eq!(
+            d.layer_rope,
+            vec![true, true, true, false, true, true, true, false]
+        );
+        assert_eq!(d.layer_chunks[0], Some(8192));
+        assert_eq!(d.layer_chunks[3], None);
+        // interleave_moe_layer_step 2 without moe_layers: layers 1, 3 MoE, 0, 2 dense MLPs of
+        // intermediate_size_mlp; written moe_layers win
+        let s2 = parse(&with(v.clone(), "interleave_moe_layer_step", 2.into())).unwrap();
+        assert_eq!(s2.moe_layers, vec![1, 3]);
+        use MlpKind::{Dense, Moe};
+        assert_eq!(ArchSpec::new(&s2).layers, vec![Dense, Moe, Dense, Moe]);
+        assert_eq!(s2.dense_width, Some(256));
+        let rules = crate::shapes::ModelRules::for_config(&s2);
+        let crate::shapes::MlpRules::Dense(d0) = &rules.layers[0].mlp else {
+            panic!("layer 0 dense")
+        };
+        assert_eq!(d0.gate.name, "model.layers.0.feed_forward.gate_proj.weight");
+        assert_eq!(d0.gate.shape, vec![256, 128]);
+        let m = parse(&with(
+            with(v.clone(), "interleave_moe_layer_step", 2.into()),
+            "moe_layers",
+            serde_json::json!([0]),
+        ))
+        .unwrap();
+        assert_eq!(ArchSpec::new(&m).layers, vec![Moe, Dense, Dense, Dense]);
+        assert_eq!(
+            parse(&without(
+                with(v, "interleave_moe_layer_step", 2.into()),
+                "intermediate_size_mlp"
+            )),
+            Err(ConfigError::Missing {
+                key: "intermediate_size_mlp"
+            })
+        );
+        // tuning off, use_qk_norm false
+        let off = parse(&with(llama4(), "attn_temperature_tuning", false.into())).unwrap();
+        assert_eq!(off.attn_temperature, None);
+        let no_norm = parse(&with(llama4(), "use_qk_norm", false.into())).unwrap();
+        assert_eq!(ArchSpec::new(&no_norm).qk_norm, QkNorm::None);
+        // the fused experts: gate the first half of gate_up_proj's columns
+        let rules = crate::shapes::ModelRules::for_config(&c);
+        let crate::shapes::FusedExpertRules::Bf16 { gate_up, down, .. } = &rules.fused[0] else {
+            panic!("BF16 fused experts")
+        };
+        assert_eq!(
+            (gate_up.name.as_str(), gate_up.shape.as_slice()),
+            (
+                "model.layers.0.feed_forward.experts.gate_up_proj",
+                &[8, 128, 128][..]
+            )
+        );
+        assert_eq!(down.shape, vec![8, 64, 128]);
+    }
+
+    #[test]
+    fn llama4_refuses_what_it_does_not_implement_by_name() {
+        let key = |v: Value| match parse(&v) {
+            Err(ConfigError::Unsupported { key, .. })
+            | Err(ConfigError::OutOfRange { key, .. })
+            | Err(ConfigError::WrongType { key, .. })
+            | Err(ConfigError::Missing { key }) => key,
+            other => panic!("{other:?}"),
+        };
+        // Scout's rope scaling (llama3) is read, for Llama 4 only; its four keys are required
+        let mut scout = llama4();
+        scout["rope_parameters"] = serde_json::json!({"rope_theta": 500000.0,
+            "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192});
+        let l3 = parse(&scout).unwrap().llama3_rope.unwrap();
+        assert_eq!(
+            (l3.factor, l3.original_max_position_embeddings),
+            (16.0, 8192.0)
+        );
+        let mut extra = scout.clone();
+        extra["rope_parameters"]["beta_fast"] = 32.into();
+        assert_eq!(key(extra), "rope_parameters");
+        let legacy = with(
+            llama4(),
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
+        );
+        assert_eq!(key(legacy), "rope_scaling.low_freq_factor");
+        let mut qwen = base();
+        qwen["rope_parameters"] = scout["rope_parameters"].clone();
+        assert_eq!(key(qwen), "rope_parameters.rope_type");
+        assert_eq!(
+            key(with(llama4(), "sliding_window", 8.into())),
+            "sliding_window"
+        );
+        assert_eq!(
+            key(with(
+                llama4(),
+                "layer_types",
+                serde_json::json!(vec!["sliding_attention"; 4])
+            )),
+            "layer_types"
+        );
+        assert_eq!(
+            key(with(
+                llama4(),
+                "layer_types",
+                serde_json::json!(vec!["full_attention"; 3])
+            )),
+            "layer_types"
+        );
+        assert_eq!(
+            key(with(
+                llama4(),
+                "no_rope_layers",
+                serde_json::json!([1, 2, 1, 0])
+            )),
+            "no_rope_layers"
+        );
+        assert_eq!(
+            key(with(
+                llama4(),
+                "no_rope_layers",
+                serde_json::json!([1, 1, 0])
+            )),
+            "no_rope_layers"
+        );
+        assert_eq!(
+            key(with(llama4(), "attention_chunk_size", Value::Null)),
+            "attention_chunk_size"
+        );
+        assert_eq!(
+            key(with(llama4(), "attention_chunk_size", 0.into())),
+            "attention_chunk_size"
+        );
+        assert_eq!(
+            key(with(llama4(), "moe_layers", serde_json::json!([4]))),
+            "moe_layers"
+        );
+        assert_eq!(
+            key(with(llama4(), "interleave_moe_layer_step", 0.into())),
+            "interleave_moe_layer_step"
+        );
+        assert_eq!(key(with(llama4(), "floor_scale", 0.into())), "floor_scale");
+        assert_eq!(
+            key(with(llama4(), "hidden_act", "gelu".into())),
+            "hidden_act"
+        );
+        assert_eq!(
+            key(with(
+                llama4(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "fbgemm_fp8"})
+            )),
+            "quantization_config.quant_method"
+        );
+        assert_eq!(
+            key(with(
+                llama4(),
+                "quantization_config",
+                serde_json::json!({"quant_method": "mxfp4"})
+            )),
+            "quantization_config.quant_method"
+        );
+        // the multimodal wrapper (text_config inside) is another model_type
+        assert!(matches!(
+            parse(&with(llama4(), "model_type", "llama4".into())),
+            Err(ConfigError::UnsupportedFamily(..))
+        ));
+        // a chunk size without a chunked layer is not read
+        let full = with(
+            with(
+                llama4(),
+                "layer_types",
+                serde_json::json!(vec!["full_attention"; 4]),
+            ),
+            "attention_chunk_size",
+            Value::Null,
+        );
+        assert_eq!(parse(&full).unwrap().layer_chunks, vec![None; 4]);
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! E = experts, I = expert width, F = dense width, S = shared-expert width.
 
 use crate::config::{ExpertDtype, MoeConfig};
-use crate::model::{expert_name, layer_name, ArchSpec, ExpertLayout, MlpKind, QkNorm, RouterRule};
+use crate::model::{
+    expert_name, layer_name, ArchSpec, ExpertLayout, MlpKind, QkNorm, RouterRule, SharedExpertRule,
+};
 
 /// Whether a tensor must be in the checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -377,7 +379,8 @@ impl ModelRules {
                 let opt =
                     |on: bool, p: &str, shape: Vec<usize>, why| on.then(|| rule(p, shape, why));
                 let (qn, kn) = match spec.qk_norm {
-                    QkNorm::None => (None, None),
+                    // Llama 4's L2 norm has no weight
+                    QkNorm::None | QkNorm::L2AfterRope => (None, None),
                     QkNorm::PerHead => (
                         Some((cfg.head_dim, HEAD_DIM)),
                         Some((cfg.head_dim, HEAD_DIM)),
@@ -406,18 +409,23 @@ impl ModelRules {
                             )),
                             _ => None,
                         };
+                        let (sh_in, sh_out) = match spec.family.shared_expert {
+                            Some(SharedExpertRule::UngatedExpertWidth) => (EXPERT_IN, EXPERT_OUT),
+                            _ => (SHARED_UNGATED_IN, SHARED_UNGATED_OUT),
+                        };
                         let shared_ungated = match cfg.shared_expert_width {
                             Some(s) if spec.shared_experts_ungated => Some(DenseMlpRules {
-                                gate: rule(n.shared_gate_proj, vec![s, h], SHARED_UNGATED_IN),
-                                up: rule(n.shared_up_proj, vec![s, h], SHARED_UNGATED_IN),
-                                down: rule(n.shared_down_proj, vec![h, s], SHARED_UNGATED_OUT),
+                                gate: rule(n.shared_gate_proj, vec![s, h], sh_in),
+                                up: rule(n.shared_up_proj, vec![s, h], sh_in),
+                                down: rule(n.shared_down_proj, vec![h, s], sh_out),
                             }),
                             _ => None,
                         };
                         let router_bias = match spec.router {
                             RouterRule::SoftmaxTopK
                             | RouterRule::SoftmaxGroupLimited
-                            | RouterRule::TopKThenSoftmax => None,
+                            | RouterRule::TopKThenSoftmax
+                            | RouterRule::SigmoidScalesInput => None,
                             RouterRule::SigmoidGroupLimited => {
                                 Some(rule(n.router_bias, vec![cfg.num_experts], ROUTER_BIAS))
                             }
@@ -516,7 +524,9 @@ impl ModelRules {
             num_experts: cfg.num_experts,
             fused: match spec.extras.expert_layout {
                 ExpertLayout::Separate => Vec::new(),
-                ExpertLayout::FusedInterleaved => fused_rules(cfg, spec),
+                ExpertLayout::FusedInterleaved | ExpertLayout::FusedConcatenated => {
+                    fused_rules(cfg, spec)
+                }
             },
         }
     }
@@ -671,7 +681,8 @@ impl ModelRules {
     }
 }
 
-/// The fused expert tensors of every MoE layer of a gpt-oss config, BF16 or MXFP4.
+/// The fused expert tensors of every MoE layer of a gpt-oss config (BF16 or MXFP4) or a
+/// Llama 4 config (BF16; the config parser allows MXFP4 for gpt-oss only).
 fn fused_rules(cfg: &MoeConfig, spec: &ArchSpec) -> Vec<FusedExpertRules> {
     let n = &spec.names;
     let (e, h, i) = (cfg.num_experts, cfg.hidden_size, cfg.expert_width);

@@ -36,6 +36,27 @@ pub(crate) fn rms_norm(kernel: Kernel, x: &[f32], w: &[f32], eps: f32) -> Vec<f3
     x.iter().zip(w).map(|(&xi, &wi)| wi * (xi * r)).collect()
 }
 
+/// Llama 4's L2 norm (RMSNorm without a weight): `ss = dot(x, x)`, `m = ss / f32(n)`,
+/// `r = rsqrt(m + eps)`, `y_i = x_i * r`, in place on each `width`-wide segment of `x`.
+fn l2_norm_segments(kernel: Kernel, x: &mut [f32], eps: f32, width: usize) {
+    for seg in x.chunks_exact_mut(width) {
+        let ss = kernel.dot_f32(seg, seg);
+        let r = rsqrt(ss / width as f32 + eps);
+        for v in seg.iter_mut() {
+            *v *= r;
+        }
+    }
+}
+
+/// Llama 4's attention temperature at position `pos` (docs/EXACTNESS.md, "Llama 4"), in f32
+/// as transformers computes it: `f = floor((f32(pos) + 1) / f32(floor_scale))`,
+/// `l = f32(ln(1 + f))` (the logarithm in f64, rounded once), `s = l * f32(attn_scale) + 1`.
+pub(crate) fn attn_temperature(t: &tarfa_core::config::AttnTemperature, pos: usize) -> f32 {
+    let f = ((pos as f32 + 1.0) / t.floor_scale as f32).floor();
+    let l = tarfa_core::numerics::detmath::ln_f64(1.0 + f as f64) as f32;
+    l * t.attn_scale as f32 + 1.0
+}
+
 /// In-place RMSNorm of each `width`-wide segment of `x`.
 fn rms_norm_segments(kernel: Kernel, x: &mut [f32], w: &[f32], eps: f32, width: usize) {
     for seg in x.chunks_exact_mut(width) {
@@ -405,6 +426,7 @@ fn gqa_block(
 
     // xn_t = RMSNorm(h_t); q_t [Hq*D], k_t, v_t [Hkv*D] (each row a canonical dot, then + bias)
     let xs = normed_activations(kernel, h, &model.weights.layers[l].input_norm, eps);
+    let pairs = model.spec.extras.llama4_attention;
     let mut qkv = apply_many(kernel, &[&aw.q, &aw.k, &aw.v], &xs);
     stats.weight_bytes += aw.q.as_ref().bytes() + aw.k.as_ref().bytes() + aw.v.as_ref().bytes();
     let mut v_all = qkv.pop().unwrap_or_default();
@@ -436,12 +458,32 @@ fn gqa_block(
             _ => {}
         }
         // RoPE at the token's position, on every head's leading rotary_dim values (all D
-        // unless partial_rotary_factor; the rest pass through unchanged)
+        // unless partial_rotary_factor; the rest pass through unchanged); Llama 4 rotates
+        // pairs (its complex form), and not at all on its NoPE layers
         let Slot { seq, pos } = slots[t];
         let cache = &mut *caches[seq];
         let rd = cfg.rotary_dim;
-        for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
-            cache.rope.apply(pos, &mut head[..rd]);
+        let rotates = cfg.layer_rope[l];
+        if rotates {
+            for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
+                if pairs {
+                    cache.rope.apply_pairs(pos, &mut head[..rd]);
+                } else {
+                    cache.rope.apply(pos, &mut head[..rd]);
+                }
+            }
+        }
+        // Llama 4: the weightless L2 norm of each head after the rotation, rotating layers
+        // only; the NoPE layers' queries scaled by the attention temperature
+        if rotates && model.spec.qk_norm == QkNorm::L2AfterRope {
+            l2_norm_segments(kernel, q, eps, d);
+            l2_norm_segments(kernel, k, eps, d);
+        }
+        if let (false, Some(temp)) = (rotates, &cfg.attn_temperature) {
+            let s = attn_temperature(temp, pos);
+            for x in q.iter_mut() {
+                *x *= s;
+            }
         }
         for kh in 0..hkv {
             cache.push(l, kh, &k[kh * d..(kh + 1) * d], &v[kh * d..(kh + 1) * d]);
@@ -455,6 +497,7 @@ fn gqa_block(
     let mut o_all = vec![0.0f32; t_count * hq * d];
     let cache_refs: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
     let window = cfg.layer_windows.get(l).copied().flatten();
+    let chunk = cfg.layer_chunks.get(l).copied().flatten();
     let sinks = aw.sinks.as_deref();
     // one task per (token, query head): independent outputs
     o_all
@@ -466,9 +509,11 @@ fn gqa_block(
             let Slot { seq, pos } = slots[t];
             let (keys, values) = cache_refs[seq].head(l, qh / group);
             // causal: positions 0..=pos of the token's own sequence; a sliding layer keeps
-            // the last w of them (transformers' mask: key j is seen when pos - j < w)
+            // the last w of them (transformers' mask: key j is seen when pos - j < w); a
+            // chunked layer (Llama 4) those of pos's chunk (j / C == pos / C)
             let n = pos + 1;
             let start = window.map_or(0, |w| n.saturating_sub(w));
+            let start = chunk.map_or(start, |c| start.max(pos / c * c));
             let mut s: Vec<f32> = (start..n)
                 .map(|j| kernel.dot_f32(q, &keys[j * d..(j + 1) * d]) * scale)
                 .collect();
@@ -849,6 +894,26 @@ fn route_topk_then_softmax(
     }
 }
 
+/// Llama 4's routing (docs/EXACTNESS.md, "Llama 4"), as transformers' `Llama4Router`: the
+/// top-k of the logits (descending, lower id first among equals); each chosen expert's score
+/// is `sigmoid(logit)`, which scales that expert's input (see [`expert_products`]), so it is
+/// both the record's probability and weight; `kth_prob` and `next_prob` are the k-th and
+/// (k+1)-th logits, the margin of the choice.
+fn route_sigmoid_scales_input(logits: &[f32], k: usize, forced: Option<&[usize]>) -> Route {
+    let (selected, next) = select(logits, k, forced);
+    Route {
+        chosen: selected
+            .iter()
+            .map(|&e| {
+                let s = sigmoid(logits[e]);
+                (e, s, s)
+            })
+            .collect(),
+        kth: logits[selected[selected.len() - 1]],
+        next: next.map(|e| logits[e]),
+    }
+}
+
 /// A hook's forced experts for token `t` of layer `l`: exactly `k` distinct ids of the `n`
 /// experts (a route of another size would change the family's weighting rule).
 fn check_forced(f: &[usize], l: usize, t: usize, k: usize, n: usize) -> Result<(), RunError> {
@@ -992,6 +1057,11 @@ fn moe_block(
             .enumerate()
             .map(|(t, lg)| route_topk_then_softmax(kernel, lg, cfg.top_k, force(t)))
             .collect(),
+        (RouterRule::SigmoidScalesInput, _) => logits
+            .iter()
+            .enumerate()
+            .map(|(t, lg)| route_sigmoid_scales_input(lg, cfg.top_k, force(t)))
+            .collect(),
         _ => logits
             .iter()
             .enumerate()
@@ -1011,6 +1081,15 @@ fn moe_block(
                     let mut p = vec![0.0f32; lg.len()];
                     for &(e, _, w) in &r.chosen {
                         p[e] = w;
+                    }
+                    p
+                }
+                // Llama 4's router_scores: sigmoid of the chosen logits, 0 elsewhere
+                RouterRule::SigmoidScalesInput => {
+                    let r = route_sigmoid_scales_input(lg, cfg.top_k, None);
+                    let mut p = vec![0.0f32; lg.len()];
+                    for &(e, s, _) in &r.chosen {
+                        p[e] = s;
                     }
                     p
                 }
@@ -1034,6 +1113,8 @@ fn moe_block(
     model.source.prefetch(l, &batches);
 
     let moe_layer = model.spec.moe_index(l).unwrap_or(0);
+    // Llama 4: the routing weight scales each expert's input, and the outputs add unweighted
+    let input_scaled = model.spec.router == RouterRule::SigmoidScalesInput;
     for (t, r) in routes.iter().enumerate() {
         let Slot { seq, pos } = step.slots[t];
         if step.trace[seq] {
@@ -1081,7 +1162,7 @@ fn moe_block(
         let (group_ys, sh) = expert_products(
             kernel,
             cfg,
-            model.spec.extras.activation,
+            (model.spec.extras.activation, input_scaled),
             (batch, moe.expert_bias.as_ref()),
             &experts,
             &token_lists,
@@ -1109,14 +1190,21 @@ fn moe_block(
         s.weight_bytes += set.iter().map(|e| expert_bytes[e]).sum::<u64>();
     }
 
-    // Mix: acc = +0; for the token's experts in ascending id: acc = acc + (w_e * y_e); then the
-    // shared expert: acc = acc + sigmoid(s) * y_shared; h = h + acc.
+    // Mix: acc = +0; for the token's experts in ascending id: acc = acc + (w_e * y_e) (Llama 4:
+    // acc = acc + y_e, its weight already in the input); then the shared expert:
+    // acc = acc + sigmoid(s) * y_shared; h = h + acc.
     let t_count = h.len();
     let mut acc = vec![vec![0.0f32; cfg.hidden_size]; t_count];
     for (e, y) in &ys {
         for (j, &(t, w)) in assignment[e].iter().enumerate() {
-            for (a, &v) in acc[t].iter_mut().zip(&y[j]) {
-                *a += w * v;
+            if input_scaled {
+                for (a, &v) in acc[t].iter_mut().zip(&y[j]) {
+                    *a += v;
+                }
+            } else {
+                for (a, &v) in acc[t].iter_mut().zip(&y[j]) {
+                    *a += w * v;
+                }
             }
         }
     }
@@ -1146,6 +1234,8 @@ fn moe_block(
 
 /// The products of one group of experts over their tokens (and of the shared expert over all
 /// tokens, when given): gate and up in one parallel region, `a = silu(g) * u`, down in a second.
+/// When `input_scaled` (Llama 4), expert e's input for token t is `xn_t * w` elementwise, `w`
+/// the token's weight for e (one rounding per element); the shared expert sees `xn_t`.
 /// Returns each expert's outputs per token of its list, and the shared expert's outputs per
 /// token with its gate logits.
 #[allow(clippy::type_complexity)]
@@ -1153,7 +1243,7 @@ fn moe_block(
 fn expert_products(
     kernel: Kernel,
     cfg: &tarfa_core::config::MoeConfig,
-    activation: ExpertActivation,
+    (activation, input_scaled): (ExpertActivation, bool),
     (ids, bias): (&[usize], Option<&ExpertBias>),
     experts: &[ExpertHandle],
     token_lists: &[&Vec<(usize, f32)>],
@@ -1178,15 +1268,36 @@ fn expert_products(
         ),
         None => (Vec::new(), Vec::new(), Vec::new()),
     };
+    // Llama 4: each (expert, token) input scaled by the token's score for that expert
+    let scaled: Vec<Vec<Activation>> = if input_scaled {
+        token_lists
+            .iter()
+            .map(|tl| {
+                tl.iter()
+                    .map(|&(t, w)| {
+                        let x = xs[t].values().iter().map(|&v| v * w).collect();
+                        Activation::new(kernel, x)
+                    })
+                    .collect()
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     {
         let mut jobs = Vec::new();
-        for (((m, tl), g), u) in mats
+        for (n, (((m, tl), g), u)) in mats
             .iter()
             .zip(token_lists)
             .zip(gate_out.iter_mut())
             .zip(up_out.iter_mut())
+            .enumerate()
         {
-            let tx: Vec<&Activation> = tl.iter().map(|&(t, _)| &xs[t]).collect();
+            let tx: Vec<&Activation> = if input_scaled {
+                scaled[n].iter().collect()
+            } else {
+                tl.iter().map(|&(t, _)| &xs[t]).collect()
+            };
             jobs.push(MatJob {
                 w: bf16_ref(m[0]),
                 xs: tx.clone(),
@@ -1316,5 +1427,28 @@ fn bf16_ref(m: Bf16View<'_>) -> MatrixRef<'_> {
         rows: m.rows,
         cols: m.cols,
         data: m.data,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attn_temperature;
+    use tarfa_core::config::AttnTemperature;
+
+    /// Llama 4's temperature by hand: exactly 1 while `(pos + 1) / floor_scale < 1`, then
+    /// `f32(ln(1 + f)) * f32(attn_scale) + 1` with `f` the floor.
+    #[test]
+    fn attention_temperature_is_one_below_floor_scale_then_grows_by_log1p() {
+        let t = AttnTemperature {
+            floor_scale: 8192.0,
+            attn_scale: 0.1,
+        };
+        assert_eq!(attn_temperature(&t, 0), 1.0);
+        assert_eq!(attn_temperature(&t, 8190), 1.0);
+        let ln2 = std::f64::consts::LN_2 as f32;
+        assert_eq!(attn_temperature(&t, 8191), ln2 * 0.1f32 + 1.0);
+        assert_eq!(attn_temperature(&t, 2 * 8192 - 2), ln2 * 0.1f32 + 1.0);
+        let ln3 = 3f64.ln() as f32;
+        assert_eq!(attn_temperature(&t, 2 * 8192 - 1), ln3 * 0.1f32 + 1.0);
     }
 }

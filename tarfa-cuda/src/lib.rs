@@ -288,7 +288,8 @@ pub struct HotOptions {
 /// GQA with rotary embedding on the whole head or its leading `rotary_dim` values, and the
 /// host's rotary tables (YaRN included), and DeepSeek's multi-head latent attention with its
 /// latent cache; a family that needs anything else (gpt-oss's sinks, sliding windows, biased router, expert biases, fused and MXFP4 experts,
-/// OLMoE's clip_qkv) is refused by name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
+/// OLMoE's clip_qkv, Llama 4's input-scaling router, pairwise rope, NoPE and chunked layers and
+/// L2 q/k norm) is refused by name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
 /// these families.
 pub fn unsupported_family(
     cfg: &tarfa_core::config::MoeConfig,
@@ -296,8 +297,14 @@ pub fn unsupported_family(
 ) -> Option<String> {
     use tarfa_core::model::RouterRule;
     let mut missing = Vec::new();
-    if spec.router == RouterRule::TopKThenSoftmax {
-        missing.push("gpt-oss's biased top-k-then-softmax router");
+    match spec.router {
+        RouterRule::SoftmaxTopK
+        | RouterRule::SigmoidGroupLimited
+        | RouterRule::SoftmaxGroupLimited => {}
+        RouterRule::TopKThenSoftmax => missing.push("gpt-oss's biased top-k-then-softmax router"),
+        RouterRule::SigmoidScalesInput => {
+            missing.push("Llama 4's sigmoid router that scales the experts' input")
+        }
     }
     let x = &spec.extras;
     if x.attention_sinks {
@@ -317,6 +324,12 @@ pub fn unsupported_family(
     }
     if cfg.clip_qkv.is_some() {
         missing.push("clip_qkv");
+    }
+    if x.llama4_attention {
+        missing.push("Llama 4's pairwise rotary embedding, NoPE layers with attention temperature tuning and chunked attention");
+    }
+    if spec.qk_norm == tarfa_core::model::QkNorm::L2AfterRope {
+        missing.push("Llama 4's weightless q/k L2 norm");
     }
     if missing.is_empty() {
         return None;

@@ -303,10 +303,12 @@ impl CudaModel {
             RouterRule::SigmoidGroupLimited => true,
             RouterRule::SoftmaxGroupLimited => false,
             RouterRule::SoftmaxTopK => return Ok(None),
-            RouterRule::TopKThenSoftmax => {
-                return Err(CudaError::UnsupportedModel(
-                    "gpt-oss's biased top-k-then-softmax router".into(),
-                ))
+            // refused by unsupported_family before anything is uploaded
+            RouterRule::TopKThenSoftmax | RouterRule::SigmoidScalesInput => {
+                return Err(CudaError::UnsupportedModel(format!(
+                    "the {:?} router on the CUDA kernels",
+                    self.spec.router
+                )))
             }
         };
         let g = self.cfg.group_routing.as_ref().ok_or_else(|| {

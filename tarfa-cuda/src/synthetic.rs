@@ -193,7 +193,7 @@ pub fn random_model(shape: &SyntheticShape, seed: u64) -> (MoeConfig, InMemorySo
                 src.insert_tensor(name(n.q_norm), vector(&mut rng, hq * d, 1.0, 0.2));
                 src.insert_tensor(name(n.k_norm), vector(&mut rng, hkv * d, 1.0, 0.2));
             }
-            QkNorm::None => {}
+            QkNorm::None | QkNorm::L2AfterRope => {}
         }
         match spec.layers[l] {
             MlpKind::Dense => {

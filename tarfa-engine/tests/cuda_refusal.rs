@@ -129,3 +129,63 @@ fn cuda_refuses_gpt_oss_naming_each_missing_feature_and_auto_takes_the_cpu() {
         .iter()
         .any(|l| l.contains("gpt_oss") && l.contains("using the CPU")),);
 }
+
+/// Llama 4 (issue 22): every feature the CUDA kernels lack is named, and `auto` takes the CPU.
+#[test]
+fn cuda_refuses_llama4_naming_each_missing_feature_and_auto_takes_the_cpu() {
+    let cfg = MoeConfig::from_json_str(
+        r#"{"model_type": "llama4_text", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 16, "intermediate_size_mlp": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "num_local_experts": 4, "num_experts_per_tok": 1, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 64, "attention_chunk_size": 8,
+            "no_rope_layers": [1, 0], "rope_parameters": {"rope_theta": 500000.0}}"#,
+    )
+    .unwrap();
+    let opts = |backend| LoadOptions {
+        backend,
+        threads: 1,
+        kernel: Kernel::best(),
+        hot: None,
+        cuda: Default::default(),
+    };
+    let err = Engine::load(
+        cfg.clone(),
+        Arc::new(InMemorySource::new()),
+        &opts(BackendChoice::Cuda),
+        &|_| {},
+    )
+    .err()
+    .expect("refused");
+    let msg = err.to_string();
+    for what in [
+        "llama4_text",
+        "scales the experts' input",
+        "chunked attention",
+        "NoPE layers",
+        "q/k L2 norm",
+        "fused expert tensors",
+        "ungated shared experts",
+        "--backend cpu",
+    ] {
+        assert!(msg.contains(what), "{what}: {msg}");
+    }
+    let lines = Mutex::new(Vec::new());
+    let err = Engine::load(
+        cfg,
+        Arc::new(InMemorySource::new()),
+        &opts(BackendChoice::Auto),
+        &|l| lines.lock().unwrap().push(l),
+    )
+    .err()
+    .expect("the empty source has no weights");
+    assert!(
+        matches!(err, EngineError::Run(_)),
+        "the CPU's loader: {err}"
+    );
+    assert!(lines
+        .into_inner()
+        .unwrap()
+        .iter()
+        .any(|l| l.contains("llama4_text") && l.contains("using the CPU")));
+}

@@ -5,7 +5,9 @@ exercise the config paths the shared fixtures do not: dense layers through mlp_o
 decoder_sparse_step, norm_topk_prob false, tied embeddings, a top-level rope_theta, and sizes that
 are not multiples of 32. Run it on the GPU machine: python3 make_oracle.py OUTDIR qwen3moe-dense
 qwen3moe-odd. Issue 22 adds mixtral-window-s (sliding_window 8) and olmoe-clip-s (clip_qkv 0.5):
-python3 make_oracle.py OUTDIR mixtral-window-s olmoe-clip-s, then copy both into fixtures/oracle.)
+python3 make_oracle.py OUTDIR mixtral-window-s olmoe-clip-s, then copy both into fixtures/oracle;
+and llama4-dense-s (Llama 4's dense layers, top-2, active temperature tuning):
+python3 make_oracle.py OUTDIR llama4-dense-s; and llama4-llama3-s (Llama 4 with llama3 rope scaling).)
 
 For each config: save a sharded BF16 safetensors checkpoint (hub layout), then record, with
 transformers' own forward pass in float32 on the CPU (bf16 weights upcast exactly), the greedy
@@ -97,6 +99,30 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=4,
         norm_topk_prob=False, tie_word_embeddings=False, rope_theta=10000.0, clip_qkv=0.5,
         initializer_range=0.06, **COMMON)),
+    # Llama 4 (text) paths the shared llama4-a leaves unexercised: dense layers between MoE
+    # layers (interleave_moe_layer_step 2: layers 1 and 3 MoE, 0 and 2 dense MLPs of
+    # intermediate_size_mlp), top-2 (two input-scaled experts summed), two NoPE layers whose
+    # temperature tuning is active from position 3 on (floor_scale 4; llama4-a's 8192 keeps
+    # it at exactly 1), chunks of 8, and attention bias tensors (zero at this initialisation:
+    # they are loaded and added, not exercised).
+    "llama4-dense-s": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, interleave_moe_layer_step=2,
+        attention_chunk_size=8, no_rope_layers=[1, 0, 1, 0], use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, attention_bias=True,
+        tie_word_embeddings=False, rope_theta=500000.0, initializer_range=0.06, **COMMON)),
+    # Llama 4 with Scout's kind of rope scaling (llama3), original context 64 so that all
+    # three bands (kept, divided by the factor, interpolated) occur at head_dim 32.
+    "llama4-llama3-s": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=16,
+        no_rope_layers=[1, 0], use_qk_norm=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+        initializer_range=0.06, **COMMON)),
 }
 
 # Configs whose saved config.json gets rope_theta at the top level instead of rope_parameters.
@@ -104,7 +130,8 @@ TOPLEVEL_ROPE = {"qwen3moe-odd"}
 
 # Configs saved in smaller shards than the default 1 MB.
 SHARD_SIZE = {"mixtral-s": "128KB", "qwen2moe-s": "128KB", "olmoe-s": "128KB",
-              "mixtral-window-s": "128KB", "olmoe-clip-s": "128KB"}
+              "mixtral-window-s": "128KB", "olmoe-clip-s": "128KB", "llama4-dense-s": "128KB",
+              "llama4-llama3-s": "128KB"}
 
 PROMPT_LENS = [1, 7, 33, 100]
 NEW_TOKENS = 24

@@ -48,6 +48,7 @@ pub static GPT_OSS: Family = Family {
             limit: 7.0,
         },
         mxfp4_experts: true,
+        llama4_attention: false,
     },
     names: TensorNames {
         router: "model.layers.{l}.mlp.router.weight",

@@ -13,6 +13,7 @@ pub mod deepseek_v2;
 pub mod deepseek_v3;
 pub mod glm4_moe;
 pub mod gpt_oss;
+pub mod llama4;
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen2_moe;
@@ -28,6 +29,7 @@ pub const FAMILIES: &[&Family] = &[
     &deepseek_v3::DEEPSEEK_V3,
     &deepseek_v2::DEEPSEEK_V2,
     &gpt_oss::GPT_OSS,
+    &llama4::LLAMA4_TEXT,
 ];
 
 /// The family whose `model_type` is `model_type`.
@@ -47,6 +49,9 @@ pub enum QkNorm {
     PerHead,
     /// One RMSNorm over the whole projection, Hq*D for q and Hkv*D for k (OLMoE).
     WholeProjection,
+    /// Llama 4: an L2 norm without weight (`x * rsqrt(mean(x^2) + eps)`) of every head of q and
+    /// k, after the rotary embedding, on the layers that rotate only (NoPE layers have none).
+    L2AfterRope,
 }
 
 /// A boolean that a family fixes or reads from its config.
@@ -68,6 +73,9 @@ pub enum DenseLayerRule {
     QwenSparseStep,
     /// DeepSeek's and GLM-4.5's rule: layers `0..first_k_dense_replace` are dense, the rest MoE.
     FirstKDense,
+    /// Llama 4's rule: layer `l` is MoE when it is in `moe_layers` (absent: every
+    /// `interleave_moe_layer_step`-th layer, `step - 1, 2 * step - 1, ...`), dense otherwise.
+    MoeLayers,
 }
 
 /// How the router turns its logits into the chosen experts and their weights
@@ -91,6 +99,10 @@ pub enum RouterRule {
     /// id first among equals); the weights are the softmax over the k chosen logits only, in
     /// selection order (transformers' `GptOssTopKRouter`).
     TopKThenSoftmax,
+    /// Llama 4: the top-k by logit (descending, lower id first among equals); each chosen
+    /// expert's score `sigmoid(logit)` multiplies that expert's INPUT (`x * s`), and the
+    /// experts' outputs are summed unweighted (transformers' `Llama4Router` / `Llama4TextMoe`).
+    SigmoidScalesInput,
 }
 
 /// How a family stores each layer's experts in its checkpoint.
@@ -105,6 +117,22 @@ pub enum ExpertLayout {
     /// `down_proj_bias` `[E, H]`; or, released in MXFP4, `*_blocks` `[E, rows, cols/32, 16]` and
     /// `*_scales` `[E, rows, cols/32]` in the `[out, in]` orientation (rows 2j / 2j+1 gate / up).
     FusedInterleaved,
+    /// Llama 4: `feed_forward.experts.gate_up_proj` `[E, H, 2I]` with gate and up as the two
+    /// halves of the columns (`gate_up.chunk(2, dim=-1)`: column `j` is gate row `j`, `I + j`
+    /// up row `j`) and `down_proj` `[E, I, H]`; no biases, BF16 only.
+    FusedConcatenated,
+}
+
+impl ExpertLayout {
+    /// For a fused layout, the columns of `gate_up_proj` holding gate row `j` and up row `j`
+    /// of an expert of width `i`; None for separate tensors.
+    pub fn gate_up_columns(self, j: usize, i: usize) -> Option<(usize, usize)> {
+        match self {
+            ExpertLayout::Separate => None,
+            ExpertLayout::FusedInterleaved => Some((2 * j, 2 * j + 1)),
+            ExpertLayout::FusedConcatenated => Some((j, i + j)),
+        }
+    }
 }
 
 /// The expert MLP's activation.
@@ -136,6 +164,11 @@ pub struct FamilyExtras {
     /// Whether `quantization_config.quant_method = "mxfp4"` may hold the experts (released
     /// gpt-oss); every other family refuses a quantization_config.
     pub mxfp4_experts: bool,
+    /// Llama 4's attention: the rotary embedding in its complex form (pairs `(x_2i, x_2i+1)`
+    /// rotated together, not the two halves), `no_rope_layers` choosing the layers that rotate
+    /// (the others are NoPE layers with attention temperature tuning), and `layer_types`
+    /// `chunked_attention` layers attending within their `attention_chunk_size` chunk only.
+    pub llama4_attention: bool,
 }
 
 impl FamilyExtras {
@@ -148,6 +181,7 @@ impl FamilyExtras {
         expert_layout: ExpertLayout::Separate,
         activation: ExpertActivation::SwiGlu,
         mxfp4_experts: false,
+        llama4_attention: false,
     };
 }
 
@@ -172,6 +206,9 @@ pub enum SharedExpertRule {
     /// DeepSeek / GLM-4.5: one dense MLP of width `count_key x` the expert width (the
     /// `n_shared_experts` experts fused), added without a gate after the routed mix.
     Ungated { count_key: &'static str },
+    /// Llama 4: one dense MLP of the routed experts' width on the unscaled input, added
+    /// without a gate (transformers adds the routed sum to it).
+    UngatedExpertWidth,
 }
 
 /// Tensor names with `{l}` for the layer index and `{e}` for the expert index.
@@ -320,7 +357,7 @@ pub struct Family {
     pub o_bias: Flag,
     /// The shared expert, if the family has one.
     pub shared_expert: Option<SharedExpertRule>,
-    /// What the family adds to the common decoder (gpt-oss).
+    /// What the family adds to the common decoder (gpt-oss, Llama 4).
     pub extras: FamilyExtras,
     /// Tensor names.
     pub names: TensorNames,
@@ -329,7 +366,8 @@ pub struct Family {
 impl Family {
     /// What layer `layer` is under this family's [`DenseLayerRule`], given the config's
     /// `num_experts`, `decoder_sparse_step` and `mlp_only_layers` (transformers reads both keys;
-    /// `decoder_sparse_step` alone is not enough), and `first_k_dense_replace`.
+    /// `decoder_sparse_step` alone is not enough), `first_k_dense_replace`, and Llama 4's
+    /// resolved `moe_layers`.
     pub fn layer_kind(
         &self,
         layer: usize,
@@ -337,9 +375,17 @@ impl Family {
         decoder_sparse_step: usize,
         mlp_only_layers: &[usize],
         first_k_dense_replace: usize,
+        moe_layers: &[usize],
     ) -> MlpKind {
         match self.dense_layers {
             DenseLayerRule::None => MlpKind::Moe,
+            DenseLayerRule::MoeLayers => {
+                if moe_layers.contains(&layer) {
+                    MlpKind::Moe
+                } else {
+                    MlpKind::Dense
+                }
+            }
             DenseLayerRule::FirstKDense => {
                 if layer < first_k_dense_replace {
                     MlpKind::Dense
@@ -422,26 +468,34 @@ mod tests {
     #[test]
     fn the_dense_layer_rule_reads_both_keys() {
         let q = &qwen3_moe::QWEN3_MOE;
-        assert_eq!(q.layer_kind(0, 8, 1, &[], 0), MlpKind::Moe);
+        assert_eq!(q.layer_kind(0, 8, 1, &[], 0, &[]), MlpKind::Moe);
         assert_eq!(
-            q.layer_kind(0, 8, 1, &[0], 0),
+            q.layer_kind(0, 8, 1, &[0], 0, &[]),
             MlpKind::Dense,
             "mlp_only_layers"
         );
         assert_eq!(
-            q.layer_kind(0, 8, 2, &[], 0),
+            q.layer_kind(0, 8, 2, &[], 0, &[]),
             MlpKind::Dense,
             "(0 + 1) % 2 != 0"
         );
-        assert_eq!(q.layer_kind(1, 8, 2, &[], 0), MlpKind::Moe);
-        assert_eq!(q.layer_kind(1, 0, 1, &[], 0), MlpKind::Dense, "no experts");
+        assert_eq!(q.layer_kind(1, 8, 2, &[], 0, &[]), MlpKind::Moe);
+        assert_eq!(
+            q.layer_kind(1, 0, 1, &[], 0, &[]),
+            MlpKind::Dense,
+            "no experts"
+        );
         // Mixtral has no dense layers, whatever the keys say.
         let m = &mixtral::MIXTRAL;
-        assert_eq!(m.layer_kind(0, 8, 2, &[0], 3), MlpKind::Moe);
+        assert_eq!(m.layer_kind(0, 8, 2, &[0], 3, &[]), MlpKind::Moe);
         // GLM-4.5: the first first_k_dense_replace layers are dense, whatever the Qwen keys say.
         let g = &glm4_moe::GLM4_MOE;
-        assert_eq!(g.layer_kind(0, 8, 2, &[], 1), MlpKind::Dense);
-        assert_eq!(g.layer_kind(1, 8, 2, &[1], 1), MlpKind::Moe);
-        assert_eq!(g.layer_kind(1, 8, 1, &[], 2), MlpKind::Dense);
+        assert_eq!(g.layer_kind(0, 8, 2, &[], 1, &[]), MlpKind::Dense);
+        assert_eq!(g.layer_kind(1, 8, 2, &[1], 1, &[]), MlpKind::Moe);
+        assert_eq!(g.layer_kind(1, 8, 1, &[], 2, &[]), MlpKind::Dense);
+        // Llama 4: moe_layers alone decides
+        let l4 = &llama4::LLAMA4_TEXT;
+        assert_eq!(l4.layer_kind(0, 8, 2, &[0], 1, &[1, 3]), MlpKind::Dense);
+        assert_eq!(l4.layer_kind(1, 8, 2, &[1], 2, &[1, 3]), MlpKind::Moe);
     }
 }

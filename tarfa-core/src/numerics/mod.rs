@@ -16,7 +16,7 @@ pub mod rope;
 pub use aligned::AlignedVec;
 pub use matvec::{run_jobs, Activation, MatJob, MatrixRef};
 pub use reduce::{bf16_to_f32, f32_to_bf16_rne, Kernel, KernelError, PreparedVec, SimdPath};
-pub use rope::{yarn_mscale, RopeError, RopeTable, Yarn};
+pub use rope::{yarn_mscale, Llama3, RopeError, RopeTable, Yarn};
 
 /// Contract version this code implements (docs/EXACTNESS.md); printed by the runtime.
 pub const CONTRACT_VERSION: u32 = 1;

@@ -114,6 +114,68 @@ impl Yarn {
     }
 }
 
+/// Llama 3.1's rotary scaling (`rope_type: llama3`; Llama 4 Scout and Maverick), the keys as
+/// transformers 5.17's `_compute_llama3_parameters` reads them (all four required).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3 {
+    /// `factor`.
+    pub factor: f64,
+    /// `low_freq_factor`.
+    pub low_freq_factor: f64,
+    /// `high_freq_factor`.
+    pub high_freq_factor: f64,
+    /// `original_max_position_embeddings`.
+    pub original_max_position_embeddings: f64,
+}
+
+impl Llama3 {
+    /// `inv_freq` for rotary width `dim`, operation for operation as transformers computes it
+    /// on f32 tensors with f64 Python scalars (a scalar meets a tensor as `f32(scalar)`;
+    /// `scalar / t` is torch's `t.reciprocal() * scalar`):
+    /// - `f_i` the default frequencies; `w_i = (1 / f_i) * f32(2 pi)`;
+    /// - `lo = f32(orig / low_freq_factor)`, `hi = f32(orig / high_freq_factor)` (f64 quotients);
+    /// - `g_i = f_i / f32(factor)` when `w_i > lo`, else `f_i`;
+    /// - when neither `w_i < hi` nor `w_i > lo` (the medium band):
+    ///   `s = ((1 / w_i) * f32(orig) - f32(low)) / f32(high - low)`,
+    ///   `g_i = ((1 - s) * g_i) / f32(factor) + s * g_i`, each operation rounded (no fma).
+    pub fn inv_freq(&self, base: f64, dim: usize) -> Vec<f32> {
+        let two_pi = (2.0 * std::f64::consts::PI) as f32;
+        let orig = self.original_max_position_embeddings;
+        let lo = (orig / self.low_freq_factor) as f32;
+        let hi = (orig / self.high_freq_factor) as f32;
+        let factor = self.factor as f32;
+        let span = (self.high_freq_factor - self.low_freq_factor) as f32;
+        default_inv_freq(base, dim)
+            .into_iter()
+            .map(|f| {
+                let w = (1.0f32 / f) * two_pi;
+                let g = if w > lo { f / factor } else { f };
+                // transformers' `~(w < hi) * ~(w > lo)`, written as such (a NaN is medium)
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                let medium = !(w < hi) && !(w > lo);
+                if medium {
+                    let s = ((1.0f32 / w) * orig as f32 - self.low_freq_factor as f32) / span;
+                    ((1.0f32 - s) * g) / factor + s * g
+                } else {
+                    g
+                }
+            })
+            .collect()
+    }
+}
+
+/// The default frequencies: `e_i = f32(2i) / f32(D)`, `b_i = round_f32(base^e_i)`,
+/// `inv_freq_i = 1 / b_i`.
+fn default_inv_freq(base: f64, dim: usize) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|i| {
+            let e = (2 * i) as f32 / dim as f32;
+            let b = pow_f64(base, e as f64) as f32;
+            1.0f32 / b
+        })
+        .collect()
+}
+
 /// `inv_freq` and the cos/sin rows computed so far.
 #[derive(Clone, Debug)]
 pub struct RopeTable {
@@ -146,17 +208,7 @@ impl RopeTable {
         let half = head_dim / 2;
         let (inv_freq, scale) = match yarn {
             Some(y) => (y.inv_freq(base, head_dim), y.attention_factor() as f32),
-            None => (
-                (0..half)
-                    .map(|i| {
-                        // e_i = f32(2i) / f32(D); b_i = round_f32(base^e_i); inv_freq_i = 1 / b_i
-                        let e = (2 * i) as f32 / head_dim as f32;
-                        let b = pow_f64(base, e as f64) as f32;
-                        1.0f32 / b
-                    })
-                    .collect(),
-                1.0,
-            ),
+            None => (default_inv_freq(base, head_dim), 1.0),
         };
         Ok(RopeTable {
             half,
@@ -165,6 +217,17 @@ impl RopeTable {
             cos: Vec::new(),
             sin: Vec::new(),
         })
+    }
+
+    /// A table with Llama 3.1's scaled frequencies (no attention factor: transformers' is 1).
+    pub fn with_llama3(
+        base: f64,
+        head_dim: usize,
+        llama3: &Llama3,
+    ) -> Result<RopeTable, RopeError> {
+        let mut t = RopeTable::with_scaling(base, head_dim, None)?;
+        t.inv_freq = llama3.inv_freq(base, head_dim);
+        Ok(t)
     }
 
     /// The inverse frequencies `inv_freq_i`.
@@ -212,11 +275,84 @@ impl RopeTable {
             hi[i] = b * cos[i] + a * sin[i];
         }
     }
+
+    /// Llama 4's complex form (`view_as_complex` of pairs times `cos + i sin`): for `i < D/2`,
+    /// the pair `(a, b) = (x_2i, x_2i+1)` becomes `(a cos_i - b sin_i, a sin_i + b cos_i)`, each
+    /// product rounded, then the sum (no fma); the pairs stay where they are.
+    pub fn apply_pairs(&self, pos: usize, x: &mut [f32]) {
+        let (cos, sin) = self.row(pos);
+        for (i, pair) in x.chunks_exact_mut(2).enumerate().take(self.half) {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos[i] - b * sin[i];
+            pair[1] = a * sin[i] + b * cos[i];
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Llama 3.1's bands: wavelengths below `orig / high_freq_factor` keep their frequency bit
+    /// for bit, those above `orig / low_freq_factor` are divided by `factor` (one rounding), and
+    /// the medium band lies between the two, close to the f64 interpolation.
+    #[test]
+    fn llama3_scaling_keeps_high_divides_low_and_interpolates_between() {
+        let l3 = Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64.0,
+        };
+        let (base, d) = (500000.0, 32);
+        let plain = RopeTable::new(base, d).unwrap();
+        let t = RopeTable::with_llama3(base, d, &l3).unwrap();
+        let (mut high, mut low, mut medium) = (0, 0, 0);
+        for (i, (&f, &g)) in plain.inv_freq().iter().zip(t.inv_freq()).enumerate() {
+            let w = 2.0 * std::f64::consts::PI / f as f64;
+            if w < 16.0 {
+                assert_eq!(g.to_bits(), f.to_bits(), "{i}: high frequency kept");
+                high += 1;
+            } else if w > 64.0 {
+                assert_eq!(
+                    g.to_bits(),
+                    (f / 8.0f32).to_bits(),
+                    "{i}: low frequency / 8"
+                );
+                low += 1;
+            } else {
+                let s = (64.0 / w - 1.0) / 3.0;
+                let want = (1.0 - s) * f as f64 / 8.0 + s * f as f64;
+                assert!(
+                    ((g as f64 - want) / want).abs() < 1e-6,
+                    "{i}: {g} vs {want}"
+                );
+                medium += 1;
+            }
+        }
+        assert!(high > 0 && low > 0 && medium > 0, "{high} {low} {medium}");
+    }
+
+    /// The complex form is the rotate-half form on the de-interleaved vector, re-interleaved:
+    /// the same products and sums, bit for bit.
+    #[test]
+    fn the_pair_form_is_rotate_half_on_deinterleaved_pairs() {
+        let d = 16;
+        let mut t = RopeTable::new(500000.0, d).unwrap();
+        t.ensure(40).unwrap();
+        let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37 - 2.0).sin()).collect();
+        for pos in [0, 1, 17, 39] {
+            let mut pairs = x.clone();
+            t.apply_pairs(pos, &mut pairs);
+            let mut halves: Vec<f32> = (0..d / 2).map(|i| x[2 * i]).collect();
+            halves.extend((0..d / 2).map(|i| x[2 * i + 1]));
+            t.apply(pos, &mut halves);
+            for i in 0..d / 2 {
+                assert_eq!(pairs[2 * i].to_bits(), halves[i].to_bits());
+                assert_eq!(pairs[2 * i + 1].to_bits(), halves[d / 2 + i].to_bits());
+            }
+        }
+    }
 
     fn ulps(a: f32, b: f32) -> u32 {
         if a == b {

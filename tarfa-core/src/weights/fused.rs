@@ -1,9 +1,11 @@
-//! One expert's matrices out of gpt-oss's fused expert tensors (docs/FORMAT.md, "Fused
-//! experts"): the declared re-layout from the checkpoint's orientation into the runtime's
-//! `[out, in]` gate, up and down, and its inverse. Both are pure permutations of BF16 values
+//! One expert's matrices out of fused expert tensors (gpt-oss's, Llama 4's; docs/FORMAT.md,
+//! "Fused experts"): the declared re-layout from the checkpoint's orientation into the runtime's
+//! `[out, in]` gate, up and down, and its inverse. The two families differ only in which
+//! columns of `gate_up_proj` hold gate and up ([`ExpertLayout::gate_up_columns`]). Both are pure permutations of BF16 values
 //! (the BF16 form) or an exact widening followed by one (the MXFP4 form): no value changes.
 
 use super::{Bf16Matrix, ExpertWeights};
+use crate::model::ExpertLayout;
 use crate::numerics::mxfp4::{widen_rows, Mxfp4Error};
 use crate::numerics::AlignedVec;
 
@@ -15,15 +17,28 @@ fn matrix(rows: usize, cols: usize, v: Vec<u16>) -> Bf16Matrix {
     }
 }
 
-/// Expert `e`'s slice of `gate_up_proj` (`[H, 2I]`, column `2j` gate row `j`, `2j+1` up row
-/// `j`) and of `down_proj` (`[I, H]`) as the runtime's matrices: `gate[j][x] = gu[x][2j]`,
-/// `up[j][x] = gu[x][2j+1]`, `down[y][j] = d[j][y]`.
+/// gpt-oss's [`expert_from_fused`]: gate and up interleaved by column.
 pub fn expert_from_fused_bf16(gate_up: &[u16], down: &[u16], h: usize, i: usize) -> ExpertWeights {
+    expert_from_fused(ExpertLayout::FusedInterleaved, gate_up, down, h, i)
+}
+
+/// Expert `e`'s slice of `gate_up_proj` (`[H, 2I]`) and of `down_proj` (`[I, H]`) as the
+/// runtime's matrices: with `(cg, cu) = layout.gate_up_columns(j, I)` (gpt-oss `(2j, 2j+1)`,
+/// Llama 4 `(j, I+j)`), `gate[j][x] = gu[x][cg]`, `up[j][x] = gu[x][cu]`, `down[y][j] = d[j][y]`.
+/// `layout` must be a fused one.
+pub fn expert_from_fused(
+    layout: ExpertLayout,
+    gate_up: &[u16],
+    down: &[u16],
+    h: usize,
+    i: usize,
+) -> ExpertWeights {
     let mut gate = Vec::with_capacity(i * h);
     let mut up = Vec::with_capacity(i * h);
     for j in 0..i {
-        gate.extend((0..h).map(|x| gate_up[x * 2 * i + 2 * j]));
-        up.extend((0..h).map(|x| gate_up[x * 2 * i + 2 * j + 1]));
+        let (cg, cu) = layout.gate_up_columns(j, i).expect("a fused expert layout");
+        gate.extend((0..h).map(|x| gate_up[x * 2 * i + cg]));
+        up.extend((0..h).map(|x| gate_up[x * 2 * i + cu]));
     }
     let mut dn = Vec::with_capacity(h * i);
     for y in 0..h {
@@ -40,11 +55,22 @@ pub fn expert_from_fused_bf16(gate_up: &[u16], down: &[u16], h: usize, i: usize)
 /// of an expert's matrices. `tarfa-verify check --source` and the tests use it to prove the
 /// re-layout loses nothing.
 pub fn fused_bf16_from_expert(e: &ExpertWeights, h: usize, i: usize) -> (Vec<u16>, Vec<u16>) {
+    fused_from_expert(ExpertLayout::FusedInterleaved, e, h, i)
+}
+
+/// The inverse of [`expert_from_fused`] under `layout` (a fused one).
+pub fn fused_from_expert(
+    layout: ExpertLayout,
+    e: &ExpertWeights,
+    h: usize,
+    i: usize,
+) -> (Vec<u16>, Vec<u16>) {
     let mut gu = vec![0u16; h * 2 * i];
     for j in 0..i {
+        let (cg, cu) = layout.gate_up_columns(j, i).expect("a fused expert layout");
         for x in 0..h {
-            gu[x * 2 * i + 2 * j] = e.gate.data[j * h + x];
-            gu[x * 2 * i + 2 * j + 1] = e.up.data[j * h + x];
+            gu[x * 2 * i + cg] = e.gate.data[j * h + x];
+            gu[x * 2 * i + cu] = e.up.data[j * h + x];
         }
     }
     let mut d = vec![0u16; i * h];
@@ -105,6 +131,13 @@ mod tests {
         assert_eq!(e.gate.data[h + 2], gu[2 * 2 * i + 2]);
         assert_eq!(e.up.data[h + 2], gu[2 * 2 * i + 3]);
         assert_eq!(e.down.data[3 * i + 1], d[h + 3]);
-        assert_eq!(fused_bf16_from_expert(&e, h, i), (gu, d));
+        assert_eq!(fused_bf16_from_expert(&e, h, i), (gu.clone(), d.clone()));
+        // Llama 4: gate is the first half of the columns, up the second
+        let l = ExpertLayout::FusedConcatenated;
+        let e = expert_from_fused(l, &gu, &d, h, i);
+        assert_eq!(e.gate.data[h + 2], gu[2 * 2 * i + 1]);
+        assert_eq!(e.up.data[h + 2], gu[2 * 2 * i + i + 1]);
+        assert_eq!(e.down.data[3 * i + 1], d[h + 3]);
+        assert_eq!(fused_from_expert(l, &e, h, i), (gu, d));
     }
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::fused::{expert_from_fused_bf16, expert_from_mxfp4, Mxfp4Part};
+use super::fused::{expert_from_fused, expert_from_mxfp4, Mxfp4Part};
 use super::{Bf16Matrix, ExpertWeights, HostTensor, InMemorySource, TensorData, WeightError};
 use crate::config::MoeConfig;
 use crate::model::{expert_name, ArchSpec, MlpKind};
@@ -128,7 +128,8 @@ pub fn load_safetensors_dir(
                 };
                 let (gu, d) = (take(gate_up)?, take(down)?);
                 for e in 0..cfg.num_experts {
-                    let ew = expert_from_fused_bf16(
+                    let ew = expert_from_fused(
+                        spec.extras.expert_layout,
                         &gu[e * h * 2 * i..(e + 1) * h * 2 * i],
                         &d[e * i * h..(e + 1) * i * h],
                         h,

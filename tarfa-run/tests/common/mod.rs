@@ -97,7 +97,10 @@ pub fn load_fixture_from(dir: &Path, name: &str) -> Fixture {
         let prompt = to_u32(i64s(&st, &format!("prompt.{i}")).0);
         let greedy = to_u32(i64s(&st, &format!("greedy.{i}")).0);
         let mut router_topk = Vec::new();
-        for l in 0..moe_layers {
+        // llama4-a records none (its router sits under `feed_forward`, which the oracle's hook
+        // does not match): such a fixture checks logits and tokens only.
+        let has_router = names.contains_key(&format!("prefill_router_topk.{i}.0"));
+        for l in 0..if has_router { moe_layers } else { 0 } {
             let (ids, shape) = i64s(&st, &format!("prefill_router_topk.{i}.{l}"));
             router_topk.push(
                 ids.chunks_exact(shape[1])
@@ -187,6 +190,10 @@ pub fn check_against_oracle(f: &Fixture) {
         }
         // router: the top-k set per MoE layer per prompt position
         for rec in &g.prefill.router {
+            if r.router_topk.is_empty() {
+                assert_eq!(rec.experts.len(), k);
+                continue;
+            }
             let want = &r.router_topk[rec.moe_layer][rec.position];
             let mut a = rec.experts.clone();
             let mut b = want.clone();

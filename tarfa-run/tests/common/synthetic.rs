@@ -103,7 +103,7 @@ pub fn random_source(cfg: &MoeConfig, seed: u64) -> InMemorySource {
             vecf(&mut src, &mut rng, name(n.o_bias), h, 0.0);
         }
         match spec.qk_norm {
-            QkNorm::None => {}
+            QkNorm::None | QkNorm::L2AfterRope => {}
             QkNorm::PerHead => {
                 vecf(&mut src, &mut rng, name(n.q_norm), d, 1.0);
                 vecf(&mut src, &mut rng, name(n.k_norm), d, 1.0);
