@@ -50,6 +50,7 @@
 mod config;
 mod error;
 mod experts;
+mod fused;
 mod hash;
 mod header;
 mod json;
@@ -66,6 +67,7 @@ use serde::Deserialize;
 pub use config::{ModelConfigSummary, ModelFamily};
 pub use error::{CheckpointError, NameProblem};
 pub use experts::{ExpertDims, ExpertMatrix, ExpertNaming, ExpertSource};
+pub use fused::{FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED};
 pub use hash::{sha256_file, sha256_files_parallel, to_hex};
 pub use header::{HeaderTensor, SafetensorsHeader};
 pub use paths::HubBlob;
@@ -181,8 +183,12 @@ pub struct Checkpoint {
     pub shards: Vec<Shard>,
     /// Every tensor of every shard.
     pub tensors: BTreeMap<String, SourceTensor>,
-    /// Every expert of every Mixture-of-Experts layer, keyed by (layer, expert).
+    /// Every expert of every Mixture-of-Experts layer, keyed by (layer, expert) (empty for a
+    /// family with fused experts: see [`Checkpoint::fused`]).
     pub experts: BTreeMap<(u32, u32), ExpertSource>,
+    /// The fused expert tensors of every Mixture-of-Experts layer of a family that stores its
+    /// experts fused (gpt-oss), keyed by layer; empty otherwise.
+    pub fused: BTreeMap<u32, FusedLayer>,
     /// The expert shapes of each Mixture-of-Experts layer.
     pub expert_dims: BTreeMap<u32, ExpertDims>,
     /// Every other tensor, sorted: embeddings, norms, attention, routers, Qwen2-MoE's
@@ -368,7 +374,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     } else {
         SINGLE_FILE
     });
-    experts::check_dtypes(&tensors, &shard_file)?;
+    experts::check_dtypes(&config, &tensors, &shard_file)?;
     let table = experts::classify(&config, naming, &tensors, weights_file, &shard_file)?;
 
     let mut extra_files = vec![config_file];
@@ -397,6 +403,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
         shards,
         tensors,
         experts: table.experts,
+        fused: table.fused,
         expert_dims: table.dims,
         non_expert: table.non_expert,
         skipped: table.skipped,
@@ -460,6 +467,37 @@ impl Checkpoint {
         }
         self.check_unchanged(shard, handle)?;
         read_exact_at(handle, dst, t.offset).map_err(|source| CheckpointError::Io {
+            file: shard.name.as_str().into(),
+            op: "reading a tensor",
+            source,
+        })
+    }
+
+    /// `dst.len()` bytes of a tensor from byte `start` of its data (one expert's slice of a
+    /// fused expert tensor), read (not mapped) from the shard validated at open time. A range
+    /// past the tensor's end is an error, never a read of its neighbour.
+    pub fn read_tensor_range_to(
+        &self,
+        name: &str,
+        start: u64,
+        dst: &mut [u8],
+    ) -> Result<(), CheckpointError> {
+        let (t, shard, handle) = self.locate(name)?;
+        let inside = start
+            .checked_add(dst.len() as u64)
+            .is_some_and(|end| end <= t.len);
+        if !inside {
+            return Err(CheckpointError::Io {
+                file: shard.name.as_str().into(),
+                op: "reading a tensor",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "range past the end of the tensor",
+                ),
+            });
+        }
+        self.check_unchanged(shard, handle)?;
+        read_exact_at(handle, dst, t.offset + start).map_err(|source| CheckpointError::Io {
             file: shard.name.as_str().into(),
             op: "reading a tensor",
             source,

@@ -110,8 +110,8 @@ fn valid_layout_round_trips() {
     let e = h.expert(1, 2).unwrap();
     assert_eq!(e.prefix, "model.layers.1.mlp.experts.2");
     assert_eq!(e.length, 3 * 96);
-    assert_eq!(e.matrix(MatrixRole::Up).offset, 96);
-    assert_eq!(e.matrix(MatrixRole::Down).offset, 192);
+    assert_eq!(e.matrix(MatrixRole::Up).unwrap().offset, 96);
+    assert_eq!(e.matrix(MatrixRole::Down).unwrap().offset, 192);
     assert_eq!(h.file_size, 12288 + 6 * 4096);
 }
 

@@ -21,6 +21,8 @@ fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
         })
         .collect();
     ExpertRecord {
+        relayout: None,
+        sources: Vec::new(),
         name,
         layer,
         expert: e,

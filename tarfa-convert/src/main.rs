@@ -275,6 +275,8 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
             "notes": s.notes,
             "nonfinite": s.nonfinite.iter().map(|(name, n)| serde_json::json!({"name": name, "count": n})).collect::<Vec<_>>(),
             "nonfinite_total": s.nonfinite.iter().map(|(_, n)| n).sum::<u64>(),
+            // The source tensors stored as gpt-oss released them (MXFP4 blocks and scales).
+            "mxfp4": {"form": "released", "tensors": s.mxfp4_tensors},
         });
         println!("{v}");
     } else {

@@ -6,6 +6,7 @@
 use super::{Bf16Matrix, ExpertWeights};
 use crate::numerics::mxfp4::{widen_rows, Mxfp4Error};
 use crate::numerics::AlignedVec;
+use jnf_format::Relayout;
 
 fn matrix(rows: usize, cols: usize, v: Vec<u16>) -> Bf16Matrix {
     Bf16Matrix {
@@ -17,43 +18,26 @@ fn matrix(rows: usize, cols: usize, v: Vec<u16>) -> Bf16Matrix {
 
 /// Expert `e`'s slice of `gate_up_proj` (`[H, 2I]`, column `2j` gate row `j`, `2j+1` up row
 /// `j`) and of `down_proj` (`[I, H]`) as the runtime's matrices: `gate[j][x] = gu[x][2j]`,
-/// `up[j][x] = gu[x][2j+1]`, `down[y][j] = d[j][y]`.
+/// `up[j][x] = gu[x][2j+1]`, `down[y][j] = d[j][y]`. The permutation is the one the bundle
+/// format declares ([`Relayout::GateUpInterleavedColumns`]), which the converter applies and
+/// `tarfa-verify check --source` re-applies.
 pub fn expert_from_fused_bf16(gate_up: &[u16], down: &[u16], h: usize, i: usize) -> ExpertWeights {
-    let mut gate = Vec::with_capacity(i * h);
-    let mut up = Vec::with_capacity(i * h);
-    for j in 0..i {
-        gate.extend((0..h).map(|x| gate_up[x * 2 * i + 2 * j]));
-        up.extend((0..h).map(|x| gate_up[x * 2 * i + 2 * j + 1]));
-    }
-    let mut dn = Vec::with_capacity(h * i);
-    for y in 0..h {
-        dn.extend((0..i).map(|j| down[j * h + y]));
-    }
+    let ext = Relayout::GateUpInterleavedColumns.to_extent(gate_up, down, h, i);
     ExpertWeights {
-        gate: matrix(i, h, gate),
-        up: matrix(i, h, up),
-        down: matrix(h, i, dn),
+        gate: matrix(i, h, ext[..i * h].to_vec()),
+        up: matrix(i, h, ext[i * h..2 * i * h].to_vec()),
+        down: matrix(h, i, ext[2 * i * h..].to_vec()),
     }
 }
 
 /// The inverse of [`expert_from_fused_bf16`]: the fused slices `(gate_up [H, 2I], down [I, H])`
-/// of an expert's matrices. `tarfa-verify check --source` and the tests use it to prove the
-/// re-layout loses nothing.
+/// of an expert's matrices. The tests use it to prove the re-layout loses nothing.
 pub fn fused_bf16_from_expert(e: &ExpertWeights, h: usize, i: usize) -> (Vec<u16>, Vec<u16>) {
-    let mut gu = vec![0u16; h * 2 * i];
-    for j in 0..i {
-        for x in 0..h {
-            gu[x * 2 * i + 2 * j] = e.gate.data[j * h + x];
-            gu[x * 2 * i + 2 * j + 1] = e.up.data[j * h + x];
-        }
-    }
-    let mut d = vec![0u16; i * h];
-    for y in 0..h {
-        for j in 0..i {
-            d[j * h + y] = e.down.data[y * i + j];
-        }
-    }
-    (gu, d)
+    let ext: Vec<u16> = [&e.gate.data, &e.up.data, &e.down.data]
+        .iter()
+        .flat_map(|d| d.iter().copied())
+        .collect();
+    Relayout::GateUpInterleavedColumns.to_fused(&ext, h, i)
 }
 
 /// Which MXFP4 tensor a block that cannot be widened is in.
