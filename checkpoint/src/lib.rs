@@ -1,5 +1,6 @@
 //! Reads a Hugging Face Mixture-of-Experts checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral,
-//! OLMoE in BF16) and refuses anything hostile or unsupported with a typed error that names the
+//! OLMoE, GLM-4.5, DeepSeek in BF16; gpt-oss's fused experts in BF16 or as released in MXFP4)
+//! and refuses anything hostile or unsupported with a typed error that names the
 //! file and the failed check.
 //!
 //! ```no_run
@@ -22,15 +23,21 @@
 //!   of a snapshot is [`CheckpointError::HubRepository`], naming the snapshot `refs/main` points
 //!   to.
 //! - **config.json**: present, JSON without duplicate keys, a supported `model_type`, the layer,
-//!   expert, top-k and hidden sizes in range, no `quantization_config`.
+//!   expert, top-k and hidden sizes in range, no `quantization_config` but gpt-oss's
+//!   `quant_method = "mxfp4"`.
 //! - **Weights**: exactly one of `model.safetensors` and `model.safetensors.index.json`; the
 //!   index's `weight_map` and the shards' headers agree tensor for tensor.
 //! - **Every safetensors header** ([`SafetensorsHeader`]): the `safetensors` crate's rules (size
 //!   cap, UTF-8 JSON, known dtypes, checked shape arithmetic, length = shape x dtype size, data
 //!   tiled exactly with no gap, overlap or trailing byte) plus duplicate tensor names and names
 //!   with control or bidirectional-override characters.
-//! - **Dtypes**: no quantized dtype or quantization companion tensor anywhere; non-expert tensors
-//!   BF16, F16, F32 or F64; expert matrices BF16. Bytes are never re-quantised.
+//! - **Dtypes**: no quantized dtype or quantization companion tensor anywhere, but gpt-oss's
+//!   MXFP4 blocks and scales (U8) of its MoE layers' fused experts under `quant_method =
+//!   "mxfp4"`; non-expert tensors BF16, F16, F32 or F64; expert matrices BF16. Bytes are never
+//!   re-quantised.
+//! - **Fused experts** ([`FusedExpertTable`], gpt-oss): every MoE layer has its fused tensors,
+//!   E outermost, shapes consistent with `hidden_size` and each other; under the experts module
+//!   nothing but them and the per-expert biases ([`Checkpoint::fused`]).
 //! - **Experts**: every layer the config makes sparse has every expert, each with exactly its
 //!   gate, up and down matrices, of shapes consistent with each other, `hidden_size`, and the
 //!   layer's other experts; nothing else sits under an `experts` module.

@@ -346,3 +346,48 @@ fn gpt_oss_mxfp4_bundle_gives_its_bf16_twin_bundles_logits_bit_for_bit_streamed_
         );
     }
 }
+
+/// A bundle converted from an MXFP4 checkpoint with a NaN scale (e8m0 255) in expert 3 of
+/// layer 1: the bytes verify (they are the released ones), and the run refuses the expert when
+/// it widens it, exit 1, naming its part, never rounding.
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn a_bundle_with_a_nan_mxfp4_scale_is_refused_naming_the_expert() {
+    let src = shared("gptoss-mxfp4-a");
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("src");
+    std::fs::create_dir(&ck).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), ck.join(f)).unwrap();
+    }
+    let path = ck.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let (start, per_expert) = {
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let v = st
+            .tensor("model.layers.1.mlp.experts.down_proj_scales")
+            .unwrap();
+        let start = v.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        (start, v.shape()[1..].iter().product::<usize>())
+    };
+    bytes[start + 3 * per_expert + 1] = 255;
+    std::fs::write(&path, &bytes).unwrap();
+    let bundle = tmp.path().join("bundle");
+    tarfa_convert::convert(&ck, &bundle, &Default::default()).unwrap();
+    let (code, _, err) = common::family_cli::run(&[
+        "generate",
+        bundle.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--max-new-tokens",
+        "1",
+        "--backend",
+        "cpu",
+        "--preload",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("model.layers.1.mlp.experts.3.down_proj_scales") && err.contains("scale 255"),
+        "{err}"
+    );
+}
