@@ -54,9 +54,7 @@ impl Dtype {
             "F64" => Ok(Dtype::F64),
             "U8" => Ok(Dtype::U8),
             "F8_E4M3" | "F8_E5M2" | "F8_E8M0" | "F6_E2M3" | "F6_E3M2" | "F4" | "I4" | "U4"
-            | "I8" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64" | "BOOL" | "C64" => {
-                Err(true)
-            }
+            | "I8" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64" | "BOOL" | "C64" => Err(true),
             _ => Err(false),
         }
     }

@@ -30,10 +30,13 @@ pub struct MatrixSpec {
     pub source: Option<SourceRef>,
 }
 
+/// An expert's parts to place, each with its role, in extent order.
+type ExpertParts = Vec<(MatrixRole, MatrixSpec)>;
+
 #[derive(Debug, Default)]
 pub struct LayoutPlan {
     tensors: Vec<TensorSpec>,
-    experts: BTreeMap<(u32, u32), (String, Vec<(MatrixRole, MatrixSpec)>)>,
+    experts: BTreeMap<(u32, u32), (String, ExpertParts)>,
     metadata: BTreeMap<String, String>,
 }
 

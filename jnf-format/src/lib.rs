@@ -20,7 +20,8 @@ pub mod relayout;
 
 pub use error::JnfError;
 pub use header::{
-    Dtype, ExpertExtent, ExpertMatrix, ExtentEncoding, Header, MatrixRole, SourceRef, TensorEntry, MAX_HEADER_LEN,
+    Dtype, ExpertExtent, ExpertMatrix, ExtentEncoding, Header, MatrixRole, SourceRef, TensorEntry,
+    MAX_HEADER_LEN,
 };
 pub use layout::{LayoutPlan, MatrixSpec, TensorSpec};
 pub use reader::JnfFile;

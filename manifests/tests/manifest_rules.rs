@@ -335,9 +335,10 @@ fn rules() {
         (Box::new(|m| m.tensors[0].dtype = "U8".into()), |e| {
             matches!(e, ManifestError::BadDtype { .. })
         }),
-        (Box::new(|m| m.experts[0].matrices[0].dtype = "U8".into()), |e| {
-            matches!(e, ManifestError::BadDtype { .. })
-        }),
+        (
+            Box::new(|m| m.experts[0].matrices[0].dtype = "U8".into()),
+            |e| matches!(e, ManifestError::BadDtype { .. }),
+        ),
         // A fused expert's source ranges must add up to its length, and a relayout must be a
         // declared permutation of BF16 fused sources.
         (

@@ -259,7 +259,13 @@ fn logits_tensors(bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
 
 /// One greedy run through the CLI: the `--logits-out` file's bytes and the summary's
 /// streamed bytes (0 when resident).
-fn cli_logits(bundle: &std::path::Path, prompt: &[u32], n: usize, extra: &[&str], out: &std::path::Path) -> (Vec<u8>, u64) {
+fn cli_logits(
+    bundle: &std::path::Path,
+    prompt: &[u32],
+    n: usize,
+    extra: &[&str],
+    out: &std::path::Path,
+) -> (Vec<u8>, u64) {
     let tokens: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let logits = out.with_extension("safetensors");
     let summary = out.with_extension("json");
@@ -313,15 +319,28 @@ fn gpt_oss_mxfp4_bundle_gives_its_bf16_twin_bundles_logits_bit_for_bit_streamed_
             logits_tensors(&twin_file),
             "prompt {i}: the MXFP4 bundle's logits are the twin's"
         );
-        for (k, (bundle, resident)) in [(&mx, &mx_file), (&twin, &twin_file)].into_iter().enumerate() {
+        for (k, (bundle, resident)) in [(&mx, &mx_file), (&twin, &twin_file)]
+            .into_iter()
+            .enumerate()
+        {
             let (streamed, bytes) = cli_logits(
                 bundle,
                 &r.prompt,
                 n,
-                &["--ram-budget", "4M", "--cache-policy", "none", "--io", "cached"],
+                &[
+                    "--ram-budget",
+                    "4M",
+                    "--cache-policy",
+                    "none",
+                    "--io",
+                    "cached",
+                ],
                 &out(&format!("s{k}")),
             );
-            assert!(streamed == *resident, "prompt {i}: streamed == resident, byte for byte");
+            assert!(
+                streamed == *resident,
+                "prompt {i}: streamed == resident, byte for byte"
+            );
             assert!(bytes > 0, "the run streamed");
             per_token[k].0 += bytes;
             per_token[k].1 += (r.prompt.len() + n - 1) as u64;

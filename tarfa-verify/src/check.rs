@@ -488,8 +488,8 @@ fn plan_items<'a>(
             // A fused expert: its matrices have no tensors of their own in the source; the
             // manifest's ranges of the fused tensors, through the declared permutation, must
             // give the extent's bytes.
-            let fused =
-                source.and_then(|ck| fused_source(ck, e, record?, &shard_index, &mut fused_failures));
+            let fused = source
+                .and_then(|ck| fused_source(ck, e, record?, &shard_index, &mut fused_failures));
             items.push(Item {
                 name: &e.prefix,
                 offset: e.offset,
@@ -624,11 +624,13 @@ fn fused_first_diff(
     let from_source: Vec<u8> = match f.relayout {
         None => parts.concat(),
         Some((relayout, h, i)) => {
-            let pairs = |b: &[u8]| -> Vec<[u8; 2]> {
-                b.chunks_exact(2).map(|c| [c[0], c[1]]).collect()
-            };
+            let pairs =
+                |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
             if parts.len() != 2 || parts[0].len() != 4 * h * i || parts[1].len() != 2 * h * i {
-                return Ok(Some((0, "the source ranges are not [H, 2I] and [I, H]".into())));
+                return Ok(Some((
+                    0,
+                    "the source ranges are not [H, 2I] and [I, H]".into(),
+                )));
             }
             relayout
                 .to_extent(&pairs(&parts[0]), &pairs(&parts[1]), h, i)
@@ -1104,8 +1106,12 @@ fn compare_tensor_sets(ck: &Checkpoint, h: &Header, m: Option<&Manifest>, out: &
                 .map(|t| f.expert_prefix(t, expert))
                 .unwrap_or_default();
             let same = fused.get(prefix.as_str()).is_some_and(|r| {
-                h.expert(f.layer, expert).is_some_and(|e| e.prefix == prefix)
-                    && r.sources.iter().map(|s| s.tensor.as_str()).eq(tensors.iter().copied())
+                h.expert(f.layer, expert)
+                    .is_some_and(|e| e.prefix == prefix)
+                    && r.sources
+                        .iter()
+                        .map(|s| s.tensor.as_str())
+                        .eq(tensors.iter().copied())
             });
             if !same {
                 out.push(Failure::new(
