@@ -670,19 +670,26 @@ fn fused_first_diff(
 
 /// The bundle's MXFP4 experts, if it has any: stored in the form gpt-oss released them.
 fn mxfp4_note(m: &Manifest) -> Option<Note> {
-    let mx: Vec<&str> = m
+    let mx: Vec<&tarfa_manifest::ExpertRecord> = m
         .experts
         .iter()
         .filter(|e| e.matrices.iter().any(|mm| mm.dtype == "U8"))
-        .map(|e| e.name.as_str())
         .collect();
     let first = mx.first()?;
+    let tensors: std::collections::BTreeSet<&str> = mx
+        .iter()
+        .flat_map(|e| e.sources.iter().map(|s| s.tensor.as_str()))
+        .collect();
+    let example = tensors.iter().next().copied().unwrap_or("?");
     Some(Note {
         name: MANIFEST_FILE.to_string(),
         detail: format!(
-            "{} experts (first {first}) are MXFP4 in the released form: gpt-oss's U8 blocks and \
-             e8m0 scales as released, hashed as stored; the runtime widens them exactly to BF16",
-            mx.len()
+            "{} experts (first {}) are MXFP4 in the released form, from {} released tensors \
+             (e.g. {example}): gpt-oss's U8 blocks and e8m0 scales as released, hashed as \
+             stored; the runtime widens them exactly to BF16",
+            mx.len(),
+            first.name,
+            tensors.len()
         ),
     })
 }
