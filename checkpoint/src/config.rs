@@ -27,6 +27,10 @@ pub enum ModelFamily {
     DeepseekV3,
     /// `model_type: "deepseek_v2"`: as DeepSeek-V3, without the correction bias.
     DeepseekV2,
+    /// `model_type: "gpt_oss"`: every layer MoE, the experts fused per layer
+    /// ([`crate::GPT_OSS_FUSED`]), BF16 or MXFP4 as released (`quantization_config.quant_method
+    /// = "mxfp4"`, the only quantization accepted, and only here).
+    GptOss,
 }
 
 impl ModelFamily {
@@ -40,6 +44,7 @@ impl ModelFamily {
             ModelFamily::Glm4Moe => "glm4_moe",
             ModelFamily::DeepseekV3 => "deepseek_v3",
             ModelFamily::DeepseekV2 => "deepseek_v2",
+            ModelFamily::GptOss => "gpt_oss",
         }
     }
 
@@ -53,6 +58,7 @@ impl ModelFamily {
             ModelFamily::Glm4Moe,
             ModelFamily::DeepseekV3,
             ModelFamily::DeepseekV2,
+            ModelFamily::GptOss,
         ]
         .into_iter()
         .find(|f| f.model_type() == s)
@@ -63,6 +69,14 @@ impl ModelFamily {
         match self {
             ModelFamily::Mixtral => crate::ExpertNaming::Mixtral,
             _ => crate::ExpertNaming::QwenStyle,
+        }
+    }
+
+    /// The family's fused expert tensors, if it stores its experts fused.
+    pub fn fused_experts(self) -> Option<&'static crate::FusedExpertTable> {
+        match self {
+            ModelFamily::GptOss => Some(&crate::GPT_OSS_FUSED),
+            _ => None,
         }
     }
 
@@ -105,6 +119,10 @@ pub struct ModelConfigSummary {
     /// next-token logits never use. Their tensors are skipped (listed in
     /// [`crate::Checkpoint::skipped`]), never carried or run.
     pub nextn_predict_layers: u32,
+    /// `quantization_config.quant_method = "mxfp4"` on a gpt-oss config: its fused experts are
+    /// the released MXFP4 blocks and scales. (The block's other keys are the runtime's rules
+    /// to judge: tarfa-core refuses an unknown one by name.)
+    pub mxfp4: bool,
     /// The whole `config.json`.
     pub raw: Value,
 }
@@ -146,6 +164,8 @@ impl ModelConfigSummary {
         };
         let c = Fields { file, obj };
 
+        // gpt-oss's MXFP4 release is the one quantized form accepted: its experts widen exactly.
+        let mut mxfp4 = false;
         for key in ["quantization_config", "compression_config"] {
             if let Some(q) = c.get(key) {
                 let method = q
@@ -153,6 +173,12 @@ impl ModelConfigSummary {
                     .and_then(Value::as_str)
                     .unwrap_or("unknown method")
                     .to_owned();
+                let gpt_oss = c.get("model_type").and_then(Value::as_str)
+                    == Some(ModelFamily::GptOss.model_type());
+                if key == "quantization_config" && method == "mxfp4" && gpt_oss {
+                    mxfp4 = true;
+                    continue;
+                }
                 return Err(CheckpointError::QuantizedConfig {
                     file: f(),
                     key,
@@ -276,6 +302,7 @@ impl ModelConfigSummary {
             hidden_size,
             moe_layers,
             nextn_predict_layers,
+            mxfp4,
             raw,
         })
     }

@@ -157,7 +157,7 @@ pub enum CheckpointError {
         reason: &'static str,
     },
     /// `model_type` names an architecture Tarfa does not run.
-    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe and glm4_moe)", .file.display())]
+    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, deepseek_v2 and gpt_oss)", .file.display())]
     UnsupportedModelType { file: PathBuf, model_type: String },
     /// The config declares a `quantization_config` (or `compression_config`): a quantized release.
     #[error("{}: declares a {key} ({method:?}); {}Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display(), fp8_note(method))]
@@ -403,6 +403,24 @@ pub enum CheckpointError {
         reference: String,
     },
 
+    /// A Mixture-of-Experts layer of a fused-expert family (gpt-oss) lacks one of its fused
+    /// expert tensors.
+    #[error("{}: layer {layer} has no fused expert tensor {tensor:?}", .file.display())]
+    FusedTensorMissing {
+        file: PathBuf,
+        layer: u32,
+        tensor: String,
+    },
+    /// A fused expert tensor is not in the form's dtype (BF16; U8 for the MXFP4 blocks and
+    /// scales under `quantization_config.quant_method = "mxfp4"`).
+    #[error("{}: fused expert tensor {tensor:?} is {dtype:?}, expected {expected:?} (BF16 fused experts, or U8 MXFP4 blocks and scales under quant_method \"mxfp4\")", .file.display())]
+    FusedTensorDtype {
+        file: PathBuf,
+        tensor: String,
+        dtype: crate::Dtype,
+        expected: crate::Dtype,
+    },
+
     // ---- reading after open ---------------------------------------------------------------------
     /// No tensor of that name is in the checkpoint.
     #[error("{}: no tensor named {tensor:?}", .file.display())]
@@ -514,6 +532,8 @@ impl CheckpointError {
             | ExpertMissingMatrix { file, .. }
             | ExpertMatrixShape { file, .. }
             | ExpertShapeMismatch { file, .. }
+            | FusedTensorMissing { file, .. }
+            | FusedTensorDtype { file, .. }
             | UnknownTensor { file, .. }
             | UnknownShard { file, .. }
             | ShardChanged { file, .. } => file,
@@ -525,7 +545,10 @@ impl CheckpointError {
 /// needs said: its released form is FP8, so a BF16 conversion of it is another model's weights
 /// as far as exactness goes.
 fn fp8_note(method: &str) -> &'static str {
-    if method.eq_ignore_ascii_case("fp8") {
+    if method.eq_ignore_ascii_case("mxfp4") {
+        "MXFP4 is accepted for gpt-oss's expert tensors only (gpt_oss's released form, widened \
+         exactly); "
+    } else if method.eq_ignore_ascii_case("fp8") {
         "this model's released form is FP8 (block-scaled, with weight_scale_inv tensors); a BF16 \
          conversion of it is not the released weights, and exact FP8 is not implemented. "
     } else {

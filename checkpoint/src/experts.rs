@@ -147,6 +147,8 @@ impl ExpertDims {
 
 pub(crate) struct ExpertTable {
     pub experts: BTreeMap<(u32, u32), ExpertSource>,
+    /// A fused-expert family's fused tensors by layer (empty otherwise).
+    pub fused: BTreeMap<u32, crate::FusedLayer>,
     pub dims: BTreeMap<u32, ExpertDims>,
     pub non_expert: Vec<String>,
     /// Multi-token-prediction tensors (see `ModelConfigSummary::nextn_predict_layers`), sorted.
@@ -223,11 +225,16 @@ fn is_float(d: Dtype) -> bool {
 /// The dtype policy over every tensor: no quantization companions, no quantized dtypes, nothing
 /// but BF16/F16/F32/F64. `shard_file(i)` names shard `i` in errors.
 pub(crate) fn check_dtypes(
+    config: &ModelConfigSummary,
     tensors: &BTreeMap<String, SourceTensor>,
     shard_file: &dyn Fn(usize) -> PathBuf,
 ) -> Result<(), CheckpointError> {
     for (name, t) in tensors {
         let file = || shard_file(t.shard);
+        // gpt-oss's released MXFP4 blocks and scales, and nothing else, may be U8.
+        if t.dtype == Dtype::U8 && crate::fused::is_mxfp4_part(config, name) {
+            continue;
+        }
         if is_quant_companion(name) {
             return Err(CheckpointError::QuantizationCompanion {
                 file: file(),
@@ -262,6 +269,9 @@ pub(crate) fn classify(
     weights_file: &Path,
     shard_file: &dyn Fn(usize) -> PathBuf,
 ) -> Result<ExpertTable, CheckpointError> {
+    if let Some(table) = config.family.fused_experts() {
+        return classify_fused_family(config, table, tensors, weights_file, shard_file);
+    }
     let mut slots: BTreeMap<(u32, u32), [Option<&str>; 3]> = BTreeMap::new();
     let mut non_expert = Vec::new();
     let mut skipped = Vec::new();
@@ -407,9 +417,62 @@ pub(crate) fn classify(
     let dims = dims.into_iter().map(|(l, (d, _))| (l, d)).collect();
     Ok(ExpertTable {
         experts,
+        fused: BTreeMap::new(),
         dims,
         non_expert,
         skipped,
+    })
+}
+
+/// A fused-expert family (gpt-oss): under each MoE layer's experts module only the fused
+/// tensors (checked in [`crate::fused::classify_fused`]) and the per-expert biases (carried as
+/// non-expert tensors) may appear.
+fn classify_fused_family(
+    config: &ModelConfigSummary,
+    table: &crate::FusedExpertTable,
+    tensors: &BTreeMap<String, SourceTensor>,
+    weights_file: &Path,
+    shard_file: &dyn Fn(usize) -> PathBuf,
+) -> Result<ExpertTable, CheckpointError> {
+    let mut allowed_fused = std::collections::BTreeSet::new();
+    let mut allowed_bias = std::collections::BTreeSet::new();
+    for &l in &config.moe_layers {
+        allowed_fused.extend(table.tensor_names(l, config.mxfp4));
+        allowed_bias.extend(table.bias_names(l));
+    }
+    let mut non_expert = Vec::new();
+    for (name, t) in tensors {
+        if allowed_fused.contains(name) {
+            continue;
+        }
+        if under_experts(name) && !allowed_bias.contains(name) {
+            return Err(CheckpointError::UnexpectedExpertTensor {
+                file: shard_file(t.shard),
+                tensor: name.clone(),
+                expected: table.pattern(config.mxfp4),
+            });
+        }
+        non_expert.push(name.clone());
+    }
+    let fused = crate::fused::classify_fused(config, table, tensors, weights_file, shard_file)?;
+    let dims = fused
+        .iter()
+        .map(|(&l, f)| {
+            (
+                l,
+                ExpertDims {
+                    intermediate: f.intermediate,
+                    hidden: f.hidden,
+                },
+            )
+        })
+        .collect();
+    Ok(ExpertTable {
+        experts: BTreeMap::new(),
+        fused,
+        dims,
+        non_expert,
+        skipped: Vec::new(),
     })
 }
 

@@ -1,5 +1,6 @@
 //! Reads a Hugging Face Mixture-of-Experts checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral,
-//! OLMoE in BF16) and refuses anything hostile or unsupported with a typed error that names the
+//! OLMoE, GLM-4.5, DeepSeek in BF16; gpt-oss's fused experts in BF16 or as released in MXFP4)
+//! and refuses anything hostile or unsupported with a typed error that names the
 //! file and the failed check.
 //!
 //! ```no_run
@@ -22,15 +23,21 @@
 //!   of a snapshot is [`CheckpointError::HubRepository`], naming the snapshot `refs/main` points
 //!   to.
 //! - **config.json**: present, JSON without duplicate keys, a supported `model_type`, the layer,
-//!   expert, top-k and hidden sizes in range, no `quantization_config`.
+//!   expert, top-k and hidden sizes in range, no `quantization_config` but gpt-oss's
+//!   `quant_method = "mxfp4"`.
 //! - **Weights**: exactly one of `model.safetensors` and `model.safetensors.index.json`; the
 //!   index's `weight_map` and the shards' headers agree tensor for tensor.
 //! - **Every safetensors header** ([`SafetensorsHeader`]): the `safetensors` crate's rules (size
 //!   cap, UTF-8 JSON, known dtypes, checked shape arithmetic, length = shape x dtype size, data
 //!   tiled exactly with no gap, overlap or trailing byte) plus duplicate tensor names and names
 //!   with control or bidirectional-override characters.
-//! - **Dtypes**: no quantized dtype or quantization companion tensor anywhere; non-expert tensors
-//!   BF16, F16, F32 or F64; expert matrices BF16. Bytes are never re-quantised.
+//! - **Dtypes**: no quantized dtype or quantization companion tensor anywhere, but gpt-oss's
+//!   MXFP4 blocks and scales (U8) of its MoE layers' fused experts under `quant_method =
+//!   "mxfp4"`; non-expert tensors BF16, F16, F32 or F64; expert matrices BF16. Bytes are never
+//!   re-quantised.
+//! - **Fused experts** ([`FusedExpertTable`], gpt-oss): every MoE layer has its fused tensors,
+//!   E outermost, shapes consistent with `hidden_size` and each other; under the experts module
+//!   nothing but them and the per-expert biases ([`Checkpoint::fused`]).
 //! - **Experts**: every layer the config makes sparse has every expert, each with exactly its
 //!   gate, up and down matrices, of shapes consistent with each other, `hidden_size`, and the
 //!   layer's other experts; nothing else sits under an `experts` module.
@@ -50,6 +57,7 @@
 mod config;
 mod error;
 mod experts;
+mod fused;
 mod hash;
 mod header;
 mod json;
@@ -66,6 +74,7 @@ use serde::Deserialize;
 pub use config::{ModelConfigSummary, ModelFamily};
 pub use error::{CheckpointError, NameProblem};
 pub use experts::{ExpertDims, ExpertMatrix, ExpertNaming, ExpertSource};
+pub use fused::{FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED};
 pub use hash::{sha256_file, sha256_files_parallel, to_hex};
 pub use header::{HeaderTensor, SafetensorsHeader};
 pub use paths::HubBlob;
@@ -181,8 +190,12 @@ pub struct Checkpoint {
     pub shards: Vec<Shard>,
     /// Every tensor of every shard.
     pub tensors: BTreeMap<String, SourceTensor>,
-    /// Every expert of every Mixture-of-Experts layer, keyed by (layer, expert).
+    /// Every expert of every Mixture-of-Experts layer, keyed by (layer, expert) (empty for a
+    /// family with fused experts: see [`Checkpoint::fused`]).
     pub experts: BTreeMap<(u32, u32), ExpertSource>,
+    /// The fused expert tensors of every Mixture-of-Experts layer of a family that stores its
+    /// experts fused (gpt-oss), keyed by layer; empty otherwise.
+    pub fused: BTreeMap<u32, FusedLayer>,
     /// The expert shapes of each Mixture-of-Experts layer.
     pub expert_dims: BTreeMap<u32, ExpertDims>,
     /// Every other tensor, sorted: embeddings, norms, attention, routers, Qwen2-MoE's
@@ -368,7 +381,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     } else {
         SINGLE_FILE
     });
-    experts::check_dtypes(&tensors, &shard_file)?;
+    experts::check_dtypes(&config, &tensors, &shard_file)?;
     let table = experts::classify(&config, naming, &tensors, weights_file, &shard_file)?;
 
     let mut extra_files = vec![config_file];
@@ -397,6 +410,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
         shards,
         tensors,
         experts: table.experts,
+        fused: table.fused,
         expert_dims: table.dims,
         non_expert: table.non_expert,
         skipped: table.skipped,
@@ -460,6 +474,37 @@ impl Checkpoint {
         }
         self.check_unchanged(shard, handle)?;
         read_exact_at(handle, dst, t.offset).map_err(|source| CheckpointError::Io {
+            file: shard.name.as_str().into(),
+            op: "reading a tensor",
+            source,
+        })
+    }
+
+    /// `dst.len()` bytes of a tensor from byte `start` of its data (one expert's slice of a
+    /// fused expert tensor), read (not mapped) from the shard validated at open time. A range
+    /// past the tensor's end is an error, never a read of its neighbour.
+    pub fn read_tensor_range_to(
+        &self,
+        name: &str,
+        start: u64,
+        dst: &mut [u8],
+    ) -> Result<(), CheckpointError> {
+        let (t, shard, handle) = self.locate(name)?;
+        let inside = start
+            .checked_add(dst.len() as u64)
+            .is_some_and(|end| end <= t.len);
+        if !inside {
+            return Err(CheckpointError::Io {
+                file: shard.name.as_str().into(),
+                op: "reading a tensor",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "range past the end of the tensor",
+                ),
+            });
+        }
+        self.check_unchanged(shard, handle)?;
+        read_exact_at(handle, dst, t.offset + start).map_err(|source| CheckpointError::Io {
             file: shard.name.as_str().into(),
             op: "reading a tensor",
             source,

@@ -90,8 +90,12 @@ pub enum JnfError {
     #[error("{first:?} and {second:?} overlap")]
     Overlap { first: String, second: String },
     /// An expert's matrices are not gate, up, down in that order.
-    #[error("expert {prefix:?}: matrices must be gate, up, down in that order")]
+    #[error("expert {prefix:?}: matrices must be gate, up, down in that order (or the MXFP4 parts gate_up_blocks, gate_up_scales, down_blocks, down_scales)")]
     ExpertRoles { prefix: String },
+    /// An MXFP4 extent's parts are not the released blocks and scales of `gate_up [2I, H]`
+    /// and `down [H, I]` (U8, blocks `[rows, groups, 16]`, scales `[rows, groups]`).
+    #[error("expert {prefix:?}: not an MXFP4 extent as released: {why}")]
+    Mxfp4Layout { prefix: String, why: String },
     /// An expert's matrices are not packed back to back from the extent start.
     #[error(
         "expert {prefix:?}: matrix {name:?} at {offset} inside the extent, expected {expected}"

@@ -11,14 +11,17 @@ use crate::{align_up, JnfError, ALIGN, FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMB
 /// needs about 8 MB; the cap keeps a hostile length from allocating gigabytes.
 pub const MAX_HEADER_LEN: u64 = 64 << 20;
 
-/// Element types a JNF file may carry. Only floating-point types exist here: quantized and
-/// integer dtypes are refused by name ([`JnfError::RefusedDtype`]), never representable.
+/// Element types a JNF file may carry: floating-point types, and `U8` for the parts of an
+/// MXFP4 expert extent only (the released blocks and scales, [`ExtentEncoding::Mxfp4`]); a `U8`
+/// tensor or standard expert matrix is refused by name. Every other quantized and integer dtype
+/// is refused by name ([`JnfError::RefusedDtype`]), never representable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dtype {
     BF16,
     F16,
     F32,
     F64,
+    U8,
 }
 
 impl Dtype {
@@ -27,6 +30,7 @@ impl Dtype {
             Dtype::BF16 | Dtype::F16 => 2,
             Dtype::F32 => 4,
             Dtype::F64 => 8,
+            Dtype::U8 => 1,
         }
     }
 
@@ -36,6 +40,7 @@ impl Dtype {
             Dtype::F16 => "F16",
             Dtype::F32 => "F32",
             Dtype::F64 => "F64",
+            Dtype::U8 => "U8",
         }
     }
 
@@ -47,10 +52,9 @@ impl Dtype {
             "F16" => Ok(Dtype::F16),
             "F32" => Ok(Dtype::F32),
             "F64" => Ok(Dtype::F64),
+            "U8" => Ok(Dtype::U8),
             "F8_E4M3" | "F8_E5M2" | "F8_E8M0" | "F6_E2M3" | "F6_E3M2" | "F4" | "I4" | "U4"
-            | "I8" | "U8" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64" | "BOOL" | "C64" => {
-                Err(true)
-            }
+            | "I8" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64" | "BOOL" | "C64" => Err(true),
             _ => Err(false),
         }
     }
@@ -81,23 +85,55 @@ pub struct TensorEntry {
     pub source: Option<SourceRef>,
 }
 
+/// What one part of an expert extent is. A standard extent is `gate, up, down` (BF16
+/// `[out, in]` matrices); an MXFP4 extent is gpt-oss's released parts, `gate_up_blocks,
+/// gate_up_scales, down_blocks, down_scales` (U8; docs/FORMAT.md, "MXFP4").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum MatrixRole {
     Gate,
     Up,
     Down,
+    /// `[2I, H/32, 16]`: two e2m1 codes a byte, low nibble first; rows `2j` gate, `2j+1` up.
+    GateUpBlocks,
+    /// `[2I, H/32]`: one e8m0 scale (bias 127) per block of 32 values.
+    GateUpScales,
+    /// `[H, I/32, 16]`.
+    DownBlocks,
+    /// `[H, I/32]`.
+    DownScales,
 }
 
 impl MatrixRole {
     pub const ORDER: [MatrixRole; 3] = [MatrixRole::Gate, MatrixRole::Up, MatrixRole::Down];
+    /// The parts of an MXFP4 extent, in extent order (the released tensors' order).
+    pub const MXFP4_ORDER: [MatrixRole; 4] = [
+        MatrixRole::GateUpBlocks,
+        MatrixRole::GateUpScales,
+        MatrixRole::DownBlocks,
+        MatrixRole::DownScales,
+    ];
     pub fn as_str(self) -> &'static str {
         match self {
             MatrixRole::Gate => "gate",
             MatrixRole::Up => "up",
             MatrixRole::Down => "down",
+            MatrixRole::GateUpBlocks => "gate_up_blocks",
+            MatrixRole::GateUpScales => "gate_up_scales",
+            MatrixRole::DownBlocks => "down_blocks",
+            MatrixRole::DownScales => "down_scales",
         }
     }
+}
+
+/// How an extent's bytes encode the expert, decided by its roles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtentEncoding {
+    /// `gate, up, down`, BF16 `[out, in]`.
+    Bf16,
+    /// gpt-oss's MXFP4 as released: blocks and scales of `gate_up` (`[2I, H]`, rows
+    /// interleaved gate/up) and of `down` (`[H, I]`), widened exactly at run time.
+    Mxfp4,
 }
 
 /// One matrix of an expert; `offset` is relative to the start of its extent.
@@ -112,8 +148,9 @@ pub struct ExpertMatrix {
     pub source: Option<SourceRef>,
 }
 
-/// One expert: gate, up and down packed back to back from a 4096-aligned `offset`;
-/// `length` is their total, `padded_length` the aligned size the extent occupies.
+/// One expert: its parts (gate, up and down; or the four MXFP4 parts) packed back to back from
+/// a 4096-aligned `offset`; `length` is their total, `padded_length` the aligned size the
+/// extent occupies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertExtent {
     pub layer: u32,
@@ -122,12 +159,25 @@ pub struct ExpertExtent {
     pub offset: u64,
     pub length: u64,
     pub padded_length: u64,
-    pub matrices: [ExpertMatrix; 3],
+    /// `gate, up, down` ([`MatrixRole::ORDER`]) or the MXFP4 parts
+    /// ([`MatrixRole::MXFP4_ORDER`]); a validated header holds nothing else.
+    pub matrices: Vec<ExpertMatrix>,
 }
 
 impl ExpertExtent {
-    pub fn matrix(&self, role: MatrixRole) -> &ExpertMatrix {
-        &self.matrices[role as usize]
+    /// The part of that role, if the extent has one.
+    pub fn matrix(&self, role: MatrixRole) -> Option<&ExpertMatrix> {
+        self.matrices.iter().find(|m| m.role == role)
+    }
+
+    /// The extent's encoding, from its roles (a validated header's extents are one or the
+    /// other).
+    pub fn encoding(&self) -> ExtentEncoding {
+        if self.matrices.first().map(|m| m.role) == Some(MatrixRole::GateUpBlocks) {
+            ExtentEncoding::Mxfp4
+        } else {
+            ExtentEncoding::Bf16
+        }
     }
 }
 
@@ -223,6 +273,36 @@ pub(crate) fn shape_bytes(name: &str, shape: &[u64], dtype: Dtype) -> Result<u64
         })
 }
 
+/// The block layout of an MXFP4 extent: blocks `[rows, groups, 16]`, their scales `[rows,
+/// groups]`, and the two matrices `gate_up [2I, H]` and `down [H, I]` agreeing on H and I.
+fn check_mxfp4_shapes(e: &ExpertExtent) -> Result<(), JnfError> {
+    let bad = |why: String| JnfError::Mxfp4Layout {
+        prefix: e.prefix.clone(),
+        why,
+    };
+    let pair = |b: &ExpertMatrix, s: &ExpertMatrix| -> Result<(u64, u64), JnfError> {
+        match (b.shape.as_slice(), s.shape.as_slice()) {
+            ([r, g, 16], [r2, g2]) if r == r2 && g == g2 && *r > 0 && *g > 0 => Ok((*r, *g)),
+            _ => Err(bad(format!(
+                "blocks {:?} {:?} and scales {:?} {:?} are not [rows, groups, 16] and [rows, groups]",
+                b.name, b.shape, s.name, s.shape
+            ))),
+        }
+    };
+    let (gu_rows, gu_groups) = pair(&e.matrices[0], &e.matrices[1])?;
+    let (d_rows, d_groups) = pair(&e.matrices[2], &e.matrices[3])?;
+    // gate_up is [2I, H] and down [H, I]: H = 32 * gate_up's groups, I = 32 * down's groups.
+    let h = gu_groups.checked_mul(32);
+    let two_i = d_groups.checked_mul(64);
+    if h != Some(d_rows) || two_i != Some(gu_rows) {
+        return Err(bad(format!(
+            "gate_up [{gu_rows}, {gu_groups} blocks] and down [{d_rows}, {d_groups} blocks] do not \
+             describe [2I, H] and [H, I]"
+        )));
+    }
+    Ok(())
+}
+
 fn check_name(name: &str) -> Result<(), JnfError> {
     if name.is_empty() || name.chars().any(|c| c.is_control()) {
         return Err(JnfError::InvalidName(name.into()));
@@ -315,10 +395,10 @@ impl Header {
         }
         let mut experts = Vec::with_capacity(raw.experts.len());
         for e in raw.experts {
-            if e.matrices.len() != 3 {
+            if e.matrices.len() != 3 && e.matrices.len() != 4 {
                 return Err(JnfError::ExpertRoles { prefix: e.prefix });
             }
-            let mut ms = Vec::with_capacity(3);
+            let mut ms = Vec::with_capacity(4);
             for m in e.matrices {
                 let dtype = dtype_of(&m.name, &m.dtype)?;
                 ms.push(ExpertMatrix {
@@ -331,7 +411,7 @@ impl Header {
                     source: m.source,
                 });
             }
-            let matrices: [ExpertMatrix; 3] = ms.try_into().expect("three matrices");
+            let matrices = ms;
             experts.push(ExpertExtent {
                 layer: e.layer,
                 expert: e.expert,
@@ -432,6 +512,13 @@ impl Header {
 
         for t in &self.tensors {
             seen(&t.name)?;
+            if t.dtype == Dtype::U8 {
+                // U8 is only the released form of MXFP4 expert parts, never a tensor.
+                return Err(JnfError::RefusedDtype {
+                    name: t.name.clone(),
+                    dtype: t.dtype.to_string(),
+                });
+            }
             let expected = shape_bytes(&t.name, &t.shape, t.dtype)?;
             if expected != t.length {
                 return Err(JnfError::LengthMismatch {
@@ -454,17 +541,36 @@ impl Header {
         for e in &self.experts {
             seen(&e.prefix)?;
             let mut sum = 0u64;
-            for (m, role) in e.matrices.iter().zip(MatrixRole::ORDER) {
+            let roles: &[MatrixRole] = match e.encoding() {
+                ExtentEncoding::Bf16 => &MatrixRole::ORDER,
+                ExtentEncoding::Mxfp4 => &MatrixRole::MXFP4_ORDER,
+            };
+            if e.matrices.len() != roles.len() {
+                return Err(JnfError::ExpertRoles {
+                    prefix: e.prefix.clone(),
+                });
+            }
+            for (m, &role) in e.matrices.iter().zip(roles) {
                 seen(&m.name)?;
                 if m.role != role {
                     return Err(JnfError::ExpertRoles {
                         prefix: e.prefix.clone(),
                     });
                 }
-                if m.dtype != Dtype::BF16 {
+                let want = match e.encoding() {
+                    ExtentEncoding::Bf16 => Dtype::BF16,
+                    ExtentEncoding::Mxfp4 => Dtype::U8,
+                };
+                if m.dtype != want && want == Dtype::BF16 {
                     return Err(JnfError::ExpertNotBf16 {
                         name: m.name.clone(),
                         dtype: m.dtype.to_string(),
+                    });
+                }
+                if m.dtype != want {
+                    return Err(JnfError::Mxfp4Layout {
+                        prefix: e.prefix.clone(),
+                        why: format!("part {:?} is {}, not U8", m.name, m.dtype),
                     });
                 }
                 let expected = shape_bytes(&m.name, &m.shape, m.dtype)?;
@@ -489,6 +595,9 @@ impl Header {
                         name: m.name.clone(),
                         shape: m.shape.clone(),
                     })?;
+            }
+            if e.encoding() == ExtentEncoding::Mxfp4 {
+                check_mxfp4_shapes(e)?;
             }
             let layer_part = format!("model.layers.{}.", e.layer);
             let expert_part = format!(".experts.{}", e.expert);

@@ -30,10 +30,13 @@ pub struct MatrixSpec {
     pub source: Option<SourceRef>,
 }
 
+/// An expert's parts to place, each with its role, in extent order.
+type ExpertParts = Vec<(MatrixRole, MatrixSpec)>;
+
 #[derive(Debug, Default)]
 pub struct LayoutPlan {
     tensors: Vec<TensorSpec>,
-    experts: BTreeMap<(u32, u32), (String, [MatrixSpec; 3])>,
+    experts: BTreeMap<(u32, u32), (String, ExpertParts)>,
     metadata: BTreeMap<String, String>,
 }
 
@@ -54,7 +57,21 @@ impl LayoutPlan {
         prefix: String,
         matrices: [MatrixSpec; 3],
     ) {
-        self.experts.insert((layer, expert), (prefix, matrices));
+        let parts = MatrixRole::ORDER.into_iter().zip(matrices).collect();
+        self.experts.insert((layer, expert), (prefix, parts));
+    }
+
+    /// Add an MXFP4 expert as released; `parts` are gate_up blocks, gate_up scales, down
+    /// blocks, down scales in that order ([`MatrixRole::MXFP4_ORDER`]).
+    pub fn add_mxfp4_expert(
+        &mut self,
+        layer: u32,
+        expert: u32,
+        prefix: String,
+        parts: [MatrixSpec; 4],
+    ) {
+        let parts = MatrixRole::MXFP4_ORDER.into_iter().zip(parts).collect();
+        self.experts.insert((layer, expert), (prefix, parts));
     }
 
     pub fn set_metadata(&mut self, key: &str, value: &str) {
@@ -113,8 +130,8 @@ impl LayoutPlan {
         let mut experts = Vec::with_capacity(self.experts.len());
         for (&(layer, expert), (prefix, specs)) in &self.experts {
             let mut inner = 0u64;
-            let mut ms = Vec::with_capacity(3);
-            for (spec, role) in specs.iter().zip(MatrixRole::ORDER) {
+            let mut ms = Vec::with_capacity(specs.len());
+            for &(role, ref spec) in specs {
                 let length = shape_bytes(&spec.name, &spec.shape, spec.dtype)?;
                 ms.push(ExpertMatrix {
                     role,
@@ -137,7 +154,7 @@ impl LayoutPlan {
                 offset: cursor,
                 length: inner,
                 padded_length: padded,
-                matrices: ms.try_into().expect("three matrices"),
+                matrices: ms,
             });
             cursor = cursor.checked_add(padded).ok_or_else(|| overflow(prefix))?;
         }

@@ -16,13 +16,16 @@ mod error;
 mod header;
 mod layout;
 mod reader;
+pub mod relayout;
 
 pub use error::JnfError;
 pub use header::{
-    Dtype, ExpertExtent, ExpertMatrix, Header, MatrixRole, SourceRef, TensorEntry, MAX_HEADER_LEN,
+    Dtype, ExpertExtent, ExpertMatrix, ExtentEncoding, Header, MatrixRole, SourceRef, TensorEntry,
+    MAX_HEADER_LEN,
 };
 pub use layout::{LayoutPlan, MatrixSpec, TensorSpec};
 pub use reader::JnfFile;
+pub use relayout::Relayout;
 
 /// The eight bytes every JNF file starts with.
 pub const MAGIC: [u8; 8] = *b"TARFAJNF";

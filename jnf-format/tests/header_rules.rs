@@ -110,8 +110,8 @@ fn valid_layout_round_trips() {
     let e = h.expert(1, 2).unwrap();
     assert_eq!(e.prefix, "model.layers.1.mlp.experts.2");
     assert_eq!(e.length, 3 * 96);
-    assert_eq!(e.matrix(MatrixRole::Up).offset, 96);
-    assert_eq!(e.matrix(MatrixRole::Down).offset, 192);
+    assert_eq!(e.matrix(MatrixRole::Up).unwrap().offset, 96);
+    assert_eq!(e.matrix(MatrixRole::Down).unwrap().offset, 192);
     assert_eq!(h.file_size, 12288 + 6 * 4096);
 }
 
@@ -507,4 +507,80 @@ fn re_encoding_a_header_that_no_longer_fits_is_an_error() {
         h.encode(),
         Err(JnfError::EncodedHeaderTooLong { .. })
     ));
+}
+
+/// A layer of two MXFP4 experts as gpt-oss releases them (H = 64, I = 32): the four U8 parts.
+fn mxfp4_plan() -> LayoutPlan {
+    let mut plan = LayoutPlan::new();
+    let u8p = |name: String, shape: &[u64]| MatrixSpec {
+        name,
+        dtype: Dtype::U8,
+        shape: shape.to_vec(),
+        source: None,
+    };
+    for e in 0..2 {
+        let p = format!("model.layers.0.mlp.experts.{e}");
+        plan.add_mxfp4_expert(
+            0,
+            e,
+            p.clone(),
+            [
+                u8p(format!("{p}.gate_up_proj_blocks"), &[64, 2, 16]),
+                u8p(format!("{p}.gate_up_proj_scales"), &[64, 2]),
+                u8p(format!("{p}.down_proj_blocks"), &[64, 1, 16]),
+                u8p(format!("{p}.down_proj_scales"), &[64, 1]),
+            ],
+        );
+    }
+    plan
+}
+
+#[test]
+fn mxfp4_extents_round_trip_and_every_rule_of_their_parts_is_checked() {
+    let h = mxfp4_plan().finish().unwrap();
+    let e = h.expert(0, 1).unwrap();
+    assert_eq!(e.encoding(), ExtentEncoding::Mxfp4);
+    // 64*2*16 + 64*2 + 64*16 + 64 bytes: 17/32 of a byte per value of [64, 64] and [64, 32]
+    assert_eq!(e.length, 2048 + 128 + 1024 + 64);
+    let v = header_json(&h);
+    assert_eq!(parse(&file_from(v.clone(), false)).unwrap(), h);
+
+    // A U8 tensor is refused: U8 is only ever an MXFP4 part.
+    let mut plan = mxfp4_plan();
+    plan.add_tensor(TensorSpec {
+        name: "model.norm.weight".into(),
+        dtype: Dtype::U8,
+        shape: vec![8],
+        source: None,
+    });
+    assert!(matches!(plan.finish(), Err(JnfError::RefusedDtype { .. })));
+    // A part in another dtype, parts out of order, and shapes that do not agree on H and I.
+    for (path, value) in [
+        (("matrices", 1, "dtype"), json!("BF16")),
+        (("matrices", 0, "role"), json!("gate_up_scales")),
+        (("matrices", 3, "role"), json!("down")),
+    ] {
+        let mut v = v.clone();
+        v["experts"][0][path.0][path.1][path.2] = value;
+        assert!(
+            matches!(
+                parse(&file_from(v, false)),
+                Err(JnfError::Mxfp4Layout { .. } | JnfError::ExpertRoles { .. })
+            ),
+            "{path:?}"
+        );
+    }
+    let mut v = v.clone();
+    // down [H = 32, I = 32] blocks and scales, which no gate_up [2I = 64, H = 64] goes with;
+    // lengths kept consistent so that only the block-layout rule can catch it.
+    v["experts"][0]["matrices"][2]["shape"] = json!([32, 2, 16]);
+    v["experts"][0]["matrices"][3]["shape"] = json!([32, 2]);
+    assert!(matches!(
+        parse(&file_from(v, false)),
+        Err(JnfError::Mxfp4Layout { .. })
+    ));
+    // A BF16 gate/up/down matrix in U8 is refused too.
+    let mut v = valid_value();
+    v["experts"][0]["matrices"][0]["dtype"] = json!("U8");
+    assert!(parse(&file_from(v, false)).is_err());
 }

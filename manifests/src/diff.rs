@@ -112,7 +112,13 @@ fn entries(m: &Manifest) -> HashMap<&str, Entry<'_>> {
             e.name.as_str(),
             Entry {
                 kind: EntryKind::Expert,
-                dtype: "BF16",
+                // An MXFP4 expert as released and its BF16 twin differ in dtype, so a diff
+                // between the two says so rather than only "changed".
+                dtype: if e.matrices.iter().any(|mm| mm.dtype == "U8") {
+                    "MXFP4"
+                } else {
+                    "BF16"
+                },
                 shape,
                 sha256: &e.sha256,
             },

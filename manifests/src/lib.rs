@@ -17,7 +17,7 @@ mod schema;
 pub use diff::{diff, Change, ChangeKind, EntryKind, LayerKey, LayerSummary, ManifestDiff};
 pub use schema::{
     is_unsafe_char, ExpertRecord, FileRecord, HeaderRecord, Manifest, ManifestError, MatrixRecord,
-    ShardRecord, TensorRecord, CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION,
+    ShardRecord, SourceRange, TensorRecord, CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION,
 };
 
 /// The layer number in a name like `model.layers.12.mlp.experts.3`, if it has one.

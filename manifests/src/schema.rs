@@ -175,6 +175,20 @@ pub struct MatrixRecord {
     pub length: u64,
 }
 
+/// One byte range of a source tensor that an expert's extent was made from (fused experts:
+/// expert `e`'s slice of a tensor holding every expert of the layer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceRange {
+    /// The source tensor, e.g. `model.layers.0.mlp.experts.gate_up_proj`.
+    pub tensor: String,
+    /// The shard that holds it.
+    pub shard: String,
+    /// Absolute byte offset of the range in the shard.
+    pub offset: u64,
+    pub length: u64,
+}
+
 /// An expert extent: hashes over its gate, up and down bytes in that order (never padding).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -192,6 +206,15 @@ pub struct ExpertRecord {
     /// How many elements of its three matrices are NaN or infinite.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub nonfinite: u64,
+    /// The declared permutation (`jnf_format::Relayout::name`) that made the extent from the
+    /// [`sources`](Self::sources) concatenated; absent when the extent is those bytes as they
+    /// are (MXFP4 as released) or the expert had tensors of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relayout: Option<String>,
+    /// Where a fused expert's bytes came from, in extent order (empty for an expert with
+    /// tensors of its own: the header's matrix sources say where those came from).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<SourceRange>,
     pub matrices: Vec<MatrixRecord>,
 }
 
@@ -243,6 +266,14 @@ fn safe_file_name(name: &str) -> bool {
         && name != "."
         && name != ".."
         && !name.contains(['/', '\\', '\0'])
+        && !name.chars().any(is_unsafe_char)
+}
+
+/// A shard name as an index spells it: relative, no `..`, no unsafe characters.
+fn safe_file_name_path(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('/')
+        && name.split('/').all(|part| part != ".." && !part.is_empty())
         && !name.chars().any(is_unsafe_char)
 }
 
@@ -379,10 +410,14 @@ impl Manifest {
             unique(&t.name)?;
             digest(&t.name, "sha256", &t.sha256)?;
             digest(&t.name, "blake3", &t.blake3)?;
-            let dtype = Dtype::parse(&t.dtype).map_err(|_| ManifestError::BadDtype {
-                name: t.name.clone(),
-                dtype: t.dtype.clone(),
-            })?;
+            let dtype = Dtype::parse(&t.dtype)
+                .ok()
+                // U8 is only ever an MXFP4 expert part, never a tensor.
+                .filter(|d| *d != Dtype::U8)
+                .ok_or_else(|| ManifestError::BadDtype {
+                    name: t.name.clone(),
+                    dtype: t.dtype.clone(),
+                })?;
             if shape_bytes(&t.shape, dtype) != Some(t.length) {
                 return Err(ManifestError::LengthMismatch {
                     name: t.name.clone(),
@@ -410,31 +445,60 @@ impl Manifest {
                     expert: e.expert,
                 });
             }
-            if e.matrices.len() != 3 {
+            let mxfp4 = e.matrices.first().map(|m| m.role) == Some(MatrixRole::GateUpBlocks);
+            let (roles, dtype): (&[MatrixRole], Dtype) = if mxfp4 {
+                (&MatrixRole::MXFP4_ORDER, Dtype::U8)
+            } else {
+                (&MatrixRole::ORDER, Dtype::BF16)
+            };
+            if e.matrices.len() != roles.len() {
                 return Err(ManifestError::BadMatrices {
                     name: e.name.clone(),
-                    why: "needs 3 matrices",
+                    why: "needs 3 matrices (or the 4 MXFP4 parts)",
                 });
             }
+            if let Some(r) = &e.relayout {
+                if jnf_format::Relayout::from_name(r).is_none() || mxfp4 || e.sources.is_empty() {
+                    return Err(ManifestError::BadMatrices {
+                        name: e.name.clone(),
+                        why: "relayout is not a declared permutation of BF16 fused sources",
+                    });
+                }
+            }
+            let sourced: Option<u64> = e
+                .sources
+                .iter()
+                .try_fold(0u64, |acc, r| acc.checked_add(r.length));
+            if !e.sources.is_empty() && sourced != Some(e.length) {
+                return Err(ManifestError::BadMatrices {
+                    name: e.name.clone(),
+                    why: "its source ranges do not add up to its length",
+                });
+            }
+            for r in &e.sources {
+                if !valid_entry_name(&r.tensor) || !safe_file_name_path(&r.shard) {
+                    return Err(ManifestError::InvalidName(r.tensor.clone()));
+                }
+            }
             let mut sum = 0u64;
-            for (m, role) in e.matrices.iter().zip(MatrixRole::ORDER) {
+            for (m, &role) in e.matrices.iter().zip(roles) {
                 if m.role != role {
                     return Err(ManifestError::BadMatrices {
                         name: e.name.clone(),
-                        why: "matrices must be gate, up, down in that order",
+                        why: "matrices must be gate, up, down in that order (or the MXFP4 parts)",
                     });
                 }
                 if !valid_entry_name(&m.name) {
                     return Err(ManifestError::InvalidName(m.name.clone()));
                 }
                 unique(&m.name)?;
-                if m.dtype != "BF16" {
+                if m.dtype != dtype.as_str() {
                     return Err(ManifestError::BadDtype {
                         name: m.name.clone(),
                         dtype: m.dtype.clone(),
                     });
                 }
-                if shape_bytes(&m.shape, Dtype::BF16) != Some(m.length) {
+                if shape_bytes(&m.shape, dtype) != Some(m.length) {
                     return Err(ManifestError::LengthMismatch {
                         name: m.name.clone(),
                     });

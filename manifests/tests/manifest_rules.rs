@@ -21,6 +21,8 @@ fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
         })
         .collect();
     ExpertRecord {
+        relayout: None,
+        sources: Vec::new(),
         name,
         layer,
         expert: e,
@@ -329,6 +331,43 @@ fn rules() {
         (Box::new(|m| m.tensors[0].shape = vec![u64::MAX, 4]), |e| {
             matches!(e, ManifestError::LengthMismatch { .. })
         }),
+        // U8 is only an MXFP4 expert part, never a tensor or a gate/up/down.
+        (Box::new(|m| m.tensors[0].dtype = "U8".into()), |e| {
+            matches!(e, ManifestError::BadDtype { .. })
+        }),
+        (
+            Box::new(|m| m.experts[0].matrices[0].dtype = "U8".into()),
+            |e| matches!(e, ManifestError::BadDtype { .. }),
+        ),
+        // A fused expert's source ranges must add up to its length, and a relayout must be a
+        // declared permutation of BF16 fused sources.
+        (
+            Box::new(|m| {
+                m.experts[0].sources = vec![SourceRange {
+                    tensor: "model.layers.0.mlp.experts.gate_up_proj".into(),
+                    shard: "model.safetensors".into(),
+                    offset: 8,
+                    length: 23,
+                }]
+            }),
+            |e| matches!(e, ManifestError::BadMatrices { .. }),
+        ),
+        (
+            Box::new(|m| {
+                m.experts[0].sources = vec![SourceRange {
+                    tensor: "model.layers.0.mlp.experts.gate_up_proj".into(),
+                    shard: "model.safetensors".into(),
+                    offset: 8,
+                    length: 24,
+                }];
+                m.experts[0].relayout = Some("transpose".into());
+            }),
+            |e| matches!(e, ManifestError::BadMatrices { .. }),
+        ),
+        (
+            Box::new(|m| m.experts[0].relayout = Some("gate_up_interleaved_columns".into())),
+            |e| matches!(e, ManifestError::BadMatrices { .. }),
+        ),
         (Box::new(|m| m.experts[0].matrices.swap(0, 1)), |e| {
             matches!(e, ManifestError::BadMatrices { .. })
         }),

@@ -60,12 +60,19 @@ pub struct CopiedFile {
     pub bytes: Vec<u8>,
 }
 
+/// Where each fused expert's extent came from, by (layer, expert): the declared permutation
+/// (`jnf_format::Relayout::name`, none for bytes as released) and the source ranges in extent
+/// order. Experts with tensors of their own are absent.
+pub type ExpertSources = BTreeMap<(u32, u32), (Option<String>, Vec<tarfa_manifest::SourceRange>)>;
+
 /// Everything needed to write a bundle besides the region bytes.
 pub struct BundleSpec {
     pub header: Header,
     pub files: Vec<CopiedFile>,
     pub source: BTreeMap<String, String>,
     pub converter: String,
+    /// The manifest's record of fused experts' sources (empty for other checkpoints).
+    pub expert_sources: ExpertSources,
 }
 
 /// What a write did, for the command's report and the benchmark.
@@ -86,6 +93,8 @@ pub struct WriteSummary {
     /// What the conversion left out of the source, and why (the MTP layers a DeepSeek or
     /// GLM-4.5 checkpoint carries), one line each.
     pub notes: Vec<String>,
+    /// The source tensors stored as released MXFP4 (gpt-oss's expert blocks and scales).
+    pub mxfp4_tensors: Vec<String>,
 }
 
 const TMP_MARK: &str = ".tarfa-tmp-";
@@ -437,6 +446,7 @@ pub fn write_bundle(
         removed_stale,
         nonfinite: nonfinite_tensors,
         notes: Vec::new(),
+        mxfp4_tensors: Vec::new(),
     })
 }
 
@@ -693,6 +703,8 @@ pub fn count_nonfinite(dtype: Dtype, bytes: &[u8]) -> u64 {
         Dtype::F16 => count::<2>(bytes, 0x7c00),
         Dtype::F32 => count::<4>(bytes, 0x7f80_0000),
         Dtype::F64 => count::<8>(bytes, 0x7ff0_0000_0000_0000),
+        // MXFP4 blocks and e8m0 scales: not IEEE elements (a NaN scale is refused when run).
+        Dtype::U8 => 0,
     }
 }
 
@@ -822,7 +834,14 @@ fn build_manifest(
         .zip(&nonfinite.experts)
         .map(|((e, hs), &nonfinite)| {
             let (sha, b3) = hs.expect("every expert was written");
+            let (relayout, sources) = spec
+                .expert_sources
+                .get(&(e.layer, e.expert))
+                .cloned()
+                .unwrap_or_default();
             ExpertRecord {
+                relayout,
+                sources,
                 name: e.prefix.clone(),
                 layer: e.layer,
                 expert: e.expert,

@@ -3,10 +3,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, SourceRef, TensorEntry, TensorSpec};
-use tarfa_checkpoint::{Checkpoint, ExpertMatrix};
+use jnf_format::{
+    Dtype, ExpertExtent, LayoutPlan, MatrixSpec, Relayout, SourceRef, TensorEntry, TensorSpec,
+};
+use tarfa_checkpoint::{Checkpoint, ExpertMatrix, FusedForm, FusedLayer, GateUpColumns};
 use tarfa_manifest::hash::to_hex;
-use tarfa_manifest::ShardRecord;
+use tarfa_manifest::{ShardRecord, SourceRange};
 
 use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
 use crate::ConvertError;
@@ -65,6 +67,7 @@ pub fn convert(
     // Before anything is written: a checkpoint the runtime would refuse is refused now.
     crate::family::check(&ckpt)?;
     let header = plan(&ckpt)?;
+    let expert_sources = fused_sources(&ckpt);
     let mut files = Vec::new();
     for f in &ckpt.extra_files {
         let bytes = std::fs::read(&f.path).map_err(ConvertError::io(&f.path, "read"))?;
@@ -85,11 +88,24 @@ pub fn convert(
     if let Some(n) = &note {
         source.insert("skipped".to_string(), n.clone());
     }
+    let mxfp4 = mxfp4_tensors(&ckpt);
+    let mxfp4_note = (!mxfp4.is_empty()).then(|| {
+        format!(
+            "MXFP4 experts stored in the released form ({} tensors: {} ...): blocks and scales \
+             as released, hashed as stored, widened exactly to BF16 when run",
+            mxfp4.len(),
+            mxfp4[0]
+        )
+    });
+    if let Some(n) = &mxfp4_note {
+        source.insert("mxfp4".to_string(), n.clone());
+    }
     let spec = BundleSpec {
         header,
         files,
         source,
         converter: converter_id(),
+        expert_sources,
     };
     let src = CheckpointSource {
         ckpt: &ckpt,
@@ -97,7 +113,66 @@ pub fn convert(
     };
     let mut summary = write_bundle(out, opts.force, spec, &src)?;
     summary.notes.extend(note);
+    summary.notes.extend(mxfp4_note);
+    summary.mxfp4_tensors = mxfp4;
     Ok(summary)
+}
+
+/// The source tensors stored as released MXFP4 (blocks and scales), sorted.
+fn mxfp4_tensors(ckpt: &Checkpoint) -> Vec<String> {
+    let mut v: Vec<String> = ckpt
+        .fused
+        .values()
+        .filter(|f| matches!(f.form, FusedForm::Mxfp4 { .. }))
+        .flat_map(|f| f.tensors().into_iter().map(str::to_owned))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The declared permutation a fused layer's BF16 slices are re-laid with.
+fn relayout_of(f: &FusedLayer) -> Option<Relayout> {
+    match (&f.form, f.columns) {
+        (FusedForm::Bf16 { .. }, GateUpColumns::Interleaved) => {
+            Some(Relayout::GateUpInterleavedColumns)
+        }
+        (FusedForm::Mxfp4 { .. }, _) => None,
+    }
+}
+
+/// Expert `e`'s byte range of each of a fused layer's tensors, in extent order.
+fn fused_ranges(ckpt: &Checkpoint, f: &FusedLayer, expert: u32) -> Vec<SourceRange> {
+    f.tensors()
+        .into_iter()
+        .map(|name| {
+            let t = &ckpt.tensors[name];
+            // E is outermost: expert e's slice is the e-th of E equal, contiguous ranges.
+            let per = t.len / u64::from(ckpt.config.num_experts);
+            SourceRange {
+                tensor: name.to_owned(),
+                shard: ckpt.shards[t.shard].name.clone(),
+                offset: t.offset + u64::from(expert) * per,
+                length: per,
+            }
+        })
+        .collect()
+}
+
+/// The manifest's source record of every fused expert: the permutation, and the ranges.
+fn fused_sources(ckpt: &Checkpoint) -> crate::bundle::ExpertSources {
+    let mut out = BTreeMap::new();
+    for f in ckpt.fused.values() {
+        for e in 0..ckpt.config.num_experts {
+            out.insert(
+                (f.layer, e),
+                (
+                    relayout_of(f).map(|r| r.name().to_owned()),
+                    fused_ranges(ckpt, f, e),
+                ),
+            );
+        }
+    }
+    out
 }
 
 /// The note on the multi-token-prediction tensors a checkpoint carries past its last decoder
@@ -149,6 +224,59 @@ fn plan(ckpt: &Checkpoint) -> Result<jnf_format::Header, ConvertError> {
             }
         });
         layout.add_expert(layer, expert, e.prefix.clone(), specs);
+    }
+    let table = ckpt.config.family.fused_experts();
+    for (f, table) in ckpt.fused.values().filter_map(|f| Some((f, table?))) {
+        let (h, i) = (f.hidden, f.intermediate);
+        for expert in 0..ckpt.config.num_experts {
+            let prefix = f.expert_prefix(table, expert);
+            let ranges = fused_ranges(ckpt, f, expert);
+            match &f.form {
+                // Re-laid into gate | up | down [out, in] by the declared permutation: the
+                // header's matrices have no single source range (the manifest records the
+                // fused ranges and the permutation).
+                FusedForm::Bf16 { .. } => {
+                    let m = |role: &str, shape: Vec<u64>| MatrixSpec {
+                        name: format!("{prefix}.{role}"),
+                        dtype: Dtype::BF16,
+                        shape,
+                        source: None,
+                    };
+                    layout.add_expert(
+                        f.layer,
+                        expert,
+                        prefix.clone(),
+                        [
+                            m("gate_proj", vec![i, h]),
+                            m("up_proj", vec![i, h]),
+                            m("down_proj", vec![h, i]),
+                        ],
+                    );
+                }
+                // As released: each part is expert e's slice of its tensor, byte for byte.
+                FusedForm::Mxfp4 { parts } => {
+                    let specs: Vec<MatrixSpec> = parts
+                        .iter()
+                        .zip(&ranges)
+                        .map(|(name, r)| {
+                            let t = &ckpt.tensors[name];
+                            let part = name.rsplit('.').next().unwrap_or(name);
+                            MatrixSpec {
+                                name: format!("{prefix}.{part}"),
+                                dtype: Dtype::U8,
+                                shape: t.shape[1..].to_vec(),
+                                source: Some(SourceRef {
+                                    shard: r.shard.clone(),
+                                    offset: r.offset,
+                                }),
+                            }
+                        })
+                        .collect();
+                    let specs: [MatrixSpec; 4] = specs.try_into().expect("four MXFP4 parts");
+                    layout.add_mxfp4_expert(f.layer, expert, prefix.clone(), specs);
+                }
+            }
+        }
     }
     layout.set_metadata("converter", &converter_id());
     Ok(layout.finish()?)
@@ -217,6 +345,39 @@ impl RegionSource for CheckpointSource<'_> {
     }
 
     fn fill_expert(&self, e: &ExpertExtent, dst: &mut [u8]) -> Result<(), ConvertError> {
+        if let Some(f) = self.ckpt.fused.get(&e.layer) {
+            let ranges = fused_ranges(self.ckpt, f, e.expert);
+            let mut bytes = Vec::with_capacity(dst.len());
+            let mut parts = Vec::with_capacity(ranges.len());
+            for r in &ranges {
+                let mut part = vec![0u8; r.length as usize];
+                let t = &self.ckpt.tensors[&r.tensor];
+                self.ckpt
+                    .read_tensor_range_to(&r.tensor, r.offset - t.offset, &mut part)?;
+                parts.push(part);
+            }
+            match relayout_of(f) {
+                None => parts.iter().for_each(|p| bytes.extend_from_slice(p)),
+                Some(relayout) => {
+                    let pairs = |b: &[u8]| -> Vec<[u8; 2]> {
+                        b.chunks_exact(2).map(|c| [c[0], c[1]]).collect()
+                    };
+                    let (h, i) = (f.hidden as usize, f.intermediate as usize);
+                    let ext = relayout.to_extent(&pairs(&parts[0]), &pairs(&parts[1]), h, i);
+                    bytes.extend(ext.into_iter().flatten());
+                }
+            }
+            if bytes.len() != dst.len() {
+                return Err(ConvertError::Usage(format!(
+                    "{}: the fused sources give {} bytes, the extent holds {}",
+                    e.prefix,
+                    bytes.len(),
+                    dst.len()
+                )));
+            }
+            dst.copy_from_slice(&bytes);
+            return Ok(());
+        }
         for m in &e.matrices {
             let range = m.offset as usize..(m.offset + m.length) as usize;
             self.copy(&m.name, &mut dst[range])?;

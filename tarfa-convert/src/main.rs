@@ -23,6 +23,10 @@ With --json, an error is one JSON object on stdout:
 
 /// Convert a Hugging Face BF16 Mixture-of-Experts checkpoint into a verified JNF bundle.
 ///
+/// gpt-oss's fused experts become one extent per expert (BF16 re-laid by a declared
+/// permutation; MXFP4, `quant_method = "mxfp4"`, stored as released): the only quantized form
+/// accepted, and only for gpt-oss's expert tensors.
+///
 /// Reads config.json and model.safetensors or model.safetensors.index.json with its shards
 /// (Hub cache snapshots included), validates everything, lays experts out contiguously and
 /// page-aligned, copies the bytes unchanged while hashing them, writes manifest.toml, fsyncs,
@@ -275,6 +279,8 @@ fn report(s: &WriteSummary, json: bool, src: Option<&std::path::Path>) {
             "notes": s.notes,
             "nonfinite": s.nonfinite.iter().map(|(name, n)| serde_json::json!({"name": name, "count": n})).collect::<Vec<_>>(),
             "nonfinite_total": s.nonfinite.iter().map(|(_, n)| n).sum::<u64>(),
+            // The source tensors stored as gpt-oss released them (MXFP4 blocks and scales).
+            "mxfp4": {"form": "released", "tensors": s.mxfp4_tensors},
         });
         println!("{v}");
     } else {

@@ -1260,6 +1260,7 @@ fn write_direct(
             },
         ],
         source,
+        expert_sources: Default::default(),
         converter,
     };
     let src = SynthSource {

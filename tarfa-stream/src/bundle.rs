@@ -25,7 +25,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use jnf_format::{Dtype, ExpertExtent, JnfFile, CONTAINER_FILE};
+use jnf_format::{Dtype, ExpertExtent, ExtentEncoding, JnfFile, CONTAINER_FILE};
 use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -115,6 +115,14 @@ pub enum BundleError {
         name: String,
         algorithm: &'static str,
     },
+    /// An MXFP4 expert that verified against the manifest holds a block with no exact BF16
+    /// widening (scale 255, or an overflow): refused, never rounded.
+    #[error("{path}: {name}: {msg}; MXFP4 is widened exactly or refused")]
+    Mxfp4 {
+        path: PathBuf,
+        name: String,
+        msg: String,
+    },
     /// An I/O failure.
     #[error("{path}: {op}: {source}")]
     Io {
@@ -139,7 +147,8 @@ impl BundleError {
             | BundleError::UnexpectedRoot { .. }
             | BundleError::HeaderManifestMismatch { .. }
             | BundleError::FileUnlisted { .. }
-            | BundleError::HashMismatch { .. } => exit::VERIFICATION_FAILED,
+            | BundleError::HashMismatch { .. }
+            | BundleError::Mxfp4 { .. } => exit::VERIFICATION_FAILED,
         }
     }
 }
@@ -532,6 +541,9 @@ impl BundleSource {
             let mut l = self.ledger.lock().expect("ledger lock");
             Ledger::note(&mut l.experts, &e.prefix, e.length, "blake3", &slot.blake3);
         }
+        if e.encoding() == ExtentEncoding::Mxfp4 {
+            return widen_mxfp4_extent(&self.jnf_path, e, &bytes);
+        }
         let m = |i: usize| {
             let mm = &e.matrices[i];
             let start = mm.offset as usize;
@@ -548,6 +560,35 @@ impl BundleSource {
             down: m(2),
         })
     }
+}
+
+/// An MXFP4 extent's verified bytes (gate_up blocks, gate_up scales, down blocks, down
+/// scales, as released) widened exactly into the runtime's gate, up and down
+/// (docs/EXACTNESS.md section 14, "MXFP4"). The header validated the parts' shapes.
+pub fn widen_mxfp4_extent(
+    jnf_path: &Path,
+    e: &ExpertExtent,
+    bytes: &[u8],
+) -> Result<ExpertWeights, BundleError> {
+    let part = |k: usize| {
+        let m = &e.matrices[k];
+        &bytes[m.offset as usize..(m.offset + m.length) as usize]
+    };
+    // down_blocks is [H, I/32, 16]: H its rows, I 32 times its groups.
+    let (h, i) = match e.matrices[2].shape.as_slice() {
+        [h, g, _] => (*h as usize, 32 * *g as usize),
+        _ => unreachable!("a validated MXFP4 extent's blocks are 3-D"),
+    };
+    tarfa_core::weights::fused::expert_from_mxfp4(part(0), part(1), part(2), part(3), h, i).map_err(
+        |(which, err)| BundleError::Mxfp4 {
+            path: jnf_path.to_path_buf(),
+            name: match which {
+                tarfa_core::weights::fused::Mxfp4Part::GateUp => e.matrices[1].name.clone(),
+                tarfa_core::weights::fused::Mxfp4Part::Down => e.matrices[3].name.clone(),
+            },
+            msg: err.to_string(),
+        },
+    )
 }
 
 type TensorIndex = HashMap<String, (jnf_format::TensorEntry, String)>;
@@ -648,7 +689,7 @@ fn reconcile(
                 ),
             ));
         }
-        let same = r.matrices.len() == 3
+        let same = r.matrices.len() == e.matrices.len()
             && r.matrices.iter().zip(&e.matrices).all(|(a, b)| {
                 a.name == b.name
                     && a.dtype == b.dtype.as_str()

@@ -180,6 +180,13 @@ pub enum StreamError {
     /// An extent read back different bytes than the manifest records (exit 1).
     #[error("{path}: {name}: BLAKE3 of the bytes read does not match the manifest (the bundle changed during the run or is corrupt); nothing was computed from them")]
     HashMismatch { path: PathBuf, name: String },
+    /// An MXFP4 extent that verified holds a block with no exact BF16 widening (exit 1).
+    #[error("{path}: {name}: {msg}; MXFP4 is widened exactly or refused")]
+    Mxfp4 {
+        path: PathBuf,
+        name: String,
+        msg: String,
+    },
     /// The file ends inside an extent the header validated at open: it changed (exit 1).
     #[error("{path}: {name}: read {got} of {expected} bytes (the file is shorter than when it was opened: it changed during the run)")]
     Truncated {
@@ -221,9 +228,9 @@ impl StreamError {
     pub fn exit_code(&self) -> i32 {
         match self {
             StreamError::BudgetTooSmall { .. } | StreamError::BadSize { .. } => exit::BAD_INPUT,
-            StreamError::HashMismatch { .. } | StreamError::Truncated { .. } => {
-                exit::VERIFICATION_FAILED
-            }
+            StreamError::HashMismatch { .. }
+            | StreamError::Truncated { .. }
+            | StreamError::Mxfp4 { .. } => exit::VERIFICATION_FAILED,
             StreamError::ResidentTooLarge { .. }
             | StreamError::NoRoomForAnExpert { .. }
             | StreamError::DirectIoUnsupported { .. }

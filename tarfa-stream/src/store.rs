@@ -70,6 +70,9 @@ struct ExtentInfo {
     blake3: blake3::Hash,
     blake3_hex: String,
     mats: [MatLayout; 3],
+    /// An MXFP4 extent (gpt-oss as released): widened exactly after it is verified, into a
+    /// buffer of its own that the budget is charged for too (`buf_bytes`).
+    mxfp4: Option<jnf_format::ExpertExtent>,
 }
 
 /// A zeroed, page-aligned buffer mapped for one extent and unmapped when dropped.
@@ -228,11 +231,16 @@ impl Drop for Charge {
 struct Extent {
     buf: AlignedBuf,
     info: Arc<ExtentInfo>,
+    /// An MXFP4 extent's exact BF16 widening, made from `buf` after `buf` verified.
+    widened: Option<crate::weights::ExpertWeights>,
     _charge: Charge,
 }
 
 impl Extent {
     fn views(&self) -> [Bf16View<'_>; 3] {
+        if let Some(w) = &self.widened {
+            return [w.gate.view(), w.up.view(), w.down.view()];
+        }
         let bytes = self.buf.as_slice();
         self.info.mats.map(|m| {
             let raw = &bytes[m.offset..m.offset + 2 * m.elems];
@@ -267,6 +275,10 @@ enum Failure {
     Alloc {
         bytes: u64,
     },
+    Mxfp4 {
+        name: String,
+        msg: String,
+    },
     Closed,
 }
 
@@ -291,6 +303,7 @@ impl Failure {
                 msg: format!("{name}: {msg}"),
             },
             Failure::Alloc { bytes } => StreamError::OutOfMemory { bytes },
+            Failure::Mxfp4 { name, msg } => StreamError::Mxfp4 { path, name, msg },
             Failure::Closed => StreamError::Io {
                 path,
                 op: "read",
@@ -493,7 +506,19 @@ fn build_index(
             offset: 0,
             elems: 0,
         }; 3];
-        for (m, h) in mats.iter_mut().zip(&e.matrices) {
+        let mxfp4 = e.encoding() == jnf_format::ExtentEncoding::Mxfp4;
+        // An MXFP4 extent is not viewed in place: its widened gate, up and down are charged
+        // besides its buffer (3 H I BF16 values; the header validated the parts' shapes).
+        let widened_bytes = if mxfp4 {
+            let (h, i) = match e.matrices[2].shape.as_slice() {
+                [h, g, _] => (*h, 32 * *g),
+                _ => return Err(bad(&e.prefix, "an MXFP4 part is not [rows, groups, 16]")),
+            };
+            6 * h * i
+        } else {
+            0
+        };
+        for (m, h) in mats.iter_mut().zip(&e.matrices).filter(|_| !mxfp4) {
             let (rows, cols) = match h.shape.as_slice() {
                 [r, c] => (*r as usize, *c as usize),
                 _ => return Err(bad(&h.name, "an expert matrix is not 2-D")),
@@ -536,10 +561,11 @@ fn build_index(
                 offset: e.offset,
                 length: e.length,
                 read_bytes,
-                buf_bytes: mapped_len(read_bytes),
+                buf_bytes: mapped_len(read_bytes) + widened_bytes,
                 blake3,
                 blake3_hex: hex,
                 mats,
+                mxfp4: mxfp4.then(|| e.clone()),
             }),
         );
     }
@@ -935,6 +961,20 @@ impl Shared {
             }
             self.bundle
                 .note_expert_verified(&info.name, info.length, &info.blake3_hex);
+            let widened = match &info.mxfp4 {
+                None => None,
+                Some(e) => Some(
+                    crate::bundle::widen_mxfp4_extent(
+                        self.bundle.jnf_path(),
+                        e,
+                        &buf.as_slice()[..info.length as usize],
+                    )
+                    .map_err(|err| Failure::Mxfp4 {
+                        name: info.name.clone(),
+                        msg: err.to_string(),
+                    })?,
+                ),
+            };
             if let Some(p) = self.host_pin.get() {
                 let t = Instant::now();
                 if p.pin(buf.ptr.as_ptr(), buf.mapped) {
@@ -945,6 +985,7 @@ impl Shared {
             Ok(Extent {
                 buf,
                 info: info.clone(),
+                widened,
                 _charge: job.charge,
             })
         })();
@@ -1308,6 +1349,8 @@ mod tests {
                 assert_eq!(bytes.len() as u64, x.length);
                 file[x.offset as usize..][..bytes.len()].copy_from_slice(&bytes);
                 experts.push(ExpertRecord {
+                    relayout: None,
+                    sources: Vec::new(),
                     name: x.prefix.clone(),
                     layer: x.layer,
                     expert: x.expert,
@@ -1923,6 +1966,7 @@ mod tests {
                         blake3: blake3::Hash::from([0u8; 32]),
                         blake3_hex: String::new(),
                         mats: [mat; 3],
+                        mxfp4: None,
                     }),
                 );
             }

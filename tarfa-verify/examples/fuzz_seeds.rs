@@ -128,6 +128,8 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
             .experts
             .iter()
             .map(|e| ExpertRecord {
+                relayout: None,
+                sources: Vec::new(),
                 name: e.prefix.clone(),
                 layer: e.layer,
                 expert: e.expert,

@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use jnf_format::{Header, JnfFile, SourceRef, CONTAINER_FILE, MAX_HEADER_LEN, PREAMBLE_LEN};
+use jnf_format::{
+    Header, JnfFile, Relayout, SourceRef, CONTAINER_FILE, MAX_HEADER_LEN, PREAMBLE_LEN,
+};
 use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -85,9 +87,19 @@ struct Segment<'a> {
     source: Option<SourceLoc>,
 }
 
+/// A fused expert's source: its byte ranges of the fused tensors (shard index, offset,
+/// length), in extent order, and the declared permutation that made the extent from them
+/// concatenated, with `(H, I)` (none: the extent is those bytes as they are).
+struct FusedSource {
+    ranges: Vec<(usize, u64, u64)>,
+    relayout: Option<(Relayout, usize, usize)>,
+}
+
 /// A tensor or an extent, then its padding: `[offset, offset + length)` is hashed,
 /// `[offset + length, tail_end)` must be zero.
 struct Item<'a> {
+    /// A fused expert's source, compared after the permutation (with `--source`).
+    fused: Option<FusedSource>,
     name: &'a str,
     offset: u64,
     segments: Vec<Segment<'a>>,
@@ -144,7 +156,7 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
         None => Vec::new(),
     };
     if let (Some(ck), Some(c)) = (&source, &container) {
-        compare_tensor_sets(ck, c.header(), &mut failures);
+        compare_tensor_sets(ck, c.header(), manifest.as_ref(), &mut failures);
     }
 
     let checked = AtomicU64::new(0);
@@ -212,6 +224,7 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
             failures.extend(compare_copied_files(ck, m, &checked)?);
         }
         notes = nonfinite_notes(m);
+        notes.extend(mxfp4_note(m));
     }
 
     Ok(CheckReport {
@@ -341,7 +354,7 @@ fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
                 e.offset, e.padded_length, r.offset, r.padded_length
             ));
         }
-        let same_matrices = r.matrices.len() == 3
+        let same_matrices = r.matrices.len() == e.matrices.len()
             && r.matrices.iter().zip(&e.matrices).all(|(rm, hm)| {
                 rm.role == hm.role
                     && rm.name == hm.name
@@ -461,12 +474,40 @@ fn plan_items<'a>(
                 source: locate(&t.name, t.dtype.as_str(), &t.shape, t.length, &t.source),
             }],
             tail_end: 0,
+            fused: None,
             expected: m_tensors
                 .get(t.name.as_str())
                 .map(|r| (r.sha256.as_str(), r.blake3.as_str())),
         });
     }
+    let mut fused_failures = Vec::new();
     for e in &h.experts {
+        let record = m_experts.get(e.prefix.as_str());
+        let fused_ranges = record.map(|r| r.sources.as_slice()).unwrap_or_default();
+        if !fused_ranges.is_empty() {
+            // A fused expert: its matrices have no tensors of their own in the source; the
+            // manifest's ranges of the fused tensors, through the declared permutation, must
+            // give the extent's bytes.
+            let fused = source
+                .and_then(|ck| fused_source(ck, e, record?, &shard_index, &mut fused_failures));
+            items.push(Item {
+                name: &e.prefix,
+                offset: e.offset,
+                segments: e
+                    .matrices
+                    .iter()
+                    .map(|mat| Segment {
+                        name: &mat.name,
+                        len: mat.length,
+                        source: None,
+                    })
+                    .collect(),
+                tail_end: 0,
+                fused,
+                expected: record.map(|r| (r.sha256.as_str(), r.blake3.as_str())),
+            });
+            continue;
+        }
         items.push(Item {
             name: &e.prefix,
             offset: e.offset,
@@ -486,11 +527,11 @@ fn plan_items<'a>(
                 })
                 .collect(),
             tail_end: 0,
-            expected: m_experts
-                .get(e.prefix.as_str())
-                .map(|r| (r.sha256.as_str(), r.blake3.as_str())),
+            fused: None,
+            expected: record.map(|r| (r.sha256.as_str(), r.blake3.as_str())),
         });
     }
+    failures.extend(fused_failures);
     // Each item's padding runs to the next item's start (or the end of the file): the validated
     // header guarantees no overlap, so this covers every byte after the header exactly once.
     // Zero-length tensors may share an offset with the region that follows them: sorting them
@@ -501,6 +542,156 @@ fn plan_items<'a>(
         it.tail_end = starts.get(i + 1).copied().unwrap_or(h.file_size);
     }
     items
+}
+
+/// A fused expert's source ranges, checked against the source checkpoint: each names a
+/// tensor of the source, in the shard the source has it in, and is the expert's slice of it
+/// (E outermost: the `expert`-th of E equal ranges). A disagreement is a failure naming the
+/// expert, and its bytes are then not compared.
+fn fused_source(
+    ck: &Checkpoint,
+    e: &jnf_format::ExpertExtent,
+    r: &tarfa_manifest::ExpertRecord,
+    shard_index: &HashMap<&str, usize>,
+    failures: &mut Vec<Failure>,
+) -> Option<FusedSource> {
+    let experts = u64::from(ck.config.num_experts);
+    let mut ranges = Vec::with_capacity(r.sources.len());
+    for range in &r.sources {
+        let found = ck.tensors.get(&range.tensor).and_then(|t| {
+            let shard = ck.shards.get(t.shard)?.name.as_str();
+            let per = t.len / experts.max(1);
+            let offset = t.offset + u64::from(e.expert) * per;
+            Some((shard, offset, per))
+        });
+        match found {
+            Some((shard, offset, per))
+                if shard == range.shard && offset == range.offset && per == range.length =>
+            {
+                ranges.push((*shard_index.get(shard)?, offset, per));
+            }
+            other => {
+                let here = match other {
+                    Some((shard, offset, per)) => {
+                        format!("the source has that slice in {shard:?} at {offset} ({per} bytes)")
+                    }
+                    None => "the source has no such tensor".to_string(),
+                };
+                failures.push(Failure::new(
+                    &e.prefix,
+                    FailureKind::SourceLocationMismatch,
+                    format!(
+                        "the manifest records {:?} in {:?} at {} ({} bytes); {here}",
+                        range.tensor, range.shard, range.offset, range.length
+                    ),
+                ));
+                return None;
+            }
+        }
+    }
+    let relayout = match &r.relayout {
+        None => None,
+        // The manifest refuses an undeclared name when it is parsed.
+        Some(name) => {
+            let relayout = Relayout::from_name(name)?;
+            let gate = e.matrices.first()?;
+            match gate.shape.as_slice() {
+                [i, h] => Some((relayout, *h as usize, *i as usize)),
+                _ => return None,
+            }
+        }
+    };
+    Some(FusedSource { ranges, relayout })
+}
+
+/// The first byte at which a fused expert's extent differs from its source ranges put through
+/// the declared permutation, as (byte of the extent, the source range it comes from); `None`
+/// when they agree.
+fn fused_first_diff(
+    shards: &[OpenShard],
+    f: &FusedSource,
+    extent: &[u8],
+) -> Result<Option<(u64, String)>, VerifyError> {
+    let mut parts = Vec::with_capacity(f.ranges.len());
+    for &(shard, offset, len) in &f.ranges {
+        let s = &shards[shard];
+        let mut buf = vec![0u8; len as usize];
+        s.file
+            .read_exact_at(&mut buf, offset)
+            .map_err(|e| VerifyError::io(&s.name, "reading the source", e))?;
+        parts.push(buf);
+    }
+    let from_source: Vec<u8> = match f.relayout {
+        None => parts.concat(),
+        Some((relayout, h, i)) => {
+            let pairs =
+                |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
+            if parts.len() != 2 || parts[0].len() != 4 * h * i || parts[1].len() != 2 * h * i {
+                return Ok(Some((
+                    0,
+                    "the source ranges are not [H, 2I] and [I, H]".into(),
+                )));
+            }
+            relayout
+                .to_extent(&pairs(&parts[0]), &pairs(&parts[1]), h, i)
+                .into_iter()
+                .flatten()
+                .collect()
+        }
+    };
+    if from_source.len() != extent.len() {
+        return Ok(Some((
+            0,
+            format!(
+                "the source ranges give {} bytes, the extent holds {}",
+                from_source.len(),
+                extent.len()
+            ),
+        )));
+    }
+    Ok(extent
+        .iter()
+        .zip(&from_source)
+        .position(|(a, b)| a != b)
+        .map(|d| {
+            let how = match f.relayout {
+                Some((r, _, _)) => format!("after the declared permutation {}", r.name()),
+                None => "byte for byte (stored as released)".to_string(),
+            };
+            (
+                d as u64,
+                format!(
+                    "byte {d} of the extent differs from its fused source ({} source ranges, {how})",
+                    f.ranges.len()
+                ),
+            )
+        }))
+}
+
+/// The bundle's MXFP4 experts, if it has any: stored in the form gpt-oss released them.
+fn mxfp4_note(m: &Manifest) -> Option<Note> {
+    let mx: Vec<&tarfa_manifest::ExpertRecord> = m
+        .experts
+        .iter()
+        .filter(|e| e.matrices.iter().any(|mm| mm.dtype == "U8"))
+        .collect();
+    let first = mx.first()?;
+    let tensors: std::collections::BTreeSet<&str> = mx
+        .iter()
+        .flat_map(|e| e.sources.iter().map(|s| s.tensor.as_str()))
+        .collect();
+    let example = tensors.iter().next().copied().unwrap_or("?");
+    Some(Note {
+        name: MANIFEST_FILE.to_string(),
+        detail: format!(
+            "{} experts (first {}) are MXFP4 in the released form, from {} released tensors \
+             (e.g. {example}): gpt-oss's U8 blocks and e8m0 scales as released, hashed as \
+             stored; the runtime widens them exactly to BF16",
+            mx.len(),
+            first.name,
+            tensors.len()
+        ),
+    })
 }
 
 /// `[end of header JSON, first data byte)`: the header's zero padding.
@@ -537,6 +728,7 @@ fn check_item(
     let mut sha = Sha256::new();
     let mut b3 = blake3::Hasher::new();
     let mut pos = item.offset;
+    let mut extent = Vec::new();
     for seg in &item.segments {
         let mut done = 0u64;
         let mut first_diff = None;
@@ -548,6 +740,9 @@ fn check_item(
                 .map_err(|e| VerifyError::io(c.path(), "reading", e))?;
             sha.update(&*chunk);
             b3.update(chunk);
+            if item.fused.is_some() {
+                extent.extend_from_slice(chunk);
+            }
             let mut read = n as u64;
             if let (Some(loc), None) = (seg.source, first_diff) {
                 let shard = &shards[loc.shard];
@@ -577,6 +772,18 @@ fn check_item(
             ));
         }
         pos += seg.len;
+    }
+    if let Some(f) = &item.fused {
+        if let Some((_, detail)) = fused_first_diff(shards, f, &extent)? {
+            failures.push(Failure::new(
+                item.name,
+                FailureKind::SourceBytesDiffer,
+                detail,
+            ));
+        }
+        let read: u64 = f.ranges.iter().map(|r| r.2).sum();
+        bar.inc(read);
+        checked.fetch_add(read, Ordering::Relaxed);
     }
     if let Some(f) = check_zero(c.file(), item.name, pos, item.tail_end)? {
         failures.push(f);
@@ -822,7 +1029,18 @@ fn open_shards(ck: &Checkpoint) -> Result<Vec<OpenShard>, VerifyError> {
 /// The source's tensors are exactly the bundle's tensors and expert matrices, but for the
 /// multi-token-prediction tensors the converter skips by rule (`Checkpoint::skipped`): they must
 /// be absent from the bundle.
-fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
+fn compare_tensor_sets(ck: &Checkpoint, h: &Header, m: Option<&Manifest>, out: &mut Vec<Failure>) {
+    // A fused expert's matrices are named after its extent, not after a source tensor: the
+    // source tensors it covers are its manifest's source ranges.
+    let fused: HashMap<&str, &tarfa_manifest::ExpertRecord> = m
+        .map(|m| {
+            m.experts
+                .iter()
+                .filter(|e| !e.sources.is_empty())
+                .map(|e| (e.name.as_str(), e))
+                .collect()
+        })
+        .unwrap_or_default();
     let bundle: HashSet<&str> = h
         .tensors
         .iter()
@@ -830,7 +1048,13 @@ fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
         .chain(
             h.experts
                 .iter()
+                .filter(|e| !fused.contains_key(e.prefix.as_str()))
                 .flat_map(|e| e.matrices.iter().map(|m| m.name.as_str())),
+        )
+        .chain(
+            fused
+                .values()
+                .flat_map(|e| e.sources.iter().map(|r| r.tensor.as_str())),
         )
         .collect();
     let skipped: HashSet<&str> = ck.skipped.iter().map(String::as_str).collect();
@@ -878,8 +1102,44 @@ fn compare_tensor_sets(ck: &Checkpoint, h: &Header, out: &mut Vec<Failure>) {
             ));
         }
     }
+    // Every expert of a fused layer is an extent of the bundle made from that layer's tensors.
+    for f in ck.fused.values() {
+        let tensors = f.tensors();
+        for expert in 0..ck.config.num_experts {
+            let prefix = ck
+                .config
+                .family
+                .fused_experts()
+                .map(|t| f.expert_prefix(t, expert))
+                .unwrap_or_default();
+            let same = fused.get(prefix.as_str()).is_some_and(|r| {
+                h.expert(f.layer, expert)
+                    .is_some_and(|e| e.prefix == prefix)
+                    && r.sources
+                        .iter()
+                        .map(|s| s.tensor.as_str())
+                        .eq(tensors.iter().copied())
+            });
+            if !same {
+                out.push(Failure::new(
+                    &prefix,
+                    FailureKind::MissingInBundle,
+                    format!(
+                        "the source's fused expert (layer {}, expert {expert}: its slices of {}) \
+                         is not an extent of model.jnf made from them",
+                        f.layer,
+                        tensors.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
     for e in &h.experts {
-        if !ck.experts.contains_key(&(e.layer, e.expert)) {
+        let fused_here = ck
+            .fused
+            .get(&e.layer)
+            .is_some_and(|_| e.expert < ck.config.num_experts);
+        if !ck.experts.contains_key(&(e.layer, e.expert)) && !fused_here {
             out.push(Failure::new(
                 &e.prefix,
                 FailureKind::MissingInSource,

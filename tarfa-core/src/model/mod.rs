@@ -127,10 +127,18 @@ impl ExpertLayout {
     /// For a fused layout, the columns of `gate_up_proj` holding gate row `j` and up row `j`
     /// of an expert of width `i`; None for separate tensors.
     pub fn gate_up_columns(self, j: usize, i: usize) -> Option<(usize, usize)> {
+        self.relayout().map(|r| r.gate_up_columns(j, i))
+    }
+
+    /// The bundle format's declared permutation of a fused layout's expert slices (one
+    /// definition, in jnf-format, for the converter, the verifier and the runtime).
+    pub fn relayout(self) -> Option<jnf_format::Relayout> {
         match self {
             ExpertLayout::Separate => None,
-            ExpertLayout::FusedInterleaved => Some((2 * j, 2 * j + 1)),
-            ExpertLayout::FusedConcatenated => Some((j, i + j)),
+            ExpertLayout::FusedInterleaved => Some(jnf_format::Relayout::GateUpInterleavedColumns),
+            ExpertLayout::FusedConcatenated => {
+                Some(jnf_format::Relayout::GateUpConcatenatedColumns)
+            }
         }
     }
 }

@@ -23,8 +23,10 @@ pub fn expert_from_fused_bf16(gate_up: &[u16], down: &[u16], h: usize, i: usize)
 }
 
 /// Expert `e`'s slice of `gate_up_proj` (`[H, 2I]`) and of `down_proj` (`[I, H]`) as the
-/// runtime's matrices: with `(cg, cu) = layout.gate_up_columns(j, I)` (gpt-oss `(2j, 2j+1)`,
-/// Llama 4 `(j, I+j)`), `gate[j][x] = gu[x][cg]`, `up[j][x] = gu[x][cu]`, `down[y][j] = d[j][y]`.
+/// runtime's matrices: with `(cg, cu)` the layout's gate/up columns of row `j` (gpt-oss
+/// `(2j, 2j+1)`, Llama 4 `(j, I+j)`), `gate[j][x] = gu[x][cg]`, `up[j][x] = gu[x][cu]`,
+/// `down[y][j] = d[j][y]`. The permutation is the one the bundle format declares
+/// ([`jnf_format::Relayout`]), which the converter applies and `tarfa-verify check --source` re-applies.
 /// `layout` must be a fused one.
 pub fn expert_from_fused(
     layout: ExpertLayout,
@@ -33,27 +35,17 @@ pub fn expert_from_fused(
     h: usize,
     i: usize,
 ) -> ExpertWeights {
-    let mut gate = Vec::with_capacity(i * h);
-    let mut up = Vec::with_capacity(i * h);
-    for j in 0..i {
-        let (cg, cu) = layout.gate_up_columns(j, i).expect("a fused expert layout");
-        gate.extend((0..h).map(|x| gate_up[x * 2 * i + cg]));
-        up.extend((0..h).map(|x| gate_up[x * 2 * i + cu]));
-    }
-    let mut dn = Vec::with_capacity(h * i);
-    for y in 0..h {
-        dn.extend((0..i).map(|j| down[j * h + y]));
-    }
+    let r = layout.relayout().expect("a fused expert layout");
+    let ext = r.to_extent(gate_up, down, h, i);
     ExpertWeights {
-        gate: matrix(i, h, gate),
-        up: matrix(i, h, up),
-        down: matrix(h, i, dn),
+        gate: matrix(i, h, ext[..i * h].to_vec()),
+        up: matrix(i, h, ext[i * h..2 * i * h].to_vec()),
+        down: matrix(h, i, ext[2 * i * h..].to_vec()),
     }
 }
 
 /// The inverse of [`expert_from_fused_bf16`]: the fused slices `(gate_up [H, 2I], down [I, H])`
-/// of an expert's matrices. `tarfa-verify check --source` and the tests use it to prove the
-/// re-layout loses nothing.
+/// of an expert's matrices. The tests use it to prove the re-layout loses nothing.
 pub fn fused_bf16_from_expert(e: &ExpertWeights, h: usize, i: usize) -> (Vec<u16>, Vec<u16>) {
     fused_from_expert(ExpertLayout::FusedInterleaved, e, h, i)
 }
@@ -65,21 +57,14 @@ pub fn fused_from_expert(
     h: usize,
     i: usize,
 ) -> (Vec<u16>, Vec<u16>) {
-    let mut gu = vec![0u16; h * 2 * i];
-    for j in 0..i {
-        let (cg, cu) = layout.gate_up_columns(j, i).expect("a fused expert layout");
-        for x in 0..h {
-            gu[x * 2 * i + cg] = e.gate.data[j * h + x];
-            gu[x * 2 * i + cu] = e.up.data[j * h + x];
-        }
-    }
-    let mut d = vec![0u16; i * h];
-    for y in 0..h {
-        for j in 0..i {
-            d[j * h + y] = e.down.data[y * i + j];
-        }
-    }
-    (gu, d)
+    let ext: Vec<u16> = [&e.gate.data, &e.up.data, &e.down.data]
+        .iter()
+        .flat_map(|d| d.iter().copied())
+        .collect();
+    layout
+        .relayout()
+        .expect("a fused expert layout")
+        .to_fused(&ext, h, i)
 }
 
 /// Which MXFP4 tensor a block that cannot be widened is in.

@@ -350,6 +350,8 @@ fn tensor_record(t: &jnf_format::TensorEntry, bytes: &[u8]) -> TensorRecord {
 
 fn expert_record(e: &jnf_format::ExpertExtent, bytes: &[u8]) -> ExpertRecord {
     ExpertRecord {
+        relayout: None,
+        sources: Vec::new(),
         name: e.prefix.clone(),
         layer: e.layer,
         expert: e.expert,
@@ -444,7 +446,10 @@ pub fn bundle_from_checkpoint_with(
     for e in &header.experts {
         let mut bytes = Vec::new();
         for role in MatrixRole::ORDER {
-            bytes.extend(ck.read_tensor_bytes(&e.matrix(role).name).unwrap());
+            bytes.extend(
+                ck.read_tensor_bytes(&e.matrix(role).expect("gate, up, down").name)
+                    .unwrap(),
+            );
         }
         file[e.offset as usize..(e.offset + e.length) as usize].copy_from_slice(&bytes);
         manifest.experts.push(expert_record(e, &bytes));
