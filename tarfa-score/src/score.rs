@@ -31,7 +31,7 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::Serialize;
 use tarfa_core::generate::argmax;
 use tarfa_core::sampling::{sample, SamplingParams};
-use tarfa_core::speculate::{Drafter, NgramDrafter};
+use tarfa_core::speculate::NgramDrafter;
 use tarfa_core::step::{ForwardOutput, LogitRows};
 use tarfa_engine::{EngineError, Model};
 
@@ -410,7 +410,7 @@ impl Work {
                     .min(g.max_tokens.saturating_sub(1 + g.generated.len()));
                 g.drafts = if room > 0 {
                     let context = [g.context.as_slice(), &g.generated].concat();
-                    let mut d = NgramDrafter::default().draft(&context, room);
+                    let mut d = NgramDrafter::default().propose(&context, room);
                     d.truncate(room);
                     d
                 } else {
