@@ -824,4 +824,13 @@ fn speculated_answers_are_the_plain_answers(spec: &[&str]) {
         }
         assert_eq!(json!(text), w["text"], "{r} streamed");
     }
+    // /metrics counts the drafts (as each request finishes, after its answer went out).
+    let t0 = Instant::now();
+    while metric(&srv.addr, "tarfa_draft_tokens_total", &[]) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no drafts counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let accepted = metric(&srv.addr, "tarfa_draft_tokens_accepted_total", &[]);
+    assert!(accepted > 0, "the quoting prompt has drafts accepted");
+    assert!(accepted <= metric(&srv.addr, "tarfa_draft_tokens_total", &[]));
 }

@@ -376,6 +376,20 @@ fn a_draft_of_another_vocabulary_or_tokenizer_is_refused() {
         );
         assert!(err.contains("is not the model's"), "{cmd}: {err}");
     }
+    // No output is written into the draft's bundle either.
+    let w = weak();
+    let inside = w.join("out.safetensors");
+    let (code, _, err) = gen(&[
+        "--speculate",
+        "model",
+        "--draft-bundle",
+        w.to_str().unwrap(),
+        "--logits-out",
+        inside.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("it is inside the bundle"), "{err}");
+    assert!(!inside.exists());
     // The flags' own rules (exit 2, by name).
     for (extra, says) in [
         (

@@ -241,13 +241,18 @@ fn run_scheduler(
         shared
             .metrics
             .set_depths(sched.waiting() as u64, sched.running() as u64);
-        let before = sched.progress().tokens;
+        let before = sched.progress();
         if let Err(e) = sched.step(&dec) {
             tracing::error!("engine step failed: {e}");
         }
+        let after = sched.progress();
         shared
             .metrics
-            .add_tokens(sched.progress().tokens.saturating_sub(before));
+            .add_tokens(after.tokens.saturating_sub(before.tokens));
+        shared.metrics.add_drafts(
+            after.drafted.saturating_sub(before.drafted),
+            after.accepted.saturating_sub(before.accepted),
+        );
         shared
             .metrics
             .set_depths(sched.waiting() as u64, sched.running() as u64);

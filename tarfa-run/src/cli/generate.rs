@@ -445,7 +445,10 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     }
     // Outputs are checked before the model is loaded: a bad path is refused in a moment, not
     // after the run.
-    let rules = OutputRules::new(&[&a.bundle]);
+    // Nothing is written into the model's bundle, nor into the draft model's.
+    let mut read: Vec<&Path> = vec![&a.bundle];
+    read.extend(a.spec.draft_bundle.as_deref());
+    let rules = OutputRules::new(&read);
     for (path, flag) in [
         (&a.logits_out, "--logits-out"),
         (&a.router_trace, "--router-trace"),

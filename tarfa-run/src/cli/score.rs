@@ -373,7 +373,10 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
     let o = open(&a.model, &log)?;
     // Every line is checked before the model loads and before any output exists.
     let requests = read_requests(a, &o)?;
-    let rules = OutputRules::new(&[&a.model.bundle]);
+    // Nothing is written into the model's bundle, nor into the draft model's.
+    let mut read: Vec<&Path> = vec![&a.model.bundle];
+    read.extend(a.spec.draft_bundle.as_deref());
+    let rules = OutputRules::new(&read);
     if let Some(p) = &a.out {
         // the requests are the user's input: never truncated by --out naming them (or a link)
         use std::os::unix::fs::MetadataExt;
