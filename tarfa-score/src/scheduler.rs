@@ -55,6 +55,17 @@ struct Slot<'a> {
     cancelled: bool,
 }
 
+/// One request's draft in the making ([`Scheduler::with_draft_model`]).
+struct DraftWant {
+    /// Its index among the in-flight requests.
+    slot: usize,
+    /// The most tokens it may draft.
+    room: usize,
+    /// What its draft sequence is fed next.
+    feed: Vec<u32>,
+    drafts: Vec<u32>,
+}
+
 /// The in-flight requests on one model, at most `max_batch` at once; the rest wait in arrival
 /// order.
 pub struct Scheduler<'a> {
@@ -191,8 +202,7 @@ impl<'a> Scheduler<'a> {
     /// shared prefix; later: its last draft), and takes the argmax of its last row.
     fn draft_with_model(&mut self, dm: &Model) -> Result<(), ScoreError> {
         let max_len = dm.config().max_position_embeddings;
-        // (slot, the context, the drafts wanted, what to feed next, the drafts so far)
-        let mut wants: Vec<(usize, Vec<u32>, usize, Vec<u32>, Vec<u32>)> = Vec::new();
+        let mut wants: Vec<DraftWant> = Vec::new();
         for (i, s) in self.active.iter_mut().enumerate() {
             let Some((context, room)) = s.work.draft_request() else {
                 continue;
@@ -222,8 +232,12 @@ impl<'a> Scheduler<'a> {
                 .min(context.len() - 1);
             seq.truncate(shared);
             fed.truncate(shared);
-            let feed = context[shared..].to_vec();
-            wants.push((i, context, room, feed, Vec::new()));
+            wants.push(DraftWant {
+                slot: i,
+                room,
+                feed: context[shared..].to_vec(),
+                drafts: Vec::new(),
+            });
         }
         while !wants.is_empty() {
             let opts = ForwardOptions {
@@ -233,13 +247,13 @@ impl<'a> Scheduler<'a> {
             let mut lines = Vec::with_capacity(wants.len());
             let mut steps: Vec<SeqStep> = Vec::with_capacity(wants.len());
             let mut active: Vec<Option<&mut Slot<'a>>> = self.active.iter_mut().map(Some).collect();
-            for (i, _, _, feed, _) in &wants {
-                let slot = active[*i].take().expect("one want per slot");
+            for w in &wants {
+                let slot = active[w.slot].take().expect("one want per slot");
                 lines.push(slot.line);
                 let (seq, _) = slot.draft.as_mut().expect("made above");
                 steps.push(SeqStep {
                     seq,
-                    tokens: feed,
+                    tokens: &w.feed,
                     opts,
                 });
             }
@@ -268,16 +282,17 @@ impl<'a> Scheduler<'a> {
             };
             self.stats.draft_steps += 1;
             let mut still = Vec::with_capacity(wants.len());
-            for ((i, context, room, feed, mut drafts), out) in wants.into_iter().zip(outs) {
-                self.stats.draft_positions += feed.len() as u64;
+            for (mut w, out) in wants.into_iter().zip(outs) {
+                self.stats.draft_positions += w.feed.len() as u64;
                 let t = argmax(out.logits.last().map(Vec::as_slice).unwrap_or(&[]));
-                let (_, fed) = self.active[i].draft.as_mut().expect("made above");
-                fed.extend_from_slice(&feed);
-                drafts.push(t);
-                if drafts.len() < room {
-                    still.push((i, context, room, vec![t], drafts));
+                let (_, fed) = self.active[w.slot].draft.as_mut().expect("made above");
+                fed.extend_from_slice(&w.feed);
+                w.drafts.push(t);
+                if w.drafts.len() < w.room {
+                    w.feed = vec![t];
+                    still.push(w);
                 } else {
-                    self.active[i].work.set_drafts(drafts);
+                    self.active[w.slot].work.set_drafts(w.drafts);
                 }
             }
             wants = still;
