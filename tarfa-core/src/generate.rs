@@ -178,6 +178,11 @@ pub trait Observer<S: Session + ?Sized> {
     ) -> Result<(), Self::Error> {
         Ok(())
     }
+
+    /// A speculative decode step ([`crate::speculate::run_speculative`]) fed `drafted` drafts
+    /// and kept `accepted` of them; called once per decode step, after its tokens' `token`
+    /// calls. Plain decoding never calls it.
+    fn drafts_verified(&mut self, _drafted: usize, _accepted: usize) {}
 }
 
 /// Observes nothing: the run's result is all the caller wants.

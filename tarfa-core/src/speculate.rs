@@ -14,10 +14,14 @@ use crate::step::{FinalHidden, ForwardOptions, LogitRows};
 
 /// Proposes tokens to follow a context. Its proposals only decide how much work a step may save:
 /// a wrong draft costs a wasted position, never a different token.
-pub trait Drafter {
+///
+/// `E` is the run's error type: a drafter that cannot fail (prompt lookup) implements the trait
+/// for every `E`; a draft model's failed step ([`ModelDrafter`]) ends the run with its error, as
+/// the verifying model's own would.
+pub trait Drafter<E = std::convert::Infallible> {
     /// Up to `k` tokens proposed to follow `context` (the prompt and every token chosen so far);
     /// any beyond `k` are ignored.
-    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32>;
+    fn draft(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, E>;
 }
 
 /// Prompt lookup (n-gram) drafting, no model: the context's last `n` tokens are looked up in
@@ -44,8 +48,9 @@ impl Default for NgramDrafter {
     }
 }
 
-impl Drafter for NgramDrafter {
-    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+impl NgramDrafter {
+    /// The draft for `context` (see the type's rule): up to `k` tokens, perhaps none.
+    pub fn propose(&self, context: &[u32], k: usize) -> Vec<u32> {
         let len = context.len();
         if k == 0 {
             return Vec::new();
@@ -66,10 +71,123 @@ impl Drafter for NgramDrafter {
     }
 }
 
+impl<E> Drafter<E> for NgramDrafter {
+    fn draft(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, E> {
+        Ok(self.propose(context, k))
+    }
+}
+
 /// A drafter that never proposes anything: every step is a plain one-token step.
-impl Drafter for () {
-    fn draft(&mut self, _context: &[u32], _k: usize) -> Vec<u32> {
-        Vec::new()
+impl<E> Drafter<E> for () {
+    fn draft(&mut self, _context: &[u32], _k: usize) -> Result<Vec<u32>, E> {
+        Ok(Vec::new())
+    }
+}
+
+/// A draft model: a second, cheaper model with the same tokenizer, run greedily on its own
+/// [`Session`] (its own cache), whose next `k` greedy tokens are the draft. They are only
+/// proposals: the verifying model accepts those it would have chosen itself, so the output is
+/// plain decoding's whatever the draft model says (a wrong draft costs positions, never bits).
+///
+/// The draft model's cache is kept in step with the context it is asked about: it holds the
+/// tokens it was last fed (the context then, and its own drafts but the last), and each call
+/// rewinds it to the longest prefix it shares with the new context (so positions past a
+/// rejected draft are forgotten and the accepted ones are kept) and feeds only the rest, usually
+/// the verifying step's last one or two tokens. It never feeds more than `max_positions`
+/// positions (the draft model's own limit): near it, it drafts fewer tokens, then none.
+pub struct ModelDrafter<S> {
+    session: S,
+    /// The tokens in the session's cache, in order.
+    fed: Vec<u32>,
+    max_positions: usize,
+    /// The draft model's steps run (each one or more positions).
+    pub steps: u64,
+    /// Positions the draft model computed (prompt and rewound ones included).
+    pub positions: u64,
+}
+
+impl<S: Session> ModelDrafter<S> {
+    /// Drafts with `session` (emptied first), which accepts up to `max_positions` positions.
+    pub fn new(mut session: S, max_positions: usize) -> Self {
+        session.rewind_to(0);
+        ModelDrafter {
+            session,
+            fed: Vec::new(),
+            max_positions,
+            steps: 0,
+            positions: 0,
+        }
+    }
+
+    /// The draft model's session.
+    pub fn session(&self) -> &S {
+        &self.session
+    }
+
+    /// The tokens the draft model's cache holds.
+    pub fn fed(&self) -> &[u32] {
+        &self.fed
+    }
+
+    fn greedy_after(&mut self, feed: &[u32]) -> Result<u32, S::Error> {
+        self.steps += 1;
+        self.positions += feed.len() as u64;
+        let t = match feed {
+            // One token: the draft model's token-only step (CUDA: argmax on the device).
+            [t] => self.session.greedy_step(*t)?.0,
+            _ => {
+                let opts = ForwardOptions {
+                    logits: LogitRows::Last,
+                    ..ForwardOptions::default()
+                };
+                let out = self.session.forward(feed, &opts)?;
+                argmax(out.logits.last().map(Vec::as_slice).unwrap_or(&[]))
+            }
+        };
+        self.fed.extend_from_slice(feed);
+        Ok(t)
+    }
+}
+
+impl<S: Session, E: From<S::Error>> Drafter<E> for ModelDrafter<S> {
+    fn draft(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, E> {
+        // After d drafts the cache holds context.len() + d - 1 positions.
+        let k = k.min(
+            self.max_positions
+                .saturating_add(1)
+                .saturating_sub(context.len()),
+        );
+        if k == 0 || context.is_empty() {
+            return Ok(Vec::new());
+        }
+        // The longest prefix the cache shares with the context, less the context's last token
+        // at least (its row gives the first draft).
+        let shared = self
+            .fed
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len() - 1);
+        self.session.rewind_to(shared);
+        self.fed.truncate(shared);
+        let mut drafts = Vec::with_capacity(k);
+        let result = (|| {
+            let mut t = self.greedy_after(&context[shared..])?;
+            drafts.push(t);
+            while drafts.len() < k {
+                t = self.greedy_after(&[t])?;
+                drafts.push(t);
+            }
+            Ok::<(), S::Error>(())
+        })();
+        if let Err(e) = result {
+            // A failed step leaves the cache as it was before it; start afresh next time.
+            self.session.rewind_to(0);
+            self.fed.clear();
+            return Err(e.into());
+        }
+        Ok(drafts)
     }
 }
 
@@ -130,7 +248,7 @@ pub fn run_speculative<S, O, D>(
 where
     S: Session + ?Sized,
     O: Observer<S> + ?Sized,
-    D: Drafter + ?Sized,
+    D: Drafter<O::Error> + ?Sized,
 {
     let mut stats = SpecStats::default();
     observer.before_step(session, Step::Prefill, prompt.len());
@@ -187,7 +305,7 @@ where
             k.min(n_new - 2 - j)
         };
         let mut drafts = if room > 0 {
-            drafter.draft(&context, room)
+            drafter.draft(&context, room)?
         } else {
             Vec::new()
         };
@@ -248,12 +366,15 @@ where
             out.tokens.push(t);
             // The cache keeps `pending` and the drafts accepted before row i: what one token
             // per step would have fed before choosing token `at`.
+            // Row i follows the i drafts accepted before it in this step.
             if observer.token(at, t)? == Flow::Stop || at + 1 == n_new {
                 session.rewind_to(base + i + 1);
+                observer.drafts_verified(drafts.len(), i);
                 return Ok((out, stats));
             }
             if i == drafts.len() || t != drafts[i] {
                 session.rewind_to(base + i + 1);
+                observer.drafts_verified(drafts.len(), i);
                 pending = t;
                 j = at;
                 break;
@@ -277,6 +398,11 @@ mod tests {
     /// largest logit is often the token that followed the previous token last time.
     #[derive(Default)]
     struct Fake {
+        /// Another model (0: the verified one): a draft model that agrees with it only where
+        /// the repetition bias decides.
+        salt: u64,
+        /// Fail every forward after this many (a draft model's failing step).
+        fail_after: Option<usize>,
         cache: Vec<u32>,
         forwards: usize,
         /// Calls of the token-only entry points.
@@ -285,7 +411,11 @@ mod tests {
     }
 
     fn row(prefix: &[u32]) -> Vec<f32> {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        salted_row(prefix, 0)
+    }
+
+    fn salted_row(prefix: &[u32], salt: u64) -> Vec<f32> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ salt;
         for &t in prefix {
             h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3);
         }
@@ -309,11 +439,14 @@ mod tests {
             if t.is_empty() {
                 return Err("empty step".into());
             }
+            if self.fail_after.is_some_and(|n| self.forwards >= n) {
+                return Err("the device fell over".into());
+            }
             self.forwards += 1;
             let mut logits = Vec::new();
             for &tok in t {
                 self.cache.push(tok);
-                logits.push(row(&self.cache));
+                logits.push(salted_row(&self.cache, self.salt));
             }
             if o.logits == LogitRows::Last {
                 logits.drain(..logits.len() - 1);
@@ -370,8 +503,8 @@ mod tests {
 
     /// Always proposes tokens the model never chooses first (the greedy token plus one).
     struct Wrong;
-    impl Drafter for Wrong {
-        fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+    impl Drafter<String> for Wrong {
+        fn draft(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, String> {
             let mut c = context.to_vec();
             let mut d = Vec::new();
             for _ in 0..k {
@@ -379,19 +512,19 @@ mod tests {
                 c.push(t);
                 d.push(t);
             }
-            d
+            Ok(d)
         }
     }
 
     /// Proposes exactly the greedy continuation (every draft accepted under greedy).
     struct Oracle;
-    impl Drafter for Oracle {
-        fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+    impl Drafter<String> for Oracle {
+        fn draft(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, String> {
             let mut c = context.to_vec();
             for _ in 0..k {
                 c.push(argmax(&row(&c)));
             }
-            c[context.len()..].to_vec()
+            Ok(c[context.len()..].to_vec())
         }
     }
 
@@ -402,7 +535,7 @@ mod tests {
     }
 
     /// Plain and speculative runs agree on tokens, logits, token calls and the cache.
-    fn check<D: Drafter>(
+    fn check<D: Drafter<String>>(
         drafter: &mut D,
         prompt: &[u32],
         n_new: usize,
@@ -508,21 +641,21 @@ mod tests {
 
     #[test]
     fn ngram_takes_the_longest_most_recent_match() {
-        let mut d = NgramDrafter { max_n: 3, min_n: 1 };
+        let d = NgramDrafter { max_n: 3, min_n: 1 };
         // Suffix [1, 2] occurs at 0 and 4; the most recent (4) is followed by 9.
-        assert_eq!(d.draft(&[1, 2, 7, 8, 1, 2, 9, 6, 1, 2], 2), vec![9, 6]);
+        assert_eq!(d.propose(&[1, 2, 7, 8, 1, 2, 9, 6, 1, 2], 2), vec![9, 6]);
         // Longest first: [5, 1, 2] matches at 0 (followed by 3), though [1, 2] matches later.
-        assert_eq!(d.draft(&[5, 1, 2, 3, 1, 2, 4, 5, 1, 2], 3), vec![3, 1, 2]);
+        assert_eq!(d.propose(&[5, 1, 2, 3, 1, 2, 4, 5, 1, 2], 3), vec![3, 1, 2]);
         // The draft stops at the end of the context and at k.
-        assert_eq!(d.draft(&[4, 4], 5), vec![4]);
-        assert_eq!(d.draft(&[1, 2, 3, 1, 2, 3, 1], 1), vec![2]);
+        assert_eq!(d.propose(&[4, 4], 5), vec![4]);
+        assert_eq!(d.propose(&[1, 2, 3, 1, 2, 3, 1], 1), vec![2]);
         // No match, no context, k = 0: nothing.
-        assert!(d.draft(&[1, 2, 3], 4).is_empty());
-        assert!(d.draft(&[], 4).is_empty());
-        assert!(d.draft(&[1, 1, 1], 0).is_empty());
+        assert!(d.propose(&[1, 2, 3], 4).is_empty());
+        assert!(d.propose(&[], 4).is_empty());
+        assert!(d.propose(&[1, 1, 1], 0).is_empty());
         // min_n 2 ignores a one-token match.
-        let mut d2 = NgramDrafter::default();
-        assert!(d2.draft(&[1, 5, 2, 1], 3).is_empty());
+        let d2 = NgramDrafter::default();
+        assert!(d2.propose(&[1, 5, 2, 1], 3).is_empty());
     }
 
     #[test]
@@ -584,5 +717,151 @@ mod tests {
         // 24 tokens after the first, 5 per step: 5 steps (the last one shortened).
         assert_eq!(st.steps, 5);
         assert_eq!(st.accepted, 19);
+    }
+
+    /// A draft model over a `Fake` of `salt` (0: the verified model itself, every greedy draft
+    /// right; another: a weak draft, right where the repetition bias decides).
+    fn model_drafter(salt: u64) -> ModelDrafter<Fake> {
+        ModelDrafter::new(
+            Fake {
+                salt,
+                ..Fake::default()
+            },
+            usize::MAX,
+        )
+    }
+
+    #[test]
+    fn a_draft_model_gives_the_plain_output() {
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 5,
+            seed: 9,
+            ..SamplingParams::default()
+        };
+        let sampled = Choice::Sample {
+            params: &params,
+            request: 0,
+        };
+        let (mut weak_drafted, mut weak_accepted) = (0, 0);
+        for prompt in prompts() {
+            for k in 1..=8 {
+                for n_new in [1, 2, 5, 24] {
+                    for eos in [None, Some(4)] {
+                        for salt in [0, 7] {
+                            // check() runs the drafter again on the token-only path: the same
+                            // drafter, its cache rewound to the prompt.
+                            let mut d = model_drafter(salt);
+                            let st = check(&mut d, &prompt, n_new, k, Choice::Greedy, eos);
+                            assert_eq!(d.session().cache, d.fed(), "the cache is what was fed");
+                            if salt == 0 && eos.is_none() {
+                                assert_eq!(st.accepted, st.drafted, "a self-draft is greedy");
+                            }
+                            if salt != 0 {
+                                weak_drafted += st.drafted;
+                                weak_accepted += st.accepted;
+                            }
+                            check(&mut model_drafter(salt), &prompt, n_new, k, sampled, eos);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(weak_accepted > 0, "the weak draft is sometimes right");
+        assert!(weak_accepted < weak_drafted, "and sometimes wrong");
+    }
+
+    #[test]
+    fn a_draft_model_stays_in_step_with_the_context() {
+        let mut d = model_drafter(7);
+        let c1 = [1, 2, 3, 1, 2];
+        let d1: Vec<u32> = Drafter::<String>::draft(&mut d, &c1, 3).unwrap();
+        assert_eq!(d1.len(), 3);
+        // The context and the drafts but the last.
+        assert_eq!(d.fed(), [&c1[..], &d1[..2]].concat());
+        assert_eq!((d.steps, d.positions), (3, 7));
+        // The first draft accepted, the second rejected (another token chosen): only that token
+        // is fed after the accepted one, and the drafts are a fresh draft model's.
+        let other = (d1[1] + 1) % VOCAB as u32;
+        let c2 = [&c1[..], &[d1[0], other]].concat();
+        let d2: Vec<u32> = Drafter::<String>::draft(&mut d, &c2, 3).unwrap();
+        assert_eq!((d.steps, d.positions), (6, 10));
+        let fresh: Vec<u32> = Drafter::<String>::draft(&mut model_drafter(7), &c2, 3).unwrap();
+        assert_eq!(d2, fresh);
+        assert_eq!(d.fed(), [&c2[..], &d2[..2]].concat());
+        assert_eq!(d.session().cache, d.fed());
+        // Every draft accepted: the last draft and the new token are fed.
+        let c3 = [&c2[..], &d2[..], &[5]].concat();
+        let d3: Vec<u32> = Drafter::<String>::draft(&mut d, &c3, 2).unwrap();
+        assert_eq!((d.steps, d.positions), (8, 13));
+        assert_eq!(
+            d3,
+            Drafter::<String>::draft(&mut model_drafter(7), &c3, 2).unwrap()
+        );
+        // Never past the draft model's own positions: 6 allow 2 drafts after 5 tokens.
+        let mut short = ModelDrafter::new(Fake::default(), 6);
+        let got: Vec<u32> = Drafter::<String>::draft(&mut short, &c1, 4).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(short.session().cache.len(), 6);
+        assert!(Drafter::<String>::draft(&mut short, &[1; 7], 4)
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn a_failing_draft_model_fails_the_run() {
+        let mut d = ModelDrafter::new(
+            Fake {
+                fail_after: Some(3),
+                ..Fake::default()
+            },
+            usize::MAX,
+        );
+        let r = run_speculative(
+            &mut Fake::default(),
+            &[1, 2, 3],
+            20,
+            &ForwardOptions::default(),
+            Keep::Tokens,
+            Choice::Greedy,
+            &mut d,
+            4,
+            &mut (),
+        );
+        assert_eq!(r.unwrap_err(), "the device fell over");
+        assert!(d.fed().is_empty() && d.session().cache.is_empty());
+    }
+
+    /// Counts `drafts_verified` calls.
+    #[derive(Default)]
+    struct Verified(Vec<(usize, usize)>);
+    impl Observer<Fake> for Verified {
+        type Error = String;
+        fn drafts_verified(&mut self, drafted: usize, accepted: usize) {
+            self.0.push((drafted, accepted));
+        }
+    }
+
+    #[test]
+    fn every_decode_step_reports_its_drafts() {
+        for mut d in [model_drafter(0), model_drafter(7)] {
+            let mut o = Verified::default();
+            let (_, st) = run_speculative(
+                &mut Fake::default(),
+                &[1, 2, 3],
+                20,
+                &ForwardOptions::default(),
+                Keep::Tokens,
+                Choice::Greedy,
+                &mut d,
+                4,
+                &mut o,
+            )
+            .unwrap();
+            assert_eq!(o.0.len() as u64, st.steps);
+            assert_eq!(o.0.iter().map(|x| x.0 as u64).sum::<u64>(), st.drafted);
+            assert_eq!(o.0.iter().map(|x| x.1 as u64).sum::<u64>(), st.accepted);
+            assert!(o.0.iter().all(|&(d, a)| a <= d && d <= 4));
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use sha2::{Digest, Sha256};
 use tarfa_run::bundle::BundleSource;
-use tarfa_run::cli::generate::{self, BackendArg, GenerateArgs, KernelArg, SpeculateArg};
+use tarfa_run::cli::generate::{self, BackendArg, GenerateArgs, KernelArg};
 use tarfa_run::cli::{cache_root, threads_arg, CliError};
 
 /// The demo's failure: the conversion's, or the runtime command's, each with its own exit code.
@@ -242,8 +242,7 @@ pub fn run(a: &DemoArgs) -> Result<(), DemoError> {
         seed: 0,
         stop: Vec::new(),
         // Plain decoding, as `generate`'s defaults.
-        speculate: SpeculateArg::Off,
-        draft_tokens: 4,
+        spec: Default::default(),
     };
     generate::run(&g)?;
     Ok(())

@@ -12,7 +12,7 @@ use tarfa_core::generate::{self, Choice, Flow, Greedy, Keep, Observer, Session};
 use tarfa_core::model::ArchSpec;
 use tarfa_core::numerics::Kernel;
 use tarfa_core::sampling::SamplingParams;
-use tarfa_core::speculate::{run_speculative, Drafter, NgramDrafter, SpecStats};
+use tarfa_core::speculate::{run_speculative, Drafter, ModelDrafter, NgramDrafter, SpecStats};
 use tarfa_core::step::{ForwardOptions, LogitRows};
 use tarfa_core::weights::{load_safetensors_dir, WeightSource};
 use tarfa_engine::{BackendChoice, Engine, LoadOptions};
@@ -70,10 +70,10 @@ impl Observer<Engine> for StopAt {
 /// Always wrong: the draft is the previous token plus one, never what the model chose (unless by
 /// chance, which the accept rule handles the same way).
 struct Shifted;
-impl Drafter for Shifted {
-    fn draft(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+impl<E> Drafter<E> for Shifted {
+    fn draft(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, E> {
         let last = *context.last().unwrap();
-        (1..=k as u32).map(|i| last.wrapping_add(i) % 64).collect()
+        Ok((1..=k as u32).map(|i| last.wrapping_add(i) % 64).collect())
     }
 }
 
@@ -90,7 +90,7 @@ fn same(
     k: usize,
     choice: Choice<'_>,
     eos: Option<u32>,
-    drafter: &mut dyn Drafter,
+    drafter: &mut dyn Drafter<tarfa_engine::EngineError>,
 ) -> (Greedy, SpecStats) {
     let what = format!("{backend:?} threads {threads} k {k} n {n} eos {eos:?} {choice:?}");
     let opts = ForwardOptions::default();
@@ -366,4 +366,81 @@ fn speculation_is_plain_decoding_on_every_oracle_fixture() {
         }
     }
     assert!(drafted > 0, "the repeating prompt is drafted from");
+}
+
+/// A draft model on its own engine (`ModelDrafter`), loaded like the verified one.
+fn draft_model(name: &str, backend: BackendChoice) -> ModelDrafter<Engine> {
+    let (cfg, source) = load(name);
+    let max = cfg.max_position_embeddings;
+    ModelDrafter::new(engine(&cfg, &source, backend, 1), max)
+}
+
+#[test]
+fn a_draft_model_is_only_a_proposal() {
+    let repeats: Vec<u32> = [5u32, 9, 13, 2, 7]
+        .iter()
+        .cycle()
+        .take(20)
+        .copied()
+        .collect();
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: 20,
+        seed: 3,
+        ..SamplingParams::default()
+    };
+    let sampled = Choice::Sample {
+        params: &params,
+        request: 0,
+    };
+    // The model as its own draft, on the CPU and on the CUDA mock: every greedy draft accepted.
+    let (cfg, source) = load("qwen3moe-a");
+    for (k, draft_backend) in [
+        (1, BackendChoice::Cpu),
+        (3, BackendChoice::CudaMock),
+        (8, BackendChoice::Cpu),
+    ] {
+        let mut d = draft_model("qwen3moe-a", draft_backend);
+        let (_, st) = same(
+            &cfg,
+            &source,
+            BackendChoice::Cpu,
+            1,
+            &repeats,
+            12,
+            k,
+            Choice::Greedy,
+            None,
+            &mut d,
+        );
+        assert_eq!(st.accepted, st.drafted, "k {k}: a self-draft is greedy");
+        assert!(st.steps < 11, "k {k}: steps saved");
+        same(
+            &cfg,
+            &source,
+            BackendChoice::Cpu,
+            1,
+            &repeats,
+            12,
+            k,
+            sampled,
+            None,
+            &mut d,
+        );
+    }
+    // A weak draft: another family's model of the same vocabulary, on the CUDA mock's verifier
+    // too.
+    let (cfg, source) = load("qwen2moe-s");
+    let (mut drafted, mut accepted) = (0, 0);
+    for (k, backend) in [(2, BackendChoice::Cpu), (5, BackendChoice::CudaMock)] {
+        for choice in [Choice::Greedy, sampled] {
+            let mut d = draft_model("mixtral-s", BackendChoice::Cpu);
+            let (_, st) = same(
+                &cfg, &source, backend, 1, &repeats, 12, k, choice, None, &mut d,
+            );
+            drafted += st.drafted;
+            accepted += st.accepted;
+        }
+    }
+    assert!(accepted < drafted, "the weak draft is sometimes wrong");
 }

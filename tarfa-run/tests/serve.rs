@@ -764,17 +764,28 @@ fn request_timeout_must_be_a_positive_number_of_seconds() {
 
 #[test]
 fn speculate_ngram_answers_are_the_plain_answers_streamed_or_not() {
+    speculated_answers_are_the_plain_answers(&["--speculate", "ngram", "--draft-tokens", "4"]);
+}
+
+#[test]
+fn a_draft_model_s_answers_are_the_plain_answers_streamed_or_not() {
+    // The model as its own draft (the draft's own sequences and cache beside the model's).
+    let b = bundle();
+    speculated_answers_are_the_plain_answers(&[
+        "--speculate",
+        "model",
+        "--draft-bundle",
+        b.to_str().unwrap(),
+        "--draft-tokens",
+        "3",
+    ]);
+}
+
+fn speculated_answers_are_the_plain_answers(spec: &[&str]) {
     // A prompt that quotes itself (drafts accepted), greedy and sampled, with a stop string.
     let quoting =
         "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(";
-    let srv = Server::start(&[
-        "--max-batch",
-        "3",
-        "--speculate",
-        "ngram",
-        "--draft-tokens",
-        "4",
-    ]);
+    let srv = Server::start(&[&["--max-batch", "3"][..], spec].concat());
     let reqs = [
         json!({"prompt": quoting, "max_tokens": 16, "logprobs": 2}),
         json!({"prompt": quoting, "max_tokens": 16, "stop": ["with"], "logprobs": 1}),
@@ -813,4 +824,13 @@ fn speculate_ngram_answers_are_the_plain_answers_streamed_or_not() {
         }
         assert_eq!(json!(text), w["text"], "{r} streamed");
     }
+    // /metrics counts the drafts (as each request finishes, after its answer went out).
+    let t0 = Instant::now();
+    while metric(&srv.addr, "tarfa_draft_tokens_total", &[]) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no drafts counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let accepted = metric(&srv.addr, "tarfa_draft_tokens_accepted_total", &[]);
+    assert!(accepted > 0, "the quoting prompt has drafts accepted");
+    assert!(accepted <= metric(&srv.addr, "tarfa_draft_tokens_total", &[]));
 }

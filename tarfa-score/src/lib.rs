@@ -20,7 +20,7 @@ pub mod score;
 pub use request::{parse_line, BadRequest, Limits, Options, Problem, Request, Task};
 pub use scheduler::{Event, Scheduler, Sink, Ticket};
 pub use score::{
-    perplexity, rolling_windows, score, score_stoppable, Decoding, FinishReason, GenerateResult,
-    GeneratedToken, LoglikelihoodResult, Perplexity, Progress, ScoreError, ScoreOptions,
-    ScoreResult,
+    perplexity, rolling_windows, score, score_drafted, score_stoppable, Decoding, FinishReason,
+    GenerateResult, GeneratedToken, LoglikelihoodResult, Perplexity, Progress, ScoreError,
+    ScoreOptions, ScoreResult,
 };

@@ -9,7 +9,8 @@
 
 use std::collections::VecDeque;
 
-use tarfa_core::step::ForwardOptions;
+use tarfa_core::generate::argmax;
+use tarfa_core::step::{ForwardOptions, LogitRows};
 use tarfa_engine::{Model, SeqStep, Sequence};
 
 use crate::request::Request;
@@ -48,8 +49,21 @@ struct Slot<'a> {
     top_logprobs: usize,
     work: Work,
     seq: Sequence,
+    /// The request's sequence on the draft model and the tokens it holds (with a draft model).
+    draft: Option<(Sequence, Vec<u32>)>,
     sink: Sink<'a>,
     cancelled: bool,
+}
+
+/// One request's draft in the making ([`Scheduler::with_draft_model`]).
+struct DraftWant {
+    /// Its index among the in-flight requests.
+    slot: usize,
+    /// The most tokens it may draft.
+    room: usize,
+    /// What its draft sequence is fed next.
+    feed: Vec<u32>,
+    drafts: Vec<u32>,
 }
 
 /// The in-flight requests on one model, at most `max_batch` at once; the rest wait in arrival
@@ -61,6 +75,9 @@ pub struct Scheduler<'a> {
     waiting: VecDeque<Queued<'a>>,
     active: Vec<Slot<'a>>,
     free: Vec<Sequence>,
+    /// generate_until's draft model (same tokenizer), and its freed sequences.
+    draft_model: Option<&'a Model>,
+    draft_free: Vec<Sequence>,
     stats: Progress,
 }
 
@@ -76,8 +93,23 @@ impl<'a> Scheduler<'a> {
             waiting: VecDeque::new(),
             active: Vec::new(),
             free: Vec::new(),
+            draft_model: None,
+            draft_free: Vec::new(),
             stats: Progress::default(),
         }
+    }
+
+    /// generate_until drafts with `draft`, a draft model of the same tokenizer, in place of
+    /// prompt lookup (when `opts.draft_tokens` is above 0): before each step, every request in
+    /// its decode steps gets the draft model's greedy continuation of its context, up to its
+    /// room, from its own sequence on the draft model. That sequence keeps the longest prefix it
+    /// shares with the request's context (so the positions past a rejected draft are forgotten,
+    /// and the accepted ones kept) and is fed only the rest; the requests' draft tokens are run
+    /// as one draft-model step per drafted token. The drafts are only proposals: every result is
+    /// the bytes of plain decoding, whatever the draft model says.
+    pub fn with_draft_model(mut self, draft: &'a Model) -> Self {
+        self.draft_model = Some(draft);
+        self
     }
 
     /// Queues `request`; it joins a step as soon as a slot is free.
@@ -136,11 +168,136 @@ impl<'a> Scheduler<'a> {
         for mut q in self.waiting.drain(..) {
             (q.sink)(Event::Failed(message.to_string()));
         }
-        for mut s in self.active.drain(..) {
+        for mut s in std::mem::take(&mut self.active) {
             (s.sink)(Event::Failed(message.to_string()));
             s.seq.truncate(0);
             self.free.push(s.seq);
+            self.free_draft(s.draft);
         }
+    }
+
+    fn free_draft(&mut self, draft: Option<(Sequence, Vec<u32>)>) {
+        if let Some((mut seq, _)) = draft {
+            seq.truncate(0);
+            self.draft_free.push(seq);
+        }
+    }
+
+    /// Fails every in-flight request with `err` (their sequences freed) and returns it.
+    fn fail_active(&mut self, err: ScoreError) -> ScoreError {
+        let message = err.to_string();
+        for mut s in std::mem::take(&mut self.active) {
+            (s.sink)(Event::Failed(message.clone()));
+            s.seq.truncate(0);
+            self.free.push(s.seq);
+            self.free_draft(s.draft);
+            self.stats.requests_total -= 1;
+        }
+        err
+    }
+
+    /// The draft model's drafts for every request that may draft in the next step
+    /// ([`Scheduler::with_draft_model`]): round r runs one draft-model step over every request
+    /// still drafting, each fed what its draft sequence lacks (round 0: the context past the
+    /// shared prefix; later: its last draft), and takes the argmax of its last row.
+    fn draft_with_model(&mut self, dm: &Model) -> Result<(), ScoreError> {
+        let max_len = dm.config().max_position_embeddings;
+        let mut wants: Vec<DraftWant> = Vec::new();
+        for (i, s) in self.active.iter_mut().enumerate() {
+            let Some((context, room)) = s.work.draft_request() else {
+                continue;
+            };
+            // After d drafts the draft sequence holds context.len() + d - 1 positions.
+            let room = room.min((max_len + 1).saturating_sub(context.len()));
+            if room == 0 {
+                s.work.set_drafts(Vec::new());
+                continue;
+            }
+            if s.draft.is_none() {
+                let seq = match self.draft_free.pop() {
+                    Some(q) => q,
+                    None => dm.new_sequence().map_err(|source| ScoreError::Engine {
+                        line: s.line,
+                        source,
+                    })?,
+                };
+                s.draft = Some((seq, Vec::new()));
+            }
+            let (seq, fed) = s.draft.as_mut().expect("made above");
+            let shared = fed
+                .iter()
+                .zip(&context)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(context.len() - 1);
+            seq.truncate(shared);
+            fed.truncate(shared);
+            wants.push(DraftWant {
+                slot: i,
+                room,
+                feed: context[shared..].to_vec(),
+                drafts: Vec::new(),
+            });
+        }
+        while !wants.is_empty() {
+            let opts = ForwardOptions {
+                logits: LogitRows::Last,
+                ..ForwardOptions::default()
+            };
+            let mut lines = Vec::with_capacity(wants.len());
+            let mut steps: Vec<SeqStep> = Vec::with_capacity(wants.len());
+            let mut active: Vec<Option<&mut Slot<'a>>> = self.active.iter_mut().map(Some).collect();
+            for w in &wants {
+                let slot = active[w.slot].take().expect("one want per slot");
+                lines.push(slot.line);
+                let (seq, _) = slot.draft.as_mut().expect("made above");
+                steps.push(SeqStep {
+                    seq,
+                    tokens: &w.feed,
+                    opts,
+                });
+            }
+            let result = dm.step(&mut steps);
+            drop(steps);
+            drop(active);
+            let outs = match result {
+                Ok(outs) => outs,
+                Err(e) => {
+                    // a draft sequence may have advanced: forget what every one holds
+                    for s in &mut self.active {
+                        if let Some((seq, fed)) = s.draft.as_mut() {
+                            seq.truncate(0);
+                            fed.clear();
+                        }
+                    }
+                    let err = match e.index {
+                        Some(i) => ScoreError::Engine {
+                            line: lines[i],
+                            source: e.error,
+                        },
+                        None => ScoreError::Step { source: e.error },
+                    };
+                    return Err(self.fail_active(err));
+                }
+            };
+            self.stats.draft_steps += 1;
+            let mut still = Vec::with_capacity(wants.len());
+            for (mut w, out) in wants.into_iter().zip(outs) {
+                self.stats.draft_positions += w.feed.len() as u64;
+                let t = argmax(out.logits.last().map(Vec::as_slice).unwrap_or(&[]));
+                let (_, fed) = self.active[w.slot].draft.as_mut().expect("made above");
+                fed.extend_from_slice(&w.feed);
+                w.drafts.push(t);
+                if w.drafts.len() < w.room {
+                    w.feed = vec![t];
+                    still.push(w);
+                } else {
+                    self.active[w.slot].work.set_drafts(w.drafts);
+                }
+            }
+            wants = still;
+        }
+        Ok(())
     }
 
     /// Admits waiting requests into free slots, drops cancelled ones, and runs one step of every
@@ -156,6 +313,7 @@ impl<'a> Scheduler<'a> {
                 let mut s = self.active.remove(i);
                 s.seq.truncate(0);
                 self.free.push(s.seq);
+                self.free_draft(s.draft);
                 self.stats.requests_total -= 1;
             } else {
                 i += 1;
@@ -184,12 +342,16 @@ impl<'a> Scheduler<'a> {
                 top_logprobs: q.request.options.top_logprobs,
                 work: Work::new(&q.request, &self.opts),
                 seq,
+                draft: None,
                 sink: q.sink,
                 cancelled: false,
             });
         }
         if self.active.is_empty() {
             return Ok(false);
+        }
+        if let Some(dm) = self.draft_model.filter(|_| self.opts.draft_tokens > 0) {
+            self.draft_with_model(dm)?;
         }
         let plans: Vec<(Chunk, Vec<u32>)> = self
             .active
@@ -226,14 +388,7 @@ impl<'a> Scheduler<'a> {
                     },
                     None => ScoreError::Step { source: e.error },
                 };
-                let message = err.to_string();
-                for mut s in self.active.drain(..) {
-                    (s.sink)(Event::Failed(message.clone()));
-                    s.seq.truncate(0);
-                    self.free.push(s.seq);
-                    self.stats.requests_total -= 1;
-                }
-                return Err(err);
+                return Err(self.fail_active(err));
             }
         };
         // Each request's log-probs, choices and text come from its own rows alone, so the
@@ -270,11 +425,13 @@ impl<'a> Scheduler<'a> {
                 let Slot {
                     work,
                     mut seq,
+                    draft,
                     mut sink,
                     ..
                 } = self.active.remove(i);
                 seq.truncate(0);
                 self.free.push(seq);
+                self.free_draft(draft);
                 self.stats.requests_done += 1;
                 let (drafted, accepted) = work.drafts();
                 self.stats.drafted += drafted;

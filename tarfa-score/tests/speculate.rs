@@ -45,6 +45,19 @@ fn run(
     max_batch: usize,
     draft_tokens: usize,
 ) -> (Vec<Vec<String>>, Progress) {
+    run_drafted(m, None, lines, eos, tok, max_batch, draft_tokens)
+}
+
+/// [`run`] with a draft model's drafts (`Scheduler::with_draft_model`).
+fn run_drafted(
+    m: &Model,
+    draft: Option<&Model>,
+    lines: &[&str],
+    eos: &[u32],
+    tok: Option<&tokenizers::Tokenizer>,
+    max_batch: usize,
+    draft_tokens: usize,
+) -> (Vec<Vec<String>>, Progress) {
     let cfg = m.config();
     let limits = Limits {
         vocab_size: cfg.vocab_size,
@@ -64,6 +77,9 @@ fn run(
     };
     let heard: Vec<Rc<RefCell<Vec<String>>>> = lines.iter().map(|_| Default::default()).collect();
     let mut s = Scheduler::new(m, opts);
+    if let Some(d) = draft {
+        s = s.with_draft_model(d);
+    }
     for (i, l) in lines.iter().enumerate() {
         let r = parse_line(i + 1, l, Options::default(), &limits).unwrap();
         let h = heard[i].clone();
@@ -84,17 +100,20 @@ fn run(
     (heard.iter().map(|h| h.borrow().clone()).collect(), p)
 }
 
+/// Contexts that repeat (drafts fed and accepted) and one that does not; greedy and sampled;
+/// max_tokens that cut a draft; top-k alternatives and echo. Every id is below 256 (the smallest
+/// fixtures' vocabulary).
+const LINES: [&str; 5] = [
+    r#"{"context": [5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9, 13, 2, 7], "max_tokens": 14, "top_logprobs": 2}"#,
+    r#"{"context": [30, 31, 30, 31, 30, 31, 30], "max_tokens": 9, "echo": true}"#,
+    r#"{"context": [3, 17, 9, 44, 120, 8], "max_tokens": 6}"#,
+    r#"{"context": [8, 8, 8, 8, 8], "max_tokens": 11, "temperature": 0.9, "top_p": 0.8, "seed": 7}"#,
+    r#"{"context": [60, 61, 62, 60, 61, 62, 60, 61], "max_tokens": 2}"#,
+];
+
 #[test]
 fn drafts_leave_every_result_and_streamed_token_bit_identical() {
-    // Contexts that repeat (drafts fed and accepted) and one that does not; greedy and sampled;
-    // max_tokens that cut a draft; top-k alternatives and echo.
-    let lines = [
-        r#"{"context": [5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9, 13, 2, 7], "max_tokens": 14, "top_logprobs": 2}"#,
-        r#"{"context": [30, 31, 30, 31, 30, 31, 30], "max_tokens": 9, "echo": true}"#,
-        r#"{"context": [3, 17, 9, 44, 120, 8], "max_tokens": 6}"#,
-        r#"{"context": [8, 8, 8, 8, 8], "max_tokens": 11, "temperature": 0.9, "top_p": 0.8, "seed": 7}"#,
-        r#"{"context": [60, 61, 62, 60, 61, 62, 60, 61], "max_tokens": 2}"#,
-    ];
+    let lines = LINES;
     let cpu = model("qwen3moe-a", BackendChoice::Cpu);
     let (want, plain) = run(&cpu, &lines, &[1], None, 1, 0);
     assert!(want.iter().all(|w| w.last().unwrap().starts_with('{')));
@@ -155,5 +174,46 @@ fn a_stop_string_inside_a_draft_ends_the_request_where_plain_decoding_does() {
         let (got, p) = run(&m, &lines, &[], Some(&tok), 2, k);
         assert_eq!(got, want, "k {k}");
         assert!(p.drafted > 0 && p.accepted > 0, "k {k}: {p:?}");
+    }
+}
+
+#[test]
+fn a_draft_model_leaves_every_result_and_streamed_token_bit_identical() {
+    let lines = LINES;
+    let cpu = model("qwen3moe-a", BackendChoice::Cpu);
+    let (want, _) = run(&cpu, &lines, &[1], None, 1, 0);
+    let first: serde_json::Value = serde_json::from_str(want[0].last().unwrap()).unwrap();
+    let eos = [first["tokens"][3].as_u64().unwrap() as u32];
+    let (want_eos, _) = run(&cpu, &lines, &eos, None, 3, 0);
+    // The model as its own draft: batches 1 and 3, draft lengths 1, 3 and 8, an EOS inside a
+    // draft.
+    for (k, batch) in [(1, 1), (3, 3), (8, 3)] {
+        let (got, p) = run_drafted(&cpu, Some(&cpu), &lines, &[1], None, batch, k);
+        assert_eq!(got, want, "self-draft k {k}, batch {batch}");
+        assert!(p.accepted > 0 && p.accepted <= p.drafted, "k {k}: {p:?}");
+        assert!(
+            p.draft_steps > 0 && p.draft_positions >= p.draft_steps,
+            "{p:?}"
+        );
+    }
+    let (got, _) = run_drafted(&cpu, Some(&cpu), &lines, &eos, None, 3, 4);
+    assert_eq!(got, want_eos, "self-draft, EOS {eos:?}");
+    // The CUDA arm (mock device) as the verifier and as the draft.
+    let cuda = model("qwen3moe-a", BackendChoice::CudaMock);
+    let (got, _) = run_drafted(&cuda, Some(&cpu), &lines, &[1], None, 3, 4);
+    assert_eq!(got, want, "cuda mock verifying");
+    let (got, _) = run_drafted(&cpu, Some(&cuda), &lines, &[1], None, 3, 2);
+    assert_eq!(got, want, "cuda mock drafting");
+    // A weak draft: another family's model of the same vocabulary.
+    let verifier = model("qwen2moe-s", BackendChoice::Cpu);
+    let weak = model("mixtral-s", BackendChoice::Cpu);
+    let (want, _) = run(&verifier, &lines, &[1], None, 3, 0);
+    for (k, batch) in [(2, 3), (5, 1)] {
+        let (got, p) = run_drafted(&verifier, Some(&weak), &lines, &[1], None, batch, k);
+        assert_eq!(got, want, "weak draft k {k}, batch {batch}");
+        assert!(
+            p.accepted < p.drafted,
+            "the weak draft is sometimes wrong: {p:?}"
+        );
     }
 }

@@ -43,8 +43,8 @@ pub struct ServeConfig {
     pub max_batch: usize,
     /// Requests waiting beyond those in flight; more are answered 429.
     pub max_queue: usize,
-    /// Completions' speculative decoding: prompt-lookup drafts per decode step (0: none);
-    /// [`ScoreOptions::draft_tokens`]. Every answer is the same bits either way.
+    /// Completions' speculative decoding: drafts per decode step (0: none), by prompt lookup
+    /// or by the draft model of [`serve_drafted`]; [`ScoreOptions::draft_tokens`]. Every answer is the same bits either way.
     pub draft_tokens: usize,
     /// Bearer token every endpoint but /health requires.
     pub api_key: Option<String>,
@@ -136,6 +136,19 @@ pub fn serve(
     addr: SocketAddr,
     on_listening: &dyn Fn(SocketAddr),
 ) -> Result<(), ServeError> {
+    serve_drafted(model, None, cfg, addr, on_listening)
+}
+
+/// [`serve`] with completions drafted by `draft` (a draft model of the same tokenizer:
+/// [`Scheduler::with_draft_model`]) in place of prompt lookup, when given and
+/// `cfg.draft_tokens` is above 0. Every answer is the same bits as without.
+pub fn serve_drafted(
+    model: Model,
+    draft: Option<Model>,
+    cfg: ServeConfig,
+    addr: SocketAddr,
+    on_listening: &dyn Fn(SocketAddr),
+) -> Result<(), ServeError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -155,7 +168,7 @@ pub fn serve(
         let shared = shared.clone();
         std::thread::Builder::new()
             .name("tarfa-scheduler".into())
-            .spawn(move || run_scheduler(&model, &shared, rx))?
+            .spawn(move || run_scheduler(&model, draft.as_ref(), &shared, rx))?
     };
     on_listening(bound);
     let app = api::router(shared.clone());
@@ -184,7 +197,12 @@ async fn shutdown_signal() {
 
 /// The scheduler thread: blocks while idle, otherwise takes every new submission and runs one
 /// step. Stops when every sender is gone and nothing is left to run.
-fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submission>) {
+fn run_scheduler(
+    model: &Model,
+    draft: Option<&Model>,
+    shared: &Arc<Shared>,
+    rx: mpsc::Receiver<Submission>,
+) {
     let opts = ScoreOptions {
         max_batch: shared.cfg.max_batch,
         draft_tokens: shared.cfg.draft_tokens,
@@ -192,6 +210,9 @@ fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submiss
     };
     let dec = shared.decoding();
     let mut sched = Scheduler::new(model, opts);
+    if let Some(d) = draft {
+        sched = sched.with_draft_model(d);
+    }
     let mut watched: BTreeMap<Ticket, Watched> = BTreeMap::new();
     let mut open = true;
     loop {
@@ -220,13 +241,18 @@ fn run_scheduler(model: &Model, shared: &Arc<Shared>, rx: mpsc::Receiver<Submiss
         shared
             .metrics
             .set_depths(sched.waiting() as u64, sched.running() as u64);
-        let before = sched.progress().tokens;
+        let before = sched.progress();
         if let Err(e) = sched.step(&dec) {
             tracing::error!("engine step failed: {e}");
         }
+        let after = sched.progress();
         shared
             .metrics
-            .add_tokens(sched.progress().tokens.saturating_sub(before));
+            .add_tokens(after.tokens.saturating_sub(before.tokens));
+        shared.metrics.add_drafts(
+            after.drafted.saturating_sub(before.drafted),
+            after.accepted.saturating_sub(before.accepted),
+        );
         shared
             .metrics
             .set_depths(sched.waiting() as u64, sched.running() as u64);

@@ -133,6 +133,8 @@ pub struct Metrics {
     waiting: AtomicU64,
     running: AtomicU64,
     tokens: AtomicU64,
+    drafted: AtomicU64,
+    accepted: AtomicU64,
     requests: AtomicU64,
     refused: [AtomicU64; Refusal::ALL.len()],
     cancelled: [AtomicU64; Cancel::ALL.len()],
@@ -156,6 +158,12 @@ impl Metrics {
 
     pub(crate) fn add_tokens(&self, n: u64) {
         self.tokens.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Speculative decoding's drafts fed and accepted (counted as each request finishes).
+    pub(crate) fn add_drafts(&self, drafted: u64, accepted: u64) {
+        self.drafted.fetch_add(drafted, Ordering::Relaxed);
+        self.accepted.fetch_add(accepted, Ordering::Relaxed);
     }
 
     pub(crate) fn refused(&self, why: Refusal) {
@@ -213,6 +221,19 @@ impl Metrics {
             "counter",
             "Tokens run through the model.",
             self.tokens.load(Ordering::Relaxed),
+        );
+        one(
+            "tarfa_draft_tokens_total",
+            "counter",
+            "Speculative decoding's draft tokens fed to decode steps (in tarfa_tokens_total too), \
+             counted as each request finishes.",
+            self.drafted.load(Ordering::Relaxed),
+        );
+        one(
+            "tarfa_draft_tokens_accepted_total",
+            "counter",
+            "Draft tokens accepted (each the token the model chose itself).",
+            self.accepted.load(Ordering::Relaxed),
         );
         one(
             "tarfa_requests_total",

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Speculative decoding (prompt lookup) against plain decoding, on one bundle: the outputs must be
-# byte-identical (cmp of the generated text and of --logits-out files), then tok/s, acceptance
-# and the speed ratio per draft length. Prints a short table last (also OUT/table.txt).
+# Speculative decoding (prompt lookup, and a draft model: the model as its own draft and a weak
+# draft) against plain decoding, on one bundle: the outputs must be byte-identical (cmp of the
+# generated text and of --logits-out files), then tok/s, acceptance, tokens per step and the
+# speed ratio per mode and draft length. Prints a short table last (also OUT/table.txt).
 #
 #   validation/spec/bench.sh BIN_DIR OUT [BUNDLE] [PROMPT_FILE...]
 #
 # BIN_DIR: tarfa-run (and tarfa-convert when BUNDLE is not given) of a release build:
 #   cargo build --release -p tarfa-run -p tarfa-convert; BIN_DIR=target/release
 # BUNDLE: a converted bundle with a tokenizer; default: the demo model (fixtures/oracle/
-#   qwen3moe-code) converted into OUT/demo-bundle.
+#   qwen3moe-code) converted into OUT/demo-bundle, and its first WEAK_LAYERS (1) layers
+#   (validation/spec/truncate.py) into OUT/weak-bundle, the weak draft.
 # PROMPT_FILE: default: validation/spec/prompts/{code-repeats,prose-fresh}.txt (one prompt that
 #   quotes its own context, one that does not).
 # Environment: BACKEND (auto), THREADS (0: one per core), TOKENS (max new tokens, 128), ROUNDS
-#   (3; the modes are interleaved within each round), KS ("2 4 8"), EXTRA (more generate options,
-#   e.g. "--temperature 0.8 --seed 1": sampling must be exact too).
+#   (3; the modes are interleaved within each round), KS ("2 4 8": prompt lookup's draft
+#   lengths), MODEL_KS (KS: the draft models'), SELF_DRAFT (the self-draft's bundle: BUNDLE; ""
+#   skips it), WEAK_DRAFT (the weak draft's bundle: the cut demo model by default, none when
+#   BUNDLE is given; "" skips it), EXTRA (more generate options, e.g. "--temperature 0.8 --seed
+#   1": sampling must be exact too).
+# Modes: off, ngram:K, self:K (--speculate model --draft-bundle SELF_DRAFT), weak:K (WEAK_DRAFT).
 # The logits files of round 0 are deleted once compared (a large vocabulary makes them big).
 # Exit: 0 when every output is identical, 1 when one differs, 2 bad usage, 3 a run failed.
 set -u
@@ -26,7 +32,7 @@ shift 2; [ $# -gt 0 ] && shift
 PROMPTS=("$@")
 [ ${#PROMPTS[@]} -eq 0 ] && PROMPTS=("$ROOT/validation/spec/prompts/code-repeats.txt" "$ROOT/validation/spec/prompts/prose-fresh.txt")
 BACKEND=${BACKEND:-auto}; THREADS=${THREADS:-0}; TOKENS=${TOKENS:-128}; ROUNDS=${ROUNDS:-3}
-KS=${KS:-"2 4 8"}; EXTRA=${EXTRA:-}
+KS=${KS:-"2 4 8"}; MODEL_KS=${MODEL_KS:-$KS}; EXTRA=${EXTRA:-}
 RUN=$BIN/tarfa-run
 [ -x "$RUN" ] || { echo "bench.sh: no tarfa-run in $BIN" >&2; exit 2; }
 if [ -z "$BUNDLE" ]; then
@@ -35,8 +41,21 @@ if [ -z "$BUNDLE" ]; then
     "$BIN/tarfa-convert" "$ROOT/fixtures/oracle/qwen3moe-code" "$BUNDLE" >"$OUTD/convert.log" 2>&1 \
       || { echo "bench.sh: conversion failed (OUT/convert.log)" >&2; exit 3; }
   fi
+  if [ -z "${WEAK_DRAFT+set}" ]; then
+    WEAK_DRAFT=$OUTD/weak-bundle
+    if [ ! -f "$WEAK_DRAFT/manifest.toml" ]; then
+      rm -rf "$OUTD/weak-src"
+      python3 "$ROOT/validation/spec/truncate.py" "$ROOT/fixtures/oracle/qwen3moe-code" \
+          "$OUTD/weak-src" "${WEAK_LAYERS:-1}" >"$OUTD/weak.log" 2>&1 \
+        && "$BIN/tarfa-convert" "$OUTD/weak-src" "$WEAK_DRAFT" >>"$OUTD/weak.log" 2>&1 \
+        || { echo "bench.sh: the weak draft failed (OUT/weak.log)" >&2; exit 3; }
+    fi
+  fi
 fi
+SELF_DRAFT=${SELF_DRAFT-$BUNDLE}; WEAK_DRAFT=${WEAK_DRAFT:-}
 MODES="off"; for k in $KS; do MODES="$MODES ngram:$k"; done
+[ -n "$SELF_DRAFT" ] && for k in $MODEL_KS; do MODES="$MODES self:$k"; done
+[ -n "$WEAK_DRAFT" ] && for k in $MODEL_KS; do MODES="$MODES weak:$k"; done
 RES=$OUTD/runs.tsv
 printf 'prompt\tmode\tround\tdecode_tok_s\tdrafted\taccepted\tsteps\n' >"$RES"
 status=0
@@ -50,7 +69,12 @@ for p in "${PROMPTS[@]}"; do
       args=(generate "$BUNDLE" --prompt-file "$p" --max-new-tokens "$TOKENS" --ignore-eos
             --backend "$BACKEND" --threads "$THREADS" --summary-json "$OUTD/$tag.json")
       [ "$r" = 0 ] && args+=(--logits-out "$OUTD/$tag.logits")
-      [ "$m" != off ] && args+=(--speculate ngram --draft-tokens "${m#ngram:}")
+      case $m in
+        off) ;;
+        ngram:*) args+=(--speculate ngram --draft-tokens "${m#*:}") ;;
+        self:*) args+=(--speculate model --draft-bundle "$SELF_DRAFT" --draft-tokens "${m#*:}") ;;
+        weak:*) args+=(--speculate model --draft-bundle "$WEAK_DRAFT" --draft-tokens "${m#*:}") ;;
+      esac
       # shellcheck disable=SC2086
       if ! "$RUN" "${args[@]}" $EXTRA >"$OUTD/$tag.txt" 2>"$OUTD/$tag.log"; then
         echo "bench.sh: $tag failed (OUT/$tag.log)" >&2; exit 3
@@ -74,7 +98,8 @@ done
 python3 - "$RES" "$BACKEND" "$TOKENS" "$ROUNDS" <<'PY' | tee "$OUTD/table.txt"
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
-print(f"speculative decoding (ngram) vs off: backend {sys.argv[2]}, {sys.argv[3]} tokens, "
+print(f"speculative decoding (ngram:K prompt lookup, self:K the model as its own draft, weak:K "
+      f"a weak draft model) vs off: backend {sys.argv[2]}, {sys.argv[3]} tokens, "
       f"{sys.argv[4]} interleaved rounds, median decode tok/s")
 print(f"{'prompt':<16} {'mode':<9} {'tok/s':>9} {'ratio':>6} {'accept':>7} {'tok/step':>8}")
 for p in dict.fromkeys(r["prompt"] for r in rows):

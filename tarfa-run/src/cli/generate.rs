@@ -17,12 +17,13 @@ use clap::{ArgGroup, Args, ValueEnum};
 use serde_json::json;
 use tarfa_core::chat::{ChatMessage, ChatTemplate};
 use tarfa_core::sampling::SamplingParams;
-use tarfa_core::speculate::{run_speculative, NgramDrafter};
+use tarfa_core::speculate::{run_speculative, ModelDrafter, NgramDrafter, SpecStats};
 use tarfa_core::stop::StopStrings;
 
 use tarfa_engine::{Engine, LoadOptions};
 
 use super::output::{write_logits, OutputRules, RouterTrace};
+use super::speculate::load_draft;
 use super::stream::{StreamArgs, StreamRun};
 use super::{peak_rss_bytes, threads_arg, CliError};
 
@@ -36,14 +37,7 @@ pub enum KernelArg {
     Avx512,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
-pub enum SpeculateArg {
-    /// One token per decode step.
-    Off,
-    /// Prompt lookup: the context's last 3 (else 2) tokens are looked up in the earlier context
-    /// and what followed their most recent match is drafted.
-    Ngram,
-}
+pub use super::speculate::{SpeculateArg, SpeculateArgs};
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum BackendArg {
@@ -97,8 +91,9 @@ pub struct GenerateArgs {
     /// Refuse any bundle whose root digest differs.
     #[arg(long)]
     pub expect_root: Option<String>,
-    /// Write the router's choices per layer and token (JSON Lines).
-    #[arg(long)]
+    /// Write the router's choices per layer and token (JSON Lines). Not with --speculate (the
+    /// trace would hold rejected positions).
+    #[arg(long, conflicts_with_all = ["speculate", "draft_bundle"])]
     pub router_trace: Option<PathBuf>,
     /// Write what was verified before use (JSON).
     #[arg(long)]
@@ -182,15 +177,8 @@ pub struct GenerateArgs {
     /// Needs the bundle's tokenizer.json.
     #[arg(long = "stop", value_name = "STR")]
     pub stop: Vec<String>,
-    /// Speculative decoding: draft up to --draft-tokens tokens per step and verify them all in
-    /// one forward step. Exact: the tokens and logits are those of `off`, bit for bit
-    /// (docs/EXACTNESS.md "Speculative decoding"); only the speed differs. Off by default until
-    /// it is measured faster. Not with --router-trace.
-    #[arg(long, value_enum, default_value_t = SpeculateArg::Off, conflicts_with = "router_trace")]
-    pub speculate: SpeculateArg,
-    /// The most tokens drafted per decode step (1 to 64) with --speculate.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
-    pub draft_tokens: u16,
+    #[command(flatten)]
+    pub spec: SpeculateArgs,
     #[command(flatten)]
     pub stream: StreamArgs,
     #[command(flatten)]
@@ -281,6 +269,9 @@ struct Hooks<'a> {
     stop: Option<StopStrings>,
     /// When the prefill step ended (decode time runs from here).
     prefill_done: Option<Instant>,
+    /// `--stats`: every speculative decode step's (drafted, accepted), printed as it ends.
+    steps: Option<Vec<(usize, usize)>>,
+    quiet: bool,
 }
 
 impl Observer<Engine> for Hooks<'_> {
@@ -336,6 +327,18 @@ impl Observer<Engine> for Hooks<'_> {
         }
         Ok(())
     }
+
+    fn drafts_verified(&mut self, drafted: usize, accepted: usize) {
+        if let Some(steps) = self.steps.as_mut() {
+            steps.push((drafted, accepted));
+            if !self.quiet {
+                eprintln!(
+                    "step {}: drafted {drafted}, accepted {accepted}",
+                    steps.len()
+                );
+            }
+        }
+    }
 }
 
 pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
@@ -363,6 +366,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     sampling
         .validate()
         .map_err(|e| CliError::Usage(format!("--{}: {e}", e.setting().replace('_', "-"))))?;
+    let mode = a.spec.mode()?;
+    let k = a.spec.k(mode);
     let eos = if a.ignore_eos {
         Vec::new()
     } else {
@@ -440,7 +445,10 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     }
     // Outputs are checked before the model is loaded: a bad path is refused in a moment, not
     // after the run.
-    let rules = OutputRules::new(&[&a.bundle]);
+    // Nothing is written into the model's bundle, nor into the draft model's.
+    let mut read: Vec<&Path> = vec![&a.bundle];
+    read.extend(a.spec.draft_bundle.as_deref());
+    let rules = OutputRules::new(&read);
     for (path, flag) in [
         (&a.logits_out, "--logits-out"),
         (&a.router_trace, "--router-trace"),
@@ -489,6 +497,13 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         hot: streamed.hot_options(),
         cuda: a.cuda.tuning(),
     };
+    // The draft model first: a draft refused (another tokenizer) costs no load of the model.
+    let draft = match (mode, &a.spec.draft_bundle) {
+        (SpeculateArg::Model, Some(path)) => {
+            Some(load_draft(path, &a.bundle, &cfg, &source, &load, &log)?)
+        }
+        _ => None,
+    };
     let mut engine = Engine::load(
         cfg,
         streamed.source.clone() as Arc<dyn WeightSource>,
@@ -536,6 +551,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         eos: &eos,
         stop: (!a.stop.is_empty()).then(|| StopStrings::new(&a.stop)),
         prefill_done: None,
+        steps: a.stream.stats.then(Vec::new),
+        quiet: a.quiet,
     };
     // Greedy settings keep the greedy path (the GPU's token-only step); `generate` is request 0.
     let choice = if sampling.is_greedy() {
@@ -547,9 +564,11 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         }
     };
     let t0 = Instant::now();
-    let (g, spec) = match a.speculate {
-        SpeculateArg::Off => (
-            generate::run_with(
+    // The draft model's (steps, positions) computed.
+    let mut draft_work = None;
+    let (g, spec) = match (mode, draft) {
+        (SpeculateArg::Off, _) => {
+            let g = generate::run_with(
                 &mut engine,
                 &prompt,
                 max_new,
@@ -557,10 +576,16 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 keep,
                 choice,
                 &mut hooks,
-            )?,
-            None,
-        ),
-        SpeculateArg::Ngram => {
+            )?;
+            // Plain decoding's steps, for --stats: one per token after the first.
+            let steps = g.tokens.len().saturating_sub(1) as u64;
+            let plain = SpecStats {
+                steps,
+                ..SpecStats::default()
+            };
+            (g, a.stream.stats.then_some(plain))
+        }
+        (SpeculateArg::Ngram, _) => {
             let (g, st) = run_speculative(
                 &mut engine,
                 &prompt,
@@ -569,9 +594,34 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 keep,
                 choice,
                 &mut NgramDrafter::default(),
-                a.draft_tokens as usize,
+                k,
                 &mut hooks,
             )?;
+            (g, Some(st))
+        }
+        (SpeculateArg::Model, d) => {
+            let d = d.expect("loaded above for --speculate model");
+            let max = d.cfg.max_position_embeddings;
+            let seq = d.model.new_sequence()?;
+            let mut drafter = ModelDrafter::new(
+                Engine {
+                    model: d.model,
+                    seq,
+                },
+                max,
+            );
+            let (g, st) = run_speculative(
+                &mut engine,
+                &prompt,
+                max_new,
+                &opts,
+                keep,
+                choice,
+                &mut drafter,
+                k,
+                &mut hooks,
+            )?;
+            draft_work = Some((drafter.steps, drafter.positions));
             (g, Some(st))
         }
     };
@@ -583,7 +633,12 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     let prefill_done = hooks.prefill_done.unwrap_or(t0);
     let prefill_time = prefill_done - t0;
     let decode_time = prefill_done.elapsed();
-    let Hooks { trace, out, .. } = hooks;
+    let Hooks {
+        trace,
+        out,
+        steps: hooks_steps,
+        ..
+    } = hooks;
     drop(out);
     let tokens = &g.tokens;
 
@@ -613,6 +668,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     } else {
         0.0
     };
+    let per_step = hooks_steps.map(|v| v.into_iter().map(|(d, a)| [d, a]).collect::<Vec<_>>());
     if let Some(p) = &a.summary_json {
         rules.write_json(
             p,
@@ -632,12 +688,17 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
                 "decode_weight_bytes_per_token": if decode_steps > 0 { g.decode_weight_bytes / decode_steps as u64 } else { 0 },
                 "peak_rss_bytes": peak_rss_bytes(),
                 "speculate": spec.map(|st| json!({
-                    "drafter": "ngram",
-                    "draft_tokens": a.draft_tokens,
+                    "drafter": mode.name(),
+                    "draft_tokens": k,
+                    "draft_bundle": a.spec.draft_bundle.as_ref().map(|p| p.display().to_string()),
                     "decode_steps": st.steps,
                     "drafted": st.drafted,
                     "accepted": st.accepted,
                     "acceptance": st.acceptance(),
+                    "tokens_per_step": tokens_per_step(tokens.len(), st.steps),
+                    "draft_model_steps": draft_work.map(|w| w.0),
+                    "draft_model_positions": draft_work.map(|w| w.1),
+                    "per_step": per_step,
                 })),
                 "stream": streamed.summary(),
             }),
@@ -646,12 +707,20 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     streamed.finish(&log);
     if let Some(st) = spec {
         log(format!(
-            "speculate ngram k {}: {} decode steps, {} drafted, {} accepted ({:.1}%)",
-            a.draft_tokens,
+            "speculate {} k {k}: {} decode steps, {} drafted, {} accepted ({:.1}%), {:.2} tokens \
+             per step, decode {:.1} tok/s{}",
+            mode.name(),
             st.steps,
             st.drafted,
             st.accepted,
-            100.0 * st.acceptance()
+            100.0 * st.acceptance(),
+            tokens_per_step(tokens.len(), st.steps),
+            decode_tok_s,
+            match draft_work {
+                Some((steps, positions)) =>
+                    format!("; the draft model ran {steps} steps, {positions} positions"),
+                None => String::new(),
+            }
         ));
     }
     log(format!(
@@ -662,6 +731,16 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         decode_tok_s
     ));
     Ok(())
+}
+
+/// Tokens per decode step: the decode steps' tokens (all but the first, which the prefill
+/// chose) over the steps.
+fn tokens_per_step(tokens: usize, steps: u64) -> f64 {
+    if steps == 0 {
+        0.0
+    } else {
+        tokens.saturating_sub(1) as f64 / steps as f64
+    }
 }
 
 /// The bundle's chat template (`None` when it has none), its files read through the manifest

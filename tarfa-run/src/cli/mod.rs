@@ -8,6 +8,7 @@ pub mod output;
 pub mod score;
 pub mod selftest;
 pub mod serve;
+pub mod speculate;
 pub mod stream;
 pub mod tuning;
 

@@ -19,8 +19,9 @@ use crate::bundle::BundleSource;
 use crate::config::MoeConfig;
 use crate::weights::WeightSource;
 
-use super::generate::{chat_template, eos_ids, kernel, BackendArg, KernelArg, SpeculateArg};
+use super::generate::{chat_template, eos_ids, kernel, BackendArg, KernelArg};
 use super::output::OutputRules;
+use super::speculate::{SpeculateArg, SpeculateArgs};
 use super::stream::{StreamArgs, StreamRun};
 use super::{threads_arg, CliError};
 
@@ -106,15 +107,9 @@ pub struct ScoreArgs {
     /// Default echo of every request: also the log-probs of the context's tokens.
     #[arg(long)]
     pub echo: bool,
-    /// generate_until's speculative decoding: draft up to --draft-tokens tokens per decode step
-    /// by prompt lookup and verify them in that step. Exact: every result line is the bytes of
-    /// `off` (docs/EXACTNESS.md "Speculative decoding"); only the speed differs. Off by default
-    /// until it is measured faster.
-    #[arg(long, value_enum, default_value_t = SpeculateArg::Off)]
-    pub speculate: SpeculateArg,
-    /// The most tokens drafted per decode step (1 to 64) with --speculate.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
-    pub draft_tokens: u16,
+    /// generate_until's speculative decoding (every result line is the bytes of `off`).
+    #[command(flatten)]
+    pub spec: SpeculateArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -182,6 +177,38 @@ pub(crate) fn load(
         log,
     )?;
     Ok((model, streamed))
+}
+
+/// Accepted over drafted (0 when nothing was drafted).
+fn acceptance(drafted: u64, accepted: u64) -> f64 {
+    if drafted == 0 {
+        0.0
+    } else {
+        accepted as f64 / drafted as f64
+    }
+}
+
+/// `--draft-bundle`'s model for `--speculate model` (score, serve), on the model's backend and
+/// threads: checked against the model's vocabulary and tokenizer before either is loaded.
+pub(crate) fn load_draft_for(
+    a: &ModelArgs,
+    spec: &SpeculateArgs,
+    mode: SpeculateArg,
+    o: &Opened,
+    log: &dyn Fn(String),
+) -> Result<Option<Model>, CliError> {
+    let (SpeculateArg::Model, Some(path)) = (mode, &spec.draft_bundle) else {
+        return Ok(None);
+    };
+    let load = LoadOptions {
+        backend: a.backend.into(),
+        threads: a.threads.unwrap_or(0),
+        kernel: kernel(a.kernel)?,
+        hot: None,
+        cuda: a.cuda.tuning(),
+    };
+    let d = super::speculate::load_draft(path, &a.bundle, &o.cfg, &o.source, &load, log)?;
+    Ok(Some(d.model))
 }
 
 /// Every line of the requests file, checked and encoded.
@@ -342,10 +369,14 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
             eprintln!("{s}");
         }
     };
+    let mode = a.spec.mode()?;
     let o = open(&a.model, &log)?;
     // Every line is checked before the model loads and before any output exists.
     let requests = read_requests(a, &o)?;
-    let rules = OutputRules::new(&[&a.model.bundle]);
+    // Nothing is written into the model's bundle, nor into the draft model's.
+    let mut read: Vec<&Path> = vec![&a.model.bundle];
+    read.extend(a.spec.draft_bundle.as_deref());
+    let rules = OutputRules::new(&read);
     if let Some(p) = &a.out {
         // the requests are the user's input: never truncated by --out naming them (or a link)
         use std::os::unix::fs::MetadataExt;
@@ -367,16 +398,16 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
         requests.len(),
         a.requests.display()
     ));
+    let draft = load_draft_for(&a.model, &a.spec, mode, &o, &log)?;
     let (model, streamed) = load(&a.model, &o, &log)?;
     let (dec, mut opts, bar) = run_parts(&a.model, &o, requests.len(), "requests");
-    if a.speculate == SpeculateArg::Ngram {
-        opts.draft_tokens = a.draft_tokens as usize;
-    }
+    opts.draft_tokens = a.spec.k(mode);
     let t0 = Instant::now();
     let stdout = std::io::stdout();
     let out_path = a.out.clone().unwrap_or_else(|| PathBuf::from("<stdout>"));
-    let result = tarfa_score::score(
+    let result = tarfa_score::score_drafted(
         &model,
+        draft.as_ref(),
         &requests,
         &dec,
         &opts,
@@ -397,6 +428,7 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
                 p.tokens as f64 / t0.elapsed().as_secs_f64()
             ));
         },
+        &|| false,
     );
     bar.finish_and_clear();
     let stats = result.map_err(|e| score_error(e, &out_path))?;
@@ -414,24 +446,33 @@ pub fn run(a: &ScoreArgs) -> Result<(), CliError> {
         "backend": model.name(),
         "threads": model.threads(),
         // generate_until's drafts: fed to steps, and accepted (the tokens count them all)
-        "speculate": (a.speculate == SpeculateArg::Ngram).then(|| json!({
-            "drafter": "ngram",
-            "draft_tokens": a.draft_tokens,
+        "speculate": (mode != SpeculateArg::Off).then(|| json!({
+            "drafter": mode.name(),
+            "draft_tokens": a.spec.draft_tokens,
+            "draft_bundle": a.spec.draft_bundle.as_ref().map(|p| p.display().to_string()),
             "drafted": stats.drafted,
             "accepted": stats.accepted,
+            "acceptance": acceptance(stats.drafted, stats.accepted),
+            "draft_model_steps": (mode == SpeculateArg::Model).then_some(stats.draft_steps),
+            "draft_model_positions": (mode == SpeculateArg::Model).then_some(stats.draft_positions),
         })),
     });
     streamed.finish(&log);
-    if a.speculate == SpeculateArg::Ngram {
+    if mode != SpeculateArg::Off {
         log(format!(
-            "speculate ngram k {}: {} drafted, {} accepted ({:.1}%)",
-            a.draft_tokens,
+            "speculate {} k {}: {} drafted, {} accepted ({:.1}%){}",
+            mode.name(),
+            a.spec.draft_tokens,
             stats.drafted,
             stats.accepted,
-            if stats.drafted > 0 {
-                100.0 * stats.accepted as f64 / stats.drafted as f64
+            100.0 * acceptance(stats.drafted, stats.accepted),
+            if mode == SpeculateArg::Model {
+                format!(
+                    "; the draft model ran {} steps, {} positions",
+                    stats.draft_steps, stats.draft_positions
+                )
             } else {
-                0.0
+                String::new()
             }
         ));
     }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::generate::SpeculateArg;
 use super::score::ModelArgs;
+use super::speculate::SpeculateArgs;
 use super::CliError;
 
 #[derive(Args, Debug, Clone)]
@@ -36,15 +36,9 @@ pub struct ServeArgs {
     /// for a shorter deadline with the header `x-tarfa-timeout: SECONDS`, never a longer one.
     #[arg(long, value_name = "SECONDS", value_parser = timeout_arg)]
     pub request_timeout: Option<Duration>,
-    /// Speculative decoding of completions: draft up to --draft-tokens tokens per decode step by
-    /// prompt lookup and verify them in that step. Exact: every answer is the bits of `off`
-    /// (docs/EXACTNESS.md "Speculative decoding"); only the speed differs. Off by default until
-    /// it is measured faster.
-    #[arg(long, value_enum, default_value_t = SpeculateArg::Off)]
-    pub speculate: SpeculateArg,
-    /// The most tokens drafted per decode step (1 to 64) with --speculate.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
-    pub draft_tokens: u16,
+    /// Speculative decoding of completions (every answer is the bits of `off`).
+    #[command(flatten)]
+    pub spec: SpeculateArgs,
 }
 
 /// The most seconds a deadline may be (about 31 years: beyond it, no deadline is meant).
@@ -95,9 +89,11 @@ pub fn run(a: &ServeArgs) -> Result<(), CliError> {
     if a.api_key.as_deref() == Some("") {
         return Err(CliError::Usage("--api-key: an empty key".into()));
     }
+    let mode = a.spec.mode()?;
     let o = super::score::open(&a.model, &log)?;
     let chat_template =
         super::generate::chat_template(&o.source, &a.model.bundle, "chat completions")?;
+    let draft = super::score::load_draft_for(&a.model, &a.spec, mode, &o, &log)?;
     let (model, streamed) = super::score::load(&a.model, &o, &log)?;
     let name = a
         .model
@@ -111,10 +107,7 @@ pub fn run(a: &ServeArgs) -> Result<(), CliError> {
         root_digest: o.source.root_digest().to_string(),
         max_batch: a.model.max_batch,
         max_queue: a.max_queue,
-        draft_tokens: match a.speculate {
-            SpeculateArg::Off => 0,
-            SpeculateArg::Ngram => a.draft_tokens as usize,
-        },
+        draft_tokens: a.spec.k(mode),
         api_key: a.api_key.clone(),
         vocab_size: o.cfg.vocab_size,
         max_positions: o.cfg.max_position_embeddings,
@@ -126,7 +119,7 @@ pub fn run(a: &ServeArgs) -> Result<(), CliError> {
     };
     let addr = SocketAddr::new(a.host, a.port);
     // the one line a script waits for: printed even with --quiet
-    tarfa_serve::serve(model, cfg, addr, &|bound| {
+    tarfa_serve::serve_drafted(model, draft, cfg, addr, &|bound| {
         eprintln!("listening on http://{bound}")
     })
     .map_err(serve_error)?;

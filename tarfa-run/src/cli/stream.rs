@@ -89,7 +89,10 @@ pub struct StreamArgs {
     #[arg(long, default_value_t = DEFAULT_IO_THREADS, value_parser = io_threads_arg)]
     pub io_threads: usize,
     /// Print, per token and at the end, bytes read, tier hit rates, disk GB/s, the time split
-    /// (I/O wait, host-to-device copy, compute, verification) and peak RSS.
+    /// (I/O wait, host-to-device copy, compute, verification) and peak RSS. `generate` also
+    /// prints each decode step's drafted and accepted tokens and, at the end, the decode steps,
+    /// drafted, accepted, acceptance, tokens per step and decode tok/s (--speculate off too);
+    /// --summary-json's `speculate` then carries every step's [drafted, accepted].
     #[arg(long)]
     pub stats: bool,
 }
