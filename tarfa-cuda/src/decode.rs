@@ -579,8 +579,16 @@ impl CudaModel {
             label: "lm_head (+final norm, argmax)",
             bytes: lm.bytes(),
         });
+        // the limit is per kernel, not per launch: set each kernel's largest (a later, smaller
+        // launch of the same kernel must not lower it; GLM-4.5-Air's o_proj needs 48 KiB where
+        // the router logits after it, the same dmv2wf kernel, need 32 KiB)
+        let mut most: std::collections::BTreeMap<&'static str, u32> = Default::default();
         for l in &v {
-            self.gpu.allow_shared(l.name, l.shared)?;
+            let m = most.entry(l.name).or_insert(0);
+            *m = (*m).max(l.shared);
+        }
+        for (name, bytes) in most {
+            self.gpu.allow_shared(name, bytes)?;
         }
         Ok(v)
     }

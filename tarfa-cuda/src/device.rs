@@ -728,11 +728,9 @@ impl Gpu {
         n
     }
 
-    /// Lets kernel `name` take `bytes` of dynamic shared memory. Needed whenever the dynamic
-    /// part plus the kernel's static shared memory exceed 48 KiB: set for every launch that
-    /// takes a sizeable dynamic part (dmv2wf with 12,288 columns asks for exactly 48 KiB, which
-    /// with its static buffers failed to launch on GLM-4.5-Air's o_proj when only sizes above
-    /// 48 KiB were allowed).
+    /// Lets kernel `name` take `bytes` of dynamic shared memory (the function's limit: a later
+    /// call with fewer bytes lowers it, so callers set each kernel's largest). Needed whenever
+    /// the dynamic part plus the kernel's static shared memory exceed 48 KiB; set from 16 KiB up.
     pub(crate) fn allow_shared(&self, name: &'static str, bytes: u32) -> Result<(), CudaError> {
         let funcs = match &self.inner {
             Inner::Cuda { funcs, .. } => funcs,
