@@ -1,19 +1,32 @@
 // Causal attention of one (token, query head) per block of 256 threads (cpu/forward.rs
-// `attention_block`): the query at position P = pos0 + t sees positions 0..=P of its KV head.
+// `gqa_block`): the query at position P = pos0 + t sees positions start..=P of its KV head, where
+// start is 0, or P + 1 - window on a sliding layer (transformers' mask: key j seen when P - j < w),
+// raised to P's chunk start (P / C) * C on a chunked layer (Llama 4).
 //   s_j = dot(q, k_j) * scale                       (canonical dot over D, a warp per position)
+//   gpt-oss's sink: one more score after the keys, sinks[qh] (its probability is dropped)
 //   m = max_j s_j; e_j = exp(s_j - m); S = canonical_sum_j(e_j); p_j = e_j / S
-//   o[d] = canonical dot over j of (p_j, v_j[d])    (lanes over positions: thread v = lane v)
-// Scores live in `scratch` ([T][Hq][n_stride] floats). grid (Hq, T), block 256.
+//   o[d] = canonical dot over j of (p_j, v_j[d])    (lanes over positions j - start)
+// Scores live in `scratch` ([T][Hq][n_stride] floats; n_stride >= the positions + 1 with sinks).
+// grid (Hq, T), block 256.
 #include "common.cuh"
 
 #define ATT_TILE 32
 
+// The first position a query at `pos` sees (see above); window, chunk 0: none.
+__device__ __forceinline__ int attn_start(int pos, int window, int chunk) {
+    int start = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    if (chunk > 0 && pos / chunk * chunk > start) start = pos / chunk * chunk;
+    return start;
+}
+
 // One (token, query head): the query qv at a position that sees n positions of its KV head's
-// cache rows keys/vals ([position][D]); scores in sc[0..n). Every thread of the block calls it.
+// cache rows keys/vals ([position][D], already offset to the first seen); scores in sc[0..n),
+// and the sink's in sc[n] when `sink` is not null. Every thread of the block calls it.
 __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
                                            const float* __restrict__ keys,
                                            const float* __restrict__ vals, int n, int d,
-                                           float scale, float* sc, float* __restrict__ ov) {
+                                           float scale, const float* sink, float* sc,
+                                           float* __restrict__ ov) {
     __shared__ float red[TARFA_LANES];
     __shared__ float tile[TARFA_LANES][ATT_TILE + 1];
     const int v = threadIdx.x;
@@ -24,11 +37,13 @@ __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
         float s = warp_dot_f32(qv, keys + (long)j * d, d, p);
         if (p == 0) sc[j] = __fmul_rn(s, scale);
     }
+    if (sink != nullptr && v == 0) sc[n] = *sink;
+    const int ns = sink != nullptr ? n + 1 : n;  // the softmax's terms
     __syncthreads();
-    const float m = block_max_256(sc, n, red);
+    const float m = block_max_256(sc, ns, red);
     // thread v writes e_j for j = v, v+256, ...: exactly the terms its lane then sums
-    for (int j = v; j < n; j += TARFA_LANES) sc[j] = det_exp(__fsub_rn(sc[j], m));
-    const float total = block_sum_256(sc, n, red);
+    for (int j = v; j < ns; j += TARFA_LANES) sc[j] = det_exp(__fsub_rn(sc[j], m));
+    const float total = block_sum_256(sc, ns, red);
     for (int j = v; j < n; j += TARFA_LANES) sc[j] = __fdiv_rn(sc[j], total);
     // the lane loop below reads only j = v, v+256, ...: the p_j this thread wrote
 
@@ -59,16 +74,20 @@ __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
     }
 }
 
+// sinks: [Hq] or null; window, chunk: the layer's (0: none).
 extern "C" __global__ void __launch_bounds__(256) attention(
     const float* __restrict__ q, int hq, int hkv, int d, const float* __restrict__ k_cache,
     const float* __restrict__ v_cache, int cap, int pos0, float scale, float* scratch, int n_stride,
-    float* __restrict__ o) {
+    float* __restrict__ o, const float* __restrict__ sinks, int window, int chunk) {
     const int qh = blockIdx.x;
     const int t = blockIdx.y;
     const int kvh = qh / (hq / hkv);
-    attend_one(q + ((long)t * hq + qh) * d, k_cache + (long)kvh * cap * d,
-               v_cache + (long)kvh * cap * d, pos0 + t + 1, d, scale,
-               scratch + ((long)t * hq + qh) * n_stride, o + ((long)t * hq + qh) * d);
+    const int pos = pos0 + t;
+    const long start = attn_start(pos, window, chunk);
+    attend_one(q + ((long)t * hq + qh) * d, k_cache + ((long)kvh * cap + start) * d,
+               v_cache + ((long)kvh * cap + start) * d, pos + 1 - (int)start, d, scale,
+               sinks != nullptr ? sinks + qh : nullptr, scratch + ((long)t * hq + qh) * n_stride,
+               o + ((long)t * hq + qh) * d);
 }
 
 // The same for a step over several sequences: token t's own cache and position come from
@@ -76,7 +95,8 @@ extern "C" __global__ void __launch_bounds__(256) attention(
 // (keys, values) of its sequence (tarfa-cuda/src/model.rs `SeqTables`). grid (Hq, T), block 256.
 extern "C" __global__ void __launch_bounds__(256) attention_seqs(
     const float* __restrict__ q, int hq, int hkv, int d, const u64* __restrict__ tok,
-    const u64* __restrict__ kv, float scale, float* scratch, int n_stride, float* __restrict__ o) {
+    const u64* __restrict__ kv, float scale, float* scratch, int n_stride, float* __restrict__ o,
+    const float* __restrict__ sinks, int window, int chunk) {
     const int qh = blockIdx.x;
     const int t = blockIdx.y;
     const int kvh = qh / (hq / hkv);
@@ -84,7 +104,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_seqs(
     const long cap = (long)tok[4 * t + 3];
     const float* k_cache = reinterpret_cast<const float*>(kv[2 * t]);
     const float* v_cache = reinterpret_cast<const float*>(kv[2 * t + 1]);
-    attend_one(q + ((long)t * hq + qh) * d, k_cache + kvh * cap * d, v_cache + kvh * cap * d,
-               pos + 1, d, scale, scratch + ((long)t * hq + qh) * n_stride,
+    const long start = attn_start(pos, window, chunk);
+    attend_one(q + ((long)t * hq + qh) * d, k_cache + (kvh * cap + start) * d,
+               v_cache + (kvh * cap + start) * d, pos + 1 - (int)start, d, scale,
+               sinks != nullptr ? sinks + qh : nullptr, scratch + ((long)t * hq + qh) * n_stride,
                o + ((long)t * hq + qh) * d);
 }

@@ -21,6 +21,41 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(
                 next, dyn, dyn + e_count, sel, red);
 }
 
+// The routers that choose by logit (cpu/forward.rs `route_topk_then_softmax`,
+// `route_sigmoid_scales_input`), one token per block of 256 threads. logits [T][E] (gpt-oss's
+// already hold the router's bias):
+//   selection: the k largest logits in descending total order, the lower expert id first
+//   sigmoid == 0 (gpt-oss): probs = weights = softmax over the k chosen logits, selection order
+//   sigmoid == 1 (Llama 4): probs = weights = sigmoid(logit) (the weight scales the input)
+//   kth / next: the k-th and (k+1)-th logits (NaN when E == k)
+// Outputs as route_topk's. Dynamic shared memory: E + 2*k floats.
+extern "C" __global__ void __launch_bounds__(256) route_topk_first(
+    const float* __restrict__ logits, int e_count, int k, int sigmoid, u32* __restrict__ ids,
+    float* __restrict__ probs, float* __restrict__ weights, u32* __restrict__ by_id,
+    float* __restrict__ kth, float* __restrict__ next) {
+    TARFA_DYN_SMEM(float, dyn);
+    __shared__ float red[TARFA_LANES];
+    __shared__ int sel[1024];
+    float* c = dyn;               // [E] the logits
+    float* sp = dyn + e_count;    // [k] the chosen logits
+    float* wt = sp + k;           // [k] their weights
+    const int t = blockIdx.x;
+    const int v = threadIdx.x;
+    const float* l = logits + (long)t * e_count;
+    for (int i = v; i < e_count; i += TARFA_LANES) c[i] = l[i];
+    __syncthreads();
+    route_select_block(c, e_count, k, t, sel, next);
+    for (int j = v; j < k; j += TARFA_LANES) sp[j] = c[sel[j]];
+    __syncthreads();
+    if (sigmoid) {
+        for (int j = v; j < k; j += TARFA_LANES) wt[j] = det_sigmoid(sp[j]);
+        __syncthreads();
+    } else {
+        softmax_block(sp, k, wt, red);
+    }
+    route_write_block(sel, wt, wt, k, t, sp[k - 1], ids, probs, weights, by_id, kth);
+}
+
 // Group-limited router of one token per block of 256 threads (cpu/forward.rs
 // `route_sigmoid_grouped` when `sigmoid`, else `route_softmax_grouped`; EXACTNESS.md's
 // "Sigmoid group-limited routing" and "Softmax group-limited routing"). logits [T][E]:
@@ -113,9 +148,54 @@ extern "C" __global__ void __launch_bounds__(256) route_grouped(
     route_write_block(sel, sp, wt, k, t, c[sel[k - 1]], ids, probs, weights, by_id, kth);
 }
 
+// The experts' function beyond the SwiGLU (tarfa-cuda/src/ops.rs `ExpertMath`), one struct per
+// launch: gpt-oss's biases (bg, bu: [E][rows] after the gate and up dots; bd: [E][hidden] after the
+// down dot, before the weight; null: none) and clamped SwiGLU (clamped != 0:
+// g' = min(g, limit), u' = max(min(u, limit), -limit), a = (u' + 1) * (g' * sigmoid(g' * alpha)));
+// Llama 4's input scaling (x_per_slot != 0: slot (t, j) reads its own input row t*k + j, the
+// normalised input times its weight; unweighted != 0: the mix adds y, not w * y).
+struct ExpertMath {
+    const float* bg;
+    const float* bu;
+    const float* bd;
+    float alpha;
+    float limit;
+    int clamped;
+    int x_per_slot;
+    int unweighted;
+};
+
+// The kernels take ExpertMath's fields as plain arguments (a launch passes scalars and pointers
+// only): the gate/up kernels the activation's, the mixing kernels the down bias and `unweighted`.
+#define EXPERT_ACT_PARAMS                                                                      \
+    const float *__restrict__ bg, const float *__restrict__ bu, float alpha, float limit,     \
+        int clamped, int x_per_slot
+#define EXPERT_ACT_MATH ExpertMath{bg, bu, nullptr, alpha, limit, clamped, x_per_slot, 0}
+
+// a = act(g + bg, u + bu) for row i of expert e (cpu/forward.rs `expert_products`).
+__device__ __forceinline__ float expert_act(const ExpertMath& m, long e, int rows, int i, float g,
+                                            float u) {
+    if (m.bg != nullptr) {
+        g = __fadd_rn(g, m.bg[e * rows + i]);
+        u = __fadd_rn(u, m.bu[e * rows + i]);
+    }
+    if (!m.clamped) return __fmul_rn(det_silu(g), u);
+    const float gc = fminf(g, m.limit);
+    const float uc = fmaxf(fminf(u, m.limit), -m.limit);
+    return __fmul_rn(__fadd_rn(uc, 1.0f), __fmul_rn(gc, det_sigmoid(__fmul_rn(gc, m.alpha))));
+}
+
+// acc + w * (y + bd) (or acc + y when unweighted) for row r of expert e: the mix's term.
+__device__ __forceinline__ float expert_mix(const ExpertMath& m, float acc, float w, float y,
+                                            long e, int hidden, int r) {
+    if (m.bd != nullptr) y = __fadd_rn(y, m.bd[e * hidden + r]);
+    return m.unweighted ? __fadd_rn(acc, y) : __fadd_rn(acc, __fmul_rn(w, y));
+}
+
 // Gate and up projections of the chosen experts with the SwiGLU, a warp per (row i, slot j, token t):
-//   g = dot(W_gate[e][i], xn[t]), u = dot(W_up[e][i], xn[t]), act[t][j][i] = silu(g) * u
-// with e = ids[t*k + j] read from device memory (ids == null: a dense MLP, e = 0, k = 1).
+//   g = dot(W_gate[e][i], x), u = dot(W_up[e][i], x), act[t][j][i] = expert_act(g, u)
+// with e = ids[t*k + j] read from device memory (ids == null: a dense MLP, e = 0, k = 1) and
+// x = xn[t] (xn[t*k + j] when m.x_per_slot).
 // Expert matrices of one layer are stacked: gate/up [E][rows][cols]. grid (ceil(rows/8), k, T).
 template <typename W>
 __device__ __forceinline__ float gu_dot(const W* w, const float* x, int n, int p);
@@ -131,7 +211,8 @@ __device__ __forceinline__ float gu_dot<float>(const float* w, const float* x, i
 template <typename W>
 __device__ __forceinline__ void gate_up_body(const W* __restrict__ gate, const W* __restrict__ up,
                                              int rows, int cols, const u32* __restrict__ ids, int k,
-                                             const float* __restrict__ xn, float* __restrict__ act) {
+                                             const float* __restrict__ xn, float* __restrict__ act,
+                                             const ExpertMath& m) {
     const int p = threadIdx.x & 31;
     const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int j = blockIdx.y;
@@ -139,22 +220,24 @@ __device__ __forceinline__ void gate_up_body(const W* __restrict__ gate, const W
     if (i >= rows) return;
     const long e = ids != nullptr ? (long)ids[(long)t * k + j] : 0;
     const long row = (e * rows + i) * (long)cols;
-    const float* x = xn + (long)t * cols;
+    const float* x = xn + (m.x_per_slot ? (long)t * k + j : (long)t) * cols;
     float g = gu_dot<W>(gate + row, x, cols, p);
     float u = gu_dot<W>(up + row, x, cols, p);
-    if (p == 0) act[((long)t * k + j) * rows + i] = __fmul_rn(det_silu(g), u);
+    if (p == 0) act[((long)t * k + j) * rows + i] = expert_act(m, e, rows, i, g, u);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gate_up_bf16(
     const u16* __restrict__ gate, const u16* __restrict__ up, int rows, int cols,
-    const u32* __restrict__ ids, int k, const float* __restrict__ xn, float* __restrict__ act) {
-    gate_up_body<u16>(gate, up, rows, cols, ids, k, xn, act);
+    const u32* __restrict__ ids, int k, const float* __restrict__ xn, float* __restrict__ act,
+    EXPERT_ACT_PARAMS) {
+    gate_up_body<u16>(gate, up, rows, cols, ids, k, xn, act, EXPERT_ACT_MATH);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gate_up_f32(
     const float* __restrict__ gate, const float* __restrict__ up, int rows, int cols,
-    const u32* __restrict__ ids, int k, const float* __restrict__ xn, float* __restrict__ act) {
-    gate_up_body<float>(gate, up, rows, cols, ids, k, xn, act);
+    const u32* __restrict__ ids, int k, const float* __restrict__ xn, float* __restrict__ act,
+    EXPERT_ACT_PARAMS) {
+    gate_up_body<float>(gate, up, rows, cols, ids, k, xn, act, EXPERT_ACT_MATH);
 }
 
 // The shared expert's term of the mix (cpu/forward.rs `moe_block`): Qwen2-MoE's gated one,
@@ -166,15 +249,16 @@ __device__ __forceinline__ float add_shared(float acc, float y, const float* __r
 }
 
 // Down projections of the chosen experts, mixed, added to the residual: a warp per (row r, token t):
-//   acc = +0; for the slots in ascending expert id: acc = acc + w_e * dot(W_down[e][r], act[t][slot])
-//   (shared expert, when y_sh is not null: add_shared)
+//   acc = +0; for the slots in ascending expert id: acc = expert_mix(acc, w_e, dot(W_down[e][r],
+//   act[t][slot])) (shared expert, when y_sh is not null: add_shared)
 //   h[t][r] = h[t][r] + acc
 // W_down of one layer is stacked [E][hidden][width]. grid (ceil(hidden/8), T).
 extern "C" __global__ void __launch_bounds__(256) down_mix(
     const u16* __restrict__ down, int hidden, int width, const u32* __restrict__ ids,
     const float* __restrict__ weights, const u32* __restrict__ by_id, int k,
     const float* __restrict__ act, const float* __restrict__ y_sh, const float* __restrict__ s_sh,
-    float* __restrict__ h) {
+    float* __restrict__ h, const float* __restrict__ bd, int unweighted) {
+    const ExpertMath m{nullptr, nullptr, bd, 0.0f, 0.0f, 0, 0, unweighted};
     const int p = threadIdx.x & 31;
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int t = blockIdx.y;
@@ -185,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(256) down_mix(
         const long e = (long)ids[(long)t * k + j];
         const float y = warp_dot_bf16(down + (e * hidden + r) * (long)width,
                                       act + ((long)t * k + j) * width, width, p);
-        if (p == 0) acc = __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], y));
+        if (p == 0) acc = expert_mix(m, acc, weights[(long)t * k + j], y, e, hidden, r);
     }
     if (p == 0) {
         if (y_sh != nullptr) acc = add_shared(acc, y_sh[(long)t * hidden + r], s_sh, t);
@@ -203,62 +287,67 @@ extern "C" __global__ void __launch_bounds__(256) down_mix(
 // (moe_mix) adds the same products in the same ascending-expert-id order, so a streamed step
 // has the bits of a resident one.
 
-// act[t][j][i] = silu(dot(gate_e[i], xn[t])) * dot(up_e[i], xn[t]) for the slots j whose expert
-// e = ids[t*k + j] has slot_of[e] >= 0. Grid (ceil(rows/8), k, T).
+// act[t][j][i] = expert_act(dot(gate_e[i], x), dot(up_e[i], x)) for the slots j whose expert
+// e = ids[t*k + j] has slot_of[e] >= 0 (x as gate_up's). Grid (ceil(rows/8), k, T).
 extern "C" __global__ void __launch_bounds__(256) gate_up_slots(
     const u16* __restrict__ pool, long slot_elems, const int* __restrict__ slot_of, int rows,
     int cols, const u32* __restrict__ ids, int k, const float* __restrict__ xn,
-    float* __restrict__ act) {
+    float* __restrict__ act, EXPERT_ACT_PARAMS) {
+    const ExpertMath m = EXPERT_ACT_MATH;
     const int p = threadIdx.x & 31;
     const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int j = blockIdx.y;
     const int t = blockIdx.z;
     if (i >= rows) return;
-    const int s = slot_of[ids[(long)t * k + j]];
+    const long e = (long)ids[(long)t * k + j];
+    const int s = slot_of[e];
     if (s < 0) return;
     const u16* gate = pool + (long)s * slot_elems;
     const u16* up = gate + (long)rows * cols;
     const long row = (long)i * cols;
-    const float* x = xn + (long)t * cols;
+    const float* x = xn + (m.x_per_slot ? (long)t * k + j : (long)t) * cols;
     const float g = warp_dot_bf16(gate + row, x, cols, p);
     const float u = warp_dot_bf16(up + row, x, cols, p);
-    if (p == 0) act[((long)t * k + j) * rows + i] = __fmul_rn(det_silu(g), u);
+    if (p == 0) act[((long)t * k + j) * rows + i] = expert_act(m, e, rows, i, g, u);
 }
 
-// y[t][j][r] = dot(down_e[r], act[t][j]) for the slots j whose expert has slot_of[e] >= 0; the
-// down matrix of a slot follows its gate and up ([hidden][width], width = the gate's rows).
-// Grid (ceil(hidden/8), k, T).
+// y[t][j][r] = dot(down_e[r], act[t][j]) (+ bd[e][r]) for the slots j whose expert has
+// slot_of[e] >= 0; the down matrix of a slot follows its gate and up ([hidden][width], width =
+// the gate's rows). Grid (ceil(hidden/8), k, T).
 extern "C" __global__ void __launch_bounds__(256) down_slots(
     const u16* __restrict__ pool, long slot_elems, const int* __restrict__ slot_of, int hidden,
     int width, const u32* __restrict__ ids, int k, const float* __restrict__ act,
-    float* __restrict__ y) {
+    float* __restrict__ y, const float* __restrict__ bd) {
     const int p = threadIdx.x & 31;
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int j = blockIdx.y;
     const int t = blockIdx.z;
     if (r >= hidden) return;
-    const int s = slot_of[ids[(long)t * k + j]];
+    const long e = (long)ids[(long)t * k + j];
+    const int s = slot_of[e];
     if (s < 0) return;
     const u16* down = pool + (long)s * slot_elems + 2L * width * hidden;
-    const float v = warp_dot_bf16(down + (long)r * width, act + ((long)t * k + j) * width, width, p);
+    float v = warp_dot_bf16(down + (long)r * width, act + ((long)t * k + j) * width, width, p);
+    if (bd != nullptr) v = __fadd_rn(v, bd[e * hidden + r]);
     if (p == 0) y[((long)t * k + j) * hidden + r] = v;
 }
 
 // down_mix's epilogue from the products down_slots wrote: a thread per (row r, token t):
-//   acc = +0; for the slots in ascending expert id: acc = acc + w_j * y[t][j][r]
-//   (shared expert: add_shared); h[t][r] = h[t][r] + acc
+//   acc = +0; for the slots in ascending expert id: acc = acc + w_j * y[t][j][r] (acc + y[t][j][r]
+//   when unweighted: Llama 4) (shared expert: add_shared); h[t][r] = h[t][r] + acc
 // Grid (ceil(hidden/256), T).
 extern "C" __global__ void __launch_bounds__(256) moe_mix(
     int hidden, const float* __restrict__ weights, const u32* __restrict__ by_id, int k,
     const float* __restrict__ y, const float* __restrict__ y_sh, const float* __restrict__ s_sh,
-    float* __restrict__ h) {
+    float* __restrict__ h, int unweighted) {
     const int r = blockIdx.x * 256 + threadIdx.x;
     const int t = blockIdx.y;
     if (r >= hidden) return;
     float acc = 0.0f;
     for (int jj = 0; jj < k; jj++) {
         const int j = (int)by_id[(long)t * k + jj];
-        acc = __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], y[((long)t * k + j) * hidden + r]));
+        const float yj = y[((long)t * k + j) * hidden + r];
+        acc = unweighted ? __fadd_rn(acc, yj) : __fadd_rn(acc, __fmul_rn(weights[(long)t * k + j], yj));
     }
     if (y_sh != nullptr) acc = add_shared(acc, y_sh[(long)t * hidden + r], s_sh, t);
     h[(long)t * hidden + r] = __fadd_rn(h[(long)t * hidden + r], acc);

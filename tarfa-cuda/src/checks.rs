@@ -118,6 +118,7 @@ pub(crate) fn kernel_checks_on(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError>
     out.push(check_attention(gpu)?);
     out.push(check_router(gpu)?);
     out.push(check_grouped_router(gpu)?);
+    out.push(check_router_by_logit(gpu)?);
     out.push(check_experts(gpu)?);
     gpu.sync("the kernel checks")?;
     Ok(out)
@@ -420,13 +421,19 @@ fn softmax_ref(l: &[f32]) -> Vec<f32> {
 }
 
 fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
-    let mut c = Check::new("attention");
+    let mut c = Check::new("attention (windows, chunks, sinks)");
     let mut rng = Rng(41);
-    for (hq, hkv, d, pos0, t) in [
-        (4usize, 2usize, 32usize, 0usize, 6usize),
-        (3, 1, 24, 5, 2),
-        (8, 2, 128, 250, 9),
-        (2, 2, 16, 600, 1),
+    // (.., window, chunk, sinks): gpt-oss's sliding layers with sinks, Llama 4's chunks
+    for (hq, hkv, d, pos0, t, window, chunk, sinks) in [
+        (4usize, 2usize, 32usize, 0usize, 6usize, 0usize, 0usize, false),
+        (3, 1, 24, 5, 2, 0, 0, false),
+        (8, 2, 128, 250, 9, 0, 0, false),
+        (2, 2, 16, 600, 1, 0, 0, false),
+        (4, 2, 64, 0, 12, 0, 0, true),
+        (4, 2, 64, 3, 9, 5, 0, true),
+        (8, 2, 64, 290, 7, 128, 0, true),
+        (4, 1, 32, 14, 6, 0, 16, false),
+        (4, 4, 32, 300, 3, 0, 256, false),
     ] {
         let cap = pos0 + t + 5;
         let n_max = pos0 + t;
@@ -437,7 +444,14 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         let qb = gpu.upload(&q, "q")?;
         let kb = gpu.upload(&kc, "k cache")?;
         let vb = gpu.upload(&vc, "v cache")?;
-        let sc = gpu.alloc(t * hq * n_max * 4, "scores")?;
+        let sink_logits: Vec<f32> = rng.vec(hq).iter().map(|v| v * 2.0).collect();
+        let sink_b = gpu.upload(&sink_logits, "sinks")?;
+        let mask = ops::AttnMask {
+            sinks: if sinks { sink_b.ptr() } else { 0 },
+            window,
+            chunk,
+        };
+        let sc = gpu.alloc(t * hq * mask.stride(n_max) * 4, "scores")?;
         let ob = gpu.alloc(t * hq * d * 4, "o")?;
         let scale = (1.0f64 / (d as f64).sqrt()) as f32;
         let shape = AttnShape {
@@ -457,8 +471,9 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             vb.ptr(),
             scale,
             sc.ptr(),
-            n_max,
+            mask.stride(n_max),
             ob.ptr(),
+            mask,
         )?;
         let got = read_f32(gpu, &ob, t * hq * d)?;
         let group = hq / hkv;
@@ -466,19 +481,32 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         for ti in 0..t {
             for h in 0..hq {
                 let kvh = h / group;
-                let n = pos0 + ti + 1;
+                let pos = pos0 + ti;
+                let n = pos + 1;
+                // tarfa-cpu's gqa_block: the window's last w, the chunk of pos, then the sink
+                let start = if window > 0 { n.saturating_sub(window) } else { 0 };
+                let start = if chunk > 0 { start.max(pos / chunk * chunk) } else { start };
                 let qv = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
                 let keys = &kc[kvh * cap * d..];
-                let vals = &vc[kvh * cap * d..kvh * cap * d + n * d];
-                let s: Vec<f32> = (0..n)
+                let vals = &vc[kvh * cap * d + start * d..kvh * cap * d + n * d];
+                let mut s: Vec<f32> = (start..n)
                     .map(|j| dot_f32_reference(qv, &keys[j * d..(j + 1) * d]) * scale)
                     .collect();
-                let p = softmax_ref(&s);
+                if sinks {
+                    s.push(sink_logits[h]);
+                }
+                let mut p = softmax_ref(&s);
+                p.truncate(n - start);
                 let mut o = vec![0.0f32; d];
                 weighted_row_sum(Kernel::scalar(), &p, vals, &mut o, &mut scratch);
                 for i in 0..d {
                     c.eq(
-                        || format!("d={d} pos0={pos0} token {ti} head {h} [{i}]"),
+                        || {
+                            format!(
+                                "d={d} pos0={pos0} window={window} chunk={chunk} sinks={sinks} \
+                                 token {ti} head {h} [{i}]"
+                            )
+                        },
                         o[i],
                         got[(ti * hq + h) * d + i],
                     );
@@ -727,19 +755,132 @@ fn check_grouped_router(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
     Ok(c.done())
 }
 
+/// The routers that choose by logit (tarfa-cpu's `route_topk_then_softmax`,
+/// `route_sigmoid_scales_input`): the top-k of the logits (descending total order, lower id
+/// first), weights the softmax over the chosen (gpt-oss) or each one's sigmoid (Llama 4).
+pub(crate) fn by_logit_reference(l: &[f32], k: usize, by_sigmoid: bool) -> GroupedChoice {
+    let mut order: Vec<usize> = (0..l.len()).collect();
+    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    let sel = &order[..k];
+    let chosen: Vec<f32> = sel.iter().map(|&i| l[i]).collect();
+    let w = if by_sigmoid {
+        chosen.iter().map(|&x| sigmoid(x)).collect()
+    } else {
+        softmax_ref(&chosen)
+    };
+    let mut by_id: Vec<u32> = (0..k as u32).collect();
+    by_id.sort_by_key(|&j| sel[j as usize]);
+    GroupedChoice {
+        ids: sel.iter().map(|&i| i as u32).collect(),
+        probs: w.clone(),
+        weights: w,
+        by_id,
+        kth: chosen[k - 1],
+        next: order.get(k).map_or(f32::NAN, |&i| l[i]),
+    }
+}
+
+fn check_router_by_logit(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("route_topk_first (gpt-oss's softmax of the top-k, Llama 4's sigmoid)");
+    let mut rng = Rng(59);
+    // gpt-oss-20b's 32/4 and 120b's 128/4, Llama 4's 16/1 and 128/1, ties
+    for (e, k, sig, ties) in [
+        (32usize, 4usize, false, false),
+        (128, 4, false, true),
+        (8, 8, false, false),
+        (16, 1, true, false),
+        (128, 1, true, true),
+        (24, 3, true, false),
+    ] {
+        let t = 5;
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| {
+                let v = rng.f32() * 3.0;
+                if ties {
+                    v.round()
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let lb = gpu.upload(&logits, "router logits")?;
+        let bufs: Vec<DevBuf> = [t * k, t * k, t * k, t * k, t, t]
+            .iter()
+            .map(|&n| gpu.alloc(n * 4, "route outputs"))
+            .collect::<Result<_, _>>()?;
+        let out = RouteOut {
+            ids: bufs[0].ptr(),
+            probs: bufs[1].ptr(),
+            weights: bufs[2].ptr(),
+            by_id: bufs[3].ptr(),
+            kth: bufs[4].ptr(),
+            next: bufs[5].ptr(),
+        };
+        ops::route_topk_first(gpu, lb.ptr(), e, k, sig, t, out)?;
+        let g_ids: Vec<u32> = gpu.read(out.ids, t * k, "ids")?;
+        let g_probs = read_f32(gpu, &bufs[1], t * k)?;
+        let g_w = read_f32(gpu, &bufs[2], t * k)?;
+        let g_by: Vec<u32> = gpu.read(out.by_id, t * k, "by_id")?;
+        let g_kth = read_f32(gpu, &bufs[4], t)?;
+        let g_next = read_f32(gpu, &bufs[5], t)?;
+        for ti in 0..t {
+            let r = by_logit_reference(&logits[ti * e..(ti + 1) * e], k, sig);
+            let tag = |what: &str, j: usize| {
+                format!("E={e} k={k} sigmoid={sig} ties={ties} token {ti} {what} {j}")
+            };
+            for j in 0..k {
+                c.eq_u32(|| tag("id", j), r.ids[j], g_ids[ti * k + j]);
+                c.eq(|| tag("prob", j), r.probs[j], g_probs[ti * k + j]);
+                c.eq(|| tag("weight", j), r.weights[j], g_w[ti * k + j]);
+                c.eq_u32(|| tag("by_id", j), r.by_id[j], g_by[ti * k + j]);
+            }
+            c.eq(|| tag("kth", 0), r.kth, g_kth[ti]);
+            if e > k {
+                c.eq(|| tag("next", 0), r.next, g_next[ti]);
+            }
+        }
+    }
+    Ok(c.done())
+}
+
 fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
-    let mut c = Check::new("gate_up + down_mix (+shared)");
+    let mut c = Check::new("gate_up + down_mix (+shared, gpt-oss's biases and clamp)");
     let mut rng = Rng(61);
-    for (e_count, i_w, h, k, t, shared) in [
-        (6usize, 40usize, 72usize, 3usize, 3usize, false),
-        (8, 64, 128, 2, 2, true),
-        (16, 768, 256, 8, 2, false),
+    // gpt_oss: expert biases and the clamped SwiGLU (alpha 1.702, limit 7; inputs large enough
+    // that both clamps bind)
+    for (e_count, i_w, h, k, t, shared, gpt_oss) in [
+        (6usize, 40usize, 72usize, 3usize, 3usize, false, false),
+        (8, 64, 128, 2, 2, true, false),
+        (16, 768, 256, 8, 2, false, false),
+        (8, 64, 128, 4, 3, false, true),
+        (32, 96, 64, 4, 2, false, true),
     ] {
         let gate = rng.vec_bf16(e_count * i_w * h);
         let up = rng.vec_bf16(e_count * i_w * h);
         let down = rng.vec_bf16(e_count * h * i_w);
         // small activations keep silu and the products in a normal range
-        let xn: Vec<f32> = rng.vec(t * h).iter().map(|v| v * 0.02).collect();
+        let x_scale = if gpt_oss { 1.5 } else { 0.02 };
+        let xn: Vec<f32> = rng.vec(t * h).iter().map(|v| v * x_scale).collect();
+        let bias_g: Vec<f32> = rng.vec(e_count * i_w);
+        let bias_u: Vec<f32> = rng.vec(e_count * i_w);
+        let bias_d: Vec<f32> = rng.vec(e_count * h);
+        let (bgb, bub, bdb) = (
+            gpu.upload(&bias_g, "gate bias")?,
+            gpu.upload(&bias_u, "up bias")?,
+            gpu.upload(&bias_d, "down bias")?,
+        );
+        let (alpha, limit) = (1.702f32, 7.0f32);
+        let math = if gpt_oss {
+            ops::ExpertMath {
+                bias_gate: bgb.ptr(),
+                bias_up: bub.ptr(),
+                bias_down: bdb.ptr(),
+                clamp: Some((alpha, limit)),
+                input_scaled: false,
+            }
+        } else {
+            ops::ExpertMath::default()
+        };
         let h0 = rng.vec(t * h);
         // distinct ids per token, not sorted; weights; by_id = slots in ascending id
         let mut ids = Vec::new();
@@ -782,6 +923,7 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             xb.ptr(),
             act.ptr(),
             t,
+            math,
         )?;
         let route = RouteOut {
             ids: ib.ptr(),
@@ -804,6 +946,7 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             ssp,
             hb.ptr(),
             t,
+            math,
         )?;
         let g_act = read_f32(gpu, &act, t * k * i_w)?;
         let g_h = read_f32(gpu, &hb, t * h)?;
@@ -817,7 +960,14 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                         let r = (e * i_w + i) * h;
                         let g = dot_bf16_reference(&gate[r..r + h], x);
                         let u = dot_bf16_reference(&up[r..r + h], x);
-                        silu(g) * u
+                        if !gpt_oss {
+                            return silu(g) * u;
+                        }
+                        // tarfa-cpu's expert_products + clamped_swiglu
+                        let (g, u) = (g + bias_g[e * i_w + i], u + bias_u[e * i_w + i]);
+                        let gc = g.min(limit);
+                        let uc = u.min(limit).max(-limit);
+                        (uc + 1.0) * (gc * sigmoid(gc * alpha))
                     })
                     .collect();
                 for i in 0..i_w {
@@ -835,7 +985,10 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                     let j = jj as usize;
                     let e = ids[ti * k + j] as usize;
                     let row = (e * h + r) * i_w;
-                    let y = dot_bf16_reference(&down[row..row + i_w], &acts[j]);
+                    let mut y = dot_bf16_reference(&down[row..row + i_w], &acts[j]);
+                    if gpt_oss {
+                        y += bias_d[e * h + r];
+                    }
                     acc += weights[ti * k + j] * y;
                 }
                 if shared {
@@ -843,7 +996,7 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 }
                 let want = h0[ti * h + r] + acc;
                 c.eq(
-                    || format!("h E={e_count} token {ti} row {r} shared={shared}"),
+                    || format!("h E={e_count} token {ti} row {r} shared={shared} gpt-oss={gpt_oss}"),
                     want,
                     g_h[ti * h + r],
                 );

@@ -59,6 +59,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("../../kernels/moe.cu"),
         entries: &[
             "route_topk",
+            "route_topk_first",
             "route_grouped",
             "gate_up_bf16",
             "gate_up_f32",

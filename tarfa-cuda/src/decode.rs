@@ -168,6 +168,21 @@ impl CudaModel {
     pub(super) fn decode_unsupported(&self) -> Option<String> {
         let cfg = &self.cfg;
         let (h, hq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
+        // the decode kernels attend to every cached position, route by softmax or groups, and
+        // compute the plain SwiGLU experts: gpt-oss's decode steps run the per-operation kernels
+        let x = &self.spec.extras;
+        if x.attention_sinks
+            || cfg.layer_windows.iter().any(Option::is_some)
+            || cfg.layer_chunks.iter().any(Option::is_some)
+        {
+            return Some("sliding-window or chunked attention, or attention sinks".into());
+        }
+        if x.router_bias || self.spec.router == tarfa_core::model::RouterRule::TopKThenSoftmax {
+            return Some("gpt-oss's biased top-k-then-softmax router".into());
+        }
+        if x.expert_bias || x.activation != tarfa_core::model::ExpertActivation::SwiGlu {
+            return Some("expert biases and the clamped SwiGLU".into());
+        }
         if !h.is_multiple_of(8) {
             return Some(format!("hidden size {h} is not a multiple of 8"));
         }

@@ -283,14 +283,16 @@ pub struct HotOptions {
 }
 
 /// Why the CUDA kernels cannot run this model's family, or `None` when they can. The kernels
-/// implement softmax top-k and both group-limited routers (DeepSeek's and GLM-4.5's sigmoid
-/// scores with the correction bias, DeepSeek-V2's softmax), gated and ungated shared experts,
-/// GQA with rotary embedding on the whole head or its leading `rotary_dim` values, and the
-/// host's rotary tables (YaRN included), and DeepSeek's multi-head latent attention with its
-/// latent cache; a family that needs anything else (gpt-oss's sinks, sliding windows, biased router, expert biases, fused and MXFP4 experts,
-/// OLMoE's clip_qkv, Llama 4's input-scaling router, pairwise rope, NoPE and chunked layers and
-/// L2 q/k norm) is refused by name rather than computed wrongly. Checked before anything is uploaded; the CPU backend runs
-/// these families.
+/// implement softmax top-k, both group-limited routers (DeepSeek's and GLM-4.5's sigmoid
+/// scores with the correction bias, DeepSeek-V2's softmax) and gpt-oss's biased top-k-then-
+/// softmax router, gated and ungated shared experts, expert biases and the clamped SwiGLU, GQA
+/// with rotary embedding on the whole head or its leading `rotary_dim` values, the host's
+/// rotary tables (YaRN included), sliding windows and attention sinks, and DeepSeek's
+/// multi-head latent attention with its latent cache. Fused and MXFP4 experts reach the GPU as
+/// the weight source hands them out, per expert and widened exactly to BF16. A family that
+/// needs anything else (OLMoE's clip_qkv, Llama 4's input-scaling router, pairwise rope, NoPE
+/// and chunked layers and L2 q/k norm) is refused by name rather than computed wrongly.
+/// Checked before anything is uploaded; the CPU backend runs these families.
 pub fn unsupported_family(
     cfg: &tarfa_core::config::MoeConfig,
     spec: &tarfa_core::model::ArchSpec,
@@ -300,28 +302,13 @@ pub fn unsupported_family(
     match spec.router {
         RouterRule::SoftmaxTopK
         | RouterRule::SigmoidGroupLimited
-        | RouterRule::SoftmaxGroupLimited => {}
-        RouterRule::TopKThenSoftmax => missing.push("gpt-oss's biased top-k-then-softmax router"),
+        | RouterRule::SoftmaxGroupLimited
+        | RouterRule::TopKThenSoftmax => {}
         RouterRule::SigmoidScalesInput => {
             missing.push("Llama 4's sigmoid router that scales the experts' input")
         }
     }
     let x = &spec.extras;
-    if x.attention_sinks {
-        missing.push("attention sinks");
-    }
-    if cfg.layer_windows.iter().any(Option::is_some) {
-        missing.push("sliding-window attention");
-    }
-    if x.expert_bias || x.activation != tarfa_core::model::ExpertActivation::SwiGlu {
-        missing.push("expert biases and the clamped SwiGLU");
-    }
-    if x.expert_layout != tarfa_core::model::ExpertLayout::Separate {
-        missing.push("fused expert tensors");
-    }
-    if cfg.expert_dtype != tarfa_core::config::ExpertDtype::Bf16 {
-        missing.push("MXFP4 experts");
-    }
     if cfg.clip_qkv.is_some() {
         missing.push("clip_qkv");
     }

@@ -27,7 +27,7 @@ use super::{gib, CudaError, CudaOptions, DecodeMode, DeviceInfo, HotOptions, Hot
 use hot::HotTier;
 use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
-use tarfa_core::model::{ArchSpec, MlpKind, QkNorm};
+use tarfa_core::model::{ArchSpec, MlpKind, QkNorm, RouterRule};
 use tarfa_core::numerics::{MatrixRef, RopeTable};
 use tarfa_core::resident::{Attention, LayerMlp, Matrix, MlaQuery, ResidentWeights};
 use tarfa_core::step::{
@@ -53,6 +53,8 @@ struct DevAttention {
     o_bias: Option<DevBuf>,
     q_norm: Option<DevBuf>,
     k_norm: Option<DevBuf>,
+    /// gpt-oss's attention sinks, one logit per query head.
+    sinks: Option<DevBuf>,
 }
 
 struct DevDense {
@@ -77,9 +79,20 @@ enum DevMlp {
         shared: Option<Box<DevShared>>,
         /// The router's `e_score_correction_bias` (group-limited sigmoid routing).
         correction_bias: Option<DevBuf>,
+        /// gpt-oss: the router's linear bias (its logits are `W x + b`).
+        router_bias: Option<DevBuf>,
+        /// gpt-oss: the experts' biases, stacked per expert (`ExpertBias`'s layout).
+        expert_bias: Option<DevExpertBias>,
         /// Index among MoE layers (router records, per-step record slots).
         moe_index: usize,
     },
+}
+
+/// gpt-oss's expert biases on the device: `[E][I]` gate and up, `[E][H]` down.
+struct DevExpertBias {
+    gate: DevBuf,
+    up: DevBuf,
+    down: DevBuf,
 }
 
 /// A MoE layer's shared experts: Qwen2-MoE's, gated by sigmoid(W_g xn), or DeepSeek's and
@@ -233,7 +246,12 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
                 if let Some(d) = &m.shared_ungated {
                     total += matrix_bytes(&d.gate) + matrix_bytes(&d.up) + matrix_bytes(&d.down);
                 }
-                total += opt(&m.correction_bias);
+                total += opt(&m.correction_bias) + opt(&m.router_linear_bias);
+                if let Some(b) = &m.expert_bias {
+                    total += host_f32_bytes(&b.gate)
+                        + host_f32_bytes(&b.up)
+                        + host_f32_bytes(&b.down);
+                }
                 if experts && spec.layers[l] == MlpKind::Moe {
                     total += 3 * 2 * (cfg.num_experts * cfg.expert_width * cfg.hidden_size) as u64;
                 }
@@ -428,6 +446,7 @@ impl CudaModel {
                         o_bias: up_opt(&a.o_bias, &name("o bias"))?,
                         q_norm: up_opt(&a.q_norm, &name("q norm"))?,
                         k_norm: up_opt(&a.k_norm, &name("k norm"))?,
+                        sinks: up_opt(&a.sinks, &name("attention sinks"))?,
                     })
                 }
                 Attention::Mla(m) => DevAttn::Mla(DevMla {
@@ -479,6 +498,15 @@ impl CudaModel {
                         (None, None) => None,
                     };
                     let correction_bias = up_opt(&m.correction_bias, &name("router bias"))?;
+                    let router_bias = up_opt(&m.router_linear_bias, &name("router linear bias"))?;
+                    let expert_bias = match &m.expert_bias {
+                        Some(b) => Some(DevExpertBias {
+                            gate: up_vec(&b.gate, &name("experts' gate biases"))?,
+                            up: up_vec(&b.up, &name("experts' up biases"))?,
+                            down: up_vec(&b.down, &name("experts' down biases"))?,
+                        }),
+                        None => None,
+                    };
                     let experts = match hot {
                         None => Some(upload_experts(&gpu, &cfg, source.as_ref(), l)?),
                         Some(_) => None,
@@ -489,6 +517,8 @@ impl CudaModel {
                         experts,
                         shared,
                         correction_bias,
+                        router_bias,
+                        expert_bias,
                         moe_index: moe_layers - 1,
                     }
                 }
@@ -957,6 +987,7 @@ impl CudaModel {
         ws: &Workspace,
         y_sh: u64,
         s_sh: u64,
+        math: ops::ExpertMath,
     ) -> Result<(), CudaError> {
         let (cfg, gpu) = (&self.cfg, &self.gpu);
         let (h, i, k, e_count) = (
@@ -1107,7 +1138,7 @@ impl CudaModel {
                 slot_of: hot.slot_of.ptr(),
             };
             let xn = ws.xn.ptr();
-            ops::gate_up_slots(gpu, slots, i, h, route.ids, k, xn, ws.act.ptr(), t_count)?;
+            ops::gate_up_slots(gpu, slots, i, h, route.ids, k, xn, ws.act.ptr(), t_count, math)?;
             ops::down_slots(
                 gpu,
                 slots,
@@ -1118,6 +1149,7 @@ impl CudaModel {
                 ws.act.ptr(),
                 ws.y_experts.ptr(),
                 t_count,
+                math,
             )?;
         }
         hot.end_layer();
@@ -1131,7 +1163,42 @@ impl CudaModel {
             s_sh,
             ws.h.ptr(),
             t_count,
+            math,
         )
+    }
+
+    /// The experts' function of layer `l` beyond the SwiGLU (its biases, gpt-oss's clamped
+    /// SwiGLU; kernels/moe.cu `ExpertMath`).
+    pub(super) fn expert_math(&self, l: usize) -> ops::ExpertMath {
+        let mut m = ops::ExpertMath::default();
+        if let DevMlp::Moe {
+            expert_bias: Some(b),
+            ..
+        } = &self.layers[l].mlp
+        {
+            m.bias_gate = b.gate.ptr();
+            m.bias_up = b.up.ptr();
+            m.bias_down = b.down.ptr();
+        }
+        if let tarfa_core::model::ExpertActivation::ClampedSwiGlu { alpha, limit } =
+            self.spec.extras.activation
+        {
+            m.clamp = Some((alpha, limit));
+        }
+        m
+    }
+
+    /// What layer `l`'s attention masks beyond causality: its sinks, window and chunk.
+    pub(super) fn attn_mask(&self, l: usize) -> ops::AttnMask {
+        let sinks = match &self.layers[l].attn {
+            DevAttn::Gqa(a) => a.sinks.as_ref().map_or(0, |b| b.ptr()),
+            DevAttn::Mla(_) => 0,
+        };
+        ops::AttnMask {
+            sinks,
+            window: self.cfg.layer_windows.get(l).copied().flatten().unwrap_or(0),
+            chunk: self.cfg.layer_chunks.get(l).copied().flatten().unwrap_or(0),
+        }
     }
 
     /// The hot tier's counters (`None` when every expert is resident).
@@ -1647,8 +1714,9 @@ impl Workspace {
         self.k.ensure(gpu, t * kw.max(1) * f, w)?;
         self.v.ensure(gpu, t * vw * f, w)?;
         self.o.ensure(gpu, t * ow * f, w)?;
+        // one more score per (token, head) than positions: gpt-oss's sink (ops::AttnMask::stride)
         self.scores
-            .ensure(gpu, t * hq * positions * f, "the attention scores")?;
+            .ensure(gpu, t * hq * (positions + 1) * f, "the attention scores")?;
         self.router_logits
             .ensure(gpu, t * cfg.num_experts.max(1) * f, w)?;
         self.act.ensure(gpu, t * act * f, w)?;

@@ -62,6 +62,68 @@ fn i32_of(n: usize, what: &str) -> Result<i32, CudaError> {
     i32::try_from(n).map_err(|_| CudaError::UnsupportedModel(format!("{what} = {n} exceeds 2^31")))
 }
 
+/// The experts' function beyond the SwiGLU (kernels/moe.cu `ExpertMath`): gpt-oss's biases and
+/// clamped SwiGLU, Llama 4's input scaling. The default is the plain SwiGLU MoE of the other
+/// families (every kernel then computes what it computed before these were added).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct ExpertMath {
+    /// The experts' biases, `[E][width]` gate and up (after their dots) and `[E][hidden]` down
+    /// (after its dot, before the routing weight); 0: none.
+    pub(crate) bias_gate: u64,
+    pub(crate) bias_up: u64,
+    pub(crate) bias_down: u64,
+    /// gpt-oss's clamped SwiGLU: (alpha, limit).
+    pub(crate) clamp: Option<(f32, f32)>,
+    /// Llama 4: slot (t, j) reads its own input row `t*k + j` (the input times its weight), and
+    /// the mix adds the outputs unweighted.
+    pub(crate) input_scaled: bool,
+}
+
+impl ExpertMath {
+    /// The gate/up kernels' trailing arguments: bg, bu, alpha, limit, clamped, x_per_slot.
+    fn act_args(&self) -> [Arg; 6] {
+        let (alpha, limit) = self.clamp.unwrap_or((0.0, 0.0));
+        [
+            Arg::Ptr(self.bias_gate),
+            Arg::Ptr(self.bias_up),
+            Arg::F32(alpha),
+            Arg::F32(limit),
+            Arg::I32(i32::from(self.clamp.is_some())),
+            Arg::I32(i32::from(self.input_scaled)),
+        ]
+    }
+
+    /// Whether the token-tiled expert kernels (tile.cu), which compute the plain SwiGLU only,
+    /// may run these experts.
+    pub(crate) fn plain(&self) -> bool {
+        *self == ExpertMath::default()
+    }
+}
+
+/// What a layer's attention masks beyond causality (kernels/attention.cu): gpt-oss's sinks
+/// (`[Hq]`, 0: none), a sliding window and a chunk (0: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct AttnMask {
+    pub(crate) sinks: u64,
+    pub(crate) window: usize,
+    pub(crate) chunk: usize,
+}
+
+impl AttnMask {
+    fn args(&self) -> Result<[Arg; 3], CudaError> {
+        Ok([
+            Arg::Ptr(self.sinks),
+            Arg::I32(i32_of(self.window, "sliding window")?),
+            Arg::I32(i32_of(self.chunk, "attention chunk")?),
+        ])
+    }
+
+    /// Score slots per (token, head) for `positions` keys: one more for the sink.
+    pub(crate) fn stride(&self, positions: usize) -> usize {
+        positions + usize::from(self.sinks != 0)
+    }
+}
+
 /// `out[t][r] = (out[t][r] +) dot(W[r], x[t]) (+ bias[r])` for `tokens` activations.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matvec(
@@ -415,7 +477,9 @@ pub(crate) fn attention(
     scratch: u64,
     n_stride: usize,
     o: u64,
+    mask: AttnMask,
 ) -> Result<(), CudaError> {
+    let [m0, m1, m2] = mask.args()?;
     gpu.launch(
         "attention",
         (s.hq as u32, s.tokens as u32, 1),
@@ -434,6 +498,9 @@ pub(crate) fn attention(
             Arg::Ptr(scratch),
             Arg::I32(i32_of(n_stride, "positions")?),
             Arg::Ptr(o),
+            m0,
+            m1,
+            m2,
         ],
     )
 }
@@ -486,7 +553,9 @@ pub(crate) fn attention_seqs(
     scratch: u64,
     n_stride: usize,
     o: u64,
+    mask: AttnMask,
 ) -> Result<(), CudaError> {
+    let [m0, m1, m2] = mask.args()?;
     gpu.launch(
         "attention_seqs",
         (s.hq as u32, s.tokens as u32, 1),
@@ -503,6 +572,9 @@ pub(crate) fn attention_seqs(
             Arg::Ptr(scratch),
             Arg::I32(i32_of(n_stride, "positions")?),
             Arg::Ptr(o),
+            m0,
+            m1,
+            m2,
         ],
     )
 }
@@ -709,6 +781,49 @@ pub(crate) struct GroupedRoute {
     pub(crate) scale: f32,
 }
 
+/// The routers that choose by logit (kernels/moe.cu `route_topk_first`): gpt-oss's softmax over
+/// the k chosen logits (`sigmoid` false), Llama 4's sigmoid of each chosen logit (`sigmoid`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn route_topk_first(
+    gpu: &Gpu,
+    logits: u64,
+    experts: usize,
+    k: usize,
+    sigmoid: bool,
+    tokens: usize,
+    out: RouteOut,
+) -> Result<(), CudaError> {
+    if k == 0 || k > experts || k > MAX_TOP_K {
+        return Err(CudaError::UnsupportedModel(format!(
+            "top-{k} of {experts} experts (the router kernel takes 1 <= k <= min(E, {MAX_TOP_K}))"
+        )));
+    }
+    let shared = (experts + 2 * k) * 4;
+    if shared > 40 * 1024 {
+        return Err(CudaError::UnsupportedModel(format!(
+            "{experts} experts (the router kernel holds at most about 10,000)"
+        )));
+    }
+    gpu.launch(
+        "route_topk_first",
+        (tokens as u32, 1, 1),
+        (256, 1, 1),
+        shared as u32,
+        &[
+            Arg::Ptr(logits),
+            Arg::I32(experts as i32),
+            Arg::I32(k as i32),
+            Arg::I32(i32::from(sigmoid)),
+            Arg::Ptr(out.ids),
+            Arg::Ptr(out.probs),
+            Arg::Ptr(out.weights),
+            Arg::Ptr(out.by_id),
+            Arg::Ptr(out.kth),
+            Arg::Ptr(out.next),
+        ],
+    )
+}
+
 /// Group-limited routing over `experts` logits per token (the records as [`route_topk`]'s).
 pub(crate) fn route_grouped(
     gpu: &Gpu,
@@ -776,11 +891,13 @@ pub(crate) fn gate_up(
     xn: u64,
     act: u64,
     tokens: usize,
+    math: ExpertMath,
 ) -> Result<(), CudaError> {
     let name = match dtype {
         DType::Bf16 => "gate_up_bf16",
         DType::F32 => "gate_up_f32",
     };
+    let [a0, a1, a2, a3, a4, a5] = math.act_args();
     gpu.launch(
         name,
         (blocks(rows, 8), k as u32, tokens as u32),
@@ -795,6 +912,12 @@ pub(crate) fn gate_up(
             Arg::I32(k as i32),
             Arg::Ptr(xn),
             Arg::Ptr(act),
+            a0,
+            a1,
+            a2,
+            a3,
+            a4,
+            a5,
         ],
     )
 }
@@ -814,6 +937,7 @@ pub(crate) fn down_mix(
     s_sh: u64,
     h: u64,
     tokens: usize,
+    math: ExpertMath,
 ) -> Result<(), CudaError> {
     gpu.launch(
         "down_mix",
@@ -832,6 +956,8 @@ pub(crate) fn down_mix(
             Arg::Ptr(y_sh),
             Arg::Ptr(s_sh),
             Arg::Ptr(h),
+            Arg::Ptr(math.bias_down),
+            Arg::I32(i32::from(math.input_scaled)),
         ],
     )
 }
@@ -859,7 +985,9 @@ pub(crate) fn gate_up_slots(
     xn: u64,
     act: u64,
     tokens: usize,
+    math: ExpertMath,
 ) -> Result<(), CudaError> {
+    let [a0, a1, a2, a3, a4, a5] = math.act_args();
     gpu.launch(
         "gate_up_slots",
         (blocks(rows, 8), k as u32, tokens as u32),
@@ -875,6 +1003,12 @@ pub(crate) fn gate_up_slots(
             Arg::I32(k as i32),
             Arg::Ptr(xn),
             Arg::Ptr(act),
+            a0,
+            a1,
+            a2,
+            a3,
+            a4,
+            a5,
         ],
     )
 }
@@ -892,6 +1026,7 @@ pub(crate) fn down_slots(
     act: u64,
     y: u64,
     tokens: usize,
+    math: ExpertMath,
 ) -> Result<(), CudaError> {
     gpu.launch(
         "down_slots",
@@ -908,6 +1043,7 @@ pub(crate) fn down_slots(
             Arg::I32(k as i32),
             Arg::Ptr(act),
             Arg::Ptr(y),
+            Arg::Ptr(math.bias_down),
         ],
     )
 }
@@ -925,6 +1061,7 @@ pub(crate) fn moe_mix(
     s_sh: u64,
     h: u64,
     tokens: usize,
+    math: ExpertMath,
 ) -> Result<(), CudaError> {
     gpu.launch(
         "moe_mix",
@@ -940,6 +1077,7 @@ pub(crate) fn moe_mix(
             Arg::Ptr(y_sh),
             Arg::Ptr(s_sh),
             Arg::Ptr(h),
+            Arg::I32(i32::from(math.input_scaled)),
         ],
     )
 }

@@ -55,6 +55,7 @@ impl CudaModel {
                     shared,
                     correction_bias,
                     moe_index,
+                    ..
                 } => {
                     steps.router(layer, router, correction_bias.as_ref(), *moe_index)?;
                     let sh = match shared {
@@ -143,6 +144,7 @@ impl OpSteps<'_> {
                 ws.xn.ptr(),
                 act,
                 t_count,
+                ops::ExpertMath::default(),
             )?;
         }
         ops::matmul(&m.gpu, &d.down, act, f, 0, out, h, t_count, residual)
@@ -196,6 +198,7 @@ impl OpSteps<'_> {
                 ops::rmsnorm(gpu, x, n, x, n, w.ptr(), n, rows, eps)?;
             }
         }
+        let mask = m.attn_mask(l);
         match &self.kv {
             StepKv::One(cache) => {
                 let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
@@ -219,8 +222,9 @@ impl OpSteps<'_> {
                     vc,
                     self.scale,
                     ws.scores.ptr(),
-                    shape.pos0 + t_count,
+                    mask.stride(shape.pos0 + t_count),
                     ws.o.ptr(),
+                    mask,
                 )?;
             }
             StepKv::Seqs { tables, n_stride } => {
@@ -233,8 +237,9 @@ impl OpSteps<'_> {
                     t,
                     self.scale,
                     ws.scores.ptr(),
-                    *n_stride,
+                    mask.stride(*n_stride),
                     ws.o.ptr(),
+                    mask,
                 )?;
             }
         }
@@ -420,18 +425,42 @@ impl LayerSteps for OpSteps<'_> {
         self.post_norm(layer)?;
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let cfg = &m.cfg;
+        // gpt-oss's router is a linear layer with a bias: logits = W x + b
+        let linear_bias = match &layer.mlp {
+            DevMlp::Moe {
+                router_bias: Some(b),
+                ..
+            } => b.ptr(),
+            _ => 0,
+        };
         ops::matmul(
             &m.gpu,
             router,
             ws.xn.ptr(),
             cfg.hidden_size,
-            0,
+            linear_bias,
             ws.router_logits.ptr(),
             cfg.num_experts,
             t_count,
             false,
         )?;
         let out = ws.route_out(moe_index, t_count, cfg.top_k);
+        let by_logit = match m.spec.router {
+            RouterRule::TopKThenSoftmax => Some(false),
+            RouterRule::SigmoidScalesInput => Some(true),
+            _ => None,
+        };
+        if let Some(sigmoid) = by_logit {
+            return ops::route_topk_first(
+                &m.gpu,
+                ws.router_logits.ptr(),
+                cfg.num_experts,
+                cfg.top_k,
+                sigmoid,
+                t_count,
+                out,
+            );
+        }
         match m.grouped_route(bias)? {
             Some(g) => ops::route_grouped(
                 &m.gpu,
@@ -486,10 +515,12 @@ impl LayerSteps for OpSteps<'_> {
         let cfg = &m.cfg;
         let (h, i, k) = (cfg.hidden_size, cfg.expert_width, cfg.top_k);
         let route = ws.route_out(moe_index, t_count, k);
+        let math = m.expert_math(l);
         let Some(experts) = experts else {
-            return m.stream_moe(l, route, t_count, ws, y_sh, s_sh);
+            return m.stream_moe(l, route, t_count, ws, y_sh, s_sh, math);
         };
-        if t_count >= 2 && self.experts_grouped(experts, route, (y_sh, s_sh))? {
+        // the token-tiled kernels compute the plain SwiGLU experts only
+        if t_count >= 2 && math.plain() && self.experts_grouped(experts, route, (y_sh, s_sh))? {
             return Ok(());
         }
         ops::gate_up(
@@ -504,6 +535,7 @@ impl LayerSteps for OpSteps<'_> {
             ws.xn.ptr(),
             ws.act.ptr(),
             t_count,
+            math,
         )?;
         ops::down_mix(
             &m.gpu,
@@ -517,6 +549,7 @@ impl LayerSteps for OpSteps<'_> {
             s_sh,
             ws.h.ptr(),
             t_count,
+            math,
         )
     }
 }
@@ -584,6 +617,7 @@ impl OpSteps<'_> {
                 s_sh,
                 ws.h.ptr(),
                 t_count,
+                ops::ExpertMath::default(),
             )?;
             return Ok(true);
         }
@@ -597,6 +631,7 @@ impl OpSteps<'_> {
             s_sh,
             ws.h.ptr(),
             t_count,
+            ops::ExpertMath::default(),
         )?;
         Ok(true)
     }
