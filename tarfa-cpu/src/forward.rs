@@ -438,13 +438,6 @@ fn gqa_block(
         add_bias(q, &aw.q_bias);
         add_bias(k, &aw.k_bias);
         add_bias(v, &aw.v_bias);
-        // OLMoE's clip_qkv: each of q, k, v clamped to [-c, c], before the q/k norm
-        if let Some(c) = cfg.clip_qkv {
-            let c = c as f32;
-            for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
-                *x = x.min(c).max(-c);
-            }
-        }
         // q/k norm: per head over D (Qwen3) or over the whole projection (OLMoE)
         match (model.spec.qk_norm, &aw.q_norm, &aw.k_norm) {
             (QkNorm::PerHead, Some(qn), Some(kn)) => {
@@ -456,6 +449,15 @@ fn gqa_block(
                 rms_norm_segments(kernel, k, kn, eps, hkv * d);
             }
             _ => {}
+        }
+        // OLMoE's clip_qkv: each of q, k, v clamped to [-c, c] AFTER the q/k norm (transformers'
+        // OlmoeAttention: q_norm(q_proj(x)) and k_norm(k_proj(x)), then clamp_ on all three;
+        // fixtures/oracle/olmoe-clip-s fails with the clamp before the norm)
+        if let Some(c) = cfg.clip_qkv {
+            let c = c as f32;
+            for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *x = x.min(c).max(-c);
+            }
         }
         // RoPE at the token's position, on every head's leading rotary_dim values (all D
         // unless partial_rotary_factor; the rest pass through unchanged); Llama 4 rotates

@@ -2,7 +2,7 @@
 //! (<https://github.com/huggingface/transformers/blob/main/src/transformers/models/olmoe/modeling_olmoe.py>):
 //! q/k RMSNorm over the whole projection (width Hq*D and Hkv*D) before RoPE, biases only with
 //! `attention_bias`, every layer MoE, top-k renormalised only when `norm_topk_prob`.
-//! (`clip_qkv` is rejected by the config parser: it is not implemented.)
+//! `clip_qkv` clamps q, k and v after the q/k norm (docs/EXACTNESS.md, "Other families' keys").
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
