@@ -192,6 +192,18 @@ __device__ __forceinline__ float expert_mix(const ExpertMath& m, float acc, floa
     return m.unweighted ? __fadd_rn(acc, y) : __fadd_rn(acc, __fmul_rn(w, y));
 }
 
+// Llama 4's expert inputs (cpu/forward.rs `expert_products`): xs[t*k + j][c] = xn[t][c] * w[t*k + j],
+// each product rounded once; the gate/up kernels then read them with x_per_slot. grid (k, T).
+extern "C" __global__ void __launch_bounds__(256) scale_slots(const float* __restrict__ xn,
+                                                              const float* __restrict__ weights,
+                                                              int hidden, int k,
+                                                              float* __restrict__ xs) {
+    const long slot = (long)blockIdx.y * k + blockIdx.x;
+    const float w = weights[slot];
+    const float* x = xn + (long)blockIdx.y * hidden;
+    for (int c = threadIdx.x; c < hidden; c += TARFA_LANES) xs[slot * hidden + c] = __fmul_rn(x[c], w);
+}
+
 // Gate and up projections of the chosen experts with the SwiGLU, a warp per (row i, slot j, token t):
 //   g = dot(W_gate[e][i], x), u = dot(W_up[e][i], x), act[t][j][i] = expert_act(g, u)
 // with e = ids[t*k + j] read from device memory (ids == null: a dense MLP, e = 0, k = 1) and

@@ -45,6 +45,62 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm(
 // pass through unchanged): for i < rd/2, j = i + rd/2: x'_i = x_i*cos_i - x_j*sin_i,
 // x'_j = x_j*cos_i + x_i*sin_i (each product rounded, then the sum; no fma). cos/sin rows come
 // from the host table: [position][rd/2].
+// Llama 4's attention (cpu/forward.rs `gqa_block`), per layer:
+//   form ROPE_HALF: the rotate-half rotation above; ROPE_PAIRS: the complex form, for i < rd/2
+//   the pair (a, b) = (x_2i, x_2i+1) becomes (a*cos_i - b*sin_i, a*sin_i + b*cos_i); ROPE_NONE:
+//   no rotation (a NoPE layer);
+//   l2 != 0: after the rotation each query and key head x becomes x_i * r, r = rsqrt(ss / f32(D) +
+//   eps), ss the canonical dot(x, x) (rmsnorm's arithmetic without the weight);
+//   qscale != null: each query head times qscale[t] (the NoPE layers' attention temperature, from
+//   the host: it needs a logarithm).
+#define ROPE_HALF 0
+#define ROPE_PAIRS 1
+#define ROPE_NONE 2
+
+struct RopeForm {
+    int form;
+    int l2;
+    float eps;
+    const float* qscale;
+};
+
+// x[0..rd) rotated by form into y (y may be x); the rest of the head copied when y is not x.
+__device__ __forceinline__ void rope_head(const float* x, float* y, int d, int rd, int form,
+                                          const float* __restrict__ c,
+                                          const float* __restrict__ s) {
+    const int half = rd / 2;
+    if (form == ROPE_HALF) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float a = x[i], b = x[i + half];
+            y[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
+            y[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+        }
+    } else if (form == ROPE_PAIRS) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float a = x[2 * i], b = x[2 * i + 1];
+            y[2 * i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
+            y[2 * i + 1] = __fadd_rn(__fmul_rn(a, s[i]), __fmul_rn(b, c[i]));
+        }
+    }
+    const int from = form == ROPE_NONE ? 0 : rd;
+    if (y != x) {
+        for (int i = from + threadIdx.x; i < d; i += blockDim.x) y[i] = x[i];
+    }
+}
+
+// The L2 norm of the head y in place (rope_head's output, written by the whole block).
+__device__ __forceinline__ void l2_head(float* y, int d, float eps) {
+    __shared__ float r_sh;
+    __syncthreads();  // the block's writes of y are visible
+    if (threadIdx.x < 32) {
+        const float ss = warp_dot_f32(y, y, d, threadIdx.x);
+        if (threadIdx.x == 0) r_sh = det_rsqrt(__fadd_rn(__fdiv_rn(ss, (float)d), eps));
+    }
+    __syncthreads();
+    const float r = r_sh;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) y[i] = __fmul_rn(y[i], r);
+}
+
 // One token: RoPE with the table rows c, s on its query heads (in place) and key heads, its key and
 // value appended at position pos of this layer's cache ([Hkv][cap][D]). head: blockIdx.x.
 __device__ __forceinline__ void rope_append_one(float* q, const float* __restrict__ k,
@@ -53,42 +109,43 @@ __device__ __forceinline__ void rope_append_one(float* q, const float* __restric
                                                 const float* __restrict__ c,
                                                 const float* __restrict__ s, int pos,
                                                 float* __restrict__ k_cache,
-                                                float* __restrict__ v_cache, long cap) {
+                                                float* __restrict__ v_cache, long cap,
+                                                const RopeForm& f) {
     const int head = blockIdx.x;
-    const int half = rd / 2;
     if (head < hq) {
         float* x = q + ((long)t * hq + head) * d;
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            float a = x[i], b = x[i + half];
-            x[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
-            x[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+        rope_head(x, x, d, rd, f.form, c, s);
+        if (f.l2) l2_head(x, d, f.eps);
+        if (f.qscale != nullptr) {
+            const float qs = f.qscale[t];
+            __syncthreads();  // the rotation's writes (other threads' values) are visible
+            for (int i = threadIdx.x; i < d; i += blockDim.x) x[i] = __fmul_rn(x[i], qs);
         }
     } else {
         const int kh = head - hq;
         const float* x = k + ((long)t * hkv + kh) * d;
         float* kc = k_cache + ((long)kh * cap + pos) * d;
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            float a = x[i], b = x[i + half];
-            kc[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
-            kc[i + half] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
-        }
-        for (int i = rd + threadIdx.x; i < d; i += blockDim.x) kc[i] = x[i];
+        rope_head(x, kc, d, rd, f.form, c, s);
+        if (f.l2) l2_head(kc, d, f.eps);
         const float* vs = v + ((long)t * hkv + kh) * d;
         float* vc = v_cache + ((long)kh * cap + pos) * d;
         for (int i = threadIdx.x; i < d; i += blockDim.x) vc[i] = vs[i];
     }
 }
 
+#define ROPE_FORM_PARAMS int form, int l2, float eps, const float *__restrict__ qscale
+#define ROPE_FORM RopeForm{form, l2, eps, qscale}
+
 // grid (Hq + Hkv, T), block 64.
 extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
     float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
     int rd, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
-    float* __restrict__ k_cache, float* __restrict__ v_cache, int cap) {
+    float* __restrict__ k_cache, float* __restrict__ v_cache, int cap, ROPE_FORM_PARAMS) {
     const int t = blockIdx.y;
     const int pos = pos0 + t;
     const long row = (long)pos * (rd / 2);
     rope_append_one(q, k, v, t, hq, hkv, d, rd, cos_t + row, sin_t + row, pos, k_cache, v_cache,
-                    cap);
+                    cap, ROPE_FORM);
 }
 
 // The same for a step over several sequences: token t's RoPE rows, position and capacity are
@@ -96,12 +153,20 @@ extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
 // grid (Hq + Hkv, T), block 64.
 extern "C" __global__ void __launch_bounds__(64) rope_append_kv_seqs(
     float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
-    int rd, const u64* __restrict__ tok, const u64* __restrict__ kv) {
+    int rd, const u64* __restrict__ tok, const u64* __restrict__ kv, ROPE_FORM_PARAMS) {
     const int t = blockIdx.y;
     rope_append_one(q, k, v, t, hq, hkv, d, rd, reinterpret_cast<const float*>(tok[4 * t]),
                     reinterpret_cast<const float*>(tok[4 * t + 1]), (int)tok[4 * t + 2],
                     reinterpret_cast<float*>(kv[2 * t]), reinterpret_cast<float*>(kv[2 * t + 1]),
-                    (long)tok[4 * t + 3]);
+                    (long)tok[4 * t + 3], ROPE_FORM);
+}
+
+// OLMoE's clip_qkv (cpu/forward.rs `gqa_block`): x_i = max(min(x_i, c), -c) on n values, after
+// the q/k norm and before RoPE. fminf/fmaxf return the other operand for a NaN, as Rust's
+// f32::min/max do (the CPU's clamp). grid (ceil(n/256)), block 256.
+extern "C" __global__ void __launch_bounds__(256) clip_abs(float* x, long n, float c) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = fmaxf(fminf(x[i], c), -c);
 }
 
 // The INVALID validation arm (cpu::FinalHidden::InvalidBf16BeforeLmHead): x = widen(bf16(x)).

@@ -228,6 +228,18 @@ pub struct AttnTemperature {
     pub attn_scale: f64,
 }
 
+impl AttnTemperature {
+    /// Llama 4's attention temperature at position `pos` (docs/EXACTNESS.md, "Llama 4"), in f32
+    /// as transformers computes it: `f = floor((f32(pos) + 1) / f32(floor_scale))`,
+    /// `l = f32(ln(1 + f))` (the logarithm in f64, rounded once), `s = l * f32(attn_scale) + 1`.
+    /// One definition for every backend (the CUDA one uploads it per token: it needs a log).
+    pub fn scale_at(&self, pos: usize) -> f32 {
+        let f = ((pos as f32 + 1.0) / self.floor_scale as f32).floor();
+        let l = crate::numerics::detmath::ln_f64(1.0 + f as f64) as f32;
+        l * self.attn_scale as f32 + 1.0
+    }
+}
+
 /// Typed access to one config object; every getter names its key in errors.
 struct Reader<'a> {
     obj: &'a Map<String, Value>,

@@ -48,13 +48,11 @@ fn l2_norm_segments(kernel: Kernel, x: &mut [f32], eps: f32, width: usize) {
     }
 }
 
-/// Llama 4's attention temperature at position `pos` (docs/EXACTNESS.md, "Llama 4"), in f32
-/// as transformers computes it: `f = floor((f32(pos) + 1) / f32(floor_scale))`,
-/// `l = f32(ln(1 + f))` (the logarithm in f64, rounded once), `s = l * f32(attn_scale) + 1`.
+/// Llama 4's attention temperature at position `pos` ([`AttnTemperature::scale_at`]).
+///
+/// [`AttnTemperature::scale_at`]: tarfa_core::config::AttnTemperature::scale_at
 pub(crate) fn attn_temperature(t: &tarfa_core::config::AttnTemperature, pos: usize) -> f32 {
-    let f = ((pos as f32 + 1.0) / t.floor_scale as f32).floor();
-    let l = tarfa_core::numerics::detmath::ln_f64(1.0 + f as f64) as f32;
-    l * t.attn_scale as f32 + 1.0
+    t.scale_at(pos)
 }
 
 /// In-place RMSNorm of each `width`-wide segment of `x`.

@@ -325,15 +325,19 @@ fn check_rmsnorm(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
 }
 
 fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
-    let mut c = Check::new("rope_append_kv");
+    let mut c = Check::new("rope_append_kv (+ Llama 4's pairs, L2 norm, NoPE temperature)");
     let mut rng = Rng(31);
-    // rd < d: partial rotary (GLM-4.5's partial_rotary_factor 0.5), the rest passed through
-    for (hq, hkv, d, rd, pos0, t) in [
-        (4usize, 2usize, 32usize, 32usize, 0usize, 5usize),
-        (3, 1, 24, 24, 7, 2),
-        (8, 4, 128, 128, 300, 3),
-        (4, 2, 32, 16, 3, 4),
-        (2, 1, 128, 64, 100, 2),
+    // rd < d: partial rotary (GLM-4.5's partial_rotary_factor 0.5), the rest passed through;
+    // form 1: Llama 4's pairs then the L2 norm; form 2: a NoPE layer with per-token q scales
+    for (hq, hkv, d, rd, pos0, t, form) in [
+        (4usize, 2usize, 32usize, 32usize, 0usize, 5usize, 0u8),
+        (3, 1, 24, 24, 7, 2, 0),
+        (8, 4, 128, 128, 300, 3, 0),
+        (4, 2, 32, 16, 3, 4, 0),
+        (2, 1, 128, 64, 100, 2, 0),
+        (4, 2, 32, 32, 5, 4, 1),
+        (8, 2, 128, 128, 70, 3, 1),
+        (4, 2, 64, 64, 9, 3, 2),
     ] {
         let cap = pos0 + t + 3;
         let mut rope = RopeTable::new(1_000_000.0, rd).map_err(tarfa_core::RunError::from)?;
@@ -356,6 +360,29 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         let sb = gpu.upload(&sin, "sin")?;
         let kc = gpu.alloc(hkv * cap * d * 4, "k cache")?;
         let vc = gpu.alloc(hkv * cap * d * 4, "v cache")?;
+        let eps = 1e-5f32;
+        let qs: Vec<f32> = (0..t).map(|_| 1.0 + rng.f32().abs()).collect();
+        let qsb = gpu.upload(&qs, "q scales")?;
+        let rope_form = ops::RopeForm {
+            pairs: form == 1,
+            none: form == 2,
+            l2: (form == 1).then_some(eps),
+            qscale: if form == 2 { qsb.ptr() } else { 0 },
+        };
+        // tarfa-cpu's gqa_block for this form: rotation, L2 norm, temperature
+        let prepare = |pos: usize, x: &mut [f32], query: bool, ti: usize| match form {
+            0 => rope.apply(pos, &mut x[..rd]),
+            1 => {
+                rope.apply_pairs(pos, &mut x[..rd]);
+                let r = rsqrt(dot_f32_reference(x, x) / d as f32 + eps);
+                x.iter_mut().for_each(|v| *v *= r);
+            }
+            _ => {
+                if query {
+                    x.iter_mut().for_each(|v| *v *= qs[ti]);
+                }
+            }
+        };
         let shape = AttnShape {
             hq,
             hkv,
@@ -375,6 +402,7 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             sb.ptr(),
             kc.ptr(),
             vc.ptr(),
+            rope_form,
         )?;
         let gq = read_f32(gpu, &qb, t * hq * d)?;
         let gk = read_f32(gpu, &kc, hkv * cap * d)?;
@@ -383,10 +411,10 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             let pos = pos0 + ti;
             for h in 0..hq {
                 let mut want = q[(ti * hq + h) * d..(ti * hq + h + 1) * d].to_vec();
-                rope.apply(pos, &mut want[..rd]);
+                prepare(pos, &mut want, true, ti);
                 for i in 0..d {
                     c.eq(
-                        || format!("q d={d} rd={rd} token {ti} head {h} [{i}]"),
+                        || format!("q d={d} rd={rd} form {form} token {ti} head {h} [{i}]"),
                         want[i],
                         gq[(ti * hq + h) * d + i],
                     );
@@ -394,10 +422,10 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             }
             for h in 0..hkv {
                 let mut want = k[(ti * hkv + h) * d..(ti * hkv + h + 1) * d].to_vec();
-                rope.apply(pos, &mut want[..rd]);
+                prepare(pos, &mut want, false, ti);
                 for i in 0..d {
                     c.eq(
-                        || format!("k d={d} rd={rd} token {ti} head {h} [{i}]"),
+                        || format!("k d={d} rd={rd} form {form} token {ti} head {h} [{i}]"),
                         want[i],
                         gk[(h * cap + pos) * d + i],
                     );
@@ -485,7 +513,7 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 let n = pos + 1;
                 // tarfa-cpu's gqa_block: the window's last w, the chunk of pos, then the sink
                 let start = if window > 0 { n.saturating_sub(window) } else { 0 };
-                let start = if chunk > 0 { start.max(pos / chunk * chunk) } else { start };
+                let start = pos.checked_div(chunk).map_or(start, |c| start.max(c * chunk));
                 let qv = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
                 let keys = &kc[kvh * cap * d..];
                 let vals = &vc[kvh * cap * d + start * d..kvh * cap * d + n * d];

@@ -46,6 +46,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "rmsnorm",
             "rope_append_kv",
             "rope_append_kv_seqs",
+            "clip_abs",
             "round_to_bf16",
         ],
     },
@@ -60,6 +61,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         entries: &[
             "route_topk",
             "route_topk_first",
+            "scale_slots",
             "route_grouped",
             "gate_up_bf16",
             "gate_up_f32",

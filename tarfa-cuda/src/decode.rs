@@ -183,6 +183,19 @@ impl CudaModel {
         if x.expert_bias || x.activation != tarfa_core::model::ExpertActivation::SwiGlu {
             return Some("expert biases and the clamped SwiGLU".into());
         }
+        if cfg.clip_qkv.is_some() {
+            return Some("OLMoE's clip_qkv".into());
+        }
+        if x.llama4_attention
+            || self.spec.qk_norm == tarfa_core::model::QkNorm::L2AfterRope
+            || self.spec.router == tarfa_core::model::RouterRule::SigmoidScalesInput
+        {
+            return Some(
+                "Llama 4's pairwise rotary embedding, NoPE layers, q/k L2 norm and input-scaling \
+                 router"
+                    .into(),
+            );
+        }
         if !h.is_multiple_of(8) {
             return Some(format!("hidden size {h} is not a multiple of 8"));
         }

@@ -431,6 +431,7 @@ fn seq_token(
 
 /// RoPE of token `t` (table rows `rows` = (cos, sin) addresses) on its query heads in place and
 /// key heads, its key and value written at `pos` of `cache` = (keys, values, capacity).
+#[allow(clippy::too_many_arguments)]
 fn rope_reference(
     mem: &mut Memory,
     [q, k, v]: [u64; 3],
@@ -439,26 +440,48 @@ fn rope_reference(
     (cos, sin): (u64, u64),
     pos: usize,
     (kc, vc, cap): (u64, u64, usize),
+    form: &RopeFormRef,
 ) {
     assert!(
         pos < cap,
         "rope: position {pos} past the cache capacity {cap}"
     );
-    // the leading rd values of each head rotate (pairs i, i + rd/2); the rest pass through
+    // the leading rd values of each head rotate (pairs i, i + rd/2, or Llama 4's 2i, 2i+1);
+    // the rest pass through; then Llama 4's L2 norm; a NoPE layer's queries times qscale[t]
     let half = rd / 2;
     let c = mem.f32s(cos, half);
     let s = mem.f32s(sin, half);
     let rot = |x: &mut [f32]| {
-        for i in 0..half {
-            let (p, r) = (x[i], x[i + half]);
-            x[i] = p * c[i] - r * s[i];
-            x[i + half] = r * c[i] + p * s[i];
+        match form.form {
+            0 => {
+                for i in 0..half {
+                    let (p, r) = (x[i], x[i + half]);
+                    x[i] = p * c[i] - r * s[i];
+                    x[i + half] = r * c[i] + p * s[i];
+                }
+            }
+            1 => {
+                for i in 0..half {
+                    let (a, b) = (x[2 * i], x[2 * i + 1]);
+                    x[2 * i] = a * c[i] - b * s[i];
+                    x[2 * i + 1] = a * s[i] + b * c[i];
+                }
+            }
+            _ => {}
+        }
+        if let Some(eps) = form.l2 {
+            let r = rsqrt(dot_f32_reference(x, x) / x.len() as f32 + eps);
+            x.iter_mut().for_each(|v| *v *= r);
         }
     };
+    let qs = (form.qscale != 0).then(|| mem.f32s(form.qscale + (t * 4) as u64, 1)[0]);
     for head in 0..hq {
         let addr = q + (((t * hq + head) * d) * 4) as u64;
         let mut x = mem.f32s(addr, d);
         rot(&mut x);
+        if let Some(qs) = qs {
+            x.iter_mut().for_each(|v| *v *= qs);
+        }
         mem.put_f32s(addr, &x);
     }
     for kh in 0..hkv {
@@ -467,6 +490,23 @@ fn rope_reference(
         mem.put_f32s(kc + (((kh * cap + pos) * d) * 4) as u64, &x);
         let vv = mem.f32s(v + (((t * hkv + kh) * d) * 4) as u64, d);
         mem.put_f32s(vc + (((kh * cap + pos) * d) * 4) as u64, &vv);
+    }
+}
+
+/// norm_rope.cu's `RopeForm` as a launch passes it (its four trailing arguments).
+struct RopeFormRef {
+    form: usize,
+    l2: Option<f32>,
+    qscale: u64,
+}
+
+impl RopeFormRef {
+    fn read(a: &Args<'_>, at: usize) -> RopeFormRef {
+        RopeFormRef {
+            form: a.int(at),
+            l2: (a.int(at + 1) != 0).then(|| a.float(at + 2)),
+            qscale: a.ptr(at + 3),
+        }
     }
 }
 
@@ -495,7 +535,7 @@ fn attention_reference(mem: &mut Memory, (hq, hkv, d): (usize, usize, usize), at
     );
     // tarfa-cpu's gqa_block: a sliding layer's last `window` positions, a chunked layer's chunk
     let start = if window > 0 { n.saturating_sub(window) } else { 0 };
-    let start = if chunk > 0 { start.max(at.pos / chunk * chunk) } else { start };
+    let start = at.pos.checked_div(chunk).map_or(start, |c| start.max(c * chunk));
     let mut tmp = Vec::new();
     for h in 0..hq {
         let kvh = h / (hq / hkv);
@@ -926,7 +966,8 @@ pub(crate) fn launch_reference(
             }
         }
         "rope_append_kv" => {
-            a.count(13);
+            a.count(17);
+            let form = RopeFormRef::read(&a, 13);
             let (q, k, v) = (a.ptr(0), a.ptr(1), a.ptr(2));
             let (hq, hkv, d, rd) = (a.int(3), a.int(4), a.int(5), a.int(6));
             let (cos, sin, pos0, kc, vc, cap) = (
@@ -950,18 +991,20 @@ pub(crate) fn launch_reference(
                     rows,
                     pos,
                     (kc, vc, cap),
+                    &form,
                 );
             }
         }
         "rope_append_kv_seqs" => {
-            a.count(9);
+            a.count(13);
+            let form = RopeFormRef::read(&a, 9);
             let (q, k, v) = (a.ptr(0), a.ptr(1), a.ptr(2));
             let (hq, hkv, d, rd) = (a.int(3), a.int(4), a.int(5), a.int(6));
             let (tok, kv) = (a.ptr(7), a.ptr(8));
             assert_eq!(gx, hq + hkv, "{name} geometry");
             for t in 0..gy {
                 let (rows, pos, cache) = seq_token(mem, tok, kv, t);
-                rope_reference(mem, [q, k, v], (hq, hkv, d, rd), t, rows, pos, cache);
+                rope_reference(mem, [q, k, v], (hq, hkv, d, rd), t, rows, pos, cache, &form);
             }
         }
         "attention" => {
@@ -1115,6 +1158,19 @@ pub(crate) fn launch_reference(
                     t,
                     [ids, probs, weights, by_id, kth, next],
                 );
+            }
+        }
+        "scale_slots" => {
+            a.count(5);
+            let (xn, weights, hidden, k, xs) = (a.ptr(0), a.ptr(1), a.int(2), a.int(3), a.ptr(4));
+            assert_eq!(gx, k, "{name} geometry");
+            for t in 0..gy {
+                let x = mem.f32s(xn + ((t * hidden) * 4) as u64, hidden);
+                for j in 0..k {
+                    let w = mem.f32s(weights + ((t * k + j) * 4) as u64, 1)[0];
+                    let y: Vec<f32> = x.iter().map(|&v| v * w).collect();
+                    mem.put_f32s(xs + (((t * k + j) * hidden) * 4) as u64, &y);
+                }
             }
         }
         "route_topk_first" => {
@@ -1635,6 +1691,13 @@ pub(crate) fn launch_reference(
             };
             let v: Vec<f32> = mem.f32s(x, n).into_iter().map(f).collect();
             mem.put_f32s(y, &v);
+        }
+        "clip_abs" => {
+            a.count(3);
+            let (x, n, c) = (a.ptr(0), a.long(1), a.float(2));
+            assert!(gx * 256 >= n, "{name} geometry");
+            let v: Vec<f32> = mem.f32s(x, n).into_iter().map(|v| v.min(c).max(-c)).collect();
+            mem.put_f32s(x, &v);
         }
         "round_to_bf16" => {
             a.count(2);
@@ -3211,6 +3274,31 @@ mod tests {
     }
 
     #[test]
+    fn mixtral_windows_and_olmoe_clip_qkv_run_on_the_kernels_with_the_cpus_bits() {
+        // Mixtral's sliding_window on every layer (the long prompt and its decode steps pass
+        // it) and OLMoE's clip_qkv after the q/k norm (clip_abs), the transformers fixtures of
+        // both: resident (legacy decode: the decode graph refuses both by name) and streamed
+        for (name, why) in [
+            ("mixtral-window-s", "sliding-window"),
+            ("olmoe-clip-s", "clip_qkv"),
+        ] {
+            let (cfg, src) = fixture(name);
+            let spec = ArchSpec::new(&cfg);
+            assert_eq!(super::super::unsupported_family(&cfg, &spec), None, "{name}");
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            let reason = gpu.decode_unsupported_reason().unwrap_or_default().to_string();
+            assert!(reason.contains(why), "{name}: {reason}");
+            drop(gpu);
+            let v = cfg.vocab_size;
+            let window = cfg.layer_windows.iter().flatten().copied().max().unwrap_or(8);
+            let long: Vec<u32> = (0..window + 7).map(|i| (i * 13 % v) as u32).collect();
+            let prompts = vec![vec![1], long];
+            compare(name, cfg.clone(), src.clone(), prompts.clone(), 4);
+            streamed_gives_the_cpus_bits(name, &cfg, src.clone(), prompts);
+        }
+    }
+
+    #[test]
     fn gpt_oss_runs_on_the_kernels_with_the_cpus_bits_resident_and_streamed() {
         // attention sinks, sliding windows of 16 on alternate layers (the long prompt and its
         // decode steps pass the window), q/k/v/o biases, YaRN, the biased router with the
@@ -3235,6 +3323,37 @@ mod tests {
             let v = cfg.vocab_size;
             let window = cfg.layer_windows.iter().flatten().copied().max().unwrap();
             let long: Vec<u32> = (0..window + 7).map(|i| (i * 13 % v) as u32).collect();
+            let prompts = vec![vec![1], long];
+            compare(name, cfg.clone(), src.clone(), prompts.clone(), 4);
+            streamed_gives_the_cpus_bits(name, &cfg, src.clone(), prompts);
+        }
+    }
+
+    #[test]
+    fn llama4_runs_on_the_kernels_with_the_cpus_bits_resident_and_streamed() {
+        // the top-k sigmoid router whose score scales each expert's input (scale_slots) and
+        // the unweighted mix, the ungated shared expert, dense layers (llama4-dense-s, top-2),
+        // the pairwise rotary embedding, NoPE layers with their attention temperature (active
+        // in llama4-dense-s), chunked attention (prompts and decode past the chunk), the L2 q/k
+        // norm after the rotation; resident (legacy decode) and streamed through 3 slots
+        let mut names = vec!["llama4-dense-s"];
+        if shared_oracle().is_some() {
+            names.push("llama4-a");
+        }
+        for name in names {
+            let (cfg, src) = fixture(name);
+            let spec = ArchSpec::new(&cfg);
+            assert_eq!(
+                super::super::unsupported_family(&cfg, &spec),
+                None,
+                "{name}"
+            );
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            assert!(gpu.decode_unsupported_reason().is_some(), "{name}");
+            drop(gpu);
+            let v = cfg.vocab_size;
+            let chunk = cfg.layer_chunks.iter().flatten().copied().max().unwrap_or(8);
+            let long: Vec<u32> = (0..chunk + 5).map(|i| (i * 13 % v) as u32).collect();
             let prompts = vec![vec![1], long];
             compare(name, cfg.clone(), src.clone(), prompts.clone(), 4);
             streamed_gives_the_cpus_bits(name, &cfg, src.clone(), prompts);

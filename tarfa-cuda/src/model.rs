@@ -649,6 +649,7 @@ impl CudaModel {
         let k_top = cfg.top_k;
 
         gpu.write(ws.tokens.ptr(), tokens, "the step's tokens")?;
+        self.write_qscale(ws, pos0..end)?;
         // Step 1: h_t = widen(embed[token_t])
         ops::embed(gpu, &self.embed, ws.tokens.ptr(), t_count, ws.h.ptr())?;
 
@@ -863,6 +864,7 @@ impl CudaModel {
             }
         }
         gpu.write(ws.tokens.ptr(), &tokens, "the step's tokens")?;
+        self.write_qscale(ws, tok.chunks_exact(4).map(|r| r[2] as usize))?;
         gpu.write(ws.seq_tok.ptr(), &tok, "the step's token table")?;
         gpu.write(ws.seq_kv.ptr(), &kv, "the step's cache table")?;
         let tables = SeqTables {
@@ -979,6 +981,7 @@ impl CudaModel {
     /// choices back, make them resident group by group (copying the missing ones from the
     /// weight source, whose reads for the whole layer start at once), compute each group's
     /// products from the slots, then mix them in ascending expert id as `down_mix` does.
+    #[allow(clippy::too_many_arguments)]
     fn stream_moe(
         &self,
         l: usize,
@@ -1137,7 +1140,12 @@ impl CudaModel {
                 slot_elems: hot.slot_elems,
                 slot_of: hot.slot_of.ptr(),
             };
-            let xn = ws.xn.ptr();
+            // Llama 4: the inputs scale_slots wrote (OpSteps::experts)
+            let xn = if math.input_scaled {
+                ws.x_slots.ptr()
+            } else {
+                ws.xn.ptr()
+            };
             ops::gate_up_slots(gpu, slots, i, h, route.ids, k, xn, ws.act.ptr(), t_count, math)?;
             ops::down_slots(
                 gpu,
@@ -1185,7 +1193,39 @@ impl CudaModel {
         {
             m.clamp = Some((alpha, limit));
         }
+        m.input_scaled = self.spec.router == RouterRule::SigmoidScalesInput;
         m
+    }
+
+    /// Llama 4: the step's per-token attention temperatures (positions in step order), for the
+    /// NoPE layers' queries; nothing for the other families.
+    fn write_qscale(
+        &self,
+        ws: &Workspace,
+        positions: impl Iterator<Item = usize>,
+    ) -> Result<(), CudaError> {
+        let Some(t) = &self.cfg.attn_temperature else {
+            return Ok(());
+        };
+        let s: Vec<f32> = positions.map(|p| t.scale_at(p)).collect();
+        self.gpu
+            .write(ws.qscale.ptr(), &s, "the step's attention temperatures")
+    }
+
+    /// Layer `l`'s rotation and norms before the cache append: Llama 4's pairs, NoPE layers and
+    /// their temperature, the L2 norm after the rotation; the rotate-half rotation otherwise.
+    fn rope_form(&self, l: usize, ws: &Workspace) -> ops::RopeForm {
+        let rotates = self.cfg.layer_rope.get(l).copied().unwrap_or(true);
+        ops::RopeForm {
+            pairs: self.spec.extras.llama4_attention,
+            none: !rotates,
+            l2: (rotates && self.spec.qk_norm == QkNorm::L2AfterRope).then(|| self.cfg.eps_f32()),
+            qscale: if !rotates && self.cfg.attn_temperature.is_some() {
+                ws.qscale.ptr()
+            } else {
+                0
+            },
+        }
     }
 
     /// What layer `l`'s attention masks beyond causality: its sinks, window and chunk.
@@ -1648,6 +1688,10 @@ struct Workspace {
     group_order: Slot,
     group_tiles: Slot,
     group_count: Slot,
+    /// Llama 4: each token's attention temperature (NoPE layers), and the experts' scaled
+    /// inputs `[T][k][H]` (`ops::scale_slots`).
+    qscale: Slot,
+    x_slots: Slot,
     /// A step over several sequences: its per-token and per-(layer, token) tables.
     seq_tok: Slot,
     seq_kv: Slot,
@@ -1740,6 +1784,12 @@ impl Workspace {
             .ensure(gpu, 3 * ops::max_tiles(pairs, cfg.num_experts) * 4, w)?;
         self.group_count.ensure(gpu, 4, w)?;
         self.seq_tok.ensure(gpu, t * 32, w)?;
+        if cfg.attn_temperature.is_some() {
+            self.qscale.ensure(gpu, t * 4, w)?;
+        }
+        if ArchSpec::new(cfg).router == RouterRule::SigmoidScalesInput {
+            self.x_slots.ensure(gpu, t * k * h * f, w)?;
+        }
         self.seq_kv.ensure(gpu, cfg.num_layers * t * 16, w)?;
         self.tokens_cap = t;
         self.positions_cap = positions;

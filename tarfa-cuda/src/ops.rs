@@ -100,6 +100,76 @@ impl ExpertMath {
     }
 }
 
+/// How a layer's keys and queries are rotated and normalised before the cache append
+/// (kernels/norm_rope.cu `RopeForm`). The default is the rotate-half rotation alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct RopeForm {
+    /// Llama 4's complex form (pairs `(x_2i, x_2i+1)`).
+    pub(crate) pairs: bool,
+    /// A NoPE layer: no rotation.
+    pub(crate) none: bool,
+    /// Llama 4's weightless L2 norm of every query and key head after the rotation, its eps.
+    pub(crate) l2: Option<f32>,
+    /// The step's per-token query scales (the NoPE layers' attention temperature), 0: none.
+    pub(crate) qscale: u64,
+}
+
+impl RopeForm {
+    fn args(&self) -> [Arg; 4] {
+        let form = if self.none {
+            2
+        } else {
+            i32::from(self.pairs)
+        };
+        [
+            Arg::I32(form),
+            Arg::I32(i32::from(self.l2.is_some())),
+            Arg::F32(self.l2.unwrap_or(0.0)),
+            Arg::Ptr(self.qscale),
+        ]
+    }
+}
+
+/// OLMoE's clip_qkv: `x_i = max(min(x_i, c), -c)` on `n` values in place (kernels/norm_rope.cu
+/// `clip_abs`).
+pub(crate) fn clip_abs(gpu: &Gpu, x: u64, n: usize, c: f32) -> Result<(), CudaError> {
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        "clip_abs",
+        (n.div_ceil(256) as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[Arg::Ptr(x), Arg::I64(n as i64), Arg::F32(c)],
+    )
+}
+
+/// Llama 4's expert inputs `xs[t*k + j] = xn[t] * w[t*k + j]` (kernels/moe.cu `scale_slots`).
+pub(crate) fn scale_slots(
+    gpu: &Gpu,
+    xn: u64,
+    weights: u64,
+    hidden: usize,
+    k: usize,
+    tokens: usize,
+    xs: u64,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "scale_slots",
+        (k as u32, tokens as u32, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(xn),
+            Arg::Ptr(weights),
+            Arg::I32(i32_of(hidden, "hidden")?),
+            Arg::I32(k as i32),
+            Arg::Ptr(xs),
+        ],
+    )
+}
+
 /// What a layer's attention masks beyond causality (kernels/attention.cu): gpt-oss's sinks
 /// (`[Hq]`, 0: none), a sliding window and a chunk (0: none).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -441,7 +511,9 @@ pub(crate) fn rope_append_kv(
     sin: u64,
     k_cache: u64,
     v_cache: u64,
+    form: RopeForm,
 ) -> Result<(), CudaError> {
+    let [f0, f1, f2, f3] = form.args();
     gpu.launch(
         "rope_append_kv",
         ((s.hq + s.hkv) as u32, s.tokens as u32, 1),
@@ -461,6 +533,10 @@ pub(crate) fn rope_append_kv(
             Arg::Ptr(k_cache),
             Arg::Ptr(v_cache),
             Arg::I32(i32_of(s.cap, "cache capacity")?),
+            f0,
+            f1,
+            f2,
+            f3,
         ],
     )
 }
@@ -522,7 +598,9 @@ pub(crate) fn rope_append_kv_seqs(
     k: u64,
     v: u64,
     t: SeqKv,
+    form: RopeForm,
 ) -> Result<(), CudaError> {
+    let [f0, f1, f2, f3] = form.args();
     gpu.launch(
         "rope_append_kv_seqs",
         ((s.hq + s.hkv) as u32, s.tokens as u32, 1),
@@ -538,6 +616,10 @@ pub(crate) fn rope_append_kv_seqs(
             Arg::I32(s.rd as i32),
             Arg::Ptr(t.tok),
             Arg::Ptr(t.kv),
+            f0,
+            f1,
+            f2,
+            f3,
         ],
     )
 }

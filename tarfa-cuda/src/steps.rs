@@ -198,7 +198,16 @@ impl OpSteps<'_> {
                 ops::rmsnorm(gpu, x, n, x, n, w.ptr(), n, rows, eps)?;
             }
         }
+        // OLMoE's clip_qkv: q, k and v clamped after the q/k norm, before RoPE (the CPU's
+        // gqa_block; transformers' OlmoeAttention)
+        if let Some(c) = cfg.clip_qkv {
+            let c = c as f32;
+            for (x, rows) in [(ws.q.ptr(), hq * d), (ws.k.ptr(), hkv * d), (ws.v.ptr(), hkv * d)] {
+                ops::clip_abs(gpu, x, rows * t_count, c)?;
+            }
+        }
         let mask = m.attn_mask(l);
+        let form = m.rope_form(l, ws);
         match &self.kv {
             StepKv::One(cache) => {
                 let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
@@ -213,6 +222,7 @@ impl OpSteps<'_> {
                     sin,
                     kc,
                     vc,
+                    form,
                 )?;
                 ops::attention(
                     gpu,
@@ -229,7 +239,7 @@ impl OpSteps<'_> {
             }
             StepKv::Seqs { tables, n_stride } => {
                 let t = tables.layer(l);
-                ops::rope_append_kv_seqs(gpu, shape, ws.q.ptr(), ws.k.ptr(), ws.v.ptr(), t)?;
+                ops::rope_append_kv_seqs(gpu, shape, ws.q.ptr(), ws.k.ptr(), ws.v.ptr(), t, form)?;
                 ops::attention_seqs(
                     gpu,
                     shape,
@@ -516,6 +526,13 @@ impl LayerSteps for OpSteps<'_> {
         let (h, i, k) = (cfg.hidden_size, cfg.expert_width, cfg.top_k);
         let route = ws.route_out(moe_index, t_count, k);
         let math = m.expert_math(l);
+        // Llama 4: each (token, slot) reads its input times its routing weight
+        let xn = if math.input_scaled {
+            ops::scale_slots(&m.gpu, ws.xn.ptr(), route.weights, h, k, t_count, ws.x_slots.ptr())?;
+            ws.x_slots.ptr()
+        } else {
+            ws.xn.ptr()
+        };
         let Some(experts) = experts else {
             return m.stream_moe(l, route, t_count, ws, y_sh, s_sh, math);
         };
@@ -532,7 +549,7 @@ impl LayerSteps for OpSteps<'_> {
             h,
             route.ids,
             k,
-            ws.xn.ptr(),
+            xn,
             ws.act.ptr(),
             t_count,
             math,
