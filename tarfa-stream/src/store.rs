@@ -635,6 +635,15 @@ fn choose_pins(
 }
 
 impl ExpertStore {
+    /// The smallest `--ram-budget` that holds one expert of `bundle` under `io`: the largest
+    /// expert's buffer, with an MXFP4 expert's widened matrices (what [`ExpertStore::new`]
+    /// refuses below). Not the extent's length: an MXFP4 extent is about a quarter of what the
+    /// RAM tier holds for it.
+    pub fn min_ram_budget(bundle: &BundleSource, io: IoMode) -> Result<u64, StreamError> {
+        let index = build_index(bundle, io)?;
+        Ok(index.values().map(|i| i.buf_bytes).max().unwrap_or(0))
+    }
+
     pub fn new(
         bundle: Arc<BundleSource>,
         opts: &StreamOptions,
@@ -1735,6 +1744,11 @@ mod tests {
         assert!(
             err.to_string().contains("the minimum is 4096 bytes"),
             "{err}"
+        );
+        // the minimum the store refuses below is the one it reports beforehand
+        assert_eq!(
+            ExpertStore::min_ram_budget(&b.open(), IoMode::Cached).unwrap(),
+            PAGE
         );
         // exactly one expert is enough: every use evicts the one before
         let store = b.store(Some(1), CachePolicy::Lru, None);

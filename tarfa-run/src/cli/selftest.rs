@@ -129,12 +129,12 @@ pub fn run(a: &SelftestArgs) -> Result<(), CliError> {
             let moe_layers = (0..cfg.num_layers)
                 .filter(|&l| spec.moe_index(l).is_some())
                 .count() as u64;
-            let extent = source
-                .expert_extents()
-                .iter()
-                .map(|(e, _)| e.padded_length)
-                .max()
-                .unwrap_or(0);
+            // one expert of the RAM tier under either I/O mode (an MXFP4 expert is charged its
+            // widened matrices too, so its extent's length would be too small a budget)
+            let mut extent = 0;
+            for io in [crate::stream::IoMode::Cached, crate::stream::IoMode::Direct] {
+                extent = extent.max(crate::stream::ExpertStore::min_ram_budget(&source, io)?);
+            }
             let cases = cuda::stream_sweep(
                 moe_layers * cfg.num_experts as u64,
                 cuda::min_vram_budget(&cfg),
