@@ -23,8 +23,12 @@ pub struct BatchEntry<'a, C> {
 pub trait Rewind {
     /// Positions cached.
     fn cached_len(&self) -> usize;
-    /// Forgets positions from `len` on.
-    fn rewind_to(&mut self, len: usize);
+    /// Forgets positions from `len` on and returns the positions kept: `min(len, cached_len)`,
+    /// or fewer (0) when the cache no longer holds rows a query at `len` would read (a sliding
+    /// window's or a chunk's dropped rows); the caller then re-feeds from there. A rewind to the
+    /// length a step started at is always served in full.
+    #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
+    fn rewind_to(&mut self, len: usize) -> usize;
 }
 
 /// A batched step's failure. No cache of the step has advanced.
@@ -62,8 +66,9 @@ mod tests {
         fn cached_len(&self) -> usize {
             self.0.len()
         }
-        fn rewind_to(&mut self, len: usize) {
+        fn rewind_to(&mut self, len: usize) -> usize {
             self.0.truncate(len);
+            self.0.len()
         }
     }
     struct Echo;

@@ -77,8 +77,11 @@ pub trait Session {
     /// Positions in this sequence's cache.
     fn cached_len(&self) -> usize;
 
-    /// Forgets the positions from `len` on (the steps run ahead past a stop).
-    fn rewind_to(&mut self, len: usize);
+    /// Forgets the positions from `len` on (the steps run ahead past a stop) and returns the
+    /// positions kept ([`Rewind::rewind_to`]: fewer when a windowed layer dropped rows that
+    /// position `len` reads).
+    #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
+    fn rewind_to(&mut self, len: usize) -> usize;
 }
 
 /// A backend and one sequence's cache, borrowed: the [`Session`] of [`greedy`].
@@ -97,7 +100,7 @@ where
         self.cache.cached_len()
     }
 
-    fn rewind_to(&mut self, len: usize) {
+    fn rewind_to(&mut self, len: usize) -> usize {
         self.cache.rewind_to(len)
     }
 
@@ -335,7 +338,10 @@ where
                 out.decode_weight_bytes += st.weight_bytes;
                 if observer.token(j + 1 + m, t)? == Flow::Stop || j + 2 + m == n_new {
                     // steps 0..=m fed `next` and the tokens before `t`
-                    session.rewind_to(base + m + 1);
+                    // within the steps run ahead (each at most REWIND_SLACK after the
+                    // first): always served in full
+                    let kept = session.rewind_to(base + m + 1);
+                    assert_eq!(kept, base + m + 1, "a run-ahead rewind keeps every position");
                     return Ok(out);
                 }
             }
@@ -429,8 +435,9 @@ mod tests {
         fn cached_len(&self) -> usize {
             self.len
         }
-        fn rewind_to(&mut self, len: usize) {
+        fn rewind_to(&mut self, len: usize) -> usize {
             self.len = len;
+            len
         }
     }
 
@@ -507,9 +514,10 @@ mod tests {
         fn cached_len(&self) -> usize {
             self.len
         }
-        fn rewind_to(&mut self, len: usize) {
+        fn rewind_to(&mut self, len: usize) -> usize {
             self.calls.push(format!("rewind_to {len}"));
             self.len = len;
+            len
         }
     }
 

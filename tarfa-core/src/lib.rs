@@ -98,7 +98,9 @@ pub trait Backend {
                 Ok(out) => outs.push(out),
                 Err(error) => {
                     for (done, &len) in seqs[..index].iter_mut().zip(&before) {
-                        done.cache.rewind_to(len);
+                        // back to the step's start: always served in full
+                        let kept = done.cache.rewind_to(len);
+                        assert_eq!(kept, len, "a failed step's undo keeps every position");
                     }
                     return Err(BatchError {
                         sequence: Some(index),

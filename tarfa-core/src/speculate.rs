@@ -106,10 +106,17 @@ pub struct ModelDrafter<S> {
     pub positions: u64,
 }
 
+/// A rewind to a length at or after the verifying step's start (the rejected drafts' rows):
+/// always served in full ([`crate::batch::Rewind::rewind_to`]).
+fn rewind_within_step<S: Session + ?Sized>(session: &mut S, len: usize) {
+    let kept = session.rewind_to(len);
+    assert_eq!(kept, len, "a rewind within the verifying step keeps every position asked");
+}
+
 impl<S: Session> ModelDrafter<S> {
     /// Drafts with `session` (emptied first), which accepts up to `max_positions` positions.
     pub fn new(mut session: S, max_positions: usize) -> Self {
-        session.rewind_to(0);
+        let _emptied = session.rewind_to(0);
         ModelDrafter {
             session,
             fed: Vec::new(),
@@ -169,7 +176,8 @@ impl<S: Session, E: From<S::Error>> Drafter<E> for ModelDrafter<S> {
             .take_while(|(a, b)| a == b)
             .count()
             .min(context.len() - 1);
-        self.session.rewind_to(shared);
+        // a windowed model may keep fewer (its dropped rows): re-feed from what was kept
+        let shared = self.session.rewind_to(shared);
         self.fed.truncate(shared);
         let mut drafts = Vec::with_capacity(k);
         let result = (|| {
@@ -183,7 +191,7 @@ impl<S: Session, E: From<S::Error>> Drafter<E> for ModelDrafter<S> {
         })();
         if let Err(e) = result {
             // A failed step leaves the cache as it was before it; start afresh next time.
-            self.session.rewind_to(0);
+            let _emptied = self.session.rewind_to(0);
             self.fed.clear();
             return Err(e.into());
         }
@@ -368,12 +376,12 @@ where
             // per step would have fed before choosing token `at`.
             // Row i follows the i drafts accepted before it in this step.
             if observer.token(at, t)? == Flow::Stop || at + 1 == n_new {
-                session.rewind_to(base + i + 1);
+                rewind_within_step(session, base + i + 1);
                 observer.drafts_verified(drafts.len(), i);
                 return Ok((out, stats));
             }
             if i == drafts.len() || t != drafts[i] {
-                session.rewind_to(base + i + 1);
+                rewind_within_step(session, base + i + 1);
                 observer.drafts_verified(drafts.len(), i);
                 pending = t;
                 j = at;
@@ -478,8 +486,9 @@ mod tests {
         fn cached_len(&self) -> usize {
             self.cache.len()
         }
-        fn rewind_to(&mut self, len: usize) {
+        fn rewind_to(&mut self, len: usize) -> usize {
             self.cache.truncate(len);
+            self.cache.len()
         }
     }
 

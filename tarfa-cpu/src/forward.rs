@@ -507,15 +507,18 @@ fn gqa_block(
             let (t, qh) = (i / hq, i % hq);
             let q = &q_all[t][qh * d..(qh + 1) * d];
             let Slot { seq, pos } = slots[t];
-            let (keys, values) = cache_refs[seq].head(l, qh / group);
+            let (keys, values, base) = cache_refs[seq].head(l, qh / group);
             // causal: positions 0..=pos of the token's own sequence; a sliding layer keeps
             // the last w of them (transformers' mask: key j is seen when pos - j < w); a
-            // chunked layer (Llama 4) those of pos's chunk (j / C == pos / C)
+            // chunked layer (Llama 4) those of pos's chunk (j / C == pos / C). The cache holds
+            // positions base.. of such a layer (kv_cache.rs: never one that is read)
             let n = pos + 1;
             let start = window.map_or(0, |w| n.saturating_sub(w));
             let start = chunk.map_or(start, |c| start.max(pos / c * c));
+            assert!(start >= base, "layer {l}: position {start} was dropped from the cache");
+            let (keys, values) = (&keys[..(n - base) * d], &values[..(n - base) * d]);
             let mut s: Vec<f32> = (start..n)
-                .map(|j| kernel.dot_f32(q, &keys[j * d..(j + 1) * d]) * scale)
+                .map(|j| kernel.dot_f32(q, &keys[(j - base) * d..(j - base + 1) * d]) * scale)
                 .collect();
             // gpt-oss's sink: one more logit in the softmax, after the keys; its probability
             // is dropped (the weights then sum to less than 1)
@@ -524,7 +527,7 @@ fn gqa_block(
             }
             let mut p = softmax(kernel, &s);
             p.truncate(n - start);
-            weighted_row_sum(kernel, &p, &values[start * d..n * d], o, scratch);
+            weighted_row_sum(kernel, &p, &values[(start - base) * d..], o, scratch);
         });
 
     // h_t = h_t + (W_o o_t (+ b_o))
@@ -666,7 +669,8 @@ fn mla_block(
             weighted_row_sum(kernel, &q[..dn], rows, &mut qc[..r], scratch);
             qc[r..].copy_from_slice(&q[dn..]);
             let Slot { seq, pos } = slots[t];
-            let (latents, _) = cache_refs[seq].head(l, 0);
+            // no MLA family has windows or chunks: every position is held
+            let (latents, _, _) = cache_refs[seq].head(l, 0);
             let n = pos + 1; // causal: positions 0..=pos of the token's own sequence
             let s: Vec<f32> = (0..n)
                 .map(|j| kernel.dot_f32(qc, &latents[j * w..(j + 1) * w]) * scale)

@@ -6,9 +6,50 @@
 //! rotated rope key (`head_dim` = kv_lora_rank + qk_rope_head_dim, one "head", no values). The
 //! cache holds no weights and must never depend on how positions were batched: appending tokens
 //! one at a time or all at once stores the same values.
+//!
+//! A sliding-window layer (gpt-oss, Mixtral's `sliding_window`) or a chunked one (Llama 4) keeps
+//! only the rows a later query can read: rows before [`Span::needed_from`] of the length the
+//! current step started at are dropped when a step commits (in batches, so that the copy is
+//! amortised: the layer's buffer holds at most about twice its span, [`REWIND_SLACK`] and one
+//! step). The rows
+//! read are the same values in the same order, so no bit changes; what changes is that a rewind
+//! to a length whose queries would need dropped rows cannot be served: [`KvCache::truncate`]
+//! then empties the cache and says so, and the caller re-feeds from position 0.
 
 use tarfa_core::batch::Rewind;
 use tarfa_core::numerics::{RopeError, RopeTable};
+
+/// Rows kept before what the step's first position needs, so that a rewind of up to this many
+/// positions before a step's start is served too: generate's run-ahead and speculation's
+/// rejected drafts (each at most 8 steps) rewind across steps that have already committed.
+pub const REWIND_SLACK: usize = 64;
+
+/// Which past rows a layer's queries read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Span {
+    /// A sliding window of `w` positions (the query at `pos` reads `pos + 1 - w ..= pos`).
+    pub window: Option<usize>,
+    /// A chunk of `c` positions (the query at `pos` reads `c * (pos / c) ..= pos`).
+    pub chunk: Option<usize>,
+}
+
+impl Span {
+    /// The first position a query at `pos` or later reads.
+    pub fn needed_from(&self, pos: usize) -> usize {
+        let w = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let c = self.chunk.and_then(|c| pos.checked_div(c)).map_or(0, |q| q * self.chunk.unwrap_or(0));
+        w.max(c)
+    }
+
+    /// Rows dropped at once: the span itself (at least 16), so that each drop copies no more
+    /// than it frees.
+    fn batch(&self) -> Option<usize> {
+        match (self.window, self.chunk) {
+            (None, None) => None,
+            (w, c) => Some(w.unwrap_or(0).max(c.unwrap_or(0)).max(16)),
+        }
+    }
+}
 
 /// Keys, values and RoPE rows of one sequence.
 #[derive(Clone, Debug)]
@@ -18,7 +59,10 @@ pub struct KvCache {
     head_dim: usize,
     len: usize,
     max_len: usize,
-    /// `[layer * kv_heads + head]` -> `len * head_dim` values
+    /// Per layer: which rows its queries read, and the first position it still holds.
+    spans: Vec<Span>,
+    base: Vec<usize>,
+    /// `[layer * kv_heads + head]` -> `(len - base[layer]) * head_dim` values
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     pub(crate) rope: RopeTable,
@@ -30,14 +74,18 @@ impl KvCache {
         kv_heads: usize,
         head_dim: usize,
         max_len: usize,
+        spans: Vec<Span>,
         rope: RopeTable,
     ) -> KvCache {
+        assert_eq!(spans.len(), layers, "one span per layer");
         KvCache {
             layers,
             kv_heads,
             head_dim,
             len: 0,
             max_len,
+            spans,
+            base: vec![0; layers],
             k: vec![Vec::new(); layers * kv_heads],
             v: vec![Vec::new(); layers * kv_heads],
             rope,
@@ -59,16 +107,36 @@ impl KvCache {
         self.max_len
     }
 
-    /// Forgets positions from `len` on (used to undo a failed step, or to rewind).
-    pub fn truncate(&mut self, len: usize) {
+    /// Forgets positions from `len` on (used to undo a failed step, or to rewind) and returns
+    /// the length kept: `min(len, self.len())`, or 0 when a windowed or chunked layer has
+    /// dropped rows that a query at `len` would read (the cache is then emptied; re-feed from
+    /// position 0). A rewind to the length a step started at, or up to [`REWIND_SLACK`]
+    /// positions before it, is always served.
+    #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
+    pub fn truncate(&mut self, len: usize) -> usize {
         if len >= self.len {
-            return;
+            return self.len;
         }
-        let keep = len * self.head_dim;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            buf.truncate(keep);
+        let servable = (0..self.layers).all(|l| self.spans[l].needed_from(len) >= self.base[l]);
+        let len = if servable { len } else { 0 };
+        if !servable {
+            self.base.iter_mut().for_each(|b| *b = 0);
+        }
+        for l in 0..self.layers {
+            let keep = (len - self.base[l]) * self.head_dim;
+            for i in l * self.kv_heads..(l + 1) * self.kv_heads {
+                self.k[i].truncate(keep);
+                self.v[i].truncate(keep);
+            }
         }
         self.len = len;
+        len
+    }
+
+    /// Positions of layer `l` still held: `base..len` (0.. unless the layer is windowed or
+    /// chunked).
+    pub fn held(&self, l: usize) -> std::ops::Range<usize> {
+        self.base[l]..self.len
     }
 
     pub(crate) fn ensure_rope(&mut self, positions: usize) -> Result<(), RopeError> {
@@ -83,24 +151,51 @@ impl KvCache {
         self.v[i].extend_from_slice(v);
     }
 
-    /// Keys and values of (layer, head) for all positions stored so far (including ones pushed
-    /// in the current step).
-    pub(crate) fn head(&self, layer: usize, head: usize) -> (&[f32], &[f32]) {
+    /// Keys and values of (layer, head) for the positions held, `base..` (including ones
+    /// pushed in the current step), and `base`: position `j`'s row is row `j - base`.
+    pub(crate) fn head(&self, layer: usize, head: usize) -> (&[f32], &[f32], usize) {
         let i = layer * self.kv_heads + head;
-        (&self.k[i], &self.v[i])
+        (&self.k[i], &self.v[i], self.base[layer])
     }
 
-    /// Marks `n` pushed positions as part of the cache.
+    /// Marks `n` pushed positions as part of the cache, then drops the rows of windowed and
+    /// chunked layers that no query from the step's first position on reads (so a rewind to
+    /// that position stays servable), when there are a batch of them.
     pub(crate) fn commit(&mut self, n: usize) {
+        let start = self.len;
         self.len += n;
-        debug_assert!(self.k.iter().all(|b| b.len() == self.len * self.head_dim));
+        let d = self.head_dim;
+        for l in 0..self.layers {
+            let Some(batch) = self.spans[l].batch() else {
+                continue;
+            };
+            let needed = self.spans[l].needed_from(start).saturating_sub(REWIND_SLACK);
+            if needed < self.base[l] + batch {
+                continue;
+            }
+            let drop = (needed - self.base[l]) * d;
+            for i in l * self.kv_heads..(l + 1) * self.kv_heads {
+                self.k[i].drain(..drop);
+                if !self.v[i].is_empty() {
+                    self.v[i].drain(..drop);
+                }
+            }
+            self.base[l] = needed;
+        }
+        debug_assert!((0..self.layers).all(|l| {
+            let rows = (self.len - self.base[l]) * d;
+            (l * self.kv_heads..(l + 1) * self.kv_heads).all(|i| self.k[i].len() == rows)
+        }));
     }
 
     /// Drops positions pushed but not committed (after an error mid-step).
     pub(crate) fn rollback(&mut self) {
-        let keep = self.len * self.head_dim;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            buf.truncate(keep);
+        for l in 0..self.layers {
+            let keep = (self.len - self.base[l]) * self.head_dim;
+            for i in l * self.kv_heads..(l + 1) * self.kv_heads {
+                self.k[i].truncate(keep);
+                self.v[i].truncate(keep);
+            }
         }
     }
 
@@ -115,7 +210,7 @@ impl Rewind for KvCache {
         self.len
     }
 
-    fn rewind_to(&mut self, len: usize) {
-        self.truncate(len);
+    fn rewind_to(&mut self, len: usize) -> usize {
+        self.truncate(len)
     }
 }

@@ -89,6 +89,13 @@ impl CpuModel {
             heads,
             width,
             self.cfg.max_position_embeddings,
+            // a windowed or chunked layer holds only the rows its queries read
+            (0..self.cfg.num_layers)
+                .map(|l| kv_cache::Span {
+                    window: self.cfg.layer_windows.get(l).copied().flatten(),
+                    chunk: self.cfg.layer_chunks.get(l).copied().flatten(),
+                })
+                .collect(),
             self.rope.clone(),
         )
     }

@@ -108,8 +108,8 @@ impl tarfa_core::batch::Rewind for CudaCache {
         self.len()
     }
 
-    fn rewind_to(&mut self, len: usize) {
-        self.truncate(len);
+    fn rewind_to(&mut self, len: usize) -> usize {
+        self.truncate(len)
     }
 }
 

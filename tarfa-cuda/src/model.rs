@@ -1575,9 +1575,12 @@ impl CudaCache {
         self.max_len
     }
 
-    /// Forgets positions from `len` on.
-    pub fn truncate(&mut self, len: usize) {
+    /// Forgets positions from `len` on; returns the positions kept, `min(len, len())` (this
+    /// cache holds every position of every layer, so any rewind is served).
+    #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
+    pub fn truncate(&mut self, len: usize) -> usize {
         self.len = self.len.min(len);
+        self.len
     }
 
     fn rope_ptrs(&self) -> (u64, u64) {

@@ -155,8 +155,11 @@ impl Sequence {
         }
     }
 
-    /// Forgets positions from `len` on (a failed step's undo; a rewind to a shared prefix).
-    pub fn truncate(&mut self, len: usize) {
+    /// Forgets positions from `len` on (a failed step's undo; a rewind to a shared prefix) and
+    /// returns the positions kept: fewer than asked (0) when a windowed or chunked layer of the
+    /// CPU's cache dropped rows position `len` reads; re-feed from there.
+    #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
+    pub fn truncate(&mut self, len: usize) -> usize {
         match &mut self.cache {
             SequenceCache::Cpu(c) => c.truncate(len),
             SequenceCache::Cuda(c) => c.truncate(len),
@@ -548,7 +551,7 @@ impl Session for Engine {
         self.seq.len()
     }
 
-    fn rewind_to(&mut self, len: usize) {
+    fn rewind_to(&mut self, len: usize) -> usize {
         self.seq.truncate(len)
     }
 }

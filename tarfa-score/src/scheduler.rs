@@ -170,7 +170,7 @@ impl<'a> Scheduler<'a> {
         }
         for mut s in std::mem::take(&mut self.active) {
             (s.sink)(Event::Failed(message.to_string()));
-            s.seq.truncate(0);
+            let _emptied = s.seq.truncate(0);
             self.free.push(s.seq);
             self.free_draft(s.draft);
         }
@@ -178,7 +178,7 @@ impl<'a> Scheduler<'a> {
 
     fn free_draft(&mut self, draft: Option<(Sequence, Vec<u32>)>) {
         if let Some((mut seq, _)) = draft {
-            seq.truncate(0);
+            let _emptied = seq.truncate(0);
             self.draft_free.push(seq);
         }
     }
@@ -188,7 +188,7 @@ impl<'a> Scheduler<'a> {
         let message = err.to_string();
         for mut s in std::mem::take(&mut self.active) {
             (s.sink)(Event::Failed(message.clone()));
-            s.seq.truncate(0);
+            let _emptied = s.seq.truncate(0);
             self.free.push(s.seq);
             self.free_draft(s.draft);
             self.stats.requests_total -= 1;
@@ -230,7 +230,8 @@ impl<'a> Scheduler<'a> {
                 .take_while(|(a, b)| a == b)
                 .count()
                 .min(context.len() - 1);
-            seq.truncate(shared);
+            // a windowed draft model may keep fewer (its dropped rows): re-feed from there
+            let shared = seq.truncate(shared);
             fed.truncate(shared);
             wants.push(DraftWant {
                 slot: i,
@@ -266,7 +267,7 @@ impl<'a> Scheduler<'a> {
                     // a draft sequence may have advanced: forget what every one holds
                     for s in &mut self.active {
                         if let Some((seq, fed)) = s.draft.as_mut() {
-                            seq.truncate(0);
+                            let _emptied = seq.truncate(0);
                             fed.clear();
                         }
                     }
@@ -311,7 +312,7 @@ impl<'a> Scheduler<'a> {
         while i < self.active.len() {
             if self.active[i].cancelled {
                 let mut s = self.active.remove(i);
-                s.seq.truncate(0);
+                let _emptied = s.seq.truncate(0);
                 self.free.push(s.seq);
                 self.free_draft(s.draft);
                 self.stats.requests_total -= 1;
@@ -360,7 +361,7 @@ impl<'a> Scheduler<'a> {
             .collect();
         for (s, (c, _)) in self.active.iter_mut().zip(&plans) {
             if c.reset {
-                s.seq.truncate(0);
+                let _emptied = s.seq.truncate(0);
             }
         }
         let mut steps: Vec<SeqStep> = self
@@ -411,7 +412,9 @@ impl<'a> Scheduler<'a> {
             self.stats.tokens += toks.len() as u64;
             // the positions of drafts the step rejected are forgotten
             if let Some(len) = s.work.kept_len() {
-                s.seq.truncate(len);
+                // at or after the step's start: always served in full
+                let kept = s.seq.truncate(len);
+                assert_eq!(kept, len, "a rewind within the verifying step keeps every position");
             }
             for t in s.work.take_new_tokens() {
                 if !s.cancelled && !(s.sink)(Event::Token(t)) {
@@ -429,7 +432,7 @@ impl<'a> Scheduler<'a> {
                     mut sink,
                     ..
                 } = self.active.remove(i);
-                seq.truncate(0);
+                let _emptied = seq.truncate(0);
                 self.free.push(seq);
                 self.free_draft(draft);
                 self.stats.requests_done += 1;
