@@ -31,6 +31,10 @@ pub enum ModelFamily {
     /// ([`crate::GPT_OSS_FUSED`]), BF16 or MXFP4 as released (`quantization_config.quant_method
     /// = "mxfp4"`, the only quantization accepted, and only here).
     GptOss,
+    /// `model_type: "llama4_text"`: the experts fused per layer ([`crate::LLAMA4_FUSED`], BF16),
+    /// the MoE layers `moe_layers` or every `interleave_moe_layer_step`-th layer (as
+    /// transformers' `Llama4TextConfig` resolves them), the rest dense.
+    Llama4Text,
 }
 
 impl ModelFamily {
@@ -45,6 +49,7 @@ impl ModelFamily {
             ModelFamily::DeepseekV3 => "deepseek_v3",
             ModelFamily::DeepseekV2 => "deepseek_v2",
             ModelFamily::GptOss => "gpt_oss",
+            ModelFamily::Llama4Text => "llama4_text",
         }
     }
 
@@ -59,6 +64,7 @@ impl ModelFamily {
             ModelFamily::DeepseekV3,
             ModelFamily::DeepseekV2,
             ModelFamily::GptOss,
+            ModelFamily::Llama4Text,
         ]
         .into_iter()
         .find(|f| f.model_type() == s)
@@ -76,6 +82,7 @@ impl ModelFamily {
     pub fn fused_experts(self) -> Option<&'static crate::FusedExpertTable> {
         match self {
             ModelFamily::GptOss => Some(&crate::GPT_OSS_FUSED),
+            ModelFamily::Llama4Text => Some(&crate::LLAMA4_FUSED),
             _ => None,
         }
     }
@@ -243,7 +250,9 @@ impl ModelConfigSummary {
             .ok_or_else(|| c.missing("hidden_size"))?;
         c.positive("hidden_size", hidden_size)?;
 
-        let moe_layers = if family.first_k_dense() {
+        let moe_layers = if family == ModelFamily::Llama4Text {
+            llama4_moe_layers(&c, num_hidden_layers)?
+        } else if family.first_k_dense() {
             // layers 0..first_k_dense_replace are dense, as transformers builds them
             let k = c
                 .uint("first_k_dense_replace")?
@@ -306,6 +315,38 @@ impl ModelConfigSummary {
             raw,
         })
     }
+}
+
+/// Llama 4's MoE layers as transformers' `Llama4TextConfig` resolves them: `moe_layers` when
+/// given, else `list(range(step - 1, num_hidden_layers, step))` with `step =
+/// interleave_moe_layer_step` (default 1). A listed layer past the last is refused, never
+/// dropped: it would name a layer the checkpoint does not have.
+fn llama4_moe_layers(c: &Fields<'_>, num_hidden_layers: u32) -> Result<Vec<u32>, CheckpointError> {
+    let step = match c.uint("interleave_moe_layer_step")? {
+        None => 1,
+        Some(s) => c.fits_u32("interleave_moe_layer_step", s)?,
+    };
+    c.positive("interleave_moe_layer_step", step.into())?;
+    let mut layers: Vec<u32> = match c.get("moe_layers") {
+        None => (step - 1..num_hidden_layers).step_by(step as usize).collect(),
+        Some(v) => {
+            let list = v
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+                .ok_or_else(|| c.wrong_type("moe_layers", "an array of unsigned integers"))?;
+            if let Some(&bad) = list.iter().find(|&&l| l >= u64::from(num_hidden_layers)) {
+                return Err(c.out_of_range(
+                    "moe_layers",
+                    bad,
+                    "names a layer past num_hidden_layers",
+                ));
+            }
+            list.into_iter().map(|l| l as u32).collect()
+        }
+    };
+    layers.sort_unstable();
+    layers.dedup();
+    Ok(layers)
 }
 
 /// Typed access to the config object; `null` counts as absent, as transformers treats it.

@@ -157,7 +157,7 @@ pub enum CheckpointError {
         reason: &'static str,
     },
     /// `model_type` names an architecture Tarfa does not run.
-    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, deepseek_v2 and gpt_oss)", .file.display())]
+    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, deepseek_v2, gpt_oss and llama4_text)", .file.display())]
     UnsupportedModelType { file: PathBuf, model_type: String },
     /// The config declares a `quantization_config` (or `compression_config`): a quantized release.
     #[error("{}: declares a {key} ({method:?}); {}Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display(), fp8_note(method))]

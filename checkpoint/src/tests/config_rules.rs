@@ -157,9 +157,9 @@ fn config_values_out_of_range() {
 #[test]
 fn unsupported_model_type() {
     let e = with_config(|t| {
-        t.set("model_type", json!("llama4_text"));
+        t.set("model_type", json!("jamba"));
     });
-    assert_variant!(e, E::UnsupportedModelType { ref model_type, .. } if model_type == "llama4_text");
+    assert_variant!(e, E::UnsupportedModelType { ref model_type, .. } if model_type == "jamba");
 }
 
 #[test]
@@ -243,4 +243,38 @@ fn config_too_large() {
     let f = std::fs::File::create(dir.join("config.json")).unwrap();
     f.set_len(crate::MAX_JSON_LEN + 1).unwrap(); // sparse: no 100 MB written
     assert_variant!(fails(&dir), E::JsonTooLarge { .. });
+}
+
+/// Llama 4's MoE layers, as transformers' Llama4TextConfig resolves them: `moe_layers` when
+/// written, else every `interleave_moe_layer_step`-th layer counted from step - 1; a listed
+/// layer past the last is refused by name.
+#[test]
+fn llama4_moe_layers_follow_llama4_text_config() {
+    use crate::config::ModelConfigSummary;
+    let parse = |extra: Value| {
+        let mut v = json!({
+            "model_type": "llama4_text", "num_hidden_layers": 6, "num_local_experts": 4,
+            "num_experts_per_tok": 1, "hidden_size": 64
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        ModelConfigSummary::parse(Path::new("config.json"), &v.to_string())
+    };
+    let layers = |extra| parse(extra).unwrap().moe_layers;
+    assert_eq!(layers(json!({})), vec![0, 1, 2, 3, 4, 5]);
+    // Scout writes step 1; Maverick step 2 (layers 1, 3, 5 MoE).
+    assert_eq!(layers(json!({"interleave_moe_layer_step": 2})), vec![1, 3, 5]);
+    assert_eq!(layers(json!({"interleave_moe_layer_step": 4})), vec![3]);
+    // The explicit list wins over the step.
+    assert_eq!(
+        layers(json!({"interleave_moe_layer_step": 2, "moe_layers": [4, 0]})),
+        vec![0, 4]
+    );
+    let s = parse(json!({})).unwrap();
+    assert_eq!(s.family.fused_experts(), Some(&crate::LLAMA4_FUSED));
+    let e = parse(json!({"moe_layers": [6]})).unwrap_err();
+    assert_variant!(e, E::ConfigValueOutOfRange { field: "moe_layers", .. });
+    let e = parse(json!({"interleave_moe_layer_step": 0})).unwrap_err();
+    assert_variant!(e, E::ConfigValueOutOfRange { field: "interleave_moe_layer_step", .. });
 }
