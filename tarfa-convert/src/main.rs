@@ -88,8 +88,10 @@ enum Format {
 #[command(after_help = EXIT_CODES)]
 struct SynthArgs {
     /// Architecture: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, deepseek-v3,
-    /// deepseek-v2-lite, moonlight-16b-a3b, glm-4.5-air (their released configs' dimensions),
-    /// or tiny, tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe (small, for tests).
+    /// deepseek-v2-lite, moonlight-16b-a3b, glm-4.5-air, gpt-oss-20b, gpt-oss-120b (BF16 form),
+    /// llama4-scout (text model) (their released configs' dimensions), or tiny,
+    /// tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe, tiny-gpt-oss, tiny-llama4 (small,
+    /// for tests).
     #[arg(long)]
     shape: String,
     /// Number of layers (default: the shape's own). The DeepSeek and GLM-4.5 shapes keep
