@@ -130,9 +130,39 @@ pub struct ModelConfigSummary {
     /// the released MXFP4 blocks and scales. (The block's other keys are the runtime's rules
     /// to judge: tarfa-core refuses an unknown one by name.)
     pub mxfp4: bool,
-    /// The whole `config.json`.
+    /// The whole `config.json`; for a multimodal Llama 4 wrapper, its `text_config` (the model
+    /// converted).
     pub raw: Value,
+    /// A multimodal Llama 4 release (`model_type: "llama4"`, `Llama4ForConditionalGeneration`):
+    /// only its text model is read (`text_config`, the `language_model.` tensors).
+    pub multimodal: Option<MultimodalWrapper>,
 }
+
+/// What a multimodal wrapper config said around its text model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MultimodalWrapper {
+    /// `"llama4"`.
+    pub model_type: String,
+    /// The wrapper's `architectures` (e.g. `["Llama4ForConditionalGeneration"]`).
+    pub architectures: Vec<String>,
+}
+
+/// The top-level keys a multimodal Llama 4 config may carry besides `text_config`: the
+/// vision tower's and the image tokens' (which a text-only forward never reads) and
+/// bookkeeping. Any other key is refused by name: it might change the text model.
+const LLAMA4_WRAPPER_KEYS: &[&str] = &[
+    "architectures",
+    "model_type",
+    "text_config",
+    "vision_config",
+    "boi_token_index",
+    "eoi_token_index",
+    "image_token_index",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "tie_word_embeddings",
+];
 
 impl ModelConfigSummary {
     /// Whether layer `layer` has experts.
@@ -197,6 +227,9 @@ impl ModelConfigSummary {
         let model_type = c
             .string("model_type")?
             .ok_or_else(|| c.missing("model_type"))?;
+        if model_type == "llama4" {
+            return Self::parse_llama4_wrapper(file, &c);
+        }
         let family = ModelFamily::from_model_type(&model_type).ok_or_else(|| {
             CheckpointError::UnsupportedModelType {
                 file: f(),
@@ -313,8 +346,103 @@ impl ModelConfigSummary {
             nextn_predict_layers,
             mxfp4,
             raw,
+            multimodal: None,
         })
     }
+
+    /// A multimodal Llama 4 config: its `text_config` parsed as a `llama4_text` config (its
+    /// `model_type` must be that, or absent and then taken to be), the wrapper's keys checked.
+    fn parse_llama4_wrapper(
+        file: &Path,
+        c: &Fields<'_>,
+    ) -> Result<ModelConfigSummary, CheckpointError> {
+        if let Some(key) = c.obj.keys().find(|k| !LLAMA4_WRAPPER_KEYS.contains(&k.as_str())) {
+            return Err(CheckpointError::WrapperKeyRefused {
+                file: file.into(),
+                key: key.clone(),
+            });
+        }
+        let mut text = c
+            .get("text_config")
+            .ok_or_else(|| c.missing("text_config"))?
+            .as_object()
+            .ok_or_else(|| c.wrong_type("text_config", "an object"))?
+            .clone();
+        match text.get("model_type") {
+            None => {
+                text.insert(
+                    "model_type".into(),
+                    Value::from(ModelFamily::Llama4Text.model_type()),
+                );
+            }
+            Some(v) if v.as_str() == Some(ModelFamily::Llama4Text.model_type()) => {}
+            Some(v) => {
+                return Err(CheckpointError::ConfigValueOutOfRange {
+                    file: file.into(),
+                    field: "text_config.model_type",
+                    value: v.to_string(),
+                    reason: "a llama4 wrapper's text model must be llama4_text",
+                })
+            }
+        }
+        // A top-level tie_word_embeddings that disagrees with the text model's is refused:
+        // which one transformers honours depends on its version.
+        if let Some(t) = c.get("tie_word_embeddings") {
+            let inner = text.get("tie_word_embeddings").unwrap_or(&Value::Bool(false));
+            if t != inner {
+                return Err(CheckpointError::ConfigValueOutOfRange {
+                    file: file.into(),
+                    field: "tie_word_embeddings",
+                    value: t.to_string(),
+                    reason: "disagrees with text_config.tie_word_embeddings",
+                });
+            }
+        }
+        let architectures = match c.get("architectures") {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|s| s.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| c.wrong_type("architectures", "an array of strings"))?,
+        };
+        let text = Value::Object(text);
+        let mut inner = ModelConfigSummary::parse(file, &text.to_string())?;
+        inner.multimodal = Some(MultimodalWrapper {
+            model_type: "llama4".into(),
+            architectures,
+        });
+        Ok(inner)
+    }
+
+    /// For a multimodal wrapper: the `config.json` the bundle carries, the text model's config
+    /// (`raw`, pretty-printed), which is what the runtime runs. None otherwise (config.json is
+    /// copied unchanged).
+    pub fn bundle_config_json(&self) -> Option<Vec<u8>> {
+        self.multimodal.as_ref()?;
+        let mut v = serde_json::to_vec_pretty(&self.raw).ok()?;
+        v.push(b'\n');
+        Some(v)
+    }
+}
+
+/// A multimodal wrapper's tensor, as the text model names it: `language_model.model.X` is
+/// `model.X`, `language_model.lm_head.X` is `lm_head.X`; the vision tower's
+/// (`vision_model.*`, `multi_modal_projector.*`) are `Err(())`, left out; anything else `None`.
+pub(crate) fn unwrap_llama4_name(name: &str) -> Option<Result<String, ()>> {
+    if let Some(rest) = name.strip_prefix("language_model.model.") {
+        return Some(Ok(format!("model.{rest}")));
+    }
+    if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
+        return Some(Ok(format!("lm_head.{rest}")));
+    }
+    if name.starts_with("vision_model.") || name.starts_with("multi_modal_projector.") {
+        return Some(Err(()));
+    }
+    None
 }
 
 /// Llama 4's MoE layers as transformers' `Llama4TextConfig` resolves them: `moe_layers` when

@@ -270,3 +270,157 @@ fn a_fused_tensor_in_a_dense_layer_is_refused() {
     assert!(err.contains("model.layers.1.feed_forward.experts."), "{err}");
     assert!(!out.exists());
 }
+
+/// llama4-dense-s rewritten as the multimodal release lays a checkpoint out: every tensor
+/// under `language_model.` (`language_model.model.*`, `language_model.lm_head.weight`), two small
+/// fake vision-tower tensors, and the config wrapped (`model_type: "llama4"`, the text config
+/// under `text_config`). `extra` adds top-level keys.
+pub fn wrap_llama4(src: &Path, dst: &Path, extra: &[(&str, Value)]) {
+    fs::create_dir_all(dst).unwrap();
+    let index: Value =
+        serde_json::from_slice(&fs::read(src.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let mut shards: Vec<String> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    shards.sort();
+    shards.dedup();
+    let mut weight_map = serde_json::Map::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let bytes = fs::read(src.join(shard)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| {
+                let n = match n.strip_prefix("model.") {
+                    Some(rest) => format!("language_model.model.{rest}"),
+                    None => format!("language_model.{n}"),
+                };
+                (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())
+            })
+            .collect();
+        if k + 1 == shards.len() {
+            for n in ["vision_model.x.weight", "multi_modal_projector.linear_1.weight"] {
+                owned.push((n.into(), safetensors::Dtype::BF16, vec![4, 4], vec![0x3f; 32]));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        for (n, _) in &views {
+            weight_map.insert(n.clone(), Value::from(shard.clone()));
+        }
+        safetensors::serialize_to_file(views, None, &dst.join(shard)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": index["metadata"], "weight_map": weight_map});
+    fs::write(
+        dst.join("model.safetensors.index.json"),
+        serde_json::to_vec_pretty(&index).unwrap(),
+    )
+    .unwrap();
+    let text: Value = serde_json::from_slice(&fs::read(src.join("config.json")).unwrap()).unwrap();
+    let mut config = serde_json::json!({
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 4},
+        "boi_token_index": 200080,
+        "eoi_token_index": 200081,
+        "image_token_index": 200092,
+        "tie_word_embeddings": false,
+    });
+    for (k, v) in extra {
+        config[*k] = v.clone();
+    }
+    fs::write(dst.join("config.json"), serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    fs::copy(
+        src.join("generation_config.json"),
+        dst.join("generation_config.json"),
+    )
+    .unwrap();
+}
+
+/// (name, sha256) of every tensor and expert of a bundle.
+fn hashes(bundle: &Path) -> Vec<(String, String)> {
+    let m = manifest(bundle);
+    let mut v: Vec<(String, String)> = m
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.sha256.clone()))
+        .chain(m.experts.iter().map(|e| (e.name.clone(), e.sha256.clone())))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The multimodal wrapper: its text model converted under the text model's names, the same
+/// tensors and experts (byte for byte) as the text form's bundle, its config.json the text
+/// config; the vision tower left out and named in the manifest and the report; `check
+/// --source` passing against the wrapped source. An unknown top-level key, and a tensor that
+/// is neither the text model's nor the vision tower's, are refused by name.
+#[test]
+fn a_multimodal_llama4_wrapper_converts_to_its_text_model() {
+    let d = tempfile::tempdir().unwrap();
+    let plain_src = fixture("llama4-dense-s");
+    let wrapped = d.path().join("wrapped");
+    wrap_llama4(&plain_src, &wrapped, &[]);
+    let (plain, bundle) = (d.path().join("plain"), d.path().join("bundle"));
+    let (code, _, err) = convert_cli(&plain_src, &plain);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = convert_cli(&wrapped, &bundle);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("vision tower left out: 2 tensors"), "{err}");
+    assert_eq!(hashes(&bundle), hashes(&plain), "the text model, byte for byte");
+    let cfg = |b: &Path| -> Value {
+        serde_json::from_slice(&fs::read(b.join("config.json")).unwrap()).unwrap()
+    };
+    assert_eq!(cfg(&bundle), cfg(&plain), "config.json is the text config");
+    let toml = fs::read_to_string(bundle.join("manifest.toml")).unwrap();
+    for needle in [
+        "Llama4ForConditionalGeneration",
+        "vision_model.*: 1",
+        "multi_modal_projector.*: 1",
+    ] {
+        assert!(toml.contains(needle), "the manifest names {needle}");
+    }
+    assert!(!toml.contains("name = \"vision_model.x.weight\""));
+    assert_eq!(verify(&bundle, &wrapped), (true, vec![]), "check --source");
+    // A flipped byte of an expert's slice is still named as that expert.
+    let e = manifest(&bundle)
+        .experts
+        .into_iter()
+        .find(|e| e.name == "model.layers.3.feed_forward.experts.2")
+        .unwrap();
+    let s = &e.sources[1];
+    assert_eq!(s.tensor, "model.layers.3.feed_forward.experts.down_proj");
+    flip_byte(&wrapped.join(&s.shard), s.offset + 3);
+    assert_eq!(
+        verify(&bundle, &wrapped),
+        (
+            false,
+            vec![
+                (e.name.clone(), "source-bytes-differ".into()),
+                (s.shard.clone(), "shard-sha256-mismatch".into()),
+            ]
+        )
+    );
+
+    // Refusals, nothing written.
+    let odd = d.path().join("odd");
+    wrap_llama4(&plain_src, &odd, &[("rope_scaling", serde_json::json!({"factor": 2.0}))]);
+    let out = d.path().join("out-odd");
+    let (code, _, err) = convert_cli(&odd, &out);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("\"rope_scaling\"") && err.contains("config.json"), "{err}");
+    assert!(!out.exists());
+}

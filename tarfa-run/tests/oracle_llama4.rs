@@ -323,3 +323,119 @@ fn llama4_a_bundle_through_the_converter_and_the_cli() {
     tarfa_convert::convert(&dir, &bundle, &Default::default()).unwrap();
     bundle_logits_are_the_checkpoint_dirs(&load_fixture_from(&dir, "llama4-a"), &bundle);
 }
+
+/// llama4-dense-s rewritten as the multimodal release lays a checkpoint out: every tensor
+/// under `language_model.` (`language_model.model.*`, `language_model.lm_head.weight`), two small
+/// fake vision-tower tensors, and the config wrapped (`model_type: "llama4"`, the text config
+/// under `text_config`). `extra` adds top-level keys.
+fn wrap_llama4(src: &std::path::Path, dst: &std::path::Path, extra: &[(&str, serde_json::Value)]) {
+    std::fs::create_dir_all(dst).unwrap();
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let mut shards: Vec<String> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    shards.sort();
+    shards.dedup();
+    let mut weight_map = serde_json::Map::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let bytes = std::fs::read(src.join(shard)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| {
+                let n = match n.strip_prefix("model.") {
+                    Some(rest) => format!("language_model.model.{rest}"),
+                    None => format!("language_model.{n}"),
+                };
+                (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())
+            })
+            .collect();
+        if k + 1 == shards.len() {
+            for n in ["vision_model.x.weight", "multi_modal_projector.linear_1.weight"] {
+                owned.push((n.into(), safetensors::Dtype::BF16, vec![4, 4], vec![0x3f; 32]));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        for (n, _) in &views {
+            weight_map.insert(n.clone(), serde_json::Value::from(shard.clone()));
+        }
+        safetensors::serialize_to_file(views, None, &dst.join(shard)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": index["metadata"], "weight_map": weight_map});
+    std::fs::write(
+        dst.join("model.safetensors.index.json"),
+        serde_json::to_vec_pretty(&index).unwrap(),
+    )
+    .unwrap();
+    let text: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    let mut config = serde_json::json!({
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 4},
+        "boi_token_index": 200080,
+        "eoi_token_index": 200081,
+        "image_token_index": 200092,
+        "tie_word_embeddings": false,
+    });
+    for (k, v) in extra {
+        config[*k] = v.clone();
+    }
+    std::fs::write(dst.join("config.json"), serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    std::fs::copy(
+        src.join("generation_config.json"),
+        dst.join("generation_config.json"),
+    )
+    .unwrap();
+}
+
+
+/// The multimodal wrapper of llama4-dense-s (tensors under `language_model.`, a fake vision
+/// tower, the config under `text_config`; the same helper as tarfa-convert/tests/llama4.rs)
+/// converted and run through the CLI: the `--logits-out` tensors (prompt, tokens, prefill and
+/// step logits) are the text form's bundle's, byte for byte, on every prompt.
+#[test]
+fn llama4_multimodal_wrapper_gives_the_text_forms_logits_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture_dir("llama4-dense-s");
+    let wrapped = tmp.path().join("wrapped");
+    wrap_llama4(&dir, &wrapped, &[]);
+    let (plain, bundle) = (tmp.path().join("plain"), tmp.path().join("bundle"));
+    tarfa_convert::convert(&dir, &plain, &Default::default()).unwrap();
+    tarfa_convert::convert(&wrapped, &bundle, &Default::default()).unwrap();
+    let f = load_fixture("llama4-dense-s");
+    let tensors = |bytes: &[u8]| -> Vec<(String, Vec<u8>)> {
+        let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+        let mut v: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.data().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    let (p, w) = (tmp.path().join("p"), tmp.path().join("w"));
+    std::fs::create_dir_all(&p).unwrap();
+    std::fs::create_dir_all(&w).unwrap();
+    let a = common::family_cli::cli_runs(&plain, &f, &p);
+    let b = common::family_cli::cli_runs(&bundle, &f, &w);
+    assert_eq!(a.len(), f.prompts.len());
+    for (i, ((ta, fa), (tb, fb))) in a.iter().zip(&b).enumerate() {
+        assert_eq!(ta, tb, "prompt {i}: tokens");
+        assert!(tensors(fa) == tensors(fb), "prompt {i}: logits bytes");
+    }
+}
