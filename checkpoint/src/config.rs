@@ -356,7 +356,11 @@ impl ModelConfigSummary {
         file: &Path,
         c: &Fields<'_>,
     ) -> Result<ModelConfigSummary, CheckpointError> {
-        if let Some(key) = c.obj.keys().find(|k| !LLAMA4_WRAPPER_KEYS.contains(&k.as_str())) {
+        if let Some(key) = c
+            .obj
+            .keys()
+            .find(|k| !LLAMA4_WRAPPER_KEYS.contains(&k.as_str()))
+        {
             return Err(CheckpointError::WrapperKeyRefused {
                 file: file.into(),
                 key: key.clone(),
@@ -388,7 +392,9 @@ impl ModelConfigSummary {
         // A top-level tie_word_embeddings that disagrees with the text model's is refused:
         // which one transformers honours depends on its version.
         if let Some(t) = c.get("tie_word_embeddings") {
-            let inner = text.get("tie_word_embeddings").unwrap_or(&Value::Bool(false));
+            let inner = text
+                .get("tie_word_embeddings")
+                .unwrap_or(&Value::Bool(false));
             if t != inner {
                 return Err(CheckpointError::ConfigValueOutOfRange {
                     file: file.into(),
@@ -456,7 +462,9 @@ fn llama4_moe_layers(c: &Fields<'_>, num_hidden_layers: u32) -> Result<Vec<u32>,
     };
     c.positive("interleave_moe_layer_step", step.into())?;
     let mut layers: Vec<u32> = match c.get("moe_layers") {
-        None => (step - 1..num_hidden_layers).step_by(step as usize).collect(),
+        None => (step - 1..num_hidden_layers)
+            .step_by(step as usize)
+            .collect(),
         Some(v) => {
             let list = v
                 .as_array()

@@ -74,7 +74,9 @@ use serde::Deserialize;
 pub use config::{ModelConfigSummary, ModelFamily, MultimodalWrapper};
 pub use error::{CheckpointError, NameProblem};
 pub use experts::{ExpertDims, ExpertMatrix, ExpertNaming, ExpertSource};
-pub use fused::{FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED, LLAMA4_FUSED};
+pub use fused::{
+    FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED, LLAMA4_FUSED,
+};
 pub use hash::{sha256_file, sha256_files_parallel, to_hex};
 pub use header::{HeaderTensor, SafetensorsHeader};
 pub use paths::HubBlob;

@@ -152,7 +152,9 @@ fn relayout_of(f: &FusedLayer) -> Option<Relayout> {
         // Llama 4: gate the first half of the columns, up the second; the same re-layout into
         // gate | up | down [out, in] as gpt-oss's BF16 form, so every family's BF16 extent has
         // one layout (docs/FORMAT.md, "Fused experts").
-        (FusedForm::Bf16 { .. }, GateUpColumns::Halves) => Some(Relayout::GateUpConcatenatedColumns),
+        (FusedForm::Bf16 { .. }, GateUpColumns::Halves) => {
+            Some(Relayout::GateUpConcatenatedColumns)
+        }
         (FusedForm::Mxfp4 { .. }, _) => None,
     }
 }

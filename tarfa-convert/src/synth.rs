@@ -19,9 +19,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
-use jnf_format::{
-    Dtype, ExpertExtent, LayoutPlan, MatrixSpec, Relayout, TensorEntry, TensorSpec,
-};
+use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, Relayout, TensorEntry, TensorSpec};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -980,7 +978,11 @@ impl SynthShape {
             }
             Family::Llama4 => {
                 add(&mut moe, 2, expert_elems)?;
-                add(&mut moe, 3, self.expert_width.checked_mul(h)?.checked_mul(3))?;
+                add(
+                    &mut moe,
+                    3,
+                    self.expert_width.checked_mul(h)?.checked_mul(3),
+                )?;
             }
             _ => add(&mut moe, e.checked_mul(3)?, expert_elems)?,
         }
@@ -1491,7 +1493,9 @@ impl RegionSource for SynthSource<'_> {
                 let per = t.shape[1..].iter().product::<u64>() as usize;
                 let mut b = vec![0u8; 2 * per];
                 t.fill_from(self.seed, self.skew, e.expert as usize * per, &mut b);
-                b.chunks_exact(2).map(|c| [c[0], c[1]]).collect::<Vec<[u8; 2]>>()
+                b.chunks_exact(2)
+                    .map(|c| [c[0], c[1]])
+                    .collect::<Vec<[u8; 2]>>()
             };
             let (h, i) = (d.shape[2] as usize, d.shape[1] as usize);
             let ext = relayout.to_extent(&slice(gu), &slice(d), h, i);
@@ -1559,10 +1563,12 @@ fn write_direct(
     }
     // Fused experts: one extent per (layer, expert), gate | up | down [out, in] named as a
     // conversion names them (`<module>.E.{gate_proj,up_proj,down_proj}`).
-    let relayout = shape
-        .runtime_config()
-        .ok()
-        .and_then(|c| tarfa_core::model::ArchSpec::new(&c).extras.expert_layout.relayout());
+    let relayout = shape.runtime_config().ok().and_then(|c| {
+        tarfa_core::model::ArchSpec::new(&c)
+            .extras
+            .expert_layout
+            .relayout()
+    });
     let mut fused = BTreeMap::new();
     let fused_tensors: Vec<&SynthTensor> = tensors.iter().filter(|t| t.fused.is_some()).collect();
     for pair in fused_tensors.chunks_exact(2) {

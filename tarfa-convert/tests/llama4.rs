@@ -131,7 +131,8 @@ fn fused_experts_are_proven(name: &str, src_dir: &Path, flips: &[(u64, u64)]) {
     let d = tempfile::tempdir().unwrap();
     let src = d.path().join("src");
     copy_checkpoint(src_dir, &src);
-    let config: Value = serde_json::from_slice(&fs::read(src.join("config.json")).unwrap()).unwrap();
+    let config: Value =
+        serde_json::from_slice(&fs::read(src.join("config.json")).unwrap()).unwrap();
     let (h, i) = (
         config["hidden_size"].as_u64().unwrap() as usize,
         config["intermediate_size"].as_u64().unwrap() as usize,
@@ -149,7 +150,9 @@ fn fused_experts_are_proven(name: &str, src_dir: &Path, flips: &[(u64, u64)]) {
     let got: BTreeSet<String> = m.experts.iter().map(|e| e.name.clone()).collect();
     let want: BTreeSet<String> = moe
         .iter()
-        .flat_map(|l| (0..n_experts).map(move |e| format!("model.layers.{l}.feed_forward.experts.{e}")))
+        .flat_map(|l| {
+            (0..n_experts).map(move |e| format!("model.layers.{l}.feed_forward.experts.{e}"))
+        })
         .collect();
     assert_eq!(got, want, "{name}: the extents");
 
@@ -175,16 +178,26 @@ fn fused_experts_are_proven(name: &str, src_dir: &Path, flips: &[(u64, u64)]) {
             assert!(!tensors.contains(format!("{ff}.router.weight").as_str()));
         }
     }
-    assert!(!tensors.iter().any(|t| t.contains("q_norm") || t.contains("k_norm")));
+    assert!(!tensors
+        .iter()
+        .any(|t| t.contains("q_norm") || t.contains("k_norm")));
 
     // Every extent: the permutation named, its two source ranges expert e's slices, and its
     // bytes the by-hand re-layout of those ranges.
     let jnf = fs::read(bundle.join("model.jnf")).unwrap();
     for e in &m.experts {
-        assert_eq!(e.relayout.as_deref(), Some("gate_up_concatenated_columns"), "{}", e.name);
+        assert_eq!(
+            e.relayout.as_deref(),
+            Some("gate_up_concatenated_columns"),
+            "{}",
+            e.name
+        );
         let srcs: Vec<&str> = e.sources.iter().map(|s| s.tensor.as_str()).collect();
         let base = format!("model.layers.{}.feed_forward.experts", e.layer);
-        assert_eq!(srcs, [format!("{base}.gate_up_proj"), format!("{base}.down_proj")]);
+        assert_eq!(
+            srcs,
+            [format!("{base}.gate_up_proj"), format!("{base}.down_proj")]
+        );
         assert_eq!(e.sources[0].length as usize, 2 * h * 2 * i);
         assert_eq!(e.sources[1].length as usize, 2 * i * h);
         let roles: Vec<&str> = e.matrices.iter().map(|m| m.role.as_str()).collect();
@@ -201,7 +214,11 @@ fn fused_experts_are_proven(name: &str, src_dir: &Path, flips: &[(u64, u64)]) {
             e.name
         );
     }
-    assert_eq!(verify(&bundle, &src), (true, vec![]), "{name}: check --source");
+    assert_eq!(
+        verify(&bundle, &src),
+        (true, vec![]),
+        "{name}: check --source"
+    );
 
     for &(layer, expert) in flips {
         let e = m
@@ -210,7 +227,10 @@ fn fused_experts_are_proven(name: &str, src_dir: &Path, flips: &[(u64, u64)]) {
             .find(|e| e.name == format!("model.layers.{layer}.feed_forward.experts.{expert}"))
             .unwrap();
         // A byte in the up half of gate_up (column I + 1 of row 1), then the last of down.
-        for (k, at) in [(0usize, (2 * i + i + 1) as u64 * 2), (1, e.sources[1].length - 1)] {
+        for (k, at) in [
+            (0usize, (2 * i + i + 1) as u64 * 2),
+            (1, e.sources[1].length - 1),
+        ] {
             let s = &e.sources[k];
             flip_byte(&src.join(&s.shard), s.offset + at);
             assert_eq!(
@@ -236,7 +256,8 @@ fn fused_experts_are_proven(name: &str, src_dir: &Path, flips: &[(u64, u64)]) {
 #[test]
 fn llama4_dense_s_fused_experts_are_proven_against_their_source() {
     let dir = fixture("llama4-dense-s");
-    let config: Value = serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let config: Value =
+        serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
     let moe = moe_layers(&config);
     let n = config["num_hidden_layers"].as_u64().unwrap();
     assert!(
@@ -267,7 +288,10 @@ fn a_fused_tensor_in_a_dense_layer_is_refused() {
     let out = d.path().join("out");
     let (code, _, err) = convert_cli(&src, &out);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("model.layers.1.feed_forward.experts."), "{err}");
+    assert!(
+        err.contains("model.layers.1.feed_forward.experts."),
+        "{err}"
+    );
     assert!(!out.exists());
 }
 
@@ -304,8 +328,16 @@ pub fn wrap_llama4(src: &Path, dst: &Path, extra: &[(&str, Value)]) {
             })
             .collect();
         if k + 1 == shards.len() {
-            for n in ["vision_model.x.weight", "multi_modal_projector.linear_1.weight"] {
-                owned.push((n.into(), safetensors::Dtype::BF16, vec![4, 4], vec![0x3f; 32]));
+            for n in [
+                "vision_model.x.weight",
+                "multi_modal_projector.linear_1.weight",
+            ] {
+                owned.push((
+                    n.into(),
+                    safetensors::Dtype::BF16,
+                    vec![4, 4],
+                    vec![0x3f; 32],
+                ));
             }
         }
         let views: Vec<(String, safetensors::tensor::TensorView)> = owned
@@ -342,7 +374,11 @@ pub fn wrap_llama4(src: &Path, dst: &Path, extra: &[(&str, Value)]) {
     for (k, v) in extra {
         config[*k] = v.clone();
     }
-    fs::write(dst.join("config.json"), serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    fs::write(
+        dst.join("config.json"),
+        serde_json::to_vec_pretty(&config).unwrap(),
+    )
+    .unwrap();
     fs::copy(
         src.join("generation_config.json"),
         dst.join("generation_config.json"),
@@ -380,7 +416,11 @@ fn a_multimodal_llama4_wrapper_converts_to_its_text_model() {
     let (code, _, err) = convert_cli(&wrapped, &bundle);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("vision tower left out: 2 tensors"), "{err}");
-    assert_eq!(hashes(&bundle), hashes(&plain), "the text model, byte for byte");
+    assert_eq!(
+        hashes(&bundle),
+        hashes(&plain),
+        "the text model, byte for byte"
+    );
     let cfg = |b: &Path| -> Value {
         serde_json::from_slice(&fs::read(b.join("config.json")).unwrap()).unwrap()
     };
@@ -417,10 +457,17 @@ fn a_multimodal_llama4_wrapper_converts_to_its_text_model() {
 
     // Refusals, nothing written.
     let odd = d.path().join("odd");
-    wrap_llama4(&plain_src, &odd, &[("rope_scaling", serde_json::json!({"factor": 2.0}))]);
+    wrap_llama4(
+        &plain_src,
+        &odd,
+        &[("rope_scaling", serde_json::json!({"factor": 2.0}))],
+    );
     let out = d.path().join("out-odd");
     let (code, _, err) = convert_cli(&odd, &out);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("\"rope_scaling\"") && err.contains("config.json"), "{err}");
+    assert!(
+        err.contains("\"rope_scaling\"") && err.contains("config.json"),
+        "{err}"
+    );
     assert!(!out.exists());
 }

@@ -64,9 +64,17 @@ fn the_fused_shapes_have_their_published_sizes() {
         ("llama4-scout", scout_size(), 108.6e9, 1.0e9),
     ] {
         let s = shape(name);
-        assert_eq!(s.checked_size(), Some((tensors, 2 * params)), "{name}: checked_size");
+        assert_eq!(
+            s.checked_size(),
+            Some((tensors, 2 * params)),
+            "{name}: checked_size"
+        );
         assert_eq!(s.total_bytes().unwrap(), 2 * params, "{name}: total_bytes");
-        assert_eq!(s.tensors().unwrap().len() as u64, tensors, "{name}: tensors");
+        assert_eq!(
+            s.tensors().unwrap().len() as u64,
+            tensors,
+            "{name}: tensors"
+        );
         assert!(
             (params as f64 - published).abs() <= tol,
             "{name}: {params} parameters against the published {published:e}"
@@ -78,15 +86,30 @@ fn the_fused_shapes_have_their_published_sizes() {
 #[test]
 fn the_fused_shapes_configs_parse_to_their_values() {
     let c = shape("gpt-oss-20b").runtime_config().unwrap();
-    assert_eq!((c.num_experts, c.top_k, c.num_heads, c.num_kv_heads), (32, 4, 64, 8));
-    assert_eq!((c.head_dim, c.hidden_size, c.expert_width), (64, 2880, 2880));
+    assert_eq!(
+        (c.num_experts, c.top_k, c.num_heads, c.num_kv_heads),
+        (32, 4, 64, 8)
+    );
+    assert_eq!(
+        (c.head_dim, c.hidden_size, c.expert_width),
+        (64, 2880, 2880)
+    );
     let y = c.yarn.unwrap();
-    assert_eq!((y.factor, y.original_max_position_embeddings), (32.0, 4096.0));
+    assert_eq!(
+        (y.factor, y.original_max_position_embeddings),
+        (32.0, 4096.0)
+    );
     let c = shape("gpt-oss-120b").runtime_config().unwrap();
     assert_eq!((c.num_layers, c.num_experts), (36, 128));
     let c = shape("llama4-scout").runtime_config().unwrap();
-    assert_eq!((c.num_experts, c.top_k, c.num_heads, c.num_kv_heads), (16, 1, 40, 8));
-    assert_eq!((c.head_dim, c.hidden_size, c.expert_width), (128, 5120, 8192));
+    assert_eq!(
+        (c.num_experts, c.top_k, c.num_heads, c.num_kv_heads),
+        (16, 1, 40, 8)
+    );
+    assert_eq!(
+        (c.head_dim, c.hidden_size, c.expert_width),
+        (128, 5120, 8192)
+    );
     assert_eq!(c.num_layers, 48);
     let t = shape("tiny-llama4").runtime_config().unwrap();
     let spec = tarfa_core::model::ArchSpec::new(&t);
@@ -162,7 +185,10 @@ fn the_tiny_fused_twins_convert_and_run_on_the_cpu() {
         let (a, b) = (hashes(&conv), hashes(&direct));
         assert_eq!(a, b, "{name}: the same bytes");
         let first_expert = format!("model.layers.1.{module}.0");
-        assert!(a.iter().any(|(n, _)| *n == first_expert), "{name}: {first_expert}");
+        assert!(
+            a.iter().any(|(n, _)| *n == first_expert),
+            "{name}: {first_expert}"
+        );
 
         let src = Arc::new(BundleSource::open(&direct, None).unwrap());
         let cfg = tarfa_core::config::MoeConfig::from_json_str(
@@ -191,7 +217,9 @@ fn the_tiny_fused_twins_convert_and_run_on_the_cpu() {
         let out2 = greedy(&engine2, &mut cache2, &[1, 2, 3, 40, 50], 6, &opts).unwrap();
         assert_eq!(out.tokens, out2.tokens, "{name}");
         let bits = |r: &Vec<Vec<f32>>| -> Vec<Vec<u32>> {
-            r.iter().map(|x| x.iter().map(|v| v.to_bits()).collect()).collect()
+            r.iter()
+                .map(|x| x.iter().map(|v| v.to_bits()).collect())
+                .collect()
         };
         assert_eq!(bits(&out.step_logits), bits(&out2.step_logits), "{name}");
     }

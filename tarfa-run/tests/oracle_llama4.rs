@@ -277,7 +277,11 @@ fn bundle_logits_are_the_checkpoint_dirs(f: &Fixture, bundle: &std::path::Path) 
         let got = st.tensor("prefill_logits").unwrap().data().to_vec();
         let mut cache = f.model.new_cache();
         let rows = eng.forward(&mut cache, &r.prompt, &opts).unwrap().logits;
-        let want: Vec<u8> = rows.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
+        let want: Vec<u8> = rows
+            .iter()
+            .flatten()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         assert!(
             got == want,
             "{} prompt {i}: the bundle's prefill logits are the checkpoint directory's, byte for byte",
@@ -357,8 +361,16 @@ fn wrap_llama4(src: &std::path::Path, dst: &std::path::Path, extra: &[(&str, ser
             })
             .collect();
         if k + 1 == shards.len() {
-            for n in ["vision_model.x.weight", "multi_modal_projector.linear_1.weight"] {
-                owned.push((n.into(), safetensors::Dtype::BF16, vec![4, 4], vec![0x3f; 32]));
+            for n in [
+                "vision_model.x.weight",
+                "multi_modal_projector.linear_1.weight",
+            ] {
+                owned.push((
+                    n.into(),
+                    safetensors::Dtype::BF16,
+                    vec![4, 4],
+                    vec![0x3f; 32],
+                ));
             }
         }
         let views: Vec<(String, safetensors::tensor::TensorView)> = owned
@@ -381,7 +393,8 @@ fn wrap_llama4(src: &std::path::Path, dst: &std::path::Path, extra: &[(&str, ser
         serde_json::to_vec_pretty(&index).unwrap(),
     )
     .unwrap();
-    let text: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    let text: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
     let mut config = serde_json::json!({
         "architectures": ["Llama4ForConditionalGeneration"],
         "model_type": "llama4",
@@ -395,14 +408,17 @@ fn wrap_llama4(src: &std::path::Path, dst: &std::path::Path, extra: &[(&str, ser
     for (k, v) in extra {
         config[*k] = v.clone();
     }
-    std::fs::write(dst.join("config.json"), serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    std::fs::write(
+        dst.join("config.json"),
+        serde_json::to_vec_pretty(&config).unwrap(),
+    )
+    .unwrap();
     std::fs::copy(
         src.join("generation_config.json"),
         dst.join("generation_config.json"),
     )
     .unwrap();
 }
-
 
 /// The multimodal wrapper of llama4-dense-s (tensors under `language_model.`, a fake vision
 /// tower, the config under `text_config`; the same helper as tarfa-convert/tests/llama4.rs)

@@ -264,7 +264,10 @@ fn llama4_moe_layers_follow_llama4_text_config() {
     let layers = |extra| parse(extra).unwrap().moe_layers;
     assert_eq!(layers(json!({})), vec![0, 1, 2, 3, 4, 5]);
     // Scout writes step 1; Maverick step 2 (layers 1, 3, 5 MoE).
-    assert_eq!(layers(json!({"interleave_moe_layer_step": 2})), vec![1, 3, 5]);
+    assert_eq!(
+        layers(json!({"interleave_moe_layer_step": 2})),
+        vec![1, 3, 5]
+    );
     assert_eq!(layers(json!({"interleave_moe_layer_step": 4})), vec![3]);
     // The explicit list wins over the step.
     assert_eq!(
@@ -274,7 +277,19 @@ fn llama4_moe_layers_follow_llama4_text_config() {
     let s = parse(json!({})).unwrap();
     assert_eq!(s.family.fused_experts(), Some(&crate::LLAMA4_FUSED));
     let e = parse(json!({"moe_layers": [6]})).unwrap_err();
-    assert_variant!(e, E::ConfigValueOutOfRange { field: "moe_layers", .. });
+    assert_variant!(
+        e,
+        E::ConfigValueOutOfRange {
+            field: "moe_layers",
+            ..
+        }
+    );
     let e = parse(json!({"interleave_moe_layer_step": 0})).unwrap_err();
-    assert_variant!(e, E::ConfigValueOutOfRange { field: "interleave_moe_layer_step", .. });
+    assert_variant!(
+        e,
+        E::ConfigValueOutOfRange {
+            field: "interleave_moe_layer_step",
+            ..
+        }
+    );
 }
