@@ -25,8 +25,8 @@ use serde_json::json;
 
 use tarfa_core::config::{ConfigError, MoeConfig};
 use tarfa_core::shapes::{
-    AttentionRules, DenseMlpRules, ExpertMatrixRule, GqaRules, LayerRules, MlaQueryRules, MlaRules,
-    MlpRules, ModelRules, Need, TensorRule,
+    AttentionRules, DenseMlpRules, ExpertMatrixRule, FusedExpertRules, GqaRules, LayerRules,
+    MlaQueryRules, MlaRules, MlpRules, ModelRules, Need, TensorRule,
 };
 
 use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
@@ -87,6 +87,10 @@ pub struct FusedShape {
     /// The rotary scaling: gpt-oss's YaRN, Llama 4's llama3 `factor`.
     pub rope_factor: f64,
     pub original_max_positions: u64,
+    /// gpt-oss only: the experts in the released MXFP4 form (`quantization_config.quant_method
+    /// = "mxfp4"`, the fused tensors' `_blocks` and `_scales` as U8), which is what users
+    /// stream; `synth --mxfp4`.
+    pub mxfp4: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -487,6 +491,7 @@ pub fn shapes() -> Vec<SynthShape> {
             moe_step: 1,
             rope_factor: 32.0,
             original_max_positions: 4096,
+            mxfp4: false,
         }),
     };
     let gpt_oss_120b = SynthShape {
@@ -525,6 +530,7 @@ pub fn shapes() -> Vec<SynthShape> {
             moe_step: 1,
             rope_factor: 16.0,
             original_max_positions: 8192,
+            mxfp4: false,
         }),
     };
     let tiny_gpt_oss = SynthShape {
@@ -533,8 +539,9 @@ pub fn shapes() -> Vec<SynthShape> {
         layers: 2,
         experts: 8,
         top_k: 2,
-        expert_width: 40,
-        dense_width: 40,
+        // a multiple of 32, as MXFP4's blocks need (--mxfp4)
+        expert_width: 64,
+        dense_width: 64,
         heads: 4,
         kv_heads: 2,
         head_dim: 24,
@@ -545,6 +552,7 @@ pub fn shapes() -> Vec<SynthShape> {
             moe_step: 1,
             rope_factor: 4.0,
             original_max_positions: 128,
+            mxfp4: false,
         }),
         ..gpt_oss_20b.clone()
     };
@@ -567,6 +575,7 @@ pub fn shapes() -> Vec<SynthShape> {
             moe_step: 2,
             rope_factor: 4.0,
             original_max_positions: 128,
+            mxfp4: false,
         }),
         ..scout.clone()
     };
@@ -640,6 +649,13 @@ enum Kind {
     /// centred on zero, as trained biases are next to their weights, so that they shift without
     /// dominating.
     Bias,
+    /// MXFP4 blocks (U8): two random e2m1 codes a byte.
+    Mxfp4Blocks,
+    /// MXFP4 scales (U8, e8m0): `scale` or one above it, so that every block widens to finite
+    /// values of about a BF16 matrix's magnitude (2^-7 x e2m1 values up to 6).
+    Mxfp4Scales {
+        scale: u8,
+    },
 }
 
 /// The fused keys a shape of that family without its own [`FusedShape`] gets (the released
@@ -649,12 +665,14 @@ const GPT_OSS_DEFAULT: FusedShape = FusedShape {
     moe_step: 1,
     rope_factor: 32.0,
     original_max_positions: 4096,
+    mxfp4: false,
 };
 const LLAMA4_DEFAULT: FusedShape = FusedShape {
     window: 8192,
     moe_step: 1,
     rope_factor: 16.0,
     original_max_positions: 8192,
+    mxfp4: false,
 };
 
 /// How many leading hidden dimensions carry the massive activation. Its value is
@@ -787,6 +805,21 @@ impl SynthShape {
                     .collect();
                 put("layer_types", json!(types));
                 put("swiglu_limit", json!(7.0));
+                if f.mxfp4 {
+                    // As openai/gpt-oss-20b's config.json writes it.
+                    put(
+                        "quantization_config",
+                        json!({
+                            "quant_method": "mxfp4",
+                            "modules_to_not_convert": [
+                                "model.layers.*.self_attn",
+                                "model.layers.*.mlp.router",
+                                "model.embed_tokens",
+                                "lm_head"
+                            ],
+                        }),
+                    );
+                }
                 put(
                     "rope_scaling",
                     json!({
@@ -967,7 +1000,12 @@ impl SynthShape {
             // Two fused tensors per layer; gpt-oss adds the router's bias and the experts'
             // biases ([E, 2I], [E, H]), Llama 4 its ungated shared expert of the expert width.
             Family::GptOss => {
-                add(&mut moe, 2, expert_elems)?;
+                // MXFP4: four U8 parts instead (counted in mx_bytes below).
+                if self.fused.is_some_and(|f| f.mxfp4) {
+                    moe.0 = moe.0.checked_add(4)?;
+                } else {
+                    add(&mut moe, 2, expert_elems)?;
+                }
                 let two_i = self.expert_width.checked_mul(2)?;
                 add(
                     &mut moe,
@@ -1029,7 +1067,18 @@ impl SynthShape {
                 .checked_mul(heads_out)?
                 .checked_add(h),
         )?;
-        Some((total.0, total.1.checked_mul(2)?))
+        // gpt-oss's MXFP4 experts, per MoE layer: blocks [E, 2I, H/32, 16] and scales
+        // [E, 2I, H/32] of gate_up, blocks [E, H, I/32, 16] and scales [E, H, I/32] of down.
+        let mx_bytes = if self.family == Family::GptOss && self.fused.is_some_and(|f| f.mxfp4) {
+            let (i, g) = (self.expert_width, 17u64); // 16 block bytes + 1 scale a group
+            let gu = i.checked_mul(2)?.checked_mul(h / 32)?.checked_mul(g)?;
+            let dn = h.checked_mul(i / 32)?.checked_mul(g)?;
+            e.checked_mul(gu.checked_add(dn)?)?
+                .checked_mul(moe_layers)?
+        } else {
+            0
+        };
+        Some((total.0, total.1.checked_mul(2)?.checked_add(mx_bytes)?))
     }
 
     /// Total bytes of all tensors.
@@ -1168,11 +1217,21 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                 }
                 // Fused experts (gpt-oss, Llama 4): gate_up then down, as released (BF16).
                 for f in rules.fused.iter().filter(|f| f.layer() == l) {
+                    let mx = matches!(f, FusedExpertRules::Mxfp4 { .. });
                     for (k, rule) in f.tensors().into_iter().enumerate() {
+                        let kind = match (mx, k) {
+                            (false, 0) => Kind::Matrix,
+                            (false, _) => out_proj,
+                            (true, 0 | 2) => Kind::Mxfp4Blocks,
+                            // down_proj's scale one lower: the residual update kept smaller, as
+                            // Kind::OutProj does for BF16.
+                            (true, 1) => Kind::Mxfp4Scales { scale: 120 },
+                            (true, _) => Kind::Mxfp4Scales { scale: 119 },
+                        };
                         out.push(SynthTensor {
                             name: rule.name.clone(),
                             shape: rule.shape.iter().map(|&d| d as u64).collect(),
-                            kind: if k == 0 { Kind::Matrix } else { out_proj },
+                            kind,
                             expert: None,
                             fused: Some(layer),
                         });
@@ -1222,7 +1281,20 @@ const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl SynthTensor {
     pub fn len_bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * 2
+        self.shape.iter().product::<u64>() * self.elem_bytes()
+    }
+
+    /// 1 for the MXFP4 blocks and scales (U8), 2 for every other tensor (BF16).
+    fn elem_bytes(&self) -> u64 {
+        if self.is_u8() {
+            1
+        } else {
+            2
+        }
+    }
+
+    fn is_u8(&self) -> bool {
+        matches!(self.kind, Kind::Mxfp4Blocks | Kind::Mxfp4Scales { .. })
     }
 
     /// Fill `dst` with this tensor's BF16 bytes.
@@ -1234,6 +1306,17 @@ impl SynthTensor {
     /// expert slice): the same bytes as that range of [`SynthTensor::fill`].
     pub fn fill_from(&self, seed: u64, skew: f32, start: usize, dst: &mut [u8]) {
         let key = name_key(seed, &self.name);
+        if let Kind::Mxfp4Blocks | Kind::Mxfp4Scales { .. } = self.kind {
+            let kind = self.kind;
+            dst.par_iter_mut().enumerate().for_each(|(j, b)| {
+                let r = mix(key.wrapping_add(((start + j) as u64).wrapping_mul(GOLDEN)));
+                *b = match kind {
+                    Kind::Mxfp4Scales { scale } => scale + (r & 1) as u8,
+                    _ => (r >> 24) as u8,
+                };
+            });
+            return;
+        }
         // A per-matrix scale, like a trained model's: 0.02 x [0.5, 1.5).
         let sigma = 0.02 * (0.5 + uniform01(mix(key ^ 1)));
         let cols = *self.shape.last().unwrap_or(&1) as usize;
@@ -1268,6 +1351,7 @@ impl SynthTensor {
                                 EMBED_SIGMA * normal(r)
                             }
                         }
+                        Kind::Mxfp4Blocks | Kind::Mxfp4Scales { .. } => 0.0, // filled above
                         Kind::Router { .. } => {
                             let (row, col) = (i / cols, i % cols);
                             let shift = if (col as u64) < MASSIVE_DIMS {
@@ -1346,7 +1430,11 @@ struct LazyTensor<'a> {
 
 impl safetensors::View for LazyTensor<'_> {
     fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::BF16
+        if self.t.is_u8() {
+            safetensors::Dtype::U8
+        } else {
+            safetensors::Dtype::BF16
+        }
     }
     fn shape(&self) -> &[usize] {
         &self.shape
@@ -1474,8 +1562,9 @@ fn not_a_hub_checkpoint(dir: &Path) -> Option<&'static str> {
 
 struct SynthSource<'a> {
     by_name: BTreeMap<&'a str, &'a SynthTensor>,
-    /// Each fused layer's (gate_up, down) tensors and the permutation its slices are re-laid by.
-    fused: BTreeMap<u32, (&'a SynthTensor, &'a SynthTensor, Relayout)>,
+    /// Each fused layer's tensors in extent order, and (BF16) the permutation its slices are
+    /// re-laid by; MXFP4 parts are concatenated as released.
+    fused: BTreeMap<u32, (Vec<&'a SynthTensor>, Option<Relayout>)>,
     seed: u64,
     skew: f32,
 }
@@ -1486,30 +1575,38 @@ impl RegionSource for SynthSource<'_> {
         Ok(())
     }
     fn fill_expert(&self, e: &ExpertExtent, dst: &mut [u8]) -> Result<(), ConvertError> {
-        if let Some(&(gu, d, relayout)) = self.fused.get(&e.layer) {
+        if let Some((parts, relayout)) = self.fused.get(&e.layer) {
             // Expert e's slices of the fused tensors (E outermost), generated as the Hub form
-            // holds them, then re-laid as the converter re-lays them.
+            // holds them; BF16 then re-laid as the converter re-lays them, MXFP4 as released.
             let slice = |t: &SynthTensor| {
                 let per = t.shape[1..].iter().product::<u64>() as usize;
-                let mut b = vec![0u8; 2 * per];
+                let mut b = vec![0u8; per * t.elem_bytes() as usize];
                 t.fill_from(self.seed, self.skew, e.expert as usize * per, &mut b);
-                b.chunks_exact(2)
-                    .map(|c| [c[0], c[1]])
-                    .collect::<Vec<[u8; 2]>>()
+                b
             };
-            let (h, i) = (d.shape[2] as usize, d.shape[1] as usize);
-            let ext = relayout.to_extent(&slice(gu), &slice(d), h, i);
-            if ext.len() * 2 != dst.len() {
+            let bytes: Vec<u8> = match (relayout, parts.as_slice()) {
+                (Some(relayout), [gu, d]) => {
+                    let pairs = |b: Vec<u8>| -> Vec<[u8; 2]> {
+                        b.chunks_exact(2).map(|c| [c[0], c[1]]).collect()
+                    };
+                    let (h, i) = (d.shape[2] as usize, d.shape[1] as usize);
+                    relayout
+                        .to_extent(&pairs(slice(gu)), &pairs(slice(d)), h, i)
+                        .into_iter()
+                        .flatten()
+                        .collect()
+                }
+                _ => parts.iter().flat_map(|t| slice(t)).collect(),
+            };
+            if bytes.len() != dst.len() {
                 return Err(ConvertError::Usage(format!(
                     "{}: the fused slices give {} bytes, the extent holds {}",
                     e.prefix,
-                    ext.len() * 2,
+                    bytes.len(),
                     dst.len()
                 )));
             }
-            for (o, v) in dst.chunks_exact_mut(2).zip(ext) {
-                o.copy_from_slice(&v);
-            }
+            dst.copy_from_slice(&bytes);
             return Ok(());
         }
         for m in &e.matrices {
@@ -1570,12 +1667,42 @@ fn write_direct(
             .relayout()
     });
     let mut fused = BTreeMap::new();
-    let fused_tensors: Vec<&SynthTensor> = tensors.iter().filter(|t| t.fused.is_some()).collect();
-    for pair in fused_tensors.chunks_exact(2) {
-        let ([gu, d], Some(relayout)) = (pair, relayout) else {
+    let mut by_layer: BTreeMap<u32, Vec<&SynthTensor>> = BTreeMap::new();
+    for t in tensors {
+        if let Some(l) = t.fused {
+            by_layer.entry(l).or_default().push(t);
+        }
+    }
+    for (l, parts) in by_layer {
+        if parts.len() == 4 {
+            // MXFP4 as released: each part is expert e's slice of its tensor, named
+            // `<module>.E.<tensor>` as a conversion names it.
+            let module = parts[0]
+                .name
+                .strip_suffix(".gate_up_proj_blocks")
+                .unwrap_or(&parts[0].name)
+                .to_string();
+            for e in 0..parts[0].shape[0] as u32 {
+                let prefix = format!("{module}.{e}");
+                let specs: Vec<MatrixSpec> = parts
+                    .iter()
+                    .map(|t| MatrixSpec {
+                        name: format!("{prefix}.{}", t.name.rsplit('.').next().unwrap_or("")),
+                        dtype: Dtype::U8,
+                        shape: t.shape[1..].to_vec(),
+                        source: None,
+                    })
+                    .collect();
+                let specs: [MatrixSpec; 4] = specs.try_into().expect("four MXFP4 parts");
+                layout.add_mxfp4_expert(l, e, prefix, specs);
+            }
+            fused.insert(l, (parts, None));
+            continue;
+        }
+        let ([gu, d], Some(relayout)) = (parts.as_slice(), relayout) else {
             continue;
         };
-        let Some(l) = gu.fused else { continue };
+        let (gu, d) = (*gu, *d);
         let (e_count, i, h) = (d.shape[0], d.shape[1], d.shape[2]);
         let module = gu.name.strip_suffix(".gate_up_proj").unwrap_or(&gu.name);
         for e in 0..e_count as u32 {
@@ -1597,7 +1724,7 @@ fn write_direct(
                 ],
             );
         }
-        fused.insert(l, (*gu, *d, relayout));
+        fused.insert(l, (vec![gu, d], Some(relayout)));
     }
     let converter = format!("tarfa-convert synth {}", env!("CARGO_PKG_VERSION"));
     layout.set_metadata("converter", &converter);

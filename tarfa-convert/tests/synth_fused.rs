@@ -83,6 +83,27 @@ fn the_fused_shapes_have_their_published_sizes() {
 }
 
 /// The released configs' values, as the runtime reads them.
+/// gpt-oss-20b with `--mxfp4`: the non-expert tensors as in BF16, each expert 3HI/2 bytes of
+/// blocks and 3HI/32 of scales (docs/FORMAT.md's table: 13,219,200 B an expert at
+/// H = I = 2880), so 24 x 32 experts of those instead of 6HI BF16 bytes.
+#[test]
+fn gpt_oss_20b_mxfp4_has_the_released_forms_size() {
+    let (h, i) = (2880u64, 2880u64);
+    let (tensors, params) = gpt_oss_size(24, 32);
+    let per_expert = 3 * h * i / 2 + 3 * h * i / 32;
+    assert_eq!(per_expert, 13_219_200);
+    let want = 2 * (params - 24 * 32 * 3 * h * i) + 24 * 32 * per_expert;
+    let mut s = shape("gpt-oss-20b");
+    s.fused.as_mut().unwrap().mxfp4 = true;
+    // two more tensors a layer: gate_up and down each become blocks and scales
+    assert_eq!(s.checked_size(), Some((tensors + 2 * 24, want)));
+    assert_eq!(s.total_bytes().unwrap(), want);
+    assert_eq!(
+        s.runtime_config().unwrap().expert_dtype,
+        tarfa_core::config::ExpertDtype::Mxfp4
+    );
+}
+
 #[test]
 fn the_fused_shapes_configs_parse_to_their_values() {
     let c = shape("gpt-oss-20b").runtime_config().unwrap();
@@ -150,9 +171,10 @@ fn hashes(dir: &Path) -> Vec<(String, String)> {
 
 #[test]
 fn the_tiny_fused_twins_convert_and_run_on_the_cpu() {
-    for (name, module) in [
-        ("tiny-gpt-oss", "mlp.experts"),
-        ("tiny-llama4", "feed_forward.experts"),
+    for (name, module, mxfp4) in [
+        ("tiny-gpt-oss", "mlp.experts", false),
+        ("tiny-gpt-oss", "mlp.experts", true),
+        ("tiny-llama4", "feed_forward.experts", false),
     ] {
         let d = tempfile::tempdir().unwrap();
         let (hub, conv, direct) = (
@@ -160,13 +182,23 @@ fn the_tiny_fused_twins_convert_and_run_on_the_cpu() {
             d.path().join("conv"),
             d.path().join("direct"),
         );
-        let synth_args = ["synth", "--shape", name, "--seed", "3", "--skew", "1"];
+        let mut synth_args = vec!["synth", "--shape", name, "--seed", "3", "--skew", "1"];
+        if mxfp4 {
+            synth_args.push("--mxfp4");
+        }
         let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> =
             synth_args.iter().map(|a| a as _).collect();
         args.push(&hub);
         let (code, _, err) = run(&args);
         assert_eq!(code, 0, "{name}: {err}");
-        let s = shape(name);
+        let mut s = shape(name);
+        if mxfp4 {
+            s.fused.as_mut().unwrap().mxfp4 = true;
+            // The Hub form holds the released MXFP4 parts, U8.
+            let index = std::fs::read_to_string(hub.join("model.safetensors.index.json")).unwrap();
+            assert!(index.contains("model.layers.1.mlp.experts.down_proj_scales"));
+            assert!(!index.contains("model.layers.1.mlp.experts.down_proj\""));
+        }
         assert_eq!(
             s.checked_size(),
             Some(hub_tensor_bytes(&hub)),
@@ -184,6 +216,15 @@ fn the_tiny_fused_twins_convert_and_run_on_the_cpu() {
         // expert by expert (the re-laid extents included).
         let (a, b) = (hashes(&conv), hashes(&direct));
         assert_eq!(a, b, "{name}: the same bytes");
+        if mxfp4 {
+            let h = jnf_format::JnfFile::open(&direct.join("model.jnf")).unwrap();
+            let x = h.header().expert(1, 0).unwrap();
+            assert_eq!(
+                x.encoding(),
+                jnf_format::ExtentEncoding::Mxfp4,
+                "{name} --mxfp4"
+            );
+        }
         let first_expert = format!("model.layers.1.{module}.0");
         assert!(
             a.iter().any(|(n, _)| *n == first_expert),
@@ -223,4 +264,19 @@ fn the_tiny_fused_twins_convert_and_run_on_the_cpu() {
         };
         assert_eq!(bits(&out.step_logits), bits(&out2.step_logits), "{name}");
     }
+}
+
+/// `--mxfp4` is gpt-oss's released form only: on a Llama 4 shape it is refused naming the
+/// flag, nothing written.
+#[test]
+fn mxfp4_on_another_shape_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    let (code, _, err) = run(&[&"synth", &"--shape", &"tiny-llama4", &"--mxfp4", &out]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--mxfp4") && err.contains("not gpt-oss"),
+        "{err}"
+    );
+    assert!(!out.exists());
 }
