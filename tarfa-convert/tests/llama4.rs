@@ -471,3 +471,36 @@ fn a_multimodal_llama4_wrapper_converts_to_its_text_model() {
     );
     assert!(!out.exists());
 }
+
+/// `tarfa-verify diff` (tarfa_manifest::diff) between the bundle and one converted from the
+/// same checkpoint with one byte of expert 6 of layer 3 changed (in its slice of
+/// `gate_up_proj`) names that expert as `model.layers.3.feed_forward.experts.6`, and nothing
+/// else.
+#[test]
+fn diff_names_a_changed_llama4_expert() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    copy_checkpoint(&fixture("llama4-dense-s"), &src);
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    assert_eq!(convert_cli(&src, &a).0, 0);
+    let e = manifest(&a)
+        .experts
+        .into_iter()
+        .find(|e| e.name == "model.layers.3.feed_forward.experts.6")
+        .unwrap();
+    let s = &e.sources[0];
+    flip_byte(&src.join(&s.shard), s.offset + 17);
+    assert_eq!(convert_cli(&src, &b).0, 0);
+    let diff = tarfa_manifest::diff(&manifest(&a), &manifest(&b));
+    let json = serde_json::to_value(&diff).unwrap().to_string();
+    assert!(
+        json.contains("\"model.layers.3.feed_forward.experts.6\""),
+        "{json}"
+    );
+    for other in [
+        "model.layers.3.feed_forward.experts.5\"",
+        "model.layers.1.feed_forward.experts.6\"",
+    ] {
+        assert!(!json.contains(other), "{other} unchanged: {json}");
+    }
+}

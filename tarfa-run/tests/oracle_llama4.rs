@@ -455,3 +455,76 @@ fn llama4_multimodal_wrapper_gives_the_text_forms_logits_bytes() {
         assert!(tensors(fa) == tensors(fb), "prompt {i}: logits bytes");
     }
 }
+
+/// A llama4-dense-s bundle streamed under a budget of a few experts with no cache (every token
+/// reads its experts from the bundle) writes the very `--logits-out` tensors it writes
+/// resident, on every prompt.
+#[test]
+fn llama4_dense_s_bundle_streamed_equals_resident() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bundle = tmp.path().join("bundle");
+    tarfa_convert::convert(&fixture_dir("llama4-dense-s"), &bundle, &Default::default()).unwrap();
+    let f = load_fixture("llama4-dense-s");
+    let tensors = |path: &std::path::Path| -> Vec<(String, Vec<u8>)> {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut v: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.data().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    for (i, r) in f.prompts.iter().enumerate() {
+        let toks: Vec<String> = r.prompt.iter().map(|t| t.to_string()).collect();
+        let mut files = Vec::new();
+        for (k, extra) in [
+            &[][..],
+            &[
+                "--ram-budget",
+                "4M",
+                "--cache-policy",
+                "none",
+                "--io",
+                "cached",
+            ][..],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let out = tmp.path().join(format!("p{i}-{k}.safetensors"));
+            let summary = tmp.path().join(format!("p{i}-{k}.json"));
+            let n = r.greedy.len().to_string();
+            let mut args = vec!["generate", bundle.to_str().unwrap(), "--tokens"];
+            let joined = toks.join(",");
+            args.push(&joined);
+            args.extend([
+                "--max-new-tokens",
+                &n,
+                "--ignore-eos",
+                "--prefill-logits",
+                "--backend",
+                "cpu",
+                "--logits-out",
+                out.to_str().unwrap(),
+                "--summary-json",
+                summary.to_str().unwrap(),
+            ]);
+            args.extend(extra);
+            let (code, _, err) = common::family_cli::run(&args);
+            assert_eq!(code, 0, "{err}");
+            if k == 1 {
+                let sum: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
+                let read = sum["stream"]["totals"]["bytes_read"].as_u64().unwrap_or(0);
+                assert!(read > 0, "prompt {i}: the run streamed");
+            }
+            files.push(tensors(&out));
+        }
+        assert!(
+            files[0] == files[1],
+            "prompt {i}: streamed == resident, byte for byte"
+        );
+    }
+}
