@@ -1699,8 +1699,14 @@ fn write_direct(
             fused.insert(l, (parts, None));
             continue;
         }
+        // The runtime's rules give a BF16 fused layer exactly gate_up and down, and a fused
+        // family a declared permutation; anything else would drop experts, so it is an error.
         let ([gu, d], Some(relayout)) = (parts.as_slice(), relayout) else {
-            continue;
+            return Err(ConvertError::Usage(format!(
+                "{}: layer {l}'s fused experts are {} tensors without a declared re-layout",
+                shape.name,
+                parts.len()
+            )));
         };
         let (gu, d) = (*gu, *d);
         let (e_count, i, h) = (d.shape[0], d.shape[1], d.shape[2]);
