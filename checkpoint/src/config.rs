@@ -31,6 +31,10 @@ pub enum ModelFamily {
     /// ([`crate::GPT_OSS_FUSED`]), BF16 or MXFP4 as released (`quantization_config.quant_method
     /// = "mxfp4"`, the only quantization accepted, and only here).
     GptOss,
+    /// `model_type: "llama4_text"`: the experts fused per layer ([`crate::LLAMA4_FUSED`], BF16),
+    /// the MoE layers `moe_layers` or every `interleave_moe_layer_step`-th layer (as
+    /// transformers' `Llama4TextConfig` resolves them), the rest dense.
+    Llama4Text,
 }
 
 impl ModelFamily {
@@ -45,6 +49,7 @@ impl ModelFamily {
             ModelFamily::DeepseekV3 => "deepseek_v3",
             ModelFamily::DeepseekV2 => "deepseek_v2",
             ModelFamily::GptOss => "gpt_oss",
+            ModelFamily::Llama4Text => "llama4_text",
         }
     }
 
@@ -59,6 +64,7 @@ impl ModelFamily {
             ModelFamily::DeepseekV3,
             ModelFamily::DeepseekV2,
             ModelFamily::GptOss,
+            ModelFamily::Llama4Text,
         ]
         .into_iter()
         .find(|f| f.model_type() == s)
@@ -76,6 +82,7 @@ impl ModelFamily {
     pub fn fused_experts(self) -> Option<&'static crate::FusedExpertTable> {
         match self {
             ModelFamily::GptOss => Some(&crate::GPT_OSS_FUSED),
+            ModelFamily::Llama4Text => Some(&crate::LLAMA4_FUSED),
             _ => None,
         }
     }
@@ -123,9 +130,39 @@ pub struct ModelConfigSummary {
     /// the released MXFP4 blocks and scales. (The block's other keys are the runtime's rules
     /// to judge: tarfa-core refuses an unknown one by name.)
     pub mxfp4: bool,
-    /// The whole `config.json`.
+    /// The whole `config.json`; for a multimodal Llama 4 wrapper, its `text_config` (the model
+    /// converted).
     pub raw: Value,
+    /// A multimodal Llama 4 release (`model_type: "llama4"`, `Llama4ForConditionalGeneration`):
+    /// only its text model is read (`text_config`, the `language_model.` tensors).
+    pub multimodal: Option<MultimodalWrapper>,
 }
+
+/// What a multimodal wrapper config said around its text model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MultimodalWrapper {
+    /// `"llama4"`.
+    pub model_type: String,
+    /// The wrapper's `architectures` (e.g. `["Llama4ForConditionalGeneration"]`).
+    pub architectures: Vec<String>,
+}
+
+/// The top-level keys a multimodal Llama 4 config may carry besides `text_config`: the
+/// vision tower's and the image tokens' (which a text-only forward never reads) and
+/// bookkeeping. Any other key is refused by name: it might change the text model.
+const LLAMA4_WRAPPER_KEYS: &[&str] = &[
+    "architectures",
+    "model_type",
+    "text_config",
+    "vision_config",
+    "boi_token_index",
+    "eoi_token_index",
+    "image_token_index",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "tie_word_embeddings",
+];
 
 impl ModelConfigSummary {
     /// Whether layer `layer` has experts.
@@ -190,6 +227,9 @@ impl ModelConfigSummary {
         let model_type = c
             .string("model_type")?
             .ok_or_else(|| c.missing("model_type"))?;
+        if model_type == "llama4" {
+            return Self::parse_llama4_wrapper(file, &c);
+        }
         let family = ModelFamily::from_model_type(&model_type).ok_or_else(|| {
             CheckpointError::UnsupportedModelType {
                 file: f(),
@@ -243,7 +283,9 @@ impl ModelConfigSummary {
             .ok_or_else(|| c.missing("hidden_size"))?;
         c.positive("hidden_size", hidden_size)?;
 
-        let moe_layers = if family.first_k_dense() {
+        let moe_layers = if family == ModelFamily::Llama4Text {
+            llama4_moe_layers(&c, num_hidden_layers)?
+        } else if family.first_k_dense() {
             // layers 0..first_k_dense_replace are dense, as transformers builds them
             let k = c
                 .uint("first_k_dense_replace")?
@@ -304,8 +346,143 @@ impl ModelConfigSummary {
             nextn_predict_layers,
             mxfp4,
             raw,
+            multimodal: None,
         })
     }
+
+    /// A multimodal Llama 4 config: its `text_config` parsed as a `llama4_text` config (its
+    /// `model_type` must be that, or absent and then taken to be), the wrapper's keys checked.
+    fn parse_llama4_wrapper(
+        file: &Path,
+        c: &Fields<'_>,
+    ) -> Result<ModelConfigSummary, CheckpointError> {
+        if let Some(key) = c
+            .obj
+            .keys()
+            .find(|k| !LLAMA4_WRAPPER_KEYS.contains(&k.as_str()))
+        {
+            return Err(CheckpointError::WrapperKeyRefused {
+                file: file.into(),
+                key: key.clone(),
+            });
+        }
+        let mut text = c
+            .get("text_config")
+            .ok_or_else(|| c.missing("text_config"))?
+            .as_object()
+            .ok_or_else(|| c.wrong_type("text_config", "an object"))?
+            .clone();
+        match text.get("model_type") {
+            None => {
+                text.insert(
+                    "model_type".into(),
+                    Value::from(ModelFamily::Llama4Text.model_type()),
+                );
+            }
+            Some(v) if v.as_str() == Some(ModelFamily::Llama4Text.model_type()) => {}
+            Some(v) => {
+                return Err(CheckpointError::ConfigValueOutOfRange {
+                    file: file.into(),
+                    field: "text_config.model_type",
+                    value: v.to_string(),
+                    reason: "a llama4 wrapper's text model must be llama4_text",
+                })
+            }
+        }
+        // A top-level tie_word_embeddings that disagrees with the text model's is refused:
+        // which one transformers honours depends on its version.
+        if let Some(t) = c.get("tie_word_embeddings") {
+            let inner = text
+                .get("tie_word_embeddings")
+                .unwrap_or(&Value::Bool(false));
+            if t != inner {
+                return Err(CheckpointError::ConfigValueOutOfRange {
+                    file: file.into(),
+                    field: "tie_word_embeddings",
+                    value: t.to_string(),
+                    reason: "disagrees with text_config.tie_word_embeddings",
+                });
+            }
+        }
+        let architectures = match c.get("architectures") {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|s| s.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| c.wrong_type("architectures", "an array of strings"))?,
+        };
+        let text = Value::Object(text);
+        let mut inner = ModelConfigSummary::parse(file, &text.to_string())?;
+        inner.multimodal = Some(MultimodalWrapper {
+            model_type: "llama4".into(),
+            architectures,
+        });
+        Ok(inner)
+    }
+
+    /// For a multimodal wrapper: the `config.json` the bundle carries, the text model's config
+    /// (`raw`, pretty-printed), which is what the runtime runs. None otherwise (config.json is
+    /// copied unchanged).
+    pub fn bundle_config_json(&self) -> Option<Vec<u8>> {
+        self.multimodal.as_ref()?;
+        let mut v = serde_json::to_vec_pretty(&self.raw).ok()?;
+        v.push(b'\n');
+        Some(v)
+    }
+}
+
+/// A multimodal wrapper's tensor, as the text model names it: `language_model.model.X` is
+/// `model.X`, `language_model.lm_head.X` is `lm_head.X`; the vision tower's
+/// (`vision_model.*`, `multi_modal_projector.*`) are `Err(())`, left out; anything else `None`.
+pub(crate) fn unwrap_llama4_name(name: &str) -> Option<Result<String, ()>> {
+    if let Some(rest) = name.strip_prefix("language_model.model.") {
+        return Some(Ok(format!("model.{rest}")));
+    }
+    if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
+        return Some(Ok(format!("lm_head.{rest}")));
+    }
+    if name.starts_with("vision_model.") || name.starts_with("multi_modal_projector.") {
+        return Some(Err(()));
+    }
+    None
+}
+
+/// Llama 4's MoE layers as transformers' `Llama4TextConfig` resolves them: `moe_layers` when
+/// given, else `list(range(step - 1, num_hidden_layers, step))` with `step =
+/// interleave_moe_layer_step` (default 1). A listed layer past the last is refused, never
+/// dropped: it would name a layer the checkpoint does not have.
+fn llama4_moe_layers(c: &Fields<'_>, num_hidden_layers: u32) -> Result<Vec<u32>, CheckpointError> {
+    let step = match c.uint("interleave_moe_layer_step")? {
+        None => 1,
+        Some(s) => c.fits_u32("interleave_moe_layer_step", s)?,
+    };
+    c.positive("interleave_moe_layer_step", step.into())?;
+    let mut layers: Vec<u32> = match c.get("moe_layers") {
+        None => (step - 1..num_hidden_layers)
+            .step_by(step as usize)
+            .collect(),
+        Some(v) => {
+            let list = v
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+                .ok_or_else(|| c.wrong_type("moe_layers", "an array of unsigned integers"))?;
+            if let Some(&bad) = list.iter().find(|&&l| l >= u64::from(num_hidden_layers)) {
+                return Err(c.out_of_range(
+                    "moe_layers",
+                    bad,
+                    "names a layer past num_hidden_layers",
+                ));
+            }
+            list.into_iter().map(|l| l as u32).collect()
+        }
+    };
+    layers.sort_unstable();
+    layers.dedup();
+    Ok(layers)
 }
 
 /// Typed access to the config object; `null` counts as absent, as transformers treats it.

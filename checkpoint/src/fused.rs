@@ -5,9 +5,9 @@
 //! Each family with fused experts is one [`FusedExpertTable`] entry: the module, the two fused
 //! tensors' names, how gate and up share `gate_up`'s columns, and the per-expert bias tensors.
 //! Expert `e`'s slice of each fused tensor is one contiguous byte range, so the converter can
-//! make it that expert's extent. (Llama 4's `feed_forward.experts.gate_up_proj` / `down_proj`,
-//! gate and up as the two halves of the columns, would be a second entry with a second
-//! [`GateUpColumns`] variant.)
+//! make it that expert's extent. Llama 4's `feed_forward.experts.gate_up_proj` / `down_proj`
+//! ([`LLAMA4_FUSED`]) differ only in the column rule ([`GateUpColumns::Halves`]) and in having
+//! no biases.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,6 +22,10 @@ pub enum GateUpColumns {
     /// Column `2j` is gate row `j`, `2j + 1` up row `j` (gpt-oss). In the MXFP4 form, which is
     /// `[out, in]`, the same holds for rows.
     Interleaved,
+    /// Columns `0..I` are gate, `I..2I` up: gate row `j` is column `j`, up row `j` column
+    /// `I + j` (Llama 4: transformers' `Llama4TextExperts` does
+    /// `gate, up = gate_up.chunk(2, dim=-1)`). BF16 only.
+    Halves,
 }
 
 /// One family's fused expert tensors.
@@ -48,6 +52,15 @@ pub static GPT_OSS_FUSED: FusedExpertTable = FusedExpertTable {
     down: "down_proj",
     gate_up_columns: GateUpColumns::Interleaved,
     biases: &["gate_up_proj_bias", "down_proj_bias"],
+};
+
+/// Llama 4 text (transformers' `Llama4TextExperts`): BF16, no biases.
+pub static LLAMA4_FUSED: FusedExpertTable = FusedExpertTable {
+    module: "feed_forward.experts",
+    gate_up: "gate_up_proj",
+    down: "down_proj",
+    gate_up_columns: GateUpColumns::Halves,
+    biases: &[],
 };
 
 /// The source tensors of one layer's fused experts, in extent order.
@@ -115,12 +128,14 @@ impl FusedExpertTable {
     /// The expected form, for error messages.
     pub fn pattern(&self, mxfp4: bool) -> String {
         let suffix = if mxfp4 { "{_blocks,_scales}" } else { "" };
+        let biases = if self.biases.is_empty() {
+            String::new()
+        } else {
+            format!(" (and {})", self.biases.join(", "))
+        };
         format!(
-            "model.layers.<L>.{}.{{{},{}}}{suffix} (and {})",
-            self.module,
-            self.gate_up,
-            self.down,
-            self.biases.join(", ")
+            "model.layers.<L>.{}.{{{},{}}}{suffix}{biases}",
+            self.module, self.gate_up, self.down,
         )
     }
 }

@@ -71,10 +71,12 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use serde::Deserialize;
 
-pub use config::{ModelConfigSummary, ModelFamily};
+pub use config::{ModelConfigSummary, ModelFamily, MultimodalWrapper};
 pub use error::{CheckpointError, NameProblem};
 pub use experts::{ExpertDims, ExpertMatrix, ExpertNaming, ExpertSource};
-pub use fused::{FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED};
+pub use fused::{
+    FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED, LLAMA4_FUSED,
+};
 pub use hash::{sha256_file, sha256_files_parallel, to_hex};
 pub use header::{HeaderTensor, SafetensorsHeader};
 pub use paths::HubBlob;
@@ -204,6 +206,10 @@ pub struct Checkpoint {
     /// Multi-token-prediction tensors (layers `num_hidden_layers..` under
     /// `num_nextn_predict_layers`), sorted: validated like every tensor, never carried.
     pub skipped: Vec<String>,
+    /// A multimodal Llama 4 release's vision tower (`vision_model.*`, `multi_modal_projector.*`,
+    /// sorted; also in `skipped`): validated, never carried (the text model never reads it).
+    /// Its text model's tensors are in `tensors` under `model.*` / `lm_head.*`.
+    pub left_out: Vec<String>,
     /// Those of [`EXTRA_FILES`] that are present, in that order (always starts with config.json).
     pub extra_files: Vec<SourceFile>,
     /// One open handle per shard, same order: reads go to the files that were validated.
@@ -381,8 +387,38 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     } else {
         SINGLE_FILE
     });
+    // A multimodal Llama 4 release: the text model's tensors under the names the text model
+    // gives them (classified alone), the vision tower's validated and left out (listed in
+    // `skipped` and `left_out`, kept in `tensors` so that tarfa-verify sees every source tensor).
+    let mut left_out = Vec::new();
+    let mut vision = BTreeMap::new();
+    if config.multimodal.is_some() {
+        let mut text = BTreeMap::new();
+        for (name, t) in std::mem::take(&mut tensors) {
+            match config::unwrap_llama4_name(&name) {
+                Some(Ok(n)) => {
+                    text.insert(n, t);
+                }
+                Some(Err(())) => {
+                    left_out.push(name.clone());
+                    vision.insert(name, t);
+                }
+                None => {
+                    return Err(CheckpointError::WrapperTensorUnexpected {
+                        file: shard_file(t.shard),
+                        tensor: name,
+                    })
+                }
+            }
+        }
+        tensors = text;
+    }
     experts::check_dtypes(&config, &tensors, &shard_file)?;
-    let table = experts::classify(&config, naming, &tensors, weights_file, &shard_file)?;
+    experts::check_dtypes(&config, &vision, &shard_file)?;
+    let mut table = experts::classify(&config, naming, &tensors, weights_file, &shard_file)?;
+    tensors.extend(vision);
+    table.skipped.extend(left_out.iter().cloned());
+    table.skipped.sort();
 
     let mut extra_files = vec![config_file];
     for name in &EXTRA_FILES[1..] {
@@ -414,6 +450,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
         expert_dims: table.dims,
         non_expert: table.non_expert,
         skipped: table.skipped,
+        left_out,
         extra_files,
         handles,
     })

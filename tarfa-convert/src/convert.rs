@@ -69,8 +69,16 @@ pub fn convert(
     let header = plan(&ckpt)?;
     let expert_sources = fused_sources(&ckpt);
     let mut files = Vec::new();
+    let wrapped_config = ckpt.config.bundle_config_json();
+    let mut source_config_sha = None;
     for f in &ckpt.extra_files {
-        let bytes = std::fs::read(&f.path).map_err(ConvertError::io(&f.path, "read"))?;
+        let mut bytes = std::fs::read(&f.path).map_err(ConvertError::io(&f.path, "read"))?;
+        // A multimodal wrapper: the bundle carries its text model's config (what the runtime
+        // runs); the source's own config.json is named by its SHA-256 in the manifest.
+        if let (true, Some(text)) = (f.name == tarfa_checkpoint::CONFIG_FILE, &wrapped_config) {
+            source_config_sha = Some(to_hex(&sha2_of(&bytes)));
+            bytes = text.clone();
+        }
         files.push(CopiedFile {
             name: f.name.clone(),
             bytes,
@@ -87,6 +95,10 @@ pub fn convert(
     let note = skipped_note(&ckpt);
     if let Some(n) = &note {
         source.insert("skipped".to_string(), n.clone());
+    }
+    let wrapper_note = multimodal_note(&ckpt, source_config_sha.as_deref());
+    if let Some(n) = &wrapper_note {
+        source.insert("multimodal".to_string(), n.clone());
     }
     let mxfp4 = mxfp4_tensors(&ckpt);
     let mxfp4_note = (!mxfp4.is_empty()).then(|| {
@@ -113,6 +125,7 @@ pub fn convert(
     };
     let mut summary = write_bundle(out, opts.force, spec, &src)?;
     summary.notes.extend(note);
+    summary.notes.extend(wrapper_note);
     summary.notes.extend(mxfp4_note);
     summary.mxfp4_tensors = mxfp4;
     Ok(summary)
@@ -135,6 +148,12 @@ fn relayout_of(f: &FusedLayer) -> Option<Relayout> {
     match (&f.form, f.columns) {
         (FusedForm::Bf16 { .. }, GateUpColumns::Interleaved) => {
             Some(Relayout::GateUpInterleavedColumns)
+        }
+        // Llama 4: gate the first half of the columns, up the second; the same re-layout into
+        // gate | up | down [out, in] as gpt-oss's BF16 form, so every family's BF16 extent has
+        // one layout (docs/FORMAT.md, "Fused experts").
+        (FusedForm::Bf16 { .. }, GateUpColumns::Halves) => {
+            Some(Relayout::GateUpConcatenatedColumns)
         }
         (FusedForm::Mxfp4 { .. }, _) => None,
     }
@@ -178,7 +197,8 @@ fn fused_sources(ckpt: &Checkpoint) -> crate::bundle::ExpertSources {
 /// The note on the multi-token-prediction tensors a checkpoint carries past its last decoder
 /// layer: validated, never carried into the bundle (next-token logits never read them).
 fn skipped_note(ckpt: &Checkpoint) -> Option<String> {
-    if ckpt.skipped.is_empty() {
+    // The vision tower of a multimodal wrapper is skipped too: multimodal_note says so.
+    if ckpt.skipped.is_empty() || ckpt.config.nextn_predict_layers == 0 {
         return None;
     }
     let first = ckpt.config.num_hidden_layers;
@@ -190,6 +210,33 @@ fn skipped_note(ckpt: &Checkpoint) -> Option<String> {
         ckpt.skipped.len(),
         first + n,
         ckpt.skipped[0]
+    ))
+}
+
+fn sha2_of(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
+/// The note on a multimodal Llama 4 release: its text model converted, the vision tower left
+/// out, by name and count.
+fn multimodal_note(ckpt: &Checkpoint, source_config_sha: Option<&str>) -> Option<String> {
+    let w = ckpt.config.multimodal.as_ref()?;
+    let count = |p: &str| ckpt.left_out.iter().filter(|n| n.starts_with(p)).count();
+    let (v, m) = (count("vision_model."), count("multi_modal_projector."));
+    Some(format!(
+        "multimodal {} ({}): the text model converted (text_config written as config.json; the \
+         source config.json has SHA-256 {}; language_model.model.* read as model.*, \
+         language_model.lm_head.* as lm_head.*); the vision tower left out: {} tensors \
+         (vision_model.*: {v}, multi_modal_projector.*: {m}{})",
+        w.model_type,
+        w.architectures.join(", "),
+        source_config_sha.unwrap_or("unknown"),
+        ckpt.left_out.len(),
+        ckpt.left_out
+            .first()
+            .map(|n| format!(", e.g. {n}"))
+            .unwrap_or_default(),
     ))
 }
 

@@ -88,8 +88,11 @@ enum Format {
 #[command(after_help = EXIT_CODES)]
 struct SynthArgs {
     /// Architecture: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, deepseek-v3,
-    /// deepseek-v2-lite, moonlight-16b-a3b, glm-4.5-air (their released configs' dimensions),
-    /// or tiny, tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe (small, for tests).
+    /// deepseek-v2-lite, moonlight-16b-a3b, glm-4.5-air, gpt-oss-20b, gpt-oss-120b (BF16, or
+    /// MXFP4 with --mxfp4),
+    /// llama4-scout (text model) (their released configs' dimensions), or tiny,
+    /// tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe, tiny-gpt-oss, tiny-llama4 (small,
+    /// for tests).
     #[arg(long)]
     shape: String,
     /// Number of layers (default: the shape's own). The DeepSeek and GLM-4.5 shapes keep
@@ -123,6 +126,10 @@ struct SynthArgs {
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
+    /// gpt-oss shapes only: the experts in the released MXFP4 form (U8 blocks and scales under
+    /// quantization_config.quant_method "mxfp4"), what users stream. Refused for other shapes.
+    #[arg(long)]
+    mxfp4: bool,
     /// Output directory.
     out: PathBuf,
 }
@@ -416,6 +423,19 @@ fn run_synth(a: SynthArgs, json: bool) -> Result<(), ConvertError> {
     }
     if let Some(v) = a.vocab {
         shape.vocab = v;
+    }
+    if a.mxfp4 {
+        // MXFP4 is gpt-oss's released form and nothing else's (the runtime refuses it
+        // elsewhere); its blocks need H and the expert width to be multiples of 32.
+        match shape.fused.as_mut() {
+            Some(f) if shape.family == synth::Family::GptOss => f.mxfp4 = true,
+            _ => {
+                return Err(ConvertError::Usage(format!(
+                    "--mxfp4: shape {} is not gpt-oss; MXFP4 is gpt-oss's released form only",
+                    shape.name
+                )))
+            }
+        }
     }
     if shape.layers == 0
         || shape.experts == 0

@@ -19,14 +19,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::bf16;
-use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, TensorEntry, TensorSpec};
+use jnf_format::{Dtype, ExpertExtent, LayoutPlan, MatrixSpec, Relayout, TensorEntry, TensorSpec};
 use rayon::prelude::*;
 use serde_json::json;
 
 use tarfa_core::config::{ConfigError, MoeConfig};
 use tarfa_core::shapes::{
-    AttentionRules, DenseMlpRules, ExpertMatrixRule, GqaRules, LayerRules, MlaQueryRules, MlaRules,
-    MlpRules, ModelRules, Need, TensorRule,
+    AttentionRules, DenseMlpRules, ExpertMatrixRule, FusedExpertRules, GqaRules, LayerRules,
+    MlaQueryRules, MlaRules, MlpRules, ModelRules, Need, TensorRule,
 };
 
 use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
@@ -68,6 +68,29 @@ pub struct SynthShape {
     pub yarn: Option<YarnShape>,
     /// GLM-4.5's attention keys; None for the other families.
     pub glm: Option<GlmAttention>,
+    /// gpt-oss's and Llama 4's keys (their experts are fused per layer); None for the others.
+    pub fused: Option<FusedShape>,
+}
+
+/// The keys of the two fused-expert families. Their experts are one `gate_up_proj`
+/// `[E, H, 2I]` and one `down_proj` `[E, I, H]` per layer, as released; written directly as a
+/// bundle, each expert's slices are re-laid into gate | up | down by the family's declared
+/// permutation, exactly as `tarfa-convert` does to the Hub form.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FusedShape {
+    /// gpt-oss: `sliding_window` (layers alternate sliding and full, sliding first); Llama 4:
+    /// `attention_chunk_size`.
+    pub window: u64,
+    /// Llama 4's `interleave_moe_layer_step` (every step-th layer MoE, the rest dense MLPs of
+    /// `dense_width`, written `intermediate_size_mlp`); 1 for gpt-oss.
+    pub moe_step: u32,
+    /// The rotary scaling: gpt-oss's YaRN, Llama 4's llama3 `factor`.
+    pub rope_factor: f64,
+    pub original_max_positions: u64,
+    /// gpt-oss only: the experts in the released MXFP4 form (`quantization_config.quant_method
+    /// = "mxfp4"`, the fused tensors' `_blocks` and `_scales` as U8), which is what users
+    /// stream; `synth --mxfp4`.
+    pub mxfp4: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +103,11 @@ pub enum Family {
     DeepseekV2,
     /// `glm4_moe`: GLM-4.5, GLM-4.5-Air.
     Glm4Moe,
+    /// `gpt_oss`: gpt-oss-20b, gpt-oss-120b (their BF16 form; the MXFP4 release is not
+    /// generated).
+    GptOss,
+    /// `llama4_text`: Llama 4 Scout's and Maverick's text model.
+    Llama4,
 }
 
 /// The MoE block of DeepSeek and GLM-4.5: dense first layers, shared experts, group-limited
@@ -160,6 +188,7 @@ pub fn shapes() -> Vec<SynthShape> {
         mla: None,
         yarn: None,
         glm: None,
+        fused: None,
     };
     let qwen235 = SynthShape {
         name: "qwen3-235b-a22b",
@@ -250,6 +279,7 @@ pub fn shapes() -> Vec<SynthShape> {
             mscale_all_dim: 1.0,
         }),
         glm: None,
+        fused: None,
     };
     // deepseek-ai/DeepSeek-V2-Lite.
     let deepseek_v2_lite = SynthShape {
@@ -296,6 +326,7 @@ pub fn shapes() -> Vec<SynthShape> {
             mscale_all_dim: 0.707,
         }),
         glm: None,
+        fused: None,
     };
     // moonshotai/Moonlight-16B-A3B: the DeepSeek-V3 architecture at V2-Lite's size.
     let moonlight = SynthShape {
@@ -354,6 +385,7 @@ pub fn shapes() -> Vec<SynthShape> {
             attention_bias: true,
             use_qk_norm: false,
         }),
+        fused: None,
     };
     // For tests, each new family small like `tiny`: one dense layer then one MoE layer, widths
     // that differ wherever the family could confuse two of them (v_head_dim != qk_nope_head_dim).
@@ -429,7 +461,130 @@ pub fn shapes() -> Vec<SynthShape> {
         max_positions: 512,
         ..glm_air.clone()
     };
+    // openai/gpt-oss-20b as transformers' GptOssConfig reads its config.json: 24 layers
+    // alternating sliding (128) and full attention, 64 query heads and 8 KV heads of 64, 32
+    // experts top-4 of width 2880 with biases, attention sinks, YaRN factor 32 over 4096 positions.
+    let gpt_oss_20b = SynthShape {
+        name: "gpt-oss-20b",
+        family: Family::GptOss,
+        hidden: 2880,
+        layers: 24,
+        experts: 32,
+        top_k: 4,
+        expert_width: 2880,
+        // no dense layers; intermediate_size is the expert width
+        dense_width: 2880,
+        heads: 64,
+        kv_heads: 8,
+        head_dim: 64,
+        vocab: 201_088,
+        rope_theta: 150_000.0,
+        rms_eps: 1e-5,
+        max_positions: 131_072,
+        tie_embeddings: false,
+        routed: None,
+        mla: None,
+        yarn: None,
+        glm: None,
+        fused: Some(FusedShape {
+            window: 128,
+            moe_step: 1,
+            rope_factor: 32.0,
+            original_max_positions: 4096,
+            mxfp4: false,
+        }),
+    };
+    let gpt_oss_120b = SynthShape {
+        name: "gpt-oss-120b",
+        layers: 36,
+        experts: 128,
+        ..gpt_oss_20b.clone()
+    };
+    // meta-llama/Llama-4-Scout-17B-16E's text_config: 48 layers, every one MoE (step 1), 16
+    // experts top-1 of width 8192 plus the shared expert, 40 query heads and 8 KV heads of 128,
+    // chunked attention (8192) on the rotating layers, every 4th layer NoPE, llama3 rope
+    // scaling factor 16 over 8192 positions.
+    let scout = SynthShape {
+        name: "llama4-scout",
+        family: Family::Llama4,
+        hidden: 5120,
+        layers: 48,
+        experts: 16,
+        top_k: 1,
+        expert_width: 8192,
+        dense_width: 16_384,
+        heads: 40,
+        kv_heads: 8,
+        head_dim: 128,
+        vocab: 202_048,
+        rope_theta: 500_000.0,
+        rms_eps: 1e-5,
+        max_positions: 10_485_760,
+        tie_embeddings: false,
+        routed: None,
+        mla: None,
+        yarn: None,
+        glm: None,
+        fused: Some(FusedShape {
+            window: 8192,
+            moe_step: 1,
+            rope_factor: 16.0,
+            original_max_positions: 8192,
+            mxfp4: false,
+        }),
+    };
+    let tiny_gpt_oss = SynthShape {
+        name: "tiny-gpt-oss",
+        hidden: 96,
+        layers: 2,
+        experts: 8,
+        top_k: 2,
+        // a multiple of 32, as MXFP4's blocks need (--mxfp4)
+        expert_width: 64,
+        dense_width: 64,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 24,
+        vocab: 300,
+        max_positions: 512,
+        fused: Some(FusedShape {
+            window: 4,
+            moe_step: 1,
+            rope_factor: 4.0,
+            original_max_positions: 128,
+            mxfp4: false,
+        }),
+        ..gpt_oss_20b.clone()
+    };
+    // Four layers, every second MoE (dense layers 0 and 2), layer 3 NoPE, chunks of 4.
+    let tiny_llama4 = SynthShape {
+        name: "tiny-llama4",
+        hidden: 96,
+        layers: 4,
+        experts: 8,
+        top_k: 1,
+        expert_width: 40,
+        dense_width: 80,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 24,
+        vocab: 300,
+        max_positions: 512,
+        fused: Some(FusedShape {
+            window: 4,
+            moe_step: 2,
+            rope_factor: 4.0,
+            original_max_positions: 128,
+            mxfp4: false,
+        }),
+        ..scout.clone()
+    };
     vec![
+        gpt_oss_20b,
+        gpt_oss_120b,
+        scout,
+        tiny_gpt_oss,
+        tiny_llama4,
         qwen30,
         qwen235,
         mixtral,
@@ -472,6 +627,8 @@ pub struct SynthTensor {
     kind: Kind,
     /// (layer, expert) for a routed expert's matrix; its gate, up and down follow each other.
     expert: Option<(u32, u32)>,
+    /// The layer of a fused expert tensor (gpt-oss's, Llama 4's `gate_up_proj`, `down_proj`).
+    fused: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -492,7 +649,31 @@ enum Kind {
     /// centred on zero, as trained biases are next to their weights, so that they shift without
     /// dominating.
     Bias,
+    /// MXFP4 blocks (U8): two random e2m1 codes a byte.
+    Mxfp4Blocks,
+    /// MXFP4 scales (U8, e8m0): `scale` or one above it, so that every block widens to finite
+    /// values of about a BF16 matrix's magnitude (2^-7 x e2m1 values up to 6).
+    Mxfp4Scales {
+        scale: u8,
+    },
 }
+
+/// The fused keys a shape of that family without its own [`FusedShape`] gets (the released
+/// values).
+const GPT_OSS_DEFAULT: FusedShape = FusedShape {
+    window: 128,
+    moe_step: 1,
+    rope_factor: 32.0,
+    original_max_positions: 4096,
+    mxfp4: false,
+};
+const LLAMA4_DEFAULT: FusedShape = FusedShape {
+    window: 8192,
+    moe_step: 1,
+    rope_factor: 16.0,
+    original_max_positions: 8192,
+    mxfp4: false,
+};
 
 /// How many leading hidden dimensions carry the massive activation. Its value is
 /// `MASSIVE_PER_SKEW x skew`, and each router row weighs those dimensions by
@@ -515,13 +696,24 @@ impl SynthShape {
         })
     }
 
+    /// Llama 4's `interleave_moe_layer_step` as the config writes it: the shape's, but at most
+    /// `layers`, so that a model cut to fewer layers with `--layers` keeps one MoE layer (as
+    /// [`SynthShape::first_dense_layers`] does for DeepSeek).
+    fn llama4_moe_step(&self, f: FusedShape) -> u32 {
+        f.moe_step.clamp(1, self.layers.max(1))
+    }
+
     /// The expert groups of a group-limited router: (`n_group`, the fewest experts a group may
     /// hold). A sigmoid router scores a group by the sum of its two best, so it needs two.
     pub fn expert_groups(&self) -> Option<(u32, u32)> {
         let r = self.routed?;
         let per_group = match self.family {
             Family::DeepseekV3 | Family::Glm4Moe => 2,
-            Family::DeepseekV2 | Family::Qwen3Moe | Family::Mixtral => 1,
+            Family::DeepseekV2
+            | Family::Qwen3Moe
+            | Family::Mixtral
+            | Family::GptOss
+            | Family::Llama4 => 1,
         };
         Some((r.n_group, per_group))
     }
@@ -547,6 +739,8 @@ impl SynthShape {
             Family::DeepseekV3 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
             Family::DeepseekV2 => ("DeepseekV2ForCausalLM", "deepseek_v2"),
             Family::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
+            Family::GptOss => ("GptOssForCausalLM", "gpt_oss"),
+            Family::Llama4 => ("Llama4ForCausalLM", "llama4_text"),
         };
         let mut m = serde_json::Map::new();
         let mut put = |k: &str, v: serde_json::Value| {
@@ -593,6 +787,73 @@ impl SynthShape {
             Family::DeepseekV3 | Family::DeepseekV2 | Family::Glm4Moe => {
                 put("n_routed_experts", json!(self.experts));
                 put("moe_intermediate_size", json!(self.expert_width));
+            }
+            Family::GptOss => {
+                let f = self.fused.unwrap_or(GPT_OSS_DEFAULT);
+                put("num_local_experts", json!(self.experts));
+                put("intermediate_size", json!(self.expert_width));
+                put("attention_bias", json!(true));
+                put("sliding_window", json!(f.window));
+                let types: Vec<&str> = (0..self.layers)
+                    .map(|l| {
+                        if l % 2 == 0 {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    })
+                    .collect();
+                put("layer_types", json!(types));
+                put("swiglu_limit", json!(7.0));
+                if f.mxfp4 {
+                    // As openai/gpt-oss-20b's config.json writes it.
+                    put(
+                        "quantization_config",
+                        json!({
+                            "quant_method": "mxfp4",
+                            "modules_to_not_convert": [
+                                "model.layers.*.self_attn",
+                                "model.layers.*.mlp.router",
+                                "model.embed_tokens",
+                                "lm_head"
+                            ],
+                        }),
+                    );
+                }
+                put(
+                    "rope_scaling",
+                    json!({
+                        "rope_type": "yarn",
+                        "factor": f.rope_factor,
+                        "original_max_position_embeddings": f.original_max_positions,
+                        "beta_fast": 32.0,
+                        "beta_slow": 1.0,
+                        "truncate": false,
+                    }),
+                );
+            }
+            Family::Llama4 => {
+                let f = self.fused.unwrap_or(LLAMA4_DEFAULT);
+                put("num_local_experts", json!(self.experts));
+                put("intermediate_size", json!(self.expert_width));
+                put("intermediate_size_mlp", json!(self.dense_width));
+                put("interleave_moe_layer_step", json!(self.llama4_moe_step(f)));
+                put("attention_chunk_size", json!(f.window));
+                put("no_rope_layer_interval", json!(4));
+                put("use_qk_norm", json!(true));
+                put("attn_temperature_tuning", json!(true));
+                put("floor_scale", json!(8192));
+                put("attn_scale", json!(0.1));
+                put(
+                    "rope_scaling",
+                    json!({
+                        "rope_type": "llama3",
+                        "factor": f.rope_factor,
+                        "low_freq_factor": 1.0,
+                        "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": f.original_max_positions,
+                    }),
+                );
             }
         }
         if let Some(r) = self.routed {
@@ -675,7 +936,18 @@ impl SynthShape {
                 gqa(&mut att)?;
                 add(&mut att, 2, self.head_dim.checked_mul(2))?; // q/k norm, per head
             }
-            Family::Mixtral => gqa(&mut att)?,
+            Family::Mixtral | Family::Llama4 => gqa(&mut att)?,
+            Family::GptOss => {
+                gqa(&mut att)?;
+                // q, k, v, o biases and the sinks (one logit per query head)
+                add(
+                    &mut att,
+                    5,
+                    q.checked_add(kv.checked_mul(2)?)?
+                        .checked_add(h)?
+                        .checked_add(self.heads),
+                )?;
+            }
             Family::Glm4Moe => {
                 gqa(&mut att)?;
                 let g = self.glm?;
@@ -720,13 +992,38 @@ impl SynthShape {
         // An MoE layer's MLP: router, expert matrices, and DeepSeek's / GLM's router bias and
         // shared experts.
         let mut moe = (1u64, e.checked_mul(h)?);
-        add(
-            &mut moe,
-            e.checked_mul(3)?,
-            e.checked_mul(3)?
-                .checked_mul(self.expert_width)?
-                .checked_mul(h),
-        )?;
+        let expert_elems = e
+            .checked_mul(3)?
+            .checked_mul(self.expert_width)?
+            .checked_mul(h);
+        match self.family {
+            // Two fused tensors per layer; gpt-oss adds the router's bias and the experts'
+            // biases ([E, 2I], [E, H]), Llama 4 its ungated shared expert of the expert width.
+            Family::GptOss => {
+                // MXFP4: four U8 parts instead (counted in mx_bytes below).
+                if self.fused.is_some_and(|f| f.mxfp4) {
+                    moe.0 = moe.0.checked_add(4)?;
+                } else {
+                    add(&mut moe, 2, expert_elems)?;
+                }
+                let two_i = self.expert_width.checked_mul(2)?;
+                add(
+                    &mut moe,
+                    3,
+                    e.checked_add(e.checked_mul(two_i)?)?
+                        .checked_add(e.checked_mul(h)?),
+                )?;
+            }
+            Family::Llama4 => {
+                add(&mut moe, 2, expert_elems)?;
+                add(
+                    &mut moe,
+                    3,
+                    self.expert_width.checked_mul(h)?.checked_mul(3),
+                )?;
+            }
+            _ => add(&mut moe, e.checked_mul(3)?, expert_elems)?,
+        }
         if let Some(r) = self.routed {
             if matches!(self.family, Family::DeepseekV3 | Family::Glm4Moe) {
                 add(&mut moe, 1, Some(e))?; // e_score_correction_bias
@@ -735,7 +1032,14 @@ impl SynthShape {
             add(&mut moe, 3, s.checked_mul(h)?.checked_mul(3))?;
         }
         let dense = (3u64, self.dense_width.checked_mul(h)?.checked_mul(3)?);
-        let dense_layers = u64::from(self.first_dense_layers());
+        let dense_layers = match (self.family, self.fused) {
+            // Llama 4: layers step - 1, 2 step - 1, ... are MoE (Llama4TextConfig's default
+            // moe_layers), layers / step of them.
+            (Family::Llama4, Some(f)) => {
+                layers.checked_sub(layers / u64::from(self.llama4_moe_step(f)))?
+            }
+            _ => u64::from(self.first_dense_layers()),
+        };
         let moe_layers = layers.checked_sub(dense_layers)?;
         let mut total = (0u64, 0u64);
         add(
@@ -763,7 +1067,18 @@ impl SynthShape {
                 .checked_mul(heads_out)?
                 .checked_add(h),
         )?;
-        Some((total.0, total.1.checked_mul(2)?))
+        // gpt-oss's MXFP4 experts, per MoE layer: blocks [E, 2I, H/32, 16] and scales
+        // [E, 2I, H/32] of gate_up, blocks [E, H, I/32, 16] and scales [E, H, I/32] of down.
+        let mx_bytes = if self.family == Family::GptOss && self.fused.is_some_and(|f| f.mxfp4) {
+            let (i, g) = (self.expert_width, 17u64); // 16 block bytes + 1 scale a group
+            let gu = i.checked_mul(2)?.checked_mul(h / 32)?.checked_mul(g)?;
+            let dn = h.checked_mul(i / 32)?.checked_mul(g)?;
+            e.checked_mul(gu.checked_add(dn)?)?
+                .checked_mul(moe_layers)?
+        } else {
+            0
+        };
+        Some((total.0, total.1.checked_mul(2)?.checked_add(mx_bytes)?))
     }
 
     /// Total bytes of all tensors.
@@ -787,6 +1102,7 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
         shape: rule.shape.iter().map(|&d| d as u64).collect(),
         kind,
         expert: None,
+        fused: None,
     };
     let dense = |d: &DenseMlpRules| {
         let DenseMlpRules { gate, up, down } = d;
@@ -867,14 +1183,18 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                 shared,
                 router_bias,
                 shared_ungated,
-                // gpt-oss (fused experts) has no synthetic shape: its biases never occur here.
-                router_linear_bias: _,
-                expert_bias: _,
+                router_linear_bias,
+                expert_bias,
                 experts: _,
             } => {
                 let layer = l as u32;
                 out.push(t(router, Kind::Router { layer }));
                 out.extend(router_bias.iter().map(|b| t(b, Kind::Bias)));
+                // gpt-oss: the router's linear bias and the fused experts' biases.
+                out.extend(router_linear_bias.iter().map(|b| t(b, Kind::Bias)));
+                if let Some((gu, d)) = expert_bias {
+                    out.extend([t(gu, Kind::Bias), t(d, Kind::Bias)]);
+                }
                 if let Some((d, gate)) = shared {
                     out.extend(dense(d));
                     out.push(t(gate, Kind::Matrix));
@@ -890,9 +1210,32 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                             shape: m.shape.iter().map(|&d| d as u64).collect(),
                             kind,
                             expert: Some((layer, e)),
+                            fused: None,
                         });
                     }
                     e += 1;
+                }
+                // Fused experts (gpt-oss, Llama 4): gate_up then down, as released (BF16).
+                for f in rules.fused.iter().filter(|f| f.layer() == l) {
+                    let mx = matches!(f, FusedExpertRules::Mxfp4 { .. });
+                    for (k, rule) in f.tensors().into_iter().enumerate() {
+                        let kind = match (mx, k) {
+                            (false, 0) => Kind::Matrix,
+                            (false, _) => out_proj,
+                            (true, 0 | 2) => Kind::Mxfp4Blocks,
+                            // down_proj's scale one lower: the residual update kept smaller, as
+                            // Kind::OutProj does for BF16.
+                            (true, 1) => Kind::Mxfp4Scales { scale: 120 },
+                            (true, _) => Kind::Mxfp4Scales { scale: 119 },
+                        };
+                        out.push(SynthTensor {
+                            name: rule.name.clone(),
+                            shape: rule.shape.iter().map(|&d| d as u64).collect(),
+                            kind,
+                            expert: None,
+                            fused: Some(layer),
+                        });
+                    }
                 }
             }
         }
@@ -938,12 +1281,42 @@ const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl SynthTensor {
     pub fn len_bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * 2
+        self.shape.iter().product::<u64>() * self.elem_bytes()
+    }
+
+    /// 1 for the MXFP4 blocks and scales (U8), 2 for every other tensor (BF16).
+    fn elem_bytes(&self) -> u64 {
+        if self.is_u8() {
+            1
+        } else {
+            2
+        }
+    }
+
+    fn is_u8(&self) -> bool {
+        matches!(self.kind, Kind::Mxfp4Blocks | Kind::Mxfp4Scales { .. })
     }
 
     /// Fill `dst` with this tensor's BF16 bytes.
     pub fn fill(&self, seed: u64, skew: f32, dst: &mut [u8]) {
+        self.fill_from(seed, skew, 0, dst)
+    }
+
+    /// Fill `dst` with this tensor's BF16 bytes from element `start` on (a fused tensor's
+    /// expert slice): the same bytes as that range of [`SynthTensor::fill`].
+    pub fn fill_from(&self, seed: u64, skew: f32, start: usize, dst: &mut [u8]) {
         let key = name_key(seed, &self.name);
+        if let Kind::Mxfp4Blocks | Kind::Mxfp4Scales { .. } = self.kind {
+            let kind = self.kind;
+            dst.par_iter_mut().enumerate().for_each(|(j, b)| {
+                let r = mix(key.wrapping_add(((start + j) as u64).wrapping_mul(GOLDEN)));
+                *b = match kind {
+                    Kind::Mxfp4Scales { scale } => scale + (r & 1) as u8,
+                    _ => (r >> 24) as u8,
+                };
+            });
+            return;
+        }
         // A per-matrix scale, like a trained model's: 0.02 x [0.5, 1.5).
         let sigma = 0.02 * (0.5 + uniform01(mix(key ^ 1)));
         let cols = *self.shape.last().unwrap_or(&1) as usize;
@@ -963,7 +1336,7 @@ impl SynthTensor {
         dst.par_chunks_mut(CHUNK * 2)
             .enumerate()
             .for_each(|(c, out)| {
-                let base = c * CHUNK;
+                let base = start + c * CHUNK;
                 for (j, pair) in out.chunks_exact_mut(2).enumerate() {
                     let i = base + j;
                     let r = mix(key.wrapping_add((i as u64).wrapping_mul(GOLDEN)));
@@ -978,6 +1351,7 @@ impl SynthTensor {
                                 EMBED_SIGMA * normal(r)
                             }
                         }
+                        Kind::Mxfp4Blocks | Kind::Mxfp4Scales { .. } => 0.0, // filled above
                         Kind::Router { .. } => {
                             let (row, col) = (i / cols, i % cols);
                             let shift = if (col as u64) < MASSIVE_DIMS {
@@ -1021,7 +1395,10 @@ pub fn synth(out: &Path, opts: &SynthOptions) -> Result<SynthReport, ConvertErro
     // A sample of up to 16 MiB of expert bytes for the compressibility figure (every shape has
     // an MoE layer: the first dense layers stop one short of the last).
     let mut sample = Vec::new();
-    if let Some(t) = tensors.iter().find(|t| t.expert.is_some()) {
+    if let Some(t) = tensors
+        .iter()
+        .find(|t| t.expert.is_some() || t.fused.is_some())
+    {
         sample = vec![0u8; t.len_bytes().min(16 << 20) as usize];
         t.fill(opts.seed, opts.skew, &mut sample);
     }
@@ -1053,7 +1430,11 @@ struct LazyTensor<'a> {
 
 impl safetensors::View for LazyTensor<'_> {
     fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::BF16
+        if self.t.is_u8() {
+            safetensors::Dtype::U8
+        } else {
+            safetensors::Dtype::BF16
+        }
     }
     fn shape(&self) -> &[usize] {
         &self.shape
@@ -1181,6 +1562,9 @@ fn not_a_hub_checkpoint(dir: &Path) -> Option<&'static str> {
 
 struct SynthSource<'a> {
     by_name: BTreeMap<&'a str, &'a SynthTensor>,
+    /// Each fused layer's tensors in extent order, and (BF16) the permutation its slices are
+    /// re-laid by; MXFP4 parts are concatenated as released.
+    fused: BTreeMap<u32, (Vec<&'a SynthTensor>, Option<Relayout>)>,
     seed: u64,
     skew: f32,
 }
@@ -1191,6 +1575,40 @@ impl RegionSource for SynthSource<'_> {
         Ok(())
     }
     fn fill_expert(&self, e: &ExpertExtent, dst: &mut [u8]) -> Result<(), ConvertError> {
+        if let Some((parts, relayout)) = self.fused.get(&e.layer) {
+            // Expert e's slices of the fused tensors (E outermost), generated as the Hub form
+            // holds them; BF16 then re-laid as the converter re-lays them, MXFP4 as released.
+            let slice = |t: &SynthTensor| {
+                let per = t.shape[1..].iter().product::<u64>() as usize;
+                let mut b = vec![0u8; per * t.elem_bytes() as usize];
+                t.fill_from(self.seed, self.skew, e.expert as usize * per, &mut b);
+                b
+            };
+            let bytes: Vec<u8> = match (relayout, parts.as_slice()) {
+                (Some(relayout), [gu, d]) => {
+                    let pairs = |b: Vec<u8>| -> Vec<[u8; 2]> {
+                        b.chunks_exact(2).map(|c| [c[0], c[1]]).collect()
+                    };
+                    let (h, i) = (d.shape[2] as usize, d.shape[1] as usize);
+                    relayout
+                        .to_extent(&pairs(slice(gu)), &pairs(slice(d)), h, i)
+                        .into_iter()
+                        .flatten()
+                        .collect()
+                }
+                _ => parts.iter().flat_map(|t| slice(t)).collect(),
+            };
+            if bytes.len() != dst.len() {
+                return Err(ConvertError::Usage(format!(
+                    "{}: the fused slices give {} bytes, the extent holds {}",
+                    e.prefix,
+                    bytes.len(),
+                    dst.len()
+                )));
+            }
+            dst.copy_from_slice(&bytes);
+            return Ok(());
+        }
         for m in &e.matrices {
             let r = m.offset as usize..(m.offset + m.length) as usize;
             self.by_name[m.name.as_str()].fill(self.seed, self.skew, &mut dst[r]);
@@ -1208,7 +1626,10 @@ fn write_direct(
 ) -> Result<WriteSummary, ConvertError> {
     let shape = &opts.shape;
     let mut layout = LayoutPlan::new();
-    let mut non_expert: Vec<&SynthTensor> = tensors.iter().filter(|t| t.expert.is_none()).collect();
+    let mut non_expert: Vec<&SynthTensor> = tensors
+        .iter()
+        .filter(|t| t.expert.is_none() && t.fused.is_none())
+        .collect();
     // The same order as a conversion: non-expert tensors sorted by name.
     non_expert.sort_by(|a, b| a.name.cmp(&b.name));
     for t in non_expert {
@@ -1236,6 +1657,80 @@ fn write_direct(
             };
             layout.add_expert(l, e, prefix, [spec(g), spec(u), spec(d)]);
         }
+    }
+    // Fused experts: one extent per (layer, expert), gate | up | down [out, in] named as a
+    // conversion names them (`<module>.E.{gate_proj,up_proj,down_proj}`).
+    let relayout = shape.runtime_config().ok().and_then(|c| {
+        tarfa_core::model::ArchSpec::new(&c)
+            .extras
+            .expert_layout
+            .relayout()
+    });
+    let mut fused = BTreeMap::new();
+    let mut by_layer: BTreeMap<u32, Vec<&SynthTensor>> = BTreeMap::new();
+    for t in tensors {
+        if let Some(l) = t.fused {
+            by_layer.entry(l).or_default().push(t);
+        }
+    }
+    for (l, parts) in by_layer {
+        if parts.len() == 4 {
+            // MXFP4 as released: each part is expert e's slice of its tensor, named
+            // `<module>.E.<tensor>` as a conversion names it.
+            let module = parts[0]
+                .name
+                .strip_suffix(".gate_up_proj_blocks")
+                .unwrap_or(&parts[0].name)
+                .to_string();
+            for e in 0..parts[0].shape[0] as u32 {
+                let prefix = format!("{module}.{e}");
+                let specs: Vec<MatrixSpec> = parts
+                    .iter()
+                    .map(|t| MatrixSpec {
+                        name: format!("{prefix}.{}", t.name.rsplit('.').next().unwrap_or("")),
+                        dtype: Dtype::U8,
+                        shape: t.shape[1..].to_vec(),
+                        source: None,
+                    })
+                    .collect();
+                let specs: [MatrixSpec; 4] = specs.try_into().expect("four MXFP4 parts");
+                layout.add_mxfp4_expert(l, e, prefix, specs);
+            }
+            fused.insert(l, (parts, None));
+            continue;
+        }
+        // The runtime's rules give a BF16 fused layer exactly gate_up and down, and a fused
+        // family a declared permutation; anything else would drop experts, so it is an error.
+        let ([gu, d], Some(relayout)) = (parts.as_slice(), relayout) else {
+            return Err(ConvertError::Usage(format!(
+                "{}: layer {l}'s fused experts are {} tensors without a declared re-layout",
+                shape.name,
+                parts.len()
+            )));
+        };
+        let (gu, d) = (*gu, *d);
+        let (e_count, i, h) = (d.shape[0], d.shape[1], d.shape[2]);
+        let module = gu.name.strip_suffix(".gate_up_proj").unwrap_or(&gu.name);
+        for e in 0..e_count as u32 {
+            let prefix = format!("{module}.{e}");
+            let m = |role: &str, shape: Vec<u64>| MatrixSpec {
+                name: format!("{prefix}.{role}"),
+                dtype: Dtype::BF16,
+                shape,
+                source: None,
+            };
+            layout.add_expert(
+                l,
+                e,
+                prefix.clone(),
+                [
+                    m("gate_proj", vec![i, h]),
+                    m("up_proj", vec![i, h]),
+                    m("down_proj", vec![h, i]),
+                ],
+            );
+        }
+        fused.insert(l, (vec![gu, d], Some(relayout)));
     }
     let converter = format!("tarfa-convert synth {}", env!("CARGO_PKG_VERSION"));
     layout.set_metadata("converter", &converter);
@@ -1265,6 +1760,7 @@ fn write_direct(
     };
     let src = SynthSource {
         by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(),
+        fused,
         seed: opts.seed,
         skew: opts.skew,
     };

@@ -117,6 +117,14 @@ fn every_shape_is_exactly_the_runtime_rules() {
                         .expert_matrices()
                         .map(|m| (m.name, m.shape.iter().map(|&d| d as u64).collect())),
                 )
+                // gpt-oss's and Llama 4's fused expert tensors
+                .chain(
+                    rules
+                        .fused
+                        .iter()
+                        .flat_map(|f| f.tensors())
+                        .map(|r| (r.name.clone(), r.shape.iter().map(|&d| d as u64).collect())),
+                )
                 .collect();
             let mut got: Vec<(String, Vec<u64>)> = tensors
                 .iter()

@@ -246,3 +246,285 @@ fn llama4_llama3_rope_scaling_of_factor_one_changes_nothing() {
     let scaled = prefill_bits_with(&f, &dir, src(), l3(8.0));
     assert!(scaled[3][0] == own[3][0] && scaled[3][99] != own[3][99]);
 }
+
+/// Non-expert tensors every Llama 4 bundle must list before its experts (llama4-a: all four
+/// layers MoE).
+const LLAMA4_NON_EXPERT: &[&str] = &[
+    "model.layers.0.feed_forward.router.weight",
+    "model.layers.0.feed_forward.shared_expert.gate_proj.weight",
+    "model.layers.0.feed_forward.shared_expert.down_proj.weight",
+    "model.layers.3.self_attn.o_proj.weight",
+];
+
+/// The CLI on the converted bundle: every prompt's prefill logits, as bytes, equal the runtime
+/// reading the checkpoint directory itself (`load_safetensors_dir`, no bundle). The CLI reads
+/// bundles only, so the directory side is the library, with the same contract (threads and
+/// SIMD paths give the same bits: `invariances_are_bitwise`).
+fn bundle_logits_are_the_checkpoint_dirs(f: &Fixture, bundle: &std::path::Path) {
+    let tmp = tempfile::tempdir().unwrap();
+    let eng = engine(f, 1, Kernel::best());
+    let opts = ForwardOptions {
+        logits: LogitRows::All,
+        ..Default::default()
+    };
+    for (i, (printed, file)) in common::family_cli::cli_runs(bundle, f, tmp.path())
+        .into_iter()
+        .enumerate()
+    {
+        let r = &f.prompts[i];
+        assert_eq!(printed, r.greedy, "{} prompt {i}: greedy tokens", f.name);
+        let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+        let got = st.tensor("prefill_logits").unwrap().data().to_vec();
+        let mut cache = f.model.new_cache();
+        let rows = eng.forward(&mut cache, &r.prompt, &opts).unwrap().logits;
+        let want: Vec<u8> = rows
+            .iter()
+            .flatten()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert!(
+            got == want,
+            "{} prompt {i}: the bundle's prefill logits are the checkpoint directory's, byte for byte",
+            f.name
+        );
+    }
+}
+
+/// llama4-dense-s (in the repository: dense layers 0 and 2) through the converter and the
+/// `tarfa-run` binary: transformers' greedy tokens and logits within the oracle's tolerance,
+/// and the checkpoint directory's logits byte for byte.
+#[test]
+fn llama4_dense_s_bundle_through_the_converter_and_the_cli() {
+    let dir = fixture_dir("llama4-dense-s");
+    common::family_cli::cli_matches_oracle(
+        &dir,
+        "llama4-dense-s",
+        &[
+            "model.layers.0.feed_forward.gate_proj.weight",
+            "model.layers.1.feed_forward.router.weight",
+            "model.layers.1.feed_forward.shared_expert.up_proj.weight",
+        ],
+        "model.layers.3.feed_forward.experts.7",
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let bundle = tmp.path().join("bundle");
+    tarfa_convert::convert(&dir, &bundle, &Default::default()).unwrap();
+    bundle_logits_are_the_checkpoint_dirs(&load_fixture("llama4-dense-s"), &bundle);
+}
+
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
+fn llama4_a_bundle_through_the_converter_and_the_cli() {
+    let dir = shared("llama4-a");
+    common::family_cli::cli_matches_oracle(
+        &dir,
+        "llama4-a",
+        LLAMA4_NON_EXPERT,
+        "model.layers.2.feed_forward.experts.5",
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let bundle = tmp.path().join("bundle");
+    tarfa_convert::convert(&dir, &bundle, &Default::default()).unwrap();
+    bundle_logits_are_the_checkpoint_dirs(&load_fixture_from(&dir, "llama4-a"), &bundle);
+}
+
+/// llama4-dense-s rewritten as the multimodal release lays a checkpoint out: every tensor
+/// under `language_model.` (`language_model.model.*`, `language_model.lm_head.weight`), two small
+/// fake vision-tower tensors, and the config wrapped (`model_type: "llama4"`, the text config
+/// under `text_config`). `extra` adds top-level keys.
+fn wrap_llama4(src: &std::path::Path, dst: &std::path::Path, extra: &[(&str, serde_json::Value)]) {
+    std::fs::create_dir_all(dst).unwrap();
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let mut shards: Vec<String> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    shards.sort();
+    shards.dedup();
+    let mut weight_map = serde_json::Map::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let bytes = std::fs::read(src.join(shard)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| {
+                let n = match n.strip_prefix("model.") {
+                    Some(rest) => format!("language_model.model.{rest}"),
+                    None => format!("language_model.{n}"),
+                };
+                (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())
+            })
+            .collect();
+        if k + 1 == shards.len() {
+            for n in [
+                "vision_model.x.weight",
+                "multi_modal_projector.linear_1.weight",
+            ] {
+                owned.push((
+                    n.into(),
+                    safetensors::Dtype::BF16,
+                    vec![4, 4],
+                    vec![0x3f; 32],
+                ));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        for (n, _) in &views {
+            weight_map.insert(n.clone(), serde_json::Value::from(shard.clone()));
+        }
+        safetensors::serialize_to_file(views, None, &dst.join(shard)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": index["metadata"], "weight_map": weight_map});
+    std::fs::write(
+        dst.join("model.safetensors.index.json"),
+        serde_json::to_vec_pretty(&index).unwrap(),
+    )
+    .unwrap();
+    let text: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    let mut config = serde_json::json!({
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 4},
+        "boi_token_index": 200080,
+        "eoi_token_index": 200081,
+        "image_token_index": 200092,
+        "tie_word_embeddings": false,
+    });
+    for (k, v) in extra {
+        config[*k] = v.clone();
+    }
+    std::fs::write(
+        dst.join("config.json"),
+        serde_json::to_vec_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(
+        src.join("generation_config.json"),
+        dst.join("generation_config.json"),
+    )
+    .unwrap();
+}
+
+/// The multimodal wrapper of llama4-dense-s (tensors under `language_model.`, a fake vision
+/// tower, the config under `text_config`; the same helper as tarfa-convert/tests/llama4.rs)
+/// converted and run through the CLI: the `--logits-out` tensors (prompt, tokens, prefill and
+/// step logits) are the text form's bundle's, byte for byte, on every prompt.
+#[test]
+fn llama4_multimodal_wrapper_gives_the_text_forms_logits_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture_dir("llama4-dense-s");
+    let wrapped = tmp.path().join("wrapped");
+    wrap_llama4(&dir, &wrapped, &[]);
+    let (plain, bundle) = (tmp.path().join("plain"), tmp.path().join("bundle"));
+    tarfa_convert::convert(&dir, &plain, &Default::default()).unwrap();
+    tarfa_convert::convert(&wrapped, &bundle, &Default::default()).unwrap();
+    let f = load_fixture("llama4-dense-s");
+    let tensors = |bytes: &[u8]| -> Vec<(String, Vec<u8>)> {
+        let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+        let mut v: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.data().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    let (p, w) = (tmp.path().join("p"), tmp.path().join("w"));
+    std::fs::create_dir_all(&p).unwrap();
+    std::fs::create_dir_all(&w).unwrap();
+    let a = common::family_cli::cli_runs(&plain, &f, &p);
+    let b = common::family_cli::cli_runs(&bundle, &f, &w);
+    assert_eq!(a.len(), f.prompts.len());
+    for (i, ((ta, fa), (tb, fb))) in a.iter().zip(&b).enumerate() {
+        assert_eq!(ta, tb, "prompt {i}: tokens");
+        assert!(tensors(fa) == tensors(fb), "prompt {i}: logits bytes");
+    }
+}
+
+/// A llama4-dense-s bundle streamed under a budget of a few experts with no cache (every token
+/// reads its experts from the bundle) writes the very `--logits-out` tensors it writes
+/// resident, on every prompt.
+#[test]
+fn llama4_dense_s_bundle_streamed_equals_resident() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bundle = tmp.path().join("bundle");
+    tarfa_convert::convert(&fixture_dir("llama4-dense-s"), &bundle, &Default::default()).unwrap();
+    let f = load_fixture("llama4-dense-s");
+    let tensors = |path: &std::path::Path| -> Vec<(String, Vec<u8>)> {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut v: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.data().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    for (i, r) in f.prompts.iter().enumerate() {
+        let toks: Vec<String> = r.prompt.iter().map(|t| t.to_string()).collect();
+        let mut files = Vec::new();
+        for (k, extra) in [
+            &[][..],
+            &[
+                "--ram-budget",
+                "4M",
+                "--cache-policy",
+                "none",
+                "--io",
+                "cached",
+            ][..],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let out = tmp.path().join(format!("p{i}-{k}.safetensors"));
+            let summary = tmp.path().join(format!("p{i}-{k}.json"));
+            let n = r.greedy.len().to_string();
+            let mut args = vec!["generate", bundle.to_str().unwrap(), "--tokens"];
+            let joined = toks.join(",");
+            args.push(&joined);
+            args.extend([
+                "--max-new-tokens",
+                &n,
+                "--ignore-eos",
+                "--prefill-logits",
+                "--backend",
+                "cpu",
+                "--logits-out",
+                out.to_str().unwrap(),
+                "--summary-json",
+                summary.to_str().unwrap(),
+            ]);
+            args.extend(extra);
+            let (code, _, err) = common::family_cli::run(&args);
+            assert_eq!(code, 0, "{err}");
+            if k == 1 {
+                let sum: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(&summary).unwrap()).unwrap();
+                let read = sum["stream"]["totals"]["bytes_read"].as_u64().unwrap_or(0);
+                assert!(read > 0, "prompt {i}: the run streamed");
+            }
+            files.push(tensors(&out));
+        }
+        assert!(
+            files[0] == files[1],
+            "prompt {i}: streamed == resident, byte for byte"
+        );
+    }
+}

@@ -945,6 +945,33 @@ fn compare_copied_files(
             ));
             continue;
         };
+        // A multimodal Llama 4 source: the bundle carries its text model's config, derived
+        // from the source's config.json by the checkpoint reader (the text_config, as the
+        // converter writes it), so that is what the bundle's copy must be.
+        if let (true, Some(text)) = (
+            f.name == tarfa_checkpoint::CONFIG_FILE,
+            ck.config.bundle_config_json(),
+        ) {
+            checked.fetch_add(text.len() as u64, Ordering::Relaxed);
+            let sha = to_hex(&{
+                use sha2::Digest;
+                let d: [u8; 32] = sha2::Sha256::digest(&text).into();
+                d
+            });
+            if text.len() as u64 != f.size || sha != f.sha256 {
+                failures.push(Failure::new(
+                    &f.name,
+                    FailureKind::SourceFileDiffers,
+                    format!(
+                        "the bundle's file ({} bytes, SHA-256 {}) is not the source's text_config ({} bytes, SHA-256 {sha})",
+                        f.size,
+                        f.sha256,
+                        text.len()
+                    ),
+                ));
+            }
+            continue;
+        }
         let file = open_regular(&sf.path).map_err(|e| {
             VerifyError::from_open(&sf.path, e).unwrap_or_else(|| {
                 VerifyError::io(&sf.path, "open", io::ErrorKind::NotFound.into())

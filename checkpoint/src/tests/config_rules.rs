@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::*;
 use crate::CheckpointError as E;
@@ -157,9 +157,9 @@ fn config_values_out_of_range() {
 #[test]
 fn unsupported_model_type() {
     let e = with_config(|t| {
-        t.set("model_type", json!("llama4_text"));
+        t.set("model_type", json!("jamba"));
     });
-    assert_variant!(e, E::UnsupportedModelType { ref model_type, .. } if model_type == "llama4_text");
+    assert_variant!(e, E::UnsupportedModelType { ref model_type, .. } if model_type == "jamba");
 }
 
 #[test]
@@ -243,4 +243,136 @@ fn config_too_large() {
     let f = std::fs::File::create(dir.join("config.json")).unwrap();
     f.set_len(crate::MAX_JSON_LEN + 1).unwrap(); // sparse: no 100 MB written
     assert_variant!(fails(&dir), E::JsonTooLarge { .. });
+}
+
+/// Llama 4's MoE layers, as transformers' Llama4TextConfig resolves them: `moe_layers` when
+/// written, else every `interleave_moe_layer_step`-th layer counted from step - 1; a listed
+/// layer past the last is refused by name.
+#[test]
+fn llama4_moe_layers_follow_llama4_text_config() {
+    use crate::config::ModelConfigSummary;
+    let parse = |extra: Value| {
+        let mut v = json!({
+            "model_type": "llama4_text", "num_hidden_layers": 6, "num_local_experts": 4,
+            "num_experts_per_tok": 1, "hidden_size": 64
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        ModelConfigSummary::parse(Path::new("config.json"), &v.to_string())
+    };
+    let layers = |extra| parse(extra).unwrap().moe_layers;
+    assert_eq!(layers(json!({})), vec![0, 1, 2, 3, 4, 5]);
+    // Scout writes step 1; Maverick step 2 (layers 1, 3, 5 MoE).
+    assert_eq!(
+        layers(json!({"interleave_moe_layer_step": 2})),
+        vec![1, 3, 5]
+    );
+    assert_eq!(layers(json!({"interleave_moe_layer_step": 4})), vec![3]);
+    // The explicit list wins over the step.
+    assert_eq!(
+        layers(json!({"interleave_moe_layer_step": 2, "moe_layers": [4, 0]})),
+        vec![0, 4]
+    );
+    let s = parse(json!({})).unwrap();
+    assert_eq!(s.family.fused_experts(), Some(&crate::LLAMA4_FUSED));
+    let e = parse(json!({"moe_layers": [6]})).unwrap_err();
+    assert_variant!(
+        e,
+        E::ConfigValueOutOfRange {
+            field: "moe_layers",
+            ..
+        }
+    );
+    let e = parse(json!({"interleave_moe_layer_step": 0})).unwrap_err();
+    assert_variant!(
+        e,
+        E::ConfigValueOutOfRange {
+            field: "interleave_moe_layer_step",
+            ..
+        }
+    );
+}
+
+/// The multimodal Llama 4 wrapper: text_config read as a llama4_text config; a key outside the
+/// known list, a text model of another type, a disagreeing tie_word_embeddings refused by name;
+/// tensor names mapped to the text model's, the vision tower's left out, anything else refused.
+#[test]
+fn llama4_multimodal_wrapper_config_and_names() {
+    use crate::config::{unwrap_llama4_name, ModelConfigSummary};
+    let text = json!({
+        "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "hidden_size": 64, "interleave_moe_layer_step": 2
+    });
+    let parse = |v: Value| ModelConfigSummary::parse(Path::new("config.json"), &v.to_string());
+    let ok = parse(json!({
+        "model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": text, "vision_config": {"hidden_size": 8}, "image_token_index": 5
+    }))
+    .unwrap();
+    assert_eq!(ok.family, crate::ModelFamily::Llama4Text);
+    assert_eq!(ok.moe_layers, vec![1]);
+    assert_eq!(
+        ok.raw["model_type"], "llama4_text",
+        "taken to be llama4_text"
+    );
+    let w = ok.multimodal.as_ref().unwrap();
+    assert_eq!(w.architectures, ["Llama4ForConditionalGeneration"]);
+    let bundle: Value = serde_json::from_slice(&ok.bundle_config_json().unwrap()).unwrap();
+    assert_eq!(bundle["hidden_size"], 64);
+    assert!(bundle.get("vision_config").is_none());
+
+    let e = parse(json!({"model_type": "llama4", "text_config": text, "rope_scaling": {}}))
+        .unwrap_err();
+    assert_variant!(e, E::WrapperKeyRefused { ref key, .. } if key == "rope_scaling");
+    let mut other = text.clone();
+    other["model_type"] = json!("qwen3_moe");
+    let e = parse(json!({"model_type": "llama4", "text_config": other})).unwrap_err();
+    assert_variant!(
+        e,
+        E::ConfigValueOutOfRange {
+            field: "text_config.model_type",
+            ..
+        }
+    );
+    let e =
+        parse(json!({"model_type": "llama4", "text_config": text, "tie_word_embeddings": true}))
+            .unwrap_err();
+    assert_variant!(
+        e,
+        E::ConfigValueOutOfRange {
+            field: "tie_word_embeddings",
+            ..
+        }
+    );
+    let e = parse(json!({"model_type": "llama4"})).unwrap_err();
+    assert_variant!(
+        e,
+        E::ConfigMissingField {
+            field: "text_config",
+            ..
+        }
+    );
+
+    assert_eq!(
+        unwrap_llama4_name("language_model.model.layers.0.feed_forward.router.weight"),
+        Some(Ok("model.layers.0.feed_forward.router.weight".into()))
+    );
+    assert_eq!(
+        unwrap_llama4_name("language_model.lm_head.weight"),
+        Some(Ok("lm_head.weight".into()))
+    );
+    assert_eq!(
+        unwrap_llama4_name("vision_model.patch_embedding.weight"),
+        Some(Err(()))
+    );
+    assert_eq!(
+        unwrap_llama4_name("multi_modal_projector.linear_1.weight"),
+        Some(Err(()))
+    );
+    assert_eq!(
+        unwrap_llama4_name("model.layers.0.input_layernorm.weight"),
+        None
+    );
+    assert_eq!(unwrap_llama4_name("language_model.extra.weight"), None);
 }
