@@ -1102,7 +1102,24 @@ fn llama4_attention(
         .iter()
         .map(|&c| if c { chunk } else { None })
         .collect();
-    let temperature = if r.bool_opt("attn_temperature_tuning")?.unwrap_or(true) {
+    // Llama4TextAttention tests the key for truth (`if self.attn_temperature_tuning and not
+    // self.use_rope`), and the released Scout/Maverick configs write it as the integer 4
+    // (Llama4TextConfig's first default): a number is on unless it is 0.
+    let tuning = match r.get("attn_temperature_tuning") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) if n.as_f64().is_some_and(f64::is_finite) => {
+            n.as_f64() != Some(0.0)
+        }
+        Some(v) => {
+            return Err(ConfigError::WrongType {
+                key: "attn_temperature_tuning",
+                expected: "true, false or a number (its truth value, as transformers reads it)",
+                found: type_name(v),
+            })
+        }
+    };
+    let temperature = if tuning {
         let floor_scale = r.f64_opt("floor_scale")?.unwrap_or(8192.0);
         if !(floor_scale.is_finite() && floor_scale > 0.0 && (floor_scale as f32) > 0.0) {
             return Err(ConfigError::OutOfRange {
@@ -2428,6 +2445,20 @@ mod tests {
         // tuning off, use_qk_norm false
         let off = parse(&with(llama4(), "attn_temperature_tuning", false.into())).unwrap();
         assert_eq!(off.attn_temperature, None);
+        // the released configs' integer 4 is on, 0 off (transformers tests its truth); a string
+        // is refused by name
+        let four = parse(&with(llama4(), "attn_temperature_tuning", 4.into())).unwrap();
+        assert_eq!(four.attn_temperature, c.attn_temperature);
+        assert!(four.attn_temperature.is_some());
+        let zero = parse(&with(llama4(), "attn_temperature_tuning", 0.into())).unwrap();
+        assert_eq!(zero.attn_temperature, None);
+        assert!(matches!(
+            parse(&with(llama4(), "attn_temperature_tuning", "yes".into())),
+            Err(ConfigError::WrongType {
+                key: "attn_temperature_tuning",
+                ..
+            })
+        ));
         let no_norm = parse(&with(llama4(), "use_qk_norm", false.into())).unwrap();
         assert_eq!(ArchSpec::new(&no_norm).qk_norm, QkNorm::None);
         // the fused experts: gate the first half of gate_up_proj's columns
