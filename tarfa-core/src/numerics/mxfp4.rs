@@ -66,18 +66,35 @@ pub fn widen_rows(
     out: &mut Vec<u16>,
 ) -> Result<(), Mxfp4Error> {
     let groups = cols / 32;
+    // Each block's 16 possible values, widened once per scale ([`widen`] for every code) and
+    // looked up per nibble: the same values, without a multiply per value (the streamed
+    // experts are widened on every fetch). A code whose value is not finite is refused when it
+    // occurs, as before; its table entry is never pushed.
+    const BAD: u32 = u32::MAX;
+    let mut table = [0u32; 16];
+    let mut table_scale: Option<u8> = None;
+    out.reserve(rows_taken.size_hint().0 * cols);
     for r in rows_taken {
         for g in 0..groups {
             let block = r * groups + g;
             let s = scales[block];
+            if table_scale != Some(s) {
+                for (code, t) in table.iter_mut().enumerate() {
+                    *t = widen(code as u8, s).map_or(BAD, u32::from);
+                }
+                table_scale = Some(s);
+            }
             for &byte in &blocks[block * 16..(block + 1) * 16] {
                 for code in [byte & 0x0F, byte >> 4] {
-                    let w = widen(code, s).ok_or(if s == 255 {
-                        Mxfp4Error::NanScale { block }
-                    } else {
-                        Mxfp4Error::Overflow { block, scale: s }
-                    })?;
-                    out.push(w);
+                    let w = table[code as usize];
+                    if w == BAD {
+                        return Err(if s == 255 {
+                            Mxfp4Error::NanScale { block }
+                        } else {
+                            Mxfp4Error::Overflow { block, scale: s }
+                        });
+                    }
+                    out.push(w as u16);
                 }
             }
         }
@@ -135,5 +152,54 @@ mod tests {
         widen_rows(&blocks, &[128], 32, 0..1, &mut out).unwrap();
         // low nibble 1 (0.5) first, then high nibble 2 (1.0), times 2
         assert_eq!((f(out[0]), f(out[1]), out.len()), (1.0, 2.0, 32));
+    }
+
+    /// widen_rows (its per-scale table) gives exactly [`widen`] of every nibble, low first, for
+    /// rows taken in any order, with scales changing from block to block; a block whose code
+    /// overflows is refused only where such a code occurs.
+    #[test]
+    fn widen_rows_is_widen_of_every_nibble() {
+        let (rows, cols) = (6usize, 96usize);
+        let groups = cols / 32;
+        let mut z = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            z ^= z << 13;
+            z ^= z >> 7;
+            z ^= z << 17;
+            z
+        };
+        let blocks: Vec<u8> = (0..rows * groups * 16).map(|_| next() as u8).collect();
+        // scales 0..=253 (every code finite), repeated runs included
+        let scales: Vec<u8> = (0..rows * groups)
+            .map(|b| if b % 3 == 1 { 127 } else { (next() % 254) as u8 })
+            .collect();
+        let taken = [4usize, 0, 5, 1];
+        let mut out = Vec::new();
+        widen_rows(&blocks, &scales, cols, taken.iter().copied(), &mut out).unwrap();
+        let mut want = Vec::new();
+        for &r in &taken {
+            for g in 0..groups {
+                let b = r * groups + g;
+                for &byte in &blocks[b * 16..(b + 1) * 16] {
+                    want.push(widen(byte & 0x0F, scales[b]).unwrap());
+                    want.push(widen(byte >> 4, scales[b]).unwrap());
+                }
+            }
+        }
+        assert_eq!(out, want);
+        // scale 254: codes 4..7 and 12..15 (magnitude >= 2) overflow; 0..3 are fine
+        out.clear();
+        widen_rows(&[0x31u8; 16], &[254], 32, 0..1, &mut out).unwrap();
+        assert_eq!(f(out[1]), 1.5 * 2f32.powi(127));
+        out.clear();
+        let mut b = [0x31u8; 32];
+        b[16 + 5] = 0x71;
+        assert_eq!(
+            widen_rows(&b, &[254, 254], 32, 0..2, &mut out),
+            Err(Mxfp4Error::Overflow {
+                block: 1,
+                scale: 254
+            })
+        );
     }
 }
