@@ -41,8 +41,8 @@ impl Span {
         w.max(c)
     }
 
-    /// Rows dropped at once: the span itself (at least 16), so that each drop copies no more
-    /// than it frees.
+    /// Rows dropped at once: at least the span (and 16), so that each drop's copy of the rows
+    /// kept (about the span, the slack and a step) is shared by at least that many tokens.
     fn batch(&self) -> Option<usize> {
         match (self.window, self.chunk) {
             (None, None) => None,
