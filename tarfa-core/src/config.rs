@@ -1108,9 +1108,7 @@ fn llama4_attention(
     let tuning = match r.get("attn_temperature_tuning") {
         None => true,
         Some(Value::Bool(b)) => *b,
-        Some(Value::Number(n)) if n.as_f64().is_some_and(f64::is_finite) => {
-            n.as_f64() != Some(0.0)
-        }
+        Some(Value::Number(n)) if n.as_f64().is_some_and(f64::is_finite) => n.as_f64() != Some(0.0),
         Some(v) => {
             return Err(ConfigError::WrongType {
                 key: "attn_temperature_tuning",

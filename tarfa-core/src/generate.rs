@@ -341,7 +341,11 @@ where
                     // within the steps run ahead (each at most REWIND_SLACK after the
                     // first): always served in full
                     let kept = session.rewind_to(base + m + 1);
-                    assert_eq!(kept, base + m + 1, "a run-ahead rewind keeps every position");
+                    assert_eq!(
+                        kept,
+                        base + m + 1,
+                        "a run-ahead rewind keeps every position"
+                    );
                     return Ok(out);
                 }
             }

@@ -110,7 +110,10 @@ pub struct ModelDrafter<S> {
 /// always served in full ([`crate::batch::Rewind::rewind_to`]).
 fn rewind_within_step<S: Session + ?Sized>(session: &mut S, len: usize) {
     let kept = session.rewind_to(len);
-    assert_eq!(kept, len, "a rewind within the verifying step keeps every position asked");
+    assert_eq!(
+        kept, len,
+        "a rewind within the verifying step keeps every position asked"
+    );
 }
 
 impl<S: Session> ModelDrafter<S> {

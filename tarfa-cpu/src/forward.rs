@@ -515,7 +515,10 @@ fn gqa_block(
             let n = pos + 1;
             let start = window.map_or(0, |w| n.saturating_sub(w));
             let start = chunk.map_or(start, |c| start.max(pos / c * c));
-            assert!(start >= base, "layer {l}: position {start} was dropped from the cache");
+            assert!(
+                start >= base,
+                "layer {l}: position {start} was dropped from the cache"
+            );
             let (keys, values) = (&keys[..(n - base) * d], &values[..(n - base) * d]);
             let mut s: Vec<f32> = (start..n)
                 .map(|j| kernel.dot_f32(q, &keys[(j - base) * d..(j - base + 1) * d]) * scale)

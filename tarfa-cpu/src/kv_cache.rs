@@ -37,7 +37,10 @@ impl Span {
     /// The first position a query at `pos` or later reads.
     pub fn needed_from(&self, pos: usize) -> usize {
         let w = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let c = self.chunk.and_then(|c| pos.checked_div(c)).map_or(0, |q| q * self.chunk.unwrap_or(0));
+        let c = self
+            .chunk
+            .and_then(|c| pos.checked_div(c))
+            .map_or(0, |q| q * self.chunk.unwrap_or(0));
         w.max(c)
     }
 
@@ -169,7 +172,9 @@ impl KvCache {
             let Some(batch) = self.spans[l].batch() else {
                 continue;
             };
-            let needed = self.spans[l].needed_from(start).saturating_sub(REWIND_SLACK);
+            let needed = self.spans[l]
+                .needed_from(start)
+                .saturating_sub(REWIND_SLACK);
             if needed < self.base[l] + batch {
                 continue;
             }

@@ -46,7 +46,9 @@ fn windowed_and_chunked_caches_drop_rows_and_keep_every_bit() {
         let eng = engine(name);
         let cfg = eng.model().config().clone();
         let n = 200usize;
-        let tokens: Vec<u32> = (0..n).map(|i| ((i * 37 + 11) % cfg.vocab_size) as u32).collect();
+        let tokens: Vec<u32> = (0..n)
+            .map(|i| ((i * 37 + 11) % cfg.vocab_size) as u32)
+            .collect();
         let all = ForwardOptions {
             logits: LogitRows::All,
             ..ForwardOptions::default()
@@ -58,16 +60,19 @@ fn windowed_and_chunked_caches_drop_rows_and_keep_every_bit() {
         let mut cache = eng.model().new_cache();
         let mut rows = Vec::new();
         for &t in &tokens {
-            let out = eng.forward(&mut cache, &[t], &ForwardOptions::default()).unwrap();
+            let out = eng
+                .forward(&mut cache, &[t], &ForwardOptions::default())
+                .unwrap();
             rows.extend(out.logits);
         }
-        assert!(bits(&rows) == bits(&reference), "{name}: token by token = one prefill");
+        assert!(
+            bits(&rows) == bits(&reference),
+            "{name}: token by token = one prefill"
+        );
 
         // the limited layers hold a bounded window; the others everything
         let limited: Vec<usize> = (0..cfg.num_layers)
-            .filter(|&l| {
-                cfg.layer_windows[l].is_some() || cfg.layer_chunks[l].is_some()
-            })
+            .filter(|&l| cfg.layer_windows[l].is_some() || cfg.layer_chunks[l].is_some())
             .collect();
         assert!(!limited.is_empty(), "{name}");
         for l in 0..cfg.num_layers {
@@ -88,11 +93,24 @@ fn windowed_and_chunked_caches_drop_rows_and_keep_every_bit() {
         // a rewind the cache serves: the next step's bits are the reference's
         let back = n - 10;
         assert_eq!(cache.truncate(back), back, "{name}");
-        let out = eng.forward(&mut cache, &tokens[back..back + 1], &ForwardOptions::default()).unwrap();
-        assert!(bits(&out.logits) == bits(&reference[back..back + 1]), "{name}: after a rewind");
+        let out = eng
+            .forward(
+                &mut cache,
+                &tokens[back..back + 1],
+                &ForwardOptions::default(),
+            )
+            .unwrap();
+        assert!(
+            bits(&out.logits) == bits(&reference[back..back + 1]),
+            "{name}: after a rewind"
+        );
 
         // one it cannot serve empties the cache; re-feeding from 0 gives the bits again
-        assert_eq!(cache.truncate(5), 0, "{name}: rows position 5 reads were dropped");
+        assert_eq!(
+            cache.truncate(5),
+            0,
+            "{name}: rows position 5 reads were dropped"
+        );
         assert_eq!(cache.len(), 0);
         let again = eng.forward(&mut cache, &tokens, &all).unwrap().logits;
         assert!(bits(&again) == bits(&reference), "{name}: re-fed from 0");

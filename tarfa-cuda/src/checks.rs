@@ -453,7 +453,9 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
     let mut rng = Rng(41);
     // (.., window, chunk, sinks): gpt-oss's sliding layers with sinks, Llama 4's chunks
     for (hq, hkv, d, pos0, t, window, chunk, sinks) in [
-        (4usize, 2usize, 32usize, 0usize, 6usize, 0usize, 0usize, false),
+        (
+            4usize, 2usize, 32usize, 0usize, 6usize, 0usize, 0usize, false,
+        ),
         (3, 1, 24, 5, 2, 0, 0, false),
         (8, 2, 128, 250, 9, 0, 0, false),
         (2, 2, 16, 600, 1, 0, 0, false),
@@ -512,8 +514,14 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 let pos = pos0 + ti;
                 let n = pos + 1;
                 // tarfa-cpu's gqa_block: the window's last w, the chunk of pos, then the sink
-                let start = if window > 0 { n.saturating_sub(window) } else { 0 };
-                let start = pos.checked_div(chunk).map_or(start, |c| start.max(c * chunk));
+                let start = if window > 0 {
+                    n.saturating_sub(window)
+                } else {
+                    0
+                };
+                let start = pos
+                    .checked_div(chunk)
+                    .map_or(start, |c| start.max(c * chunk));
                 let qv = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
                 let keys = &kc[kvh * cap * d..];
                 let vals = &vc[kvh * cap * d + start * d..kvh * cap * d + n * d];
@@ -1024,7 +1032,11 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 }
                 let want = h0[ti * h + r] + acc;
                 c.eq(
-                    || format!("h E={e_count} token {ti} row {r} shared={shared} gpt-oss={gpt_oss}"),
+                    || {
+                        format!(
+                            "h E={e_count} token {ti} row {r} shared={shared} gpt-oss={gpt_oss}"
+                        )
+                    },
                     want,
                     g_h[ti * h + r],
                 );

@@ -206,7 +206,16 @@ fn swiglu_rows(
     cols: usize,
     x: &[f32],
 ) -> Vec<f32> {
-    act_rows(mem, (gate, up, bf16), row0, rows, cols, x, &ExpertMathRef::PLAIN, 0)
+    act_rows(
+        mem,
+        (gate, up, bf16),
+        row0,
+        rows,
+        cols,
+        x,
+        &ExpertMathRef::PLAIN,
+        0,
+    )
 }
 
 /// kernels/moe.cu's `ExpertMath` as a gate/up launch passes it: the experts' gate and up biases
@@ -534,8 +543,15 @@ fn attention_reference(mem: &mut Memory, (hq, hkv, d): (usize, usize, usize), at
         at.ns
     );
     // tarfa-cpu's gqa_block: a sliding layer's last `window` positions, a chunked layer's chunk
-    let start = if window > 0 { n.saturating_sub(window) } else { 0 };
-    let start = at.pos.checked_div(chunk).map_or(start, |c| start.max(c * chunk));
+    let start = if window > 0 {
+        n.saturating_sub(window)
+    } else {
+        0
+    };
+    let start = at
+        .pos
+        .checked_div(chunk)
+        .map_or(start, |c| start.max(c * chunk));
     let mut tmp = Vec::new();
     for h in 0..hq {
         let kvh = h / (hq / hkv);
@@ -1247,8 +1263,7 @@ pub(crate) fn launch_reference(
                     } else {
                         0
                     };
-                    let out =
-                        act_rows(mem, (gate, up, bf16), e * rows, rows, cols, &x, &m, e);
+                    let out = act_rows(mem, (gate, up, bf16), e * rows, rows, cols, &x, &m, e);
                     mem.put_f32s(act + (((t * k + j) * rows) * 4) as u64, &out);
                 }
             }
@@ -1696,7 +1711,11 @@ pub(crate) fn launch_reference(
             a.count(3);
             let (x, n, c) = (a.ptr(0), a.long(1), a.float(2));
             assert!(gx * 256 >= n, "{name} geometry");
-            let v: Vec<f32> = mem.f32s(x, n).into_iter().map(|v| v.min(c).max(-c)).collect();
+            let v: Vec<f32> = mem
+                .f32s(x, n)
+                .into_iter()
+                .map(|v| v.min(c).max(-c))
+                .collect();
             mem.put_f32s(x, &v);
         }
         "round_to_bf16" => {
@@ -3208,7 +3227,9 @@ mod tests {
     fn shared_oracle() -> Option<PathBuf> {
         let dir = std::env::var_os("TARFA_EXTRA_ORACLES")
             .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/oracle"));
+            .unwrap_or_else(|| {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/oracle")
+            });
         if dir.join("gptoss-a").exists() {
             return Some(dir);
         }
@@ -3284,13 +3305,26 @@ mod tests {
         ] {
             let (cfg, src) = fixture(name);
             let spec = ArchSpec::new(&cfg);
-            assert_eq!(super::super::unsupported_family(&cfg, &spec), None, "{name}");
+            assert_eq!(
+                super::super::unsupported_family(&cfg, &spec),
+                None,
+                "{name}"
+            );
             let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
-            let reason = gpu.decode_unsupported_reason().unwrap_or_default().to_string();
+            let reason = gpu
+                .decode_unsupported_reason()
+                .unwrap_or_default()
+                .to_string();
             assert!(reason.contains(why), "{name}: {reason}");
             drop(gpu);
             let v = cfg.vocab_size;
-            let window = cfg.layer_windows.iter().flatten().copied().max().unwrap_or(8);
+            let window = cfg
+                .layer_windows
+                .iter()
+                .flatten()
+                .copied()
+                .max()
+                .unwrap_or(8);
             let long: Vec<u32> = (0..window + 7).map(|i| (i * 13 % v) as u32).collect();
             let prompts = vec![vec![1], long];
             compare(name, cfg.clone(), src.clone(), prompts.clone(), 4);
@@ -3317,7 +3351,10 @@ mod tests {
                 "{name}"
             );
             let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
-            let why = gpu.decode_unsupported_reason().unwrap_or_default().to_string();
+            let why = gpu
+                .decode_unsupported_reason()
+                .unwrap_or_default()
+                .to_string();
             assert!(why.contains("sliding-window"), "{name}: {why}");
             drop(gpu);
             let v = cfg.vocab_size;
@@ -3352,7 +3389,13 @@ mod tests {
             assert!(gpu.decode_unsupported_reason().is_some(), "{name}");
             drop(gpu);
             let v = cfg.vocab_size;
-            let chunk = cfg.layer_chunks.iter().flatten().copied().max().unwrap_or(8);
+            let chunk = cfg
+                .layer_chunks
+                .iter()
+                .flatten()
+                .copied()
+                .max()
+                .unwrap_or(8);
             let long: Vec<u32> = (0..chunk + 5).map(|i| (i * 13 % v) as u32).collect();
             let prompts = vec![vec![1], long];
             compare(name, cfg.clone(), src.clone(), prompts.clone(), 4);

@@ -248,9 +248,8 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
                 }
                 total += opt(&m.correction_bias) + opt(&m.router_linear_bias);
                 if let Some(b) = &m.expert_bias {
-                    total += host_f32_bytes(&b.gate)
-                        + host_f32_bytes(&b.up)
-                        + host_f32_bytes(&b.down);
+                    total +=
+                        host_f32_bytes(&b.gate) + host_f32_bytes(&b.up) + host_f32_bytes(&b.down);
                 }
                 if experts && spec.layers[l] == MlpKind::Moe {
                     total += 3 * 2 * (cfg.num_experts * cfg.expert_width * cfg.hidden_size) as u64;
@@ -1146,7 +1145,18 @@ impl CudaModel {
             } else {
                 ws.xn.ptr()
             };
-            ops::gate_up_slots(gpu, slots, i, h, route.ids, k, xn, ws.act.ptr(), t_count, math)?;
+            ops::gate_up_slots(
+                gpu,
+                slots,
+                i,
+                h,
+                route.ids,
+                k,
+                xn,
+                ws.act.ptr(),
+                t_count,
+                math,
+            )?;
             ops::down_slots(
                 gpu,
                 slots,
@@ -1236,7 +1246,13 @@ impl CudaModel {
         };
         ops::AttnMask {
             sinks,
-            window: self.cfg.layer_windows.get(l).copied().flatten().unwrap_or(0),
+            window: self
+                .cfg
+                .layer_windows
+                .get(l)
+                .copied()
+                .flatten()
+                .unwrap_or(0),
             chunk: self.cfg.layer_chunks.get(l).copied().flatten().unwrap_or(0),
         }
     }

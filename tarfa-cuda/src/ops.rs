@@ -116,11 +116,7 @@ pub(crate) struct RopeForm {
 
 impl RopeForm {
     fn args(&self) -> [Arg; 4] {
-        let form = if self.none {
-            2
-        } else {
-            i32::from(self.pairs)
-        };
+        let form = if self.none { 2 } else { i32::from(self.pairs) };
         [
             Arg::I32(form),
             Arg::I32(i32::from(self.l2.is_some())),

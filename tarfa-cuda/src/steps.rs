@@ -202,7 +202,11 @@ impl OpSteps<'_> {
         // gqa_block; transformers' OlmoeAttention)
         if let Some(c) = cfg.clip_qkv {
             let c = c as f32;
-            for (x, rows) in [(ws.q.ptr(), hq * d), (ws.k.ptr(), hkv * d), (ws.v.ptr(), hkv * d)] {
+            for (x, rows) in [
+                (ws.q.ptr(), hq * d),
+                (ws.k.ptr(), hkv * d),
+                (ws.v.ptr(), hkv * d),
+            ] {
                 ops::clip_abs(gpu, x, rows * t_count, c)?;
             }
         }
@@ -528,7 +532,15 @@ impl LayerSteps for OpSteps<'_> {
         let math = m.expert_math(l);
         // Llama 4: each (token, slot) reads its input times its routing weight
         let xn = if math.input_scaled {
-            ops::scale_slots(&m.gpu, ws.xn.ptr(), route.weights, h, k, t_count, ws.x_slots.ptr())?;
+            ops::scale_slots(
+                &m.gpu,
+                ws.xn.ptr(),
+                route.weights,
+                h,
+                k,
+                t_count,
+                ws.x_slots.ptr(),
+            )?;
             ws.x_slots.ptr()
         } else {
             ws.xn.ptr()

@@ -414,7 +414,10 @@ impl<'a> Scheduler<'a> {
             if let Some(len) = s.work.kept_len() {
                 // at or after the step's start: always served in full
                 let kept = s.seq.truncate(len);
-                assert_eq!(kept, len, "a rewind within the verifying step keeps every position");
+                assert_eq!(
+                    kept, len,
+                    "a rewind within the verifying step keeps every position"
+                );
             }
             for t in s.work.take_new_tokens() {
                 if !s.cancelled && !(s.sink)(Event::Token(t)) {

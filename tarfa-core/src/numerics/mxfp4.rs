@@ -171,7 +171,13 @@ mod tests {
         let blocks: Vec<u8> = (0..rows * groups * 16).map(|_| next() as u8).collect();
         // scales 0..=253 (every code finite), repeated runs included
         let scales: Vec<u8> = (0..rows * groups)
-            .map(|b| if b % 3 == 1 { 127 } else { (next() % 254) as u8 })
+            .map(|b| {
+                if b % 3 == 1 {
+                    127
+                } else {
+                    (next() % 254) as u8
+                }
+            })
             .collect();
         let taken = [4usize, 0, 5, 1];
         let mut out = Vec::new();
