@@ -144,6 +144,49 @@ fn mxfp4_tensors(ckpt: &Checkpoint) -> Vec<String> {
 }
 
 /// The declared permutation a fused layer's BF16 slices are re-laid with.
+/// Expert `e`'s extent from its slices of the fused tensors, in extent order: BF16 `[gate_up,
+/// down]` re-laid by `relayout` into gate | up | down, or (no re-layout: MXFP4 as released) the
+/// slices one after the other. The converter and the synth generator's direct bundles both
+/// write fused experts with this, so a synthetic bundle is what converting its Hub form gives.
+pub(crate) fn fused_extent(
+    e: &ExpertExtent,
+    relayout: Option<Relayout>,
+    parts: &[Vec<u8>],
+    h: usize,
+    i: usize,
+    dst: &mut [u8],
+) -> Result<(), ConvertError> {
+    let bytes: Vec<u8> = match (relayout, parts) {
+        (None, _) => parts.concat(),
+        (Some(relayout), [gu, d]) => {
+            let pairs =
+                |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
+            relayout
+                .to_extent(&pairs(gu), &pairs(d), h, i)
+                .into_iter()
+                .flatten()
+                .collect()
+        }
+        (Some(_), _) => {
+            return Err(ConvertError::Usage(format!(
+                "{}: a re-laid fused expert has {} source slices, not gate_up and down",
+                e.prefix,
+                parts.len()
+            )))
+        }
+    };
+    if bytes.len() != dst.len() {
+        return Err(ConvertError::Usage(format!(
+            "{}: the fused slices give {} bytes, the extent holds {}",
+            e.prefix,
+            bytes.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(&bytes);
+    Ok(())
+}
+
 fn relayout_of(f: &FusedLayer) -> Option<Relayout> {
     match (&f.form, f.columns) {
         (FusedForm::Bf16 { .. }, GateUpColumns::Interleaved) => {
@@ -394,7 +437,6 @@ impl RegionSource for CheckpointSource<'_> {
     fn fill_expert(&self, e: &ExpertExtent, dst: &mut [u8]) -> Result<(), ConvertError> {
         if let Some(f) = self.ckpt.fused.get(&e.layer) {
             let ranges = fused_ranges(self.ckpt, f, e.expert);
-            let mut bytes = Vec::with_capacity(dst.len());
             let mut parts = Vec::with_capacity(ranges.len());
             for r in &ranges {
                 let mut part = vec![0u8; r.length as usize];
@@ -403,27 +445,8 @@ impl RegionSource for CheckpointSource<'_> {
                     .read_tensor_range_to(&r.tensor, r.offset - t.offset, &mut part)?;
                 parts.push(part);
             }
-            match relayout_of(f) {
-                None => parts.iter().for_each(|p| bytes.extend_from_slice(p)),
-                Some(relayout) => {
-                    let pairs = |b: &[u8]| -> Vec<[u8; 2]> {
-                        b.chunks_exact(2).map(|c| [c[0], c[1]]).collect()
-                    };
-                    let (h, i) = (f.hidden as usize, f.intermediate as usize);
-                    let ext = relayout.to_extent(&pairs(&parts[0]), &pairs(&parts[1]), h, i);
-                    bytes.extend(ext.into_iter().flatten());
-                }
-            }
-            if bytes.len() != dst.len() {
-                return Err(ConvertError::Usage(format!(
-                    "{}: the fused sources give {} bytes, the extent holds {}",
-                    e.prefix,
-                    bytes.len(),
-                    dst.len()
-                )));
-            }
-            dst.copy_from_slice(&bytes);
-            return Ok(());
+            let (h, i) = (f.hidden as usize, f.intermediate as usize);
+            return fused_extent(e, relayout_of(f), &parts, h, i, dst);
         }
         for m in &e.matrices {
             let range = m.offset as usize..(m.offset + m.length) as usize;

@@ -1584,30 +1584,13 @@ impl RegionSource for SynthSource<'_> {
                 t.fill_from(self.seed, self.skew, e.expert as usize * per, &mut b);
                 b
             };
-            let bytes: Vec<u8> = match (relayout, parts.as_slice()) {
-                (Some(relayout), [gu, d]) => {
-                    let pairs = |b: Vec<u8>| -> Vec<[u8; 2]> {
-                        b.chunks_exact(2).map(|c| [c[0], c[1]]).collect()
-                    };
-                    let (h, i) = (d.shape[2] as usize, d.shape[1] as usize);
-                    relayout
-                        .to_extent(&pairs(slice(gu)), &pairs(slice(d)), h, i)
-                        .into_iter()
-                        .flatten()
-                        .collect()
-                }
-                _ => parts.iter().flat_map(|t| slice(t)).collect(),
+            let slices: Vec<Vec<u8>> = parts.iter().map(|t| slice(t)).collect();
+            // [gate_up, down]'s shapes give H and I (a re-laid layer always has the two)
+            let (h, i) = match parts.as_slice() {
+                [_, d] => (d.shape[2] as usize, d.shape[1] as usize),
+                _ => (0, 0),
             };
-            if bytes.len() != dst.len() {
-                return Err(ConvertError::Usage(format!(
-                    "{}: the fused slices give {} bytes, the extent holds {}",
-                    e.prefix,
-                    bytes.len(),
-                    dst.len()
-                )));
-            }
-            dst.copy_from_slice(&bytes);
-            return Ok(());
+            return crate::convert::fused_extent(e, *relayout, &slices, h, i, dst);
         }
         for m in &e.matrices {
             let r = m.offset as usize..(m.offset + m.length) as usize;
