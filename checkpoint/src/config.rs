@@ -236,17 +236,7 @@ impl ModelConfigSummary {
                 model_type: model_type.clone(),
             }
         })?;
-        let architectures = match c.get("architectures") {
-            None => Vec::new(),
-            Some(v) => v
-                .as_array()
-                .and_then(|a| {
-                    a.iter()
-                        .map(|s| s.as_str().map(str::to_owned))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| c.wrong_type("architectures", "an array of strings"))?,
-        };
+        let architectures = c.architectures()?;
 
         let num_hidden_layers = c.required_u32("num_hidden_layers")?;
         c.positive("num_hidden_layers", num_hidden_layers.into())?;
@@ -404,17 +394,7 @@ impl ModelConfigSummary {
                 });
             }
         }
-        let architectures = match c.get("architectures") {
-            None => Vec::new(),
-            Some(v) => v
-                .as_array()
-                .and_then(|a| {
-                    a.iter()
-                        .map(|s| s.as_str().map(str::to_owned))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| c.wrong_type("architectures", "an array of strings"))?,
-        };
+        let architectures = c.architectures()?;
         let text = Value::Object(text);
         let mut inner = ModelConfigSummary::parse(file, &text.to_string())?;
         inner.multimodal = Some(MultimodalWrapper {
@@ -499,6 +479,20 @@ impl Fields<'_> {
         CheckpointError::ConfigMissingField {
             file: self.file.into(),
             field,
+        }
+    }
+    /// `architectures`: an array of strings (absent: none).
+    fn architectures(&self) -> Result<Vec<String>, CheckpointError> {
+        match self.get("architectures") {
+            None => Ok(Vec::new()),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|s| s.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| self.wrong_type("architectures", "an array of strings")),
         }
     }
     fn wrong_type(&self, field: &'static str, expected: &'static str) -> CheckpointError {
