@@ -35,6 +35,31 @@ pub enum ModelFamily {
     /// the MoE layers `moe_layers` or every `interleave_moe_layer_step`-th layer (as
     /// transformers' `Llama4TextConfig` resolves them), the rest dense.
     Llama4Text,
+    /// `model_type: "qwen3_next"` (Qwen3-Next): gated-DeltaNet linear-attention and gated
+    /// full-attention layers (`layer_types`; their tensors are the runtime's rules to judge),
+    /// routed experts named as Qwen3-MoE's plus a sigmoid-gated shared expert, dense layers
+    /// under `decoder_sparse_step` / `mlp_only_layers` as Qwen3-MoE reads them. Its
+    /// multi-token-prediction module (`mtp.*`) is skipped.
+    Qwen3Next,
+    /// `model_type: "qwen3_5_moe_text"` (Qwen3.5 MoE's text model): the Qwen3-Next backbone with
+    /// separate linear-attention input projections, every layer MoE, the experts per expert (as
+    /// transformers saves them) or fused by rows per layer (as Qwen3.5 is released:
+    /// [`crate::QWEN3_5_MOE_FUSED`]). The release wraps it (`qwen3_5_moe`, read through
+    /// [`WrapperLayout`]); `mtp.*` is skipped.
+    Qwen3_5Moe,
+}
+
+/// How a family's checkpoints store their routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertStorage {
+    /// One tensor per matrix per expert, named as [`crate::ExpertNaming`] says.
+    PerExpert,
+    /// Fused per layer, always (gpt-oss, Llama 4).
+    Fused(&'static crate::FusedExpertTable),
+    /// Either form, decided per checkpoint by which tensors it has: per expert (transformers'
+    /// `save_pretrained`) or fused (the released Qwen3.5 MoE checkpoints). A checkpoint that
+    /// mixes the two is refused by name.
+    PerExpertOrFused(&'static crate::FusedExpertTable),
 }
 
 impl ModelFamily {
@@ -50,6 +75,8 @@ impl ModelFamily {
             ModelFamily::DeepseekV2 => "deepseek_v2",
             ModelFamily::GptOss => "gpt_oss",
             ModelFamily::Llama4Text => "llama4_text",
+            ModelFamily::Qwen3Next => "qwen3_next",
+            ModelFamily::Qwen3_5Moe => "qwen3_5_moe_text",
         }
     }
 
@@ -65,6 +92,8 @@ impl ModelFamily {
             ModelFamily::DeepseekV2,
             ModelFamily::GptOss,
             ModelFamily::Llama4Text,
+            ModelFamily::Qwen3Next,
+            ModelFamily::Qwen3_5Moe,
         ]
         .into_iter()
         .find(|f| f.model_type() == s)
@@ -78,19 +107,50 @@ impl ModelFamily {
         }
     }
 
-    /// The family's fused expert tensors, if it stores its experts fused.
-    pub fn fused_experts(self) -> Option<&'static crate::FusedExpertTable> {
+    /// How the family stores its experts.
+    pub fn expert_storage(self) -> ExpertStorage {
         match self {
-            ModelFamily::GptOss => Some(&crate::GPT_OSS_FUSED),
-            ModelFamily::Llama4Text => Some(&crate::LLAMA4_FUSED),
+            ModelFamily::GptOss => ExpertStorage::Fused(&crate::GPT_OSS_FUSED),
+            ModelFamily::Llama4Text => ExpertStorage::Fused(&crate::LLAMA4_FUSED),
+            ModelFamily::Qwen3_5Moe => ExpertStorage::PerExpertOrFused(&crate::QWEN3_5_MOE_FUSED),
+            ModelFamily::Qwen3Moe
+            | ModelFamily::Qwen2Moe
+            | ModelFamily::Mixtral
+            | ModelFamily::Olmoe
+            | ModelFamily::Glm4Moe
+            | ModelFamily::DeepseekV3
+            | ModelFamily::DeepseekV2
+            | ModelFamily::Qwen3Next => ExpertStorage::PerExpert,
+        }
+    }
+
+    /// The family's fused expert tensors, if it stores (or may store) its experts fused: what
+    /// [`crate::Checkpoint::fused`]'s layers are, when it has any.
+    pub fn fused_experts(self) -> Option<&'static crate::FusedExpertTable> {
+        match self.expert_storage() {
+            ExpertStorage::PerExpert => None,
+            ExpertStorage::Fused(t) | ExpertStorage::PerExpertOrFused(t) => Some(t),
+        }
+    }
+
+    /// The name prefix of the family's multi-token-prediction module, whose tensors are
+    /// validated and skipped (transformers' Qwen3-Next and Qwen3.5 models ignore `^mtp.*` on
+    /// load; next-token logits never read it).
+    pub fn mtp_prefix(self) -> Option<&'static str> {
+        match self {
+            ModelFamily::Qwen3Next | ModelFamily::Qwen3_5Moe => Some("mtp."),
             _ => None,
         }
     }
 
     /// Whether the config's `decoder_sparse_step` and `mlp_only_layers` can make layers dense
-    /// (as transformers' Qwen2-MoE and Qwen3-MoE read them; Mixtral and OLMoE have none).
+    /// (as transformers' Qwen2-MoE, Qwen3-MoE and Qwen3-Next read them; Mixtral, OLMoE and
+    /// Qwen3.5 MoE, every layer of which is MoE, have none).
     fn has_dense_layers(self) -> bool {
-        matches!(self, ModelFamily::Qwen3Moe | ModelFamily::Qwen2Moe)
+        matches!(
+            self,
+            ModelFamily::Qwen3Moe | ModelFamily::Qwen2Moe | ModelFamily::Qwen3Next
+        )
     }
 
     /// Whether the family counts its experts under `n_routed_experts`, makes the first
@@ -126,43 +186,135 @@ pub struct ModelConfigSummary {
     /// next-token logits never use. Their tensors are skipped (listed in
     /// [`crate::Checkpoint::skipped`]), never carried or run.
     pub nextn_predict_layers: u32,
+    /// `mtp_num_hidden_layers` as written (Qwen3-Next, Qwen3.5 MoE): the layers of the
+    /// multi-token-prediction module under [`ModelFamily::mtp_prefix`], whose tensors are
+    /// skipped (listed in [`crate::Checkpoint::mtp`]), never carried or run. Only the note on
+    /// them reads it.
+    pub mtp_hidden_layers: Option<u32>,
     /// `quantization_config.quant_method = "mxfp4"` on a gpt-oss config: its fused experts are
     /// the released MXFP4 blocks and scales. (The block's other keys are the runtime's rules
     /// to judge: tarfa-core refuses an unknown one by name.)
     pub mxfp4: bool,
-    /// The whole `config.json`; for a multimodal Llama 4 wrapper, its `text_config` (the model
+    /// The whole `config.json`; for a multimodal wrapper, its `text_config` (the model
     /// converted).
     pub raw: Value,
-    /// A multimodal Llama 4 release (`model_type: "llama4"`, `Llama4ForConditionalGeneration`):
-    /// only its text model is read (`text_config`, the `language_model.` tensors).
+    /// A multimodal release (Llama 4's `llama4`, Qwen3.5 MoE's `qwen3_5_moe`): only its text
+    /// model is read (`text_config`, the tensors [`WrapperLayout::text_prefixes`] name).
     pub multimodal: Option<MultimodalWrapper>,
 }
 
 /// What a multimodal wrapper config said around its text model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MultimodalWrapper {
-    /// `"llama4"`.
+    /// The wrapper's `model_type`, e.g. `"llama4"`.
     pub model_type: String,
     /// The wrapper's `architectures` (e.g. `["Llama4ForConditionalGeneration"]`).
     pub architectures: Vec<String>,
+    /// How its tensors are laid out around the text model's.
+    pub layout: &'static WrapperLayout,
 }
 
-/// The top-level keys a multimodal Llama 4 config may carry besides `text_config`: the
-/// vision tower's and the image tokens' (which a text-only forward never reads) and
-/// bookkeeping. Any other key is refused by name: it might change the text model.
-const LLAMA4_WRAPPER_KEYS: &[&str] = &[
-    "architectures",
-    "model_type",
-    "text_config",
-    "vision_config",
-    "boi_token_index",
-    "eoi_token_index",
-    "image_token_index",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "tie_word_embeddings",
-];
+/// A multimodal release's layout around its text model: which config keys and tensors are
+/// the text model's, under which names, and which parts a text-only forward never reads.
+#[derive(Debug, PartialEq, Eq)]
+pub struct WrapperLayout {
+    /// The wrapper's `model_type`.
+    pub model_type: &'static str,
+    /// The text model inside (`text_config.model_type`, taken to be this one's when absent).
+    pub text: ModelFamily,
+    /// The top-level keys the wrapper config may carry besides `text_config`: the vision
+    /// tower's and the image and video tokens' (which a text-only forward never reads) and
+    /// bookkeeping. Any other key is refused by name: it might change the text model.
+    pub keys: &'static [&'static str],
+    /// `(wrapper prefix, text prefix)`: a tensor named `wrapper prefix + rest` is the text
+    /// model's `text prefix + rest`.
+    pub text_prefixes: &'static [(&'static str, &'static str)],
+    /// The prefixes of the parts left out (the vision tower and its projector): validated,
+    /// recorded by name, never carried.
+    pub left_out: &'static [&'static str],
+}
+
+/// What a wrapper makes of one tensor name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WrappedTensor {
+    /// The text model's, under this name.
+    Text(String),
+    /// A part the text model never reads (the vision tower): left out.
+    LeftOut,
+}
+
+impl WrapperLayout {
+    /// A tensor of the wrapped checkpoint: the text model's (under the text model's name) or
+    /// a left-out part's; `None` for a name the layout does not place, which is refused.
+    pub fn classify(&self, name: &str) -> Option<WrappedTensor> {
+        for (outer, inner) in self.text_prefixes {
+            if let Some(rest) = name.strip_prefix(outer) {
+                return Some(WrappedTensor::Text(format!("{inner}{rest}")));
+            }
+        }
+        self.left_out
+            .iter()
+            .any(|p| name.starts_with(p))
+            .then_some(WrappedTensor::LeftOut)
+    }
+}
+
+/// Llama 4's multimodal release (`Llama4ForConditionalGeneration`): the text model under
+/// `language_model.`, the vision tower and its projector at the top level.
+pub static LLAMA4_WRAPPER: WrapperLayout = WrapperLayout {
+    model_type: "llama4",
+    text: ModelFamily::Llama4Text,
+    keys: &[
+        "architectures",
+        "model_type",
+        "text_config",
+        "vision_config",
+        "boi_token_index",
+        "eoi_token_index",
+        "image_token_index",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "tie_word_embeddings",
+    ],
+    text_prefixes: &[
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ],
+    left_out: &["vision_model.", "multi_modal_projector."],
+};
+
+/// Qwen3.5 MoE's release (`Qwen3_5MoeForConditionalGeneration`, the keys of transformers'
+/// `Qwen3_5MoeConfig`): the text model under `model.language_model.`, its `lm_head` and
+/// multi-token-prediction module (`mtp.`, skipped as the text model's own) at the top level,
+/// the vision tower under `model.visual.`.
+pub static QWEN3_5_MOE_WRAPPER: WrapperLayout = WrapperLayout {
+    model_type: "qwen3_5_moe",
+    text: ModelFamily::Qwen3_5Moe,
+    keys: &[
+        "architectures",
+        "model_type",
+        "text_config",
+        "vision_config",
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "tie_word_embeddings",
+    ],
+    text_prefixes: &[
+        ("model.language_model.", "model."),
+        ("lm_head.", "lm_head."),
+        ("mtp.", "mtp."),
+    ],
+    left_out: &["model.visual."],
+};
+
+/// Every multimodal wrapper read, by its `model_type`.
+const WRAPPERS: [&WrapperLayout; 2] = [&LLAMA4_WRAPPER, &QWEN3_5_MOE_WRAPPER];
 
 impl ModelConfigSummary {
     /// Whether layer `layer` has experts.
@@ -227,8 +379,8 @@ impl ModelConfigSummary {
         let model_type = c
             .string("model_type")?
             .ok_or_else(|| c.missing("model_type"))?;
-        if model_type == "llama4" {
-            return Self::parse_llama4_wrapper(file, &c);
+        if let Some(layout) = WRAPPERS.iter().find(|w| w.model_type == model_type) {
+            return Self::parse_wrapper(file, &c, layout);
         }
         let family = ModelFamily::from_model_type(&model_type).ok_or_else(|| {
             CheckpointError::UnsupportedModelType {
@@ -323,6 +475,13 @@ impl ModelConfigSummary {
         } else {
             0
         };
+        let mtp_hidden_layers = match (family.mtp_prefix(), c.uint("mtp_num_hidden_layers")?) {
+            (Some(_), Some(n)) => Some(c.fits_u32("mtp_num_hidden_layers", n)?),
+            _ => None,
+        };
+        if family == ModelFamily::Qwen3_5Moe {
+            mrope_reduces_to_rope(&c)?;
+        }
 
         Ok(ModelConfigSummary {
             model_type,
@@ -334,25 +493,25 @@ impl ModelConfigSummary {
             hidden_size,
             moe_layers,
             nextn_predict_layers,
+            mtp_hidden_layers,
             mxfp4,
             raw,
             multimodal: None,
         })
     }
 
-    /// A multimodal Llama 4 config: its `text_config` parsed as a `llama4_text` config (its
-    /// `model_type` must be that, or absent and then taken to be), the wrapper's keys checked.
-    fn parse_llama4_wrapper(
+    /// A multimodal wrapper config: its `text_config` parsed as a config of the wrapped text
+    /// model (its `model_type` must be that, or absent and then taken to be), the wrapper's
+    /// own keys checked against the layout's list.
+    fn parse_wrapper(
         file: &Path,
         c: &Fields<'_>,
+        layout: &'static WrapperLayout,
     ) -> Result<ModelConfigSummary, CheckpointError> {
-        if let Some(key) = c
-            .obj
-            .keys()
-            .find(|k| !LLAMA4_WRAPPER_KEYS.contains(&k.as_str()))
-        {
+        if let Some(key) = c.obj.keys().find(|k| !layout.keys.contains(&k.as_str())) {
             return Err(CheckpointError::WrapperKeyRefused {
                 file: file.into(),
+                wrapper: layout.model_type,
                 key: key.clone(),
             });
         }
@@ -362,20 +521,19 @@ impl ModelConfigSummary {
             .as_object()
             .ok_or_else(|| c.wrong_type("text_config", "an object"))?
             .clone();
+        let text_type = layout.text.model_type();
         match text.get("model_type") {
             None => {
-                text.insert(
-                    "model_type".into(),
-                    Value::from(ModelFamily::Llama4Text.model_type()),
-                );
+                text.insert("model_type".into(), Value::from(text_type));
             }
-            Some(v) if v.as_str() == Some(ModelFamily::Llama4Text.model_type()) => {}
+            Some(v) if v.as_str() == Some(text_type) => {}
             Some(v) => {
                 return Err(CheckpointError::ConfigValueOutOfRange {
                     file: file.into(),
                     field: "text_config.model_type",
                     value: v.to_string(),
-                    reason: "a llama4 wrapper's text model must be llama4_text",
+                    reason: "is not the text model this wrapper holds (llama4: llama4_text, \
+                             qwen3_5_moe: qwen3_5_moe_text)",
                 })
             }
         }
@@ -398,8 +556,9 @@ impl ModelConfigSummary {
         let text = Value::Object(text);
         let mut inner = ModelConfigSummary::parse(file, &text.to_string())?;
         inner.multimodal = Some(MultimodalWrapper {
-            model_type: "llama4".into(),
+            model_type: layout.model_type.into(),
             architectures,
+            layout,
         });
         Ok(inner)
     }
@@ -415,20 +574,94 @@ impl ModelConfigSummary {
     }
 }
 
-/// A multimodal wrapper's tensor, as the text model names it: `language_model.model.X` is
-/// `model.X`, `language_model.lm_head.X` is `lm_head.X`; the vision tower's
-/// (`vision_model.*`, `multi_modal_projector.*`) are `Err(())`, left out; anything else `None`.
-pub(crate) fn unwrap_llama4_name(name: &str) -> Option<Result<String, ()>> {
-    if let Some(rest) = name.strip_prefix("language_model.model.") {
-        return Some(Ok(format!("model.{rest}")));
+/// Qwen3.5's multimodal rotary embedding, on text: transformers' `Qwen3_5MoeTextRotaryEmbedding`
+/// gives each of the rotary width's `rotary_dim / 2` frequencies the position of one of three
+/// components (temporal, height, width), interleaved by `mrope_section`; a text token's three
+/// components are its one position, so every frequency gets that position and the rotation is
+/// plain RoPE, exactly, whether interleaved or not. The sections are accepted when they tile
+/// the rotary half exactly (`sum == head_dim x partial_rotary_factor / 2`), as the released
+/// configs' `[11, 11, 10]` of 64 rotary dims do: sections that do not are not the model the
+/// release describes (another head_dim or factor), and are refused by name.
+/// `mrope_interleaved` must be a boolean. Both are read in `rope_parameters` and, as older
+/// releases wrote them, `rope_scaling`.
+fn mrope_reduces_to_rope(c: &Fields<'_>) -> Result<(), CheckpointError> {
+    const BLOCKS: [(&str, &str, &str); 2] = [
+        (
+            "rope_parameters",
+            "rope_parameters.mrope_section",
+            "rope_parameters.mrope_interleaved",
+        ),
+        (
+            "rope_scaling",
+            "rope_scaling.mrope_section",
+            "rope_scaling.mrope_interleaved",
+        ),
+    ];
+    for (block, section_key, interleaved_key) in BLOCKS {
+        let Some(Value::Object(b)) = c.get(block) else {
+            continue;
+        };
+        if let Some(v) = b.get("mrope_interleaved").filter(|v| !v.is_null()) {
+            if !v.is_boolean() {
+                return Err(c.wrong_type(interleaved_key, "a boolean"));
+            }
+        }
+        let Some(v) = b.get("mrope_section").filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let sections = v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| c.wrong_type(section_key, "an array of unsigned integers"))?;
+        let refused = |reason| CheckpointError::ConfigValueOutOfRange {
+            file: c.file.into(),
+            field: section_key,
+            value: v.to_string(),
+            reason,
+        };
+        if sections.len() != 3 {
+            return Err(refused(
+                "multimodal RoPE has three sections (temporal, height, width)",
+            ));
+        }
+        let half = rotary_dim(c)? / 2;
+        let sum = sections.iter().try_fold(0u64, |a, &x| a.checked_add(x));
+        if sum != Some(half) {
+            return Err(refused(
+                "the sections must add up to half the rotary width (head_dim x \
+                 partial_rotary_factor / 2), which text positions then rotate as plain RoPE",
+            ));
+        }
     }
-    if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
-        return Some(Ok(format!("lm_head.{rest}")));
-    }
-    if name.starts_with("vision_model.") || name.starts_with("multi_modal_projector.") {
-        return Some(Err(()));
-    }
-    None
+    Ok(())
+}
+
+/// `int(head_dim * partial_rotary_factor)`, as transformers computes the rotary width:
+/// `head_dim` (else `hidden_size / num_attention_heads`), the factor from `rope_parameters`,
+/// else the top level, else Qwen3.5's default 0.25 (`Qwen3_5MoeTextConfig` sets it).
+fn rotary_dim(c: &Fields<'_>) -> Result<u64, CheckpointError> {
+    let head_dim = match c.uint("head_dim")? {
+        Some(d) => d,
+        None => {
+            let heads = c
+                .uint("num_attention_heads")?
+                .ok_or_else(|| c.missing("num_attention_heads"))?;
+            c.positive("num_attention_heads", heads)?;
+            c.uint("hidden_size")?.unwrap_or(0) / heads
+        }
+    };
+    let nested = match c.get("rope_parameters") {
+        Some(Value::Object(rp)) => rp.get("partial_rotary_factor").filter(|v| !v.is_null()),
+        _ => None,
+    };
+    let factor = nested.or_else(|| c.get("partial_rotary_factor"));
+    let factor = match factor {
+        None => 0.25,
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| c.wrong_type("partial_rotary_factor", "a number"))?,
+    };
+    Ok((head_dim as f64 * factor).trunc().max(0.0) as u64)
 }
 
 /// Llama 4's MoE layers as transformers' `Llama4TextConfig` resolves them: `moe_layers` when

@@ -157,16 +157,27 @@ pub enum CheckpointError {
         reason: &'static str,
     },
     /// `model_type` names an architecture Tarfa does not run.
-    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, deepseek_v2, gpt_oss and llama4_text)", .file.display())]
+    #[error("{}: model_type {model_type:?} is not supported (Tarfa reads qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, deepseek_v2, gpt_oss, llama4_text, qwen3_next and qwen3_5_moe_text, and the multimodal llama4 and qwen3_5_moe releases' text models)", .file.display())]
     UnsupportedModelType { file: PathBuf, model_type: String },
-    /// A multimodal Llama 4 config (`model_type: "llama4"`) carries a top-level key that is not
-    /// known to leave its text model unchanged.
-    #[error("{}: key {key:?} of the multimodal llama4 config is refused: only text_config, vision_config, the image token indices and bookkeeping keys are known to leave the text model unchanged", .file.display())]
-    WrapperKeyRefused { file: PathBuf, key: String },
-    /// A tensor of a multimodal Llama 4 checkpoint is neither the text model's
-    /// (`language_model.model.*`, `language_model.lm_head.*`) nor the vision tower's.
-    #[error("{}: tensor {tensor:?} is neither under language_model.model / language_model.lm_head nor the vision tower's (vision_model, multi_modal_projector)", .file.display())]
-    WrapperTensorUnexpected { file: PathBuf, tensor: String },
+    /// A multimodal wrapper config (`model_type: "llama4"`, `"qwen3_5_moe"`) carries a
+    /// top-level key that is not known to leave its text model unchanged.
+    #[error("{}: key {key:?} of the multimodal {wrapper} config is refused: only text_config, vision_config, the image and video token ids and bookkeeping keys are known to leave the text model unchanged", .file.display())]
+    WrapperKeyRefused {
+        file: PathBuf,
+        wrapper: &'static str,
+        key: String,
+    },
+    /// A tensor of a multimodal checkpoint is neither the text model's nor a part left out
+    /// (the vision tower's), as the wrapper's [`WrapperLayout`](crate::WrapperLayout) places
+    /// them.
+    #[error("{}: tensor {tensor:?} of the multimodal {wrapper} checkpoint is neither the text model's nor the vision tower's (expected names under {expected})", .file.display())]
+    WrapperTensorUnexpected {
+        file: PathBuf,
+        wrapper: &'static str,
+        tensor: String,
+        /// The layout's prefixes, for the message.
+        expected: String,
+    },
     /// The config declares a `quantization_config` (or `compression_config`): a quantized release.
     #[error("{}: declares a {key} ({method:?}); {}Tarfa only accepts BF16 checkpoints and never re-quantises", .file.display(), fp8_note(method))]
     QuantizedConfig {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::config::ModelConfigSummary;
+use crate::config::{ExpertStorage, ModelConfigSummary};
 use crate::error::CheckpointError;
 use crate::{Dtype, SourceTensor};
 
@@ -151,8 +151,23 @@ pub(crate) struct ExpertTable {
     pub fused: BTreeMap<u32, crate::FusedLayer>,
     pub dims: BTreeMap<u32, ExpertDims>,
     pub non_expert: Vec<String>,
-    /// Multi-token-prediction tensors (see `ModelConfigSummary::nextn_predict_layers`), sorted.
+    /// Multi-token-prediction tensors (see [`is_mtp`]), sorted.
     pub skipped: Vec<String>,
+}
+
+/// Whether a tensor is part of a multi-token-prediction module, skipped: a layer
+/// `num_hidden_layers..num_hidden_layers + num_nextn_predict_layers` (GLM-4.5, DeepSeek), or
+/// a name under the family's `mtp.` prefix (Qwen3-Next, Qwen3.5 MoE).
+fn is_mtp(config: &ModelConfigSummary, name: &str) -> bool {
+    let extra_layers = config.num_hidden_layers
+        ..config
+            .num_hidden_layers
+            .saturating_add(config.nextn_predict_layers);
+    layer_of(name).is_some_and(|l| extra_layers.contains(&l))
+        || config
+            .family
+            .mtp_prefix()
+            .is_some_and(|p| name.starts_with(p))
 }
 
 /// The layer index of a `model.layers.L.` tensor name.
@@ -269,18 +284,29 @@ pub(crate) fn classify(
     weights_file: &Path,
     shard_file: &dyn Fn(usize) -> PathBuf,
 ) -> Result<ExpertTable, CheckpointError> {
-    if let Some(table) = config.family.fused_experts() {
-        return classify_fused_family(config, table, tensors, weights_file, shard_file);
+    match config.family.expert_storage() {
+        ExpertStorage::Fused(table) => {
+            return classify_fused_family(config, table, tensors, weights_file, shard_file)
+        }
+        // Fused when any MoE layer has a fused tensor; a layer then without its own, or a
+        // per-expert matrix beside them, is refused by name as in a fused-only family.
+        ExpertStorage::PerExpertOrFused(table)
+            if config.moe_layers.iter().any(|&l| {
+                table
+                    .tensor_names(l, config.mxfp4)
+                    .iter()
+                    .any(|n| tensors.contains_key(n.as_str()))
+            }) =>
+        {
+            return classify_fused_family(config, table, tensors, weights_file, shard_file)
+        }
+        ExpertStorage::PerExpert | ExpertStorage::PerExpertOrFused(_) => {}
     }
     let mut slots: BTreeMap<(u32, u32), [Option<&str>; 3]> = BTreeMap::new();
     let mut non_expert = Vec::new();
     let mut skipped = Vec::new();
-    let mtp = config.num_hidden_layers
-        ..config
-            .num_hidden_layers
-            .saturating_add(config.nextn_predict_layers);
     for (name, t) in tensors {
-        if layer_of(name).is_some_and(|l| mtp.contains(&l)) {
+        if is_mtp(config, name) {
             skipped.push(name.clone());
             continue;
         }
@@ -424,9 +450,9 @@ pub(crate) fn classify(
     })
 }
 
-/// A fused-expert family (gpt-oss): under each MoE layer's experts module only the fused
-/// tensors (checked in [`crate::fused::classify_fused`]) and the per-expert biases (carried as
-/// non-expert tensors) may appear.
+/// A fused-expert checkpoint (gpt-oss, Llama 4, Qwen3.5 MoE as released): under each MoE
+/// layer's experts module only the fused tensors (checked in [`crate::fused::classify_fused`])
+/// and the per-expert biases (carried as non-expert tensors) may appear.
 fn classify_fused_family(
     config: &ModelConfigSummary,
     table: &crate::FusedExpertTable,
@@ -441,8 +467,13 @@ fn classify_fused_family(
         allowed_bias.extend(table.bias_names(l));
     }
     let mut non_expert = Vec::new();
+    let mut skipped = Vec::new();
     for (name, t) in tensors {
         if allowed_fused.contains(name) {
+            continue;
+        }
+        if is_mtp(config, name) {
+            skipped.push(name.clone());
             continue;
         }
         if under_experts(name) && !allowed_bias.contains(name) {
@@ -472,7 +503,7 @@ fn classify_fused_family(
         fused,
         dims,
         non_expert,
-        skipped: Vec::new(),
+        skipped,
     })
 }
 

@@ -3,11 +3,14 @@
 //! `down_proj` `[E, I, H]`; in its MXFP4 release the `_blocks` and `_scales` of each).
 //!
 //! Each family with fused experts is one [`FusedExpertTable`] entry: the module, the two fused
-//! tensors' names, how gate and up share `gate_up`'s columns, and the per-expert bias tensors.
-//! Expert `e`'s slice of each fused tensor is one contiguous byte range, so the converter can
-//! make it that expert's extent. Llama 4's `feed_forward.experts.gate_up_proj` / `down_proj`
-//! ([`LLAMA4_FUSED`]) differ only in the column rule ([`GateUpColumns::Halves`]) and in having
-//! no biases.
+//! tensors' names, how gate and up share `gate_up` ([`GateUpStacking`]), and the per-expert
+//! bias tensors. Expert `e`'s slice of each fused tensor is one contiguous byte range, so the
+//! converter can make it that expert's extent. Llama 4's `feed_forward.experts.gate_up_proj` /
+//! `down_proj` ([`LLAMA4_FUSED`]) differ from gpt-oss's only in the column rule
+//! ([`GateUpColumns::Halves`]) and in having no biases. Both are `[in, out]` per expert and are
+//! re-laid; Qwen3.5 MoE's released experts ([`QWEN3_5_MOE_FUSED`]) are `[out, in]` with gate
+//! and up stacked by rows ([`GateUpStacking::Rows`]): an expert's slices are its extent as
+//! they are.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,18 +31,33 @@ pub enum GateUpColumns {
     Halves,
 }
 
+/// How a family's BF16 `gate_up` holds gate and up, and so how both fused tensors are shaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateUpStacking {
+    /// `gate_up` `[E, H, 2I]` and `down` `[E, I, H]`: each expert's matrices `[in, out]`, gate
+    /// and up sharing `gate_up`'s columns as [`GateUpColumns`] says (gpt-oss, Llama 4). The
+    /// converter re-lays them into the extent's `[out, in]` by a declared permutation.
+    Columns(GateUpColumns),
+    /// `gate_up` `[E, 2I, H]` and `down` `[E, H, I]`: each expert's matrices `[out, in]`, gate
+    /// the rows `0..I` of `gate_up[e]` and up the rows `I..2I` (Qwen3.5 MoE: transformers'
+    /// `Qwen3_5MoeExperts` does `linear(x, gate_up_proj[e]).chunk(2, dim=-1)`). Expert e's
+    /// slice of `gate_up` then its slice of `down` are its extent gate | up | down, byte for
+    /// byte: no re-layout.
+    Rows,
+}
+
 /// One family's fused expert tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FusedExpertTable {
     /// The module path between `model.layers.L.` and the tensor names.
     pub module: &'static str,
-    /// `gate_up_proj`: `[E, H, 2I]` (BF16) or `_blocks` `[E, 2I, H/32, 16]` and `_scales`
-    /// `[E, 2I, H/32]` (MXFP4).
+    /// `gate_up_proj`: `[E, H, 2I]` or `[E, 2I, H]` (BF16, as [`GateUpStacking`] says), or
+    /// `_blocks` `[E, 2I, H/32, 16]` and `_scales` `[E, 2I, H/32]` (MXFP4).
     pub gate_up: &'static str,
-    /// `down_proj`: `[E, I, H]` (BF16) or `_blocks` `[E, H, I/32, 16]` and `_scales`
-    /// `[E, H, I/32]` (MXFP4).
+    /// `down_proj`: `[E, I, H]` or `[E, H, I]` (BF16), or `_blocks` `[E, H, I/32, 16]` and
+    /// `_scales` `[E, H, I/32]` (MXFP4).
     pub down: &'static str,
-    pub gate_up_columns: GateUpColumns,
+    pub stacking: GateUpStacking,
     /// Per-expert bias tensors under the module (`[E, 2I]`, `[E, H]`): small, carried as
     /// ordinary tensors.
     pub biases: &'static [&'static str],
@@ -50,7 +68,7 @@ pub static GPT_OSS_FUSED: FusedExpertTable = FusedExpertTable {
     module: "mlp.experts",
     gate_up: "gate_up_proj",
     down: "down_proj",
-    gate_up_columns: GateUpColumns::Interleaved,
+    stacking: GateUpStacking::Columns(GateUpColumns::Interleaved),
     biases: &["gate_up_proj_bias", "down_proj_bias"],
 };
 
@@ -59,7 +77,18 @@ pub static LLAMA4_FUSED: FusedExpertTable = FusedExpertTable {
     module: "feed_forward.experts",
     gate_up: "gate_up_proj",
     down: "down_proj",
-    gate_up_columns: GateUpColumns::Halves,
+    stacking: GateUpStacking::Columns(GateUpColumns::Halves),
+    biases: &[],
+};
+
+/// Qwen3.5 MoE as released (transformers' `Qwen3_5MoeExperts`): BF16, gate and up stacked by
+/// rows, no biases. (transformers' `save_pretrained` writes the per-expert form instead,
+/// which [`crate::ExpertStorage::PerExpertOrFused`] also reads.)
+pub static QWEN3_5_MOE_FUSED: FusedExpertTable = FusedExpertTable {
+    module: "mlp.experts",
+    gate_up: "gate_up_proj",
+    down: "down_proj",
+    stacking: GateUpStacking::Rows,
     biases: &[],
 };
 
@@ -77,7 +106,7 @@ pub enum FusedForm {
 pub struct FusedLayer {
     pub layer: u32,
     pub form: FusedForm,
-    pub columns: GateUpColumns,
+    pub stacking: GateUpStacking,
     pub hidden: u64,
     pub intermediate: u64,
 }
@@ -186,24 +215,24 @@ pub(crate) fn classify_fused(
             }
             found.push(t);
         }
-        // I from gate_up: BF16 [E, H, 2I]; MXFP4 blocks [E, 2I, H/32, 16].
-        let two_i = if config.mxfp4 {
-            found[0].shape.get(1)
-        } else {
-            found[0].shape.get(2)
-        }
-        .copied()
-        .unwrap_or(0);
+        // I from gate_up: BF16 [E, H, 2I] (columns) or [E, 2I, H] (rows); MXFP4 blocks
+        // [E, 2I, H/32, 16].
+        let rows = config.mxfp4 || table.stacking == GateUpStacking::Rows;
+        let two_i = found[0]
+            .shape
+            .get(if rows { 1 } else { 2 })
+            .copied()
+            .unwrap_or(0);
         let i = two_i / 2;
-        let expected: Vec<Vec<u64>> = if config.mxfp4 {
-            vec![
+        let expected: Vec<Vec<u64>> = match (config.mxfp4, table.stacking) {
+            (true, _) => vec![
                 vec![e, 2 * i, h / 32, 16],
                 vec![e, 2 * i, h / 32],
                 vec![e, h, i / 32, 16],
                 vec![e, h, i / 32],
-            ]
-        } else {
-            vec![vec![e, h, 2 * i], vec![e, i, h]]
+            ],
+            (false, GateUpStacking::Columns(_)) => vec![vec![e, h, 2 * i], vec![e, i, h]],
+            (false, GateUpStacking::Rows) => vec![vec![e, 2 * i, h], vec![e, h, i]],
         };
         let bad_width = i == 0 || two_i % 2 != 0 || (config.mxfp4 && (h % 32 != 0 || i % 32 != 0));
         for ((name, t), want) in names.iter().zip(&found).zip(&expected) {
@@ -231,7 +260,7 @@ pub(crate) fn classify_fused(
             FusedLayer {
                 layer,
                 form,
-                columns: table.gate_up_columns,
+                stacking: table.stacking,
                 hidden: h,
                 intermediate: i,
             },

@@ -1,7 +1,8 @@
 //! Reads a Hugging Face Mixture-of-Experts checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral,
-//! OLMoE, GLM-4.5, DeepSeek in BF16; gpt-oss's fused experts in BF16 or as released in MXFP4)
-//! and refuses anything hostile or unsupported with a typed error that names the
-//! file and the failed check.
+//! OLMoE, GLM-4.5, DeepSeek, Qwen3-Next in BF16; gpt-oss's fused experts in BF16 or as released
+//! in MXFP4; Llama 4's fused experts; Qwen3.5 MoE's per expert or fused by rows; the text
+//! models of Llama 4's and Qwen3.5 MoE's multimodal releases) and refuses anything hostile or
+//! unsupported with a typed error that names the file and the failed check.
 //!
 //! ```no_run
 //! let ckpt = tarfa_checkpoint::open(std::path::Path::new("models/qwen3moe"))?;
@@ -35,9 +36,16 @@
 //!   MXFP4 blocks and scales (U8) of its MoE layers' fused experts under `quant_method =
 //!   "mxfp4"`; non-expert tensors BF16, F16, F32 or F64; expert matrices BF16. Bytes are never
 //!   re-quantised.
-//! - **Fused experts** ([`FusedExpertTable`], gpt-oss): every MoE layer has its fused tensors,
-//!   E outermost, shapes consistent with `hidden_size` and each other; under the experts module
-//!   nothing but them and the per-expert biases ([`Checkpoint::fused`]).
+//! - **Fused experts** ([`FusedExpertTable`]: gpt-oss, Llama 4, Qwen3.5 MoE as released):
+//!   every MoE layer has its fused tensors, E outermost, shapes consistent with `hidden_size`
+//!   and each other; under the experts module nothing but them and the per-expert biases
+//!   ([`Checkpoint::fused`]). A family that may store either form ([`ExpertStorage`]) is read
+//!   in the form its tensors have; a checkpoint mixing the two is refused.
+//! - **Multimodal releases** ([`WrapperLayout`]): the wrapper's top-level keys known to leave
+//!   the text model unchanged, every tensor the text model's (read under the text model's
+//!   names) or the vision tower's (validated, left out: [`Checkpoint::left_out`]).
+//! - **Multi-token prediction**: layers past the last under `num_nextn_predict_layers`, or
+//!   `mtp.*` (Qwen3-Next, Qwen3.5 MoE), validated and skipped ([`Checkpoint::mtp`]).
 //! - **Experts**: every layer the config makes sparse has every expert, each with exactly its
 //!   gate, up and down matrices, of shapes consistent with each other, `hidden_size`, and the
 //!   layer's other experts; nothing else sits under an `experts` module.
@@ -71,11 +79,15 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use serde::Deserialize;
 
-pub use config::{ModelConfigSummary, ModelFamily, MultimodalWrapper};
+pub use config::{
+    ExpertStorage, ModelConfigSummary, ModelFamily, MultimodalWrapper, WrappedTensor,
+    WrapperLayout, LLAMA4_WRAPPER, QWEN3_5_MOE_WRAPPER,
+};
 pub use error::{CheckpointError, NameProblem};
 pub use experts::{ExpertDims, ExpertMatrix, ExpertNaming, ExpertSource};
 pub use fused::{
-    FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GPT_OSS_FUSED, LLAMA4_FUSED,
+    FusedExpertTable, FusedForm, FusedLayer, GateUpColumns, GateUpStacking, GPT_OSS_FUSED,
+    LLAMA4_FUSED, QWEN3_5_MOE_FUSED,
 };
 pub use hash::{sha256_file, sha256_files_parallel, to_hex};
 pub use header::{HeaderTensor, SafetensorsHeader};
@@ -203,12 +215,18 @@ pub struct Checkpoint {
     /// Every other tensor, sorted: embeddings, norms, attention, routers, Qwen2-MoE's
     /// `mlp.shared_expert.*` and `mlp.shared_expert_gate`, dense layers' MLPs.
     pub non_expert: Vec<String>,
-    /// Multi-token-prediction tensors (layers `num_hidden_layers..` under
-    /// `num_nextn_predict_layers`), sorted: validated like every tensor, never carried.
+    /// Every tensor validated and never carried, sorted: [`mtp`](Self::mtp) and
+    /// [`left_out`](Self::left_out) together.
     pub skipped: Vec<String>,
-    /// A multimodal Llama 4 release's vision tower (`vision_model.*`, `multi_modal_projector.*`,
-    /// sorted; also in `skipped`): validated, never carried (the text model never reads it).
-    /// Its text model's tensors are in `tensors` under `model.*` / `lm_head.*`.
+    /// Multi-token-prediction tensors, sorted: layers `num_hidden_layers..` under
+    /// `num_nextn_predict_layers` (GLM-4.5, DeepSeek), or everything under
+    /// [`ModelFamily::mtp_prefix`] (`mtp.*`: Qwen3-Next, Qwen3.5 MoE). Validated like every
+    /// tensor, never carried: next-token logits never read them.
+    pub mtp: Vec<String>,
+    /// A multimodal release's vision tower (Llama 4's `vision_model.*` and
+    /// `multi_modal_projector.*`, Qwen3.5 MoE's `model.visual.*`; sorted, under their names in
+    /// the source): validated, never carried (the text model never reads it). Its text
+    /// model's tensors are in `tensors` under the text model's names (`model.*`, `lm_head.*`).
     pub left_out: Vec<String>,
     /// Those of [`EXTRA_FILES`] that are present, in that order (always starts with config.json).
     pub extra_files: Vec<SourceFile>,
@@ -387,27 +405,36 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     } else {
         SINGLE_FILE
     });
-    // A multimodal Llama 4 release: the text model's tensors under the names the text model
-    // gives them (classified alone), the vision tower's validated and left out (listed in
-    // `skipped` and `left_out`, kept in `tensors` so that tarfa-verify sees every source tensor).
+    // A multimodal release: the text model's tensors under the names the text model gives
+    // them (classified alone), the vision tower's validated and left out (listed in `skipped`
+    // and `left_out`, kept in `tensors` so that tarfa-verify sees every source tensor).
     let mut left_out = Vec::new();
     let mut vision = BTreeMap::new();
-    if config.multimodal.is_some() {
+    if let Some(wrapper) = &config.multimodal {
+        let layout = wrapper.layout;
         let mut text = BTreeMap::new();
         for (name, t) in std::mem::take(&mut tensors) {
-            match config::unwrap_llama4_name(&name) {
-                Some(Ok(n)) => {
+            match layout.classify(&name) {
+                Some(WrappedTensor::Text(n)) => {
                     text.insert(n, t);
                 }
-                Some(Err(())) => {
+                Some(WrappedTensor::LeftOut) => {
                     left_out.push(name.clone());
                     vision.insert(name, t);
                 }
                 None => {
+                    let prefixes: Vec<&str> = layout
+                        .text_prefixes
+                        .iter()
+                        .map(|(outer, _)| *outer)
+                        .chain(layout.left_out.iter().copied())
+                        .collect();
                     return Err(CheckpointError::WrapperTensorUnexpected {
                         file: shard_file(t.shard),
+                        wrapper: layout.model_type,
                         tensor: name,
-                    })
+                        expected: prefixes.join(", "),
+                    });
                 }
             }
         }
@@ -417,6 +444,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
     experts::check_dtypes(&config, &vision, &shard_file)?;
     let mut table = experts::classify(&config, naming, &tensors, weights_file, &shard_file)?;
     tensors.extend(vision);
+    let mtp = table.skipped.clone();
     table.skipped.extend(left_out.iter().cloned());
     table.skipped.sort();
 
@@ -450,6 +478,7 @@ pub fn open_with(src_dir: &Path, options: &OpenOptions) -> Result<Checkpoint, Ch
         expert_dims: table.dims,
         non_expert: table.non_expert,
         skipped: table.skipped,
+        mtp,
         left_out,
         extra_files,
         handles,

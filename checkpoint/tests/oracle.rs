@@ -164,3 +164,35 @@ fn olmoe_a() {
         16,
     );
 }
+
+/// Qwen3-Next and Qwen3.5 MoE as transformers 5.17 saves them: experts per expert (the
+/// runtime judges the linear-attention tensors, carried here as non-expert tensors).
+#[test]
+#[ignore = "needs TARFA_EXTRA_ORACLES"]
+fn qwen3next_a_and_qwen35moe_a() {
+    for (name, family, qkv) in [
+        (
+            "qwen3next-a",
+            ModelFamily::Qwen3Next,
+            "model.layers.0.linear_attn.in_proj_qkvz.weight",
+        ),
+        (
+            "qwen35moe-a",
+            ModelFamily::Qwen3_5Moe,
+            "model.layers.0.linear_attn.in_proj_qkv.weight",
+        ),
+    ] {
+        let c = check(&extra(name), family, ExpertNaming::QwenStyle, 4, 16);
+        assert!(c.fused.is_empty(), "{name}");
+        assert!(c.skipped.is_empty() && c.mtp.is_empty(), "{name}");
+        for t in [
+            qkv,
+            "model.layers.0.linear_attn.conv1d.weight",
+            "model.layers.2.linear_attn.A_log",
+            "model.layers.3.self_attn.q_norm.weight",
+            "model.layers.3.mlp.shared_expert_gate.weight",
+        ] {
+            assert!(c.non_expert.iter().any(|n| n == t), "{name}: {t}");
+        }
+    }
+}

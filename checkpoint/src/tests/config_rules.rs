@@ -299,7 +299,8 @@ fn llama4_moe_layers_follow_llama4_text_config() {
 /// tensor names mapped to the text model's, the vision tower's left out, anything else refused.
 #[test]
 fn llama4_multimodal_wrapper_config_and_names() {
-    use crate::config::{unwrap_llama4_name, ModelConfigSummary};
+    use crate::config::ModelConfigSummary;
+    use crate::WrappedTensor::{LeftOut, Text};
     let text = json!({
         "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
         "hidden_size": 64, "interleave_moe_layer_step": 2
@@ -324,7 +325,7 @@ fn llama4_multimodal_wrapper_config_and_names() {
 
     let e = parse(json!({"model_type": "llama4", "text_config": text, "rope_scaling": {}}))
         .unwrap_err();
-    assert_variant!(e, E::WrapperKeyRefused { ref key, .. } if key == "rope_scaling");
+    assert_variant!(e, E::WrapperKeyRefused { ref key, wrapper: "llama4", .. } if key == "rope_scaling");
     let mut other = text.clone();
     other["model_type"] = json!("qwen3_moe");
     let e = parse(json!({"model_type": "llama4", "text_config": other})).unwrap_err();
@@ -354,25 +355,23 @@ fn llama4_multimodal_wrapper_config_and_names() {
         }
     );
 
+    let w = &crate::LLAMA4_WRAPPER;
     assert_eq!(
-        unwrap_llama4_name("language_model.model.layers.0.feed_forward.router.weight"),
-        Some(Ok("model.layers.0.feed_forward.router.weight".into()))
+        w.classify("language_model.model.layers.0.feed_forward.router.weight"),
+        Some(Text("model.layers.0.feed_forward.router.weight".into()))
     );
     assert_eq!(
-        unwrap_llama4_name("language_model.lm_head.weight"),
-        Some(Ok("lm_head.weight".into()))
+        w.classify("language_model.lm_head.weight"),
+        Some(Text("lm_head.weight".into()))
     );
     assert_eq!(
-        unwrap_llama4_name("vision_model.patch_embedding.weight"),
-        Some(Err(()))
+        w.classify("vision_model.patch_embedding.weight"),
+        Some(LeftOut)
     );
     assert_eq!(
-        unwrap_llama4_name("multi_modal_projector.linear_1.weight"),
-        Some(Err(()))
+        w.classify("multi_modal_projector.linear_1.weight"),
+        Some(LeftOut)
     );
-    assert_eq!(
-        unwrap_llama4_name("model.layers.0.input_layernorm.weight"),
-        None
-    );
-    assert_eq!(unwrap_llama4_name("language_model.extra.weight"), None);
+    assert_eq!(w.classify("model.layers.0.input_layernorm.weight"), None);
+    assert_eq!(w.classify("language_model.extra.weight"), None);
 }

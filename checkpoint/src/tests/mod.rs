@@ -6,6 +6,7 @@ mod config_rules;
 mod expert_rules;
 mod garbage;
 mod header_rules;
+mod hybrid_rules;
 mod index_rules;
 mod path_rules;
 mod reading;
@@ -229,6 +230,45 @@ impl Tiny {
             "num_experts",
             crate::ExpertNaming::QwenStyle,
         );
+        t.add_shared_expert();
+        for l in 0..LAYERS {
+            t.add(
+                &format!("model.layers.{l}.self_attn.q_proj.bias"),
+                "BF16",
+                &[HIDDEN],
+            );
+        }
+        t
+    }
+
+    /// Qwen3-Next: Qwen3-MoE's expert names, a sigmoid-gated shared expert (its attention
+    /// tensors are the runtime's rules to judge, not this crate's).
+    pub fn qwen3_next() -> Tiny {
+        let mut t = Tiny::base(
+            "qwen3_next",
+            "Qwen3NextForCausalLM",
+            "num_experts",
+            crate::ExpertNaming::QwenStyle,
+        );
+        t.add_shared_expert();
+        t
+    }
+
+    /// Qwen3.5 MoE's text model, per expert as transformers saves it.
+    pub fn qwen3_5() -> Tiny {
+        let mut t = Tiny::base(
+            "qwen3_5_moe_text",
+            "Qwen3_5MoeForCausalLM",
+            "num_experts",
+            crate::ExpertNaming::QwenStyle,
+        );
+        t.add_shared_expert();
+        t
+    }
+
+    /// Qwen2-MoE's shared expert and its sigmoid gate, in every layer.
+    fn add_shared_expert(&mut self) {
+        let t = self;
         for l in 0..LAYERS {
             for m in ["gate_proj", "up_proj"] {
                 t.add(
@@ -247,13 +287,7 @@ impl Tiny {
                 "BF16",
                 &[1, HIDDEN],
             );
-            t.add(
-                &format!("model.layers.{l}.self_attn.q_proj.bias"),
-                "BF16",
-                &[HIDDEN],
-            );
         }
-        t
     }
 
     pub fn add_expert(&mut self, naming: crate::ExpertNaming, layer: u32, expert: u32, inter: u64) {
@@ -397,6 +431,8 @@ fn every_family_opens() {
         (Tiny::qwen2(), crate::ExpertNaming::QwenStyle),
         (Tiny::olmoe(), crate::ExpertNaming::QwenStyle),
         (Tiny::mixtral(), crate::ExpertNaming::Mixtral),
+        (Tiny::qwen3_next(), crate::ExpertNaming::QwenStyle),
+        (Tiny::qwen3_5(), crate::ExpertNaming::QwenStyle),
     ] {
         for tiny in [tiny.clone(), tiny.single()] {
             let c = opens(&tiny.write());
