@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use jnf_format::{
     Dtype, ExpertExtent, LayoutPlan, MatrixSpec, Relayout, SourceRef, TensorEntry, TensorSpec,
 };
-use tarfa_checkpoint::{Checkpoint, ExpertMatrix, FusedForm, FusedLayer, GateUpColumns};
+use tarfa_checkpoint::{
+    Checkpoint, ExpertMatrix, FusedForm, FusedLayer, GateUpColumns, GateUpStacking,
+};
 use tarfa_manifest::hash::to_hex;
 use tarfa_manifest::{ShardRecord, SourceRange};
 
@@ -188,16 +190,19 @@ pub(crate) fn fused_extent(
 }
 
 fn relayout_of(f: &FusedLayer) -> Option<Relayout> {
-    match (&f.form, f.columns) {
-        (FusedForm::Bf16 { .. }, GateUpColumns::Interleaved) => {
+    match (&f.form, f.stacking) {
+        (FusedForm::Bf16 { .. }, GateUpStacking::Columns(GateUpColumns::Interleaved)) => {
             Some(Relayout::GateUpInterleavedColumns)
         }
         // Llama 4: gate the first half of the columns, up the second; the same re-layout into
         // gate | up | down [out, in] as gpt-oss's BF16 form, so every family's BF16 extent has
         // one layout (docs/FORMAT.md, "Fused experts").
-        (FusedForm::Bf16 { .. }, GateUpColumns::Halves) => {
+        (FusedForm::Bf16 { .. }, GateUpStacking::Columns(GateUpColumns::Halves)) => {
             Some(Relayout::GateUpConcatenatedColumns)
         }
+        // Qwen3.5 MoE: gate_up[e] is gate's rows then up's, [out, in], and down[e] is [out, in]:
+        // the slices are already that layout, so nothing is permuted (and none is recorded).
+        (FusedForm::Bf16 { .. }, GateUpStacking::Rows) => None,
         (FusedForm::Mxfp4 { .. }, _) => None,
     }
 }
@@ -237,22 +242,34 @@ fn fused_sources(ckpt: &Checkpoint) -> crate::bundle::ExpertSources {
     out
 }
 
-/// The note on the multi-token-prediction tensors a checkpoint carries past its last decoder
-/// layer: validated, never carried into the bundle (next-token logits never read them).
+/// The note on the multi-token-prediction tensors a checkpoint carries (past its last decoder
+/// layer, or under `mtp.`): validated, never carried into the bundle (next-token logits never
+/// use them).
 fn skipped_note(ckpt: &Checkpoint) -> Option<String> {
     // The vision tower of a multimodal wrapper is skipped too: multimodal_note says so.
-    if ckpt.skipped.is_empty() || ckpt.config.nextn_predict_layers == 0 {
-        return None;
-    }
-    let first = ckpt.config.num_hidden_layers;
-    let n = ckpt.config.nextn_predict_layers;
+    let example = ckpt.mtp.first()?;
+    let count = ckpt.mtp.len();
+    let which = match ckpt.config.family.mtp_prefix() {
+        Some(prefix) => {
+            let layers = ckpt
+                .config
+                .mtp_hidden_layers
+                .map(|n| format!("mtp_num_hidden_layers {n}, "))
+                .unwrap_or_default();
+            format!("under {prefix}* ({layers}e.g. {example})")
+        }
+        None => {
+            let first = ckpt.config.num_hidden_layers;
+            let n = ckpt.config.nextn_predict_layers;
+            format!(
+                "of layers {first}..{} (num_nextn_predict_layers {n}, e.g. {example})",
+                first + n
+            )
+        }
+    };
     Some(format!(
-        "skipped {} multi-token-prediction tensors of layers {first}..{} \
-         (num_nextn_predict_layers {n}, e.g. {}): next-token logits never use them, so the \
-         bundle does not carry them",
-        ckpt.skipped.len(),
-        first + n,
-        ckpt.skipped[0]
+        "skipped {count} multi-token-prediction tensors {which}: next-token logits never use \
+         them, so the bundle does not carry them"
     ))
 }
 
@@ -261,21 +278,40 @@ fn sha2_of(bytes: &[u8]) -> [u8; 32] {
     sha2::Sha256::digest(bytes).into()
 }
 
-/// The note on a multimodal Llama 4 release: its text model converted, the vision tower left
-/// out, by name and count.
+/// The note on a multimodal release: its text model converted, how its tensor names were
+/// read, the vision tower left out, by name and count.
 fn multimodal_note(ckpt: &Checkpoint, source_config_sha: Option<&str>) -> Option<String> {
     let w = ckpt.config.multimodal.as_ref()?;
-    let count = |p: &str| ckpt.left_out.iter().filter(|n| n.starts_with(p)).count();
-    let (v, m) = (count("vision_model."), count("multi_modal_projector."));
+    let names: Vec<String> = w
+        .layout
+        .text_prefixes
+        .iter()
+        .map(|(outer, inner)| {
+            if outer == inner {
+                format!("{outer}* as named")
+            } else {
+                format!("{outer}* read as {inner}*")
+            }
+        })
+        .collect();
+    let parts: Vec<String> = w
+        .layout
+        .left_out
+        .iter()
+        .map(|p| {
+            let n = ckpt.left_out.iter().filter(|n| n.starts_with(p)).count();
+            format!("{p}*: {n}")
+        })
+        .collect();
     Some(format!(
         "multimodal {} ({}): the text model converted (text_config written as config.json; the \
-         source config.json has SHA-256 {}; language_model.model.* read as model.*, \
-         language_model.lm_head.* as lm_head.*); the vision tower left out: {} tensors \
-         (vision_model.*: {v}, multi_modal_projector.*: {m}{})",
+         source config.json has SHA-256 {}; {}); the vision tower left out: {} tensors ({}{})",
         w.model_type,
         w.architectures.join(", "),
         source_config_sha.unwrap_or("unknown"),
+        names.join(", "),
         ckpt.left_out.len(),
+        parts.join(", "),
         ckpt.left_out
             .first()
             .map(|n| format!(", e.g. {n}"))
@@ -321,11 +357,37 @@ fn plan(ckpt: &Checkpoint) -> Result<jnf_format::Header, ConvertError> {
         for expert in 0..ckpt.config.num_experts {
             let prefix = f.expert_prefix(table, expert);
             let ranges = fused_ranges(ckpt, f, expert);
-            match &f.form {
+            match (&f.form, f.stacking) {
+                // Stacked by rows: gate, up and down are each one contiguous range of the
+                // expert's slices (gate_up[e]'s first I rows, its last I, down[e]), in the
+                // order the extent holds them, so each matrix has its source range.
+                (FusedForm::Bf16 { .. }, GateUpStacking::Rows) => {
+                    let (gu, d) = (&ranges[0], &ranges[1]);
+                    let half = gu.length / 2;
+                    let m = |role: &str, shape: Vec<u64>, r: &SourceRange, skip: u64| MatrixSpec {
+                        name: format!("{prefix}.{role}"),
+                        dtype: Dtype::BF16,
+                        shape,
+                        source: Some(SourceRef {
+                            shard: r.shard.clone(),
+                            offset: r.offset + skip,
+                        }),
+                    };
+                    layout.add_expert(
+                        f.layer,
+                        expert,
+                        prefix.clone(),
+                        [
+                            m("gate_proj", vec![i, h], gu, 0),
+                            m("up_proj", vec![i, h], gu, half),
+                            m("down_proj", vec![h, i], d, 0),
+                        ],
+                    );
+                }
                 // Re-laid into gate | up | down [out, in] by the declared permutation: the
                 // header's matrices have no single source range (the manifest records the
                 // fused ranges and the permutation).
-                FusedForm::Bf16 { .. } => {
+                (FusedForm::Bf16 { .. }, GateUpStacking::Columns(_)) => {
                     let m = |role: &str, shape: Vec<u64>| MatrixSpec {
                         name: format!("{prefix}.{role}"),
                         dtype: Dtype::BF16,
@@ -344,7 +406,7 @@ fn plan(ckpt: &Checkpoint) -> Result<jnf_format::Header, ConvertError> {
                     );
                 }
                 // As released: each part is expert e's slice of its tensor, byte for byte.
-                FusedForm::Mxfp4 { parts } => {
+                (FusedForm::Mxfp4 { parts }, _) => {
                     let specs: Vec<MatrixSpec> = parts
                         .iter()
                         .zip(&ranges)

@@ -3,9 +3,12 @@
 //! the runtime will check at load, and a tokenizer.json must load and fit the vocabulary. A
 //! checkpoint the runtime would refuse is refused here, not after a long conversion.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use tarfa_checkpoint::{Checkpoint, CONFIG_FILE};
+use tarfa_checkpoint::{
+    Checkpoint, ExpertDims, ExpertMatrix, FusedForm, GateUpStacking, CONFIG_FILE,
+};
 use tarfa_core::config::{ConfigError, MoeConfig};
 use tarfa_core::shapes::{check_non_expert_dtype, FoundTensor, ModelRules, ShapeError};
 use tarfa_core::tokenizer::check_tokenizer;
@@ -45,18 +48,47 @@ pub(crate) fn check(ckpt: &Checkpoint) -> Result<(), ConvertError> {
         let dtype = ckpt.tensors[name].dtype.to_string();
         check_non_expert_dtype(name, &dtype).map_err(shape_error)?;
     }
-    let dtypes: std::collections::BTreeMap<&str, String> = ckpt
+    let dtypes: BTreeMap<&str, String> = ckpt
         .tensors
         .iter()
         .map(|(name, t)| (name.as_str(), t.dtype.to_string()))
         .collect();
+    // Experts fused by rows (Qwen3.5 MoE as released) where the rules name each expert's
+    // matrices: expert e's gate, up and down are byte ranges of its slices of the fused tensors,
+    // exactly the per-expert form's matrices (the checkpoint reader checked the fused shapes),
+    // so they answer for those names with the per-expert shapes.
+    let row_fused: BTreeMap<u32, [Vec<u64>; 3]> = ckpt
+        .fused
+        .values()
+        .filter(|f| {
+            matches!(
+                (&f.form, f.stacking),
+                (FusedForm::Bf16 { .. }, GateUpStacking::Rows)
+            )
+        })
+        .map(|f| {
+            let dims = ExpertDims {
+                intermediate: f.intermediate,
+                hidden: f.hidden,
+            };
+            (f.layer, ExpertMatrix::ALL.map(|m| dims.shape(m).to_vec()))
+        })
+        .collect();
+    let row_fused_matrix = |name: &str| {
+        let (layer, expert, m) = ckpt.naming.parse(name)?;
+        let shapes = row_fused.get(&layer)?;
+        (expert < ckpt.config.num_experts).then(|| FoundTensor {
+            dtype: "BF16",
+            shape: &shapes[m as usize],
+        })
+    };
     ModelRules::for_config(&cfg)
-        .check(|name| {
-            let t = ckpt.tensors.get(name)?;
-            Some(FoundTensor {
+        .check(|name| match ckpt.tensors.get(name) {
+            Some(t) => Some(FoundTensor {
                 dtype: dtypes.get(name)?,
                 shape: &t.shape,
-            })
+            }),
+            None => row_fused_matrix(name),
         })
         .map_err(shape_error)?;
 
