@@ -26,7 +26,7 @@ use serde_json::json;
 use tarfa_core::config::{ConfigError, MoeConfig};
 use tarfa_core::shapes::{
     AttentionRules, DenseMlpRules, ExpertMatrixRule, FusedExpertRules, GqaRules, LayerRules,
-    MlaQueryRules, MlaRules, MlpRules, ModelRules, Need, TensorRule,
+    LinearInRules, LinearRules, MlaQueryRules, MlaRules, MlpRules, ModelRules, Need, TensorRule,
 };
 
 use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
@@ -1172,6 +1172,33 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                     t(kv_a_norm, Kind::Norm),
                     t(kv_b_proj, Kind::Matrix),
                     t(o_proj, out_proj),
+                ]);
+            }
+            AttentionRules::Linear(LinearRules {
+                input,
+                conv,
+                a_log,
+                dt_bias,
+                norm,
+                out_proj: o,
+            }) => {
+                match input {
+                    LinearInRules::FusedQkvzBa { qkvz, ba } => {
+                        out.extend([t(qkvz, Kind::Matrix), t(ba, Kind::Matrix)])
+                    }
+                    LinearInRules::Separate { qkv, z, b, a } => out.extend([
+                        t(qkv, Kind::Matrix),
+                        t(z, Kind::Matrix),
+                        t(b, Kind::Matrix),
+                        t(a, Kind::Matrix),
+                    ]),
+                }
+                out.extend([
+                    t(conv, Kind::Matrix),
+                    t(a_log, Kind::Bias),
+                    t(dt_bias, Kind::Bias),
+                    t(norm, Kind::Norm),
+                    t(o, out_proj),
                 ]);
             }
         }

@@ -117,6 +117,49 @@ impl MlaDims {
     }
 }
 
+/// A gated DeltaNet layer's dimensions (Qwen3-Next, Qwen3.5 MoE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearDims {
+    /// `linear_num_key_heads` (Hk): query and key heads.
+    pub key_heads: usize,
+    /// `linear_num_value_heads` (Hv): value heads, each with its own state; a multiple of Hk,
+    /// key head `h / (Hv / Hk)` serving value head `h`.
+    pub value_heads: usize,
+    /// `linear_key_head_dim` (Dk).
+    pub key_dim: usize,
+    /// `linear_value_head_dim` (Dv).
+    pub value_dim: usize,
+    /// `linear_conv_kernel_dim` (K): the causal depthwise convolution's width.
+    pub conv_kernel: usize,
+}
+
+impl LinearDims {
+    /// `Hk * Dk`: the width of q, and of k.
+    pub fn key_width(&self) -> usize {
+        self.key_heads * self.key_dim
+    }
+
+    /// `Hv * Dv`: the width of v, of z and of the output.
+    pub fn value_width(&self) -> usize {
+        self.value_heads * self.value_dim
+    }
+
+    /// The convolution's channels, `q | k | v`: `2 Hk Dk + Hv Dv`.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
+
+    /// One layer's recurrent state in values: `Hv * Dv * Dk`.
+    pub fn state_len(&self) -> usize {
+        self.value_heads * self.value_dim * self.key_dim
+    }
+
+    /// One layer's convolution state in values: the last `K - 1` inputs of every channel.
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels()
+    }
+}
+
 /// How a checkpoint stores its expert matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExpertDtype {
@@ -215,6 +258,11 @@ pub struct MoeConfig {
     /// Llama 4's attention temperature tuning of the NoPE layers' queries
     /// (`attn_temperature_tuning`), or None when off or for other families.
     pub attn_temperature: Option<AttnTemperature>,
+    /// The hybrid families' gated DeltaNet dimensions, or None.
+    pub linear: Option<LinearDims>,
+    /// Per layer, whether it is a gated DeltaNet layer (`layer_types` `linear_attention`);
+    /// false everywhere for other families.
+    pub layer_linear: Vec<bool>,
 }
 
 /// Llama 4's attention temperature tuning: on a NoPE layer, the query at position `pos` is
@@ -684,6 +732,14 @@ impl MoeConfig {
                 })
             }
         };
+        let (linear, layer_linear) = match family.extras.linear_attention {
+            Some(_) => {
+                let (dims, layers) = linear_layers(&r, num_layers)?;
+                (Some(dims), layers)
+            }
+            None => (None, vec![false; num_layers]),
+        };
+        mrope_sections(&r, family)?;
         let expert_dtype = expert_dtype(&r, family)?;
         if expert_dtype == ExpertDtype::Mxfp4 {
             // one e8m0 scale per 32 values along each matrix's input
@@ -771,6 +827,8 @@ impl MoeConfig {
             layer_rope,
             layer_chunks,
             attn_temperature,
+            linear,
+            layer_linear,
         };
         // A family with dense layers needs their width whenever one is dense.
         let spec = ArchSpec::new(&cfg);
@@ -900,8 +958,9 @@ fn layer_windows(
             .map(|s| if s { w } else { None })
             .collect());
     }
-    if let Some(v) = r.get("layer_types") {
-        // Every other family is all full attention; a list that says otherwise asks for
+    if let (Some(v), None) = (r.get("layer_types"), family.extras.linear_attention) {
+        // Every other family (but the hybrids, whose linear layers `linear_layers` reads) is
+        // all full attention; a list that says otherwise asks for
         // something this family does not do.
         let all_full = v
             .as_array()
@@ -938,6 +997,118 @@ fn layer_windows(
         });
     }
     Ok(vec![None; num_layers])
+}
+
+/// The hybrid families' gated DeltaNet dimensions and which layers are linear: `layer_types`
+/// (`linear_attention` / `full_attention`, one per layer), or when it is absent transformers'
+/// default, every `full_attention_interval`-th layer (4) full and the rest linear. The
+/// dimensions default to Qwen3NextConfig's (16 key heads, 32 value heads, 128 wide, kernel 4).
+fn linear_layers(
+    r: &Reader<'_>,
+    num_layers: usize,
+) -> Result<(LinearDims, Vec<bool>), ConfigError> {
+    let dim = |key: &'static str, default: usize| -> Result<usize, ConfigError> {
+        match r.usize_opt(key)? {
+            None => Ok(default),
+            Some(0) => Err(ConfigError::OutOfRange {
+                key,
+                value: "0".into(),
+                why: "must be at least 1",
+            }),
+            Some(n) => Ok(n),
+        }
+    };
+    let dims = LinearDims {
+        key_heads: dim("linear_num_key_heads", 16)?,
+        value_heads: dim("linear_num_value_heads", 32)?,
+        key_dim: dim("linear_key_head_dim", 128)?,
+        value_dim: dim("linear_value_head_dim", 128)?,
+        conv_kernel: dim("linear_conv_kernel_dim", 4)?,
+    };
+    if !dims.value_heads.is_multiple_of(dims.key_heads) {
+        return Err(ConfigError::OutOfRange {
+            key: "linear_num_value_heads",
+            value: dims.value_heads.to_string(),
+            why: "must be a multiple of linear_num_key_heads (each key head serves Hv / Hk value heads)",
+        });
+    }
+    let layers = match r.get("layer_types") {
+        None => {
+            let interval = dim("full_attention_interval", 4)?;
+            (0..num_layers)
+                .map(|l| !(l + 1).is_multiple_of(interval))
+                .collect()
+        }
+        Some(Value::Array(items)) => {
+            if items.len() != num_layers {
+                return Err(ConfigError::OutOfRange {
+                    key: "layer_types",
+                    value: format!("{} entries", items.len()),
+                    why: "must name one type per layer (num_hidden_layers)",
+                });
+            }
+            items
+                .iter()
+                .map(|v| match v.as_str() {
+                    Some("linear_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(ConfigError::Unsupported {
+                        key: "layer_types",
+                        value: v.to_string(),
+                        why: "a hybrid layer is linear_attention or full_attention",
+                    }),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Some(v) => {
+            return Err(ConfigError::WrongType {
+                key: "layer_types",
+                expected: "a list of layer types",
+                found: type_name(v),
+            })
+        }
+    };
+    Ok((dims, layers))
+}
+
+/// Qwen3.5's interleaved mRoPE (`rope_parameters.mrope_section`, `mrope_interleaved`): each
+/// rotary frequency takes its angle from the temporal, height or width position id, as the
+/// sections assign it, and on text the three ids are the same position. Whatever the sections,
+/// that is the plain rotary embedding exactly (transformers' `Qwen3_5MoeTextRotaryEmbedding`
+/// computes every frequency's angle from an equal position), so the keys are read for their
+/// types only. A family without mRoPE refuses them.
+fn mrope_sections(r: &Reader<'_>, family: &Family) -> Result<(), ConfigError> {
+    let Some(Value::Object(rp)) = r.get("rope_parameters") else {
+        return Ok(());
+    };
+    let section = rp.get("mrope_section").filter(|v| !v.is_null());
+    let interleaved = rp.get("mrope_interleaved").filter(|v| !v.is_null());
+    if section.is_none() && interleaved.is_none() {
+        return Ok(());
+    }
+    if family.extras.linear_attention.is_none() {
+        return Err(ConfigError::Unsupported {
+            key: "rope_parameters.mrope_section",
+            value: json_text(section.or(interleaved)),
+            why: "multimodal rotary sections are read for the Qwen3.5 text model only",
+        });
+    }
+    if let Some(v) = interleaved.filter(|v| !v.is_boolean()) {
+        return Err(ConfigError::WrongType {
+            key: "rope_parameters.mrope_interleaved",
+            expected: "a bool",
+            found: type_name(v),
+        });
+    }
+    let widths = section.map(|v| v.as_array().is_some_and(|a| a.iter().all(Value::is_u64)));
+    if let (Some(v), Some(false)) = (section, widths) {
+        return Err(ConfigError::WrongType {
+            key: "rope_parameters.mrope_section",
+            expected: "a list of section widths",
+            found: type_name(v),
+        });
+    }
+    Ok(())
 }
 
 /// A list of layer indices under `key`, or None when absent (or null).

@@ -10,7 +10,8 @@ use crate::config::MoeConfig;
 use crate::model::ArchSpec;
 use crate::numerics::{bf16_to_f32, MatrixRef};
 use crate::shapes::{
-    AttentionRules, DenseMlpRules, MlaQueryRules, MlpRules, ModelRules, Need, TensorRule,
+    AttentionRules, DenseMlpRules, LinearInRules, MlaQueryRules, MlpRules, ModelRules, Need,
+    TensorRule,
 };
 use crate::weights::{HostTensor, TensorData, WeightError, WeightSource};
 
@@ -94,21 +95,56 @@ pub struct MlaWeights {
     pub o: Matrix,
 }
 
+/// A gated DeltaNet layer's input projections, as the checkpoint stores them.
+#[derive(Clone, Debug)]
+pub enum LinearIn {
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped by key head.
+    FusedQkvzBa { qkvz: Matrix, ba: Matrix },
+    /// Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Separate {
+        qkv: Matrix,
+        z: Matrix,
+        b: Matrix,
+        a: Matrix,
+    },
+}
+
+/// A gated DeltaNet layer's weights.
+#[derive(Clone, Debug)]
+pub struct LinearWeights {
+    pub input: LinearIn,
+    /// `conv1d.weight` `[C, 1, K]` widened to f32: channel `c`'s taps at `c*K..(c+1)*K`, the
+    /// oldest input's first.
+    pub conv: Vec<f32>,
+    /// `A_log` `[Hv]`, widened to f32.
+    pub a_log: Vec<f32>,
+    /// `dt_bias` `[Hv]`, widened to f32.
+    pub dt_bias: Vec<f32>,
+    /// The gated RMSNorm's weight `[Dv]`, widened to f32 (plain `w`).
+    pub norm: Vec<f32>,
+    /// `out_proj` `[H, Hv Dv]`.
+    pub out: Matrix,
+}
+
 /// A layer's attention weights.
 #[derive(Clone, Debug)]
+// One per layer, built when a model loads, like LayerMlp.
+#[allow(clippy::large_enum_variant)]
 pub enum Attention {
     /// Grouped-query attention.
     Gqa(AttentionWeights),
     /// Multi-head latent attention.
     Mla(MlaWeights),
+    /// A gated DeltaNet (linear attention) layer.
+    Linear(LinearWeights),
 }
 
 impl Attention {
-    /// The grouped-query weights, or None for multi-head latent attention.
+    /// The grouped-query weights, or None for multi-head latent attention and linear layers.
     pub fn gqa(&self) -> Option<&AttentionWeights> {
         match self {
             Attention::Gqa(a) => Some(a),
-            Attention::Mla(_) => None,
+            Attention::Mla(_) | Attention::Linear(_) => None,
         }
     }
 }
@@ -224,13 +260,25 @@ impl ResidentWeights {
         src: &dyn WeightSource,
     ) -> Result<ResidentWeights, WeightError> {
         let rules = ModelRules::new(cfg, spec);
+        // A zero-centred norm (Qwen3-Next, Qwen3.5) scales by `1 + w`: the f32 sum formed once
+        // here is the value transformers forms on every call (`1.0 + weight.float()`).
+        let zero_centered = spec.extras.zero_centered_norms;
+        let norm = |rule: &TensorRule| -> Result<Vec<f32>, WeightError> {
+            let mut w = vector(src, rule)?;
+            if zero_centered {
+                for x in w.iter_mut() {
+                    *x += 1.0;
+                }
+            }
+            Ok(w)
+        };
         let embed = matrix(src, &rules.embed)?;
         let lm_head = match rules.lm_head.need {
             Need::Required => matrix(src, &rules.lm_head)?,
             // Tied: the embedding is the lm_head.
             Need::Optional => embed.clone(),
         };
-        let final_norm = vector(src, &rules.final_norm)?;
+        let final_norm = norm(&rules.final_norm)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for layer in &rules.layers {
             let opt = |rule: &Option<TensorRule>| -> Result<Option<Vec<f32>>, WeightError> {
@@ -246,8 +294,8 @@ impl ResidentWeights {
                     k_bias: opt(&a.k_bias)?,
                     v_bias: opt(&a.v_bias)?,
                     o_bias: opt(&a.o_bias)?,
-                    q_norm: opt(&a.q_norm)?,
-                    k_norm: opt(&a.k_norm)?,
+                    q_norm: a.q_norm.as_ref().map(norm).transpose()?,
+                    k_norm: a.k_norm.as_ref().map(norm).transpose()?,
                     sinks: opt(&a.sinks)?,
                 }),
                 AttentionRules::Mla(a) => Attention::Mla(MlaWeights {
@@ -263,6 +311,25 @@ impl ResidentWeights {
                     kv_a_norm: vector(src, &a.kv_a_norm)?,
                     kv_b: matrix(src, &a.kv_b_proj)?,
                     o: matrix(src, &a.o_proj)?,
+                }),
+                AttentionRules::Linear(a) => Attention::Linear(LinearWeights {
+                    input: match &a.input {
+                        LinearInRules::FusedQkvzBa { qkvz, ba } => LinearIn::FusedQkvzBa {
+                            qkvz: matrix(src, qkvz)?,
+                            ba: matrix(src, ba)?,
+                        },
+                        LinearInRules::Separate { qkv, z, b, a } => LinearIn::Separate {
+                            qkv: matrix(src, qkv)?,
+                            z: matrix(src, z)?,
+                            b: matrix(src, b)?,
+                            a: matrix(src, a)?,
+                        },
+                    },
+                    conv: vector(src, &a.conv)?,
+                    a_log: vector(src, &a.a_log)?,
+                    dt_bias: vector(src, &a.dt_bias)?,
+                    norm: vector(src, &a.norm)?,
+                    out: matrix(src, &a.out_proj)?,
                 }),
             };
             let mlp = match &layer.mlp {
@@ -299,8 +366,8 @@ impl ResidentWeights {
                 }),
             };
             layers.push(LayerWeights {
-                input_norm: vector(src, &layer.input_norm)?,
-                post_attention_norm: vector(src, &layer.post_attention_norm)?,
+                input_norm: norm(&layer.input_norm)?,
+                post_attention_norm: norm(&layer.post_attention_norm)?,
                 attention,
                 mlp,
             });

@@ -9,7 +9,8 @@
 
 use crate::config::{ExpertDtype, MoeConfig};
 use crate::model::{
-    expert_name, layer_name, ArchSpec, ExpertLayout, MlpKind, QkNorm, RouterRule, SharedExpertRule,
+    expert_name, layer_name, ArchSpec, ExpertLayout, LinearProjections, MlpKind, QkNorm,
+    RouterRule, SharedExpertRule,
 };
 
 /// Whether a tensor must be in the checkpoint.
@@ -145,6 +146,38 @@ pub struct MlaRules {
     pub o_proj: TensorRule,
 }
 
+/// A gated DeltaNet layer's input projections ([`LinearProjections`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinearInRules {
+    /// Qwen3-Next: `in_proj_qkvz` `[2 Hk Dk + 2 Hv Dv, H]`, `in_proj_ba` `[2 Hv, H]`.
+    FusedQkvzBa { qkvz: TensorRule, ba: TensorRule },
+    /// Qwen3.5: `in_proj_qkv` `[2 Hk Dk + Hv Dv, H]`, `in_proj_z` `[Hv Dv, H]`, `in_proj_b`
+    /// and `in_proj_a` `[Hv, H]`.
+    Separate {
+        qkv: TensorRule,
+        z: TensorRule,
+        b: TensorRule,
+        a: TensorRule,
+    },
+}
+
+/// A gated DeltaNet layer's tensors (Hk/Hv = key/value heads, Dk/Dv their widths, C = the
+/// convolution's channels `2 Hk Dk + Hv Dv`, K its kernel).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearRules {
+    pub input: LinearInRules,
+    /// `conv1d.weight` `[C, 1, K]` (depthwise, no bias).
+    pub conv: TensorRule,
+    /// `A_log` `[Hv]`.
+    pub a_log: TensorRule,
+    /// `dt_bias` `[Hv]`.
+    pub dt_bias: TensorRule,
+    /// The gated RMSNorm's weight `[Dv]` (plain `w`, not zero-centred).
+    pub norm: TensorRule,
+    /// `out_proj` `[H, Hv Dv]`.
+    pub out_proj: TensorRule,
+}
+
 /// A layer's attention tensors.
 #[derive(Clone, Debug, PartialEq, Eq)]
 // Built once per layer, like MlpRules: the variants' sizes do not matter.
@@ -152,6 +185,8 @@ pub struct MlaRules {
 pub enum AttentionRules {
     Gqa(GqaRules),
     Mla(MlaRules),
+    /// A hybrid family's gated DeltaNet layer.
+    Linear(LinearRules),
 }
 
 /// One decoder layer's tensors.
@@ -348,6 +383,16 @@ const MX_GATE_UP_BLOCKS: &str = "number of experts, 2 x expert width, hidden_siz
 const MX_GATE_UP_SCALES: &str = "number of experts, 2 x expert width, hidden_size / 32";
 const MX_DOWN_BLOCKS: &str = "number of experts, hidden_size, expert width / 32, 16";
 const MX_DOWN_SCALES: &str = "number of experts, hidden_size, expert width / 32";
+const Q_GATED: &str = "num_attention_heads x 2 x head_dim (query and output gate), hidden_size";
+const LIN_QKVZ: &str = "2 x linear_num_key_heads x linear_key_head_dim + 2 x linear_num_value_heads x linear_value_head_dim, hidden_size";
+const LIN_BA: &str = "2 x linear_num_value_heads, hidden_size";
+const LIN_QKV: &str = "2 x linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x linear_value_head_dim, hidden_size";
+const LIN_Z: &str = "linear_num_value_heads x linear_value_head_dim, hidden_size";
+const LIN_HEADS_IN: &str = "linear_num_value_heads, hidden_size";
+const LIN_CONV: &str = "convolution channels (2 Hk Dk + Hv Dv), 1, linear_conv_kernel_dim";
+const LIN_HEADS: &str = "linear_num_value_heads";
+const LIN_NORM: &str = "linear_value_head_dim";
+const LIN_OUT: &str = "hidden_size, linear_num_value_heads x linear_value_head_dim";
 const EXPERT_IN: &str = "expert width, hidden_size";
 const EXPERT_OUT: &str = "hidden_size, expert width";
 
@@ -464,9 +509,44 @@ impl ModelRules {
                         }
                     }
                 };
-                let attention = match cfg.mla {
-                    None => AttentionRules::Gqa(GqaRules {
-                        q_proj: rule(n.q_proj, vec![q, h], Q),
+                let (q_rows, q_why) = if spec.extras.gated_attention {
+                    (2 * q, Q_GATED)
+                } else {
+                    (q, Q)
+                };
+                let linear = match (spec.extras.linear_attention, &cfg.linear) {
+                    (Some(form), Some(d)) if cfg.layer_linear[l] => Some((form, d)),
+                    _ => None,
+                };
+                let attention = match (cfg.mla, linear) {
+                    (_, Some((form, d))) => {
+                        let (kw, vw, hv) = (d.key_width(), d.value_width(), d.value_heads);
+                        AttentionRules::Linear(LinearRules {
+                            input: match form {
+                                LinearProjections::FusedQkvzBa => LinearInRules::FusedQkvzBa {
+                                    qkvz: rule(n.lin_qkvz, vec![2 * kw + 2 * vw, h], LIN_QKVZ),
+                                    ba: rule(n.lin_ba, vec![2 * hv, h], LIN_BA),
+                                },
+                                LinearProjections::Separate => LinearInRules::Separate {
+                                    qkv: rule(n.lin_qkv, vec![2 * kw + vw, h], LIN_QKV),
+                                    z: rule(n.lin_z, vec![vw, h], LIN_Z),
+                                    b: rule(n.lin_b, vec![hv, h], LIN_HEADS_IN),
+                                    a: rule(n.lin_a, vec![hv, h], LIN_HEADS_IN),
+                                },
+                            },
+                            conv: rule(
+                                n.lin_conv,
+                                vec![d.conv_channels(), 1, d.conv_kernel],
+                                LIN_CONV,
+                            ),
+                            a_log: rule(n.lin_a_log, vec![hv], LIN_HEADS),
+                            dt_bias: rule(n.lin_dt_bias, vec![hv], LIN_HEADS),
+                            norm: rule(n.lin_norm, vec![d.value_dim], LIN_NORM),
+                            out_proj: rule(n.lin_out, vec![h, vw], LIN_OUT),
+                        })
+                    }
+                    (None, None) => AttentionRules::Gqa(GqaRules {
+                        q_proj: rule(n.q_proj, vec![q_rows, h], q_why),
                         k_proj: rule(n.k_proj, vec![kv, h], KV),
                         v_proj: rule(n.v_proj, vec![kv, h], KV),
                         o_proj: rule(n.o_proj, vec![h, q], O),
@@ -483,7 +563,7 @@ impl ModelRules {
                             SINKS,
                         ),
                     }),
-                    Some(m) => {
+                    (Some(m), None) => {
                         let hq = cfg.num_heads;
                         let qo = hq * m.qk_head_dim();
                         let r = m.kv_lora_rank;
@@ -554,6 +634,13 @@ impl ModelRules {
                         MlaQueryRules::LoRa { a, norm, b } => out.extend([a, norm, b]),
                     }
                     out.extend([&a.kv_a_proj, &a.kv_a_norm, &a.kv_b_proj, &a.o_proj]);
+                }
+                AttentionRules::Linear(a) => {
+                    match &a.input {
+                        LinearInRules::FusedQkvzBa { qkvz, ba } => out.extend([qkvz, ba]),
+                        LinearInRules::Separate { qkv, z, b, a } => out.extend([qkv, z, b, a]),
+                    }
+                    out.extend([&a.conv, &a.a_log, &a.dt_bias, &a.norm, &a.out_proj]);
                 }
             }
             match &layer.mlp {

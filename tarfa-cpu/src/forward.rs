@@ -9,17 +9,18 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rayon::prelude::*;
 
+use super::kv_cache::LinearState;
 use super::resident::{
-    Attention, AttentionWeights, DenseMlp, ExpertBias, LayerMlp, Matrix, MlaQuery, MlaWeights,
-    MoeResident,
+    Attention, AttentionWeights, DenseMlp, ExpertBias, LayerMlp, LinearIn, LinearWeights, Matrix,
+    MlaQuery, MlaWeights, MoeResident,
 };
 use super::{
     BatchEntry, BatchError, CpuModel, FinalHidden, ForwardOutput, KvCache, LogitRows, RouterRecord,
     StepStats,
 };
-use tarfa_core::config::MlaDims;
+use tarfa_core::config::{LinearDims, MlaDims};
 use tarfa_core::model::{ExpertActivation, QkNorm, RouterRule};
-use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu, softplus};
 use tarfa_core::numerics::matvec::{transpose_rows, Activation};
 use tarfa_core::numerics::reduce::{fma_dispatch, weighted_row_sum};
 use tarfa_core::numerics::RopeTable;
@@ -401,9 +402,214 @@ fn attention_block(
             mla_block(model, kernel, l, mw, dims, h, caches, slots, stats)
         }
         (Attention::Gqa(aw), _) => gqa_block(model, kernel, l, aw, h, caches, slots, stats),
+        (Attention::Linear(lw), _) => match &model.cfg.linear {
+            Some(dims) => linear_block(model, kernel, l, lw, dims, h, caches, slots, stats),
+            // ResidentWeights::load builds linear weights exactly when the config has the dims.
+            None => unreachable!("linear attention weights without their dimensions"),
+        },
         // ResidentWeights::load builds MLA weights exactly when the config has MLA dims.
         (Attention::Mla(_), None) => unreachable!("MLA weights without MLA dimensions"),
     }
+}
+
+/// The fixed eps of the gated DeltaNet's q/k L2 norm (transformers' `l2norm(x, eps=1e-6)`,
+/// whatever the config's `rms_norm_eps`).
+const LINEAR_QK_EPS: f32 = 1e-6;
+
+/// One token's gated DeltaNet inputs after the projections: `qkv` the convolution's channels
+/// (`q | k | v`, each head-major), `z` `[Hv*Dv]`, `b` and `a` `[Hv]`.
+struct LinearInputs {
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+}
+
+/// The projections of every token into [`LinearInputs`]. Qwen3-Next's fused projections hold,
+/// per key head `g`, `q_g | k_g | v_g | z_g` (`Dk, Dk, r*Dv, r*Dv`, `r = Hv / Hk`) and
+/// `b_g | a_g` (`r, r`): moved into head-major `q`, `k`, `v`, `z`, `b`, `a` as transformers'
+/// `fix_query_key_value_ordering` does (a permutation: no value changes).
+fn linear_inputs(
+    kernel: Kernel,
+    lw: &LinearWeights,
+    d: &LinearDims,
+    xs: &[Activation],
+    stats: &mut StepStats,
+) -> Vec<LinearInputs> {
+    let (kw, vw, hv) = (d.key_width(), d.value_width(), d.value_heads);
+    match &lw.input {
+        LinearIn::Separate { qkv, z, b, a } => {
+            let mut outs = apply_many(kernel, &[qkv, z, b, a], xs);
+            stats.weight_bytes += [qkv, z, b, a]
+                .iter()
+                .map(|m| m.as_ref().bytes())
+                .sum::<u64>();
+            let a = outs.pop().unwrap_or_default();
+            let b = outs.pop().unwrap_or_default();
+            let z = outs.pop().unwrap_or_default();
+            let qkv = outs.pop().unwrap_or_default();
+            qkv.into_iter()
+                .zip(z)
+                .zip(b.into_iter().zip(a))
+                .map(|((qkv, z), (b, a))| LinearInputs { qkv, z, b, a })
+                .collect()
+        }
+        LinearIn::FusedQkvzBa { qkvz, ba } => {
+            let mut outs = apply_many(kernel, &[qkvz, ba], xs);
+            stats.weight_bytes += qkvz.as_ref().bytes() + ba.as_ref().bytes();
+            let ba = outs.pop().unwrap_or_default();
+            let qkvz = outs.pop().unwrap_or_default();
+            let (hk, dk) = (d.key_heads, d.key_dim);
+            let r = hv / hk;
+            let rv = r * d.value_dim;
+            qkvz.into_iter()
+                .zip(ba)
+                .map(|(p, ba)| {
+                    let mut qkv = vec![0.0f32; 2 * kw + vw];
+                    let mut z = vec![0.0f32; vw];
+                    let (mut b, mut a) = (vec![0.0f32; hv], vec![0.0f32; hv]);
+                    let group = 2 * dk + 2 * rv;
+                    for g in 0..hk {
+                        let src = &p[g * group..(g + 1) * group];
+                        qkv[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
+                        qkv[kw + g * dk..kw + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
+                        qkv[2 * kw + g * rv..2 * kw + (g + 1) * rv]
+                            .copy_from_slice(&src[2 * dk..2 * dk + rv]);
+                        z[g * rv..(g + 1) * rv].copy_from_slice(&src[2 * dk + rv..]);
+                        b[g * r..(g + 1) * r].copy_from_slice(&ba[2 * g * r..(2 * g + 1) * r]);
+                        a[g * r..(g + 1) * r]
+                            .copy_from_slice(&ba[(2 * g + 1) * r..(2 * g + 2) * r]);
+                    }
+                    LinearInputs { qkv, z, b, a }
+                })
+                .collect()
+        }
+    }
+}
+
+/// A gated DeltaNet layer (docs/EXACTNESS.md, "Gated DeltaNet") for the step's tokens: the
+/// projections as matrices over all tokens, then each sequence's tokens in position order
+/// through its convolution and recurrence, from the state its cache holds. The state after the
+/// step is staged in the cache (committed with the step). Returns `out_proj` of the gated norm's
+/// output `[T][H]`.
+///
+/// One canonical form, the recurrent one, for prefill and decode alike: a token's state update
+/// and outputs are the same operations whether it comes alone or in a prompt of many, so
+/// prefill equals decode bit for bit. The parallelism is over value heads, never along a
+/// reduction.
+#[allow(clippy::too_many_arguments)]
+fn linear_block(
+    model: &CpuModel,
+    kernel: Kernel,
+    l: usize,
+    lw: &LinearWeights,
+    d: &LinearDims,
+    h: &[Vec<f32>],
+    caches: &mut [&mut KvCache],
+    slots: &[Slot],
+    stats: &mut StepStats,
+) -> Vec<Vec<f32>> {
+    let cfg = &model.cfg;
+    let eps = cfg.eps_f32();
+    let xs = normed_activations(kernel, h, &model.weights.layers[l].input_norm, eps);
+    let inputs = linear_inputs(kernel, lw, d, &xs, stats);
+    let (kw, dk, dv, hv) = (d.key_width(), d.key_dim, d.value_dim, d.value_heads);
+    let (c, taps) = (d.conv_channels(), d.conv_kernel);
+    let r = hv / d.key_heads;
+    // scale = f32(1 / sqrt(Dk)), as torch multiplies an f32 tensor by the Python float
+    let scale = (1.0f64 / (dk as f64).sqrt()) as f32;
+    let mut o_all: Vec<Vec<f32>> = vec![Vec::new(); h.len()];
+
+    let mut t = 0;
+    while t < h.len() {
+        let seq = slots[t].seq;
+        let end = t + slots[t..].iter().take_while(|s| s.seq == seq).count();
+        let cache = &mut *caches[seq];
+        let mut st: LinearState = cache
+            .linear_state(l)
+            .cloned()
+            .expect("a linear layer's cache carries its state");
+        for (tok, inp) in (t..end).zip(&inputs[t..end]) {
+            // the causal depthwise convolution over the last K inputs (oldest first), then
+            // silu: y_c = silu(((w_c0 x_c0 + w_c1 x_c1) + ...) + w_c(K-1) x_c(K-1)), no fma
+            let mut x = vec![0.0f32; c];
+            for (ch, xc) in x.iter_mut().enumerate() {
+                let w = &lw.conv[ch * taps..(ch + 1) * taps];
+                let mut acc = w[0] * if taps == 1 { inp.qkv[ch] } else { st.conv[ch] };
+                for (j, &wj) in w.iter().enumerate().skip(1) {
+                    let xj = if j + 1 == taps {
+                        inp.qkv[ch]
+                    } else {
+                        st.conv[j * c + ch]
+                    };
+                    acc += wj * xj;
+                }
+                *xc = silu(acc);
+            }
+            // the state keeps the last K - 1 inputs (before the convolution)
+            if taps > 1 {
+                st.conv.copy_within(c.., 0);
+                let last = (taps - 2) * c;
+                st.conv[last..].copy_from_slice(&inp.qkv);
+            }
+            // q, k: the L2 norm of each key head (x * rsqrt(dot(x, x) + 1e-6)), q then scaled
+            let (q, rest) = x.split_at_mut(kw);
+            let (k, v) = rest.split_at_mut(kw);
+            for head in q.chunks_exact_mut(dk).chain(k.chunks_exact_mut(dk)) {
+                let inv = rsqrt(kernel.dot_f32(head, head) + LINEAR_QK_EPS);
+                for x in head.iter_mut() {
+                    *x *= inv;
+                }
+            }
+            for x in q.iter_mut() {
+                *x *= scale;
+            }
+            let (q, k, v) = (&*q, &*k, &*v);
+            // the recurrence per value head h (key head h / r): row j of the state is column j
+            // of transformers' [Dk, Dv] state: S_j = S_j * decay; kv = dot(S_j, k);
+            // delta = (v_j - kv) * beta; S_j = S_j + k * delta (mul, then add); o_j = dot(S_j, q)
+            let mut o = vec![0.0f32; hv * dv];
+            st.state
+                .par_chunks_mut(dv * dk)
+                .zip(o.par_chunks_mut(dv))
+                .enumerate()
+                .for_each(|(hh, (s, oh))| {
+                    let kh = hh / r;
+                    let (qh, khv) = (&q[kh * dk..(kh + 1) * dk], &k[kh * dk..(kh + 1) * dk]);
+                    let beta = sigmoid(inp.b[hh]);
+                    let g = -exp(lw.a_log[hh]) * softplus(inp.a[hh] + lw.dt_bias[hh]);
+                    let decay = exp(g);
+                    for (j, (row, oj)) in s.chunks_exact_mut(dk).zip(oh.iter_mut()).enumerate() {
+                        for x in row.iter_mut() {
+                            *x *= decay;
+                        }
+                        let kv = kernel.dot_f32(row, khv);
+                        let delta = (v[hh * dv + j] - kv) * beta;
+                        for (x, &ki) in row.iter_mut().zip(khv) {
+                            *x += ki * delta;
+                        }
+                        *oj = kernel.dot_f32(row, qh);
+                    }
+                });
+            // the gated RMSNorm of each value head: (w * (o * rsqrt(mean(o^2) + eps))) * silu(z)
+            for (oh, zh) in o.chunks_exact_mut(dv).zip(inp.z.chunks_exact(dv)) {
+                let y = rms_norm(kernel, oh, &lw.norm, eps);
+                for ((x, yi), &zi) in oh.iter_mut().zip(y).zip(zh) {
+                    *x = yi * silu(zi);
+                }
+            }
+            o_all[tok] = o;
+        }
+        cache.stage_linear(l, st);
+        t = end;
+    }
+
+    let os: Vec<Activation> = o_all
+        .into_iter()
+        .map(|o| Activation::new(kernel, o))
+        .collect();
+    stats.weight_bytes += lw.out.as_ref().bytes();
+    apply(kernel, &lw.out, &os)
 }
 
 /// Grouped-query attention (section 6, step 3).
@@ -430,6 +636,22 @@ fn gqa_block(
     let mut v_all = qkv.pop().unwrap_or_default();
     let mut k_all = qkv.pop().unwrap_or_default();
     let mut q_all = qkv.pop().unwrap_or_default();
+    // gated attention (Qwen3-Next, Qwen3.5): each head's 2 D outputs are its query, then its
+    // output gate
+    let gates: Option<Vec<Vec<f32>>> = model.spec.extras.gated_attention.then(|| {
+        q_all
+            .iter_mut()
+            .map(|qg| {
+                let (mut q, mut g) = (Vec::with_capacity(hq * d), Vec::with_capacity(hq * d));
+                for head in qg.chunks_exact(2 * d) {
+                    q.extend_from_slice(&head[..d]);
+                    g.extend_from_slice(&head[d..]);
+                }
+                *qg = q;
+                g
+            })
+            .collect()
+    });
 
     for t in 0..h.len() {
         let (q, k, v) = (&mut q_all[t], &mut k_all[t], &mut v_all[t]);
@@ -533,6 +755,14 @@ fn gqa_block(
             weighted_row_sum(kernel, &p, &values[(start - base) * d..], o, scratch);
         });
 
+    // gated attention: o = o * sigmoid(gate), elementwise
+    if let Some(gates) = &gates {
+        for (o, g) in o_all.chunks_exact_mut(hq * d).zip(gates) {
+            for (x, &gi) in o.iter_mut().zip(g) {
+                *x *= sigmoid(gi);
+            }
+        }
+    }
     // h_t = h_t + (W_o o_t (+ b_o))
     let os: Vec<Activation> = o_all
         .chunks_exact(hq * d)

@@ -15,6 +15,14 @@
 //! read are the same values in the same order, so no bit changes; what changes is that a rewind
 //! to a length whose queries would need dropped rows cannot be served: [`KvCache::truncate`]
 //! then empties the cache and says so, and the caller re-feeds from position 0.
+//!
+//! A gated DeltaNet layer (Qwen3-Next, Qwen3.5 MoE) caches no rows: it carries a
+//! [`LinearState`], its convolution's last inputs and its recurrent state, which a step
+//! advances. A step writes the advanced state beside the committed one and [`KvCache::commit`]
+//! swaps it in, keeping the state the step started from: a failed step leaves the committed
+//! state as it was, and a rewind to the length the last step started at is served from the kept
+//! state. The state at any other earlier length is gone (it is never stored), so such a rewind
+//! empties the cache and says so, like a window's dropped rows.
 
 use tarfa_core::batch::Rewind;
 use tarfa_core::numerics::{RopeError, RopeTable};
@@ -54,6 +62,50 @@ impl Span {
     }
 }
 
+/// One gated DeltaNet layer's state for one sequence (docs/EXACTNESS.md, "Gated DeltaNet").
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinearState {
+    /// The convolution's inputs at the last `K - 1` positions, oldest first, `[K-1][C]`;
+    /// zeros before position 0 (transformers pads with zeros).
+    pub conv: Vec<f32>,
+    /// The recurrent state of every value head, `[Hv][Dv][Dk]`: row `(h, j)` is the state's
+    /// column `j` that value `j`'s reductions read, contiguous over the key dimension.
+    pub state: Vec<f32>,
+}
+
+impl LinearState {
+    /// The state before any position: all zeros.
+    pub fn zeros(conv_len: usize, state_len: usize) -> LinearState {
+        LinearState {
+            conv: vec![0.0; conv_len],
+            state: vec![0.0; state_len],
+        }
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.conv.len() + self.state.len()
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The gated DeltaNet layers' states of one sequence.
+#[derive(Clone, Debug)]
+struct LinearStates {
+    /// Per layer, its state at the cache's length (None for an attention layer).
+    committed: Vec<Option<LinearState>>,
+    /// Per layer, the state the step in progress has advanced to.
+    pending: Vec<Option<LinearState>>,
+    /// The committed states at the length the last committed step started at, and that length.
+    before: Option<(usize, Vec<Option<LinearState>>)>,
+    /// `(conv, state)` lengths of a fresh state.
+    fresh: (usize, usize),
+}
+
 /// Keys, values and RoPE rows of one sequence.
 #[derive(Clone, Debug)]
 pub struct KvCache {
@@ -69,6 +121,8 @@ pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     pub(crate) rope: RopeTable,
+    /// The gated DeltaNet layers' states, when the model has such layers.
+    linear: Option<LinearStates>,
 }
 
 impl KvCache {
@@ -92,7 +146,51 @@ impl KvCache {
             k: vec![Vec::new(); layers * kv_heads],
             v: vec![Vec::new(); layers * kv_heads],
             rope,
+            linear: None,
         }
+    }
+
+    /// Gives the layers `linear` marks a gated DeltaNet state of `conv_len` + `state_len`
+    /// values, zero at position 0 (an empty cache only).
+    pub(crate) fn with_linear_layers(
+        mut self,
+        linear: &[bool],
+        conv_len: usize,
+        state_len: usize,
+    ) -> KvCache {
+        assert_eq!(linear.len(), self.layers, "one flag per layer");
+        assert!(self.is_empty(), "states are attached to an empty cache");
+        let fresh: Vec<Option<LinearState>> = linear
+            .iter()
+            .map(|&on| on.then(|| LinearState::zeros(conv_len, state_len)))
+            .collect();
+        self.linear = Some(LinearStates {
+            pending: vec![None; fresh.len()],
+            committed: fresh,
+            before: None,
+            fresh: (conv_len, state_len),
+        });
+        self
+    }
+
+    /// Layer `l`'s gated DeltaNet state at the cache's length, None for an attention layer.
+    pub fn linear_state(&self, l: usize) -> Option<&LinearState> {
+        self.linear.as_ref()?.committed.get(l)?.as_ref()
+    }
+
+    /// Stages layer `l`'s state after the step in progress; [`KvCache::commit`] makes it the
+    /// cache's.
+    pub(crate) fn stage_linear(&mut self, l: usize, state: LinearState) {
+        if let Some(ls) = self.linear.as_mut() {
+            ls.pending[l] = Some(state);
+        }
+    }
+
+    /// Values the gated DeltaNet states hold, the kept states of the last step included.
+    pub fn linear_values(&self) -> usize {
+        let Some(ls) = &self.linear else { return 0 };
+        let sum = |v: &[Option<LinearState>]| v.iter().flatten().map(LinearState::len).sum();
+        sum(&ls.committed) + ls.before.as_ref().map_or(0, |(_, b)| sum(b))
     }
 
     /// Number of positions cached.
@@ -117,11 +215,39 @@ impl KvCache {
     /// positions before it, is always served.
     #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
     pub fn truncate(&mut self, len: usize) -> usize {
+        if let Some(ls) = self.linear.as_mut() {
+            ls.pending.iter_mut().for_each(|p| *p = None);
+        }
         if len >= self.len {
             return self.len;
         }
-        let servable = (0..self.layers).all(|l| self.spans[l].needed_from(len) >= self.base[l]);
+        let rows = (0..self.layers).all(|l| self.spans[l].needed_from(len) >= self.base[l]);
+        // A gated DeltaNet state exists at the cache's length, at the length the last step
+        // started at, and at 0.
+        let states = match self.linear.as_mut() {
+            None => true,
+            Some(ls) => match ls.before.take() {
+                Some((start, before)) if start == len => {
+                    ls.committed = before;
+                    true
+                }
+                _ => {
+                    let (c, s) = ls.fresh;
+                    for st in ls.committed.iter_mut().flatten() {
+                        *st = LinearState::zeros(c, s);
+                    }
+                    len == 0
+                }
+            },
+        };
+        let servable = rows && states;
         let len = if servable { len } else { 0 };
+        if let (false, Some(ls)) = (servable, self.linear.as_mut()) {
+            let (c, s) = ls.fresh;
+            for st in ls.committed.iter_mut().flatten() {
+                *st = LinearState::zeros(c, s);
+            }
+        }
         if !servable {
             self.base.iter_mut().for_each(|b| *b = 0);
         }
@@ -167,6 +293,17 @@ impl KvCache {
     pub(crate) fn commit(&mut self, n: usize) {
         let start = self.len;
         self.len += n;
+        if let Some(ls) = self.linear.as_mut() {
+            let mut before = Vec::with_capacity(ls.committed.len());
+            for (c, p) in ls.committed.iter_mut().zip(ls.pending.iter_mut()) {
+                match p.take() {
+                    Some(next) => before.push(std::mem::replace(c, Some(next))),
+                    // an attention layer, or a step of no token
+                    None => before.push(c.clone()),
+                }
+            }
+            ls.before = Some((start, before));
+        }
         let d = self.head_dim;
         for l in 0..self.layers {
             let Some(batch) = self.spans[l].batch() else {
@@ -188,6 +325,10 @@ impl KvCache {
             self.base[l] = needed;
         }
         debug_assert!((0..self.layers).all(|l| {
+            // a gated DeltaNet layer holds no rows
+            if self.linear_state(l).is_some() {
+                return true;
+            }
             let rows = (self.len - self.base[l]) * d;
             (l * self.kv_heads..(l + 1) * self.kv_heads).all(|i| self.k[i].len() == rows)
         }));
@@ -195,6 +336,9 @@ impl KvCache {
 
     /// Drops positions pushed but not committed (after an error mid-step).
     pub(crate) fn rollback(&mut self) {
+        if let Some(ls) = self.linear.as_mut() {
+            ls.pending.iter_mut().for_each(|p| *p = None);
+        }
         for l in 0..self.layers {
             let keep = (self.len - self.base[l]) * self.head_dim;
             for i in l * self.kv_heads..(l + 1) * self.kv_heads {

@@ -84,7 +84,7 @@ impl CpuModel {
             Some(m) => (1, m.latent_width()),
             None => (self.cfg.num_kv_heads, self.cfg.head_dim),
         };
-        KvCache::new(
+        let cache = KvCache::new(
             self.cfg.num_layers,
             heads,
             width,
@@ -97,7 +97,14 @@ impl CpuModel {
                 })
                 .collect(),
             self.rope.clone(),
-        )
+        );
+        // a gated DeltaNet layer carries its state instead of rows
+        match &self.cfg.linear {
+            Some(d) => {
+                cache.with_linear_layers(&self.cfg.layer_linear, d.conv_state_len(), d.state_len())
+            }
+            None => cache,
+        }
     }
 }
 

@@ -230,6 +230,8 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
                     + matrix_bytes(&m.kv_b)
                     + matrix_bytes(&m.o);
             }
+            // unsupported_family refuses these before anything is sized
+            Attention::Linear(_) => {}
         }
         match &layer.mlp {
             LayerMlp::Dense(d) => {
@@ -462,6 +464,12 @@ impl CudaModel {
                     kv_b: up_mat(&m.kv_b, &name("kv_b_proj"))?,
                     o: up_mat(&m.o, &name("o_proj"))?,
                 }),
+                // unsupported_family refuses a hybrid family before this upload
+                Attention::Linear(_) => {
+                    return Err(CudaError::UnsupportedModel(
+                        "gated DeltaNet layers are not implemented on CUDA".into(),
+                    ))
+                }
             };
             let dense =
                 |d: &tarfa_core::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {

@@ -49,6 +49,9 @@ pub static GPT_OSS: Family = Family {
         },
         mxfp4_experts: true,
         llama4_attention: false,
+        linear_attention: None,
+        zero_centered_norms: false,
+        gated_attention: false,
     },
     names: TensorNames {
         router: "model.layers.{l}.mlp.router.weight",

@@ -51,6 +51,9 @@ pub static LLAMA4_TEXT: Family = Family {
         activation: ExpertActivation::SwiGlu,
         mxfp4_experts: false,
         llama4_attention: true,
+        linear_attention: None,
+        zero_centered_norms: false,
+        gated_attention: false,
     },
     names: TensorNames {
         router: "model.layers.{l}.feed_forward.router.weight",

@@ -17,7 +17,9 @@ pub mod llama4;
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen2_moe;
+pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 
 /// Every family this build knows, looked up by the config's `model_type`.
 pub const FAMILIES: &[&Family] = &[
@@ -30,6 +32,8 @@ pub const FAMILIES: &[&Family] = &[
     &deepseek_v2::DEEPSEEK_V2,
     &gpt_oss::GPT_OSS,
     &llama4::LLAMA4_TEXT,
+    &qwen3_next::QWEN3_NEXT,
+    &qwen3_5_moe::QWEN3_5_MOE_TEXT,
 ];
 
 /// The family whose `model_type` is `model_type`.
@@ -177,6 +181,29 @@ pub struct FamilyExtras {
     /// (the others are NoPE layers with attention temperature tuning), and `layer_types`
     /// `chunked_attention` layers attending within their `attention_chunk_size` chunk only.
     pub llama4_attention: bool,
+    /// The hybrid decoders (Qwen3-Next, Qwen3.5 MoE): `layer_types` `linear_attention` layers
+    /// are gated DeltaNet layers projected as this says, the `full_attention` ones gated
+    /// attention (below). None for every other family.
+    pub linear_attention: Option<LinearProjections>,
+    /// Zero-centred RMSNorms: the decoder's norms (input, post-attention, final, q/k) scale by
+    /// `1 + w` (transformers' `Qwen3NextRMSNorm`), the f32 sum formed once when the weights
+    /// load. The linear layers' gated norm is not one of them.
+    pub zero_centered_norms: bool,
+    /// Gated attention: `q_proj` yields `2 D` per query head, the query then an output gate;
+    /// the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
+    pub gated_attention: bool,
+}
+
+/// How a gated DeltaNet layer's input projections are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearProjections {
+    /// Qwen3-Next: `in_proj_qkvz` `[2 Dk Hk + 2 Dv Hv, H]` grouped by key head (each group
+    /// `q (Dk) | k (Dk) | v (Dv r) | z (Dv r)`, `r = Hv / Hk`) and `in_proj_ba` `[2 Hv, H]`
+    /// grouped the same way (`b (r) | a (r)`), transformers' `fix_query_key_value_ordering`.
+    FusedQkvzBa,
+    /// Qwen3.5: `in_proj_qkv` `[2 Dk Hk + Dv Hv, H]` (`q | k | v`, each head-major),
+    /// `in_proj_z` `[Dv Hv, H]`, `in_proj_b` and `in_proj_a` `[Hv, H]`.
+    Separate,
 }
 
 impl FamilyExtras {
@@ -190,6 +217,9 @@ impl FamilyExtras {
         activation: ExpertActivation::SwiGlu,
         mxfp4_experts: false,
         llama4_attention: false,
+        linear_attention: None,
+        zero_centered_norms: false,
+        gated_attention: false,
     };
 }
 
@@ -266,6 +296,19 @@ pub struct TensorNames {
     pub fused_gate_up_bias: &'static str,
     pub fused_down: &'static str,
     pub fused_down_bias: &'static str,
+    /// Gated DeltaNet layers ([`LinearProjections`]): the input projections, the depthwise
+    /// `conv1d` `[C, 1, K]`, `A_log` and `dt_bias` `[Hv]`, the gated norm `[Dv]`, `out_proj`.
+    pub lin_qkvz: &'static str,
+    pub lin_ba: &'static str,
+    pub lin_qkv: &'static str,
+    pub lin_z: &'static str,
+    pub lin_b: &'static str,
+    pub lin_a: &'static str,
+    pub lin_conv: &'static str,
+    pub lin_a_log: &'static str,
+    pub lin_dt_bias: &'static str,
+    pub lin_norm: &'static str,
+    pub lin_out: &'static str,
 }
 
 impl TensorNames {
@@ -311,6 +354,17 @@ impl TensorNames {
         fused_gate_up_bias: "model.layers.{l}.mlp.experts.gate_up_proj_bias",
         fused_down: "model.layers.{l}.mlp.experts.down_proj",
         fused_down_bias: "model.layers.{l}.mlp.experts.down_proj_bias",
+        lin_qkvz: "model.layers.{l}.linear_attn.in_proj_qkvz.weight",
+        lin_ba: "model.layers.{l}.linear_attn.in_proj_ba.weight",
+        lin_qkv: "model.layers.{l}.linear_attn.in_proj_qkv.weight",
+        lin_z: "model.layers.{l}.linear_attn.in_proj_z.weight",
+        lin_b: "model.layers.{l}.linear_attn.in_proj_b.weight",
+        lin_a: "model.layers.{l}.linear_attn.in_proj_a.weight",
+        lin_conv: "model.layers.{l}.linear_attn.conv1d.weight",
+        lin_a_log: "model.layers.{l}.linear_attn.A_log",
+        lin_dt_bias: "model.layers.{l}.linear_attn.dt_bias",
+        lin_norm: "model.layers.{l}.linear_attn.norm.weight",
+        lin_out: "model.layers.{l}.linear_attn.out_proj.weight",
     };
 }
 

@@ -68,6 +68,27 @@ pub fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + exp(-z))
 }
 
+/// `softplus(x) = ln(1 + exp(x))` as torch's `F.softplus` defines it (beta 1, threshold 20:
+/// `x` itself above 20), for the gated DeltaNet's decay (docs/EXACTNESS.md, "Gated DeltaNet").
+/// `e = exp(x)` in f32; then in f64, where `1 + e` is exact for `e >= 2^-20` (e has 24
+/// significant bits) and [`ln_f64`] is within an ulp, and below that the series
+/// `e - e * e / 2` (the next term is `2^-40` of the result, below the f32 rounding); the result
+/// rounded once to f32. A fixed sequence of IEEE operations, like every function here.
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x.is_nan() || x > 20.0 {
+        return x;
+    }
+    let e = exp(x) as f64;
+    let tiny = f64::from_bits(0x3EB0_0000_0000_0000); // 2^-20
+    let r = if e < tiny {
+        e - e * e * 0.5
+    } else {
+        ln_f64(1.0 + e)
+    };
+    r as f32
+}
+
 /// `rsqrt(v) = 1 / sqrt(v)`, both correctly rounded (never a hardware reciprocal estimate).
 #[inline(always)]
 pub fn rsqrt(v: f32) -> f32 {

@@ -203,6 +203,6 @@ fn family_features_add_their_tensors() {
 fn gqa(layer: &LayerRules) -> &GqaRules {
     match &layer.attention {
         AttentionRules::Gqa(a) => a,
-        AttentionRules::Mla(_) => panic!("a GQA layer was expected"),
+        AttentionRules::Mla(_) | AttentionRules::Linear(_) => panic!("a GQA layer was expected"),
     }
 }
