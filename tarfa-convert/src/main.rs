@@ -90,15 +90,16 @@ struct SynthArgs {
     /// Architecture: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, deepseek-v3,
     /// deepseek-v2-lite, moonlight-16b-a3b, glm-4.5-air, gpt-oss-20b, gpt-oss-120b (BF16, or
     /// MXFP4 with --mxfp4),
-    /// llama4-scout (text model) (their released configs' dimensions), or tiny,
-    /// tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe, tiny-gpt-oss, tiny-llama4 (small,
-    /// for tests).
+    /// llama4-scout (text model), qwen3.5-35b-a3b (text model) (their released configs'
+    /// dimensions), or tiny, tiny-deepseek-v3, tiny-deepseek-v2, tiny-glm4-moe, tiny-gpt-oss,
+    /// tiny-llama4, tiny-qwen3.5-moe (small, for tests).
     #[arg(long)]
     shape: String,
     /// Number of layers (default: the shape's own). The DeepSeek and GLM-4.5 shapes keep
     /// first_k_dense_replace at min(its released value, LAYERS - 1), so that a cut model still
     /// has an MoE layer: deepseek-v3 --layers 4 is 3 dense layers and 1 MoE layer, --layers 2
-    /// is 1 and 1, --layers 1 is one MoE layer.
+    /// is 1 and 1, --layers 1 is one MoE layer. qwen3.5-35b-a3b keeps its pattern of three
+    /// linear-attention layers then one full-attention layer: --layers 4 is one of each group.
     #[arg(long)]
     layers: Option<u32>,
     /// Routed experts per layer (default: the shape's own). A group-limited router needs

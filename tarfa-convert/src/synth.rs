@@ -70,6 +70,40 @@ pub struct SynthShape {
     pub glm: Option<GlmAttention>,
     /// gpt-oss's and Llama 4's keys (their experts are fused per layer); None for the others.
     pub fused: Option<FusedShape>,
+    /// Qwen3.5 MoE's hybrid keys (gated DeltaNet layers, the shared expert, multimodal rotary
+    /// sections); None for the others.
+    pub hybrid: Option<HybridShape>,
+}
+
+/// Qwen3.5 MoE's keys, as the released text configs write them. Every
+/// `full_attention_interval`-th layer is gated full attention and the rest gated DeltaNet
+/// (linear) layers, written out as `layer_types` for the shape's layer count, so a model cut
+/// with `--layers` keeps the pattern (`--layers 4`: three linear layers, then one full).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HybridShape {
+    pub full_attention_interval: u32,
+    /// `linear_num_key_heads`, `linear_num_value_heads` (a multiple of it),
+    /// `linear_key_head_dim`, `linear_value_head_dim`, `linear_conv_kernel_dim`.
+    pub linear_key_heads: u64,
+    pub linear_value_heads: u64,
+    pub linear_key_dim: u64,
+    pub linear_value_dim: u64,
+    pub conv_kernel: u64,
+    /// `shared_expert_intermediate_size`: the sigmoid-gated shared expert's width.
+    pub shared_expert_width: u64,
+    /// `rope_parameters.partial_rotary_factor`: the leading fraction of each head that rotates.
+    pub partial_rotary_factor: f64,
+    /// `rope_parameters.mrope_section` (with `mrope_interleaved: true`): three sections adding
+    /// up to half the rotary width, which text positions rotate as plain RoPE.
+    pub mrope_section: [u64; 3],
+}
+
+impl HybridShape {
+    /// Whether layer `l` is a gated DeltaNet layer (`Qwen3_5MoeTextConfig`'s default
+    /// `layer_types`: full attention where `(l + 1) % interval == 0`).
+    pub fn is_linear(&self, l: u32) -> bool {
+        !(l + 1).is_multiple_of(self.full_attention_interval.max(1))
+    }
 }
 
 /// The keys of the two fused-expert families. Their experts are one `gate_up_proj`
@@ -108,6 +142,10 @@ pub enum Family {
     GptOss,
     /// `llama4_text`: Llama 4 Scout's and Maverick's text model.
     Llama4,
+    /// `qwen3_5_moe_text`: Qwen3.5 MoE's text model (Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B),
+    /// in the per-expert form transformers saves (the releases fuse the experts by rows; the
+    /// converter gives both the same extents).
+    Qwen3_5Moe,
 }
 
 /// The MoE block of DeepSeek and GLM-4.5: dense first layers, shared experts, group-limited
@@ -189,6 +227,7 @@ pub fn shapes() -> Vec<SynthShape> {
         yarn: None,
         glm: None,
         fused: None,
+        hybrid: None,
     };
     let qwen235 = SynthShape {
         name: "qwen3-235b-a22b",
@@ -280,6 +319,7 @@ pub fn shapes() -> Vec<SynthShape> {
         }),
         glm: None,
         fused: None,
+        hybrid: None,
     };
     // deepseek-ai/DeepSeek-V2-Lite.
     let deepseek_v2_lite = SynthShape {
@@ -327,6 +367,7 @@ pub fn shapes() -> Vec<SynthShape> {
         }),
         glm: None,
         fused: None,
+        hybrid: None,
     };
     // moonshotai/Moonlight-16B-A3B: the DeepSeek-V3 architecture at V2-Lite's size.
     let moonlight = SynthShape {
@@ -386,6 +427,7 @@ pub fn shapes() -> Vec<SynthShape> {
             use_qk_norm: false,
         }),
         fused: None,
+        hybrid: None,
     };
     // For tests, each new family small like `tiny`: one dense layer then one MoE layer, widths
     // that differ wherever the family could confuse two of them (v_head_dim != qk_nope_head_dim).
@@ -493,6 +535,7 @@ pub fn shapes() -> Vec<SynthShape> {
             original_max_positions: 4096,
             mxfp4: false,
         }),
+        hybrid: None,
     };
     let gpt_oss_120b = SynthShape {
         name: "gpt-oss-120b",
@@ -532,6 +575,7 @@ pub fn shapes() -> Vec<SynthShape> {
             original_max_positions: 8192,
             mxfp4: false,
         }),
+        hybrid: None,
     };
     let tiny_gpt_oss = SynthShape {
         name: "tiny-gpt-oss",
@@ -579,6 +623,65 @@ pub fn shapes() -> Vec<SynthShape> {
         }),
         ..scout.clone()
     };
+    // Qwen/Qwen3.5-35B-A3B's text_config: 40 layers, three gated DeltaNet layers then one gated
+    // full-attention layer; 256 experts top-8 of width 512 plus the sigmoid-gated shared expert
+    // of 512; 16 query heads and 2 KV heads of 256, a quarter of each rotating (64 dims:
+    // sections 11 + 11 + 10 of its 32 frequencies); linear layers of 16 key heads and 32 value
+    // heads of 128, kernel 4.
+    let qwen35 = SynthShape {
+        name: "qwen3.5-35b-a3b",
+        family: Family::Qwen3_5Moe,
+        hidden: 2048,
+        layers: 40,
+        experts: 256,
+        top_k: 8,
+        expert_width: 512,
+        // no dense layers; not written
+        dense_width: 512,
+        heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+        vocab: 248_320,
+        rope_theta: 10_000_000.0,
+        rms_eps: 1e-6,
+        max_positions: 262_144,
+        tie_embeddings: false,
+        routed: None,
+        mla: None,
+        yarn: None,
+        glm: None,
+        fused: None,
+        hybrid: Some(QWEN3_5_DEFAULT),
+    };
+    // Four layers (three linear, one full), widths that differ wherever two could be confused:
+    // Dk 16 != Dv 12, 2 key heads serving 4 value heads, a shared expert wider than the routed.
+    // head_dim 24 x 0.25 = 6 rotary dims: sections 1 + 1 + 1.
+    let tiny_qwen35 = SynthShape {
+        name: "tiny-qwen3.5-moe",
+        hidden: 96,
+        layers: 4,
+        experts: 8,
+        top_k: 2,
+        expert_width: 40,
+        dense_width: 40,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 24,
+        vocab: 300,
+        max_positions: 512,
+        hybrid: Some(HybridShape {
+            full_attention_interval: 4,
+            linear_key_heads: 2,
+            linear_value_heads: 4,
+            linear_key_dim: 16,
+            linear_value_dim: 12,
+            conv_kernel: 4,
+            shared_expert_width: 48,
+            partial_rotary_factor: 0.25,
+            mrope_section: [1, 1, 1],
+        }),
+        ..qwen35.clone()
+    };
     vec![
         gpt_oss_20b,
         gpt_oss_120b,
@@ -596,6 +699,8 @@ pub fn shapes() -> Vec<SynthShape> {
         tiny_deepseek_v3,
         tiny_deepseek_v2,
         tiny_glm,
+        qwen35,
+        tiny_qwen35,
     ]
 }
 
@@ -633,7 +738,17 @@ pub struct SynthTensor {
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
+    /// An RMSNorm's weight (which scales by `w`): `1 + 0.1 N(0, 1)`.
     Norm,
+    /// A zero-centred RMSNorm's weight (Qwen3-Next, Qwen3.5: the norm scales by `1 + w`):
+    /// `0.1 N(0, 1)`, so that the scale `1 + w` is spread as [`Kind::Norm`]'s is.
+    ZeroCentredNorm,
+    /// A gated DeltaNet's `A_log` `[Hv]`: `ln A` for `A` uniform in [0.01, 16), as transformers
+    /// initialises it (`A = uniform(0, 16)`, kept off zero so that the log is finite): the
+    /// heads' decay `exp(-A softplus(a + dt_bias))` ranges from slow to fast, none unbounded.
+    ALog,
+    /// A gated DeltaNet's `dt_bias` `[Hv]`: `1 + 0.1 N(0, 1)`, near transformers' ones.
+    DtBias,
     Matrix,
     /// A projection back into the residual stream (o_proj, down_proj), its scale multiplied by
     /// 1/sqrt(2 x layers) as in GPT-2's initialisation, so that the residual stays dominated by
@@ -675,6 +790,19 @@ const LLAMA4_DEFAULT: FusedShape = FusedShape {
     mxfp4: false,
 };
 
+/// The hybrid keys a Qwen3.5 MoE shape without its own [`HybridShape`] gets: Qwen3.5-35B-A3B's.
+const QWEN3_5_DEFAULT: HybridShape = HybridShape {
+    full_attention_interval: 4,
+    linear_key_heads: 16,
+    linear_value_heads: 32,
+    linear_key_dim: 128,
+    linear_value_dim: 128,
+    conv_kernel: 4,
+    shared_expert_width: 512,
+    partial_rotary_factor: 0.25,
+    mrope_section: [11, 11, 10],
+};
+
 /// How many leading hidden dimensions carry the massive activation. Its value is
 /// `MASSIVE_PER_SKEW x skew`, and each router row weighs those dimensions by
 /// `ROUTER_SKEW x skew x N(0, 1)` (that expert's popularity).
@@ -713,7 +841,8 @@ impl SynthShape {
             | Family::Qwen3Moe
             | Family::Mixtral
             | Family::GptOss
-            | Family::Llama4 => 1,
+            | Family::Llama4
+            | Family::Qwen3_5Moe => 1,
         };
         Some((r.n_group, per_group))
     }
@@ -729,7 +858,11 @@ impl SynthShape {
     /// Every tensor, in state-dict order (so that a layer's experts spread over shards): the
     /// runtime's rules for [`SynthShape::runtime_config`], each tensor's [`Kind`] from its role.
     pub fn tensors(&self) -> Result<Vec<SynthTensor>, ConfigError> {
-        Ok(state_dict(&ModelRules::for_config(&self.runtime_config()?)))
+        let cfg = self.runtime_config()?;
+        Ok(state_dict(
+            &ModelRules::for_config(&cfg),
+            cfg.family.extras.zero_centered_norms,
+        ))
     }
 
     pub fn config_json(&self) -> serde_json::Value {
@@ -741,6 +874,7 @@ impl SynthShape {
             Family::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
             Family::GptOss => ("GptOssForCausalLM", "gpt_oss"),
             Family::Llama4 => ("Llama4ForCausalLM", "llama4_text"),
+            Family::Qwen3_5Moe => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
         };
         let mut m = serde_json::Map::new();
         let mut put = |k: &str, v: serde_json::Value| {
@@ -751,7 +885,11 @@ impl SynthShape {
         put("architectures", json!([arch]));
         put("model_type", json!(model_type));
         put("hidden_size", json!(self.hidden));
-        put("intermediate_size", json!(self.dense_width));
+        // Qwen3_5MoeTextConfig has no dense MLP, and its rope_theta is in rope_parameters.
+        let qwen3_5 = self.family == Family::Qwen3_5Moe;
+        if !qwen3_5 {
+            put("intermediate_size", json!(self.dense_width));
+        }
         put("num_hidden_layers", json!(self.layers));
         put("num_attention_heads", json!(self.heads));
         put("num_key_value_heads", json!(self.kv_heads));
@@ -761,7 +899,9 @@ impl SynthShape {
         put("vocab_size", json!(self.vocab));
         put("num_experts_per_tok", json!(self.top_k));
         put("rms_norm_eps", json!(self.rms_eps));
-        put("rope_theta", json!(self.rope_theta));
+        if !qwen3_5 {
+            put("rope_theta", json!(self.rope_theta));
+        }
         put("max_position_embeddings", json!(self.max_positions));
         put("tie_word_embeddings", json!(self.tie_embeddings));
         put("hidden_act", json!("silu"));
@@ -855,6 +995,44 @@ impl SynthShape {
                     }),
                 );
             }
+            Family::Qwen3_5Moe => {
+                let x = self.hybrid.unwrap_or(QWEN3_5_DEFAULT);
+                put("num_experts", json!(self.experts));
+                put("moe_intermediate_size", json!(self.expert_width));
+                put(
+                    "shared_expert_intermediate_size",
+                    json!(x.shared_expert_width),
+                );
+                let types: Vec<&str> = (0..self.layers)
+                    .map(|l| {
+                        if x.is_linear(l) {
+                            "linear_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    })
+                    .collect();
+                put("layer_types", json!(types));
+                put("full_attention_interval", json!(x.full_attention_interval));
+                put("linear_num_key_heads", json!(x.linear_key_heads));
+                put("linear_num_value_heads", json!(x.linear_value_heads));
+                put("linear_key_head_dim", json!(x.linear_key_dim));
+                put("linear_value_head_dim", json!(x.linear_value_dim));
+                put("linear_conv_kernel_dim", json!(x.conv_kernel));
+                // As the released text configs write the rotary keys: in rope_parameters only. The
+                // multi-token-prediction keys are not written: the module is not generated (the
+                // converter would skip it, and the runtime never runs it).
+                put(
+                    "rope_parameters",
+                    json!({
+                        "rope_type": "default",
+                        "rope_theta": self.rope_theta,
+                        "partial_rotary_factor": x.partial_rotary_factor,
+                        "mrope_section": x.mrope_section,
+                        "mrope_interleaved": true,
+                    }),
+                );
+            }
         }
         if let Some(r) = self.routed {
             put("first_k_dense_replace", json!(self.first_dense_layers()));
@@ -937,6 +1115,17 @@ impl SynthShape {
                 add(&mut att, 2, self.head_dim.checked_mul(2))?; // q/k norm, per head
             }
             Family::Mixtral | Family::Llama4 => gqa(&mut att)?,
+            // The full-attention layers: gated q_proj [2 q, H] (query and output gate), k, v,
+            // o, and the per-head q/k norms.
+            Family::Qwen3_5Moe => add(
+                &mut att,
+                6,
+                q.checked_mul(2)?
+                    .checked_mul(h)?
+                    .checked_add(kv.checked_mul(h)?.checked_mul(2)?)?
+                    .checked_add(h.checked_mul(q)?)?
+                    .checked_add(self.head_dim.checked_mul(2)?),
+            )?,
             Family::GptOss => {
                 gqa(&mut att)?;
                 // q, k, v, o biases and the sinks (one logit per query head)
@@ -1031,6 +1220,38 @@ impl SynthShape {
             let s = u64::from(r.n_shared_experts).checked_mul(self.expert_width)?;
             add(&mut moe, 3, s.checked_mul(h)?.checked_mul(3))?;
         }
+        // Qwen3.5: the sigmoid-gated shared expert (gate, up, down of width S, the gate [1, H]).
+        if let Some(x) = self.hybrid {
+            let s = x.shared_expert_width;
+            add(
+                &mut moe,
+                4,
+                s.checked_mul(h)?.checked_mul(3)?.checked_add(h),
+            )?;
+        }
+        // A gated DeltaNet layer in place of attention, with the same two norms: in_proj_qkv
+        // [2 Kw + Vw, H], in_proj_z [Vw, H], in_proj_b and in_proj_a [Hv, H], conv1d
+        // [2 Kw + Vw, 1, K], A_log and dt_bias [Hv], the gated norm [Dv], out_proj [H, Vw].
+        let (linear_layers, linear) = match self.hybrid {
+            None => (0, (0u64, 0u64)),
+            Some(x) => {
+                let n = (0..self.layers).filter(|&l| x.is_linear(l)).count() as u64;
+                let kw = x.linear_key_heads.checked_mul(x.linear_key_dim)?;
+                let vw = x.linear_value_heads.checked_mul(x.linear_value_dim)?;
+                let hv = x.linear_value_heads;
+                let conv = kw.checked_mul(2)?.checked_add(vw)?;
+                let elems = conv
+                    .checked_mul(h)?
+                    .checked_add(vw.checked_mul(h)?)?
+                    .checked_add(hv.checked_mul(h)?.checked_mul(2)?)?
+                    .checked_add(conv.checked_mul(x.conv_kernel)?)?
+                    .checked_add(hv.checked_mul(2)?)?
+                    .checked_add(x.linear_value_dim)?
+                    .checked_add(h.checked_mul(vw)?)?;
+                (n, (11, elems.checked_add(h.checked_mul(2)?)?))
+            }
+        };
+        let full_layers = layers.checked_sub(linear_layers)?;
         let dense = (3u64, self.dense_width.checked_mul(h)?.checked_mul(3)?);
         let dense_layers = match (self.family, self.fused) {
             // Llama 4: layers step - 1, 2 step - 1, ... are MoE (Llama4TextConfig's default
@@ -1044,8 +1265,13 @@ impl SynthShape {
         let mut total = (0u64, 0u64);
         add(
             &mut total,
-            att.0.checked_mul(layers)?,
-            att.1.checked_mul(layers),
+            att.0.checked_mul(full_layers)?,
+            att.1.checked_mul(full_layers),
+        )?;
+        add(
+            &mut total,
+            linear.0.checked_mul(linear_layers)?,
+            linear.1.checked_mul(linear_layers),
         )?;
         add(
             &mut total,
@@ -1092,8 +1318,16 @@ impl SynthShape {
 /// the shared experts before the routed experts, so that a layer's experts lie together and
 /// spread over shards); the final norm and the lm_head. Each tensor's [`Kind`] is the role its
 /// rule plays. The rules are destructured field by field, so that a tensor a new tarfa-core adds
-/// is a compile error here rather than a silently missing tensor.
-fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
+/// is a compile error here rather than a silently missing tensor. `zero_centred_norms`: the
+/// decoder's norms scale by `1 + w` (Qwen3-Next, Qwen3.5), so their weights are drawn near zero.
+fn state_dict(rules: &ModelRules, zero_centred_norms: bool) -> Vec<SynthTensor> {
+    // The input, post-attention, final and q/k norms; not MLA's latent norms (no zero-centred
+    // family has them) nor a gated DeltaNet's gated norm (a plain `w`).
+    let decoder_norm = if zero_centred_norms {
+        Kind::ZeroCentredNorm
+    } else {
+        Kind::Norm
+    };
     let out_proj = Kind::OutProj {
         scale: 1.0 / (2.0 * rules.layers.len().max(1) as f32).sqrt(),
     };
@@ -1125,7 +1359,7 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
             attention,
             mlp,
         } = layer;
-        out.push(t(input_norm, Kind::Norm));
+        out.push(t(input_norm, decoder_norm));
         match attention {
             AttentionRules::Gqa(GqaRules {
                 q_proj,
@@ -1151,7 +1385,7 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                     [q_norm, k_norm]
                         .into_iter()
                         .flatten()
-                        .map(|n| t(n, Kind::Norm)),
+                        .map(|n| t(n, decoder_norm)),
                 );
             }
             AttentionRules::Mla(MlaRules {
@@ -1195,14 +1429,14 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
                 }
                 out.extend([
                     t(conv, Kind::Matrix),
-                    t(a_log, Kind::Bias),
-                    t(dt_bias, Kind::Bias),
+                    t(a_log, Kind::ALog),
+                    t(dt_bias, Kind::DtBias),
                     t(norm, Kind::Norm),
                     t(o, out_proj),
                 ]);
             }
         }
-        out.push(t(post_attention_norm, Kind::Norm));
+        out.push(t(post_attention_norm, decoder_norm));
         match mlp {
             MlpRules::Dense(d) => out.extend(dense(d)),
             MlpRules::Moe {
@@ -1267,7 +1501,7 @@ fn state_dict(rules: &ModelRules) -> Vec<SynthTensor> {
             }
         }
     }
-    out.push(t(&rules.final_norm, Kind::Norm));
+    out.push(t(&rules.final_norm, decoder_norm));
     if rules.lm_head.need == Need::Required {
         out.push(t(&rules.lm_head, Kind::Matrix));
     }
@@ -1368,7 +1602,10 @@ impl SynthTensor {
                     let i = base + j;
                     let r = mix(key.wrapping_add((i as u64).wrapping_mul(GOLDEN)));
                     let v = match kind {
-                        Kind::Norm => 1.0 + 0.1 * normal(r),
+                        Kind::Norm | Kind::DtBias => 1.0 + 0.1 * normal(r),
+                        Kind::ZeroCentredNorm => 0.1 * normal(r),
+                        // libm's logf: the same bits on every platform.
+                        Kind::ALog => libm::logf(0.01 + 15.99 * uniform01(r)),
                         Kind::Matrix | Kind::Bias => sigma * normal(r),
                         Kind::OutProj { scale } => sigma * scale * normal(r),
                         Kind::Embedding => {
