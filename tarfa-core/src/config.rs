@@ -2843,7 +2843,10 @@ mod tests {
         let c = parse(&qwen35()).unwrap();
         assert_eq!(c.layer_linear, [true, true, true, false]);
         let d = c.linear.unwrap();
-        assert_eq!((d.key_width(), d.value_width(), d.conv_channels()), (64, 128, 256));
+        assert_eq!(
+            (d.key_width(), d.value_width(), d.conv_channels()),
+            (64, 128, 256)
+        );
         assert_eq!((d.state_len(), d.conv_state_len()), (4 * 32 * 32, 3 * 256));
         assert_eq!(c.rotary_dim, 8);
         assert!(c.renormalize_topk, "Qwen3.5's router always renormalises");
@@ -2926,6 +2929,9 @@ mod tests {
             key(with(qwen35(), "use_sliding_window", true.into())),
             "sliding_window"
         );
-        assert_eq!(key(with(qwen35(), "hidden_act", "gelu".into())), "hidden_act");
+        assert_eq!(
+            key(with(qwen35(), "hidden_act", "gelu".into())),
+            "hidden_act"
+        );
     }
 }
