@@ -24,9 +24,11 @@ pub trait Rewind {
     /// Positions cached.
     fn cached_len(&self) -> usize;
     /// Forgets positions from `len` on and returns the positions kept: `min(len, cached_len)`,
-    /// or fewer (0) when the cache no longer holds rows a query at `len` would read (a sliding
-    /// window's or a chunk's dropped rows); the caller then re-feeds from there. A rewind to the
-    /// length a step started at is always served in full.
+    /// or fewer when the cache no longer holds what a query at `len` would read: 0 for a sliding
+    /// window's or a chunk's dropped rows, or for a gated DeltaNet state before the last step;
+    /// that step's start for a state inside it (the state exists only there). The caller then
+    /// re-feeds from what was kept. A rewind to the length a step started at is always served in
+    /// full.
     #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
     fn rewind_to(&mut self, len: usize) -> usize;
 }

@@ -2818,4 +2818,120 @@ mod tests {
             })
         ));
     }
+
+    /// qwen35moe-a's config as transformers wrote it (tarfa-run's oracle tests run the model).
+    fn qwen35() -> Value {
+        serde_json::json!({
+            "model_type": "qwen3_5_moe_text", "vocab_size": 512, "hidden_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_value_head_dim": 32,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+                "full_attention"],
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "hidden_act": "silu",
+            "partial_rotary_factor": 0.25, "attention_bias": false,
+            "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 10000.0,
+                "rope_type": "default"},
+            "tie_word_embeddings": false
+        })
+    }
+
+    #[test]
+    fn the_hybrid_families_resolve_their_layers_as_transformers_does() {
+        let c = parse(&qwen35()).unwrap();
+        assert_eq!(c.layer_linear, [true, true, true, false]);
+        let d = c.linear.unwrap();
+        assert_eq!(
+            (d.key_width(), d.value_width(), d.conv_channels()),
+            (64, 128, 256)
+        );
+        assert_eq!((d.state_len(), d.conv_state_len()), (4 * 32 * 32, 3 * 256));
+        assert_eq!(c.rotary_dim, 8);
+        assert!(c.renormalize_topk, "Qwen3.5's router always renormalises");
+        let spec = ArchSpec::new(&c);
+        assert!(spec.layers.iter().all(|k| *k == MlpKind::Moe));
+        assert!(spec.shared_expert && spec.extras.gated_attention);
+        // Qwen3.5's config has no norm_topk_prob, decoder_sparse_step or mlp_only_layers:
+        // transformers ignores them if written, and so does the family
+        let mut ignored = qwen35();
+        ignored["norm_topk_prob"] = false.into();
+        ignored["mlp_only_layers"] = serde_json::json!([0]);
+        let i = parse(&ignored).unwrap();
+        assert!(i.renormalize_topk);
+        assert!(ArchSpec::new(&i).layers.iter().all(|k| *k == MlpKind::Moe));
+        // layer_types absent: every full_attention_interval-th layer is full (default 4)
+        let mut next = without(qwen35(), "layer_types");
+        next["model_type"] = "qwen3_next".into();
+        next["num_hidden_layers"] = 8.into();
+        assert_eq!(
+            parse(&next).unwrap().layer_linear,
+            [true, true, true, false, true, true, true, false]
+        );
+        next["full_attention_interval"] = 2.into();
+        assert_eq!(
+            parse(&next).unwrap().layer_linear,
+            [true, false, true, false, true, false, true, false]
+        );
+        // Qwen3-Next reads norm_topk_prob and Qwen's dense-layer rule
+        next["norm_topk_prob"] = false.into();
+        next["mlp_only_layers"] = serde_json::json!([1]);
+        next["intermediate_size"] = 256.into();
+        let n = parse(&next).unwrap();
+        assert!(!n.renormalize_topk);
+        assert_eq!(ArchSpec::new(&n).layers[1], MlpKind::Dense);
+        // text's interleaved mRoPE is the plain rotary embedding: its keys are read for types
+        let mut mrope = qwen35();
+        mrope["rope_parameters"]["mrope_section"] = serde_json::json!([2, 1, 1]);
+        mrope["rope_parameters"]["mrope_interleaved"] = true.into();
+        assert_eq!(parse(&mrope).unwrap().rotary_dim, 8);
+    }
+
+    #[test]
+    fn the_hybrid_families_refuse_what_they_cannot_run_by_name() {
+        let key = |v: Value| match parse(&v) {
+            Err(ConfigError::Unsupported { key, .. })
+            | Err(ConfigError::OutOfRange { key, .. })
+            | Err(ConfigError::WrongType { key, .. })
+            | Err(ConfigError::Missing { key }) => key,
+            other => panic!("{other:?}"),
+        };
+        let mut odd = qwen35();
+        odd["layer_types"][1] = "sliding_attention".into();
+        assert_eq!(key(odd), "layer_types");
+        let mut short = qwen35();
+        short["layer_types"] = serde_json::json!(["linear_attention"]);
+        assert_eq!(key(short), "layer_types");
+        assert_eq!(
+            key(with(qwen35(), "linear_num_value_heads", 3.into())),
+            "linear_num_value_heads"
+        );
+        assert_eq!(
+            key(with(qwen35(), "linear_conv_kernel_dim", 0.into())),
+            "linear_conv_kernel_dim"
+        );
+        let mut bad_section = qwen35();
+        bad_section["rope_parameters"]["mrope_section"] = "11,11,10".into();
+        assert_eq!(key(bad_section), "rope_parameters.mrope_section");
+        let mut bad_flag = qwen35();
+        bad_flag["rope_parameters"]["mrope_interleaved"] = 1.into();
+        assert_eq!(key(bad_flag), "rope_parameters.mrope_interleaved");
+        // another family has no mRoPE, and no linear layers
+        let mut qwen3 = base();
+        qwen3["rope_parameters"] = serde_json::json!({"rope_theta": 10000.0,
+            "mrope_section": [16, 24, 24]});
+        assert_eq!(key(qwen3), "rope_parameters.mrope_section");
+        let mut linear = base();
+        linear["layer_types"] = serde_json::json!(["linear_attention", "linear_attention"]);
+        assert_eq!(key(linear), "layer_types");
+        assert_eq!(
+            key(with(qwen35(), "use_sliding_window", true.into())),
+            "sliding_window"
+        );
+        assert_eq!(
+            key(with(qwen35(), "hidden_act", "gelu".into())),
+            "hidden_act"
+        );
+    }
 }

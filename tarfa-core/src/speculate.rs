@@ -106,14 +106,23 @@ pub struct ModelDrafter<S> {
     pub positions: u64,
 }
 
-/// A rewind to a length at or after the verifying step's start (the rejected drafts' rows):
-/// always served in full ([`crate::batch::Rewind::rewind_to`]).
-fn rewind_within_step<S: Session + ?Sized>(session: &mut S, len: usize) {
+/// A rewind to a length at or after the verifying step's start (the rejected drafts' rows),
+/// `context` holding at least the `len` tokens the cache must then hold. An attention cache
+/// serves it in full; a gated DeltaNet layer's state exists only at the step's start
+/// ([`crate::batch::Rewind::rewind_to`] keeps fewer), so the accepted tokens after what was
+/// kept are fed again (their outputs discarded): the cache then holds what one token per step
+/// would have left, bit for bit (prefill equals decode).
+fn rewind_within_step<S: Session + ?Sized>(
+    session: &mut S,
+    len: usize,
+    context: &[u32],
+) -> Result<(), S::Error> {
     let kept = session.rewind_to(len);
-    assert_eq!(
-        kept, len,
-        "a rewind within the verifying step keeps every position asked"
-    );
+    if kept < len {
+        let opts = ForwardOptions::default();
+        let _refed = session.forward(&context[kept..len], &opts)?;
+    }
+    Ok(())
 }
 
 impl<S: Session> ModelDrafter<S> {
@@ -379,12 +388,12 @@ where
             // per step would have fed before choosing token `at`.
             // Row i follows the i drafts accepted before it in this step.
             if observer.token(at, t)? == Flow::Stop || at + 1 == n_new {
-                rewind_within_step(session, base + i + 1);
+                rewind_within_step(session, base + i + 1, &context)?;
                 observer.drafts_verified(drafts.len(), i);
                 return Ok((out, stats));
             }
             if i == drafts.len() || t != drafts[i] {
-                rewind_within_step(session, base + i + 1);
+                rewind_within_step(session, base + i + 1, &context)?;
                 observer.drafts_verified(drafts.len(), i);
                 pending = t;
                 j = at;

@@ -21,8 +21,9 @@
 //! advances. A step writes the advanced state beside the committed one and [`KvCache::commit`]
 //! swaps it in, keeping the state the step started from: a failed step leaves the committed
 //! state as it was, and a rewind to the length the last step started at is served from the kept
-//! state. The state at any other earlier length is gone (it is never stored), so such a rewind
-//! empties the cache and says so, like a window's dropped rows.
+//! state, and a rewind into the last step is served from that step's start (the caller re-feeds
+//! the positions after it). The state at any length before that is gone (it is never stored),
+//! so such a rewind empties the cache and says so, like a window's dropped rows.
 
 use tarfa_core::batch::Rewind;
 use tarfa_core::numerics::{RopeError, RopeTable};
@@ -221,34 +222,29 @@ impl KvCache {
         if len >= self.len {
             return self.len;
         }
-        let rows = (0..self.layers).all(|l| self.spans[l].needed_from(len) >= self.base[l]);
         // A gated DeltaNet state exists at the cache's length, at the length the last step
-        // started at, and at 0.
-        let states = match self.linear.as_mut() {
-            None => true,
+        // started at, and at 0: a rewind into the last step is served from its start (fewer
+        // positions than asked; the caller re-feeds the rest), one before it from 0.
+        let (len, states) = match self.linear.as_mut() {
+            None => (len, true),
             Some(ls) => match ls.before.take() {
-                Some((start, before)) if start == len => {
+                Some((start, before)) if start <= len => {
                     ls.committed = before;
-                    true
+                    (start, true)
                 }
-                _ => {
-                    let (c, s) = ls.fresh;
-                    for st in ls.committed.iter_mut().flatten() {
-                        *st = LinearState::zeros(c, s);
-                    }
-                    len == 0
-                }
+                _ => (0, false),
             },
         };
+        let rows = (0..self.layers).all(|l| self.spans[l].needed_from(len) >= self.base[l]);
         let servable = rows && states;
-        let len = if servable { len } else { 0 };
+        let len = if rows { len } else { 0 };
         if let (false, Some(ls)) = (servable, self.linear.as_mut()) {
             let (c, s) = ls.fresh;
             for st in ls.committed.iter_mut().flatten() {
                 *st = LinearState::zeros(c, s);
             }
         }
-        if !servable {
+        if !rows {
             self.base.iter_mut().for_each(|b| *b = 0);
         }
         for l in 0..self.layers {

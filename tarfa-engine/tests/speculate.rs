@@ -444,3 +444,77 @@ fn a_draft_model_is_only_a_proposal() {
     }
     assert!(accepted < drafted, "the weak draft is sometimes wrong");
 }
+
+/// A hybrid model (qwen35moe-a of the shared oracle: gated DeltaNet layers, whose state exists
+/// only at a step's start): a rejected draft's rewind keeps the step's start and the accepted
+/// tokens are fed again, so speculation is still plain decoding bit for bit; the model as its own
+/// draft model (its drafter's cache rewinds to shared prefixes) too.
+#[test]
+fn speculation_on_a_hybrid_model_is_plain_decoding_bit_for_bit() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/oracle/qwen35moe-a");
+    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+        assert!(std::env::var_os("CI").is_none(), "CI must have ../shared");
+        eprintln!("no shared oracle at {}: skipped", dir.display());
+        return;
+    };
+    let cfg = MoeConfig::from_json_str(&text).unwrap();
+    let source: Arc<dyn WeightSource> =
+        Arc::new(load_safetensors_dir(&dir, &cfg, &ArchSpec::new(&cfg)).unwrap());
+    let repeats: Vec<u32> = [5u32, 9, 13, 2, 7]
+        .iter()
+        .cycle()
+        .take(20)
+        .copied()
+        .collect();
+    let (mut accepted, mut rejected) = (0, 0);
+    for k in [2, 4] {
+        let (_, st) = same(
+            &cfg,
+            &source,
+            BackendChoice::Cpu,
+            2,
+            &repeats,
+            12,
+            k,
+            Choice::Greedy,
+            None,
+            &mut NgramDrafter::default(),
+        );
+        accepted += st.accepted;
+        let (_, shifted) = same(
+            &cfg,
+            &source,
+            BackendChoice::Cpu,
+            1,
+            &repeats,
+            12,
+            k,
+            Choice::Greedy,
+            None,
+            &mut Shifted,
+        );
+        rejected += shifted.drafted - shifted.accepted;
+    }
+    let mut own = ModelDrafter::new(
+        engine(&cfg, &source, BackendChoice::Cpu, 1),
+        cfg.max_position_embeddings,
+    );
+    let (_, st) = same(
+        &cfg,
+        &source,
+        BackendChoice::Cpu,
+        1,
+        &repeats,
+        12,
+        3,
+        Choice::Greedy,
+        None,
+        &mut own,
+    );
+    // rejected drafts rewind into the verifying step (re-fed from its start); the model's own
+    // drafts are all accepted and the last step's stop rewinds into it
+    assert!(
+        st.accepted > 0 && rejected > 0,
+        "both rewinds exercised: self-draft {st:?}, {rejected} rejected, ngram {accepted} accepted"
+    );
+}

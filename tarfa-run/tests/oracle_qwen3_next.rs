@@ -58,10 +58,10 @@ fn qwen3_5_moe_invariances_are_bitwise() {
 }
 
 /// The recurrent state lives in the cache: a rewind to the length the last step started at
-/// restores the state it started from (the step re-run gives the same bits); a rewind to any
-/// other earlier length cannot be served from a state that was never kept, so the cache empties
-/// and says so (re-feeding from 0 gives the same bits); a failed batched step leaves every
-/// sequence's state as it was.
+/// restores the state it started from (the step re-run gives the same bits), as does a rewind
+/// into that step (it keeps the step's start and says so); a rewind before it cannot be served
+/// from a state that was never kept, so the cache empties and says so (re-feeding from 0 gives
+/// the same bits); a failed batched step leaves every sequence's state as it was.
 #[test]
 #[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
 fn the_linear_state_rewinds_and_fails_as_the_contract_says() {
@@ -80,9 +80,17 @@ fn the_linear_state_rewinds_and_fails_as_the_contract_says() {
         first == again,
         "the step re-run after a rewind to its start differs"
     );
-    // to a length inside the last step: no state was kept there
+    // to a length inside the last step: served from the step's start, the caller re-feeds
     assert_eq!(
         cache.rewind_to(25),
+        20,
+        "a rewind into the last step keeps its start"
+    );
+    let partial = bits(&eng.forward(&mut cache, tail, &all_rows()).unwrap().logits);
+    assert!(first == partial, "re-fed from the step's start differs");
+    // to a length before the last step: no state was kept there
+    assert_eq!(
+        cache.rewind_to(10),
         0,
         "a rewind past the kept state must empty the cache"
     );

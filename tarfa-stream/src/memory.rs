@@ -14,6 +14,11 @@ pub struct ResidentPart {
     /// Keys and values (f32) of every layer and KV head for `context` positions, and the RoPE
     /// rows (cos and sin, f32) for them.
     pub kv_bytes: u64,
+    /// The gated DeltaNet layers' states (Qwen3-Next, Qwen3.5 MoE), f32, whatever the
+    /// context: the convolution's and the recurrence's state, held twice (the committed state
+    /// and the one the last step started from, kept for a rewind) and a third time while a step
+    /// stages the next. 0 for a model without such layers.
+    pub linear_state_bytes: u64,
     /// Positions the KV cache is sized for (prompt plus generated tokens).
     pub context: usize,
 }
@@ -36,19 +41,33 @@ impl ResidentPart {
         ResidentPart {
             dense_bytes,
             kv_bytes: kv_bytes(cfg, context),
+            linear_state_bytes: linear_state_bytes(cfg),
             context,
         }
     }
 
     pub fn total(&self) -> u64 {
-        self.dense_bytes.saturating_add(self.kv_bytes)
+        self.dense_bytes
+            .saturating_add(self.kv_bytes)
+            .saturating_add(self.linear_state_bytes)
     }
+}
+
+/// One sequence's gated DeltaNet states at their peak: three copies (committed, kept, staged)
+/// of every linear layer's convolution and recurrent state, f32.
+pub fn linear_state_bytes(cfg: &MoeConfig) -> u64 {
+    let Some(d) = &cfg.linear else { return 0 };
+    let layers = cfg.layer_linear.iter().filter(|&&l| l).count() as u64;
+    let per_layer = (d.state_len() + d.conv_state_len()) as u64 * 4;
+    3 * layers * per_layer
 }
 
 /// KV cache and RoPE rows for `context` positions (saturating: a context too large for memory
 /// must read as too large, not wrap).
 pub fn kv_bytes(cfg: &MoeConfig, context: usize) -> u64 {
-    let per_pos = (cfg.num_layers as u64 * cfg.num_kv_heads as u64 * cfg.head_dim as u64 * 2 * 4)
+    // a gated DeltaNet layer caches no rows
+    let attention_layers = cfg.layer_linear.iter().filter(|&&l| !l).count();
+    let per_pos = (attention_layers as u64 * cfg.num_kv_heads as u64 * cfg.head_dim as u64 * 2 * 4)
         .saturating_add(cfg.head_dim as u64 * 4);
     per_pos.saturating_mul(context as u64)
 }

@@ -35,7 +35,7 @@ TABLE=$OUTD/table.txt
 row() { echo "$1|$2|$3" >> "$TABLE"; }
 collect() { grep -h '^TABLE|' "$1" | sed "s/^TABLE|/${2:-}/" >> "$TABLE" || true; }
 dir_of() { if [ -d "$FIX/$1" ]; then echo "$FIX/$1"; else echo "$EXTRA/$1"; fi; }
-FIXTURES="gptoss-a gptoss-mxfp4-a llama4-a llama4-dense-s llama4-llama3-s mixtral-window-s olmoe-clip-s"
+FIXTURES=${FIXTURES:-"gptoss-a gptoss-mxfp4-a llama4-a llama4-dense-s llama4-llama3-s mixtral-window-s olmoe-clip-s"}
 SAN_FIX=${SAN_FIX:-"gptoss-mxfp4-a llama4-dense-s olmoe-clip-s"}
 
 timeout 120 "$ST" kernels > "$LOG/kernels.log" 2>&1

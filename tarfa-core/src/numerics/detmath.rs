@@ -419,4 +419,26 @@ mod tests {
             x = x * 1.001 + 0.0137;
         }
     }
+
+    #[test]
+    fn softplus_is_torchs_within_an_ulp_on_both_sides_of_its_branches() {
+        // torch: x above the threshold 20 is returned as is
+        assert_eq!(softplus(20.5).to_bits(), 20.5f32.to_bits());
+        assert_eq!(softplus(1e30).to_bits(), 1e30f32.to_bits());
+        assert!(softplus(f32::NAN).is_nan());
+        assert_eq!(softplus(-200.0), 0.0);
+        let mut worst = 0;
+        // across ln(2^-20) ~ -13.86, where the series takes over, and up to the threshold
+        let mut x = -40.0f32;
+        while x <= 20.0 {
+            let want = (x as f64).exp().ln_1p();
+            worst = worst.max(ulp_dist_f32(softplus(x), want));
+            x += 0.0137;
+        }
+        assert!(worst <= 2, "softplus is {worst} ulps from ln(1 + e^x)");
+        // the branch point itself: exp(x) just below and above 2^-20 agree in their ulps
+        for x in [-13.8629f32, -13.8630, -13.8628] {
+            assert!(ulp_dist_f32(softplus(x), (x as f64).exp().ln_1p()) <= 2);
+        }
+    }
 }

@@ -259,14 +259,29 @@ pub fn open(
         policy,
         io_threads: a.io_threads,
     };
+    // What the converter left out of the model (a multimodal release's vision tower, its
+    // multi-token-prediction layers): the run says so, as the manifest does.
+    for key in ["multimodal", "skipped"] {
+        if let Some(note) = bundle.manifest().source.get(key) {
+            log(format!("bundle: {note}"));
+        }
+    }
     let source = Arc::new(StreamSource::new(
         bundle,
         &opts,
         ledger.as_ref().map(|l| &l.1),
     )?);
 
+    let states = match resident.linear_state_bytes {
+        0 => String::new(),
+        b => format!(
+            " + {} linear-attention state ({} gated DeltaNet layers)",
+            format_bytes(b),
+            cfg.layer_linear.iter().filter(|&&l| l).count()
+        ),
+    };
     log(format!(
-        "resident: {} dense weights + {} KV cache for {context} positions = {}",
+        "resident: {} dense weights + {} KV cache for {context} positions{states} = {}",
         format_bytes(resident.dense_bytes),
         format_bytes(resident.kv_bytes),
         format_bytes(resident.total())
