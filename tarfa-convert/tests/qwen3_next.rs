@@ -406,6 +406,33 @@ fn the_shared_fixtures_convert_and_are_proven_against_their_source() {
     }
 }
 
+/// Greedy tokens and every step's logits bits of a bundle on the CPU runtime.
+fn greedy_bits(bundle: &Path) -> (Vec<u32>, Vec<Vec<u32>>) {
+    use std::sync::Arc;
+    use tarfa_core::weights::WeightSource;
+    use tarfa_cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, LogitRows};
+    let src = Arc::new(tarfa_stream::bundle::BundleSource::open(bundle, None).unwrap());
+    let cfg = tarfa_core::config::MoeConfig::from_json_str(
+        &String::from_utf8(src.read_file("config.json").unwrap()).unwrap(),
+    )
+    .unwrap();
+    let model = Arc::new(CpuModel::load(cfg, src as Arc<dyn WeightSource>).unwrap());
+    let engine = CpuEngine::new(model.clone(), EngineOptions::default()).unwrap();
+    let mut cache = model.new_cache();
+    let opts = ForwardOptions {
+        logits: LogitRows::Last,
+        ..Default::default()
+    };
+    let out =
+        tarfa_core::generate::greedy(&engine, &mut cache, &[1, 7, 33, 100], 4, &opts).unwrap();
+    let bits = out
+        .step_logits
+        .iter()
+        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+        .collect();
+    (out.tokens, bits)
+}
+
 /// The absolute offset of a tensor's data in a safetensors file.
 fn safetensors_offset(path: &Path, tensor: &str) -> u64 {
     let bytes = fs::read(path).unwrap();
@@ -488,6 +515,11 @@ fn experts_fused_by_rows_convert_to_the_per_expert_extents() {
         assert_eq!(roles, ["gate", "up", "down"]);
     }
     assert_eq!(verify(&fused, &fused_src), (true, vec![]), "check --source");
+    assert_eq!(
+        greedy_bits(&fused),
+        greedy_bits(&plain),
+        "the runtime reads the fused-rows bundle as the per-expert one, bit for bit"
+    );
     let e = m
         .experts
         .iter()
