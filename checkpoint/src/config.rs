@@ -578,11 +578,9 @@ impl ModelConfigSummary {
 /// gives each of the rotary width's `rotary_dim / 2` frequencies the position of one of three
 /// components (temporal, height, width), interleaved by `mrope_section`; a text token's three
 /// components are its one position, so every frequency gets that position and the rotation is
-/// plain RoPE, exactly, whether interleaved or not. The sections are accepted when they tile
-/// the rotary half exactly (`sum == head_dim x partial_rotary_factor / 2`), as the released
-/// configs' `[11, 11, 10]` of 64 rotary dims do: sections that do not are not the model the
-/// release describes (another head_dim or factor), and are refused by name.
-/// `mrope_interleaved` must be a boolean. Both are read in `rope_parameters` and, as older
+/// plain RoPE, exactly, whether interleaved or not, and whatever widths the sections have. So
+/// the sections are read for their form only: three unsigned widths (transformers indexes the
+/// temporal, height and width sections); `mrope_interleaved` must be a boolean. Both are read in `rope_parameters` and, as older
 /// releases wrote them, `rope_scaling`.
 fn mrope_reduces_to_rope(c: &Fields<'_>) -> Result<(), CheckpointError> {
     const BLOCKS: [(&str, &str, &str); 2] = [
@@ -624,44 +622,12 @@ fn mrope_reduces_to_rope(c: &Fields<'_>) -> Result<(), CheckpointError> {
                 "multimodal RoPE has three sections (temporal, height, width)",
             ));
         }
-        let half = rotary_dim(c)? / 2;
-        let sum = sections.iter().try_fold(0u64, |a, &x| a.checked_add(x));
-        if sum != Some(half) {
-            return Err(refused(
-                "the sections must add up to half the rotary width (head_dim x \
-                 partial_rotary_factor / 2), which text positions then rotate as plain RoPE",
-            ));
-        }
+        // Any sections: on text the temporal, height and width ids are the token's position,
+        // so every frequency gets the same angle whichever id a section assigns it (qwen35moe-a
+        // runs with the default [11, 11, 10] on a rotary width of 8: plain RoPE, as its oracle
+        // shows). tarfa-core's config reader applies the same rule.
     }
     Ok(())
-}
-
-/// `int(head_dim * partial_rotary_factor)`, as transformers computes the rotary width:
-/// `head_dim` (else `hidden_size / num_attention_heads`), the factor from `rope_parameters`,
-/// else the top level, else Qwen3.5's default 0.25 (`Qwen3_5MoeTextConfig` sets it).
-fn rotary_dim(c: &Fields<'_>) -> Result<u64, CheckpointError> {
-    let head_dim = match c.uint("head_dim")? {
-        Some(d) => d,
-        None => {
-            let heads = c
-                .uint("num_attention_heads")?
-                .ok_or_else(|| c.missing("num_attention_heads"))?;
-            c.positive("num_attention_heads", heads)?;
-            c.uint("hidden_size")?.unwrap_or(0) / heads
-        }
-    };
-    let nested = match c.get("rope_parameters") {
-        Some(Value::Object(rp)) => rp.get("partial_rotary_factor").filter(|v| !v.is_null()),
-        _ => None,
-    };
-    let factor = nested.or_else(|| c.get("partial_rotary_factor"));
-    let factor = match factor {
-        None => 0.25,
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| c.wrong_type("partial_rotary_factor", "a number"))?,
-    };
-    Ok((head_dim as f64 * factor).trunc().max(0.0) as u64)
 }
 
 /// Llama 4's MoE layers as transformers' `Llama4TextConfig` resolves them: `moe_layers` when

@@ -622,8 +622,9 @@ fn the_multimodal_release_converts_to_its_text_model() {
     }
 }
 
-/// A release whose mrope_section does not tile half the rotary width (8 / 2 = 4 frequencies;
-/// [2, 2, 2] is 6) is refused by name, naming config.json and the key, with nothing written.
+/// A release whose mrope_section is not three sections (transformers indexes the temporal,
+/// height and width ones) is refused by name, naming config.json and the key, with nothing
+/// written.
 #[test]
 #[ignore = "needs TARFA_EXTRA_ORACLES (the shared oracle; .ci/run sets it and runs these)"]
 fn a_release_with_a_bad_mrope_section_is_refused_by_name() {
@@ -633,13 +634,13 @@ fn a_release_with_a_bad_mrope_section_is_refused_by_name() {
     let mut shards = read_shards(&plain_src);
     wrap_tensors(&mut shards, 128, 16);
     let src = d.path().join("src");
-    let text = release_text_config(&plain_config, json!([2, 2, 2]));
+    let text = release_text_config(&plain_config, json!([2, 2]));
     write_checkpoint(&src, &plain_src, &shards, &wrap_config(&text));
     let out = d.path().join("out");
     let (code, _, err) = convert_cli(&src, &out);
     assert_eq!(code, 2, "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
-    for needle in ["config.json", "rope_parameters.mrope_section", "[2,2,2]"] {
+    for needle in ["config.json", "rope_parameters.mrope_section", "[2,2]"] {
         assert!(err.contains(needle), "names {needle}: {err}");
     }
     assert!(!out.exists(), "nothing written");

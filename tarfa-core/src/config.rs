@@ -1100,11 +1100,15 @@ fn mrope_sections(r: &Reader<'_>, family: &Family) -> Result<(), ConfigError> {
             found: type_name(v),
         });
     }
-    let widths = section.map(|v| v.as_array().is_some_and(|a| a.iter().all(Value::is_u64)));
+    // transformers indexes the temporal, height and width sections: three widths
+    let widths = section.map(|v| {
+        v.as_array()
+            .is_some_and(|a| a.len() == 3 && a.iter().all(Value::is_u64))
+    });
     if let (Some(v), Some(false)) = (section, widths) {
         return Err(ConfigError::WrongType {
             key: "rope_parameters.mrope_section",
-            expected: "a list of section widths",
+            expected: "a list of three section widths",
             found: type_name(v),
         });
     }
@@ -2883,7 +2887,7 @@ mod tests {
         assert_eq!(ArchSpec::new(&n).layers[1], MlpKind::Dense);
         // text's interleaved mRoPE is the plain rotary embedding: its keys are read for types
         let mut mrope = qwen35();
-        mrope["rope_parameters"]["mrope_section"] = serde_json::json!([2, 1, 1]);
+        mrope["rope_parameters"]["mrope_section"] = serde_json::json!([11, 11, 10]);
         mrope["rope_parameters"]["mrope_interleaved"] = true.into();
         assert_eq!(parse(&mrope).unwrap().rotary_dim, 8);
     }
@@ -2914,6 +2918,9 @@ mod tests {
         let mut bad_section = qwen35();
         bad_section["rope_parameters"]["mrope_section"] = "11,11,10".into();
         assert_eq!(key(bad_section), "rope_parameters.mrope_section");
+        let mut two = qwen35();
+        two["rope_parameters"]["mrope_section"] = serde_json::json!([2, 2]);
+        assert_eq!(key(two), "rope_parameters.mrope_section");
         let mut bad_flag = qwen35();
         bad_flag["rope_parameters"]["mrope_interleaved"] = 1.into();
         assert_eq!(key(bad_flag), "rope_parameters.mrope_interleaved");

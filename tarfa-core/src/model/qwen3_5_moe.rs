@@ -6,8 +6,8 @@
 //! (`Qwen3_5MoeDecoderLayer` has no dense rule: `decoder_sparse_step` and `mlp_only_layers` are
 //! no keys of its config); the router always renormalises its top-k (`Qwen3_5MoeTopKRouter`;
 //! `norm_topk_prob` is no key either). The text model's interleaved mRoPE (`mrope_section`) sees
-//! three equal position components on text, which is the plain rotary embedding (the config
-//! parser checks the sections cover the rotary width).
+//! three equal position components on text, which is the plain rotary embedding whatever the
+//! sections (the config parser reads them for their form).
 //!
 //! This file only describes the family; it must never contain arithmetic.
 
