@@ -123,7 +123,7 @@ pub struct KvCache {
     v: Vec<Vec<f32>>,
     pub(crate) rope: RopeTable,
     /// The gated DeltaNet layers' states, when the model has such layers.
-    linear: Option<LinearStates>,
+    linear: Option<Box<LinearStates>>,
 }
 
 impl KvCache {
@@ -165,12 +165,12 @@ impl KvCache {
             .iter()
             .map(|&on| on.then(|| LinearState::zeros(conv_len, state_len)))
             .collect();
-        self.linear = Some(LinearStates {
+        self.linear = Some(Box::new(LinearStates {
             pending: vec![None; fresh.len()],
             committed: fresh,
             before: None,
             fresh: (conv_len, state_len),
-        });
+        }));
         self
     }
 
@@ -293,7 +293,7 @@ impl KvCache {
             let mut before = Vec::with_capacity(ls.committed.len());
             for (c, p) in ls.committed.iter_mut().zip(ls.pending.iter_mut()) {
                 match p.take() {
-                    Some(next) => before.push(std::mem::replace(c, Some(next))),
+                    Some(next) => before.push(c.replace(next)),
                     // an attention layer, or a step of no token
                     None => before.push(c.clone()),
                 }

@@ -122,7 +122,7 @@ pub struct Sequence {
 }
 
 enum SequenceCache {
-    Cpu(KvCache),
+    Cpu(Box<KvCache>),
     Cuda(Box<CudaCache>),
 }
 
@@ -269,7 +269,7 @@ impl Model {
     /// A new, empty sequence on this model's backend.
     pub fn new_sequence(&self) -> Result<Sequence, EngineError> {
         let cache = match self {
-            Model::Cpu(e) => SequenceCache::Cpu(e.model().new_cache()),
+            Model::Cpu(e) => SequenceCache::Cpu(Box::new(e.model().new_cache())),
             Model::Cuda(m) => SequenceCache::Cuda(Box::new(m.new_cache()?)),
         };
         Ok(Sequence { cache })
@@ -563,7 +563,7 @@ fn cpu_entries<'s>(steps: &'s mut [SeqStep<'_>]) -> Vec<BatchEntry<'s, KvCache>>
         .iter_mut()
         .map(|s| match &mut s.seq.cache {
             SequenceCache::Cpu(c) => BatchEntry {
-                cache: c,
+                cache: &mut **c,
                 tokens: s.tokens,
                 opts: s.opts,
             },
