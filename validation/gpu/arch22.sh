@@ -46,7 +46,7 @@ SAN=()
 if command -v compute-sanitizer > /dev/null; then
   for f in $SAN_FIX; do
     for tool in memcheck racecheck initcheck synccheck; do
-      ( timeout 400 nice compute-sanitizer --tool $tool --error-exitcode 9 "$ST" generate "$(dir_of $f)" \
+      ( timeout ${SAN_TIMEOUT:-400} nice compute-sanitizer --tool $tool --error-exitcode 9 "$ST" generate "$(dir_of $f)" \
           --decode 6 > "$LOG/san-$tool-$f.log" 2>&1
         echo "rc=$?" >> "$LOG/san-$tool-$f.log" ) &
       SAN+=($!)
