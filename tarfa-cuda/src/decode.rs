@@ -186,6 +186,9 @@ impl CudaModel {
         if cfg.clip_qkv.is_some() {
             return Some("OLMoE's clip_qkv".into());
         }
+        if x.linear_attention.is_some() || x.gated_attention {
+            return Some("gated DeltaNet (linear attention) layers and gated attention".into());
+        }
         if x.llama4_attention
             || self.spec.qk_norm == tarfa_core::model::QkNorm::L2AfterRope
             || self.spec.router == tarfa_core::model::RouterRule::SigmoidScalesInput
@@ -1393,6 +1396,12 @@ impl LayerSteps for PlanSteps<'_> {
         let a = match &layer.attn {
             DevAttn::Gqa(a) => a,
             DevAttn::Mla(m) => return self.mla(l, layer, m),
+            DevAttn::Linear(_) => {
+                return Err(CudaError::Internal(
+                    "a gated DeltaNet layer in the decode graph (decode_unsupported refuses it)"
+                        .into(),
+                ))
+            }
         };
         let qkv = b.qkv.ptr();
         let k_raw = qkv + (hq * d * F) as u64;
