@@ -297,7 +297,7 @@ impl KvCache {
             let mut before = Vec::with_capacity(ls.committed.len());
             for (c, p) in ls.committed.iter_mut().zip(ls.pending.iter_mut()) {
                 match p.take() {
-                    Some(next) => before.push(std::mem::replace(c, Some(next))),
+                    Some(next) => before.push(c.replace(next)),
                     // an attention layer, or a step of no token
                     None => before.push(c.clone()),
                 }
