@@ -1211,9 +1211,21 @@ fn check_linear(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             let (csrc, cdst, ssrc, sdst, y) = if in_place {
                 gpu.write(conv_dst.ptr(), &conv0, "a check conv state")?;
                 gpu.write(st_dst.ptr(), &state0, "a check state")?;
-                (conv_dst.ptr(), conv_dst.ptr(), st_dst.ptr(), st_dst.ptr(), xb.ptr())
+                (
+                    conv_dst.ptr(),
+                    conv_dst.ptr(),
+                    st_dst.ptr(),
+                    st_dst.ptr(),
+                    xb.ptr(),
+                )
             } else {
-                (conv_src.ptr(), conv_dst.ptr(), st_src.ptr(), st_dst.ptr(), yb.ptr())
+                (
+                    conv_src.ptr(),
+                    conv_dst.ptr(),
+                    st_src.ptr(),
+                    st_dst.ptr(),
+                    yb.ptr(),
+                )
             };
             ops::linear_conv(gpu, s, xb.ptr(), ch, tokens, wb.ptr(), csrc, cdst, y, ch)?;
             ops::linear_qk_norm(gpu, s, y, ch, tokens, eps, scale)?;
@@ -1231,8 +1243,16 @@ fn check_linear(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             ops::linear_recur(gpu, s, io, tokens)?;
             let arm = if in_place { "in place" } else { "src -> dst" };
             for (name, want, got) in [
-                ("q|k|v", &y_want, gpu.read::<f32>(y, tokens * ch, "a check output")?),
-                ("conv state", &conv_want, read_f32(gpu, &conv_dst, s.conv_len())?),
+                (
+                    "q|k|v",
+                    &y_want,
+                    gpu.read::<f32>(y, tokens * ch, "a check output")?,
+                ),
+                (
+                    "conv state",
+                    &conv_want,
+                    read_f32(gpu, &conv_dst, s.conv_len())?,
+                ),
                 ("state", &state_want, read_f32(gpu, &st_dst, s.state_len())?),
                 ("output", &o_want, read_f32(gpu, &ob, o_want.len())?),
             ] {
@@ -1241,10 +1261,22 @@ fn check_linear(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 }
             }
         }
-        // from zeros (src null): the state at position 0
+        // from zeros (src null): the state at position 0 (x again: the in-place arm wrote it)
+        gpu.write(xb.ptr(), &x, "a check input")?;
         let mut conv_zero = vec![0.0f32; s.conv_len()];
         let y0 = conv_reference(s, &x, &w, &mut conv_zero);
-        ops::linear_conv(gpu, s, xb.ptr(), ch, tokens, wb.ptr(), 0, conv_dst.ptr(), yb.ptr(), ch)?;
+        ops::linear_conv(
+            gpu,
+            s,
+            xb.ptr(),
+            ch,
+            tokens,
+            wb.ptr(),
+            0,
+            conv_dst.ptr(),
+            yb.ptr(),
+            ch,
+        )?;
         let got = read_f32(gpu, &yb, tokens * ch)?;
         for (i, (&w, &g)) in y0.iter().zip(&got).enumerate() {
             c.eq(|| format!("{what} from zeros: conv y[{i}]"), w, g);
@@ -1276,7 +1308,11 @@ fn check_gated_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         for i in 0..d {
             let at = t * d + i;
             c.eq(|| format!("query {at}"), head[i], q_got[at]);
-            c.eq(|| format!("gated o {at}"), o[at] * sigmoid(head[d + i]), o_got[at]);
+            c.eq(
+                || format!("gated o {at}"),
+                o[at] * sigmoid(head[d + i]),
+                o_got[at],
+            );
         }
     }
     let z = rng.vec(o.len());
@@ -1299,7 +1335,10 @@ fn check_gated_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
     let qkvz: Vec<f32> = (0..tokens * s.hk * group).map(|i| i as f32).collect();
     let ba: Vec<f32> = (0..tokens * 2 * s.hv).map(|i| -(i as f32)).collect();
     let (ch, vw, hv) = (s.channels(), s.value_width(), s.hv);
-    let (qkvzb, bab) = (gpu.upload(&qkvz, "a check input")?, gpu.upload(&ba, "a check input")?);
+    let (qkvzb, bab) = (
+        gpu.upload(&qkvz, "a check input")?,
+        gpu.upload(&ba, "a check input")?,
+    );
     let out = gpu.alloc(tokens * (ch + vw + 2 * hv) * 4, "a check output")?;
     let (qkv_p, z_p) = (out.ptr(), out.ptr() + (tokens * ch * 4) as u64);
     let b_p = z_p + (tokens * vw * 4) as u64;

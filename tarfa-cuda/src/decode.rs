@@ -1393,16 +1393,15 @@ impl LayerSteps for PlanSteps<'_> {
         let scale = (1.0f64 / (d as f64).sqrt()) as f32;
         let slices = d.div_ceil(32);
         let qkv_rows = (hq + 2 * hkv) * d;
-        let a = match &layer.attn {
-            DevAttn::Gqa(a) => a,
-            DevAttn::Mla(m) => return self.mla(l, layer, m),
-            DevAttn::Linear(_) => {
-                return Err(CudaError::Internal(
+        let a =
+            match &layer.attn {
+                DevAttn::Gqa(a) => a,
+                DevAttn::Mla(m) => return self.mla(l, layer, m),
+                DevAttn::Linear(_) => return Err(CudaError::Internal(
                     "a gated DeltaNet layer in the decode graph (decode_unsupported refuses it)"
                         .into(),
-                ))
-            }
-        };
+                )),
+            };
         let qkv = b.qkv.ptr();
         let k_raw = qkv + (hq * d * F) as u64;
         let v_raw = qkv + ((hq + hkv) * d * F) as u64;

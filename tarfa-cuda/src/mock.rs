@@ -1852,7 +1852,9 @@ pub(crate) fn launch_reference(
                 let g = mem.f32s(qg + (t * 2 * hq * d * 4) as u64, 2 * hq * d);
                 let at = out + (t * hq * d * 4) as u64;
                 let v: Vec<f32> = if name == "split_query_gate" {
-                    g.chunks_exact(2 * d).flat_map(|h| h[..d].to_vec()).collect()
+                    g.chunks_exact(2 * d)
+                        .flat_map(|h| h[..d].to_vec())
+                        .collect()
                 } else {
                     let o = mem.f32s(at, hq * d);
                     g.chunks_exact(2 * d)
@@ -3655,12 +3657,20 @@ mod tests {
         };
         let prompt: Vec<u32> = (0..9).map(|i| ((i * 29 + 5) % v) as u32).collect();
         let mut c = gpu.new_cache().unwrap();
-        assert_eq!(gpu.run_ahead(&c), 1, "{name}: no run-ahead past unserved rewinds");
+        assert_eq!(
+            gpu.run_ahead(&c),
+            1,
+            "{name}: no run-ahead past unserved rewinds"
+        );
         // the prompt in two steps: the state carried across them
         let first = bits(&gpu.forward(&mut c, &prompt[..5], &all).unwrap());
         assert_eq!(first, cpu_last(&[&prompt[..5]]), "{name}: prefill of 5");
         let second = bits(&gpu.forward(&mut c, &prompt[5..], &all).unwrap());
-        assert_eq!(second, cpu_last(&[&prompt]).split_off(5 * v), "{name}: 5 + 4");
+        assert_eq!(
+            second,
+            cpu_last(&[&prompt]).split_off(5 * v),
+            "{name}: 5 + 4"
+        );
         let step = bits(&gpu.forward(&mut c, &[7], &all).unwrap());
         assert_eq!(step, cpu_last(&[&prompt, &[7]]), "{name}: decode");
         // the last step's start is served from the kept state, once
@@ -3680,7 +3690,11 @@ mod tests {
         gpu.forward(&mut d, &prompt, &all).unwrap();
         assert!(gpu.forward(&mut d, &[v as u32], &all).is_err());
         let step = bits(&gpu.forward(&mut d, &[7], &all).unwrap());
-        assert_eq!(step, cpu_last(&[&prompt, &[7]]), "{name}: after a refused step");
+        assert_eq!(
+            step,
+            cpu_last(&[&prompt, &[7]]),
+            "{name}: after a refused step"
+        );
         // two sequences in one step, each with its own states
         let mut a = gpu.new_cache().unwrap();
         gpu.forward(&mut a, &prompt[..4], &all).unwrap();
@@ -3708,7 +3722,11 @@ mod tests {
         assert_eq!(bits(&outs[1]), cpu_last(&[&other]), "{name}: sequence 1");
         // and each advanced its own state: a decode step on each after the batch
         let next_a = bits(&gpu.forward(&mut a, &[7], &all).unwrap());
-        assert_eq!(next_a, cpu_last(&[&prompt, &[7]]), "{name}: after the batch");
+        assert_eq!(
+            next_a,
+            cpu_last(&[&prompt, &[7]]),
+            "{name}: after the batch"
+        );
         assert_eq!(b.truncate(0), 0);
         let next_b = bits(&gpu.forward(&mut b, &other, &all).unwrap());
         assert_eq!(next_b, cpu_last(&[&other]), "{name}: rewound to 0");
