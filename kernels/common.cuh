@@ -93,6 +93,79 @@ __device__ __forceinline__ float det_silu(float g) { return __fdiv_rn(g, __fadd_
 __device__ __forceinline__ float det_sigmoid(float z) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, det_exp(-z))); }
 __device__ __forceinline__ float det_rsqrt(float v) { return __fdiv_rn(1.0f, __fsqrt_rn(v)); }
 
+// f64 from its bits.
+__device__ __forceinline__ double f64_bits(u64 b) { return __longlong_as_double((long long)b); }
+
+// ln(x) in f64 for finite x > 0 (detmath.rs `ln_f64`, fdlibm's __ieee754_log), operation by
+// operation with correctly rounded f64 intrinsics (no contraction whatever the options); NaN for
+// x <= 0, NaN or infinity, as the CPU's.
+__device__ __forceinline__ double det_ln_f64(double x) {
+    const double two54 = f64_bits(0x4350000000000000ull);
+    const double lg1 = f64_bits(0x3fe5555555555593ull);
+    const double lg2 = f64_bits(0x3fd999999997fa04ull);
+    const double lg3 = f64_bits(0x3fd2492494229359ull);
+    const double lg4 = f64_bits(0x3fcc71c51d8e78afull);
+    const double lg5 = f64_bits(0x3fc7466496cb03deull);
+    const double lg6 = f64_bits(0x3fc39a09d078c69full);
+    const double lg7 = f64_bits(0x3fc2f112df3e5244ull);
+    const double ln2_hi = f64_bits(0x3fe62e42fee00000ull);
+    const double ln2_lo = f64_bits(0x3dea39ef35793c76ull);
+    const double third = f64_bits(0x3fd5555555555555ull);
+    if (x != x || x <= 0.0 || x == f64_bits(0x7ff0000000000000ull)) return f64_bits(0x7ff8000000000000ull);
+    int k = 0;
+    if (x < f64_bits(0x0010000000000000ull)) {  // subnormal: scale into the normal range
+        k -= 54;
+        x = __dmul_rn(x, two54);
+    }
+    const u64 bits = (u64)__double_as_longlong(x);
+    int hx = (int)(bits >> 32);
+    const u32 lx = (u32)bits;
+    k += (hx >> 20) - 1023;
+    hx &= 0x000fffff;
+    int i = (hx + 0x95f64) & 0x100000;
+    const u32 hi = (u32)(hx | (i ^ 0x3ff00000));  // x or x/2 into [sqrt(2)/2, sqrt(2))
+    x = f64_bits(((u64)hi << 32) | (u64)lx);
+    k += i >> 20;
+    const double f = __dsub_rn(x, 1.0);
+    const double dk = (double)k;  // exact
+    if ((0x000fffff & (2 + hx)) < 3) {  // |f| < 2^-20
+        if (f == 0.0) return k == 0 ? 0.0 : __dadd_rn(__dmul_rn(dk, ln2_hi), __dmul_rn(dk, ln2_lo));
+        const double r = __dmul_rn(__dmul_rn(f, f), __dsub_rn(0.5, __dmul_rn(third, f)));
+        return k == 0 ? __dsub_rn(f, r)
+                      : __dsub_rn(__dmul_rn(dk, ln2_hi), __dsub_rn(__dsub_rn(r, __dmul_rn(dk, ln2_lo)), f));
+    }
+    const double s = __ddiv_rn(f, __dadd_rn(2.0, f));
+    const double z = __dmul_rn(s, s);
+    i = hx - 0x6147a;
+    const double w = __dmul_rn(z, z);
+    const int j = 0x6b851 - hx;
+    const double t1 = __dmul_rn(w, __dadd_rn(lg2, __dmul_rn(w, __dadd_rn(lg4, __dmul_rn(w, lg6)))));
+    const double t2 =
+        __dmul_rn(z, __dadd_rn(lg1, __dmul_rn(w, __dadd_rn(lg3, __dmul_rn(w, __dadd_rn(lg5, __dmul_rn(w, lg7)))))));
+    i |= j;
+    const double r = __dadd_rn(t2, t1);
+    if (i > 0) {
+        const double hfsq = __dmul_rn(__dmul_rn(0.5, f), f);
+        const double sr = __dmul_rn(s, __dadd_rn(hfsq, r));
+        if (k == 0) return __dsub_rn(f, __dsub_rn(hfsq, sr));
+        return __dsub_rn(__dmul_rn(dk, ln2_hi),
+                         __dsub_rn(__dsub_rn(hfsq, __dadd_rn(sr, __dmul_rn(dk, ln2_lo))), f));
+    }
+    const double sfr = __dmul_rn(s, __dsub_rn(f, r));
+    if (k == 0) return __dsub_rn(f, sfr);
+    return __dsub_rn(__dmul_rn(dk, ln2_hi), __dsub_rn(__dsub_rn(sfr, __dmul_rn(dk, ln2_lo)), f));
+}
+
+// softplus(x) = ln(1 + exp(x)), torch's threshold 20 (detmath.rs `softplus`): e = exp(x) in f32,
+// then in f64 ln(1 + e) (1 + e exact for e >= 2^-20), below that e - e*e/2; rounded once to f32.
+__device__ __forceinline__ float det_softplus(float x) {
+    if (x != x || x > 20.0f) return x;
+    const double e = (double)det_exp(x);  // exact widening
+    const double tiny = f64_bits(0x3EB0000000000000ull);  // 2^-20
+    const double r = e < tiny ? __dsub_rn(e, __dmul_rn(__dmul_rn(e, e), 0.5)) : det_ln_f64(__dadd_rn(1.0, e));
+    return __double2float_rn(r);
+}
+
 // Rounds to BF16 (ties to even) and widens back: the deliberately inexact validation arm only
 // (reduce.rs `f32_to_bf16_rne`).
 __device__ __forceinline__ float bf16_round_trip(float x) {

@@ -18,6 +18,10 @@ extern "C" __global__ void probe_rsqrt(const float* __restrict__ x, float* __res
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = det_rsqrt(x[i]);
 }
+extern "C" __global__ void probe_softplus(const float* __restrict__ x, float* __restrict__ y, long n) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = det_softplus(x[i]);
+}
 
 // Does nothing: the decode graph diagnostic (cuda_bench --graph-diag) replays one per decode
 // launch, with the same geometry, to measure what a kernel boundary costs on its own.

@@ -6,7 +6,7 @@
 use super::device::{DevBuf, Gpu};
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
 use super::{CudaError, CudaOptions, KernelCheck};
-use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu, softplus};
 use tarfa_core::numerics::reduce::{
     dot_bf16_reference, dot_f32_reference, sum_reference, weighted_row_sum,
 };
@@ -120,6 +120,8 @@ pub(crate) fn kernel_checks_on(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError>
     out.push(check_grouped_router(gpu)?);
     out.push(check_router_by_logit(gpu)?);
     out.push(check_experts(gpu)?);
+    out.push(check_linear(gpu)?);
+    out.push(check_gated_attention(gpu)?);
     gpu.sync("the kernel checks")?;
     Ok(out)
 }
@@ -165,11 +167,12 @@ fn check_functions(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError> {
     let yb = gpu.alloc(n * 4, "probe outputs")?;
     let mut checks = Vec::new();
     type Reference = fn(f32) -> f32;
-    let fns: [(&'static str, Reference); 4] = [
+    let fns: [(&'static str, Reference); 5] = [
         ("probe_exp", exp),
         ("probe_silu", silu),
         ("probe_sigmoid", sigmoid),
         ("probe_rsqrt", rsqrt),
+        ("probe_softplus", softplus),
     ];
     for (name, f) in fns {
         ops::probe(gpu, name, xb.ptr(), yb.ptr(), n)?;
@@ -1041,6 +1044,333 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                     g_h[ti * h + r],
                 );
             }
+        }
+    }
+    Ok(c.done())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gated DeltaNet layer's steps as tarfa-cpu's `linear_block` computes them (the mock device's
+// reference kernels and the checks below share them).
+
+/// The causal convolution of `tokens` rows of `x` (`[T][C]`) from `state` (`[K-1][C]`, advanced
+/// in place): `silu(((w_0 x_0 + w_1 x_1) + ...) + w_(K-1) x_(K-1))` per channel, no fma.
+pub(crate) fn conv_reference(
+    s: ops::LinearShape,
+    x: &[f32],
+    w: &[f32],
+    state: &mut [f32],
+) -> Vec<f32> {
+    let (c, taps) = (s.channels(), s.taps);
+    let mut y = vec![0.0f32; x.len()];
+    for (xt, yt) in x.chunks_exact(c).zip(y.chunks_exact_mut(c)) {
+        for ch in 0..c {
+            let wc = &w[ch * taps..(ch + 1) * taps];
+            let mut acc = wc[0] * if taps == 1 { xt[ch] } else { state[ch] };
+            for (j, &wj) in wc.iter().enumerate().skip(1) {
+                let xj = if j + 1 == taps {
+                    xt[ch]
+                } else {
+                    state[j * c + ch]
+                };
+                acc += wj * xj;
+            }
+            yt[ch] = silu(acc);
+        }
+        if taps > 1 {
+            state.copy_within(c.., 0);
+            let last = (taps - 2) * c;
+            state[last..].copy_from_slice(xt);
+        }
+    }
+    y
+}
+
+/// The L2 norm of each q and k head of one token's `q | k | v` row, the queries then scaled.
+pub(crate) fn qk_norm_reference(s: ops::LinearShape, row: &mut [f32], eps: f32, scale: f32) {
+    let kw = s.key_width();
+    for (i, head) in row[..2 * kw].chunks_exact_mut(s.dk).enumerate() {
+        let inv = rsqrt(dot_f32_reference(head, head) + eps);
+        for x in head.iter_mut() {
+            *x *= inv;
+        }
+        if i < s.hk {
+            for x in head.iter_mut() {
+                *x *= scale;
+            }
+        }
+    }
+}
+
+/// The gated delta rule of one token (`qkv` its normed `q | k | v`, `b`, `a` `[Hv]`) on `state`
+/// (`[Hv][Dv][Dk]`, advanced in place); returns the output `[Hv Dv]`.
+pub(crate) fn recur_reference(
+    s: ops::LinearShape,
+    qkv: &[f32],
+    (b, a): (&[f32], &[f32]),
+    (a_log, dt_bias): (&[f32], &[f32]),
+    state: &mut [f32],
+) -> Vec<f32> {
+    let (kw, dk, dv, r) = (s.key_width(), s.dk, s.dv, s.hv / s.hk);
+    let (q, k, v) = (&qkv[..kw], &qkv[kw..2 * kw], &qkv[2 * kw..]);
+    let mut o = vec![0.0f32; s.value_width()];
+    for (hh, (st, oh)) in state
+        .chunks_exact_mut(dv * dk)
+        .zip(o.chunks_exact_mut(dv))
+        .enumerate()
+    {
+        let kh = hh / r;
+        let (qh, khv) = (&q[kh * dk..(kh + 1) * dk], &k[kh * dk..(kh + 1) * dk]);
+        let beta = sigmoid(b[hh]);
+        let g = -exp(a_log[hh]) * softplus(a[hh] + dt_bias[hh]);
+        let decay = exp(g);
+        for (j, (row, oj)) in st.chunks_exact_mut(dk).zip(oh.iter_mut()).enumerate() {
+            for x in row.iter_mut() {
+                *x *= decay;
+            }
+            let kv = dot_f32_reference(row, khv);
+            let delta = (v[hh * dv + j] - kv) * beta;
+            for (x, &ki) in row.iter_mut().zip(khv) {
+                *x += ki * delta;
+            }
+            *oj = dot_f32_reference(row, qh);
+        }
+    }
+    o
+}
+
+/// Random values in `[lo, hi)`, as the layer's inputs are (gates and logs of moderate size).
+fn uniform(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| lo + (hi - lo) * ((rng.next() >> 40) as f32 / (1u64 << 24) as f32))
+        .collect()
+}
+
+fn check_linear(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("linear_conv, linear_qk_norm, linear_recur (gated DeltaNet)");
+    let mut rng = Rng(51);
+    let eps = 1e-6f32;
+    // key dims below a chunk, with partial chunks, and past one 256-chunk; 1 and 4 taps
+    for (hk, hv, dk, dv, taps) in [
+        (2usize, 4usize, 32usize, 32usize, 4usize),
+        (1, 3, 20, 7, 1),
+        (2, 2, 300, 5, 3),
+        (1, 2, 128, 16, 4),
+    ] {
+        let s = ops::LinearShape {
+            hk,
+            hv,
+            dk,
+            dv,
+            taps,
+        };
+        let (ch, tokens) = (s.channels(), 5usize);
+        let scale = (1.0f64 / (dk as f64).sqrt()) as f32;
+        let x = uniform(&mut rng, tokens * ch, -2.0, 2.0);
+        let w = uniform(&mut rng, ch * taps, -1.0, 1.0);
+        let conv0 = uniform(&mut rng, s.conv_len(), -2.0, 2.0);
+        let state0 = uniform(&mut rng, s.state_len(), -1.0, 1.0);
+        let b = uniform(&mut rng, tokens * hv, -4.0, 4.0);
+        // a + dt_bias spans softplus's three branches (tiny, ln, past the threshold)
+        let a = uniform(&mut rng, tokens * hv, -30.0, 30.0);
+        let a_log = uniform(&mut rng, hv, -3.0, 2.0);
+        let dt_bias = uniform(&mut rng, hv, -1.0, 1.0);
+
+        // the reference: the CPU's order, token by token
+        let mut conv_want = conv0.clone();
+        let mut y_want = conv_reference(s, &x, &w, &mut conv_want);
+        let mut state_want = state0.clone();
+        let mut o_want = Vec::new();
+        for (t, row) in y_want.chunks_exact_mut(ch).enumerate() {
+            qk_norm_reference(s, row, eps, scale);
+            let ba = (&b[t * hv..(t + 1) * hv], &a[t * hv..(t + 1) * hv]);
+            o_want.extend(recur_reference(
+                s,
+                row,
+                ba,
+                (&a_log, &dt_bias),
+                &mut state_want,
+            ));
+        }
+
+        let xb = gpu.upload(&x, "a check input")?;
+        let wb = gpu.upload(&w, "a check conv weight")?;
+        let conv_src = gpu.upload(&conv0, "a check conv state")?;
+        let conv_dst = gpu.alloc(s.conv_len() * 4, "a check conv state")?;
+        let st_src = gpu.upload(&state0, "a check state")?;
+        let st_dst = gpu.alloc(s.state_len() * 4, "a check state")?;
+        let yb = gpu.alloc(tokens * ch * 4, "a check output")?;
+        let bb = gpu.upload(&b, "a check b")?;
+        let ab = gpu.upload(&a, "a check a")?;
+        let alb = gpu.upload(&a_log, "a check A_log")?;
+        let dtb = gpu.upload(&dt_bias, "a check dt_bias")?;
+        let ob = gpu.alloc(tokens * s.value_width() * 4, "a check output")?;
+        let what = format!("Hk={hk} Hv={hv} Dk={dk} Dv={dv} K={taps}");
+        // from one buffer into another, then in place (src == dst, y == x) from the same state
+        for in_place in [false, true] {
+            let (csrc, cdst, ssrc, sdst, y) = if in_place {
+                gpu.write(conv_dst.ptr(), &conv0, "a check conv state")?;
+                gpu.write(st_dst.ptr(), &state0, "a check state")?;
+                (
+                    conv_dst.ptr(),
+                    conv_dst.ptr(),
+                    st_dst.ptr(),
+                    st_dst.ptr(),
+                    xb.ptr(),
+                )
+            } else {
+                (
+                    conv_src.ptr(),
+                    conv_dst.ptr(),
+                    st_src.ptr(),
+                    st_dst.ptr(),
+                    yb.ptr(),
+                )
+            };
+            ops::linear_conv(gpu, s, xb.ptr(), ch, tokens, wb.ptr(), csrc, cdst, y, ch)?;
+            ops::linear_qk_norm(gpu, s, y, ch, tokens, eps, scale)?;
+            let io = ops::RecurIo {
+                qkv: y,
+                stride: ch,
+                b: bb.ptr(),
+                a: ab.ptr(),
+                a_log: alb.ptr(),
+                dt_bias: dtb.ptr(),
+                src: ssrc,
+                dst: sdst,
+                o: ob.ptr(),
+            };
+            ops::linear_recur(gpu, s, io, tokens)?;
+            let arm = if in_place { "in place" } else { "src -> dst" };
+            for (name, want, got) in [
+                (
+                    "q|k|v",
+                    &y_want,
+                    gpu.read::<f32>(y, tokens * ch, "a check output")?,
+                ),
+                (
+                    "conv state",
+                    &conv_want,
+                    read_f32(gpu, &conv_dst, s.conv_len())?,
+                ),
+                ("state", &state_want, read_f32(gpu, &st_dst, s.state_len())?),
+                ("output", &o_want, read_f32(gpu, &ob, o_want.len())?),
+            ] {
+                for (i, (&w, &g)) in want.iter().zip(&got).enumerate() {
+                    c.eq(|| format!("{what} {arm}: {name}[{i}]"), w, g);
+                }
+            }
+        }
+        // from zeros (src null): the state at position 0 (x again: the in-place arm wrote it)
+        gpu.write(xb.ptr(), &x, "a check input")?;
+        let mut conv_zero = vec![0.0f32; s.conv_len()];
+        let y0 = conv_reference(s, &x, &w, &mut conv_zero);
+        ops::linear_conv(
+            gpu,
+            s,
+            xb.ptr(),
+            ch,
+            tokens,
+            wb.ptr(),
+            0,
+            conv_dst.ptr(),
+            yb.ptr(),
+            ch,
+        )?;
+        let got = read_f32(gpu, &yb, tokens * ch)?;
+        for (i, (&w, &g)) in y0.iter().zip(&got).enumerate() {
+            c.eq(|| format!("{what} from zeros: conv y[{i}]"), w, g);
+        }
+        let got = read_f32(gpu, &conv_dst, s.conv_len())?;
+        for (i, (&w, &g)) in conv_zero.iter().zip(&got).enumerate() {
+            c.eq(|| format!("{what} from zeros: conv state[{i}]"), w, g);
+        }
+    }
+    Ok(c.done())
+}
+
+fn check_gated_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("split_query_gate, sigmoid_gate, silu_gate, linear_unpack");
+    let mut rng = Rng(53);
+    let (hq, d, tokens) = (3usize, 40usize, 4usize);
+    let qg = rng.vec(tokens * 2 * hq * d);
+    let o = rng.vec(tokens * hq * d);
+    let qgb = gpu.upload(&qg, "a check input")?;
+    let ob = gpu.upload(&o, "a check input")?;
+    let qb = gpu.alloc(tokens * hq * d * 4, "a check output")?;
+    ops::split_query_gate(gpu, qgb.ptr(), hq, d, tokens, qb.ptr())?;
+    ops::sigmoid_gate(gpu, ob.ptr(), qgb.ptr(), hq, d, tokens)?;
+    let (q_got, o_got) = (
+        read_f32(gpu, &qb, tokens * hq * d)?,
+        read_f32(gpu, &ob, tokens * hq * d)?,
+    );
+    for (t, head) in qg.chunks_exact(2 * d).enumerate() {
+        for i in 0..d {
+            let at = t * d + i;
+            c.eq(|| format!("query {at}"), head[i], q_got[at]);
+            c.eq(
+                || format!("gated o {at}"),
+                o[at] * sigmoid(head[d + i]),
+                o_got[at],
+            );
+        }
+    }
+    let z = rng.vec(o.len());
+    let zb = gpu.upload(&z, "a check input")?;
+    ops::silu_gate(gpu, ob.ptr(), zb.ptr(), o.len())?;
+    let got = read_f32(gpu, &ob, o.len())?;
+    for i in 0..o.len() {
+        c.eq(|| format!("silu gate {i}"), o_got[i] * silu(z[i]), got[i]);
+    }
+    // Qwen3-Next's grouped projections: values that say where they came from
+    let s = ops::LinearShape {
+        hk: 2,
+        hv: 6,
+        dk: 5,
+        dv: 3,
+        taps: 4,
+    };
+    let (r, rv) = (s.hv / s.hk, s.hv / s.hk * s.dv);
+    let group = 2 * s.dk + 2 * rv;
+    let qkvz: Vec<f32> = (0..tokens * s.hk * group).map(|i| i as f32).collect();
+    let ba: Vec<f32> = (0..tokens * 2 * s.hv).map(|i| -(i as f32)).collect();
+    let (ch, vw, hv) = (s.channels(), s.value_width(), s.hv);
+    let (qkvzb, bab) = (
+        gpu.upload(&qkvz, "a check input")?,
+        gpu.upload(&ba, "a check input")?,
+    );
+    let out = gpu.alloc(tokens * (ch + vw + 2 * hv) * 4, "a check output")?;
+    let (qkv_p, z_p) = (out.ptr(), out.ptr() + (tokens * ch * 4) as u64);
+    let b_p = z_p + (tokens * vw * 4) as u64;
+    let a_p = b_p + (tokens * hv * 4) as u64;
+    ops::linear_unpack(gpu, s, qkvzb.ptr(), bab.ptr(), tokens, qkv_p, z_p, b_p, a_p)?;
+    let got = read_f32(gpu, &out, tokens * (ch + vw + 2 * hv))?;
+    let (kw, dk) = (s.key_width(), s.dk);
+    for t in 0..tokens {
+        // tarfa-cpu's linear_inputs, slice by slice
+        let p = &qkvz[t * s.hk * group..(t + 1) * s.hk * group];
+        let bat = &ba[t * 2 * hv..(t + 1) * 2 * hv];
+        let mut want = vec![0.0f32; ch + vw + 2 * hv];
+        for g in 0..s.hk {
+            let src = &p[g * group..(g + 1) * group];
+            want[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
+            want[kw + g * dk..kw + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
+            want[2 * kw + g * rv..2 * kw + (g + 1) * rv].copy_from_slice(&src[2 * dk..2 * dk + rv]);
+            want[ch + g * rv..ch + (g + 1) * rv].copy_from_slice(&src[2 * dk + rv..]);
+            want[ch + vw + g * r..ch + vw + (g + 1) * r]
+                .copy_from_slice(&bat[2 * g * r..(2 * g + 1) * r]);
+            want[ch + vw + hv + g * r..ch + vw + hv + (g + 1) * r]
+                .copy_from_slice(&bat[(2 * g + 1) * r..(2 * g + 2) * r]);
+        }
+        let gathered = [
+            &got[t * ch..(t + 1) * ch],
+            &got[tokens * ch + t * vw..tokens * ch + (t + 1) * vw],
+            &got[tokens * (ch + vw) + t * hv..tokens * (ch + vw) + (t + 1) * hv],
+            &got[tokens * (ch + vw + hv) + t * hv..tokens * (ch + vw + hv) + (t + 1) * hv],
+        ]
+        .concat();
+        for (i, (&w, &g)) in want.iter().zip(&gathered).enumerate() {
+            c.eq(|| format!("unpack token {t} value {i}"), w, g);
         }
     }
     Ok(c.done())

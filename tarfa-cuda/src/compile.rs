@@ -132,6 +132,19 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "linear_attn.cu",
+        source: include_str!("../../kernels/linear_attn.cu"),
+        entries: &[
+            "linear_unpack",
+            "linear_conv",
+            "linear_qk_norm",
+            "linear_recur",
+            "silu_gate",
+            "split_query_gate",
+            "sigmoid_gate",
+        ],
+    },
+    KernelFile {
         name: "probe.cu",
         source: include_str!("../../kernels/probe.cu"),
         entries: &[
@@ -139,6 +152,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "probe_silu",
             "probe_sigmoid",
             "probe_rsqrt",
+            "probe_softplus",
             "probe_nop",
         ],
     },

@@ -186,6 +186,9 @@ impl CudaModel {
         if cfg.clip_qkv.is_some() {
             return Some("OLMoE's clip_qkv".into());
         }
+        if x.linear_attention.is_some() || x.gated_attention {
+            return Some("gated DeltaNet (linear attention) layers and gated attention".into());
+        }
         if x.llama4_attention
             || self.spec.qk_norm == tarfa_core::model::QkNorm::L2AfterRope
             || self.spec.router == tarfa_core::model::RouterRule::SigmoidScalesInput
@@ -1390,10 +1393,15 @@ impl LayerSteps for PlanSteps<'_> {
         let scale = (1.0f64 / (d as f64).sqrt()) as f32;
         let slices = d.div_ceil(32);
         let qkv_rows = (hq + 2 * hkv) * d;
-        let a = match &layer.attn {
-            DevAttn::Gqa(a) => a,
-            DevAttn::Mla(m) => return self.mla(l, layer, m),
-        };
+        let a =
+            match &layer.attn {
+                DevAttn::Gqa(a) => a,
+                DevAttn::Mla(m) => return self.mla(l, layer, m),
+                DevAttn::Linear(_) => return Err(CudaError::Internal(
+                    "a gated DeltaNet layer in the decode graph (decode_unsupported refuses it)"
+                        .into(),
+                )),
+            };
         let qkv = b.qkv.ptr();
         let k_raw = qkv + (hq * d * F) as u64;
         let v_raw = qkv + ((hq + hkv) * d * F) as u64;

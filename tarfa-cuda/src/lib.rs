@@ -301,12 +301,6 @@ pub fn unsupported_family(
     spec: &tarfa_core::model::ArchSpec,
 ) -> Option<String> {
     use tarfa_core::model::RouterRule;
-    if spec.extras.linear_attention.is_some() {
-        return Some(format!(
-            "the {} family ({}) needs gated DeltaNet (linear attention) layers, which the CUDA kernels do not implement yet; run it with --backend cpu",
-            spec.family.model_type, spec.family.architecture
-        ));
-    }
     // exhaustive on purpose: a rule added to tarfa-core is implemented here or returns its
     // name ("the {model_type} family ({architecture}) needs X, which the CUDA kernels do not
     // implement yet; run it with --backend cpu")

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use super::device::Arg;
 use super::CudaError;
-use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu};
+use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu, softplus};
 use tarfa_core::numerics::reduce::{
     dot_bf16_reference, dot_f32_reference, sum_reference, weighted_row_sum,
 };
@@ -1695,17 +1695,176 @@ pub(crate) fn launch_reference(
             }
         }
         "probe_nop" => a.count(1),
-        "probe_exp" | "probe_silu" | "probe_sigmoid" | "probe_rsqrt" => {
+        "probe_exp" | "probe_silu" | "probe_sigmoid" | "probe_rsqrt" | "probe_softplus" => {
             a.count(3);
             let (x, y, n) = (a.ptr(0), a.ptr(1), a.long(2));
             let f: fn(f32) -> f32 = match name {
                 "probe_exp" => exp,
                 "probe_silu" => silu,
                 "probe_sigmoid" => sigmoid,
+                "probe_softplus" => softplus,
                 _ => rsqrt,
             };
             let v: Vec<f32> = mem.f32s(x, n).into_iter().map(f).collect();
             mem.put_f32s(y, &v);
+        }
+        "linear_unpack" => {
+            a.count(10);
+            let (qkvz, ba) = (a.ptr(0), a.ptr(1));
+            let (hk, dk, r, dv) = (a.int(2), a.int(3), a.int(4), a.int(5));
+            let (qkv, z, b, av) = (a.ptr(6), a.ptr(7), a.ptr(8), a.ptr(9));
+            assert_eq!(block.0, 256, "{name} geometry");
+            let (kw, rv, hv) = (hk * dk, r * dv, hk * r);
+            let group = 2 * dk + 2 * rv;
+            let c = 2 * kw + hk * rv;
+            for t in 0..gx {
+                let p = mem.f32s(qkvz + (t * hk * group * 4) as u64, hk * group);
+                let bat = mem.f32s(ba + (t * 2 * hv * 4) as u64, 2 * hv);
+                let (mut q, mut zz) = (vec![0.0f32; c], vec![0.0f32; hk * rv]);
+                let (mut bb, mut aa) = (vec![0.0f32; hv], vec![0.0f32; hv]);
+                for g in 0..hk {
+                    let src = &p[g * group..(g + 1) * group];
+                    q[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
+                    q[kw + g * dk..kw + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
+                    q[2 * kw + g * rv..2 * kw + (g + 1) * rv]
+                        .copy_from_slice(&src[2 * dk..2 * dk + rv]);
+                    zz[g * rv..(g + 1) * rv].copy_from_slice(&src[2 * dk + rv..]);
+                    bb[g * r..(g + 1) * r].copy_from_slice(&bat[2 * g * r..(2 * g + 1) * r]);
+                    aa[g * r..(g + 1) * r].copy_from_slice(&bat[(2 * g + 1) * r..(2 * g + 2) * r]);
+                }
+                mem.put_f32s(qkv + (t * c * 4) as u64, &q);
+                mem.put_f32s(z + (t * hk * rv * 4) as u64, &zz);
+                mem.put_f32s(b + (t * hv * 4) as u64, &bb);
+                mem.put_f32s(av + (t * hv * 4) as u64, &aa);
+            }
+        }
+        "linear_conv" => {
+            a.count(10);
+            let (x, xs, tokens, c, taps) = (a.ptr(0), a.long(1), a.int(2), a.int(3), a.int(4));
+            let (w, src, dst, y, ys) = (a.ptr(5), a.ptr(6), a.ptr(7), a.ptr(8), a.long(9));
+            assert_eq!((gx, block.0), (c.div_ceil(256), 256), "{name} geometry");
+            let s = super::ops::LinearShape {
+                hk: 1,
+                hv: 1,
+                dk: 0,
+                dv: c,
+                taps,
+            };
+            let n = (taps - 1) * c;
+            let mut state = if src == 0 {
+                vec![0.0; n]
+            } else {
+                mem.f32s(src, n)
+            };
+            let xv: Vec<f32> = (0..tokens)
+                .flat_map(|t| mem.f32s(x + (t * xs * 4) as u64, c))
+                .collect();
+            let wv = mem.f32s(w, c * taps);
+            let yv = super::checks::conv_reference(s, &xv, &wv, &mut state);
+            if n > 0 {
+                mem.put_f32s(dst, &state);
+            }
+            for (t, row) in yv.chunks_exact(c).enumerate() {
+                mem.put_f32s(y + (t * ys * 4) as u64, row);
+            }
+        }
+        "linear_qk_norm" => {
+            a.count(7);
+            let (x, stride, tokens, hk, dk) = (a.ptr(0), a.long(1), a.int(2), a.int(3), a.int(4));
+            let (eps, scale) = (a.float(5), a.float(6));
+            assert_eq!(
+                (gx, block.0),
+                ((tokens * 2 * hk).div_ceil(8), 256),
+                "{name} geometry"
+            );
+            let s = super::ops::LinearShape {
+                hk,
+                hv: hk,
+                dk,
+                dv: 0,
+                taps: 1,
+            };
+            for t in 0..tokens {
+                let at = x + (t * stride * 4) as u64;
+                let mut row = mem.f32s(at, 2 * hk * dk);
+                super::checks::qk_norm_reference(s, &mut row, eps, scale);
+                mem.put_f32s(at, &row);
+            }
+        }
+        "linear_recur" => {
+            a.count(14);
+            let (qkv, stride, b, av, a_log, dt_bias) =
+                (a.ptr(0), a.long(1), a.ptr(2), a.ptr(3), a.ptr(4), a.ptr(5));
+            let (tokens, hk, hv, dk, dv) = (a.int(6), a.int(7), a.int(8), a.int(9), a.int(10));
+            let (src, dst, o) = (a.ptr(11), a.ptr(12), a.ptr(13));
+            assert_eq!(
+                (gx, block.0),
+                ((hv * dv).div_ceil(8), 256),
+                "{name} geometry"
+            );
+            let s = super::ops::LinearShape {
+                hk,
+                hv,
+                dk,
+                dv,
+                taps: 1,
+            };
+            let n = s.state_len();
+            let mut state = if src == 0 {
+                vec![0.0; n]
+            } else {
+                mem.f32s(src, n)
+            };
+            let (al, dt) = (mem.f32s(a_log, hv), mem.f32s(dt_bias, hv));
+            for t in 0..tokens {
+                let row = mem.f32s(qkv + (t * stride * 4) as u64, s.channels());
+                let bt = mem.f32s(b + (t * hv * 4) as u64, hv);
+                let at = mem.f32s(av + (t * hv * 4) as u64, hv);
+                let ot =
+                    super::checks::recur_reference(s, &row, (&bt, &at), (&al, &dt), &mut state);
+                mem.put_f32s(o + (t * hv * dv * 4) as u64, &ot);
+            }
+            mem.put_f32s(dst, &state);
+        }
+        "silu_gate" => {
+            a.count(3);
+            let (y, z, n) = (a.ptr(0), a.ptr(1), a.long(2));
+            assert!(gx * 256 >= n, "{name} geometry");
+            let zv = mem.f32s(z, n);
+            let v: Vec<f32> = mem
+                .f32s(y, n)
+                .into_iter()
+                .zip(zv)
+                .map(|(yi, zi)| yi * silu(zi))
+                .collect();
+            mem.put_f32s(y, &v);
+        }
+        "split_query_gate" | "sigmoid_gate" => {
+            a.count(4);
+            // split_query_gate(qg, hq, d, q); sigmoid_gate(o, qg, hq, d)
+            let (out, qg, hq, d) = if name == "split_query_gate" {
+                (a.ptr(3), a.ptr(0), a.int(1), a.int(2))
+            } else {
+                (a.ptr(0), a.ptr(1), a.int(2), a.int(3))
+            };
+            assert_eq!(block.0, 256, "{name} geometry");
+            for t in 0..gx {
+                let g = mem.f32s(qg + (t * 2 * hq * d * 4) as u64, 2 * hq * d);
+                let at = out + (t * hq * d * 4) as u64;
+                let v: Vec<f32> = if name == "split_query_gate" {
+                    g.chunks_exact(2 * d)
+                        .flat_map(|h| h[..d].to_vec())
+                        .collect()
+                } else {
+                    let o = mem.f32s(at, hq * d);
+                    g.chunks_exact(2 * d)
+                        .flat_map(|h| h[d..].iter().map(|&x| sigmoid(x)))
+                        .zip(o)
+                        .map(|(sg, x)| x * sg)
+                        .collect()
+                };
+                mem.put_f32s(at, &v);
+            }
         }
         "clip_abs" => {
             a.count(3);
@@ -2777,7 +2936,7 @@ mod tests {
             eprintln!("{c}");
             assert!(c.compared > 0 && c.mismatches == 0, "{c}");
         }
-        assert_eq!(checks.len(), 13);
+        assert_eq!(checks.len(), 16);
     }
 
     #[test]
@@ -3438,6 +3597,159 @@ mod tests {
                 streamed_gives_the_cpus_bits(name, &cfg, src.clone(), prompts);
             }
         }
+    }
+
+    /// A hybrid decoder's fixture (gated DeltaNet layers and gated attention) against the CPU:
+    /// the selftest (prefill with every position's logits, greedy decode steps through the
+    /// per-operation path: the decode graph refuses these layers), then the states' rules
+    /// (tarfa-cpu's KvCache): a prompt fed in two steps equals it fed in one, a rewind to the
+    /// last step's start is served from the kept state, one further back empties the cache,
+    /// and a step over two sequences gives each the bits of its own run; every logit compared
+    /// bit for bit.
+    fn hybrid_gives_the_cpus_bits(name: &str) {
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
+        use tarfa_core::Backend;
+        let (cfg, src) = fixture(name);
+        let spec = ArchSpec::new(&cfg);
+        assert!(
+            spec.extras.linear_attention.is_some() && spec.extras.gated_attention,
+            "{name}"
+        );
+        assert!(cfg.layer_linear.iter().any(|&l| l), "{name}");
+        assert!(cfg.layer_linear.iter().any(|&l| !l), "{name}");
+        assert_eq!(
+            super::super::unsupported_family(&cfg, &spec),
+            None,
+            "{name}"
+        );
+        let v = cfg.vocab_size;
+        let prompts = vec![vec![1], (0..12).map(|i| (i * 13 % v) as u32).collect()];
+        compare(name, cfg.clone(), src.clone(), prompts, 4);
+
+        let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+        let engine = CpuEngine::new(
+            cpu.clone(),
+            EngineOptions {
+                threads: 2,
+                kernel: Kernel::best(),
+            },
+        )
+        .unwrap();
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src, None).unwrap();
+        let why = gpu.decode_unsupported_reason().unwrap_or_default();
+        assert!(why.contains("gated DeltaNet"), "{name}: {why}");
+        let all = ForwardOptions {
+            logits: LogitRows::All,
+            ..Default::default()
+        };
+        let bits = |o: &ForwardOutput| -> Vec<u32> {
+            o.logits.iter().flatten().map(|x| x.to_bits()).collect()
+        };
+        // the CPU's logits of the last of `steps`, fed one after another to a fresh cache
+        let cpu_last = |steps: &[&[u32]]| -> Vec<u32> {
+            let mut c = cpu.new_cache();
+            let mut last = Vec::new();
+            for s in steps {
+                last = bits(&engine.forward(&mut c, s, &all).unwrap());
+            }
+            last
+        };
+        let prompt: Vec<u32> = (0..9).map(|i| ((i * 29 + 5) % v) as u32).collect();
+        let mut c = gpu.new_cache().unwrap();
+        assert_eq!(
+            gpu.run_ahead(&c),
+            1,
+            "{name}: no run-ahead past unserved rewinds"
+        );
+        // the prompt in two steps: the state carried across them
+        let first = bits(&gpu.forward(&mut c, &prompt[..5], &all).unwrap());
+        assert_eq!(first, cpu_last(&[&prompt[..5]]), "{name}: prefill of 5");
+        let second = bits(&gpu.forward(&mut c, &prompt[5..], &all).unwrap());
+        assert_eq!(
+            second,
+            cpu_last(&[&prompt]).split_off(5 * v),
+            "{name}: 5 + 4"
+        );
+        let step = bits(&gpu.forward(&mut c, &[7], &all).unwrap());
+        assert_eq!(step, cpu_last(&[&prompt, &[7]]), "{name}: decode");
+        // the last step's start is served from the kept state, once
+        assert_eq!(c.truncate(9), 9, "{name}");
+        let other = bits(&gpu.forward(&mut c, &[11], &all).unwrap());
+        assert_eq!(other, cpu_last(&[&prompt, &[11]]), "{name}: after a rewind");
+        assert_eq!(c.truncate(9), 9, "{name}");
+        assert_eq!(c.truncate(8), 0, "{name}: the state at 8 was never kept");
+        assert!(c.is_empty(), "{name}");
+        let again = bits(&gpu.forward(&mut c, &prompt, &all).unwrap());
+        assert_eq!(again, cpu_last(&[&prompt]), "{name}: re-fed after emptying");
+        // a rewind further back than the last step's start empties the cache too
+        gpu.forward(&mut c, &[7], &all).unwrap();
+        assert_eq!(c.truncate(4), 0, "{name}");
+        // a refused step changes no state
+        let mut d = gpu.new_cache().unwrap();
+        gpu.forward(&mut d, &prompt, &all).unwrap();
+        assert!(gpu.forward(&mut d, &[v as u32], &all).is_err());
+        let step = bits(&gpu.forward(&mut d, &[7], &all).unwrap());
+        assert_eq!(
+            step,
+            cpu_last(&[&prompt, &[7]]),
+            "{name}: after a refused step"
+        );
+        // two sequences in one step, each with its own states
+        let mut a = gpu.new_cache().unwrap();
+        gpu.forward(&mut a, &prompt[..4], &all).unwrap();
+        let mut b = gpu.new_cache().unwrap();
+        let other: Vec<u32> = vec![3, 4, 5];
+        let outs = gpu
+            .forward_batch(&mut [
+                BatchEntry {
+                    cache: &mut a,
+                    tokens: &prompt[4..],
+                    opts: all,
+                },
+                BatchEntry {
+                    cache: &mut b,
+                    tokens: &other,
+                    opts: all,
+                },
+            ])
+            .unwrap();
+        assert_eq!(
+            bits(&outs[0]),
+            cpu_last(&[&prompt[..4], &prompt[4..]]),
+            "{name}: sequence 0 of a batch"
+        );
+        assert_eq!(bits(&outs[1]), cpu_last(&[&other]), "{name}: sequence 1");
+        // and each advanced its own state: a decode step on each after the batch
+        let next_a = bits(&gpu.forward(&mut a, &[7], &all).unwrap());
+        assert_eq!(
+            next_a,
+            cpu_last(&[&prompt, &[7]]),
+            "{name}: after the batch"
+        );
+        assert_eq!(b.truncate(0), 0);
+        let next_b = bits(&gpu.forward(&mut b, &other, &all).unwrap());
+        assert_eq!(next_b, cpu_last(&[&other]), "{name}: rewound to 0");
+    }
+
+    #[test]
+    fn qwen3_next_runs_on_the_kernels_with_the_cpus_bits() {
+        // Qwen3-Next: in_proj_qkvz / in_proj_ba grouped by key head (linear_unpack), 3 gated
+        // DeltaNet layers and one gated-attention layer with partial rotary, zero-centred norms,
+        // a gated shared expert
+        if shared_oracle().is_none() {
+            return;
+        }
+        hybrid_gives_the_cpus_bits("qwen3next-a");
+    }
+
+    #[test]
+    fn qwen3_5_moe_runs_on_the_kernels_with_the_cpus_bits() {
+        // Qwen3.5 MoE: the separate in_proj_qkv, _z, _b, _a projections
+        if shared_oracle().is_none() {
+            return;
+        }
+        hybrid_gives_the_cpus_bits("qwen35moe-a");
     }
 
     #[test]

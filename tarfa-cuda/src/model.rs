@@ -29,7 +29,7 @@ use tarfa_core::batch::{BatchEntry, BatchError};
 use tarfa_core::config::MoeConfig;
 use tarfa_core::model::{ArchSpec, MlpKind, QkNorm, RouterRule};
 use tarfa_core::numerics::{MatrixRef, RopeTable};
-use tarfa_core::resident::{Attention, LayerMlp, Matrix, MlaQuery, ResidentWeights};
+use tarfa_core::resident::{Attention, LayerMlp, LinearIn, Matrix, MlaQuery, ResidentWeights};
 use tarfa_core::step::{
     FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats,
 };
@@ -135,10 +135,37 @@ enum DevMlaQuery {
 /// `rms_norm_eps` (tarfa-cpu's `MLA_NORM_EPS`, transformers' DeepseekV2/V3 attention).
 const MLA_NORM_EPS: f32 = 1e-6;
 
-/// A layer's attention: grouped-query, or multi-head latent (DeepSeek-V2/V3).
+/// A gated DeltaNet layer's weights on the device (kernels/linear_attn.cu): the input
+/// projections, the convolution's taps `[C][K]`, `A_log` and `dt_bias` `[Hv]`, the gated norm's
+/// weight `[Dv]`, `out_proj`.
+struct DevLinear {
+    input: DevLinearIn,
+    conv: DevBuf,
+    a_log: DevBuf,
+    dt_bias: DevBuf,
+    norm: DevBuf,
+    out: DevMat,
+}
+
+/// How a gated DeltaNet layer's inputs are projected (tarfa-core's `LinearIn`).
+enum DevLinearIn {
+    /// Qwen3-Next: grouped by key head, permuted by `linear_unpack`.
+    Fused { qkvz: DevMat, ba: DevMat },
+    /// Qwen3.5: head-major already.
+    Separate {
+        qkv: DevMat,
+        z: DevMat,
+        b: DevMat,
+        a: DevMat,
+    },
+}
+
+/// A layer's attention: grouped-query, multi-head latent (DeepSeek-V2/V3), or a gated DeltaNet
+/// layer (Qwen3-Next, Qwen3.5 MoE).
 enum DevAttn {
     Gqa(DevAttention),
     Mla(DevMla),
+    Linear(DevLinear),
 }
 
 impl DevAttn {
@@ -152,6 +179,15 @@ impl DevAttn {
                     DevMlaQuery::LoRa { a, b, .. } => a.bytes() + b.bytes(),
                 };
                 q + m.kv_a.bytes() + m.kv_b.bytes() + m.o.bytes()
+            }
+            DevAttn::Linear(a) => {
+                let input = match &a.input {
+                    DevLinearIn::Fused { qkvz, ba } => qkvz.bytes() + ba.bytes(),
+                    DevLinearIn::Separate { qkv, z, b, a } => {
+                        qkv.bytes() + z.bytes() + b.bytes() + a.bytes()
+                    }
+                };
+                input + a.out.bytes()
             }
         }
     }
@@ -230,8 +266,19 @@ fn resident_need(cfg: &MoeConfig, spec: &ArchSpec, w: &ResidentWeights, experts:
                     + matrix_bytes(&m.kv_b)
                     + matrix_bytes(&m.o);
             }
-            // unsupported_family refuses these before anything is sized
-            Attention::Linear(_) => {}
+            Attention::Linear(a) => {
+                total += match &a.input {
+                    LinearIn::FusedQkvzBa { qkvz, ba } => matrix_bytes(qkvz) + matrix_bytes(ba),
+                    LinearIn::Separate { qkv, z, b, a } => {
+                        matrix_bytes(qkv) + matrix_bytes(z) + matrix_bytes(b) + matrix_bytes(a)
+                    }
+                };
+                total += host_f32_bytes(&a.conv)
+                    + host_f32_bytes(&a.a_log)
+                    + host_f32_bytes(&a.dt_bias)
+                    + host_f32_bytes(&a.norm)
+                    + matrix_bytes(&a.out);
+            }
         }
         match &layer.mlp {
             LayerMlp::Dense(d) => {
@@ -464,12 +511,25 @@ impl CudaModel {
                     kv_b: up_mat(&m.kv_b, &name("kv_b_proj"))?,
                     o: up_mat(&m.o, &name("o_proj"))?,
                 }),
-                // unsupported_family refuses a hybrid family before this upload
-                Attention::Linear(_) => {
-                    return Err(CudaError::UnsupportedModel(
-                        "gated DeltaNet layers are not implemented on CUDA".into(),
-                    ))
-                }
+                Attention::Linear(a) => DevAttn::Linear(DevLinear {
+                    input: match &a.input {
+                        LinearIn::FusedQkvzBa { qkvz, ba } => DevLinearIn::Fused {
+                            qkvz: up_mat(qkvz, &name("in_proj_qkvz"))?,
+                            ba: up_mat(ba, &name("in_proj_ba"))?,
+                        },
+                        LinearIn::Separate { qkv, z, b, a } => DevLinearIn::Separate {
+                            qkv: up_mat(qkv, &name("in_proj_qkv"))?,
+                            z: up_mat(z, &name("in_proj_z"))?,
+                            b: up_mat(b, &name("in_proj_b"))?,
+                            a: up_mat(a, &name("in_proj_a"))?,
+                        },
+                    },
+                    conv: up_vec(&a.conv, &name("conv1d"))?,
+                    a_log: up_vec(&a.a_log, &name("A_log"))?,
+                    dt_bias: up_vec(&a.dt_bias, &name("dt_bias"))?,
+                    norm: up_vec(&a.norm, &name("linear attention norm"))?,
+                    out: up_mat(&a.out, &name("out_proj"))?,
+                }),
             };
             let dense =
                 |d: &tarfa_core::resident::DenseMlp, what: &str| -> Result<DevDense, CudaError> {
@@ -605,6 +665,7 @@ impl CudaModel {
             model_id: self.id,
             mode: self.decode_mode,
             dec: None,
+            linear: LinearCache::new(&self.gpu, &self.cfg)?,
         };
         c.grow(self, self.cfg.max_position_embeddings.min(256))?;
         Ok(c)
@@ -670,12 +731,16 @@ impl CudaModel {
             tokens: t_count,
         };
         // Steps 3 and 4 of every layer: attention, then the MLP (steps.rs)
+        let linear: Vec<_> = steps::LinearSegment::of(cache, 0, t_count, cfg.num_layers)
+            .into_iter()
+            .collect();
         self.walk_layers(&mut steps::OpSteps {
             model: self,
             ws,
             kv: steps::StepKv::One(cache),
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
+            linear,
         })?;
 
         // Step 5: hn = RMSNorm(h) of the requested rows (contiguous: the last, or all), logits
@@ -725,7 +790,7 @@ impl CudaModel {
         } else {
             Vec::new()
         };
-        cache.len = end;
+        cache.advance(end);
         Ok(ForwardOutput {
             logits,
             router,
@@ -889,6 +954,17 @@ impl CudaModel {
             pos0: 0,
             tokens: t_total,
         };
+        let mut linear = Vec::new();
+        let mut start = 0;
+        for s in seqs.iter() {
+            linear.extend(steps::LinearSegment::of(
+                s.cache,
+                start,
+                s.tokens.len(),
+                cfg.num_layers,
+            ));
+            start += s.tokens.len();
+        }
         self.walk_layers(&mut steps::OpSteps {
             model: self,
             ws,
@@ -898,6 +974,7 @@ impl CudaModel {
             },
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
+            linear,
         })?;
 
         // final norm of each entry's rows into hn, one after another; then one lm_head product
@@ -972,7 +1049,7 @@ impl CudaModel {
                 }
                 _ => Vec::new(),
             };
-            s.cache.len += n_tok;
+            s.cache.advance(s.cache.len + n_tok);
             outs.push(ForwardOutput {
                 logits,
                 router,
@@ -1250,7 +1327,7 @@ impl CudaModel {
     pub(super) fn attn_mask(&self, l: usize) -> ops::AttnMask {
         let sinks = match &self.layers[l].attn {
             DevAttn::Gqa(a) => a.sinks.as_ref().map_or(0, |b| b.ptr()),
-            DevAttn::Mla(_) => 0,
+            DevAttn::Mla(_) | DevAttn::Linear(_) => 0,
         };
         ops::AttnMask {
             sinks,
@@ -1581,6 +1658,114 @@ pub struct CudaCache {
     mode: DecodeMode,
     /// The decode step's buffers, launches and graph (built on the first decode step).
     dec: Option<Box<decode::DecodeCtx>>,
+    /// The gated DeltaNet layers' states, when the model has such layers.
+    linear: Option<LinearCache>,
+}
+
+/// Where one gated DeltaNet layer's step reads its sequence's state and writes the advanced one
+/// (`src` 0: zeros, the state at position 0).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LinearIo {
+    pub(super) conv_src: u64,
+    pub(super) conv_dst: u64,
+    pub(super) state_src: u64,
+    pub(super) state_dst: u64,
+}
+
+/// One sequence's gated DeltaNet states on the device, with tarfa-cpu's `KvCache` rules for
+/// them: a step reads the committed state and writes the advanced one into a third buffer,
+/// which [`CudaCache::advance`] makes the committed one, keeping the state the step started
+/// from; a failed step changes nothing. A rewind to the length the last step started at is
+/// served from the kept state; any other earlier length empties the cache (the states there
+/// were never stored). Each buffer holds, per linear layer in order, its convolution state
+/// `[K-1][C]` then its recurrent state `[Hv][Dv][Dk]`.
+struct LinearCache {
+    bufs: [DevBuf; 3],
+    /// Per layer, the byte offset of its states in a buffer (None: an attention layer).
+    offsets: Vec<Option<u64>>,
+    /// Bytes of one layer's convolution state (its recurrent state follows).
+    conv_bytes: u64,
+    /// The buffer holding the state at the cache's length; None: zeros (length 0).
+    committed: Option<usize>,
+    /// The length the last committed step started at, and the buffer of the state there.
+    kept: Option<(usize, Option<usize>)>,
+}
+
+impl LinearCache {
+    /// Zero states for `cfg`'s linear layers; None for a model without them.
+    fn new(gpu: &Gpu, cfg: &MoeConfig) -> Result<Option<LinearCache>, CudaError> {
+        let Some(d) = &cfg.linear else {
+            return Ok(None);
+        };
+        let per_layer = ((d.conv_state_len() + d.state_len()) * 4) as u64;
+        let mut offsets = Vec::with_capacity(cfg.num_layers);
+        let mut total = 0u64;
+        for l in 0..cfg.num_layers {
+            if cfg.layer_linear.get(l).copied().unwrap_or(false) {
+                offsets.push(Some(total));
+                total += per_layer;
+            } else {
+                offsets.push(None);
+            }
+        }
+        let what = "the gated DeltaNet states";
+        let bytes = total as usize;
+        Ok(Some(LinearCache {
+            bufs: [
+                gpu.alloc(bytes, what)?,
+                gpu.alloc(bytes, what)?,
+                gpu.alloc(bytes, what)?,
+            ],
+            offsets,
+            conv_bytes: (d.conv_state_len() * 4) as u64,
+            committed: None,
+            kept: None,
+        }))
+    }
+
+    /// The buffer a step writes: neither the committed one nor the kept one.
+    fn pending(&self) -> usize {
+        let kept = self.kept.and_then(|(_, b)| b);
+        (0..3)
+            .find(|&i| Some(i) != self.committed && Some(i) != kept)
+            .unwrap_or_else(|| unreachable!("three buffers, at most two in use"))
+    }
+
+    /// Layer `l`'s state pointers for the next step (None: an attention layer).
+    fn io(&self, l: usize) -> Option<LinearIo> {
+        let off = self.offsets.get(l).copied().flatten()?;
+        let dst = self.bufs[self.pending()].ptr() + off;
+        let src = self.committed.map_or(0, |b| self.bufs[b].ptr() + off);
+        Some(LinearIo {
+            conv_src: src,
+            conv_dst: dst,
+            state_src: if src == 0 { 0 } else { src + self.conv_bytes },
+            state_dst: dst + self.conv_bytes,
+        })
+    }
+
+    /// The step that started at length `start` committed: its written states become the
+    /// cache's, the ones it read are kept.
+    fn commit(&mut self, start: usize) {
+        let next = self.pending();
+        self.kept = Some((start, self.committed));
+        self.committed = Some(next);
+    }
+
+    /// A rewind to `len` (below the cache's length): whether the state there is held (the kept
+    /// one, or zeros at 0). When it is not, the states become zeros.
+    fn rewind(&mut self, len: usize) -> bool {
+        match self.kept.take() {
+            Some((start, state)) if start == len => {
+                self.committed = state;
+                true
+            }
+            _ => {
+                self.committed = None;
+                len == 0
+            }
+        }
+    }
 }
 
 impl CudaCache {
@@ -1599,12 +1784,38 @@ impl CudaCache {
         self.max_len
     }
 
-    /// Forgets positions from `len` on; returns the positions kept, `min(len, len())` (this
-    /// cache holds every position of every layer, so any rewind is served).
+    /// Forgets positions from `len` on; returns the positions kept. The KV rows of every
+    /// position are held, so a model of attention layers only keeps `min(len, len())`; a gated
+    /// DeltaNet state is held only at the cache's length and at the length the last step started
+    /// at (tarfa-cpu's `KvCache::truncate`), so a rewind to any other earlier length empties the
+    /// cache and returns 0.
     #[must_use = "a rewind may keep fewer positions than asked: re-feed from what it returns"]
     pub fn truncate(&mut self, len: usize) -> usize {
-        self.len = self.len.min(len);
-        self.len
+        if len >= self.len {
+            return self.len;
+        }
+        if let Some(lc) = self.linear.as_mut() {
+            if !lc.rewind(len) {
+                self.len = 0;
+                return 0;
+            }
+        }
+        self.len = len;
+        len
+    }
+
+    /// Commits the step that brought the cache to `end` positions.
+    fn advance(&mut self, end: usize) {
+        if let Some(lc) = self.linear.as_mut() {
+            lc.commit(self.len);
+        }
+        self.len = end;
+    }
+
+    /// Gated DeltaNet layer `l`'s state pointers for the next step (None: an attention layer
+    /// or a model without linear layers).
+    pub(super) fn linear_io(&self, l: usize) -> Option<LinearIo> {
+        self.linear.as_ref()?.io(l)
     }
 
     fn rope_ptrs(&self) -> (u64, u64) {
@@ -1722,6 +1933,18 @@ struct Workspace {
     /// A step over several sequences: its per-token and per-(layer, token) tables.
     seq_tok: Slot,
     seq_kv: Slot,
+    /// Gated DeltaNet layers: Qwen3-Next's fused projections `[T][2 Hk Dk + 2 Hv Dv]` and
+    /// `[T][2 Hv]`, the convolution's channels `[T][C]` (q | k | v), z `[T][Hv Dv]`, b and a
+    /// `[T][Hv]`, the recurrence's output `[T][Hv Dv]`.
+    lin_qkvz: Slot,
+    lin_ba: Slot,
+    lin_qkv: Slot,
+    lin_z: Slot,
+    lin_b: Slot,
+    lin_a: Slot,
+    lin_o: Slot,
+    /// Gated attention: q_proj's output `[T][Hq][2 D]` (each head's query, then its gate).
+    q_gate: Slot,
 }
 
 #[derive(Default)]
@@ -1818,6 +2041,21 @@ impl Workspace {
             self.x_slots.ensure(gpu, t * k * h * f, w)?;
         }
         self.seq_kv.ensure(gpu, cfg.num_layers * t * 16, w)?;
+        if let Some(dims) = &cfg.linear {
+            let s = ops::LinearShape::of(dims);
+            let (vw, hv) = (s.value_width(), s.hv);
+            self.lin_qkvz
+                .ensure(gpu, t * (2 * s.key_width() + 2 * vw) * f, w)?;
+            self.lin_ba.ensure(gpu, t * 2 * hv * f, w)?;
+            self.lin_qkv.ensure(gpu, t * s.channels() * f, w)?;
+            self.lin_z.ensure(gpu, t * vw * f, w)?;
+            self.lin_b.ensure(gpu, t * hv * f, w)?;
+            self.lin_a.ensure(gpu, t * hv * f, w)?;
+            self.lin_o.ensure(gpu, t * vw * f, w)?;
+        }
+        if ArchSpec::new(cfg).extras.gated_attention {
+            self.q_gate.ensure(gpu, t * 2 * hq * d * f, w)?;
+        }
         self.tokens_cap = t;
         self.positions_cap = positions;
         self.rows_cap = rows;

@@ -1187,3 +1187,255 @@ pub(crate) fn probe(
         &[Arg::Ptr(x), Arg::Ptr(y), Arg::I64(n as i64)],
     )
 }
+
+/// A gated DeltaNet layer's shape (config.rs `LinearDims`) for the kernels of
+/// kernels/linear_attn.cu.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LinearShape {
+    /// Hk, Hv, Dk, Dv.
+    pub(crate) hk: usize,
+    pub(crate) hv: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+    /// The convolution's taps (K).
+    pub(crate) taps: usize,
+}
+
+impl LinearShape {
+    pub(crate) fn of(d: &tarfa_core::config::LinearDims) -> LinearShape {
+        LinearShape {
+            hk: d.key_heads,
+            hv: d.value_heads,
+            dk: d.key_dim,
+            dv: d.value_dim,
+            taps: d.conv_kernel,
+        }
+    }
+
+    /// `Hk Dk`: the width of q and of k.
+    pub(crate) fn key_width(&self) -> usize {
+        self.hk * self.dk
+    }
+
+    /// `Hv Dv`: the width of v, z and the output.
+    pub(crate) fn value_width(&self) -> usize {
+        self.hv * self.dv
+    }
+
+    /// The convolution's channels, `q | k | v`.
+    pub(crate) fn channels(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
+
+    /// Floats of the convolution's state, `[K-1][C]`.
+    pub(crate) fn conv_len(&self) -> usize {
+        (self.taps - 1) * self.channels()
+    }
+
+    /// Floats of the recurrent state, `[Hv][Dv][Dk]`.
+    pub(crate) fn state_len(&self) -> usize {
+        self.hv * self.dv * self.dk
+    }
+}
+
+/// Qwen3-Next's fused `in_proj_qkvz` `[T][..]` and `in_proj_ba` outputs into head-major
+/// `qkv` `[T][C]`, `z` `[T][Hv Dv]`, `b` and `a` `[T][Hv]` (a permutation).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_unpack(
+    gpu: &Gpu,
+    s: LinearShape,
+    qkvz: u64,
+    ba: u64,
+    tokens: usize,
+    qkv: u64,
+    z: u64,
+    b: u64,
+    a: u64,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "linear_unpack",
+        (i32_of(tokens, "tokens")? as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(qkvz),
+            Arg::Ptr(ba),
+            Arg::I32(i32_of(s.hk, "key heads")?),
+            Arg::I32(i32_of(s.dk, "key dim")?),
+            Arg::I32(i32_of(s.hv / s.hk, "value heads per key head")?),
+            Arg::I32(i32_of(s.dv, "value dim")?),
+            Arg::Ptr(qkv),
+            Arg::Ptr(z),
+            Arg::Ptr(b),
+            Arg::Ptr(a),
+        ],
+    )
+}
+
+/// One sequence's causal convolution over `tokens` rows of `x` (stride `x_stride`) into `y`
+/// (silu applied; may be `x`), from the state `src` (0: zeros) to `dst` (may be `src`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_conv(
+    gpu: &Gpu,
+    s: LinearShape,
+    x: u64,
+    x_stride: usize,
+    tokens: usize,
+    w: u64,
+    src: u64,
+    dst: u64,
+    y: u64,
+    y_stride: usize,
+) -> Result<(), CudaError> {
+    let c = s.channels();
+    gpu.launch(
+        "linear_conv",
+        (blocks(c, 256), 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(x),
+            Arg::I64(x_stride as i64),
+            Arg::I32(i32_of(tokens, "tokens")?),
+            Arg::I32(i32_of(c, "conv channels")?),
+            Arg::I32(i32_of(s.taps, "conv taps")?),
+            Arg::Ptr(w),
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::Ptr(y),
+            Arg::I64(y_stride as i64),
+        ],
+    )
+}
+
+/// The L2 norm of every q and k head of `tokens` rows of `x` (stride `stride`), in place, the
+/// queries then times `scale`.
+pub(crate) fn linear_qk_norm(
+    gpu: &Gpu,
+    s: LinearShape,
+    x: u64,
+    stride: usize,
+    tokens: usize,
+    eps: f32,
+    scale: f32,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "linear_qk_norm",
+        (blocks(tokens * 2 * s.hk, 8), 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(x),
+            Arg::I64(stride as i64),
+            Arg::I32(i32_of(tokens, "tokens")?),
+            Arg::I32(i32_of(s.hk, "key heads")?),
+            Arg::I32(i32_of(s.dk, "key dim")?),
+            Arg::F32(eps),
+            Arg::F32(scale),
+        ],
+    )
+}
+
+/// Where one sequence's gated delta rule reads and writes (kernels/linear_attn.cu
+/// `linear_recur`): the normed `q | k | v` rows, `b` and `a` `[T][Hv]`, the layer's `A_log` and
+/// `dt_bias`, the state before (`src`, 0: zeros) and after (`dst`), the output `[T][Hv Dv]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecurIo {
+    pub(crate) qkv: u64,
+    pub(crate) stride: usize,
+    pub(crate) b: u64,
+    pub(crate) a: u64,
+    pub(crate) a_log: u64,
+    pub(crate) dt_bias: u64,
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) o: u64,
+}
+
+/// One sequence's gated delta rule over its `tokens`, in position order.
+pub(crate) fn linear_recur(
+    gpu: &Gpu,
+    s: LinearShape,
+    io: RecurIo,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "linear_recur",
+        (blocks(s.hv * s.dv, 8), 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(io.qkv),
+            Arg::I64(io.stride as i64),
+            Arg::Ptr(io.b),
+            Arg::Ptr(io.a),
+            Arg::Ptr(io.a_log),
+            Arg::Ptr(io.dt_bias),
+            Arg::I32(i32_of(tokens, "tokens")?),
+            Arg::I32(i32_of(s.hk, "key heads")?),
+            Arg::I32(i32_of(s.hv, "value heads")?),
+            Arg::I32(i32_of(s.dk, "key dim")?),
+            Arg::I32(i32_of(s.dv, "value dim")?),
+            Arg::Ptr(io.src),
+            Arg::Ptr(io.dst),
+            Arg::Ptr(io.o),
+        ],
+    )
+}
+
+/// `y[i] = y[i] * silu(z[i])` over `n` values.
+pub(crate) fn silu_gate(gpu: &Gpu, y: u64, z: u64, n: usize) -> Result<(), CudaError> {
+    gpu.launch(
+        "silu_gate",
+        (blocks(n, 256), 1, 1),
+        (256, 1, 1),
+        0,
+        &[Arg::Ptr(y), Arg::Ptr(z), Arg::I64(n as i64)],
+    )
+}
+
+/// Gated attention: the queries of q_proj's `[T][Hq][2D]` output `qg` into `q` `[T][Hq][D]`.
+pub(crate) fn split_query_gate(
+    gpu: &Gpu,
+    qg: u64,
+    hq: usize,
+    d: usize,
+    tokens: usize,
+    q: u64,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "split_query_gate",
+        (i32_of(tokens, "tokens")? as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(qg),
+            Arg::I32(i32_of(hq, "query heads")?),
+            Arg::I32(i32_of(d, "head dim")?),
+            Arg::Ptr(q),
+        ],
+    )
+}
+
+/// Gated attention: `o` `[T][Hq][D]` times sigmoid of the gates in `qg`, in place.
+pub(crate) fn sigmoid_gate(
+    gpu: &Gpu,
+    o: u64,
+    qg: u64,
+    hq: usize,
+    d: usize,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "sigmoid_gate",
+        (i32_of(tokens, "tokens")? as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(o),
+            Arg::Ptr(qg),
+            Arg::I32(i32_of(hq, "query heads")?),
+            Arg::I32(i32_of(d, "head dim")?),
+        ],
+    )
+}

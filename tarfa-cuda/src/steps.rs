@@ -90,6 +90,57 @@ pub(super) struct OpSteps<'a> {
     pub(super) shape: AttnShape,
     /// round_f32(1 / sqrt(D)) computed in f64, as the CPU does
     pub(super) scale: f32,
+    /// Each sequence's tokens and gated DeltaNet states (empty for a model without them).
+    pub(super) linear: Vec<LinearSegment>,
+}
+
+/// One sequence's tokens in a step (`start..start + tokens` of the step's rows) and where each
+/// of its gated DeltaNet layers reads and writes its state.
+pub(super) struct LinearSegment {
+    pub(super) start: usize,
+    pub(super) tokens: usize,
+    /// The linear layers' state pointers, in layer order.
+    pub(super) layers: Vec<LinearIo>,
+    /// Per layer, its place in `layers` (None: an attention layer).
+    pub(super) index: Vec<Option<usize>>,
+}
+
+impl LinearSegment {
+    /// `cache`'s segment, None for a model without linear layers.
+    pub(super) fn of(
+        cache: &CudaCache,
+        start: usize,
+        tokens: usize,
+        num_layers: usize,
+    ) -> Option<LinearSegment> {
+        cache.linear.as_ref()?;
+        let mut layers = Vec::new();
+        let mut index = Vec::with_capacity(num_layers);
+        for l in 0..num_layers {
+            match cache.linear_io(l) {
+                Some(io) => {
+                    index.push(Some(layers.len()));
+                    layers.push(io);
+                }
+                None => index.push(None),
+            }
+        }
+        Some(LinearSegment {
+            start,
+            tokens,
+            layers,
+            index,
+        })
+    }
+
+    fn io(&self, l: usize) -> Result<LinearIo, CudaError> {
+        self.index
+            .get(l)
+            .copied()
+            .flatten()
+            .map(|i| self.layers[i])
+            .ok_or_else(|| CudaError::Internal(format!("layer {l}: a linear layer without state")))
+    }
 }
 
 impl OpSteps<'_> {
@@ -175,12 +226,22 @@ impl OpSteps<'_> {
             eps,
         )?;
         let bias = |b: &Option<DevBuf>| b.as_ref().map_or(0, |b| b.ptr());
+        // gated attention (Qwen3-Next, Qwen3.5): q_proj yields each head's query then its gate
+        let gated = m.spec.extras.gated_attention;
+        let (q_out, q_rows) = if gated {
+            (ws.q_gate.ptr(), 2 * hq * d)
+        } else {
+            (ws.q.ptr(), hq * d)
+        };
         for (w, b, out, rows) in [
-            (&a.q, &a.q_bias, ws.q.ptr(), hq * d),
+            (&a.q, &a.q_bias, q_out, q_rows),
             (&a.k, &a.k_bias, ws.k.ptr(), hkv * d),
             (&a.v, &a.v_bias, ws.v.ptr(), hkv * d),
         ] {
             ops::matmul(gpu, w, ws.xn.ptr(), h, bias(b), out, rows, t_count, false)?;
+        }
+        if gated {
+            ops::split_query_gate(gpu, ws.q_gate.ptr(), hq, d, t_count, ws.q.ptr())?;
         }
         // q/k norm: per head (rows of D), or over the whole projection (one row per token)
         let per_head = match (m.spec.qk_norm, &a.q_norm, &a.k_norm) {
@@ -256,6 +317,10 @@ impl OpSteps<'_> {
                     mask,
                 )?;
             }
+        }
+        // gated attention: o = o * sigmoid(gate), before o_proj
+        if gated {
+            ops::sigmoid_gate(gpu, ws.o.ptr(), ws.q_gate.ptr(), hq, d, t_count)?;
         }
         ops::matmul(
             gpu,
@@ -415,11 +480,110 @@ impl OpSteps<'_> {
     }
 }
 
+/// The gated DeltaNet's fixed q/k L2-norm eps (tarfa-cpu's `LINEAR_QK_EPS`, transformers'
+/// `l2norm(x, eps=1e-6)`, whatever the config's `rms_norm_eps`).
+const LINEAR_QK_EPS: f32 = 1e-6;
+
+impl OpSteps<'_> {
+    /// A gated DeltaNet layer of the step (cpu/forward.rs `linear_block`): the input norm, the
+    /// projections over all tokens (Qwen3-Next's permuted into head-major q | k | v, z, b, a),
+    /// each sequence's convolution from its state, the q/k L2 norms, each sequence's recurrence
+    /// in position order, the gated RMSNorm of every value head, and h = h + out_proj(o).
+    fn linear(&mut self, l: usize, layer: &DevLayer, a: &DevLinear) -> Result<(), CudaError> {
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let (gpu, cfg) = (&m.gpu, &m.cfg);
+        let dims = cfg.linear.as_ref().ok_or_else(|| {
+            CudaError::Internal("gated DeltaNet weights without their dimensions".into())
+        })?;
+        let s = ops::LinearShape::of(dims);
+        let (h, eps) = (cfg.hidden_size, cfg.eps_f32());
+        let (c, vw, hv) = (s.channels(), s.value_width(), s.hv);
+        ops::rmsnorm(
+            gpu,
+            ws.h.ptr(),
+            h,
+            ws.xn.ptr(),
+            h,
+            layer.input_norm.ptr(),
+            h,
+            t_count,
+            eps,
+        )?;
+        let x = ws.xn.ptr();
+        let (qkv, z, b, av) = (
+            ws.lin_qkv.ptr(),
+            ws.lin_z.ptr(),
+            ws.lin_b.ptr(),
+            ws.lin_a.ptr(),
+        );
+        match &a.input {
+            DevLinearIn::Separate {
+                qkv: wq,
+                z: wz,
+                b: wb,
+                a: wa,
+            } => {
+                for (w, out, rows) in [(wq, qkv, c), (wz, z, vw), (wb, b, hv), (wa, av, hv)] {
+                    ops::matmul(gpu, w, x, h, 0, out, rows, t_count, false)?;
+                }
+            }
+            DevLinearIn::Fused { qkvz, ba } => {
+                let (raw, raw_ba) = (ws.lin_qkvz.ptr(), ws.lin_ba.ptr());
+                ops::matmul(gpu, qkvz, x, h, 0, raw, qkvz.rows, t_count, false)?;
+                ops::matmul(gpu, ba, x, h, 0, raw_ba, ba.rows, t_count, false)?;
+                ops::linear_unpack(gpu, s, raw, raw_ba, t_count, qkv, z, b, av)?;
+            }
+        }
+        let f = 4u64;
+        for seg in &self.linear {
+            let io = seg.io(l)?;
+            let at = qkv + seg.start as u64 * c as u64 * f;
+            ops::linear_conv(
+                gpu,
+                s,
+                at,
+                c,
+                seg.tokens,
+                a.conv.ptr(),
+                io.conv_src,
+                io.conv_dst,
+                at,
+                c,
+            )?;
+        }
+        // scale = f32(1 / sqrt(Dk)), as the CPU computes it
+        let scale = (1.0f64 / (s.dk as f64).sqrt()) as f32;
+        ops::linear_qk_norm(gpu, s, qkv, c, t_count, LINEAR_QK_EPS, scale)?;
+        let o = ws.lin_o.ptr();
+        for seg in &self.linear {
+            let io = seg.io(l)?;
+            let t0 = seg.start as u64;
+            let rio = ops::RecurIo {
+                qkv: qkv + t0 * c as u64 * f,
+                stride: c,
+                b: b + t0 * hv as u64 * f,
+                a: av + t0 * hv as u64 * f,
+                a_log: a.a_log.ptr(),
+                dt_bias: a.dt_bias.ptr(),
+                src: io.state_src,
+                dst: io.state_dst,
+                o: o + t0 * vw as u64 * f,
+            };
+            ops::linear_recur(gpu, s, rio, seg.tokens)?;
+        }
+        // the gated RMSNorm of every value head: (w * (o * r)) * silu(z)
+        ops::rmsnorm(gpu, o, s.dv, o, s.dv, a.norm.ptr(), s.dv, t_count * hv, eps)?;
+        ops::silu_gate(gpu, o, z, t_count * vw)?;
+        ops::matmul(gpu, &a.out, o, vw, 0, ws.h.ptr(), h, t_count, true)
+    }
+}
+
 impl LayerSteps for OpSteps<'_> {
     fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
         match &layer.attn {
             DevAttn::Gqa(a) => self.gqa(l, layer, a),
             DevAttn::Mla(a) => self.mla(l, layer, a),
+            DevAttn::Linear(a) => self.linear(l, layer, a),
         }
     }
 

@@ -4,8 +4,8 @@
 //! OLMoE's clip_qkv), so `tarfa_cuda::unsupported_family` names nothing for any fixture's
 //! config, and `--backend cuda` is never refused by family. (The refusal path, `--backend cuda`
 //! exit 2 and `auto` taking the CPU, stays in `Model::load` for the next family the kernels lag
-//! behind; the hybrid Qwen3-Next families of issue 23 will be its first user.) tarfa-cuda's mock
-//! tests compare each of these families with the CPU bit for bit.
+//! behind.) Issue 23's hybrids (Qwen3-Next, Qwen3.5 MoE, in the shared oracle) are taken too.
+//! tarfa-cuda's mock tests compare each of these families with the CPU bit for bit.
 
 use std::path::{Path, PathBuf};
 
@@ -47,14 +47,7 @@ fn cuda_takes_every_fixtures_family_and_config_feature() {
     assert!(cfgs.iter().any(|(_, c)| c.clip_qkv.is_some()));
     for (path, cfg) in &cfgs {
         let spec = ArchSpec::new(cfg);
-        let refusal = tarfa_cuda::unsupported_family(cfg, &spec);
-        if cfg.linear.is_some() {
-            // issue 23's hybrids, until their kernels land: refused by name
-            let why = refusal.unwrap_or_default();
-            assert!(why.contains("gated DeltaNet"), "{path}: {why}");
-        } else {
-            assert_eq!(refusal, None, "{path}");
-        }
+        assert_eq!(tarfa_cuda::unsupported_family(cfg, &spec), None, "{path}");
     }
 }
 

@@ -122,6 +122,22 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline int __float2int_rz(float a) { return (int)a; }
+// f64: x86-64's SSE2 arithmetic is IEEE binary64, round to nearest (no contraction: -ffp-contract=off)
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline float __double2float_rn(double a) { return (float)a; }
+inline long long __double_as_longlong(double d) {
+    long long b;
+    std::memcpy(&b, &d, 8);
+    return b;
+}
+inline double __longlong_as_double(long long b) {
+    double d;
+    std::memcpy(&d, &b, 8);
+    return d;
+}
 using std::fmaf;
 using std::fmaxf;
 // CUDA's integer min overloads
