@@ -917,37 +917,13 @@ fn layer_windows(
         return Ok(vec![None; num_layers]);
     }
     if family.extras.layer_types {
-        let types: Vec<bool> = match r.get("layer_types") {
-            None => (0..num_layers).map(|l| l % 2 == 0).collect(),
-            Some(Value::Array(items)) => {
-                if items.len() != num_layers {
-                    return Err(ConfigError::OutOfRange {
-                        key: "layer_types",
-                        value: format!("{} entries", items.len()),
-                        why: "must name one type per layer (num_hidden_layers)",
-                    });
-                }
-                items
-                    .iter()
-                    .map(|v| match v.as_str() {
-                        Some("sliding_attention") => Ok(true),
-                        Some("full_attention") => Ok(false),
-                        _ => Err(ConfigError::Unsupported {
-                            key: "layer_types",
-                            value: v.to_string(),
-                            why: "only sliding_attention and full_attention layers are implemented",
-                        }),
-                    })
-                    .collect::<Result<_, _>>()?
-            }
-            Some(v) => {
-                return Err(ConfigError::WrongType {
-                    key: "layer_types",
-                    expected: "a list of layer types",
-                    found: type_name(v),
-                })
-            }
-        };
+        let types = layer_types(
+            r,
+            num_layers,
+            "sliding_attention",
+            "only sliding_attention and full_attention layers are implemented",
+        )?
+        .unwrap_or_else(|| (0..num_layers).map(|l| l % 2 == 0).collect());
         let w = if types.contains(&true) {
             Some(positive(window)?)
         } else {
@@ -999,6 +975,47 @@ fn layer_windows(
     Ok(vec![None; num_layers])
 }
 
+/// `layer_types`, one entry per layer: true for `other`, false for `full_attention`, any other
+/// type refused with `why`; None when absent (each family has its own default).
+fn layer_types(
+    r: &Reader<'_>,
+    num_layers: usize,
+    other: &str,
+    why: &'static str,
+) -> Result<Option<Vec<bool>>, ConfigError> {
+    let items = match r.get("layer_types") {
+        None => return Ok(None),
+        Some(Value::Array(items)) => items,
+        Some(v) => {
+            return Err(ConfigError::WrongType {
+                key: "layer_types",
+                expected: "a list of layer types",
+                found: type_name(v),
+            })
+        }
+    };
+    if items.len() != num_layers {
+        return Err(ConfigError::OutOfRange {
+            key: "layer_types",
+            value: format!("{} entries", items.len()),
+            why: "must name one type per layer (num_hidden_layers)",
+        });
+    }
+    items
+        .iter()
+        .map(|v| match v.as_str() {
+            Some(t) if t == other => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(ConfigError::Unsupported {
+                key: "layer_types",
+                value: v.to_string(),
+                why,
+            }),
+        })
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
 /// The hybrid families' gated DeltaNet dimensions and which layers are linear: `layer_types`
 /// (`linear_attention` / `full_attention`, one per layer), or when it is absent transformers'
 /// default, every `full_attention_interval`-th layer (4) full and the rest linear. The
@@ -1032,40 +1049,18 @@ fn linear_layers(
             why: "must be a multiple of linear_num_key_heads (each key head serves Hv / Hk value heads)",
         });
     }
-    let layers = match r.get("layer_types") {
+    let layers = match layer_types(
+        r,
+        num_layers,
+        "linear_attention",
+        "a hybrid layer is linear_attention or full_attention",
+    )? {
+        Some(l) => l,
         None => {
             let interval = dim("full_attention_interval", 4)?;
             (0..num_layers)
                 .map(|l| !(l + 1).is_multiple_of(interval))
                 .collect()
-        }
-        Some(Value::Array(items)) => {
-            if items.len() != num_layers {
-                return Err(ConfigError::OutOfRange {
-                    key: "layer_types",
-                    value: format!("{} entries", items.len()),
-                    why: "must name one type per layer (num_hidden_layers)",
-                });
-            }
-            items
-                .iter()
-                .map(|v| match v.as_str() {
-                    Some("linear_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    _ => Err(ConfigError::Unsupported {
-                        key: "layer_types",
-                        value: v.to_string(),
-                        why: "a hybrid layer is linear_attention or full_attention",
-                    }),
-                })
-                .collect::<Result<_, _>>()?
-        }
-        Some(v) => {
-            return Err(ConfigError::WrongType {
-                key: "layer_types",
-                expected: "a list of layer types",
-                found: type_name(v),
-            })
         }
     };
     Ok((dims, layers))
