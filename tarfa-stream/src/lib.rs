@@ -364,7 +364,9 @@ impl WeightSource for StreamSource {
     }
 
     /// Owned copies, for callers that keep experts (the CUDA upload): copied from the verified
-    /// buffers, in groups the budget holds.
+    /// buffers, in groups the budget holds. The warm tier does not keep what it read for them
+    /// ([`ExpertStore::fetch_copy`]): a model whose experts all live on the GPU has no second
+    /// copy in host memory, even with an unbounded budget.
     fn experts(&self, layer: usize, ids: &[usize]) -> Result<Vec<Arc<ExpertWeights>>, WeightError> {
         let mut distinct = ids.to_vec();
         distinct.sort_unstable();
@@ -373,7 +375,7 @@ impl WeightSource for StreamSource {
         for batch in self.store.batches(layer, &distinct) {
             // Copies for a caller that keeps them (loading a model), not uses: not counted in
             // the heat ledger.
-            let handles = self.store.fetch_uncounted(layer, &batch)?;
+            let handles = self.store.fetch_copy(layer, &batch)?;
             for (&id, h) in batch.iter().zip(&handles) {
                 let [g, u, d] = h.matrices();
                 let m = |v: crate::weights::Bf16View<'_>| Bf16Matrix {

@@ -387,6 +387,11 @@ struct Entry {
     claimed: bool,
     /// Read, and the read not yet claimed by a request.
     unclaimed_read: bool,
+    /// Read only for a caller that keeps its own copy ([`ExpertStore::fetch_copy`]: the CUDA
+    /// upload): dropped when its last lease goes, whatever the policy, so that a model whose
+    /// every expert lives on the GPU leaves no second copy in host memory. A request that uses
+    /// the entry ([`ExpertStore::fetch`], [`ExpertStore::fetch_uncounted`]) makes it ordinary.
+    transient: bool,
     last_use: u64,
 }
 
@@ -398,6 +403,7 @@ impl Entry {
             planned,
             claimed: false,
             unclaimed_read: false,
+            transient: false,
             last_use: 0,
         }
     }
@@ -406,6 +412,18 @@ impl Entry {
 struct Job {
     key: Key,
     charge: Charge,
+}
+
+/// Why experts are fetched: what the heat ledger counts and what the warm tier keeps.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fetch {
+    /// A step uses them: counted, kept by the policy.
+    Use,
+    /// Read ahead of use (`--preload`): not counted, kept by the policy.
+    Preload,
+    /// Copied by a caller that keeps its own copy: not counted, and not kept unless held
+    /// already or wanted by a use.
+    Copy,
 }
 
 struct State {
@@ -884,13 +902,20 @@ impl ExpertStore {
 
     /// The experts `ids` of `layer`, read and verified where not held, as leases.
     pub fn fetch(&self, layer: usize, ids: &[usize]) -> Result<Vec<Lease>, WeightError> {
-        self.shared.fetch(layer, ids, true)
+        self.shared.fetch(layer, ids, Fetch::Use)
     }
 
     /// [`ExpertStore::fetch`] without counting uses in the heat ledger (`--preload` reads every
     /// expert once, which says nothing about which are hot).
     pub fn fetch_uncounted(&self, layer: usize, ids: &[usize]) -> Result<Vec<Lease>, WeightError> {
-        self.shared.fetch(layer, ids, false)
+        self.shared.fetch(layer, ids, Fetch::Preload)
+    }
+
+    /// [`ExpertStore::fetch_uncounted`] for a caller that copies the experts and keeps the copy
+    /// (the CUDA upload): what this read brings into the warm tier leaves it with the last
+    /// lease, whatever the policy; what was held already stays.
+    pub fn fetch_copy(&self, layer: usize, ids: &[usize]) -> Result<Vec<Lease>, WeightError> {
+        self.shared.fetch(layer, ids, Fetch::Copy)
     }
 }
 
@@ -1038,10 +1063,10 @@ impl Shared {
 
     /// Drops `key`'s entry if nobody wants it and the policy does not keep it.
     fn release_if_idle(&self, st: &mut State, key: Key) {
-        let keep = self.keeps(key);
         let Some(e) = st.entries.get(&key) else {
             return;
         };
+        let keep = self.keeps(key) && !e.transient;
         let idle = e.leases == 0 && !e.planned;
         match e.status {
             Status::Ready(_) if idle && !keep => {
@@ -1152,7 +1177,7 @@ impl Shared {
         self: &Arc<Self>,
         layer: usize,
         ids: &[usize],
-        count_heat: bool,
+        why: Fetch,
     ) -> Result<Vec<Lease>, WeightError> {
         for &id in ids {
             if !self.index.contains_key(&(layer, id)) {
@@ -1171,7 +1196,7 @@ impl Shared {
         let mut fresh = Vec::new();
         for &id in ids {
             let key = (layer, id);
-            if count_heat {
+            if why == Fetch::Use {
                 *st.heat.entry(key).or_insert(0) += 1;
             }
             add(&self.counters.requests, 1);
@@ -1179,8 +1204,14 @@ impl Shared {
             let clock = st.clock;
             let e = st.entries.entry(key).or_insert_with(|| {
                 fresh.push(key);
-                Entry::queued(false)
+                Entry {
+                    transient: why == Fetch::Copy,
+                    ..Entry::queued(false)
+                }
             });
+            if why != Fetch::Copy {
+                e.transient = false;
+            }
             // A planned entry's reservation passes to this request.
             e.planned = false;
             e.leases += 1;
@@ -1571,6 +1602,36 @@ mod tests {
         assert_eq!(store.used_bytes(), 0);
         let s = store.stats();
         assert_eq!(counts(&s), [4, 1, 3, 3, 0, 0, 3 * EXTENT, 3 * EXTENT]);
+    }
+
+    #[test]
+    fn copies_for_a_keeping_caller_leave_the_warm_tier_whatever_the_policy() {
+        // An unbounded lru store (a CUDA run with every expert on the GPU): what the upload
+        // copies must not stay in host memory.
+        let b = TestBundle::new(2, 3);
+        let store = b.store(None, CachePolicy::Lru, None);
+        // expert (1, 1) is in use by a step, so it is held before and after the copies
+        use_one(&store, 1, 1);
+        assert_eq!(held(&store, 1), vec![1]);
+        let copies = store.fetch_copy(1, &[0, 1, 2]).unwrap();
+        for (lease, id) in copies.iter().zip([0, 1, 2]) {
+            check_lease(lease, 1, id);
+        }
+        assert_eq!(store.used_bytes(), 3 * PAGE);
+        drop(copies);
+        assert_eq!(held(&store, 1), vec![1], "only what a use brought in stays");
+        assert_eq!(store.used_bytes(), PAGE);
+        // a copy whose read a use joins becomes the use's, and stays
+        let copy = store.fetch_copy(0, &[2]).unwrap();
+        use_one(&store, 0, 2);
+        drop(copy);
+        assert_eq!(held(&store, 0), vec![2]);
+        // a copy never counts as a use; reading a dropped copy again is a miss
+        assert_eq!(store.heat(), vec![((0, 2), 1), ((1, 1), 1)]);
+        use_one(&store, 1, 0);
+        let s = store.stats();
+        // requests, hits, misses, reads, wasted, evictions, bytes read, bytes verified
+        assert_eq!(counts(&s), [7, 2, 5, 5, 0, 0, 5 * EXTENT, 5 * EXTENT]);
     }
 
     #[test]
