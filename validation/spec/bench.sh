@@ -12,7 +12,9 @@
 #   qwen3moe-code) converted into OUT/demo-bundle, and its first WEAK_LAYERS (1) layers
 #   (validation/spec/truncate.py) into OUT/weak-bundle, the weak draft.
 # PROMPT_FILE: default: validation/spec/prompts/{code-repeats,prose-fresh}.txt (one prompt that
-#   quotes its own context, one that does not).
+#   quotes its own context, one that does not). A file named *.ids holds token ids (commas or
+#   whitespace between them), given as --tokens: for a bundle without a tokenizer (a synthetic
+#   one).
 # Environment: BACKEND (auto), THREADS (0: one per core), TOKENS (max new tokens, 128), ROUNDS
 #   (3; the modes are interleaved within each round), KS ("2 4 8": prompt lookup's draft
 #   lengths), MODEL_KS (KS: the draft models'), SELF_DRAFT (the self-draft's bundle: BUNDLE; ""
@@ -60,13 +62,17 @@ RES=$OUTD/runs.tsv
 printf 'prompt\tmode\tround\tdecode_tok_s\tdrafted\taccepted\tsteps\n' >"$RES"
 status=0
 for p in "${PROMPTS[@]}"; do
-  name=$(basename "$p" .txt)
+  name=$(basename "$p"); name=${name%.txt}; name=${name%.ids}
+  case $p in
+    *.ids) input=(--tokens "$(tr -s ' \n\t' ',,,' < "$p" | sed 's/^,//; s/,$//')") ;;
+    *) input=(--prompt-file "$p") ;;
+  esac
   # Round 0 checks the logits files too (untimed: keeping logits takes the GPU off its
   # token-only path); rounds 1..ROUNDS are timed, their text compared.
   for r in $(seq 0 "$ROUNDS"); do
     for m in $MODES; do
       tag=$name.${m/:/-}.r$r
-      args=(generate "$BUNDLE" --prompt-file "$p" --max-new-tokens "$TOKENS" --ignore-eos
+      args=(generate "$BUNDLE" "${input[@]}" --max-new-tokens "$TOKENS" --ignore-eos
             --backend "$BACKEND" --threads "$THREADS" --summary-json "$OUTD/$tag.json")
       [ "$r" = 0 ] && args+=(--logits-out "$OUTD/$tag.logits")
       case $m in
