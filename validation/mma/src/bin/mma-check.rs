@@ -46,6 +46,10 @@ enum Cmd {
         /// Also score the model's variants on the first V cases (which one matches the hardware).
         #[arg(long, default_value_t = 20_000_000)]
         variant_cases: u64,
+        /// No GPU: the "hardware" is the CPU model itself (tests the harness and its speed; every
+        /// case must match).
+        #[arg(long)]
+        dry_run: bool,
     },
     /// The prototype GEMM: TFLOP/s on M x N x K shapes, and its bit check.
     GemmBench {
@@ -91,7 +95,8 @@ fn main() -> ExitCode {
             batch_tiles,
             max_seconds,
             variant_cases,
-        } => verify(cli.json, cases, seed, batch_tiles.max(1), max_seconds, variant_cases),
+            dry_run,
+        } => verify(cli.json, cases, seed, batch_tiles.max(1), max_seconds, variant_cases, dry_run),
         Cmd::GemmBench { m, n, k, sample } => gemm_bench(cli.json, m, &n, &k, sample),
         Cmd::CpuBench { k, rows, mem_bytes } => Ok(cpu_bench(cli.json, k, rows, mem_bytes)),
     };
@@ -174,10 +179,40 @@ fn flatten(tiles: &[Tile]) -> (Vec<u16>, Vec<u16>, Vec<u32>) {
     (a, b, c)
 }
 
-fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcases: u64) -> Result<bool, Env> {
+/// The device, or the model standing in for it (`--dry-run`).
+enum Hw {
+    Gpu(Gpu),
+    Model,
+}
+
+impl Hw {
+    fn name(&self) -> String {
+        match self {
+            Hw::Gpu(g) => g.name.clone(),
+            Hw::Model => "DRY RUN (the CPU model stands in for the GPU)".into(),
+        }
+    }
+    fn run_mma(&self, a: &[u16], b: &[u16], c: &[u32]) -> Result<Vec<u32>, Env> {
+        match self {
+            Hw::Gpu(g) => g.run_mma(a, b, c),
+            Hw::Model => Ok((0..c.len())
+                .into_par_iter()
+                .map(|i| {
+                    let (t, r, col) = (i / 128, (i % 128) / 8, i % 8);
+                    let aa: &[u16; 16] = a[t * 256 + r * 16..][..16].try_into().unwrap();
+                    let bb: &[u16; 16] = b[t * 128 + col * 16..][..16].try_into().unwrap();
+                    mma_elem(aa, bb, c[i], &Params::HOPPER)
+                })
+                .collect()),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcases: u64, dry: bool) -> Result<bool, Env> {
     let t0 = Instant::now();
-    let gpu = Gpu::open()?;
-    eprintln!("device: {} (sm_{}{})", gpu.name, gpu.cc.0, gpu.cc.1);
+    let gpu = if dry { Hw::Model } else { Hw::Gpu(Gpu::open()?) };
+    eprintln!("device: {}", gpu.name());
     // 1. smoke: small integers, exact under any model; a mismatch is a harness layout bug
     let smoke = cases::smoke_tile();
     let (a, b, c) = flatten(std::slice::from_ref(&smoke));
@@ -337,12 +372,12 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
         let nans: Vec<_> = nan_patterns.iter().map(|(k, v)| json!({"bits": format!("{k:08x}"), "count": v})).collect();
         println!(
             "{}",
-            json!({"command": "verify", "device": gpu.name, "smoke_ok": true, "cases": total, "requested": cases_n,
+            json!({"command": "verify", "device": gpu.name(), "smoke_ok": true, "cases": total, "requested": cases_n,
                    "mismatches": bad, "stopped_early": stopped_early, "seconds": secs, "gpu_seconds": gpu_s,
                    "modes": modes, "variants": v, "first_mismatch": f, "hw_nan_patterns": nans})
         );
     } else {
-        println!("verify: {} on {} (seed {seed:#x}), {:.1} s ({:.1} s on the GPU incl. copies)", gpu.name, if stopped_early { "TIME LIMIT: partial run" } else { "all requested cases" }, secs, gpu_s);
+        println!("verify: {} on {} (seed {seed:#x}), {:.1} s ({:.1} s on the GPU incl. copies)", gpu.name(), if stopped_early { "TIME LIMIT: partial run" } else { "all requested cases" }, secs, gpu_s);
         println!("{:<14} {:>12} {:>10} {:>9} {:>9} {:>8}", "mode", "cases", "mismatch", "nan-bits", "zero-sgn", "1-ulp");
         for m in MODES {
             if let Some(s) = stats.get(m.name()) {
