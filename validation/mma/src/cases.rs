@@ -5,21 +5,11 @@
 
 /// A tile: `a[row][k]` (16 x 16 BF16), `b[col][k]` (8 columns of 16 BF16, i.e. B stored
 /// column-major), `c[row][col]` (16 x 8 f32 bits).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tile {
     pub a: [[u16; 16]; 16],
     pub b: [[u16; 16]; 8],
     pub c: [[u32; 8]; 16],
-}
-
-impl Default for Tile {
-    fn default() -> Self {
-        Tile {
-            a: [[0; 16]; 16],
-            b: [[0; 16]; 8],
-            c: [[0; 8]; 16],
-        }
-    }
 }
 
 /// The families of inputs.
@@ -94,6 +84,7 @@ impl Mode {
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
+#[allow(clippy::should_implement_trait)]
 impl Rng {
     pub fn new(seed: u64, index: u64) -> Rng {
         let mut r = Rng(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -175,7 +166,11 @@ pub fn gen_tile(mode: Mode, r: &mut Rng) -> Tile {
                 for k in (0..16).step_by(2) {
                     let v = bf(r.chance(1, 2), base + r.range(-3, 3), r.next());
                     row[k] = v;
-                    row[k + 1] = if r.chance(7, 8) { v ^ 0x8000 } else { v ^ 0x8001 };
+                    row[k + 1] = if r.chance(7, 8) {
+                        v ^ 0x8000
+                    } else {
+                        v ^ 0x8001
+                    };
                 }
             }
             for col in t.b.iter_mut() {
@@ -195,9 +190,7 @@ pub fn gen_tile(mode: Mode, r: &mut Rng) -> Tile {
                         _ => {
                             // c = -(the exact sum rounded to f32), so the result is the
                             // rounding residue
-                            let s: f64 = (0..16)
-                                .map(|k| bf16v(t.a[i][k]) * bf16v(t.b[j][k]))
-                                .sum();
+                            let s: f64 = (0..16).map(|k| bf16v(t.a[i][k]) * bf16v(t.b[j][k])).sum();
                             (-(s as f32)).to_bits()
                         }
                     };

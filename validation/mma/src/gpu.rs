@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 /// The kernel source.
@@ -84,10 +86,15 @@ impl Gpu {
             return Err(Env("libcuda cannot be loaded: no NVIDIA driver here".into()));
         }
         let ctx = CudaContext::new(0).map_err(env("open GPU 0"))?;
-        let cc = ctx.compute_capability().map_err(env("compute capability"))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(env("compute capability"))?;
         let name = ctx.name().map_err(env("device name"))?;
         if cc != (9, 0) {
-            eprintln!("warning: device {name} is sm_{}{}, the model is Hopper's (sm_90)", cc.0, cc.1);
+            eprintln!(
+                "warning: device {name} is sm_{}{}, the model is Hopper's (sm_90)",
+                cc.0, cc.1
+            );
         }
         let arch: &'static str = Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str());
         let ptx = compile(arch)?;
@@ -143,9 +150,18 @@ pub struct Gemm<'g> {
 }
 
 impl<'g> Gemm<'g> {
-    pub fn new(gpu: &'g Gpu, w: &[u16], x: &[f32], m: usize, n: usize, k: usize) -> Result<Gemm<'g>, Env> {
-        if m % 64 != 0 || n % 64 != 0 || k % 64 != 0 {
-            return Err(Env(format!("gemm {m}x{n}x{k}: M, N, K must be multiples of 64")));
+    pub fn new(
+        gpu: &'g Gpu,
+        w: &[u16],
+        x: &[f32],
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Gemm<'g>, Env> {
+        if !m.is_multiple_of(64) || !n.is_multiple_of(64) || !k.is_multiple_of(64) {
+            return Err(Env(format!(
+                "gemm {m}x{n}x{k}: M, N, K must be multiples of 64"
+            )));
         }
         let s = &gpu.stream;
         Ok(Gemm {
@@ -155,8 +171,12 @@ impl<'g> Gemm<'g> {
             k,
             w: s.clone_htod(w).map_err(env("copy W"))?,
             x: s.clone_htod(x).map_err(env("copy X"))?,
-            xs: s.alloc_zeros::<u16>(3 * n * k).map_err(env("alloc the split"))?,
-            out: s.alloc_zeros::<f32>(m * n).map_err(env("alloc the output"))?,
+            xs: s
+                .alloc_zeros::<u16>(3 * n * k)
+                .map_err(env("alloc the split"))?,
+            out: s
+                .alloc_zeros::<f32>(m * n)
+                .map_err(env("alloc the output"))?,
         })
     }
 
@@ -168,7 +188,11 @@ impl<'g> Gemm<'g> {
         let (mut x2, mut x3) = rest.split_at_mut(self.n * self.k);
         let mut x1 = x1;
         let mut l = s.launch_builder(&self.gpu.split3);
-        l.arg(&self.x).arg(&mut x1).arg(&mut x2).arg(&mut x3).arg(&nk);
+        l.arg(&self.x)
+            .arg(&mut x1)
+            .arg(&mut x2)
+            .arg(&mut x3)
+            .arg(&nk);
         let cfg = LaunchConfig {
             grid_dim: (nk.div_ceil(256) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -178,7 +202,12 @@ impl<'g> Gemm<'g> {
         unsafe { l.launch(cfg) }.map_err(env("launch split3"))?;
         let (m, n, k) = (self.m as i32, self.n as i32, self.k as i32);
         let mut l = s.launch_builder(&self.gpu.gemm);
-        l.arg(&self.w).arg(&self.xs).arg(&mut self.out).arg(&m).arg(&n).arg(&k);
+        l.arg(&self.w)
+            .arg(&self.xs)
+            .arg(&mut self.out)
+            .arg(&m)
+            .arg(&n)
+            .arg(&k);
         let cfg = LaunchConfig {
             grid_dim: ((self.m / 64) as u32, (self.n / 64) as u32, 1),
             block_dim: (128, 1, 1),
@@ -206,6 +235,9 @@ impl<'g> Gemm<'g> {
 
     /// The output, `out[n * m + r]`.
     pub fn output(&self) -> Result<Vec<f32>, Env> {
-        self.gpu.stream.clone_dtoh(&self.out).map_err(env("copy the output back"))
+        self.gpu
+            .stream
+            .clone_dtoh(&self.out)
+            .map_err(env("copy the output back"))
     }
 }

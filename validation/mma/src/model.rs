@@ -116,9 +116,11 @@ fn specials(a: &[u16], b: &[u16], c: u32) -> Option<u32> {
         if x & 0x7F80 != 0x7F80 && y & 0x7F80 != 0x7F80 {
             continue; // both finite: the common case
         }
-        if bf16_is_nan(x) || bf16_is_nan(y) {
-            nan = true;
-        } else if (bf16_is_inf(x) && bf16_is_zero(y)) || (bf16_is_inf(y) && bf16_is_zero(x)) {
+        if bf16_is_nan(x)
+            || bf16_is_nan(y)
+            || (bf16_is_inf(x) && bf16_is_zero(y))
+            || (bf16_is_inf(y) && bf16_is_zero(x))
+        {
             nan = true;
         } else if bf16_is_inf(x) || bf16_is_inf(y) {
             if (x ^ y) & 0x8000 != 0 {
@@ -158,7 +160,7 @@ pub fn to_f32(sum: i64, scale: i32, p: &Params) -> u32 {
     let mag = sum.unsigned_abs();
     let msb = 63 - mag.leading_zeros() as i32;
     let e = msb + scale; // value in [2^e, 2^(e+1))
-    // The position of the result's last kept bit, as a power of two.
+                         // The position of the result's last kept bit, as a power of two.
     let ulp = if e >= -126 { e - 23 } else { -149 };
     let shift = ulp - scale; // bits of `mag` below the kept ones
     let (mut q, tie, above) = if shift <= 0 {
@@ -180,10 +182,19 @@ pub fn to_f32(sum: i64, scale: i32, p: &Params) -> u32 {
         q
     } else {
         // normal: q in [2^23, 2^24], maybe 2^24 after rounding up.
-        let (q, ulp) = if q >= 1 << 24 { (q >> 1, ulp + 1) } else { (q, ulp) };
+        let (q, ulp) = if q >= 1 << 24 {
+            (q >> 1, ulp + 1)
+        } else {
+            (q, ulp)
+        };
         let be = ulp + 23 + 127;
         if be >= 255 {
-            return sign | if p.overflow_inf { 0x7F80_0000 } else { 0x7F7F_FFFF };
+            return sign
+                | if p.overflow_inf {
+                    0x7F80_0000
+                } else {
+                    0x7F7F_FFFF
+                };
         }
         ((be as u64) << 23) | (q & 0x7F_FFFF)
     };
@@ -249,7 +260,11 @@ pub fn split3(x: f32) -> [u16; 3] {
     let r1 = x - f32::from_bits(h);
     let m = r1.to_bits() & 0xFFFF_0000;
     let r2 = r1 - f32::from_bits(m);
-    [(h >> 16) as u16, (m >> 16) as u16, (r2.to_bits() >> 16) as u16]
+    [
+        (h >> 16) as u16,
+        (m >> 16) as u16,
+        (r2.to_bits() >> 16) as u16,
+    ]
 }
 
 /// The candidate contract-v2 dot product of a BF16 row `w` and an f32 activation `x`: the

@@ -75,6 +75,7 @@ fn dec_acc(c: u32) -> (bool, u64, i32) {
 }
 
 /// The scalar fallback for one chunk (specials): three MMAs of the model.
+#[allow(clippy::needless_range_loop)]
 fn chunk_scalar(w: &[u16], x: &Prepared, c0: usize, acc: u32, from_part: usize) -> u32 {
     let mut a = [0u16; 16];
     let n = (x.len - c0).min(16);
@@ -119,12 +120,20 @@ mod avx512 {
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(t.as_ptr() as *const __m256i))
             };
             let be = _mm512_and_si512(_mm512_srli_epi32(wv, 7), ff);
-            if x.special[c] || acc & 0x7F80_0000 == 0x7F80_0000 || _mm512_cmpeq_epi32_mask(be, ff) != 0 {
+            if x.special[c]
+                || acc & 0x7F80_0000 == 0x7F80_0000
+                || _mm512_cmpeq_epi32_mask(be, ff) != 0
+            {
                 acc = chunk_scalar(w, x, c0, acc, 0);
                 continue;
             }
             let norm = _mm512_cmpneq_epi32_mask(be, zero);
-            let wm = _mm512_mask_or_epi32(_mm512_and_si512(wv, x7f), norm, _mm512_and_si512(wv, x7f), x80);
+            let wm = _mm512_mask_or_epi32(
+                _mm512_and_si512(wv, x7f),
+                norm,
+                _mm512_and_si512(wv, x7f),
+                x80,
+            );
             let we = _mm512_sub_epi32(_mm512_max_epi32(be, one), bias);
             let ws = _mm512_slli_epi32(wv, 16);
             for p in 0..3 {
@@ -139,14 +148,19 @@ mod avx512 {
                 let emax_p = _mm512_reduce_max_epi32(e);
                 let (cs, cm, ce) = dec_acc(acc);
                 let emax = emax_p.max(ce);
-                let m = _mm512_mullo_epi32(wm, _mm512_and_si512(xm, _mm512_set1_epi32(0x7FFF_FFFF)));
+                let m =
+                    _mm512_mullo_epi32(wm, _mm512_and_si512(xm, _mm512_set1_epi32(0x7FFF_FFFF)));
                 let d = _mm512_sub_epi32(_mm512_set1_epi32(emax), e);
                 let v = _mm512_srlv_epi32(_mm512_slli_epi32(m, 11), d);
                 let neg = _mm512_movepi32_mask(_mm512_xor_si512(ws, xm));
                 let v = _mm512_mask_sub_epi32(v, neg, zero, v);
                 let mut sum = _mm512_reduce_add_epi32(v) as i64;
                 let sh = (emax - ce) as u32;
-                let cv = if sh >= 64 { 0 } else { ((cm << 2) >> sh) as i64 };
+                let cv = if sh >= 64 {
+                    0
+                } else {
+                    ((cm << 2) >> sh) as i64
+                };
                 sum += if cs { -cv } else { cv };
                 acc = model::to_f32(sum, emax - 25, &Params::HOPPER);
             }

@@ -26,6 +26,9 @@ fn kernels_compile_for_sm90_with_the_products_options() {
         "the MMA instruction is not in the PTX"
     );
     // the split must be plain round-to-nearest subtraction, never an fma or a flush
-    assert!(!ptx.contains(".ftz"), "flush-to-zero instruction in the PTX");
+    assert!(
+        !ptx.contains(".ftz"),
+        "flush-to-zero instruction in the PTX"
+    );
     assert!(!ptx.contains("fma.rn.f32"), "fma in the PTX");
 }

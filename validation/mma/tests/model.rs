@@ -31,7 +31,8 @@ fn integer_model_equals_f64_transcription_on_every_mode() {
             for j in 0..8 {
                 for (p, frac, group) in [(Params::HOPPER, 25, 16), (Params::AMPERE, 24, 8)] {
                     let got = mma_elem(&t.a[i], &t.b[j], t.c[i][j], &p);
-                    let want = mma_elem_f64(&t.a[i], &t.b[j], f32::from_bits(t.c[i][j]), frac, group);
+                    let want =
+                        mma_elem_f64(&t.a[i], &t.b[j], f32::from_bits(t.c[i][j]), frac, group);
                     assert_eq!(
                         got,
                         want.to_bits(),
@@ -85,16 +86,25 @@ fn each_term_is_truncated_to_25_fractional_bits() {
     // truncated to 1 unit: 1 + 16 * 2^-25 = 1 + 2^-21 (exactly representable). Exact
     // arithmetic would give 1 + 24 * 2^-25 = 1 + 3 * 2^-22.
     let p = 1.5 * 2f32.powi(-25);
-    assert_eq!(one(&[1.5; 16], &[2f32.powi(-25); 16], 1.0), 1.0 + 2f32.powi(-21));
+    assert_eq!(
+        one(&[1.5; 16], &[2f32.powi(-25); 16], 1.0),
+        1.0 + 2f32.powi(-21)
+    );
     let _ = p;
     // negative terms truncate toward zero too: 1 - 16 * 2^-25 = 1 - 2^-21
-    assert_eq!(one(&[-1.5; 16], &[2f32.powi(-25); 16], 1.0), 1.0 - 2f32.powi(-21));
+    assert_eq!(
+        one(&[-1.5; 16], &[2f32.powi(-25); 16], 1.0),
+        1.0 - 2f32.powi(-21)
+    );
     // a term 2^-26 below the maximum vanishes entirely: 1 + 16 * 2^-26 stays 1
     assert_eq!(one(&[1.0; 16], &[2f32.powi(-26); 16], 1.0), 1.0);
     // and under Ampere's 24 bits a 2^-25 term vanishes: first group of 8 -> 1, second -> 1
     let x = [bf(1.0); 16];
     let y = [bf(2f32.powi(-25)); 16];
-    assert_eq!(f32::from_bits(mma_elem(&x, &y, 1f32.to_bits(), &Params::AMPERE)), 1.0);
+    assert_eq!(
+        f32::from_bits(mma_elem(&x, &y, 1f32.to_bits(), &Params::AMPERE)),
+        1.0
+    );
     assert_eq!(
         f32::from_bits(mma_elem(&x, &y, 1f32.to_bits(), &Params::HOPPER)),
         1.0 + 2f32.powi(-21)
@@ -131,7 +141,10 @@ fn specials() {
     assert!(nan(one(&[f32::NAN], &[1.0], 0.0)));
     assert!(nan(one(&[1.0], &[1.0], f32::NAN)));
     assert!(nan(one(&[inf], &[0.0], 1.0)), "inf * 0");
-    assert!(nan(one(&[inf, inf], &[1.0, -1.0], 0.0)), "inf - inf among products");
+    assert!(
+        nan(one(&[inf, inf], &[1.0, -1.0], 0.0)),
+        "inf - inf among products"
+    );
     assert!(nan(one(&[inf], &[1.0], -inf)), "inf - inf with c");
     assert_eq!(one(&[inf], &[-2.0], 5.0), -inf);
     assert_eq!(one(&[1.0], &[1.0], inf), inf);
@@ -162,11 +175,20 @@ fn subnormal_inputs_and_outputs() {
     let mut y = [0u16; 16];
     x[0] = 0x0001;
     y[0] = bf(2f32.powi(100));
-    assert_eq!(f32::from_bits(mma_elem(&x, &y, 0, &Params::HOPPER)), 2f32.powi(-33));
+    assert_eq!(
+        f32::from_bits(mma_elem(&x, &y, 0, &Params::HOPPER)),
+        2f32.powi(-33)
+    );
     // 2^-70 * 2^-70 = 2^-140, an f32 subnormal (bits 1 << 9)
-    assert_eq!(one(&[2f32.powi(-70)], &[2f32.powi(-70)], 0.0).to_bits(), 1 << 9);
+    assert_eq!(
+        one(&[2f32.powi(-70)], &[2f32.powi(-70)], 0.0).to_bits(),
+        1 << 9
+    );
     // 1.5 * 2^-149 truncates to 2^-149 (bits 1); negative to -2^-149
-    assert_eq!(one(&[1.5 * 2f32.powi(-75)], &[2f32.powi(-74)], 0.0).to_bits(), 1);
+    assert_eq!(
+        one(&[1.5 * 2f32.powi(-75)], &[2f32.powi(-74)], 0.0).to_bits(),
+        1
+    );
     assert_eq!(
         one(&[-1.5 * 2f32.powi(-75)], &[2f32.powi(-74)], 0.0).to_bits(),
         0x8000_0001
@@ -192,7 +214,10 @@ fn split3_is_exact() {
     }
     assert_eq!(split3(1.0), [bf(1.0), 0, 0]);
     assert_eq!(split3(f32::INFINITY), [0x7F80, 0, 0]);
-    assert!(split3(f32::from_bits(0x7F80_0001))[0] & 0x7F != 0, "NaN stays NaN");
+    assert!(
+        split3(f32::from_bits(0x7F80_0001))[0] & 0x7F != 0,
+        "NaN stays NaN"
+    );
 }
 
 #[test]
@@ -208,13 +233,20 @@ fn dot_v2_and_gemm_v2_agree_and_are_close_to_f64() {
     let g = model::gemm_v2(&w, &x, m, n, k, &Params::HOPPER);
     for t in 0..n {
         for row in 0..m {
-            let d = model::dot_v2(&w[row * k..(row + 1) * k], &x[t * k..(t + 1) * k], &Params::HOPPER);
+            let d = model::dot_v2(
+                &w[row * k..(row + 1) * k],
+                &x[t * k..(t + 1) * k],
+                &Params::HOPPER,
+            );
             assert_eq!(g[t * m + row].to_bits(), d.to_bits());
             let exact: f64 = (0..k)
                 .map(|i| f32::from_bits((w[row * k + i] as u32) << 16) as f64 * x[t * k + i] as f64)
                 .sum();
             let scale: f64 = (0..k)
-                .map(|i| (f32::from_bits((w[row * k + i] as u32) << 16) as f64 * x[t * k + i] as f64).abs())
+                .map(|i| {
+                    (f32::from_bits((w[row * k + i] as u32) << 16) as f64 * x[t * k + i] as f64)
+                        .abs()
+                })
                 .sum();
             assert!(((d as f64) - exact).abs() <= scale * 1e-5, "{d} vs {exact}");
         }
@@ -234,7 +266,10 @@ fn smoke_tile_is_exact_integers() {
                 .sum::<f64>()
                 + f32::from_bits(t.c[i][j]) as f64;
             for p in [Params::HOPPER, Params::AMPERE] {
-                assert_eq!(f32::from_bits(mma_elem(&t.a[i], &t.b[j], t.c[i][j], &p)) as f64, exact);
+                assert_eq!(
+                    f32::from_bits(mma_elem(&t.a[i], &t.b[j], t.c[i][j], &p)) as f64,
+                    exact
+                );
             }
         }
     }

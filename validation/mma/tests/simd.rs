@@ -24,7 +24,9 @@ fn emulator_equals_model() {
                 1 => 0.0,
                 3 => 3.0e38,
                 2 => f32::from_bits(r.next() as u32 & 0x807F_FFFF),
-                _ => f32::from_bits((r.next() as u32 & 0x807F_FFFF) | ((r.range(60, 190) as u32) << 23)),
+                _ => f32::from_bits(
+                    (r.next() as u32 & 0x807F_FFFF) | ((r.range(60, 190) as u32) << 23),
+                ),
             })
             .collect();
         let p = simd::Prepared::new(&x);

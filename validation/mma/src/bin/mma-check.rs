@@ -96,7 +96,15 @@ fn main() -> ExitCode {
             max_seconds,
             variant_cases,
             dry_run,
-        } => verify(cli.json, cases, seed, batch_tiles.max(1), max_seconds, variant_cases, dry_run),
+        } => verify(
+            cli.json,
+            cases,
+            seed,
+            batch_tiles.max(1),
+            max_seconds,
+            variant_cases,
+            dry_run,
+        ),
         Cmd::GemmBench { m, n, k, sample } => gemm_bench(cli.json, m, &n, &k, sample),
         Cmd::CpuBench { k, rows, mem_bytes } => Ok(cpu_bench(cli.json, k, rows, mem_bytes)),
     };
@@ -114,14 +122,32 @@ fn variants() -> Vec<(&'static str, Params)> {
     let h = Params::HOPPER;
     vec![
         ("hopper(mma-sim)", h),
-        ("zeros-not-in-max", Params { zeros_in_max: false, ..h }),
+        (
+            "zeros-not-in-max",
+            Params {
+                zeros_in_max: false,
+                ..h
+            },
+        ),
         ("frac24", Params { frac_bits: 24, ..h }),
         ("frac26", Params { frac_bits: 26, ..h }),
         ("frac27", Params { frac_bits: 27, ..h }),
         ("k16-as-2x8", Params { group: 8, ..h }),
         ("k16-as-4x4", Params { group: 4, ..h }),
-        ("rne-final", Params { round: Round::Rne, ..h }),
-        ("overflow-saturates", Params { overflow_inf: false, ..h }),
+        (
+            "rne-final",
+            Params {
+                round: Round::Rne,
+                ..h
+            },
+        ),
+        (
+            "overflow-saturates",
+            Params {
+                overflow_inf: false,
+                ..h
+            },
+        ),
         ("ampere(24,2x8)", Params::AMPERE),
     ]
 }
@@ -152,7 +178,10 @@ struct Mismatch {
 }
 
 fn hx16(v: &[u16]) -> String {
-    v.iter().map(|x| format!("{x:04x}")).collect::<Vec<_>>().join(" ")
+    v.iter()
+        .map(|x| format!("{x:04x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn classify(s: &mut ModeStats, hw: u32, m: u32) {
@@ -209,9 +238,21 @@ impl Hw {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcases: u64, dry: bool) -> Result<bool, Env> {
+fn verify(
+    json_out: bool,
+    cases_n: u64,
+    seed: u64,
+    batch: u64,
+    max_s: f64,
+    vcases: u64,
+    dry: bool,
+) -> Result<bool, Env> {
     let t0 = Instant::now();
-    let gpu = if dry { Hw::Model } else { Hw::Gpu(Gpu::open()?) };
+    let gpu = if dry {
+        Hw::Model
+    } else {
+        Hw::Gpu(Gpu::open()?)
+    };
     eprintln!("device: {}", gpu.name());
     // 1. smoke: small integers, exact under any model; a mismatch is a harness layout bug
     let smoke = cases::smoke_tile();
@@ -228,7 +269,10 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
     if smoke_bad > 0 {
         let msg = format!("SMOKE FAILED: {smoke_bad}/128 small-integer outputs differ: the harness's fragment layout is wrong (not a model result)");
         if json_out {
-            println!("{}", json!({"command": "verify", "smoke_ok": false, "error": msg}));
+            println!(
+                "{}",
+                json!({"command": "verify", "smoke_ok": false, "error": msg})
+            );
         } else {
             println!("{msg}");
         }
@@ -251,7 +295,10 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
             break;
         }
         let nt = batch.min(tiles_total - done);
-        let gen: Vec<(Mode, Tile)> = (done..done + nt).into_par_iter().map(|i| cases::tile(seed, i)).collect();
+        let gen: Vec<(Mode, Tile)> = (done..done + nt)
+            .into_par_iter()
+            .map(|i| cases::tile(seed, i))
+            .collect();
         let tiles: Vec<Tile> = gen.iter().map(|(_, t)| t.clone()).collect();
         let (a, b, c) = flatten(&tiles);
         let tg = Instant::now();
@@ -259,7 +306,12 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
         gpu_s += tg.elapsed().as_secs_f64();
         let score_variants = done * 128 < vcases;
         // per tile: per-mode stats, variant misses, first mismatch, NaN patterns
-        type Part = (Vec<(Mode, ModeStats)>, Vec<u64>, Option<Mismatch>, BTreeMap<u32, u64>);
+        type Part = (
+            Vec<(Mode, ModeStats)>,
+            Vec<u64>,
+            Option<Mismatch>,
+            BTreeMap<u32, u64>,
+        );
         let part: Part = (0..nt as usize)
             .into_par_iter()
             .fold(
@@ -369,7 +421,10 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
                    "a": hx16(&f.a), "b": hx16(&f.b), "c": format!("{:08x}", f.c),
                    "hw": format!("{:08x}", f.hw), "model": format!("{:08x}", f.model)})
         });
-        let nans: Vec<_> = nan_patterns.iter().map(|(k, v)| json!({"bits": format!("{k:08x}"), "count": v})).collect();
+        let nans: Vec<_> = nan_patterns
+            .iter()
+            .map(|(k, v)| json!({"bits": format!("{k:08x}"), "count": v}))
+            .collect();
         println!(
             "{}",
             json!({"command": "verify", "device": gpu.name(), "smoke_ok": true, "cases": total, "requested": cases_n,
@@ -377,15 +432,43 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
                    "modes": modes, "variants": v, "first_mismatch": f, "hw_nan_patterns": nans})
         );
     } else {
-        println!("verify: {} on {} (seed {seed:#x}), {:.1} s ({:.1} s on the GPU incl. copies)", gpu.name(), if stopped_early { "TIME LIMIT: partial run" } else { "all requested cases" }, secs, gpu_s);
-        println!("{:<14} {:>12} {:>10} {:>9} {:>9} {:>8}", "mode", "cases", "mismatch", "nan-bits", "zero-sgn", "1-ulp");
+        println!(
+            "verify: {} on {} (seed {seed:#x}), {:.1} s ({:.1} s on the GPU incl. copies)",
+            gpu.name(),
+            if stopped_early {
+                "TIME LIMIT: partial run"
+            } else {
+                "all requested cases"
+            },
+            secs,
+            gpu_s
+        );
+        println!(
+            "{:<14} {:>12} {:>10} {:>9} {:>9} {:>8}",
+            "mode", "cases", "mismatch", "nan-bits", "zero-sgn", "1-ulp"
+        );
         for m in MODES {
             if let Some(s) = stats.get(m.name()) {
-                println!("{:<14} {:>12} {:>10} {:>9} {:>9} {:>8}", m.name(), s.cases, s.mismatches, s.nan_payload, s.zero_sign, s.one_ulp);
+                println!(
+                    "{:<14} {:>12} {:>10} {:>9} {:>9} {:>8}",
+                    m.name(),
+                    s.cases,
+                    s.mismatches,
+                    s.nan_payload,
+                    s.zero_sign,
+                    s.one_ulp
+                );
             }
         }
         println!("{:<14} {:>12} {:>10}", "TOTAL", total, bad);
-        println!("hardware NaN bit patterns: {}", nan_patterns.iter().map(|(k, v)| format!("{k:08x} x{v}")).collect::<Vec<_>>().join(", "));
+        println!(
+            "hardware NaN bit patterns: {}",
+            nan_patterns
+                .iter()
+                .map(|(k, v)| format!("{k:08x} x{v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         println!("variants scored on the first {var_cases} cases (mismatches vs hardware; 0 = this variant explains every case):");
         for ((n, _), b) in vars.iter().zip(&var_bad) {
             println!("  {n:<20} {b}");
@@ -396,9 +479,15 @@ fn verify(json_out: bool, cases_n: u64, seed: u64, batch: u64, max_s: f64, vcase
                 println!("RESULT: MISMATCH; first counterexample: case {} (tile {}, row {}, col {}, mode {})", f.index, f.tile, f.row, f.col, f.mode.name());
                 println!("  a (row, k=0..15)  {}", hx16(&f.a));
                 println!("  b (col, k=0..15)  {}", hx16(&f.b));
-                println!("  c {:08x}  hardware {:08x}  model {:08x}", f.c, f.hw, f.model);
+                println!(
+                    "  c {:08x}  hardware {:08x}  model {:08x}",
+                    f.c, f.hw, f.model
+                );
                 for (n, p) in &vars {
-                    println!("    variant {n:<20} gives {:08x}", mma_elem(&f.a, &f.b, f.c, p));
+                    println!(
+                        "    variant {n:<20} gives {:08x}",
+                        mma_elem(&f.a, &f.b, f.c, p)
+                    );
                 }
             }
         }
@@ -445,30 +534,55 @@ fn gemm_data(m: usize, n: usize, k: usize, seed: u64, wide: bool) -> (Vec<u16>, 
     (w, x)
 }
 
-fn gemm_bench(json_out: bool, m: usize, ns: &[usize], ks: &[usize], sample: usize) -> Result<bool, Env> {
+fn gemm_bench(
+    json_out: bool,
+    m: usize,
+    ns: &[usize],
+    ks: &[usize],
+    sample: usize,
+) -> Result<bool, Env> {
     let gpu = Gpu::open()?;
     let p = Params::HOPPER;
     let mut rows = Vec::new();
     let mut all_ok = true;
     // bit checks: every output of small shapes (normal and wide data), then the bench shapes sampled
     let mut checks = Vec::new();
-    for (mm, nn, kk, wide) in [(256, 64, 768, false), (256, 64, 768, true), (2048, 128, 768, false), (128, 64, 2048, true)] {
+    for (mm, nn, kk, wide) in [
+        (256, 64, 768, false),
+        (256, 64, 768, true),
+        (2048, 128, 768, false),
+        (128, 64, 2048, true),
+    ] {
         let (w, x) = gemm_data(mm, nn, kk, 11 + mm as u64 + kk as u64, wide);
         let mut g = Gemm::new(&gpu, &w, &x, mm, nn, kk)?;
         g.launch()?;
         let hw = g.output()?;
         let cpu = model::gemm_v2(&w, &x, mm, nn, kk, &p);
-        let bad = hw.iter().zip(&cpu).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-        let first = hw.iter().zip(&cpu).position(|(a, b)| a.to_bits() != b.to_bits());
+        let bad = hw
+            .iter()
+            .zip(&cpu)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        let first = hw
+            .iter()
+            .zip(&cpu)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
         all_ok &= bad == 0;
-        checks.push((format!("{mm}x{nn}x{kk}{}", if wide { " wide" } else { "" }), mm * nn, bad, first.map(|i| (i, hw[i], cpu[i]))));
+        checks.push((
+            format!("{mm}x{nn}x{kk}{}", if wide { " wide" } else { "" }),
+            mm * nn,
+            bad,
+            first.map(|i| (i, hw[i], cpu[i])),
+        ));
     }
     for &k in ks {
         for &n in ns {
             let (w, x) = gemm_data(m, n, k, 7 + n as u64 + k as u64, false);
             let mut g = Gemm::new(&gpu, &w, &x, m, n, k)?;
             let reps = ((2e9 / (2.0 * (m * n * k) as f64 * 3.0 / 200e12)) as usize).clamp(5, 2000);
-            let reps = reps.min((0.3 / (2.0 * (m * n * k) as f64 / 20e12)) as usize).max(5);
+            let reps = reps
+                .min((0.3 / (2.0 * (m * n * k) as f64 / 20e12)) as usize)
+                .max(5);
             let ms = g.time(reps)?;
             let hw = g.output()?;
             let mut r = cases::Rng::new(99, (n * k) as u64);
@@ -489,23 +603,46 @@ fn gemm_bench(json_out: bool, m: usize, ns: &[usize], ks: &[usize], sample: usiz
         let c: Vec<_> = checks.iter().map(|(s, n, b, f)| json!({"shape": s, "outputs": n, "mismatches": b,
             "first": f.map(|(i, h, c)| json!({"index": i, "hw": format!("{:08x}", h.to_bits()), "model": format!("{:08x}", c.to_bits())}))})).collect();
         let r: Vec<_> = rows.iter().map(|&(m, n, k, ms, tf, reps, s, b)| json!({"m": m, "n": n, "k": k, "ms": ms, "tflops": tf, "tensor_tflops": 3.0 * tf, "reps": reps, "sampled": s, "mismatches": b})).collect();
-        println!("{}", json!({"command": "gemm-bench", "device": gpu.name, "checks": c, "bench": r, "ok": all_ok}));
+        println!(
+            "{}",
+            json!({"command": "gemm-bench", "device": gpu.name, "checks": c, "bench": r, "ok": all_ok})
+        );
     } else {
         println!("gemm-bench: {} -- contract-v2 prototype (mma.sync m16n8k16 BF16, 3-way split of f32 activations, fixed K order, no split-K; split kernel included in the time)", gpu.name);
         println!("bit check vs the CPU model (every output):");
         for (s, n, b, f) in &checks {
             print!("  {s:<20} {n:>8} outputs  {b} mismatches");
             if let Some((i, h, c)) = f {
-                print!("  first at {i}: hw {:08x} model {:08x}", h.to_bits(), c.to_bits());
+                print!(
+                    "  first at {i}: hw {:08x} model {:08x}",
+                    h.to_bits(),
+                    c.to_bits()
+                );
             }
             println!();
         }
-        println!("{:>6} {:>6} {:>6} {:>10} {:>9} {:>12} {:>14}", "M", "N", "K", "ms", "TFLOP/s", "MMA TFLOP/s", "sampled-bad");
+        println!(
+            "{:>6} {:>6} {:>6} {:>10} {:>9} {:>12} {:>14}",
+            "M", "N", "K", "ms", "TFLOP/s", "MMA TFLOP/s", "sampled-bad"
+        );
         for &(m, n, k, ms, tf, _, s, b) in &rows {
-            println!("{m:>6} {n:>6} {k:>6} {ms:>10.4} {tf:>9.2} {:>12.2} {:>9}/{s}", 3.0 * tf, b);
+            println!(
+                "{m:>6} {n:>6} {k:>6} {ms:>10.4} {tf:>9.2} {:>12.2} {:>9}/{s}",
+                3.0 * tf,
+                b
+            );
         }
-        println!("(TFLOP/s counts 2*M*N*K useful flops; MMA TFLOP/s is 3x that, the tensor-core work)");
-        println!("RESULT: {}", if all_ok { "GEMM bit-equal to the CPU model" } else { "GEMM MISMATCH vs the CPU model" });
+        println!(
+            "(TFLOP/s counts 2*M*N*K useful flops; MMA TFLOP/s is 3x that, the tensor-core work)"
+        );
+        println!(
+            "RESULT: {}",
+            if all_ok {
+                "GEMM bit-equal to the CPU model"
+            } else {
+                "GEMM MISMATCH vs the CPU model"
+            }
+        );
     }
     Ok(all_ok)
 }
@@ -567,11 +704,17 @@ fn cpu_bench(json_out: bool, k: usize, rows: usize, mem_bytes: usize) -> bool {
         kern.dot_bf16_rows(&wbig, k, &px, &mut outb);
         std::hint::black_box(&outb);
     });
-    res.push((format!("fma-{} (DRAM, 1 thread)", kern.path().name()), ns_mem));
+    res.push((
+        format!("fma-{} (DRAM, 1 thread)", kern.path().name()),
+        ns_mem,
+    ));
     let gbs = 2.0 / ns_mem;
     if json_out {
         let r: serde_json::Map<_, _> = res.iter().map(|(n, v)| (n.clone(), json!(v))).collect();
-        println!("{}", json!({"command": "cpu-bench", "k": k, "rows": rows, "ns_per_element": r, "dram_gb_per_s_1thread": gbs, "emulator_equals_model": ok}));
+        println!(
+            "{}",
+            json!({"command": "cpu-bench", "k": k, "rows": rows, "ns_per_element": r, "dram_gb_per_s_1thread": gbs, "emulator_equals_model": ok})
+        );
     } else {
         println!("cpu-bench: K={k}, {rows} rows (in cache) unless marked DRAM; ns per dot-product element (best of 5)");
         for (n, v) in &res {
