@@ -222,8 +222,16 @@ impl<'g> Gemm<'g> {
     pub fn time(&mut self, reps: usize) -> Result<f64, Env> {
         self.launch()?;
         self.gpu.stream.synchronize().map_err(env("sync"))?;
-        let a = self.gpu.ctx.new_event(None).map_err(env("event"))?;
-        let b = self.gpu.ctx.new_event(None).map_err(env("event"))?;
+        let a = self
+            .gpu
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(env("event"))?;
+        let b = self
+            .gpu
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(env("event"))?;
         a.record(&self.gpu.stream).map_err(env("record"))?;
         for _ in 0..reps {
             self.launch()?;
