@@ -15,7 +15,8 @@
 #   2. gemm-bench: the prototype GEMM's bit check (every output of 4 small shapes; 4096 sampled
 #      outputs of each bench shape) and TFLOP/s at M=2048, N=128/512/2048, K=2048/768
 # VERIFY_ARGS=--dry-run tests this script without a GPU (the model stands in for the hardware).
-#   3. compute-sanitizer memcheck on a small verify and a small gemm-bench (skipped if absent)
+#   3. cpu-bench: the CPU emulator's ns per element vs today's FMA dot on the GPU machine's CPU
+#   4. compute-sanitizer memcheck on a small verify and a small gemm-bench (skipped if absent)
 set -u
 BIN=$(cd "${1:?usage: mma.sh BIN_DIR [OUT_DIR]}" && pwd)
 OUTD=${2:-${OUT:-./mma-out}}
@@ -40,7 +41,7 @@ row device "-" "$(head -1 "$OUTD/device.txt")"
 timeout $((VERIFY_SECONDS + 60)) "$MC" verify --cases "$VERIFY_CASES" --max-seconds "$VERIFY_SECONDS" \
     --variant-cases 50000000 ${VERIFY_ARGS:-} > "$OUTD/verify.txt" 2>&1
 rc=$?
-row verify "$(res $rc)" "$(grep -E '^TOTAL' "$OUTD/verify.txt" | awk '{print $2" cases, "$3" mismatches"}'); $(grep -E '^RESULT' "$OUTD/verify.txt" | head -1)"
+row verify "$(res $rc)" "$(grep -E '^TOTAL' "$OUTD/verify.txt" | awk '{print $2" cases, "$3" mismatches"}'); $(grep -E '^RESULT|error:|SMOKE' "$OUTD/verify.txt" | head -1)"
 row "verify time" "-" "$(grep '^verify:' "$OUTD/verify.txt" | sed 's/.*), //')"
 row "hw NaN bits" "-" "$(grep 'hardware NaN' "$OUTD/verify.txt" | sed 's/.*patterns: //' | cut -c1-80)"
 while read -r name n; do
@@ -55,13 +56,19 @@ fi
 # 2. gemm-bench
 timeout 150 "$MC" gemm-bench > "$OUTD/gemm.txt" 2>&1
 rc=$?
-row gemm-check "$(res $rc)" "$(grep -E '^RESULT' "$OUTD/gemm.txt" | sed 's/RESULT: //')"
+row gemm-check "$(res $rc)" "$(grep -E '^RESULT|error:' "$OUTD/gemm.txt" | head -1 | sed 's/RESULT: //')"
 grep -E '^  [0-9]+x' "$OUTD/gemm.txt" | while read -r shape rest; do row "  check $shape" "" "$rest"; done
 grep -E '^ +[0-9]+ +[0-9]+ +[0-9]+ ' "$OUTD/gemm.txt" | while read -r m n k ms tf mtf bad; do
   row "  gemm ${m}x${n}x${k}" "$tf" "TFLOP/s ($mtf MMA TFLOP/s, $ms ms, sampled mismatches $bad)"
 done
 
-# 3. compute-sanitizer (bounded; informational)
+# 3. the CPU emulator vs the FMA dot on this machine's CPU (informational)
+timeout 90 "$MC" cpu-bench --mem-bytes 536870912 > "$OUTD/cpu.txt" 2>&1
+grep -E 'ns/elem' "$OUTD/cpu.txt" | while read -r l; do
+  row "  cpu $(echo "$l" | awk '{print $1}')" "$(echo "$l" | sed 's/.* \([0-9.]*\) ns\/elem.*/\1/')" "ns/elem $(echo "$l" | sed 's/^[^(]*\(([^)]*)\).*/\1/')"
+done
+
+# 4. compute-sanitizer (bounded; informational)
 if command -v compute-sanitizer > /dev/null; then
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$MC" verify --cases 1000000 \
       --variant-cases 0 > "$OUTD/memcheck-verify.txt" 2>&1

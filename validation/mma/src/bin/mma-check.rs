@@ -690,10 +690,27 @@ fn cpu_bench(json_out: bool, k: usize, rows: usize, mem_bytes: usize) -> bool {
         std::hint::black_box(&out);
     });
     res.push(("v2-emulator-avx512 (cache)".into(), ns));
-    let ok = (0..rows).all(|r| {
-        tarfa_mma::simd::dot_v2(&w[r * k..(r + 1) * k], &prep).to_bits()
-            == model::dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER).to_bits()
+    let packs: Vec<tarfa_mma::simd::Rows16> = (0..rows / 16)
+        .map(|i| tarfa_mma::simd::Rows16::new(&w[i * 16 * k..(i + 1) * 16 * k], k))
+        .collect();
+    let ns = time_per_elem(packs.len() * 16 * k, || {
+        for pk in &packs {
+            std::hint::black_box(tarfa_mma::simd::dot_rows16(pk, &prep));
+        }
     });
+    res.push(("v2-emulator-avx512-rows16 (cache)".into(), ns));
+    let ok16 = packs.iter().enumerate().all(|(i, pk)| {
+        let got = tarfa_mma::simd::dot_rows16(pk, &prep);
+        (0..16).all(|j| {
+            let r = i * 16 + j;
+            got[j].to_bits() == model::dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER).to_bits()
+        })
+    });
+    let ok = ok16
+        && (0..rows).all(|r| {
+            tarfa_mma::simd::dot_v2(&w[r * k..(r + 1) * k], &prep).to_bits()
+                == model::dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER).to_bits()
+        });
     // today's path from memory: one thread, weights far larger than the caches
     let big_rows = mem_bytes / 2 / k;
     let wbig: Vec<u16> = (0..big_rows * k).map(|i| w[i % w.len()]).collect();
