@@ -253,7 +253,7 @@ impl Kernel {
             "dot_bf16: activation prepared for another path or length"
         );
         match self.path {
-            SimdPath::Scalar => dot_bf16_reference(w, &x.data[..x.len]),
+            SimdPath::Scalar => scalar_bf16_dot(w, &x.data[..x.len]),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above; x.data is padded to a multiple of 256 covering w.
             SimdPath::Avx2 => unsafe { x86::avx2::dot_bf16(w, &x.data) },
@@ -275,7 +275,7 @@ impl Kernel {
         match self.path {
             SimdPath::Scalar => {
                 for (o, row) in out.iter_mut().zip(rows.chunks_exact(k.max(1))) {
-                    *o = dot_bf16_reference(row, &x.data[..k]);
+                    *o = scalar_bf16_dot(row, &x.data[..k]);
                 }
                 if k == 0 {
                     out.fill(0.0);
@@ -321,6 +321,42 @@ impl Kernel {
                 }
             }
         }
+    }
+}
+
+/// The scalar path's BF16 dot: the canonical reference, unless a validation experiment has
+/// replaced it (see [`experimental`]); the SIMD paths never consult the replacement.
+#[inline]
+fn scalar_bf16_dot(w: &[u16], x: &[f32]) -> f32 {
+    match experimental::bf16_dot_replacement() {
+        None => dot_bf16_reference(w, x),
+        Some(f) => f(w, x),
+    }
+}
+
+/// EXPERIMENTAL, NOT THE CONTRACT (issue 25): a research binary (tarfa-mma's `mma-oracle`) may
+/// replace the **scalar** path's BF16 dot product, for the whole process and irreversibly, by a
+/// candidate arithmetic (the tensor-core contract-v2 model), to measure a forward pass under it.
+/// Nothing in the product calls [`replace_scalar_bf16_dot_for_experiment`]; no option or
+/// environment variable reaches it; the default kernel (SIMD) ignores it. Unset, the scalar path
+/// is exactly [`dot_bf16_reference`].
+pub mod experimental {
+    use std::sync::OnceLock;
+
+    /// A replacement BF16 dot: `(w, x)` with `x` unpermuted (the scalar layout).
+    pub type Bf16Dot = fn(&[u16], &[f32]) -> f32;
+
+    static REPLACEMENT: OnceLock<Bf16Dot> = OnceLock::new();
+
+    /// Installs `f` as the scalar path's BF16 dot for the rest of the process. Returns false
+    /// if one was already installed. For research binaries only (see the module note).
+    pub fn replace_scalar_bf16_dot_for_experiment(f: Bf16Dot) -> bool {
+        REPLACEMENT.set(f).is_ok()
+    }
+
+    #[inline]
+    pub(super) fn bf16_dot_replacement() -> Option<Bf16Dot> {
+        REPLACEMENT.get().copied()
     }
 }
 
