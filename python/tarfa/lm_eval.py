@@ -2,14 +2,15 @@
 :meth:`tarfa.Model.score`, so the numbers are the ones ``tarfa-run score`` writes.
 
     pip install ./python lm-eval
-    python -m tarfa.lm_eval run --model tarfa --model_args bundle=PATH,backend=cpu,max_batch=8 \
-        --tasks TASK
+    lm_eval run --model tarfa --model_args bundle=PATH,backend=cpu,max_batch=8 --tasks TASK
 
-``python -m tarfa.lm_eval`` (or the ``tarfa-lm-eval`` script) is lm-eval's own command line with
-this model registered: lm-eval 0.4.13 registers models only by importing them (``@register_model``)
-and reads no plugin entry points, so a bare ``lm_eval --model tarfa`` does not find it there. The
-``lm_eval.models`` entry point in pyproject.toml names this class for tools that do look plugins
-up. Not imported by ``import tarfa``: lm-eval is needed only here.
+lm-eval (up to 0.4.13) registers models only by importing them (``@register_model``) and reads
+no plugin entry points; the wheel's ``tarfa-lm-eval.pth`` (``_tarfa_lm_eval_hook``) registers
+``tarfa.lm_eval:TarfaLM`` lazily when lm-eval's registry module is imported, so the bare
+``lm_eval`` finds it. ``python -m tarfa.lm_eval`` (the ``tarfa-lm-eval`` script) is lm-eval's
+command line with this module imported first, for a package that is not installed as a wheel.
+The ``lm_eval.models`` entry point in pyproject.toml names this class for tools that do look
+plugins up. Not imported by ``import tarfa``: lm-eval is needed only here.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-MC, GEN = "tarfa_tiny_mc", "tarfa_tiny_gen"
+MC, GEN, PPL = "tarfa_tiny_mc", "tarfa_tiny_gen", "tarfa_tiny_ppl"
 
 
 def newest(pattern):
@@ -38,7 +38,9 @@ def load_run(d):
     """The run's results file (parsed) and its samples by task, each by doc_id."""
     results = json.load(open(newest(os.path.join(d, "**", "results_*.json"))))
     samples = {}
-    for task in (MC, GEN):
+    for task in (MC, GEN, PPL):
+        if task == PPL and task not in results["results"]:
+            continue  # the server route (run_lmeval.sh) runs no rolling task
         path = newest(os.path.join(d, "**", f"samples_{task}_*.jsonl"))
         samples[task] = {s["doc_id"]: s for s in map(json.loads, open(path))}
     return results, samples
@@ -67,8 +69,11 @@ def main():
     (res_a, smp_a), (res_b, smp_b) = (load_run(d) for d in a.runs)
     problems = []
 
+    tasks = [t for t in (MC, GEN, PPL) if t in smp_a]
+    if sorted(smp_b) != sorted(smp_a):
+        problems.append(f"the runs ran different tasks: {sorted(smp_a)} vs {sorted(smp_b)}")
     # 1. the two runs agree exactly
-    for task in (MC, GEN):
+    for task in tasks:
         if res_a["results"][task] != res_b["results"][task]:
             problems.append(f"{task}: results differ between the runs: "
                             f"{res_a['results'][task]} vs {res_b['results'][task]}")
@@ -96,6 +101,9 @@ def main():
             until.append(eos)
         lines.append({"context": arg["arg_0"], "max_tokens": kw["max_gen_toks"], "until": until})
         where.append((GEN, doc, 0))
+    for doc, s in sorted(smp_a.get(PPL, {}).items()):
+        lines.append({"rolling": s["arguments"]["gen_args_0"]["arg_0"]})
+        where.append((PPL, doc, 0))
     with tempfile.TemporaryDirectory() as tmp:
         req = os.path.join(tmp, "requests.jsonl")
         with open(req, "w") as f:
@@ -108,10 +116,14 @@ def main():
     if len(scored) != len(lines):
         sys.exit(f"compare.py: {len(lines)} requests, {len(scored)} results")
 
-    lls, texts = {}, {}
+    lls, texts, rolled = {}, {}, {}
     for (task, doc, i), r in zip(where, scored):
         resp = smp_a[task][doc]["resps"][i][0]
-        if task == MC:
+        if task == PPL:
+            if f64(resp) != f64(r["logprob"]):
+                problems.append(f"{PPL} doc {doc}: lm-eval {resp!r}, score {r['logprob']!r}")
+            rolled[doc] = r["logprob"]
+        elif task == MC:
             got_lp, got_greedy = resp
             if f64(got_lp) != f64(r["logprob"]):
                 problems.append(f"{MC} doc {doc} choice {i}: lm-eval {got_lp}, score {r['logprob']!r}")
@@ -140,9 +152,33 @@ def main():
             problems.append(f"{task}: {metric} {logged} in lm-eval's results, {agg!r} from score")
         print(f"{task}: {metric} = {logged!r} (lm-eval, both runs) = {agg!r} (from tarfa-run score); "
               f"{len(per_doc)} documents")
+    # loglikelihood_rolling: lm-eval's per-document (logprob, words|bytes) pairs and its
+    # aggregations (weighted_perplexity = exp(-sum(ll)/sum(n)), bits_per_byte = -sum(ll)/sum(n)/ln 2),
+    # words and bytes counted as lm-eval counts them (re.split(r"\s+"), UTF-8 bytes) in doc order
+    if rolled:
+        import math
+        import re
+
+        docs = sorted(rolled)
+        n_words = {d: len(re.split(r"\s+", smp_a[PPL][d]["target"])) for d in docs}
+        n_bytes = {d: len(smp_a[PPL][d]["target"].encode("utf-8")) for d in docs}
+        for metric, n in (("word_perplexity", n_words), ("byte_perplexity", n_bytes),
+                          ("bits_per_byte", n_bytes)):
+            for d in docs:
+                if smp_a[PPL][d][metric] != [rolled[d], n[d]]:
+                    problems.append(f"{PPL} doc {d}: {metric} logged {smp_a[PPL][d][metric]}, "
+                                    f"from score {[rolled[d], n[d]]}")
+            wm = sum(rolled[d] for d in docs) / sum(n[d] for d in docs)
+            agg = -wm / math.log(2) if metric == "bits_per_byte" else math.exp(-wm)
+            logged = res_a["results"][PPL][f"{metric},none"]
+            if logged != agg:
+                problems.append(f"{PPL}: {metric} {logged} in lm-eval's results, {agg!r} from score")
+            print(f"{PPL}: {metric} = {logged!r} (lm-eval, both runs) = {agg!r} (from tarfa-run "
+                  f"score); {len(docs)} documents")
     n_mc = sum(1 for w in where if w[0] == MC)
-    print(f"compared: {n_mc} loglikelihoods (f64 bits and is_greedy) and {len(where) - n_mc} "
-          f"generations (text) against tarfa-run score; every sample of both runs")
+    print(f"compared: {n_mc} loglikelihoods (f64 bits and is_greedy), {len(rolled)} rolling "
+          f"loglikelihoods (f64 bits) and {len(where) - n_mc - len(rolled)} generations (text) "
+          f"against tarfa-run score; every sample of both runs")
     for p in problems:
         print("DIFFERENT:", p)
     print("IDENTICAL" if not problems else f"{len(problems)} differences")
