@@ -325,7 +325,10 @@ extern "C" __global__ void __launch_bounds__(256) gate_up_slots(
 
 // y[t][j][r] = dot(down_e[r], act[t][j]) (+ bd[e][r]) for the slots j whose expert has
 // slot_of[e] >= 0; the down matrix of a slot follows its gate and up ([hidden][width], width =
-// the gate's rows). Grid (ceil(hidden/8), k, T).
+// the gate's rows). slot_of == null: every expert resident, the layer's down matrices stacked by
+// id from `pool` (expert e's at pool + e * slot_elems, slot_elems = hidden * width): the
+// captures' unmixed expert outputs of a step whose down_mix fused them (model.rs, OpSteps).
+// Grid (ceil(hidden/8), k, T).
 extern "C" __global__ void __launch_bounds__(256) down_slots(
     const u16* __restrict__ pool, long slot_elems, const int* __restrict__ slot_of, int hidden,
     int width, const u32* __restrict__ ids, int k, const float* __restrict__ act,
@@ -336,9 +339,14 @@ extern "C" __global__ void __launch_bounds__(256) down_slots(
     const int t = blockIdx.z;
     if (r >= hidden) return;
     const long e = (long)ids[(long)t * k + j];
-    const int s = slot_of[e];
-    if (s < 0) return;
-    const u16* down = pool + (long)s * slot_elems + 2L * width * hidden;
+    const u16* down;
+    if (slot_of != nullptr) {
+        const int s = slot_of[e];
+        if (s < 0) return;
+        down = pool + (long)s * slot_elems + 2L * width * hidden;
+    } else {
+        down = pool + e * slot_elems;
+    }
     float v = warp_dot_bf16(down + (long)r * width, act + ((long)t * k + j) * width, width, p);
     if (bd != nullptr) v = __fadd_rn(v, bd[e * hidden + r]);
     if (p == 0) y[((long)t * k + j) * hidden + r] = v;

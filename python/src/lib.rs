@@ -599,8 +599,9 @@ impl NativeModel {
             || expert_layers.is_some()
             || force.is_some();
         // Without an observation the CPU step still takes the hook, which then only polls for
-        // an interrupt between layers (it writes nothing: the same bits). CUDA has no hook seam:
-        // it is interrupted between calls only.
+        // an interrupt between layers (it writes nothing: the same bits). CUDA takes the hook
+        // for captures only (interventions are refused by name, InputError) and is interrupted
+        // between calls only; without an observation it takes the plain step.
         let on_cpu = l.model.name() == "cpu";
         let stop_flag = AtomicBool::new(false);
         let mut hook = PyHook {
@@ -880,6 +881,39 @@ impl tarfa_cpu::StepHook for PyHook<'_> {
 
     fn interrupted(&mut self) -> bool {
         self.stop.load(Ordering::Relaxed)
+    }
+
+    fn wants(&self, what: tarfa_cpu::Capture, layer: usize) -> bool {
+        use tarfa_cpu::Capture::*;
+        let layers = match what {
+            Residual => self.residual_layers,
+            AttnOut => self.attn_layers,
+            MlpOut => self.mlp_layers,
+            RouterLogits => self.router_layers,
+            RouterProbs => self.probs_layers,
+            ExpertOut => self.expert_layers,
+        };
+        wants(layers, layer)
+    }
+
+    /// The first intervention asked for, by the Python label's name; None when the call only
+    /// captures (the CUDA backend runs those).
+    fn intervention(&self) -> Option<String> {
+        if let Some((layer, replace, _)) = self.edits.first() {
+            let name = if *replace {
+                "residual_replace"
+            } else {
+                "residual_add"
+            };
+            return Some(format!("{name}(layer={layer})"));
+        }
+        if let Some((layer, _)) = self.ablate.first() {
+            return Some(format!("ablate(layer={layer})"));
+        }
+        if let Some((layer, _)) = self.forced.first() {
+            return Some(format!("force(layer={layer})"));
+        }
+        None
     }
 }
 

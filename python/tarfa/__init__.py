@@ -248,7 +248,7 @@ class Model:
         (float32 ``[n, experts]``) each MoE layer's router logits, before the softmax;
         ``"attn_out"``, ``"moe_out"``, ``"router_probs"`` and ``"expert_out"`` are described
         on :class:`ForwardOutput`. ``layers`` limits captures to those indices (memory). Captures only observe: the
-        logits are the same bits. CPU backend only for now.
+        logits are the same bits. On CUDA too, the same bits as the CPU's (interventions there raise InputError).
 
         Interventions (never the default; the output says ``exact=False`` and names each in
         ``interventions``): ``residual_add={layer: delta}`` adds ``delta`` to the residual

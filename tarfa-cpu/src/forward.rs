@@ -220,6 +220,31 @@ pub trait StepHook: Send {
     fn interrupted(&mut self) -> bool {
         false
     }
+    /// Whether the hook wants to be shown `what` at `layer`. The CPU shows everything whatever
+    /// this says (its values are at hand); a backend that must copy a value back to show it
+    /// (CUDA) copies only what is wanted. The default wants everything.
+    fn wants(&self, _what: Capture, _layer: usize) -> bool {
+        true
+    }
+    /// The intervention this hook makes, by name (`"residual_add(layer=1)"`), or `None` when it
+    /// only observes: it changes nothing it is shown, forces no expert, and needs no interrupt
+    /// inside a step. A backend that can only show values (CUDA: the hook is handed copies of
+    /// device buffers) refuses a hook that answers `Some`, by this name, before any work. The
+    /// default is `Some`: a hook that does not say it only observes is not taken to.
+    fn intervention(&self) -> Option<String> {
+        Some("a step hook that does not say it only observes (StepHook::intervention)".into())
+    }
+}
+
+/// What a [`StepHook`] can be shown, by its method's name ([`StepHook::wants`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Capture {
+    Residual,
+    AttnOut,
+    MlpOut,
+    RouterLogits,
+    RouterProbs,
+    ExpertOut,
 }
 
 pub(crate) fn forward_batch(
@@ -1208,6 +1233,45 @@ fn check_batches(batches: &[Vec<usize>], ids: &[usize]) -> Result<(), RunError> 
     Ok(())
 }
 
+/// The router probabilities [`StepHook::router_probs`] shows, `[T][E]`, from a MoE layer's
+/// router logits by its rule: the softmax (softmax routers), the sigmoid scores before the
+/// correction bias (sigmoid routers), transformers' `router_scores` (gpt-oss: the chosen
+/// experts' weights, Llama 4: the chosen logits' sigmoids, 0 elsewhere). Shown only: the
+/// routes are computed from the logits by the route functions. Public so that a backend which
+/// computes the routes on a device (tarfa-cuda) shows the same bits from the same logits.
+pub fn router_probs(
+    kernel: Kernel,
+    rule: RouterRule,
+    top_k: usize,
+    logits: &[Vec<f32>],
+) -> Vec<Vec<f32>> {
+    logits
+        .iter()
+        .map(|lg| match rule {
+            RouterRule::SigmoidGroupLimited => lg.iter().map(|&x| sigmoid(x)).collect(),
+            RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => softmax(kernel, lg),
+            // transformers' router_scores: the chosen experts' weights, 0 elsewhere
+            RouterRule::TopKThenSoftmax => {
+                let r = route_topk_then_softmax(kernel, lg, top_k, None);
+                let mut p = vec![0.0f32; lg.len()];
+                for &(e, _, w) in &r.chosen {
+                    p[e] = w;
+                }
+                p
+            }
+            // Llama 4's router_scores: sigmoid of the chosen logits, 0 elsewhere
+            RouterRule::SigmoidScalesInput => {
+                let r = route_sigmoid_scales_input(lg, top_k, None);
+                let mut p = vec![0.0f32; lg.len()];
+                for &(e, s, _) in &r.chosen {
+                    p[e] = s;
+                }
+                p
+            }
+        })
+        .collect()
+}
+
 /// The step's side of a MoE layer: where each token comes from, which sequences want router
 /// records (and theirs), and the counters (see [`forward_batch`]).
 struct MoeStep<'s, 'h> {
@@ -1307,31 +1371,7 @@ fn moe_block(
     };
 
     if let Some(k) = step.hook.as_mut() {
-        let probs: Vec<Vec<f32>> = logits
-            .iter()
-            .map(|lg| match model.spec.router {
-                RouterRule::SigmoidGroupLimited => lg.iter().map(|&x| sigmoid(x)).collect(),
-                RouterRule::SoftmaxTopK | RouterRule::SoftmaxGroupLimited => softmax(kernel, lg),
-                // transformers' router_scores: the chosen experts' weights, 0 elsewhere
-                RouterRule::TopKThenSoftmax => {
-                    let r = route_topk_then_softmax(kernel, lg, cfg.top_k, None);
-                    let mut p = vec![0.0f32; lg.len()];
-                    for &(e, _, w) in &r.chosen {
-                        p[e] = w;
-                    }
-                    p
-                }
-                // Llama 4's router_scores: sigmoid of the chosen logits, 0 elsewhere
-                RouterRule::SigmoidScalesInput => {
-                    let r = route_sigmoid_scales_input(lg, cfg.top_k, None);
-                    let mut p = vec![0.0f32; lg.len()];
-                    for &(e, s, _) in &r.chosen {
-                        p[e] = s;
-                    }
-                    p
-                }
-            })
-            .collect();
+        let probs = router_probs(kernel, model.spec.router, cfg.top_k, &logits);
         k.router_probs(l, &probs);
     }
 

@@ -23,7 +23,7 @@
 mod forward;
 pub mod kv_cache;
 
-pub use forward::StepHook;
+pub use forward::{router_probs, Capture, StepHook};
 
 use std::sync::Arc;
 

@@ -1342,11 +1342,16 @@ pub(crate) fn launch_reference(
             for t in 0..gz {
                 for j in 0..k {
                     let e = mem.u32s(ids + ((t * k + j) * 4) as u64, 1)[0] as usize;
-                    let s = mem.u32s(slot_of + (e * 4) as u64, 1)[0] as i32;
-                    if s < 0 {
-                        continue;
-                    }
-                    let down = pool + ((s as usize * slot_elems + 2 * width * hidden) * 2) as u64;
+                    // no slot table: the resident experts' down matrices, stacked by id
+                    let down = if slot_of == 0 {
+                        pool + ((e * slot_elems) * 2) as u64
+                    } else {
+                        let s = mem.u32s(slot_of + (e * 4) as u64, 1)[0] as i32;
+                        if s < 0 {
+                            continue;
+                        }
+                        pool + ((s as usize * slot_elems + 2 * width * hidden) * 2) as u64
+                    };
                     let x = mem.f32s(act + (((t * k + j) * width) * 4) as u64, width);
                     let bias = if bd != 0 {
                         mem.f32s(bd + ((e * hidden) * 4) as u64, hidden)
@@ -3349,6 +3354,281 @@ mod tests {
                 w,
                 "{family}: decode after"
             );
+        }
+    }
+
+    /// Records every value a step shows it, as bits, in the order shown (a capture-only hook).
+    #[derive(Default)]
+    struct Recorder {
+        /// Some(layers): only those layers are wanted
+        layers: Option<Vec<usize>>,
+        /// Some(name): says it intervenes
+        intervenes: Option<String>,
+        seen: Vec<(String, usize, Vec<u32>)>,
+    }
+
+    impl Recorder {
+        fn note(&mut self, what: &str, l: usize, rows: &[Vec<f32>]) {
+            if self.layers.as_ref().is_none_or(|w| w.contains(&l)) {
+                let bits = rows.iter().flatten().map(|x| x.to_bits()).collect();
+                self.seen.push((what.into(), l, bits));
+            }
+        }
+    }
+
+    impl tarfa_cpu::StepHook for Recorder {
+        fn residual(&mut self, l: usize, h: &mut [Vec<f32>]) {
+            self.note("residual", l, h);
+        }
+        fn router_logits(&mut self, l: usize, x: &mut [Vec<f32>]) {
+            self.note("router_logits", l, x);
+        }
+        fn attn_out(&mut self, l: usize, y: &mut [Vec<f32>]) {
+            self.note("attn_out", l, y);
+        }
+        fn mlp_out(&mut self, l: usize, y: &mut [Vec<f32>]) {
+            self.note("mlp_out", l, y);
+        }
+        fn router_probs(&mut self, l: usize, p: &[Vec<f32>]) {
+            self.note("router_probs", l, p);
+        }
+        fn expert_out(&mut self, l: usize, t: usize, e: usize, y: &[f32]) {
+            self.note(&format!("expert_out t{t} e{e}"), l, &[y.to_vec()]);
+        }
+        fn wants(&self, _what: tarfa_cpu::Capture, l: usize) -> bool {
+            self.layers.as_ref().is_none_or(|w| w.contains(&l))
+        }
+        fn intervention(&self) -> Option<String> {
+            self.intervenes.clone()
+        }
+    }
+
+    #[test]
+    fn captures_on_cuda_are_the_cpus_bits_alone_and_in_a_batch() {
+        // forward_seqs_observed against the CPU's forward_batch_observed: every capture (the
+        // residual entering each layer and after the last, attn_out, mlp_out, router logits
+        // and probabilities, each chosen expert's output) the same bits in the same order,
+        // for one sequence of several tokens, one of a single token (which leaves the decode
+        // graph for the per-operation kernels), and three sequences in one step; with a layer
+        // selection only those layers; the outputs equal to a step without a hook; a hook that
+        // says it intervenes refused by name, with no cache advanced.
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
+        use tarfa_core::Backend;
+        // the emulator runs the real kernels: one fixture there (CI time)
+        let mut families: Vec<&str> = if super::emulated() {
+            vec!["qwen2moe-s"]
+        } else {
+            vec![
+                "qwen3moe-a",
+                "qwen2moe-s",
+                "olmoe-s",
+                "deepseekv3-s",
+                "mixtral-s",
+                "llama4-llama3-s",
+            ]
+        };
+        if shared_oracle().is_some() && !super::emulated() {
+            families.push("gptoss-a");
+        }
+        let opts = ForwardOptions {
+            logits: LogitRows::All,
+            trace_router: true,
+            ..ForwardOptions::default()
+        };
+        let bits = |o: &ForwardOutput| {
+            let l: Vec<Vec<u32>> = o
+                .logits
+                .iter()
+                .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                .collect();
+            (l, format!("{:?}", o.router), o.stats)
+        };
+        for family in families {
+            let (cfg, src) = fixture(family);
+            let v = cfg.vocab_size;
+            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+            let engine = CpuEngine::new(
+                cpu.clone(),
+                EngineOptions {
+                    threads: 2,
+                    kernel: Kernel::best(),
+                },
+            )
+            .unwrap();
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            let toks = |seed: usize, n: usize| -> Vec<u32> {
+                (0..n)
+                    .map(|i| ((seed * 97 + i * 41 + 3) % v) as u32)
+                    .collect()
+            };
+            let n_layers = cfg.num_layers;
+            let selections = [None, Some(vec![1, n_layers])];
+            let steps: Vec<Vec<Vec<u32>>> = vec![
+                vec![toks(1, 6)],
+                vec![toks(2, 1)],
+                vec![toks(3, 5), toks(4, 1), toks(5, 3)],
+            ];
+            for sel in &selections {
+                for step in &steps {
+                    let what = format!("{family}, layers {sel:?}, {} sequences", step.len());
+                    let mut cpu_caches: Vec<_> = step.iter().map(|_| cpu.new_cache()).collect();
+                    let mut entries: Vec<_> = cpu_caches
+                        .iter_mut()
+                        .zip(step)
+                        .map(|(c, t)| BatchEntry {
+                            cache: c,
+                            tokens: &t[..],
+                            opts,
+                        })
+                        .collect();
+                    let mut want = Recorder {
+                        layers: sel.clone(),
+                        ..Recorder::default()
+                    };
+                    let want_out = engine
+                        .forward_batch_observed(&mut entries, Some(&mut want))
+                        .unwrap();
+                    let mut gpu_caches: Vec<_> =
+                        step.iter().map(|_| gpu.new_cache().unwrap()).collect();
+                    let mut entries: Vec<_> = gpu_caches
+                        .iter_mut()
+                        .zip(step)
+                        .map(|(c, t)| BatchEntry {
+                            cache: c,
+                            tokens: &t[..],
+                            opts,
+                        })
+                        .collect();
+                    let mut got = Recorder {
+                        layers: sel.clone(),
+                        ..Recorder::default()
+                    };
+                    let got_out = gpu.forward_seqs_observed(&mut entries, &mut got).unwrap();
+                    for kind in [
+                        "residual",
+                        "attn_out",
+                        "mlp_out",
+                        "router_logits",
+                        "router_probs",
+                        "expert_out",
+                    ] {
+                        assert!(
+                            got.seen.iter().any(|(n, _, _)| n.starts_with(kind)),
+                            "{what}: no {kind} captured"
+                        );
+                    }
+                    if let Some(w) = sel {
+                        assert!(got.seen.iter().all(|(_, l, _)| w.contains(l)), "{what}");
+                    }
+                    let names = |r: &Recorder| -> Vec<(String, usize)> {
+                        r.seen.iter().map(|(n, l, _)| (n.clone(), *l)).collect()
+                    };
+                    assert_eq!(
+                        names(&got),
+                        names(&want),
+                        "{what}: what was shown, in order"
+                    );
+                    for (g, w) in got.seen.iter().zip(&want.seen) {
+                        assert!(
+                            g == w,
+                            "{what}: {} at layer {} differs from the CPU's",
+                            w.0,
+                            w.1
+                        );
+                    }
+                    for (g, w) in got_out.iter().zip(&want_out) {
+                        assert_eq!(bits(g), bits(w), "{what}: outputs");
+                    }
+                    // no hook: the same outputs
+                    let mut plain: Vec<_> = step.iter().map(|_| gpu.new_cache().unwrap()).collect();
+                    let mut entries: Vec<_> = plain
+                        .iter_mut()
+                        .zip(step)
+                        .map(|(c, t)| BatchEntry {
+                            cache: c,
+                            tokens: &t[..],
+                            opts,
+                        })
+                        .collect();
+                    let outs = gpu.forward_batch(&mut entries).unwrap();
+                    for (g, w) in outs.iter().zip(&got_out) {
+                        assert_eq!(bits(g), bits(w), "{what}: with and without a hook");
+                    }
+                }
+            }
+            // an intervening hook: refused by its name, before any work
+            let mut c = gpu.new_cache().unwrap();
+            let t = toks(6, 2);
+            let mut entries = vec![BatchEntry {
+                cache: &mut c,
+                tokens: &t[..],
+                opts,
+            }];
+            let mut hook = Recorder {
+                intervenes: Some("residual_add(layer=1)".into()),
+                ..Recorder::default()
+            };
+            let err = gpu
+                .forward_seqs_observed(&mut entries, &mut hook)
+                .unwrap_err();
+            let msg = err.error.to_string();
+            assert!(
+                msg.contains("residual_add(layer=1)") && msg.contains("captures only"),
+                "{msg}"
+            );
+            assert!(
+                hook.seen.is_empty(),
+                "{family}: shown values before the refusal"
+            );
+            assert_eq!(c.len(), 0, "{family}: the cache advanced");
+        }
+    }
+
+    #[test]
+    fn a_hook_that_writes_or_forces_on_cuda_fails_the_step() {
+        // a hook that says it only observes but writes to the residual, or forces experts:
+        // the write would be lost on the device, so the step fails by name and commits nothing
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::step::ForwardOptions;
+        struct Liar(bool);
+        impl tarfa_cpu::StepHook for Liar {
+            fn residual(&mut self, _l: usize, h: &mut [Vec<f32>]) {
+                if self.0 {
+                    h[0][0] += 1.0;
+                }
+            }
+            fn forced_experts(&mut self, _l: usize, _t: usize) -> Option<Vec<usize>> {
+                (!self.0).then(|| vec![0, 1])
+            }
+            fn intervention(&self) -> Option<String> {
+                None
+            }
+        }
+        let (cfg, src) = random_model(&SyntheticShape::small("qwen3_moe"), 4);
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg, Arc::new(src), None).unwrap();
+        for writes in [true, false] {
+            let mut c = gpu.new_cache().unwrap();
+            let t = [1u32, 2, 3];
+            let mut entries = vec![BatchEntry {
+                cache: &mut c,
+                tokens: &t[..],
+                opts: ForwardOptions::default(),
+            }];
+            let err = gpu
+                .forward_seqs_observed(&mut entries, &mut Liar(writes))
+                .unwrap_err();
+            let msg = err.error.to_string();
+            let named = if writes {
+                "wrote to the Residual"
+            } else {
+                "forced the experts"
+            };
+            assert!(
+                msg.contains(named) && msg.contains("captures only"),
+                "{msg}"
+            );
+            assert_eq!(c.len(), 0, "the cache advanced");
         }
     }
 

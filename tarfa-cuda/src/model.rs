@@ -680,6 +680,19 @@ impl CudaModel {
         tokens: &[u32],
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput, CudaError> {
+        self.forward_hooked(cache, tokens, opts, None)
+    }
+
+    /// [`CudaModel::forward`], with `hook` shown the step's values (captures only; see
+    /// [`CudaModel::forward_seqs_observed`]). With a hook, one token takes the per-operation
+    /// kernels, not the decode graph (whose fused kernels keep no intermediate).
+    fn forward_hooked(
+        &self,
+        cache: &mut CudaCache,
+        tokens: &[u32],
+        opts: &ForwardOptions,
+        mut hook: Option<&mut dyn tarfa_cpu::StepHook>,
+    ) -> Result<ForwardOutput, CudaError> {
         let cfg = &self.cfg;
         self.check_step(cache, tokens)?;
         let pos0 = cache.len;
@@ -687,6 +700,7 @@ impl CudaModel {
         let end = pos0 + t_count;
         Self::check_step_size(t_count)?;
         if t_count == 1
+            && hook.is_none()
             && cache.mode != DecodeMode::Legacy
             && self.decode_unsupported.is_none()
             && opts.final_hidden != FinalHidden::InvalidBf16BeforeLmHead
@@ -705,6 +719,12 @@ impl CudaModel {
         cache
             .ws
             .ensure(&self.gpu, cfg, self.moe_layers, t_count, end, rows.len())?;
+        if hook.is_some() {
+            cache
+                .ws
+                .capture
+                .ensure(&self.gpu, t_count * cfg.hidden_size * 4, "the captures")?;
+        }
         let ws = &cache.ws;
         let gpu = &self.gpu;
         let (h, hq, hkv, d) = (
@@ -734,14 +754,20 @@ impl CudaModel {
         let linear: Vec<_> = steps::LinearSegment::of(cache, 0, t_count, cfg.num_layers)
             .into_iter()
             .collect();
-        self.walk_layers(&mut steps::OpSteps {
+        let mut steps = steps::OpSteps {
             model: self,
             ws,
             kv: steps::StepKv::One(cache),
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
             linear,
-        })?;
+            hook: hook
+                .as_mut()
+                .map(|k| &mut **k as &mut dyn tarfa_cpu::StepHook),
+            layer: 0,
+        };
+        self.walk_layers(&mut steps)?;
+        steps.after_layers()?;
 
         // Step 5: hn = RMSNorm(h) of the requested rows (contiguous: the last, or all), logits
         let first = rows[0];
@@ -861,10 +887,55 @@ impl CudaModel {
         if seqs.is_empty() {
             return Ok(Vec::new());
         }
+        self.forward_seqs_hooked(seqs, None)
+    }
+
+    /// [`CudaModel::forward_seqs`] with `hook` shown the step's values at the points where the
+    /// CPU backend shows them ([`tarfa_cpu::StepHook`]), the same shapes, the same token order
+    /// and the same bits: the hidden rows entering each layer and after the last, each layer's
+    /// attention and MLP outputs, a MoE layer's router logits and probabilities, and each chosen
+    /// expert's output before its weight; only what [`StepHook::wants`] asks for is copied
+    /// back. Captures only: a hook that intervenes ([`StepHook::intervention`] says so) is
+    /// refused by that name before any work, and one that writes to a value it is shown, or
+    /// forces an expert, anyway fails the step ([`RunError::Intervention`]; no cache advanced).
+    /// The step's own values are computed by the same kernels as without a hook (the outputs
+    /// are the same bits); the captures that no kernel of the step materialises are written by
+    /// capture-only launches of existing kernels (see `OpSteps`). Never polls
+    /// [`StepHook::interrupted`]: a step on CUDA is not interrupted inside.
+    ///
+    /// [`StepHook::wants`]: tarfa_cpu::StepHook::wants
+    /// [`StepHook::intervention`]: tarfa_cpu::StepHook::intervention
+    /// [`StepHook::interrupted`]: tarfa_cpu::StepHook::interrupted
+    pub fn forward_seqs_observed(
+        &self,
+        seqs: &mut [BatchEntry<'_, CudaCache>],
+        hook: &mut dyn tarfa_cpu::StepHook,
+    ) -> Result<Vec<ForwardOutput>, BatchError<CudaError>> {
+        if let Some(what) = hook.intervention() {
+            return Err(BatchError::whole(refused(&what)));
+        }
+        self.forward_seqs_hooked(seqs, Some(hook))
+    }
+
+    fn forward_seqs_hooked(
+        &self,
+        seqs: &mut [BatchEntry<'_, CudaCache>],
+        hook: Option<&mut dyn tarfa_cpu::StepHook>,
+    ) -> Result<Vec<ForwardOutput>, BatchError<CudaError>> {
+        for (i, s) in seqs.iter().enumerate() {
+            self.check_step(s.cache, s.tokens)
+                .map_err(|error| BatchError {
+                    sequence: Some(i),
+                    error,
+                })?;
+        }
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
         if seqs.len() == 1 {
             let s = &mut seqs[0];
             return self
-                .forward(s.cache, s.tokens, &s.opts)
+                .forward_hooked(s.cache, s.tokens, &s.opts, hook)
                 .map(|o| vec![o])
                 .map_err(BatchError::whole);
         }
@@ -872,7 +943,7 @@ impl CudaModel {
         Self::check_step_size(t_total).map_err(BatchError::whole)?;
         // the first cache's workspace serves the step; it goes back whatever happens
         let mut ws = std::mem::take(&mut seqs[0].cache.ws);
-        let out = self.forward_seqs_in(&mut ws, seqs, t_total);
+        let out = self.forward_seqs_in(&mut ws, seqs, t_total, hook);
         seqs[0].cache.ws = ws;
         out.map_err(BatchError::whole)
     }
@@ -882,6 +953,7 @@ impl CudaModel {
         ws: &mut Workspace,
         seqs: &mut [BatchEntry<'_, CudaCache>],
         t_total: usize,
+        mut hook: Option<&mut dyn tarfa_cpu::StepHook>,
     ) -> Result<Vec<ForwardOutput>, CudaError> {
         let cfg = &self.cfg;
         let gpu = &self.gpu;
@@ -909,6 +981,9 @@ impl CudaModel {
         };
         let n_rows: usize = seqs.iter().map(rows_of).sum();
         ws.ensure(gpu, cfg, self.moe_layers, t_total, longest, n_rows)?;
+        if hook.is_some() {
+            ws.capture.ensure(gpu, t_total * h * 4, "the captures")?;
+        }
         // RoPE table rows hold rotary_dim / 2 values
         let half = cfg.rotary_dim / 2;
         let mut tokens = Vec::with_capacity(t_total);
@@ -965,7 +1040,7 @@ impl CudaModel {
             ));
             start += s.tokens.len();
         }
-        self.walk_layers(&mut steps::OpSteps {
+        let mut steps = steps::OpSteps {
             model: self,
             ws,
             kv: steps::StepKv::Seqs {
@@ -975,7 +1050,13 @@ impl CudaModel {
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
             linear,
-        })?;
+            hook: hook
+                .as_mut()
+                .map(|k| &mut **k as &mut dyn tarfa_cpu::StepHook),
+            layer: 0,
+        };
+        self.walk_layers(&mut steps)?;
+        steps.after_layers()?;
 
         // final norm of each entry's rows into hn, one after another; then one lm_head product
         let eps = cfg.eps_f32();
@@ -1494,6 +1575,14 @@ struct RecordArrays {
 /// A step over several sequences: where its tables are on the device (`Workspace::seq_tok`,
 /// `seq_kv`), for `tokens` tokens. Per token (RoPE cos row, sin row, position, capacity) as four
 /// u64; per (layer, token) the token's sequence's (keys, values) of that layer as two.
+/// A hook's intervention, refused: this backend shows values, it does not take them back.
+pub(super) fn refused(what: &str) -> CudaError {
+    RunError::Intervention(format!(
+        "{what}: the cuda backend runs captures only; interventions need the CPU backend"
+    ))
+    .into()
+}
+
 #[derive(Clone, Copy)]
 pub(super) struct SeqTables {
     tok: u64,
@@ -1945,6 +2034,9 @@ struct Workspace {
     lin_o: Slot,
     /// Gated attention: q_proj's output `[T][Hq][2 D]` (each head's query, then its gate).
     q_gate: Slot,
+    /// A step with a hook: `[T][H]` for the capture-only launches (an attention or MLP output
+    /// before its residual add), allocated only by such a step.
+    capture: Slot,
 }
 
 #[derive(Default)]

@@ -1042,12 +1042,26 @@ pub(crate) fn down_mix(
 
 /// Where a streamed layer's experts are for one launch: the hot tier's slot pool, the BF16
 /// values from one slot to the next, and `slot_of` (`E` i32 on the device: expert -> slot, or
-/// -1 when the expert is not in this launch's group).
+/// -1 when the expert is not in this launch's group). For [`down_slots`] only, `slot_of == 0`
+/// means resident experts: `pool` the layer's stacked down matrices, `slot_elems` one expert's
+/// ([`SlotTable::stacked_down`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotTable {
     pub pool: u64,
     pub slot_elems: usize,
     pub slot_of: u64,
+}
+
+impl SlotTable {
+    /// A layer's resident down matrices `[E][hidden][width]` at `down`, for [`down_slots`]: every
+    /// chosen expert's unmixed output (the captures of a step whose `down_mix` fused them).
+    pub(crate) fn stacked_down(down: u64, hidden: usize, width: usize) -> SlotTable {
+        SlotTable {
+            pool: down,
+            slot_elems: hidden * width,
+            slot_of: 0,
+        }
+    }
 }
 
 /// Gate and up projections with the SwiGLU of the chosen experts that are in `slots`' group

@@ -9,6 +9,7 @@
 //! (tarfa-cpu's forward): each method's body is the CPU's sequence for that part of the layer.
 
 use super::*;
+use tarfa_cpu::{Capture, StepHook};
 
 /// One decoder layer's parts, called in this order by [`CudaModel::walk_layers`]: attention;
 /// then a dense MLP, or a MoE layer's router, its shared expert (when it has one) and its routed
@@ -92,6 +93,11 @@ pub(super) struct OpSteps<'a> {
     pub(super) scale: f32,
     /// Each sequence's tokens and gated DeltaNet states (empty for a model without them).
     pub(super) linear: Vec<LinearSegment>,
+    /// A step's observer (`CudaModel::forward_seqs_observed`: captures only), shown copies of
+    /// the device's values where the CPU backend's forward shows its own.
+    pub(super) hook: Option<&'a mut dyn StepHook>,
+    /// The layer being walked (set by `attention`, read by the MLP's captures).
+    pub(super) layer: usize,
 }
 
 /// One sequence's tokens in a step (`start..start + tokens` of the step's rows) and where each
@@ -140,6 +146,178 @@ impl LinearSegment {
             .flatten()
             .map(|i| self.layers[i])
             .ok_or_else(|| CudaError::Internal(format!("layer {l}: a linear layer without state")))
+    }
+}
+
+/// Shows `rows` to `hook` as `what` of layer `l`; an observer that writes to them is refused
+/// (the write would be lost: the device keeps its own values).
+fn show(
+    hook: &mut dyn StepHook,
+    what: Capture,
+    l: usize,
+    rows: &mut [Vec<f32>],
+) -> Result<(), CudaError> {
+    let before: Vec<u32> = rows.iter().flatten().map(|x| x.to_bits()).collect();
+    match what {
+        Capture::Residual => hook.residual(l, rows),
+        Capture::AttnOut => hook.attn_out(l, rows),
+        Capture::MlpOut => hook.mlp_out(l, rows),
+        Capture::RouterLogits => hook.router_logits(l, rows),
+        Capture::RouterProbs | Capture::ExpertOut => {
+            return Err(CudaError::Internal(format!(
+                "{what:?} is not shown as rows"
+            )))
+        }
+    }
+    if rows.iter().flatten().map(|x| x.to_bits()).ne(before) {
+        return Err(refused(&format!(
+            "layer {l}: the step hook wrote to the {what:?} it was shown"
+        )));
+    }
+    Ok(())
+}
+
+impl OpSteps<'_> {
+    /// Whether the hook wants `what` at layer `l` (no hook: nothing is captured).
+    fn wants(&self, what: Capture, l: usize) -> bool {
+        self.hook.as_ref().is_some_and(|k| k.wants(what, l))
+    }
+
+    /// The step's `[T][width]` f32 rows at `ptr`, copied back (waits for the stream).
+    fn rows_at(&self, ptr: u64, width: usize, what: &str) -> Result<Vec<Vec<f32>>, CudaError> {
+        let t = self.shape.tokens;
+        let flat: Vec<f32> = self.model.gpu.read(ptr, t * width, what)?;
+        Ok(flat.chunks_exact(width).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Copies `[T][width]` rows at `ptr` back and shows them as `what` of layer `l`.
+    fn show_at(
+        &mut self,
+        what: Capture,
+        l: usize,
+        ptr: u64,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let mut rows = self.rows_at(ptr, width, "a capture")?;
+        match self.hook.as_deref_mut() {
+            Some(k) => show(k, what, l, &mut rows),
+            None => Ok(()),
+        }
+    }
+
+    /// The residual after the last layer, before the final norm (the CPU's
+    /// `residual(num_layers)`); called once `walk_layers` has run.
+    pub(super) fn after_layers(&mut self) -> Result<(), CudaError> {
+        let n = self.model.cfg.num_layers;
+        if self.wants(Capture::Residual, n) {
+            self.show_at(
+                Capture::Residual,
+                n,
+                self.ws.h.ptr(),
+                self.model.cfg.hidden_size,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `h = h + (W x (+ b))`: the attention block's last product (o_proj, or the gated
+    /// DeltaNet's out_proj). When the hook wants layer `l`'s attention output, the same product
+    /// is also launched without the residual into the capture buffer: the same kernel and
+    /// reductions, so its rows are the `W x (+ b)` the residual launch adds.
+    fn attn_out_proj(
+        &mut self,
+        l: usize,
+        w: &DevMat,
+        x: u64,
+        x_stride: usize,
+        bias: u64,
+    ) -> Result<(), CudaError> {
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let h = m.cfg.hidden_size;
+        if self.wants(Capture::AttnOut, l) {
+            let cap = ws.capture.ptr();
+            ops::matmul(&m.gpu, w, x, x_stride, bias, cap, h, t_count, false)?;
+            self.show_at(Capture::AttnOut, l, cap, h)?;
+        }
+        ops::matmul(&m.gpu, w, x, x_stride, bias, ws.h.ptr(), h, t_count, true)
+    }
+
+    /// The MoE layer's captures after its experts ran: each chosen expert's output before its
+    /// weight (`y_experts`, `[T][k][H]`), and the block's output before the residual add.
+    /// `y_ready`: whether the step's kernels wrote `y_experts` (the tiled and streamed paths);
+    /// otherwise `down_mix` fused the products into the mix, and a capture-only `down_slots`
+    /// over the resident experts writes them (the same warp dot and bias as `down_mix`'s). The
+    /// block's output is a capture-only `moe_mix` of those products into zeroed rows: `0 + acc`
+    /// is `acc` (an accumulator that starts at +0.0 is never -0.0), the sums `down_mix` makes
+    /// in its order (EXPERTNESS of the streamed path: moe_mix is down_mix's epilogue).
+    fn moe_captures(
+        &mut self,
+        l: usize,
+        experts: Option<&DevExperts>,
+        route: RouteOut,
+        (y_sh, s_sh): (u64, u64),
+        y_ready: bool,
+    ) -> Result<(), CudaError> {
+        let (want_y, want_mix) = (
+            self.wants(Capture::ExpertOut, l),
+            self.wants(Capture::MlpOut, l),
+        );
+        if !want_y && !want_mix {
+            return Ok(());
+        }
+        let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
+        let (gpu, cfg) = (&m.gpu, &m.cfg);
+        let (h, i, k) = (cfg.hidden_size, cfg.expert_width, cfg.top_k);
+        let math = m.expert_math(l);
+        if !y_ready {
+            let experts = experts.ok_or_else(|| {
+                CudaError::Internal(format!("layer {l}: streamed experts left no products"))
+            })?;
+            ops::down_slots(
+                gpu,
+                SlotTable::stacked_down(experts.down.ptr(), h, i),
+                h,
+                i,
+                route.ids,
+                k,
+                ws.act.ptr(),
+                ws.y_experts.ptr(),
+                t_count,
+                math,
+            )?;
+        }
+        if want_y {
+            let ids: Vec<u32> = gpu.read(route.ids, t_count * k, "the router's choices")?;
+            let y: Vec<f32> =
+                gpu.read(ws.y_experts.ptr(), t_count * k * h, "the experts' outputs")?;
+            // the CPU's order: experts in ascending id, each one's tokens in step order
+            let mut pairs: Vec<(u32, usize, usize)> =
+                (0..t_count * k).map(|q| (ids[q], q / k, q)).collect();
+            pairs.sort_unstable();
+            if let Some(hook) = self.hook.as_deref_mut() {
+                for (e, t, q) in pairs {
+                    hook.expert_out(l, t, e as usize, &y[q * h..(q + 1) * h]);
+                }
+            }
+        }
+        if want_mix {
+            let cap = ws.capture.ptr();
+            gpu.write(cap, &vec![0.0f32; t_count * h], "the captures")?;
+            ops::moe_mix(
+                gpu,
+                h,
+                route,
+                k,
+                ws.y_experts.ptr(),
+                y_sh,
+                s_sh,
+                cap,
+                t_count,
+                math,
+            )?;
+            self.show_at(Capture::MlpOut, l, cap, h)?;
+        }
+        Ok(())
     }
 }
 
@@ -322,17 +500,7 @@ impl OpSteps<'_> {
         if gated {
             ops::sigmoid_gate(gpu, ws.o.ptr(), ws.q_gate.ptr(), hq, d, t_count)?;
         }
-        ops::matmul(
-            gpu,
-            &a.o,
-            ws.o.ptr(),
-            hq * d,
-            bias(&a.o_bias),
-            ws.h.ptr(),
-            h,
-            t_count,
-            true,
-        )
+        self.attn_out_proj(l, &a.o, ws.o.ptr(), hq * d, bias(&a.o_bias))
     }
 
     /// Multi-head latent attention of the step (cpu/forward.rs `mla_block`'s order): the input
@@ -466,17 +634,7 @@ impl OpSteps<'_> {
             n_stride,
             ws.o.ptr(),
         )?;
-        ops::matmul(
-            gpu,
-            &a.o,
-            ws.o.ptr(),
-            hq * dv,
-            0,
-            ws.h.ptr(),
-            h,
-            t_count,
-            true,
-        )
+        self.attn_out_proj(l, &a.o, ws.o.ptr(), hq * dv, 0)
     }
 }
 
@@ -574,12 +732,21 @@ impl OpSteps<'_> {
         // the gated RMSNorm of every value head: (w * (o * r)) * silu(z)
         ops::rmsnorm(gpu, o, s.dv, o, s.dv, a.norm.ptr(), s.dv, t_count * hv, eps)?;
         ops::silu_gate(gpu, o, z, t_count * vw)?;
-        ops::matmul(gpu, &a.out, o, vw, 0, ws.h.ptr(), h, t_count, true)
+        self.attn_out_proj(l, &a.out, o, vw, 0)
     }
 }
 
 impl LayerSteps for OpSteps<'_> {
     fn attention(&mut self, l: usize, layer: &DevLayer) -> Result<(), CudaError> {
+        self.layer = l;
+        if self.wants(Capture::Residual, l) {
+            self.show_at(
+                Capture::Residual,
+                l,
+                self.ws.h.ptr(),
+                self.model.cfg.hidden_size,
+            )?;
+        }
         match &layer.attn {
             DevAttn::Gqa(a) => self.gqa(l, layer, a),
             DevAttn::Mla(a) => self.mla(l, layer, a),
@@ -589,8 +756,25 @@ impl LayerSteps for OpSteps<'_> {
 
     fn dense(&mut self, layer: &DevLayer, d: &DevDense) -> Result<(), CudaError> {
         self.post_norm(layer)?;
-        let ws = self.ws;
-        self.gated_mlp(d, ws.act.ptr(), ws.h.ptr(), true)
+        let (m, ws, l) = (self.model, self.ws, self.layer);
+        self.gated_mlp(d, ws.act.ptr(), ws.h.ptr(), true)?;
+        if self.wants(Capture::MlpOut, l) {
+            // the down product again, without the residual: the rows the launch above added
+            let (h, t_count, cap) = (m.cfg.hidden_size, self.shape.tokens, ws.capture.ptr());
+            ops::matmul(
+                &m.gpu,
+                &d.down,
+                ws.act.ptr(),
+                d.gate.rows,
+                0,
+                cap,
+                h,
+                t_count,
+                false,
+            )?;
+            self.show_at(Capture::MlpOut, l, cap, h)?;
+        }
+        Ok(())
     }
 
     fn router(
@@ -622,6 +806,7 @@ impl LayerSteps for OpSteps<'_> {
             t_count,
             false,
         )?;
+        self.router_captures()?;
         let out = ws.route_out(moe_index, t_count, cfg.top_k);
         let by_logit = match m.spec.router {
             RouterRule::TopKThenSoftmax => Some(false),
@@ -687,8 +872,76 @@ impl LayerSteps for OpSteps<'_> {
         l: usize,
         experts: Option<&DevExperts>,
         moe_index: usize,
-        (y_sh, s_sh): (u64, u64),
+        shared: (u64, u64),
     ) -> Result<(), CudaError> {
+        let y_ready = self.experts_mixed(l, experts, moe_index, shared)?;
+        if self.hook.is_some() {
+            let route = self
+                .ws
+                .route_out(moe_index, self.shape.tokens, self.model.cfg.top_k);
+            self.moe_captures(l, experts, route, shared, y_ready)?;
+        }
+        Ok(())
+    }
+}
+
+impl OpSteps<'_> {
+    /// A MoE layer's router captures, once its logits are in `router_logits`: the logits, the
+    /// probabilities the CPU's rule computes from them (`tarfa_cpu::router_probs`, on the host
+    /// from the copied logits: the device's routers keep the chosen experts' values only, and
+    /// these logits are the CPU's bits), and no forced expert (an intervention).
+    fn router_captures(&mut self) -> Result<(), CudaError> {
+        let Some(hook) = self.hook.as_deref_mut() else {
+            return Ok(());
+        };
+        let (m, l, t_count) = (self.model, self.layer, self.shape.tokens);
+        let cfg = &m.cfg;
+        for t in 0..t_count {
+            if hook.forced_experts(l, t).is_some() {
+                return Err(refused(&format!(
+                    "layer {l}, token {t}: the step hook forced the experts"
+                )));
+            }
+        }
+        let (want_logits, want_probs) = (
+            hook.wants(Capture::RouterLogits, l),
+            hook.wants(Capture::RouterProbs, l),
+        );
+        if !want_logits && !want_probs {
+            return Ok(());
+        }
+        let mut logits = self.rows_at(
+            self.ws.router_logits.ptr(),
+            cfg.num_experts,
+            "the router logits",
+        )?;
+        let Some(hook) = self.hook.as_deref_mut() else {
+            return Ok(());
+        };
+        if want_logits {
+            show(hook, Capture::RouterLogits, l, &mut logits)?;
+        }
+        if want_probs {
+            let probs = tarfa_cpu::router_probs(
+                tarfa_core::numerics::Kernel::best(),
+                m.spec.router,
+                cfg.top_k,
+                &logits,
+            );
+            hook.router_probs(l, &probs);
+        }
+        Ok(())
+    }
+
+    /// The routed experts mixed into the residual (`LayerSteps::experts`' kernels); whether
+    /// they left each (token, slot)'s down product in `y_experts`.
+    fn experts_mixed(
+        &mut self,
+        l: usize,
+        experts: Option<&DevExperts>,
+        moe_index: usize,
+        (y_sh, s_sh): (u64, u64),
+    ) -> Result<bool, CudaError> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let cfg = &m.cfg;
         let (h, i, k) = (cfg.hidden_size, cfg.expert_width, cfg.top_k);
@@ -710,11 +963,14 @@ impl LayerSteps for OpSteps<'_> {
             ws.xn.ptr()
         };
         let Some(experts) = experts else {
-            return m.stream_moe(l, route, t_count, ws, y_sh, s_sh, math);
+            m.stream_moe(l, route, t_count, ws, y_sh, s_sh, math)?;
+            return Ok(true);
         };
         // the token-tiled kernels compute the plain SwiGLU experts only
-        if t_count >= 2 && math.plain() && self.experts_grouped(experts, route, (y_sh, s_sh))? {
-            return Ok(());
+        if t_count >= 2 && math.plain() {
+            if let Some(y_ready) = self.experts_grouped(experts, route, (y_sh, s_sh))? {
+                return Ok(y_ready);
+            }
         }
         ops::gate_up(
             &m.gpu,
@@ -743,7 +999,8 @@ impl LayerSteps for OpSteps<'_> {
             ws.h.ptr(),
             t_count,
             math,
-        )
+        )?;
+        Ok(false)
     }
 }
 
@@ -751,13 +1008,14 @@ impl OpSteps<'_> {
     /// The routed experts expert-major: the step's (token, slot) pairs grouped by expert on the
     /// device, each expert's gate, up and down rows read once per tile of its pairs, then the
     /// down products mixed per token in ascending expert id (moe_mix: down_mix's sums, in its
-    /// order). `false` (nothing launched) when the shapes are not tileable.
+    /// order). `None` (nothing launched) when the shapes are not tileable, else whether the
+    /// down products are in `y_experts` (`down_tile` ran, not `down_mix`).
     fn experts_grouped(
         &self,
         experts: &DevExperts,
         route: RouteOut,
         (y_sh, s_sh): (u64, u64),
-    ) -> Result<bool, CudaError> {
+    ) -> Result<Option<bool>, CudaError> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let cfg = &m.cfg;
         let (h, i, k, e) = (
@@ -783,7 +1041,7 @@ impl OpSteps<'_> {
             ws.act.ptr(),
         )?;
         if !gu {
-            return Ok(false);
+            return Ok(None);
         }
         let dn = ops::down_tile(
             &m.gpu,
@@ -812,7 +1070,7 @@ impl OpSteps<'_> {
                 t_count,
                 ops::ExpertMath::default(),
             )?;
-            return Ok(true);
+            return Ok(Some(false));
         }
         ops::moe_mix(
             &m.gpu,
@@ -826,6 +1084,6 @@ impl OpSteps<'_> {
             t_count,
             ops::ExpertMath::default(),
         )?;
-        Ok(true)
+        Ok(Some(true))
     }
 }

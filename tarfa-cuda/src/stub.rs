@@ -75,6 +75,13 @@ impl CudaModel {
     ) -> Result<Vec<ForwardOutput>, tarfa_core::batch::BatchError<CudaError>> {
         match self.never {}
     }
+    pub fn forward_seqs_observed(
+        &self,
+        _seqs: &mut [tarfa_core::batch::BatchEntry<'_, CudaCache>],
+        _hook: &mut dyn tarfa_cpu::StepHook,
+    ) -> Result<Vec<ForwardOutput>, tarfa_core::batch::BatchError<CudaError>> {
+        match self.never {}
+    }
 }
 
 impl CudaModel {

@@ -72,13 +72,6 @@ pub enum EngineError {
     /// [`CudaError::Run`]: that arrives as [`EngineError::Run`].
     #[error(transparent)]
     Cuda(CudaError),
-    /// Captures and interventions ([`Model::step_observed`]) are not available on this backend
-    /// yet.
-    #[error(
-        "captures and interventions are not available on the {backend} backend yet (use the \
-         CPU backend)"
-    )]
-    CaptureUnsupported { backend: &'static str },
     /// A sequence was stepped on a model of the other backend than the one that made it (a bug
     /// in the caller).
     #[error("a {sequence} sequence cannot be stepped on the {model} backend")]
@@ -323,10 +316,11 @@ impl Model {
         }
     }
 
-    /// [`Model::step`] with `hook` shown the step's residual stream and router logits
-    /// ([`tarfa_cpu::StepHook`]); the outputs are the same bits unless `hook` writes to them (an
-    /// intervention, which its caller must label). CPU only for now: on CUDA it is
-    /// [`EngineError::CaptureUnsupported`].
+    /// [`Model::step`] with `hook` shown the step's values ([`tarfa_cpu::StepHook`]); the
+    /// outputs are the same bits unless `hook` writes to them (an intervention, which its caller
+    /// must label). On CUDA captures only ([`CudaModel::forward_seqs_observed`]: the same bits
+    /// as the CPU's): a hook whose [`tarfa_cpu::StepHook::intervention`] names one is refused
+    /// with [`RunError::Intervention`] before any work.
     pub fn step_observed(
         &self,
         steps: &mut [SeqStep<'_>],
@@ -342,10 +336,26 @@ impl Model {
                         error: b.error.into(),
                     })
             }
-            Model::Cuda(_) => Err(StepError {
-                index: None,
-                error: EngineError::CaptureUnsupported { backend: "cuda" },
-            }),
+            // captures only: a hook that intervenes is refused by name before any work
+            // (RunError::Intervention, exit 2)
+            Model::Cuda(m) => {
+                let mut entries: Vec<BatchEntry<'_, CudaCache>> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.seq.cache {
+                        SequenceCache::Cuda(c) => BatchEntry {
+                            cache: c.as_mut(),
+                            tokens: s.tokens,
+                            opts: s.opts,
+                        },
+                        SequenceCache::Cpu(_) => unreachable!("checked above"),
+                    })
+                    .collect();
+                m.forward_seqs_observed(&mut entries, hook)
+                    .map_err(|b| StepError {
+                        index: b.sequence,
+                        error: b.error.into(),
+                    })
+            }
         }
     }
 

@@ -22,8 +22,6 @@ impl From<EngineError> for CliError {
         match e {
             EngineError::Run(r) => CliError::Run(r),
             EngineError::Cuda(c) => c.into(),
-            // what the user asked for that this backend cannot do
-            e @ EngineError::CaptureUnsupported { .. } => CliError::Usage(e.to_string()),
             // a caller's bug, never the user's input
             e @ EngineError::ForeignSequence { .. } => CliError::Environment(e.to_string()),
         }
