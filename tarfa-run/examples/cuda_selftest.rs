@@ -9,6 +9,9 @@
 //! cuda_selftest synth FAMILY [--big]             CPU vs CUDA on a random in-memory model
 //! cuda_selftest generate DIR [--decode N]        GPU-only greedy runs (for compute-sanitizer);
 //!                                                tokens checked against transformers' greedy
+//! cuda_selftest captures DIR                     CPU vs CUDA captures (residual, attn_out,
+//!                                                mlp_out, router logits/probs, expert_out), one
+//!                                                sequence and three in a step, bit for bit
 //! cuda_selftest bench DIR [--prefill N] [--decode N] [--selftest-prompts N]
 //!                                                decode and prefill tok/s, then CPU vs CUDA
 //! ```
@@ -456,6 +459,181 @@ fn cmd_bench(dir: &Path, args: &[String]) -> bool {
     }
 }
 
+/// Every value a step shows a hook, as bits, in the order shown (an observe-only hook).
+#[derive(Default)]
+struct Recorder {
+    /// Some(layers): only those layers are wanted
+    layers: Option<Vec<usize>>,
+    seen: Vec<(String, usize, Vec<u32>)>,
+}
+
+impl Recorder {
+    fn note(&mut self, what: &str, l: usize, rows: &[Vec<f32>]) {
+        if self.layers.as_ref().is_none_or(|w| w.contains(&l)) {
+            let bits = rows.iter().flatten().map(|x| x.to_bits()).collect();
+            self.seen.push((what.into(), l, bits));
+        }
+    }
+}
+
+impl tarfa_run::cpu::StepHook for Recorder {
+    fn residual(&mut self, l: usize, h: &mut [Vec<f32>]) {
+        self.note("residual", l, h);
+    }
+    fn router_logits(&mut self, l: usize, x: &mut [Vec<f32>]) {
+        self.note("router_logits", l, x);
+    }
+    fn attn_out(&mut self, l: usize, y: &mut [Vec<f32>]) {
+        self.note("attn_out", l, y);
+    }
+    fn mlp_out(&mut self, l: usize, y: &mut [Vec<f32>]) {
+        self.note("mlp_out", l, y);
+    }
+    fn router_probs(&mut self, l: usize, p: &[Vec<f32>]) {
+        self.note("router_probs", l, p);
+    }
+    fn expert_out(&mut self, l: usize, t: usize, e: usize, y: &[f32]) {
+        self.note(&format!("expert_out t{t} e{e}"), l, &[y.to_vec()]);
+    }
+    fn wants(&self, _what: tarfa_run::cpu::Capture, l: usize) -> bool {
+        self.layers.as_ref().is_none_or(|w| w.contains(&l))
+    }
+    fn intervention(&self) -> Option<String> {
+        None
+    }
+}
+
+/// The CUDA backend's captures (`CudaModel::forward_seqs_observed`, the Python package's
+/// `backend="cuda"`) against the CPU's, every value bit for bit and in the same order: one
+/// sequence of several tokens, one of a single token (the per-operation kernels), three in one
+/// step, with every layer and with a selection. Also the workload compute-sanitizer runs on
+/// the capture-only launches.
+fn cmd_captures(dir: &Path) -> bool {
+    use tarfa_run::batch::BatchEntry;
+    let input = load_input(dir);
+    let cfg = &input.cfg;
+    let v = cfg.vocab_size;
+    let cpu = match CpuModel::load(cfg.clone(), input.source.clone()) {
+        Ok(m) => Arc::new(m),
+        Err(e) => fail(format!("{}: CPU model: {e}", input.name)),
+    };
+    let engine = CpuEngine::new(
+        cpu.clone(),
+        EngineOptions {
+            threads: 0,
+            kernel: Kernel::best(),
+        },
+    )
+    .unwrap_or_else(|e| fail(e.to_string()));
+    let gpu = match CudaModel::load(cfg.clone(), input.source.clone(), &cuda_opts()) {
+        Ok(m) => m,
+        Err(e) => fail(format!("{}: CUDA model: {e}", input.name)),
+    };
+    let opts = ForwardOptions {
+        logits: LogitRows::All,
+        trace_router: true,
+        ..ForwardOptions::default()
+    };
+    let toks = |seed: usize, n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|i| ((seed * 97 + i * 41 + 3) % v) as u32)
+            .collect()
+    };
+    let steps: Vec<Vec<Vec<u32>>> = vec![
+        vec![toks(1, 6)],
+        vec![toks(2, 1)],
+        vec![toks(3, 5), toks(4, 1), toks(5, 3)],
+    ];
+    let (mut values, mut bytes, mut bad) = (0usize, 0usize, Vec::new());
+    for sel in [None, Some(vec![1, cfg.num_layers])] {
+        for step in &steps {
+            let what = format!("layers {sel:?}, {} sequences", step.len());
+            let mut cc: Vec<_> = step.iter().map(|_| cpu.new_cache()).collect();
+            let mut entries: Vec<_> = cc
+                .iter_mut()
+                .zip(step)
+                .map(|(c, t)| BatchEntry {
+                    cache: c,
+                    tokens: &t[..],
+                    opts,
+                })
+                .collect();
+            let mut want = Recorder {
+                layers: sel.clone(),
+                ..Recorder::default()
+            };
+            let want_out = match engine.forward_batch_observed(&mut entries, Some(&mut want)) {
+                Ok(o) => o,
+                Err(e) => fail(format!("{}: CPU step: {}", input.name, e.error)),
+            };
+            let mut gc: Vec<_> = step
+                .iter()
+                .map(|_| gpu.new_cache().unwrap_or_else(|e| fail(e.to_string())))
+                .collect();
+            let mut entries: Vec<_> = gc
+                .iter_mut()
+                .zip(step)
+                .map(|(c, t)| BatchEntry {
+                    cache: c,
+                    tokens: &t[..],
+                    opts,
+                })
+                .collect();
+            let mut got = Recorder {
+                layers: sel.clone(),
+                ..Recorder::default()
+            };
+            let got_out = match gpu.forward_seqs_observed(&mut entries, &mut got) {
+                Ok(o) => o,
+                Err(e) => fail(format!("{}: CUDA step: {}", input.name, e.error)),
+            };
+            if got.seen.len() != want.seen.len() {
+                bad.push(format!(
+                    "{what}: {} values shown, the CPU {}",
+                    got.seen.len(),
+                    want.seen.len()
+                ));
+            }
+            for (g, w) in got.seen.iter().zip(&want.seen) {
+                values += 1;
+                bytes += 4 * w.2.len();
+                if g != w {
+                    bad.push(format!(
+                        "{what}: {} at layer {} (CUDA: {} at {})",
+                        w.0, w.1, g.0, g.1
+                    ));
+                }
+            }
+            for (i, (g, w)) in got_out.iter().zip(&want_out).enumerate() {
+                let b = |o: &tarfa_run::cpu::ForwardOutput| -> Vec<u32> {
+                    o.logits.iter().flatten().map(|x| x.to_bits()).collect()
+                };
+                if b(g) != b(w) || format!("{:?}", g.router) != format!("{:?}", w.router) {
+                    bad.push(format!("{what}: sequence {i}'s logits or routes"));
+                }
+            }
+        }
+    }
+    for b in bad.iter().take(10) {
+        println!("{}: MISMATCH {b}", input.name);
+    }
+    let detail = format!(
+        "{values} captured values ({bytes} B) compared, {} mismatches",
+        bad.len()
+    );
+    println!("{}: captures {detail}", input.name);
+    table(
+        &format!("captures {}", input.name),
+        if bad.is_empty() && values > 0 {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        &detail,
+    );
+    bad.is_empty() && values > 0
+}
+
 fn tarfa_run_gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
@@ -485,7 +663,8 @@ fn main() {
         "synth" => cmd_synth(args.get(1).map(String::as_str).unwrap_or("qwen3_moe"), &args[2..]),
         "generate" => cmd_generate(&path(1), &args[2..]),
         "bench" => cmd_bench(&path(1), &args[2..]),
-        _ => fail("usage: cuda_selftest info|kernels|fixture DIR|synth FAMILY [--big]|generate DIR|bench DIR".into()),
+        "captures" => cmd_captures(&path(1)),
+        _ => fail("usage: cuda_selftest info|kernels|fixture DIR|synth FAMILY [--big]|generate DIR|bench DIR|captures DIR".into()),
     };
     std::process::exit(if ok { 0 } else { 1 })
 }

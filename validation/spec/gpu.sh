@@ -10,7 +10,8 @@
 #          --backend cuda` on a prompt that repeats itself (so prompt lookup drafts), greedy: off,
 #          ngram:1, ngram:4, ngram:8, the model as its own draft (self:3); sampled
 #          (--temperature 0.8 --seed 7): off and ngram:4. Every mode's --logits-out file and
-#          printed text against off's, by cmp. JOBS (6) fixtures at once.
+#          printed text against off's, by cmp. JOBS (6) fixtures at once. REPO_FIXTURES=0: the
+#          shared ones alone (to split the fixtures over several GPU calls).
 #   demo   validation/spec/bench.sh on the demo model (code-repeats, prose-fresh), CUDA.
 #   big    the 16-layer synthetic Qwen3-30B-A3B bundle (BIG_DIR, default /tmp/tarfa-q30-16,
 #          written when missing): bench.sh with two token prompts, one that repeats its context
@@ -77,7 +78,9 @@ if [ "$PHASE" = all ] || [ "$PHASE" = exact ]; then
   export BIN W OUTD BACKEND SHARED
   mkdir -p "$W/bundles"
   srcs=()
-  for d in "$ROOT"/fixtures/oracle/*/ "$SHARED"/*/; do
+  repo_fix="$ROOT/fixtures/oracle/*/"
+  [ "${REPO_FIXTURES:-1}" = 0 ] && repo_fix=""
+  for d in $repo_fix "$SHARED"/*/; do
     [ -f "$d/config.json" ] && srcs+=("${d%/}")
   done
   say "exact: ${#srcs[@]} fixtures"
