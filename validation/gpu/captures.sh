@@ -74,5 +74,5 @@ for f in $SAN_FIX; do
 done
 tar czf "$OUTD/logs.tar.gz" -C "$OUTD" logs && rm -rf "$LOG"
 say "done, status $status"
-column -t -s'|' "$TABLE"
+sed "s/|/  |  /g" "$TABLE"
 exit $status

@@ -41,6 +41,11 @@ pub struct Params {
     pub group: usize,
     /// Whether a zero product's nominal exponent takes part in the maximum.
     pub zeros_in_max: bool,
+    /// Whether a zero accumulator `c` (exponent -126 as a subnormal) takes part in the maximum.
+    /// MMA-Sim's model and the hypothesis: yes. The first hardware counterexample (PHASE_LOG
+    /// T1: `c = 0`, every product below 2^-126, the hardware's result truncated at 25 bits
+    /// below the largest *product*) says no.
+    pub zero_c_in_max: bool,
     /// Rounding of the final normalisation.
     pub round: Round,
     /// Overflow gives infinity (true) or the largest finite value (false).
@@ -53,6 +58,7 @@ impl Params {
         frac_bits: 25,
         group: 16,
         zeros_in_max: true,
+        zero_c_in_max: true,
         round: Round::Rz,
         overflow_inf: true,
     };
@@ -61,6 +67,7 @@ impl Params {
         frac_bits: 24,
         group: 8,
         zeros_in_max: true,
+        zero_c_in_max: true,
         round: Round::Rz,
         overflow_inf: true,
     };
@@ -213,7 +220,8 @@ pub fn fused_group(a: &[u16], b: &[u16], c: u32, p: &Params) -> u32 {
     let (cs, cm, ce) = dec_f32(c);
     let mut terms = [(false, 0u32, 0i32); 32];
     let n = a.len();
-    let mut emax = ce;
+    // a zero c left out of the maximum: the smallest exponent any term can have
+    let mut emax = if cm != 0 || p.zero_c_in_max { ce } else { -300 };
     for i in 0..n {
         let (sa, ma, ea) = dec_bf16(a[i]);
         let (sb, mb, eb) = dec_bf16(b[i]);
@@ -231,7 +239,7 @@ pub fn fused_group(a: &[u16], b: &[u16], c: u32, p: &Params) -> u32 {
         let v = shr((m as u64) << (f - 14), (emax - e) as u32) as i64;
         sum += if s { -v } else { v };
     }
-    let v = shr((cm as u64) << (f - 23), (emax - ce) as u32) as i64;
+    let v = shr((cm as u64) << (f - 23), (emax - ce).max(0) as u32) as i64;
     sum += if cs { -v } else { v };
     to_f32(sum, emax - f as i32, p)
 }

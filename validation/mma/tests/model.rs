@@ -275,3 +275,34 @@ fn smoke_tile_is_exact_integers() {
     }
     let _ = Mode::Normal;
 }
+
+#[test]
+fn the_first_hardware_counterexample_is_explained_by_leaving_a_zero_c_out_of_the_maximum() {
+    // Case 908 of `mma-check verify` (seed 0x25, mode subnormal) on the H200 (PHASE_LOG T1):
+    // c = 0, the largest product 0x9982 * 0x2278 has exponent -135, every other one is
+    // smaller. The hardware aligns to -135 (25 bits: units of 2^-160) and gives 0x80007DEF;
+    // the hypothesis aligns to c's nominal -126 (units of 2^-151, products truncated coarser)
+    // and gives 0x80007DF0, one unit of 2^-149 further from zero.
+    let hx = |s: &str| -> [u16; 16] {
+        let v: Vec<u16> = s
+            .split(' ')
+            .map(|h| u16::from_str_radix(h, 16).unwrap())
+            .collect();
+        v.try_into().unwrap()
+    };
+    let a = hx("0674 9691 803f 0026 989c 9b33 8052 915b 8044 806b 0028 0204 8033 85d8 9982 803a");
+    let b = hx("8b0a 0fcd 0820 9f61 0018 9545 8034 06a3 1c24 004b 8062 0050 047f 8046 2278 14cb");
+    assert_eq!(mma_elem(&a, &b, 0, &Params::HOPPER), 0x8000_7DF0);
+    let measured = Params {
+        zeros_in_max: false,
+        zero_c_in_max: false,
+        ..Params::HOPPER
+    };
+    assert_eq!(mma_elem(&a, &b, 0, &measured), 0x8000_7DEF);
+    // a nonzero c still counts: c = 2^-126 (the smallest normal) puts the alignment back at -126
+    let c = 2f32.powi(-126).to_bits();
+    assert_eq!(
+        mma_elem(&a, &b, c, &measured),
+        mma_elem(&a, &b, c, &Params::HOPPER)
+    );
+}

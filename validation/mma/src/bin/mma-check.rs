@@ -50,6 +50,11 @@ enum Cmd {
         /// case must match).
         #[arg(long)]
         dry_run: bool,
+        /// The model every case is compared with, by its variant name (the list under
+        /// "variants scored"): the hypothesis by default, `no-zeros-in-max` for the model the
+        /// first counterexample corrects to.
+        #[arg(long, default_value = "hopper(mma-sim)")]
+        model: String,
     },
     /// The prototype GEMM: TFLOP/s on M x N x K shapes, and its bit check.
     GemmBench {
@@ -96,15 +101,27 @@ fn main() -> ExitCode {
             max_seconds,
             variant_cases,
             dry_run,
-        } => verify(
-            cli.json,
-            cases,
-            seed,
-            batch_tiles.max(1),
-            max_seconds,
-            variant_cases,
-            dry_run,
-        ),
+            model,
+        } => match variants().into_iter().find(|(n, _)| *n == model) {
+            Some((_, p)) => verify(
+                cli.json,
+                cases,
+                seed,
+                batch_tiles.max(1),
+                max_seconds,
+                variant_cases,
+                dry_run,
+                p,
+            ),
+            None => {
+                let names: Vec<_> = variants().into_iter().map(|(n, _)| n).collect();
+                eprintln!(
+                    "mma-check: error: --model {model}: no such model variant (one of: {})",
+                    names.join(", ")
+                );
+                return ExitCode::from(2);
+            }
+        },
         Cmd::GemmBench { m, n, k, sample } => gemm_bench(cli.json, m, &n, &k, sample),
         Cmd::CpuBench { k, rows, mem_bytes } => Ok(cpu_bench(cli.json, k, rows, mem_bytes)),
     };
@@ -126,6 +143,14 @@ fn variants() -> Vec<(&'static str, Params)> {
             "zeros-not-in-max",
             Params {
                 zeros_in_max: false,
+                ..h
+            },
+        ),
+        (
+            "no-zeros-in-max",
+            Params {
+                zeros_in_max: false,
+                zero_c_in_max: false,
                 ..h
             },
         ),
@@ -221,7 +246,7 @@ impl Hw {
             Hw::Model => "DRY RUN (the CPU model stands in for the GPU)".into(),
         }
     }
-    fn run_mma(&self, a: &[u16], b: &[u16], c: &[u32]) -> Result<Vec<u32>, Env> {
+    fn run_mma(&self, a: &[u16], b: &[u16], c: &[u32], model: &Params) -> Result<Vec<u32>, Env> {
         match self {
             Hw::Gpu(g) => g.run_mma(a, b, c),
             Hw::Model => Ok((0..c.len())
@@ -230,7 +255,7 @@ impl Hw {
                     let (t, r, col) = (i / 128, (i % 128) / 8, i % 8);
                     let aa: &[u16; 16] = a[t * 256 + r * 16..][..16].try_into().unwrap();
                     let bb: &[u16; 16] = b[t * 128 + col * 16..][..16].try_into().unwrap();
-                    mma_elem(aa, bb, c[i], &Params::HOPPER)
+                    mma_elem(aa, bb, c[i], model)
                 })
                 .collect()),
         }
@@ -246,6 +271,7 @@ fn verify(
     max_s: f64,
     vcases: u64,
     dry: bool,
+    model: Params,
 ) -> Result<bool, Env> {
     let t0 = Instant::now();
     let gpu = if dry {
@@ -257,11 +283,11 @@ fn verify(
     // 1. smoke: small integers, exact under any model; a mismatch is a harness layout bug
     let smoke = cases::smoke_tile();
     let (a, b, c) = flatten(std::slice::from_ref(&smoke));
-    let d = gpu.run_mma(&a, &b, &c)?;
+    let d = gpu.run_mma(&a, &b, &c, &model)?;
     let mut smoke_bad = 0;
     for i in 0..16 {
         for j in 0..8 {
-            if d[i * 8 + j] != mma_elem(&smoke.a[i], &smoke.b[j], smoke.c[i][j], &Params::HOPPER) {
+            if d[i * 8 + j] != mma_elem(&smoke.a[i], &smoke.b[j], smoke.c[i][j], &model) {
                 smoke_bad += 1;
             }
         }
@@ -302,7 +328,7 @@ fn verify(
         let tiles: Vec<Tile> = gen.iter().map(|(_, t)| t.clone()).collect();
         let (a, b, c) = flatten(&tiles);
         let tg = Instant::now();
-        let d = gpu.run_mma(&a, &b, &c)?;
+        let d = gpu.run_mma(&a, &b, &c, &model)?;
         gpu_s += tg.elapsed().as_secs_f64();
         let score_variants = done * 128 < vcases;
         // per tile: per-mode stats, variant misses, first mismatch, NaN patterns
@@ -322,7 +348,7 @@ fn verify(
                     for i in 0..16 {
                         for j in 0..8 {
                             let hw = d[ti * 128 + i * 8 + j];
-                            let m = mma_elem(&t.a[i], &t.b[j], t.c[i][j], &Params::HOPPER);
+                            let m = mma_elem(&t.a[i], &t.b[j], t.c[i][j], &model);
                             s.cases += 1;
                             if hw & 0x7FFF_FFFF > 0x7F80_0000 {
                                 *acc.3.entry(hw).or_insert(0) += 1;
@@ -427,13 +453,13 @@ fn verify(
             .collect();
         println!(
             "{}",
-            json!({"command": "verify", "device": gpu.name(), "smoke_ok": true, "cases": total, "requested": cases_n,
+            json!({"command": "verify", "device": gpu.name(), "model": format!("{model:?}"), "smoke_ok": true, "cases": total, "requested": cases_n,
                    "mismatches": bad, "stopped_early": stopped_early, "seconds": secs, "gpu_seconds": gpu_s,
                    "modes": modes, "variants": v, "first_mismatch": f, "hw_nan_patterns": nans})
         );
     } else {
         println!(
-            "verify: {} on {} (seed {seed:#x}), {:.1} s ({:.1} s on the GPU incl. copies)",
+            "verify: {} on {} (seed {seed:#x}), {:.1} s ({:.1} s on the GPU incl. copies)\nmodel: {model:?}",
             gpu.name(),
             if stopped_early {
                 "TIME LIMIT: partial run"
