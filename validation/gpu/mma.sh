@@ -16,7 +16,11 @@
 #      outputs of each bench shape) and TFLOP/s at M=2048, N=128/512/2048, K=2048/768
 # VERIFY_ARGS=--dry-run tests this script without a GPU (the model stands in for the hardware).
 #   3. cpu-bench: the CPU emulator's ns per element vs today's FMA dot on the GPU machine's CPU
-#   4. compute-sanitizer memcheck on a small verify and a small gemm-bench (skipped if absent)
+#   4. compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on a small verify and a small
+#      gemm-bench (skipped if absent)
+# SKIP_VERIFY=1 leaves step 1 out, SANITIZE=0 step 4.
+# MODEL: the model variant verify compares with (default no-zeros-in-max); SKIP_GEMM=1, SKIP_CPU=1
+# leave steps 2 and 3 out (a re-run of verify alone).
 set -u
 BIN=$(cd "${1:?usage: mma.sh BIN_DIR [OUT_DIR]}" && pwd)
 OUTD=${2:-${OUT:-./mma-out}}
@@ -29,6 +33,8 @@ MC=$BIN/mma-check
 TABLE=$OUTD/table.txt
 VERIFY_CASES=${VERIFY_CASES:-1000000000}
 VERIFY_SECONDS=${VERIFY_SECONDS:-100}
+# the model verify compares with (the first counterexample corrected it to no-zeros-in-max)
+MODEL=${MODEL:-no-zeros-in-max}
 : > "$TABLE"
 row() { printf '%-22s %-10s %s\n' "$1" "$2" "$3" >> "$TABLE"; }
 res() { case $1 in 0) echo OK ;; 1) echo MISMATCH ;; 124) echo TIMEOUT ;; *) echo "ERROR($1)" ;; esac; }
@@ -38,9 +44,11 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,
 row device "-" "$(head -1 "$OUTD/device.txt")"
 
 # 1. verify (text, then the JSON of a short repeat is not needed: the text has everything)
+if [ "${SKIP_VERIFY:-0}" != 1 ]; then
 timeout $((VERIFY_SECONDS + 60)) "$MC" verify --cases "$VERIFY_CASES" --max-seconds "$VERIFY_SECONDS" \
-    --variant-cases 50000000 ${VERIFY_ARGS:-} > "$OUTD/verify.txt" 2>&1
+    --variant-cases 50000000 --model "$MODEL" --dump "$OUTD/mismatches.txt" ${VERIFY_ARGS:-} > "$OUTD/verify.txt" 2>&1
 rc=$?
+row "verify model" "-" "$MODEL; every mismatch in mismatches.txt ($(grep -vc '^#' "$OUTD/mismatches.txt" 2>/dev/null) lines)"
 row verify "$(res $rc)" "$(grep -E '^TOTAL' "$OUTD/verify.txt" | awk '{print $2" cases, "$3" mismatches"}'); $(grep -E '^RESULT|error:|SMOKE' "$OUTD/verify.txt" | head -1)"
 row "verify time" "-" "$(grep '^verify:' "$OUTD/verify.txt" | sed 's/.*), //')"
 row "hw NaN bits" "-" "$(grep 'hardware NaN' "$OUTD/verify.txt" | sed 's/.*patterns: //' | cut -c1-80)"
@@ -52,8 +60,10 @@ if [ $rc -eq 1 ]; then
   grep -E '^[a-z-]+ +[0-9]+ +[0-9]+' "$OUTD/verify.txt" | awk '$3 > 0 {print $1, $2, $3, $4, $5, $6}' |
     while read -r m c b nb zs u; do row "  mode $m" "$b/$c" "nan-bits $nb, zero-sign $zs, 1-ulp $u"; done
 fi
+fi
 
 # 2. gemm-bench
+if [ "${SKIP_GEMM:-0}" != 1 ]; then
 timeout 150 "$MC" gemm-bench > "$OUTD/gemm.txt" 2>&1
 rc=$?
 row gemm-check "$(res $rc)" "$(grep -E '^RESULT|error:' "$OUTD/gemm.txt" | head -1 | sed 's/RESULT: //')"
@@ -62,22 +72,28 @@ grep -E '^ +[0-9]+ +[0-9]+ +[0-9]+ ' "$OUTD/gemm.txt" | while read -r m n k ms t
   row "  gemm ${m}x${n}x${k}" "$tf" "TFLOP/s ($mtf MMA TFLOP/s, $ms ms, sampled mismatches $bad)"
 done
 
+fi
+
 # 3. the CPU emulator vs the FMA dot on this machine's CPU (informational)
-timeout 90 "$MC" cpu-bench --mem-bytes 536870912 > "$OUTD/cpu.txt" 2>&1
+[ "${SKIP_CPU:-0}" != 1 ] && timeout 90 "$MC" cpu-bench --mem-bytes 536870912 > "$OUTD/cpu.txt" 2>&1
 grep -E 'ns/elem' "$OUTD/cpu.txt" | while read -r l; do
   row "  cpu $(echo "$l" | awk '{print $1}')" "$(echo "$l" | sed 's/.* \([0-9.]*\) ns\/elem.*/\1/')" "ns/elem $(echo "$l" | sed 's/^[^(]*\(([^)]*)\).*/\1/')"
 done
 
-# 4. compute-sanitizer (bounded; informational)
-if command -v compute-sanitizer > /dev/null; then
-  timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$MC" verify --cases 1000000 \
-      --variant-cases 0 > "$OUTD/memcheck-verify.txt" 2>&1
-  rc=$?; row "memcheck verify" "$( [ $rc -eq 0 ] && echo OK || echo "rc=$rc")" "$(grep -E 'ERROR SUMMARY' "$OUTD/memcheck-verify.txt" | tail -1)"
-  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$MC" gemm-bench --n 64 --k 128 \
-      --sample 64 > "$OUTD/memcheck-gemm.txt" 2>&1
-  rc=$?; row "memcheck gemm" "$( [ $rc -eq 0 ] && echo OK || echo "rc=$rc")" "$(grep -E 'ERROR SUMMARY' "$OUTD/memcheck-gemm.txt" | tail -1)"
+# 4. compute-sanitizer, the four tools, on a small verify and a small gemm-bench (bounded)
+if [ "${SANITIZE:-1}" = 0 ]; then
+  :
+elif command -v compute-sanitizer > /dev/null; then
+  for tool in memcheck racecheck initcheck synccheck; do
+    timeout 45 compute-sanitizer --tool $tool --error-exitcode 9 "$MC" verify --cases 12800 \
+        --variant-cases 0 --model "$MODEL" > "$OUTD/$tool-verify.txt" 2>&1
+    rc=$?; row "$tool verify" "$( [ $rc -le 1 ] && echo OK || echo "rc=$rc")" "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/$tool-verify.txt" | tail -1)"
+    timeout 60 compute-sanitizer --tool $tool --error-exitcode 9 "$MC" gemm-bench --m 128 --n 64 --k 128 \
+        --sample 64 > "$OUTD/$tool-gemm.txt" 2>&1
+    rc=$?; row "$tool gemm" "$( [ $rc -eq 0 ] && echo OK || echo "rc=$rc")" "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/$tool-gemm.txt" | tail -1)"
+  done
 else
-  row memcheck SKIP "compute-sanitizer not found"
+  row sanitizers SKIP "compute-sanitizer not found"
 fi
 row "wall" "-" "$(( $(date +%s) - T0 )) s"
 cat "$TABLE"

@@ -50,6 +50,11 @@ pub struct Params {
     pub round: Round,
     /// Overflow gives infinity (true) or the largest finite value (false).
     pub overflow_inf: bool,
+    /// The exponent of the finest bit any aligned term keeps, whatever the maximum: terms are
+    /// truncated at `max(E - frac_bits, min_lsb)`. `i32::MIN`: no floor (the hypothesis). The
+    /// second hardware counterexample (PHASE_LOG T1: `c = 0`, every product below 2^-126) asks
+    /// whether the datapath has a fixed finest bit for tiny sums.
+    pub min_lsb: i32,
 }
 
 impl Params {
@@ -61,6 +66,7 @@ impl Params {
         zero_c_in_max: true,
         round: Round::Rz,
         overflow_inf: true,
+        min_lsb: i32::MIN,
     };
     /// MMA-Sim's Ampere / Ada model of the same instruction: two fused groups of 8, 24 bits.
     pub const AMPERE: Params = Params {
@@ -70,6 +76,7 @@ impl Params {
         zero_c_in_max: true,
         round: Round::Rz,
         overflow_inf: true,
+        min_lsb: i32::MIN,
     };
 }
 
@@ -233,15 +240,18 @@ pub fn fused_group(a: &[u16], b: &[u16], c: u32, p: &Params) -> u32 {
         }
     }
     let f = p.frac_bits;
-    // Products are m * 2^(e-14), c is cm * 2^(ce-23); aligned: value * 2^(f - emax), truncated.
+    // The finest bit kept: 2^lsb; `d` more bits dropped than 25 below the maximum.
+    let lsb = (emax - f as i32).max(p.min_lsb);
+    let d = (lsb - (emax - f as i32)) as u32;
+    // Products are m * 2^(e-14), c is cm * 2^(ce-23); aligned: value * 2^(-lsb), truncated.
     let mut sum: i64 = 0;
     for &(s, m, e) in &terms[..n] {
-        let v = shr((m as u64) << (f - 14), (emax - e) as u32) as i64;
+        let v = shr((m as u64) << (f - 14), (emax - e) as u32 + d) as i64;
         sum += if s { -v } else { v };
     }
-    let v = shr((cm as u64) << (f - 23), (emax - ce).max(0) as u32) as i64;
+    let v = shr((cm as u64) << (f - 23), (emax - ce).max(0) as u32 + d) as i64;
     sum += if cs { -v } else { v };
-    to_f32(sum, emax - f as i32, p)
+    to_f32(sum, lsb, p)
 }
 
 /// One output element of an `m16n8k16` MMA: `a` is the row of A, `b` the column of B (16 each),

@@ -306,3 +306,66 @@ fn the_first_hardware_counterexample_is_explained_by_leaving_a_zero_c_out_of_the
         mma_elem(&a, &b, c, &Params::HOPPER)
     );
 }
+
+#[test]
+fn a_floor_on_the_finest_bit_drops_terms_the_maximum_would_keep() {
+    // Case 15297 (the second counterexample, under no-zeros-in-max): c = 0, the largest product
+    // 0x1962 * 0x21f0 = 13560 * 2^-149 exactly (nominal exponent -137: units of 2^-162), a
+    // negative product 0x8d20 * 0x2234 of about -7 units and a positive one of about 1.8. With
+    // 25 bits below -137 both survive and the sum falls below 13560 units of 2^-149: RZ gives
+    // 0x34F7. A floor at 2^-159 truncates both to zero: exactly 0x34F8.
+    let hx = |s: &str| -> [u16; 16] {
+        let v: Vec<u16> = s
+            .split(' ')
+            .map(|h| u16::from_str_radix(h, 16).unwrap())
+            .collect();
+        v.try_into().unwrap()
+    };
+    let a = hx("001c 0037 1c25 1770 06bb 0c2e 0066 195a 8b33 0e5c 8d20 1962 9b19 85e7 1f56 800b");
+    let b = hx("9432 8010 8013 16f1 9f1d 0093 0ef4 804a 8c46 0030 2234 21f0 8032 8049 001d 922c");
+    let nz = Params {
+        zeros_in_max: false,
+        zero_c_in_max: false,
+        ..Params::HOPPER
+    };
+    assert_eq!(mma_elem(&a, &b, 0, &nz), 0x34F7);
+    assert_eq!(
+        mma_elem(
+            &a,
+            &b,
+            0,
+            &Params {
+                min_lsb: -159,
+                ..nz
+            }
+        ),
+        0x34F8
+    );
+    assert_eq!(
+        mma_elem(
+            &a,
+            &b,
+            0,
+            &Params {
+                min_lsb: -162,
+                ..nz
+            }
+        ),
+        0x34F7
+    );
+    // no floor where the maximum is large: 1 + 2^-24 keeps its last bit (units of 2^-25)
+    let one_plus = |p: &Params| {
+        let mut x = [0u16; 16];
+        let mut y = [0u16; 16];
+        x[0] = bf(1.0);
+        y[0] = bf(1.0);
+        mma_elem(&x, &y, f32::from_bits(1.0f32.to_bits() + 1).to_bits(), p)
+    };
+    assert_eq!(
+        one_plus(&Params {
+            min_lsb: -159,
+            ..nz
+        }),
+        one_plus(&nz)
+    );
+}

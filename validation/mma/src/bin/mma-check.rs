@@ -55,6 +55,13 @@ enum Cmd {
         /// first counterexample corrects to.
         #[arg(long, default_value = "hopper(mma-sim)")]
         model: String,
+        /// Write every mismatch (up to --dump-max) to FILE, one line each: case, mode, c,
+        /// hardware, model, a (16 BF16), b (16 BF16), all hex: the data to fit a corrected
+        /// model to, offline.
+        #[arg(long, value_name = "FILE")]
+        dump: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 200_000)]
+        dump_max: usize,
     },
     /// The prototype GEMM: TFLOP/s on M x N x K shapes, and its bit check.
     GemmBench {
@@ -102,6 +109,8 @@ fn main() -> ExitCode {
             variant_cases,
             dry_run,
             model,
+            dump,
+            dump_max,
         } => match variants().into_iter().find(|(n, _)| *n == model) {
             Some((_, p)) => verify(
                 cli.json,
@@ -112,6 +121,7 @@ fn main() -> ExitCode {
                 variant_cases,
                 dry_run,
                 p,
+                dump.map(|f| (f, dump_max)),
             ),
             None => {
                 let names: Vec<_> = variants().into_iter().map(|(n, _)| n).collect();
@@ -137,7 +147,7 @@ fn main() -> ExitCode {
 /// The model variants scored against the hardware.
 fn variants() -> Vec<(&'static str, Params)> {
     let h = Params::HOPPER;
-    vec![
+    let mut v = vec![
         ("hopper(mma-sim)", h),
         (
             "zeros-not-in-max",
@@ -174,7 +184,27 @@ fn variants() -> Vec<(&'static str, Params)> {
             },
         ),
         ("ampere(24,2x8)", Params::AMPERE),
-    ]
+    ];
+    // The second counterexample (subnormal sums, under no-zeros-in-max): a fixed finest bit, or
+    // fewer bits below the maximum.
+    let nz = Params {
+        zeros_in_max: false,
+        zero_c_in_max: false,
+        ..h
+    };
+    for (name, lsb) in [
+        ("nz-floor-157", -157),
+        ("nz-floor-158", -158),
+        ("nz-floor-159", -159),
+        ("nz-floor-160", -160),
+        ("nz-floor-161", -161),
+    ] {
+        v.push((name, Params { min_lsb: lsb, ..nz }));
+    }
+    for (name, f) in [("nz-frac22", 22), ("nz-frac23", 23), ("nz-frac24", 24)] {
+        v.push((name, Params { frac_bits: f, ..nz }));
+    }
+    v
 }
 
 #[derive(Default, Clone)]
@@ -272,7 +302,10 @@ fn verify(
     vcases: u64,
     dry: bool,
     model: Params,
+    dump: Option<(std::path::PathBuf, usize)>,
 ) -> Result<bool, Env> {
+    let mut dumped: Vec<Mismatch> = Vec::new();
+    let dump_max = dump.as_ref().map_or(0, |d| d.1);
     let t0 = Instant::now();
     let gpu = if dry {
         Hw::Model
@@ -337,11 +370,21 @@ fn verify(
             Vec<u64>,
             Option<Mismatch>,
             BTreeMap<u32, u64>,
+            Vec<Mismatch>,
         );
+        let want_dump = dumped.len() < dump_max;
         let part: Part = (0..nt as usize)
             .into_par_iter()
             .fold(
-                || (Vec::new(), vec![0u64; vars.len()], None, BTreeMap::new()),
+                || {
+                    (
+                        Vec::new(),
+                        vec![0u64; vars.len()],
+                        None,
+                        BTreeMap::new(),
+                        Vec::new(),
+                    )
+                },
                 |mut acc: Part, ti| {
                     let (mode, t) = &gen[ti];
                     let mut s = ModeStats::default();
@@ -356,6 +399,20 @@ fn verify(
                             if hw != m {
                                 classify(&mut s, hw, m);
                                 let index = (done + ti as u64) * 128 + (i * 8 + j) as u64;
+                                if want_dump && acc.4.len() < dump_max {
+                                    acc.4.push(Mismatch {
+                                        index,
+                                        mode: *mode,
+                                        tile: done + ti as u64,
+                                        row: i,
+                                        col: j,
+                                        a: t.a[i],
+                                        b: t.b[j],
+                                        c: t.c[i][j],
+                                        hw,
+                                        model: m,
+                                    });
+                                }
                                 if acc.2.as_ref().is_none_or(|f: &Mismatch| index < f.index) {
                                     acc.2 = Some(Mismatch {
                                         index,
@@ -385,9 +442,18 @@ fn verify(
                 },
             )
             .reduce(
-                || (Vec::new(), vec![0u64; vars.len()], None, BTreeMap::new()),
+                || {
+                    (
+                        Vec::new(),
+                        vec![0u64; vars.len()],
+                        None,
+                        BTreeMap::new(),
+                        Vec::new(),
+                    )
+                },
                 |mut x, y| {
                     x.0.extend(y.0);
+                    x.4.extend(y.4);
                     for (a, b) in x.1.iter_mut().zip(&y.1) {
                         *a += b;
                     }
@@ -418,12 +484,46 @@ fn verify(
         if first.is_none() {
             first = part.2;
         }
+        if want_dump {
+            let mut more = part.4;
+            more.sort_by_key(|m| m.index);
+            more.truncate(dump_max - dumped.len());
+            dumped.extend(more);
+        }
         for (k, v) in part.3 {
             *nan_patterns.entry(k).or_insert(0) += v;
         }
         done += nt;
     }
     let total: u64 = stats.values().map(|s| s.cases).sum();
+    if let Some((path, _)) = &dump {
+        use std::io::Write;
+        let write = || -> std::io::Result<()> {
+            let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
+            writeln!(
+                w,
+                "# case mode c hardware model a[0..16] b[0..16] (hex; seed {seed:#x})"
+            )?;
+            for m in &dumped {
+                writeln!(
+                    w,
+                    "{} {} {:08x} {:08x} {:08x} {} {}",
+                    m.index,
+                    m.mode.name(),
+                    m.c,
+                    m.hw,
+                    m.model,
+                    hx16(&m.a).replace(' ', ","),
+                    hx16(&m.b).replace(' ', ",")
+                )?;
+            }
+            w.flush()
+        };
+        if let Err(e) = write() {
+            return Err(Env(format!("--dump {}: {e}", path.display())));
+        }
+        eprintln!("dumped {} mismatches to {}", dumped.len(), path.display());
+    }
     let bad: u64 = stats.values().map(|s| s.mismatches).sum();
     let secs = t0.elapsed().as_secs_f64();
     if json_out {
