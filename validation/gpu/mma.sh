@@ -88,7 +88,7 @@ elif command -v compute-sanitizer > /dev/null; then
     timeout 45 compute-sanitizer --tool $tool --error-exitcode 9 "$MC" verify --cases 12800 \
         --variant-cases 0 --model "$MODEL" > "$OUTD/$tool-verify.txt" 2>&1
     rc=$?; row "$tool verify" "$( [ $rc -le 1 ] && echo OK || echo "rc=$rc")" "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/$tool-verify.txt" | tail -1)"
-    timeout 60 compute-sanitizer --tool $tool --error-exitcode 9 "$MC" gemm-bench --m 128 --n 64 --k 128 \
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$MC" gemm-bench --m 128 --n 64 --k 128 \
         --sample 64 > "$OUTD/$tool-gemm.txt" 2>&1
     rc=$?; row "$tool gemm" "$( [ $rc -eq 0 ] && echo OK || echo "rc=$rc")" "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/$tool-gemm.txt" | tail -1)"
   done

@@ -18,6 +18,8 @@
 //!    multiple of 2^-149); an exact zero, or a result that truncates to zero, is `+0.0`; a
 //!    magnitude of 2^128 or more is an infinity.
 //!
+//! The H200 corrects the hypothesis in two places ([`Params::HOPPER_MEASURED`], PHASE_LOG T1).
+//!
 //! [`Params`] holds the knobs the hardware harness tests alternatives of (so that a
 //! counterexample can name the corrected model): the fractional bits, the group size (Ampere
 //! splits k16 into two fused groups of 8, the second taking the first's f32 result as `c`),
@@ -67,6 +69,20 @@ impl Params {
         round: Round::Rz,
         overflow_inf: true,
         min_lsb: i32::MIN,
+    };
+    /// The model the H200 measured (PHASE_LOG T1): the hypothesis with two corrections, each
+    /// found by a hardware counterexample: (1) zero products and a zero `c` take no part in the
+    /// maximum; (2) the finest bit kept is never below 2^-158 (equivalently: the alignment
+    /// exponent never falls below -133, BF16's smallest subnormal; it binds only when `c` is zero
+    /// and every product is below 2^-133).
+    pub const HOPPER_MEASURED: Params = Params {
+        frac_bits: 25,
+        group: 16,
+        zeros_in_max: false,
+        zero_c_in_max: false,
+        round: Round::Rz,
+        overflow_inf: true,
+        min_lsb: -158,
     };
     /// MMA-Sim's Ampere / Ada model of the same instruction: two fused groups of 8, 24 bits.
     pub const AMPERE: Params = Params {

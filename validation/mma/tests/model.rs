@@ -313,7 +313,8 @@ fn a_floor_on_the_finest_bit_drops_terms_the_maximum_would_keep() {
     // 0x1962 * 0x21f0 = 13560 * 2^-149 exactly (nominal exponent -137: units of 2^-162), a
     // negative product 0x8d20 * 0x2234 of about -7 units and a positive one of about 1.8. With
     // 25 bits below -137 both survive and the sum falls below 13560 units of 2^-149: RZ gives
-    // 0x34F7. A floor at 2^-159 truncates both to zero: exactly 0x34F8.
+    // 0x34F7; the hardware gives 0x34F8. A floor at 2^-158 (or -159) truncates both to zero:
+    // exactly 13560 units, 0x34F8.
     let hx = |s: &str| -> [u16; 16] {
         let v: Vec<u16> = s
             .split(' ')

@@ -78,6 +78,26 @@ enum Cmd {
         #[arg(long, default_value_t = 4096)]
         sample: usize,
     },
+    /// Offline: replay a hardware run from its `verify --dump` file. Every case of the run is
+    /// regenerated from its seed; the hardware's result is the dump's where the case is there,
+    /// else the run's model's (which it matched). Counts the cases where --model differs: 0
+    /// means --model explains every case of that run. No GPU.
+    Replay {
+        /// The `verify --dump` file of the run.
+        #[arg(long, value_name = "FILE")]
+        dump: std::path::PathBuf,
+        /// The run's --cases (as checked: the verify line's count) and --seed.
+        #[arg(long)]
+        cases: u64,
+        #[arg(long, default_value_t = 0x25)]
+        seed: u64,
+        /// The model the run compared with (its --model).
+        #[arg(long, default_value = "no-zeros-in-max")]
+        run_model: String,
+        /// The model to test.
+        #[arg(long)]
+        model: String,
+    },
     /// The CPU emulator's cost per element vs today's FMA dot (this machine).
     CpuBench {
         /// Reduction length.
@@ -132,6 +152,31 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         },
+        Cmd::Replay {
+            dump,
+            cases,
+            seed,
+            run_model,
+            model,
+        } => {
+            let find = |n: &str| {
+                variants()
+                    .into_iter()
+                    .find(|(v, _)| *v == n)
+                    .map(|(_, p)| p)
+            };
+            match (find(&run_model), find(&model)) {
+                (Some(r), Some(m)) => replay(cli.json, &dump, cases, seed, r, m),
+                _ => {
+                    let names: Vec<_> = variants().into_iter().map(|(n, _)| n).collect();
+                    eprintln!(
+                        "mma-check: error: --run-model {run_model} / --model {model}: no such model variant (one of: {})",
+                        names.join(", ")
+                    );
+                    return ExitCode::from(2);
+                }
+            }
+        }
         Cmd::GemmBench { m, n, k, sample } => gemm_bench(cli.json, m, &n, &k, sample),
         Cmd::CpuBench { k, rows, mem_bytes } => Ok(cpu_bench(cli.json, k, rows, mem_bytes)),
     };
@@ -184,6 +229,7 @@ fn variants() -> Vec<(&'static str, Params)> {
             },
         ),
         ("ampere(24,2x8)", Params::AMPERE),
+        ("hopper-measured", Params::HOPPER_MEASURED),
     ];
     // The second counterexample (subnormal sums, under no-zeros-in-max): a fixed finest bit, or
     // fewer bits below the maximum.
@@ -199,6 +245,7 @@ fn variants() -> Vec<(&'static str, Params)> {
         ("nz-floor-160", -160),
         ("nz-floor-161", -161),
     ] {
+        // nz-floor-158 is Params::HOPPER_MEASURED
         v.push((name, Params { min_lsb: lsb, ..nz }));
     }
     for (name, f) in [("nz-frac22", 22), ("nz-frac23", 23), ("nz-frac24", 24)] {
@@ -619,6 +666,98 @@ fn verify(
         }
     }
     Ok(bad == 0)
+}
+
+/// `mma-check replay`: see [`Cmd::Replay`]. An unreadable or malformed dump is reported with
+/// its file (and line), exit 3 like the other failures to read a run's data.
+fn replay(
+    json_out: bool,
+    dump: &std::path::Path,
+    cases_n: u64,
+    seed: u64,
+    run_model: Params,
+    model: Params,
+) -> Result<bool, Env> {
+    let text =
+        std::fs::read_to_string(dump).map_err(|e| Env(format!("{}: {e}", dump.display())))?;
+    // case -> (hardware, the run model's value)
+    let mut hw_of: std::collections::HashMap<u64, (u32, u32)> = std::collections::HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let parse = || -> Option<(u64, u32, u32)> {
+            Some((
+                f.first()?.parse().ok()?,
+                u32::from_str_radix(f.get(3)?, 16).ok()?,
+                u32::from_str_radix(f.get(4)?, 16).ok()?,
+            ))
+        };
+        let (i, h, m) = parse().ok_or_else(|| {
+            Env(format!(
+                "{} line {}: not `case mode c hardware model a b`",
+                dump.display(),
+                n + 1
+            ))
+        })?;
+        hw_of.insert(i, (h, m));
+    }
+    let t0 = Instant::now();
+    let tiles = cases_n.div_ceil(128);
+    // (cases, model differs from the hardware, dumped cases the run model did not reproduce)
+    let (checked, bad, stale) = (0..tiles)
+        .into_par_iter()
+        .map(|ti| {
+            let (_, t) = cases::tile(seed, ti);
+            let (mut c, mut b, mut s) = (0u64, 0u64, 0u64);
+            for i in 0..16 {
+                for j in 0..8 {
+                    let index = ti * 128 + (i * 8 + j) as u64;
+                    let run = mma_elem(&t.a[i], &t.b[j], t.c[i][j], &run_model);
+                    let hw = match hw_of.get(&index) {
+                        Some(&(h, m)) => {
+                            if m != run {
+                                s += 1;
+                            }
+                            h
+                        }
+                        None => run,
+                    };
+                    c += 1;
+                    if mma_elem(&t.a[i], &t.b[j], t.c[i][j], &model) != hw {
+                        b += 1;
+                    }
+                }
+            }
+            (c, b, s)
+        })
+        .reduce(|| (0, 0, 0), |x, y| (x.0 + y.0, x.1 + y.1, x.2 + y.2));
+    let secs = t0.elapsed().as_secs_f64();
+    if json_out {
+        println!(
+            "{}",
+            json!({"command": "replay", "dump": dump.display().to_string(), "cases": checked, "dumped": hw_of.len(),
+                   "model": format!("{model:?}"), "mismatches": bad, "stale_dump_lines": stale, "seconds": secs})
+        );
+    } else {
+        println!(
+            "replay: {} cases of seed {seed:#x} ({} from the dump), {:.1} s",
+            checked,
+            hw_of.len(),
+            secs
+        );
+        println!("model: {model:?}");
+        if stale > 0 {
+            println!("WARNING: {stale} dumped cases where --run-model does not give the dump's model value: wrong --run-model, --seed or --cases?");
+        }
+        if bad == 0 {
+            println!("RESULT: the model explains every case ({checked})");
+        } else {
+            println!("RESULT: {bad} cases differ from the hardware");
+        }
+    }
+    Ok(bad == 0 && stale == 0)
 }
 
 fn gauss(r: &mut cases::Rng) -> f32 {
