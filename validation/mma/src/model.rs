@@ -261,11 +261,13 @@ pub fn fused_group(a: &[u16], b: &[u16], c: u32, p: &Params) -> u32 {
     let d = (lsb - (emax - f as i32)) as u32;
     // Products are m * 2^(e-14), c is cm * 2^(ce-23); aligned: value * 2^(-lsb), truncated.
     let mut sum: i64 = 0;
+    // (A term above the maximum is a zero left out of it: its shift is irrelevant, clamp it.)
+    let shift = |e: i32| ((emax - e).max(0) as u32).saturating_add(d);
     for &(s, m, e) in &terms[..n] {
-        let v = shr((m as u64) << (f - 14), (emax - e) as u32 + d) as i64;
+        let v = shr((m as u64) << (f - 14), shift(e)) as i64;
         sum += if s { -v } else { v };
     }
-    let v = shr((cm as u64) << (f - 23), (emax - ce).max(0) as u32 + d) as i64;
+    let v = shr((cm as u64) << (f - 23), shift(ce)) as i64;
     sum += if cs { -v } else { v };
     to_f32(sum, lsb, p)
 }
