@@ -366,3 +366,157 @@ mod rows16 {
         out
     }
 }
+
+/// 8 rows of BF16 weights repacked for [`dot_rows8`] (the AVX2 emulator): per 16-chunk of k,
+/// per k, the 8 rows' values side by side, zero-padded in k.
+pub struct Rows8 {
+    k: usize,
+    data: Vec<u16>,
+}
+
+impl Rows8 {
+    /// `rows`: 8 rows of `k` BF16 values, row-major.
+    pub fn new(rows: &[u16], k: usize) -> Rows8 {
+        assert_eq!(rows.len(), 8 * k);
+        let mut data = vec![0u16; k.div_ceil(16) * 128];
+        for r in 0..8 {
+            for i in 0..k {
+                data[(i / 16) * 128 + (i % 16) * 8 + r] = rows[r * k + i];
+            }
+        }
+        Rows8 { k, data }
+    }
+
+    fn row_chunk(&self, r: usize, c: usize) -> [u16; 16] {
+        std::array::from_fn(|i| self.data[c * 128 + i * 8 + r])
+    }
+}
+
+/// The candidate dots of 8 rows with `x`, vectorised across the rows with AVX2 (one 32-bit lane
+/// per row). AVX2 has variable shifts but no mask registers and no 64-bit leading-zero count,
+/// so signs are applied by xor/subtract and each (chunk, part)'s normalisation to f32 is
+/// scalar ([`model::to_f32`]). Same bits as [`crate::model::dot_v2`] per row; the scalar model
+/// where AVX2 is missing.
+pub fn dot_rows8(w: &Rows8, x: &Prepared) -> [f32; 8] {
+    assert_eq!(w.k, x.len);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the feature was just detected.
+        return unsafe { rows8::dot(w, x) };
+    }
+    std::array::from_fn(|r| {
+        let row: Vec<u16> = (0..w.k)
+            .map(|i| w.data[(i / 16) * 128 + (i % 16) * 8 + r])
+            .collect();
+        model::dot_v2(&row, &x.raw, &Params::HOPPER)
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod rows8 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// The lanes' chunk by the scalar model, from split part `from` on.
+    unsafe fn lanes_scalar(
+        w: &Rows8,
+        x: &Prepared,
+        c: usize,
+        acc: __m256i,
+        from: usize,
+    ) -> __m256i {
+        let mut lanes = [0u32; 8];
+        _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, acc);
+        let c0 = c * 16;
+        let n = (x.len - c0).min(16);
+        for (r, l) in lanes.iter_mut().enumerate() {
+            let row = w.row_chunk(r, c);
+            let mut full = vec![0u16; x.len];
+            full[c0..c0 + n].copy_from_slice(&row[..n]);
+            *l = chunk_scalar(&full, x, c0, *l, from);
+        }
+        _mm256_loadu_si256(lanes.as_ptr() as *const __m256i)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn dot(w: &Rows8, x: &Prepared) -> [f32; 8] {
+        let zero = _mm256_setzero_si256();
+        let ff = _mm256_set1_epi32(0xFF);
+        let x7f = _mm256_set1_epi32(0x7F);
+        let x80 = _mm256_set1_epi32(0x80);
+        let one = _mm256_set1_epi32(1);
+        let bias = _mm256_set1_epi32(127);
+        let fin = _mm256_set1_epi32(0x7F80_0000);
+        let inf_lane = |acc: __m256i| {
+            _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_and_si256(acc, fin), fin)) != 0
+        };
+        let mut acc = zero; // 8 f32 bit patterns, +0
+        for c in 0..w.k.div_ceil(16) {
+            let c0 = c * 16;
+            let mut we = [zero; 16];
+            let mut wm = [zero; 16];
+            let mut ws = [zero; 16];
+            let mut special = x.special[c] || inf_lane(acc);
+            for k in 0..16 {
+                let wv = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                    w.data.as_ptr().add(c * 128 + k * 8) as *const __m128i,
+                ));
+                let be = _mm256_and_si256(_mm256_srli_epi32(wv, 7), ff);
+                special |= _mm256_movemask_epi8(_mm256_cmpeq_epi32(be, ff)) != 0;
+                // the hidden bit where the exponent field is not zero
+                let hidden = _mm256_andnot_si256(_mm256_cmpeq_epi32(be, zero), x80);
+                wm[k] = _mm256_or_si256(_mm256_and_si256(wv, x7f), hidden);
+                we[k] = _mm256_sub_epi32(_mm256_max_epi32(be, one), bias);
+                ws[k] = _mm256_slli_epi32(wv, 16);
+            }
+            if special {
+                acc = lanes_scalar(w, x, c, acc, 0);
+                continue;
+            }
+            for p in 0..3 {
+                if inf_lane(acc) {
+                    // an overflow to infinity inside the chunk: the rest by the model
+                    acc = lanes_scalar(w, x, c, acc, p);
+                    break;
+                }
+                let cb = _mm256_and_si256(_mm256_srli_epi32(acc, 23), ff);
+                let chidden =
+                    _mm256_andnot_si256(_mm256_cmpeq_epi32(cb, zero), _mm256_set1_epi32(0x80_0000));
+                let cm =
+                    _mm256_or_si256(_mm256_and_si256(acc, _mm256_set1_epi32(0x7F_FFFF)), chidden);
+                let ce = _mm256_sub_epi32(_mm256_max_epi32(cb, one), bias);
+                let mut e = [zero; 16];
+                let mut emax = ce;
+                for k in 0..16 {
+                    e[k] = _mm256_add_epi32(we[k], _mm256_set1_epi32(x.e[p][c0 + k]));
+                    emax = _mm256_max_epi32(emax, e[k]);
+                }
+                let mut psum = zero;
+                for k in 0..16 {
+                    let xm = x.m[p][c0 + k] as i32;
+                    // both significands < 2^8 in 32-bit lanes: the 16-bit multiply is exact
+                    let m = _mm256_mullo_epi16(wm[k], _mm256_set1_epi32(xm & 0x7FFF_FFFF));
+                    // shifts of 32 or more give 0, as truncation wants
+                    let v =
+                        _mm256_srlv_epi32(_mm256_slli_epi32(m, 11), _mm256_sub_epi32(emax, e[k]));
+                    let neg = _mm256_srai_epi32(_mm256_xor_si256(ws[k], _mm256_set1_epi32(xm)), 31);
+                    psum = _mm256_add_epi32(psum, _mm256_sub_epi32(_mm256_xor_si256(v, neg), neg));
+                }
+                let cv = _mm256_srlv_epi32(_mm256_slli_epi32(cm, 2), _mm256_sub_epi32(emax, ce));
+                let cneg = _mm256_srai_epi32(acc, 31);
+                let cv = _mm256_sub_epi32(_mm256_xor_si256(cv, cneg), cneg);
+                let (mut ps, mut cs, mut em) = ([0i32; 8], [0i32; 8], [0i32; 8]);
+                _mm256_storeu_si256(ps.as_mut_ptr() as *mut __m256i, psum);
+                _mm256_storeu_si256(cs.as_mut_ptr() as *mut __m256i, cv);
+                _mm256_storeu_si256(em.as_mut_ptr() as *mut __m256i, emax);
+                let bits: [u32; 8] = std::array::from_fn(|l| {
+                    model::to_f32(ps[l] as i64 + cs[l] as i64, em[l] - 25, &Params::HOPPER)
+                });
+                acc = _mm256_loadu_si256(bits.as_ptr() as *const __m256i);
+            }
+        }
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_castsi256_ps(acc));
+        out
+    }
+}

@@ -71,6 +71,22 @@ fn row_vectorised_emulator_equals_model() {
             })
             .collect();
         let p = simd::Prepared::new(&x);
+        // the AVX2 emulator, 8 rows at a time, on the same rows
+        for half in 0..2 {
+            let got8 = simd::dot_rows8(
+                &simd::Rows8::new(&w[half * 8 * k..(half + 1) * 8 * k], k),
+                &p,
+            );
+            for row in 0..8 {
+                let r = half * 8 + row;
+                let want = dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER);
+                assert_eq!(
+                    got8[row].to_bits(),
+                    want.to_bits(),
+                    "avx2 trial {trial} row {r}"
+                );
+            }
+        }
         let got = simd::dot_rows16(&simd::Rows16::new(&w, k), &p);
         for row in 0..16 {
             let want = dot_v2(&w[row * k..(row + 1) * k], &x, &Params::HOPPER);

@@ -964,6 +964,22 @@ fn cpu_bench(json_out: bool, k: usize, rows: usize, mem_bytes: usize) -> bool {
         }
     });
     res.push(("v2-emulator-avx512-rows16 (cache)".into(), ns));
+    let packs8: Vec<tarfa_mma::simd::Rows8> = (0..rows / 8)
+        .map(|i| tarfa_mma::simd::Rows8::new(&w[i * 8 * k..(i + 1) * 8 * k], k))
+        .collect();
+    let ns = time_per_elem(packs8.len() * 8 * k, || {
+        for pk in &packs8 {
+            std::hint::black_box(tarfa_mma::simd::dot_rows8(pk, &prep));
+        }
+    });
+    res.push(("v2-emulator-avx2-rows8 (cache)".into(), ns));
+    let ok8 = packs8.iter().enumerate().all(|(i, pk)| {
+        let got = tarfa_mma::simd::dot_rows8(pk, &prep);
+        (0..8).all(|j| {
+            let r = i * 8 + j;
+            got[j].to_bits() == model::dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER).to_bits()
+        })
+    });
     let ok16 = packs.iter().enumerate().all(|(i, pk)| {
         let got = tarfa_mma::simd::dot_rows16(pk, &prep);
         (0..16).all(|j| {
@@ -972,6 +988,7 @@ fn cpu_bench(json_out: bool, k: usize, rows: usize, mem_bytes: usize) -> bool {
         })
     });
     let ok = ok16
+        && ok8
         && (0..rows).all(|r| {
             tarfa_mma::simd::dot_v2(&w[r * k..(r + 1) * k], &prep).to_bits()
                 == model::dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER).to_bits()
