@@ -8,7 +8,7 @@
 //! tests (tarfa-run/tests/common) measure it. Still f32 FMA, as today: attention's dots, norms,
 //! f32 weight matrices and MXFP4 experts.
 //!
-//!   mma-oracle [--baseline] [--threads N] DIR...
+//!   mma-oracle [--baseline | --measured] [--threads N] DIR...
 //! Exit: 0 all tokens equal and every error <= 1e-4; 1 otherwise; 2 usage; 3 a fixture failed
 //! to load or run.
 
@@ -38,6 +38,10 @@ struct Cli {
     /// Today's contract (no replacement), for comparison.
     #[arg(long)]
     baseline: bool,
+    /// The candidate under the model the H200 measured (Params::HOPPER_MEASURED) instead of
+    /// MMA-Sim's hypothesis.
+    #[arg(long, conflicts_with = "baseline")]
+    measured: bool,
     #[arg(long, default_value_t = 2)]
     threads: usize,
     /// Fixture directories.
@@ -50,6 +54,11 @@ static CALLS: AtomicU64 = AtomicU64::new(0);
 fn candidate(w: &[u16], x: &[f32]) -> f32 {
     CALLS.fetch_add(1, Ordering::Relaxed);
     dot_v2(w, x, &Params::HOPPER)
+}
+
+fn candidate_measured(w: &[u16], x: &[f32]) -> f32 {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    dot_v2(w, x, &Params::HOPPER_MEASURED)
 }
 
 fn tensor<'a>(st: &'a SafeTensors, name: &str) -> Option<safetensors::tensor::TensorView<'a>> {
@@ -163,11 +172,17 @@ fn main() -> ExitCode {
     };
     if !cli.baseline {
         assert!(experimental::replace_scalar_bf16_dot_for_experiment(
-            candidate
+            if cli.measured {
+                candidate_measured
+            } else {
+                candidate
+            }
         ));
     }
     let arm = if cli.baseline {
         "baseline (contract v1, scalar)"
+    } else if cli.measured {
+        "CANDIDATE contract v2 (the H200's measured model)"
     } else {
         "CANDIDATE contract v2 (tensor-core model)"
     };
