@@ -77,14 +77,10 @@ fn row_vectorised_emulator_equals_model() {
                 &simd::Rows8::new(&w[half * 8 * k..(half + 1) * 8 * k], k),
                 &p,
             );
-            for row in 0..8 {
+            for (row, g) in got8.iter().enumerate() {
                 let r = half * 8 + row;
                 let want = dot_v2(&w[r * k..(r + 1) * k], &x, &Params::HOPPER);
-                assert_eq!(
-                    got8[row].to_bits(),
-                    want.to_bits(),
-                    "avx2 trial {trial} row {r}"
-                );
+                assert_eq!(g.to_bits(), want.to_bits(), "avx2 trial {trial} row {r}");
             }
         }
         let got = simd::dot_rows16(&simd::Rows16::new(&w, k), &p);
