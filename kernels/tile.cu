@@ -113,11 +113,13 @@ extern "C" __global__ void __launch_bounds__(256) mm_tile_f32(
 
 // The routed pairs q = t*k + j of one MoE layer (ids[q]: the expert slot j of token t chose),
 // grouped by expert: order[] lists them expert by expert in ascending id, ascending q within an
-// expert; tiles[3i..3i+3) = (expert, first index into order, count <= TILE_TOKENS), experts in
-// ascending id; *n_tiles their number. Integer bookkeeping only: it decides which pairs share a
-// tile, never an operation on a value. One block of 256 threads; dynamic shared memory 3*E u32.
+// expert; tiles[3i..3i+3) = (expert, first index into order, count <= tile), experts in
+// ascending id; *n_tiles their number. `tile`: the consumer's pairs per block (TILE_TOKENS for
+// the kernels below, LS_BT for prefill.cu's). Integer bookkeeping only: it decides which pairs
+// share a tile, never an operation on a value. One block of 256 threads; dynamic shared memory
+// 3*E u32.
 extern "C" __global__ void __launch_bounds__(256) moe_group(const u32* __restrict__ ids,
-                                                           int n_pairs, int e_count,
+                                                           int n_pairs, int e_count, int tile,
                                                            u32* __restrict__ order,
                                                            u32* __restrict__ tiles,
                                                            u32* __restrict__ n_tiles) {
@@ -142,23 +144,23 @@ extern "C" __global__ void __launch_bounds__(256) moe_group(const u32* __restric
     }
     __syncthreads();
     if (v == 0) {
-        u32 at = 0, tile = 0;
+        u32 at = 0, nt = 0;
         for (int e = 0; e < e_count; e++) {
             place[e] = at;
-            first[e] = tile;
+            first[e] = nt;
             at += count[e];
-            tile += (count[e] + TILE_TOKENS - 1) / TILE_TOKENS;
+            nt += (count[e] + (u32)tile - 1) / (u32)tile;
         }
-        *n_tiles = tile;
+        *n_tiles = nt;
     }
     __syncthreads();
     for (int e = v; e < e_count; e += blockDim.x) {
         const u32 c = count[e];
-        for (u32 j = 0; j * TILE_TOKENS < c; j++) {
+        for (u32 j = 0; j * (u32)tile < c; j++) {
             const u32 i = first[e] + j;
             tiles[3 * i] = (u32)e;
-            tiles[3 * i + 1] = place[e] + j * TILE_TOKENS;
-            tiles[3 * i + 2] = min((u32)TILE_TOKENS, c - j * TILE_TOKENS);
+            tiles[3 * i + 1] = place[e] + j * (u32)tile;
+            tiles[3 * i + 2] = min((u32)tile, c - j * (u32)tile);
         }
     }
     // thread e appends its expert's pairs in ascending q

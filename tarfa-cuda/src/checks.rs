@@ -120,6 +120,8 @@ pub(crate) fn kernel_checks_on(gpu: &Gpu) -> Result<Vec<KernelCheck>, CudaError>
     out.push(check_grouped_router(gpu)?);
     out.push(check_router_by_logit(gpu)?);
     out.push(check_experts(gpu)?);
+    out.push(check_many(gpu)?);
+    out.push(check_prefill_attention(gpu)?);
     out.push(check_linear(gpu)?);
     out.push(check_gated_attention(gpu)?);
     gpu.sync("the kernel checks")?;
@@ -1043,6 +1045,318 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                     want,
                     g_h[ti * h + r],
                 );
+            }
+        }
+    }
+    Ok(c.done())
+}
+
+/// The products of many tokens on both kernel families (kernels/tile.cu and the lane-sequential
+/// kernels/prefill.cu): the dense product with bias and residual (BF16 and F32 weights), and
+/// the experts grouped by expert (gate, up and SwiGLU, then down), against the CPU's dots. The
+/// shapes cover partial row and token tiles, reductions shorter than a chunk, chunks beyond one
+/// stage (K > 2,048), and experts chosen by several tiles' worth of pairs.
+pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("products of many tokens (tile.cu, prefill.cu)");
+    let mut rng = Rng(71);
+    let before = gpu.many();
+    for many in [crate::ManyKernels::Tiled, crate::ManyKernels::Lanes] {
+        gpu.set_many(many);
+        let lanes = many == crate::ManyKernels::Lanes;
+        for (dtype, rows, cols, tokens) in [
+            (DType::Bf16, 37usize, 72usize, 19usize),
+            (DType::Bf16, 64, 256, 33),
+            (DType::F32, 40, 264, 16),
+            (DType::Bf16, 33, 768, 5),
+            (DType::Bf16, 70, 4104, 18),
+            (DType::F32, 9, 2056, 3),
+        ] {
+            let (w, wide) = upload_mat(gpu, rows, cols, dtype, &mut rng)?;
+            let x = rng.vec(tokens * cols);
+            let bias = rng.vec(rows);
+            let out0 = rng.vec(tokens * rows);
+            let xb = gpu.upload(&x, "a check activation")?;
+            let bb = gpu.upload(&bias, "a check bias")?;
+            for residual in [false, true] {
+                let ob = gpu.upload(&out0, "a check output")?;
+                let b = if residual { bb.ptr() } else { 0 };
+                ops::matmul(gpu, &w, xb.ptr(), cols, b, ob.ptr(), rows, tokens, residual)?;
+                let got = read_f32(gpu, &ob, tokens * rows)?;
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let row = &wide[r * cols..(r + 1) * cols];
+                        let xs = &x[t * cols..(t + 1) * cols];
+                        let mut y = match dtype {
+                            DType::Bf16 => {
+                                let bits: Vec<u16> =
+                                    row.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+                                dot_bf16_reference(&bits, xs)
+                            }
+                            DType::F32 => dot_f32_reference(row, xs),
+                        };
+                        if residual {
+                            y += bias[r];
+                        }
+                        let want = if residual { out0[t * rows + r] + y } else { y };
+                        c.eq(
+                            || {
+                                format!(
+                                    "{many:?} matmul {rows}x{cols} token {t} row {r} residual={residual}"
+                                )
+                            },
+                            want,
+                            got[t * rows + r],
+                        );
+                    }
+                }
+            }
+        }
+        // experts grouped by expert: some chosen by many pairs (several tiles), some by none
+        for (e_count, i_w, h, k, t) in [
+            (6usize, 40usize, 72usize, 3usize, 23usize),
+            (16, 96, 264, 4, 40),
+        ] {
+            let gate = rng.vec_bf16(e_count * i_w * h);
+            let up = rng.vec_bf16(e_count * i_w * h);
+            let down = rng.vec_bf16(e_count * h * i_w);
+            let xn: Vec<f32> = rng.vec(t * h).iter().map(|v| v * 0.02).collect();
+            let mut ids = Vec::new();
+            for _ in 0..t {
+                // skewed: expert 0 or 1 first, then distinct others
+                let mut pool: Vec<u32> = (0..e_count as u32).collect();
+                for j in 0..k {
+                    let at = if j == 0 {
+                        (rng.next() % 2) as usize
+                    } else {
+                        (rng.next() % pool.len() as u64) as usize
+                    };
+                    ids.push(pool.remove(at.min(pool.len() - 1)));
+                }
+            }
+            let pairs = t * k;
+            let tile = ops::experts_tile(lanes);
+            let (gb, ub, db) = (
+                gpu.upload(&gate, "gate")?,
+                gpu.upload(&up, "up")?,
+                gpu.upload(&down, "down")?,
+            );
+            let (xb, ib) = (gpu.upload(&xn, "xn")?, gpu.upload(&ids, "ids")?);
+            let order = gpu.alloc(pairs * 4, "order")?;
+            let tiles = gpu.alloc(
+                3 * ops::max_tiles(pairs, e_count, ops::TILE_TOKENS) * 4,
+                "tiles",
+            )?;
+            let count = gpu.alloc(4, "tile count")?;
+            let g = ops::Groups {
+                order: order.ptr(),
+                tiles: tiles.ptr(),
+                n_tiles: count.ptr(),
+            };
+            ops::moe_group(gpu, ib.ptr(), pairs, e_count, tile, g)?;
+            let act = gpu.alloc(pairs * i_w * 4, "act")?;
+            let y = gpu.alloc(pairs * h * 4, "y")?;
+            let ran = ops::gate_up_tile(
+                gpu,
+                DType::Bf16,
+                gb.ptr(),
+                ub.ptr(),
+                i_w,
+                h,
+                Some((g, e_count)),
+                pairs,
+                k,
+                xb.ptr(),
+                act.ptr(),
+                lanes,
+            )? && ops::down_tile(
+                gpu,
+                db.ptr(),
+                h,
+                i_w,
+                g,
+                pairs,
+                e_count,
+                act.ptr(),
+                y.ptr(),
+                lanes,
+            )?;
+            assert!(ran, "the check's shapes are tileable");
+            let g_act = read_f32(gpu, &act, pairs * i_w)?;
+            let g_y = read_f32(gpu, &y, pairs * h)?;
+            for q in 0..pairs {
+                let (e, x) = (ids[q] as usize, &xn[(q / k) * h..(q / k + 1) * h]);
+                let a: Vec<f32> = (0..i_w)
+                    .map(|i| {
+                        let r = (e * i_w + i) * h;
+                        silu(dot_bf16_reference(&gate[r..r + h], x))
+                            * dot_bf16_reference(&up[r..r + h], x)
+                    })
+                    .collect();
+                for i in 0..i_w {
+                    c.eq(
+                        || format!("{many:?} act E={e_count} pair {q} row {i}"),
+                        a[i],
+                        g_act[q * i_w + i],
+                    );
+                }
+                for r in 0..h {
+                    let row = (e * h + r) * i_w;
+                    c.eq(
+                        || format!("{many:?} down E={e_count} pair {q} row {r}"),
+                        dot_bf16_reference(&down[row..row + i_w], &a),
+                        g_y[q * h + r],
+                    );
+                }
+            }
+        }
+    }
+    gpu.set_many(before);
+    Ok(c.done())
+}
+
+/// The prefill attention over query tiles (kernels/prefill.cu: scores, softmax, P·V) against
+/// the CPU's: every head width it takes, GQA groups of 1 to 8 heads, a step continuing a cache
+/// (its queries see the earlier positions), gpt-oss's sinks, and a step over two sequences
+/// (the per-token tables) whose tiles end where a sequence does.
+pub(crate) fn check_prefill_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
+    let mut c = Check::new("prefill attention (prefill.cu: scores, softmax, p.v)");
+    let mut rng = Rng(81);
+    // (d, hq, hkv, tokens per sequence, cached positions before the step, sinks)
+    type Case = (usize, usize, usize, &'static [usize], usize, bool);
+    let cases: [Case; 6] = [
+        (8, 4, 4, &[21], 0, false),
+        (16, 4, 2, &[40], 7, true),
+        (32, 8, 2, &[13, 30], 0, false),
+        (64, 2, 1, &[70], 260, false),
+        (128, 16, 2, &[9], 3, true),
+        (32, 4, 1, &[17, 3], 5, false),
+    ];
+    for (d, hq, hkv, seqs, before, sinks) in cases {
+        let hg = hq / hkv;
+        let t_total: usize = seqs.iter().sum();
+        let cap = before + seqs.iter().max().copied().unwrap_or(0) + 3;
+        let scale = (1.0f64 / (d as f64).sqrt()) as f32;
+        // per sequence: keys and values [hkv][cap][d] (positions past the end left random)
+        let caches: Vec<(Vec<f32>, Vec<f32>)> = seqs
+            .iter()
+            .map(|_| {
+                let k: Vec<f32> = rng.vec(hkv * cap * d).iter().map(|v| v * 0.3).collect();
+                (k, rng.vec(hkv * cap * d))
+            })
+            .collect();
+        let q: Vec<f32> = rng.vec(t_total * hq * d).iter().map(|v| v * 0.3).collect();
+        let sink_vals = rng.vec(hq);
+        let kbufs: Vec<(DevBuf, DevBuf)> = caches
+            .iter()
+            .map(|(k, v)| Ok((gpu.upload(k, "keys")?, gpu.upload(v, "values")?)))
+            .collect::<Result<_, CudaError>>()?;
+        let qb = gpu.upload(&q, "queries")?;
+        let sb = gpu.upload(&sink_vals, "sinks")?;
+        let shape = AttnShape {
+            hq,
+            hkv,
+            d,
+            rd: d,
+            cap,
+            pos0: before,
+            tokens: t_total,
+        };
+        let qt = ops::query_tile_tokens(&shape, &ops::AttnMask::default()).expect("a tile shape");
+        let list = ops::query_tiles(seqs, qt);
+        let n_tiles = list.len() / 2;
+        let n_stride = before + seqs.iter().max().copied().unwrap_or(0);
+        let qtb = gpu.upload(&list, "query tiles")?;
+        let mb = gpu.alloc(n_tiles * hkv * ops::AT_ROWS * 4, "tile maxima")?;
+        let scb = gpu.alloc(n_tiles * hkv * ops::AT_ROWS * n_stride * 4, "scores")?;
+        let ob = gpu.upload(&rng.vec(t_total * hq * d), "o")?;
+        // token t's sequence and position; the per-token tables when there are two sequences
+        let mut who = Vec::new();
+        for (si, &n) in seqs.iter().enumerate() {
+            who.extend((0..n).map(|i| (si, before + i)));
+        }
+        let (_tb, _kvb, src) = if seqs.len() > 1 {
+            let tok: Vec<u64> = who
+                .iter()
+                .flat_map(|&(_, pos)| [0u64, 0, pos as u64, cap as u64])
+                .collect();
+            let kv: Vec<u64> = who
+                .iter()
+                .flat_map(|&(si, _)| [kbufs[si].0.ptr(), kbufs[si].1.ptr()])
+                .collect();
+            let (tb, kvb) = (
+                gpu.upload(&tok, "token table")?,
+                gpu.upload(&kv, "cache table")?,
+            );
+            let src = ops::KvSrc::Seqs(ops::SeqKv {
+                tok: tb.ptr(),
+                kv: kvb.ptr(),
+            });
+            (Some(tb), Some(kvb), src)
+        } else {
+            (
+                None,
+                None,
+                ops::KvSrc::One {
+                    kc: kbufs[0].0.ptr(),
+                    vc: kbufs[0].1.ptr(),
+                },
+            )
+        };
+        let tiles = ops::AttnTiles {
+            qtiles: qtb.ptr(),
+            n_tiles,
+            mbuf: mb.ptr(),
+            n_stride,
+        };
+        ops::attention_tiles(
+            gpu,
+            shape,
+            qb.ptr(),
+            src,
+            tiles,
+            scale,
+            scb.ptr(),
+            ob.ptr(),
+            if sinks { sb.ptr() } else { 0 },
+        )?;
+        let got = read_f32(gpu, &ob, t_total * hq * d)?;
+        for (t, &(si, pos)) in who.iter().enumerate() {
+            let (kc, vc) = &caches[si];
+            for h in 0..hq {
+                let g = h / hg;
+                let qv = &q[(t * hq + h) * d..(t * hq + h + 1) * d];
+                let n = pos + 1;
+                let mut s: Vec<f32> = (0..n)
+                    .map(|j| {
+                        let kr = &kc[(g * cap + j) * d..(g * cap + j + 1) * d];
+                        dot_f32_reference(qv, kr) * scale
+                    })
+                    .collect();
+                if sinks {
+                    s.push(sink_vals[h]);
+                }
+                let mut p = softmax_ref(&s);
+                p.truncate(n);
+                let mut want = vec![0.0f32; d];
+                let mut tmp = Vec::new();
+                weighted_row_sum(
+                    Kernel::scalar(),
+                    &p,
+                    &vc[g * cap * d..(g * cap + n) * d],
+                    &mut want,
+                    &mut tmp,
+                );
+                for dd in 0..d {
+                    c.eq(
+                        || {
+                            format!(
+                                "d={d} hq={hq} hkv={hkv} seqs={seqs:?} token {t} head {h} dim {dd}"
+                            )
+                        },
+                        want[dd],
+                        got[(t * hq + h) * d + dd],
+                    );
+                }
             }
         }
     }

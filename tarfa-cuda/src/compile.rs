@@ -84,6 +84,24 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "prefill.cu",
+        source: include_str!("../../kernels/prefill.cu"),
+        entries: &[
+            "ls_mm_bf16",
+            "ls_mm_f32",
+            "ls_gate_up_bf16",
+            "ls_gate_up_f32",
+            "ls_down_bf16",
+            "attn_scores_d8",
+            "attn_scores_d16",
+            "attn_scores_d32",
+            "attn_scores_d64",
+            "attn_scores_d128",
+            "attn_softmax",
+            "attn_pv",
+        ],
+    },
+    KernelFile {
         name: "mla.cu",
         source: include_str!("../../kernels/mla.cu"),
         entries: &[

@@ -134,6 +134,8 @@ pub(crate) struct Gpu {
     pub(crate) info: DeviceInfo,
     sync_each: bool,
     last_kernel: Mutex<&'static str>,
+    /// `ManyKernels::code` of the kernels a step of many tokens takes (changes speed only).
+    many: std::sync::atomic::AtomicU8,
 }
 
 enum Inner {
@@ -228,12 +230,18 @@ impl Gpu {
             }
         }
         let sync_each = opts.tuning.sync_each_kernel;
-        Ok(Gpu {
+        let gpu = Gpu {
             inner: Inner::Cuda { ctx, stream, funcs },
             info,
             sync_each,
             last_kernel: Mutex::new("(none)"),
-        })
+            many: std::sync::atomic::AtomicU8::new(opts.tuning.many.code()),
+        };
+        // the kernels whose dynamic shared memory passes 48 KiB: their largest, once
+        for (name, bytes) in super::ops::big_shared_kernels() {
+            gpu.allow_shared(name, bytes)?;
+        }
+        Ok(gpu)
     }
 
     /// A device made of host memory whose kernels are the Rust reference functions.
@@ -259,7 +267,19 @@ impl Gpu {
             },
             sync_each: false,
             last_kernel: Mutex::new("(none)"),
+            many: std::sync::atomic::AtomicU8::new(0),
         }
+    }
+
+    /// Which kernels a step of many tokens takes.
+    pub(crate) fn many(&self) -> crate::ManyKernels {
+        crate::ManyKernels::of_code(self.many.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Changes [`Gpu::many`] (between steps: a step reads it as it launches).
+    pub(crate) fn set_many(&self, m: crate::ManyKernels) {
+        self.many
+            .store(m.code(), std::sync::atomic::Ordering::Relaxed);
     }
 
     fn cuda(&self) -> Option<(&Arc<CudaContext>, &Arc<CudaStream>)> {

@@ -266,6 +266,68 @@ pub struct CudaTuning {
     /// Wait for each greedy token before launching the next step, instead of running 8 steps
     /// ahead ([`CudaModel::run_ahead`]; slower; the other arm of PHASE_LOG B2's A/B).
     pub wait_each_token: bool,
+    /// Which kernels run the products and the attention of a step of many tokens (default
+    /// [`ManyKernels::Auto`]); [`CudaModel::set_many_kernels`] changes it on a loaded model.
+    pub many: ManyKernels,
+}
+
+/// Which kernels run a step of many tokens (a prefill, a batch of sequences). Every choice
+/// computes the same bits (docs/EXACTNESS.md section 9); they differ in speed only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ManyKernels {
+    /// The lane-sequential kernels (kernels/prefill.cu) where a step has enough tokens per
+    /// weight row, per expert or per query tile for them to pay; the token-tiled kernels
+    /// (kernels/tile.cu, attention.cu) elsewhere (PHASE_LOG B5).
+    #[default]
+    Auto,
+    /// The token-tiled kernels of PHASE_LOG B3 only (the other arm of B5's A/B).
+    Tiled,
+    /// The lane-sequential kernels wherever they can run, however few the tokens (tests).
+    Lanes,
+}
+
+impl ManyKernels {
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            ManyKernels::Auto => "auto",
+            ManyKernels::Tiled => "tiled",
+            ManyKernels::Lanes => "lanes",
+        }
+    }
+
+    /// Parses a [`ManyKernels::name`], exactly: anything else is an error that lists the names.
+    pub fn parse(s: &str) -> Result<ManyKernels, String> {
+        ManyKernels::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = ManyKernels::ALL.iter().map(|m| m.name()).collect();
+                format!(
+                    "unknown many-token kernels {s:?} (one of {})",
+                    names.join(", ")
+                )
+            })
+    }
+
+    /// Every choice.
+    pub const ALL: [ManyKernels; 3] = [ManyKernels::Auto, ManyKernels::Tiled, ManyKernels::Lanes];
+
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            ManyKernels::Auto => 0,
+            ManyKernels::Tiled => 1,
+            ManyKernels::Lanes => 2,
+        }
+    }
+
+    pub(crate) fn of_code(c: u8) -> ManyKernels {
+        match c {
+            1 => ManyKernels::Tiled,
+            2 => ManyKernels::Lanes,
+            _ => ManyKernels::Auto,
+        }
+    }
 }
 
 /// The hot tier of expert streaming: GPU memory for experts ([`CudaOptions::hot`]).

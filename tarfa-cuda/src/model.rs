@@ -399,6 +399,17 @@ impl CudaModel {
     }
 
     /// The decode mode new caches start with ([`CudaTuning::decode`](crate::CudaTuning)).
+    /// Which kernels this model's steps of many tokens take from now on (changes speed, never
+    /// a bit: every choice computes the same canonical reductions).
+    pub fn set_many_kernels(&self, m: crate::ManyKernels) {
+        self.gpu.set_many(m);
+    }
+
+    /// The kernels steps of many tokens take ([`CudaModel::set_many_kernels`]).
+    pub fn many_kernels(&self) -> crate::ManyKernels {
+        self.gpu.many()
+    }
+
     pub fn default_decode_mode(&self) -> DecodeMode {
         self.decode_mode
     }
@@ -725,6 +736,7 @@ impl CudaModel {
                 .capture
                 .ensure(&self.gpu, t_count * cfg.hidden_size * 4, "the captures")?;
         }
+        let tiles = cache.ws.attn_tiles(&self.gpu, cfg, &[t_count], end)?;
         let ws = &cache.ws;
         let gpu = &self.gpu;
         let (h, hq, hkv, d) = (
@@ -758,6 +770,7 @@ impl CudaModel {
             model: self,
             ws,
             kv: steps::StepKv::One(cache),
+            tiles,
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
             linear,
@@ -788,7 +801,7 @@ impl CudaModel {
         }
         let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
         let vocab = cfg.vocab_size;
-        ops::matvec(
+        ops::matmul(
             gpu,
             lm,
             ws.hn.ptr(),
@@ -984,6 +997,8 @@ impl CudaModel {
         if hook.is_some() {
             ws.capture.ensure(gpu, t_total * h * 4, "the captures")?;
         }
+        let seq_tokens: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+        let tiles = ws.attn_tiles(gpu, cfg, &seq_tokens, longest)?;
         // RoPE table rows hold rotary_dim / 2 values
         let half = cfg.rotary_dim / 2;
         let mut tokens = Vec::with_capacity(t_total);
@@ -1047,6 +1062,7 @@ impl CudaModel {
                 tables,
                 n_stride: longest,
             },
+            tiles,
             shape,
             scale: (1.0f64 / (d as f64).sqrt()) as f32,
             linear,
@@ -2037,6 +2053,10 @@ struct Workspace {
     /// A step with a hook: `[T][H]` for the capture-only launches (an attention or MLP output
     /// before its residual add), allocated only by such a step.
     capture: Slot,
+    /// The prefill attention's query tiles (`ops::AttnTiles`): the tile list and each tile
+    /// row's maximum score (the scores themselves go to `scores`).
+    qtiles: Slot,
+    tile_max: Slot,
 }
 
 #[derive(Default)]
@@ -2122,8 +2142,11 @@ impl Workspace {
             .ensure(gpu, rows * cfg.vocab_size * f, "the logits")?;
         let pairs = (t * k).max(1);
         self.group_order.ensure(gpu, pairs * 4, w)?;
-        self.group_tiles
-            .ensure(gpu, 3 * ops::max_tiles(pairs, cfg.num_experts) * 4, w)?;
+        self.group_tiles.ensure(
+            gpu,
+            3 * ops::max_tiles(pairs, cfg.num_experts, ops::TILE_TOKENS) * 4,
+            w,
+        )?;
         self.group_count.ensure(gpu, 4, w)?;
         self.seq_tok.ensure(gpu, t * 32, w)?;
         if cfg.attn_temperature.is_some() {
@@ -2152,6 +2175,55 @@ impl Workspace {
         self.positions_cap = positions;
         self.rows_cap = rows;
         Ok(())
+    }
+
+    /// The step's query tiles for the prefill attention (kernels/prefill.cu), its buffers
+    /// made room for and its tile list uploaded; `None` when the step's attention takes the
+    /// per-(token, head) kernels: a shape the tiles cannot take, or with `ManyKernels::Auto`
+    /// too few tokens, or tiles less than half full (a batch of one-token sequences).
+    /// `seq_tokens`: each sequence's tokens in the step's order; `n_stride`: the most positions
+    /// a token of the step sees.
+    fn attn_tiles(
+        &mut self,
+        gpu: &Gpu,
+        cfg: &MoeConfig,
+        seq_tokens: &[usize],
+        n_stride: usize,
+    ) -> Result<Option<ops::AttnTiles>, CudaError> {
+        if cfg.mla.is_some() {
+            return Ok(None);
+        }
+        let shape = AttnShape {
+            hq: cfg.num_heads,
+            hkv: cfg.num_kv_heads,
+            d: cfg.head_dim,
+            rd: cfg.rotary_dim,
+            cap: 0,
+            pos0: 0,
+            tokens: seq_tokens.iter().sum(),
+        };
+        let Some(qt) = ops::query_tile_tokens(&shape, &ops::AttnMask::default()) else {
+            return Ok(None);
+        };
+        let list = ops::query_tiles(seq_tokens, qt);
+        let n_tiles = list.len() / 2;
+        let t = shape.tokens;
+        if n_tiles == 0 || !ops::lanes(gpu, t >= 16 && n_tiles * qt <= 2 * t) {
+            return Ok(None);
+        }
+        let rows = n_tiles * cfg.num_kv_heads * ops::AT_ROWS;
+        let w = "the prefill attention's tiles";
+        self.qtiles.ensure(gpu, list.len() * 4, w)?;
+        self.tile_max.ensure(gpu, rows * 4, w)?;
+        self.scores
+            .ensure(gpu, rows * n_stride * 4, "the attention scores")?;
+        gpu.write(self.qtiles.ptr(), &list, "the query tiles")?;
+        Ok(Some(ops::AttnTiles {
+            qtiles: self.qtiles.ptr(),
+            n_tiles,
+            mbuf: self.tile_max.ptr(),
+            n_stride,
+        }))
     }
 
     /// Where the step's router records are.

@@ -232,6 +232,62 @@ pub(crate) const TILE_TOKENS: usize = 4;
 const TILE_ROWS: usize = 4;
 const GU_ROWS: usize = 2;
 
+/// kernels/prefill.cu's lane-sequential tiles: rows and tokens (pairs, query rows) per block,
+/// threads per block, and the dynamic shared memory of its products (`LS_SMEM_BYTES`).
+const LS_BR: usize = 32;
+pub(crate) const LS_BT: usize = 16;
+const LS_THREADS: u32 = 512;
+const LS_SMEM: u32 = 2 * (8 * 16 * 32 + 8 * 16 * 20) * 4;
+/// Query rows per tile of the prefill attention (`AT_ROWS`), and its scores kernel's dynamic
+/// shared memory for head width `d`: Q transposed `[d][72]` and two stages of keys `[d][20]`.
+pub(crate) const AT_ROWS: usize = 64;
+fn at_scores_smem(d: usize) -> u32 {
+    (d * (72 + 2 * 20) * 4) as u32
+}
+/// The head widths the prefill attention takes (its `attn_scores_dX`).
+const AT_WIDTHS: [(usize, &str); 5] = [
+    (8, "attn_scores_d8"),
+    (16, "attn_scores_d16"),
+    (32, "attn_scores_d32"),
+    (64, "attn_scores_d64"),
+    (128, "attn_scores_d128"),
+];
+
+/// Kernels whose dynamic shared memory can pass 48 KiB, with their largest (`Gpu::open` allows
+/// it once per kernel).
+pub(crate) fn big_shared_kernels() -> Vec<(&'static str, u32)> {
+    let mut v: Vec<(&'static str, u32)> = [
+        "ls_mm_bf16",
+        "ls_mm_f32",
+        "ls_gate_up_bf16",
+        "ls_gate_up_f32",
+        "ls_down_bf16",
+        "attn_pv",
+    ]
+    .into_iter()
+    .map(|n| (n, LS_SMEM))
+    .collect();
+    v.extend(AT_WIDTHS.iter().map(|&(d, n)| (n, at_scores_smem(d))));
+    v
+}
+
+/// With [`crate::ManyKernels::Auto`], the lane-sequential products run from this many tokens
+/// (a dense matrix's), or this many routed pairs per expert on average (the experts'): below,
+/// a 16-token tile would be mostly the repeated last token, and the token-tiled kernels of
+/// tile.cu read the weights as often for less work (PHASE_LOG B5).
+pub(crate) const LS_AUTO_TOKENS: usize = 64;
+pub(crate) const LS_AUTO_PAIRS_PER_EXPERT: usize = 8;
+
+/// Whether a product of many tokens takes the lane-sequential kernels: `enough` is Auto's
+/// verdict on the shape.
+pub(crate) fn lanes(gpu: &Gpu, enough: bool) -> bool {
+    match gpu.many() {
+        crate::ManyKernels::Tiled => false,
+        crate::ManyKernels::Lanes => true,
+        crate::ManyKernels::Auto => enough,
+    }
+}
+
 /// Whether the tiled kernels can read a matrix of `cols` columns and activations `x_stride`
 /// floats apart: whole 8-element groups, every row and vector 16-byte aligned.
 fn tileable(cols: usize, x_stride: usize, ptrs: &[u64]) -> bool {
@@ -258,19 +314,35 @@ pub(crate) fn matmul(
     if tokens < 2 || !tileable(w.cols, x_stride, &[w.ptr(), x]) {
         return matvec(gpu, w, x, x_stride, bias, out, out_stride, tokens, residual);
     }
-    let name = match w.dtype {
-        DType::Bf16 => "mm_tile_bf16",
-        DType::F32 => "mm_tile_f32",
+    let ls = lanes(gpu, tokens >= LS_AUTO_TOKENS);
+    let name = match (w.dtype, ls) {
+        (DType::Bf16, false) => "mm_tile_bf16",
+        (DType::F32, false) => "mm_tile_f32",
+        (DType::Bf16, true) => "ls_mm_bf16",
+        (DType::F32, true) => "ls_mm_f32",
+    };
+    let (grid, block, smem) = if ls {
+        (
+            (blocks(tokens, LS_BT), blocks(w.rows, LS_BR), 1),
+            (LS_THREADS, 1, 1),
+            LS_SMEM,
+        )
+    } else {
+        (
+            (
+                blocks(tokens, TILE_TOKENS),
+                blocks(w.rows, 8 * TILE_ROWS),
+                1,
+            ),
+            (256, 1, 1),
+            0,
+        )
     };
     gpu.launch(
         name,
-        (
-            blocks(tokens, TILE_TOKENS),
-            blocks(w.rows, 8 * TILE_ROWS),
-            1,
-        ),
-        (256, 1, 1),
-        0,
+        grid,
+        block,
+        smem,
         &[
             Arg::Ptr(w.ptr()),
             Arg::I32(i32_of(w.rows, "rows")?),
@@ -295,17 +367,37 @@ pub(crate) struct Groups {
     pub(crate) n_tiles: u64,
 }
 
-/// The most tiles [`moe_group`] makes of `pairs` routed pairs over `experts` experts.
-pub(crate) fn max_tiles(pairs: usize, experts: usize) -> usize {
-    pairs.div_ceil(TILE_TOKENS) + experts.min(pairs)
+/// The most tiles [`moe_group`] makes of `pairs` routed pairs over `experts` experts, in tiles
+/// of `tile` pairs.
+pub(crate) fn max_tiles(pairs: usize, experts: usize, tile: usize) -> usize {
+    pairs.div_ceil(tile) + experts.min(pairs)
 }
 
-/// The routed pairs `ids[0..pairs)` grouped by expert into tiles (kernels/tile.cu `moe_group`).
+/// Whether a layer's experts run on the lane-sequential kernels ([`lanes`] with Auto's
+/// threshold: enough routed pairs per expert); its pairs are grouped in tiles of
+/// [`experts_tile`].
+pub(crate) fn experts_lanes(gpu: &Gpu, pairs: usize, experts: usize) -> bool {
+    lanes(gpu, pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts)
+}
+
+/// The pairs per tile of the experts' kernels: LS_BT for the lane-sequential, TILE_TOKENS for
+/// the token-tiled.
+pub(crate) fn experts_tile(lanes: bool) -> usize {
+    if lanes {
+        LS_BT
+    } else {
+        TILE_TOKENS
+    }
+}
+
+/// The routed pairs `ids[0..pairs)` grouped by expert into tiles of `tile` pairs
+/// (kernels/tile.cu `moe_group`).
 pub(crate) fn moe_group(
     gpu: &Gpu,
     ids: u64,
     pairs: usize,
     experts: usize,
+    tile: usize,
     g: Groups,
 ) -> Result<(), CudaError> {
     gpu.launch(
@@ -317,6 +409,7 @@ pub(crate) fn moe_group(
             Arg::Ptr(ids),
             Arg::I32(i32_of(pairs, "routed pairs")?),
             Arg::I32(i32_of(experts, "experts")?),
+            Arg::I32(tile as i32),
             Arg::Ptr(g.order),
             Arg::Ptr(g.tiles),
             Arg::Ptr(g.n_tiles),
@@ -324,8 +417,9 @@ pub(crate) fn moe_group(
     )
 }
 
-/// [`gate_up`]'s function, token-tiled (kernels/tile.cu `gate_up_tile`): grouped by expert
-/// (`groups`, the pairs of `pairs` = tokens * k), or a dense MLP over `pairs` tokens (`None`).
+/// [`gate_up`]'s function, token-tiled (kernels/tile.cu `gate_up_tile`, or prefill.cu's
+/// `ls_gate_up` when `lanes`): grouped by expert (`groups`, the pairs of `pairs` = tokens * k,
+/// grouped in tiles of [`experts_tile`]`(lanes)`), or a dense MLP over `pairs` tokens (`None`).
 /// `false` when the shapes are not tileable (the caller then takes `gate_up`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gate_up_tile(
@@ -340,30 +434,39 @@ pub(crate) fn gate_up_tile(
     k: usize,
     xn: u64,
     act: u64,
+    lanes: bool,
 ) -> Result<bool, CudaError> {
     if !tileable(cols, cols, &[gate, up, xn]) {
         return Ok(false);
     }
-    let name = match dtype {
-        DType::Bf16 => "gate_up_tile_bf16",
-        DType::F32 => "gate_up_tile_f32",
+    let name = match (dtype, lanes) {
+        (DType::Bf16, false) => "gate_up_tile_bf16",
+        (DType::F32, false) => "gate_up_tile_f32",
+        (DType::Bf16, true) => "ls_gate_up_bf16",
+        (DType::F32, true) => "ls_gate_up_f32",
     };
+    let tile = experts_tile(lanes);
     let (g, tiles) = match groups {
-        Some((g, experts)) => (g, max_tiles(pairs, experts)),
+        Some((g, experts)) => (g, max_tiles(pairs, experts, tile)),
         None => (
             Groups {
                 order: 0,
                 tiles: 0,
                 n_tiles: 0,
             },
-            pairs.div_ceil(TILE_TOKENS),
+            pairs.div_ceil(tile),
         ),
+    };
+    let (grid_y, block, smem) = if lanes {
+        (blocks(rows, LS_BR / 2), LS_THREADS, LS_SMEM)
+    } else {
+        (blocks(rows, 8 * GU_ROWS), 256, 0)
     };
     gpu.launch(
         name,
-        (tiles as u32, blocks(rows, 8 * GU_ROWS), 1),
-        (256, 1, 1),
-        0,
+        (tiles as u32, grid_y, 1),
+        (block, 1, 1),
+        smem,
         &[
             Arg::Ptr(gate),
             Arg::Ptr(up),
@@ -382,7 +485,8 @@ pub(crate) fn gate_up_tile(
 }
 
 /// The experts' down products `y[pair]` of a layer's grouped pairs, unmixed (kernels/tile.cu
-/// `down_tile`); [`moe_mix`] mixes them. `false` when the shapes are not tileable.
+/// `down_tile`, or prefill.cu's `ls_down_bf16` when `lanes`: the pairs grouped in tiles of
+/// [`experts_tile`]`(lanes)`); [`moe_mix`] mixes them. `false` when the shapes are not tileable.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn down_tile(
     gpu: &Gpu,
@@ -394,19 +498,22 @@ pub(crate) fn down_tile(
     experts: usize,
     act: u64,
     y: u64,
+    lanes: bool,
 ) -> Result<bool, CudaError> {
     if !tileable(width, width, &[down, act]) {
         return Ok(false);
     }
+    let tiles = max_tiles(pairs, experts, experts_tile(lanes)) as u32;
+    let (name, grid_y, block, smem) = if lanes {
+        ("ls_down_bf16", blocks(hidden, LS_BR), LS_THREADS, LS_SMEM)
+    } else {
+        ("down_tile", blocks(hidden, 8 * TILE_ROWS), 256, 0)
+    };
     gpu.launch(
-        "down_tile",
-        (
-            max_tiles(pairs, experts) as u32,
-            blocks(hidden, 8 * TILE_ROWS),
-            1,
-        ),
-        (256, 1, 1),
-        0,
+        name,
+        (tiles, grid_y, 1),
+        (block, 1, 1),
+        smem,
         &[
             Arg::Ptr(down),
             Arg::I32(i32_of(hidden, "hidden")?),
@@ -654,6 +761,128 @@ pub(crate) fn attention_seqs(
             m1,
             m2,
         ],
+    )
+}
+
+/// A step's query tiles for the prefill attention (kernels/prefill.cu): the tile list on the
+/// device (`(first token, tokens)` u32 pairs), their number, each tile row's maximum score
+/// (`n_tiles * Hkv * AT_ROWS` floats) and the scores' row stride (positions).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnTiles {
+    pub(crate) qtiles: u64,
+    pub(crate) n_tiles: usize,
+    pub(crate) mbuf: u64,
+    pub(crate) n_stride: usize,
+}
+
+/// The query tiles of a step whose sequences bring `seq_tokens` tokens each (in the step's
+/// order), `qt` tokens per tile: runs of at most `qt` consecutive tokens of one sequence.
+pub(crate) fn query_tiles(seq_tokens: &[usize], qt: usize) -> Vec<u32> {
+    let mut v = Vec::new();
+    let mut first = 0usize;
+    for &n in seq_tokens {
+        let mut at = 0;
+        while at < n {
+            let c = qt.min(n - at);
+            v.extend([(first + at) as u32, c as u32]);
+            at += c;
+        }
+        first += n;
+    }
+    v
+}
+
+/// Tokens per query tile for `hq` query heads over `hkv` KV heads (AT_ROWS rows: the group's
+/// heads times the tokens), or `None` when the prefill attention cannot take the shape: a head
+/// width without its `attn_scores_dX`, a group that does not divide AT_ROWS, a window or chunk.
+pub(crate) fn query_tile_tokens(s: &AttnShape, mask: &AttnMask) -> Option<usize> {
+    let g = s.hq.checked_div(s.hkv)?;
+    let fits = s.hkv * g == s.hq
+        && g > 0
+        && AT_ROWS.is_multiple_of(g)
+        && AT_WIDTHS.iter().any(|&(d, _)| d == s.d)
+        && mask.window == 0
+        && mask.chunk == 0;
+    fits.then(|| AT_ROWS / g)
+}
+
+/// Where the step's keys and values are: one sequence's layer cache (`pos0` its first token's
+/// position), or the per-token tables of a step over several sequences.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum KvSrc {
+    One { kc: u64, vc: u64 },
+    Seqs(SeqKv),
+}
+
+/// [`attention`]'s function over query tiles (kernels/prefill.cu `attn_scores_dX`,
+/// `attn_softmax`, `attn_pv`): `scratch` holds `n_tiles * Hkv * AT_ROWS * n_stride` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_tiles(
+    gpu: &Gpu,
+    s: AttnShape,
+    q: u64,
+    src: KvSrc,
+    t: AttnTiles,
+    scale: f32,
+    scratch: u64,
+    o: u64,
+    sinks: u64,
+) -> Result<(), CudaError> {
+    let Some(&(_, scores)) = AT_WIDTHS.iter().find(|&&(d, _)| d == s.d) else {
+        return Err(CudaError::Internal(format!(
+            "the prefill attention has no kernel for head width {}",
+            s.d
+        )));
+    };
+    let (tok, kv, kc, vc) = match src {
+        KvSrc::One { kc, vc } => (0, 0, kc, vc),
+        KvSrc::Seqs(sk) => (sk.tok, sk.kv, 0, 0),
+    };
+    let src_args = [
+        Arg::Ptr(t.qtiles),
+        Arg::Ptr(tok),
+        Arg::Ptr(kv),
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::I32(i32_of(s.cap, "cache capacity")?),
+        Arg::I32(i32_of(s.pos0, "position")?),
+    ];
+    let (hq, hkv) = (Arg::I32(s.hq as i32), Arg::I32(s.hkv as i32));
+    let stride = Arg::I32(i32_of(t.n_stride, "positions")?);
+    let n_tiles = i32_of(t.n_tiles, "query tiles")? as u32;
+    let mut a = vec![Arg::Ptr(q), hq, hkv];
+    a.extend(src_args);
+    a.extend([Arg::F32(scale), Arg::Ptr(scratch), stride, Arg::Ptr(t.mbuf)]);
+    gpu.launch(
+        scores,
+        (n_tiles, s.hkv as u32, 1),
+        (256, 1, 1),
+        at_scores_smem(s.d),
+        &a,
+    )?;
+    let mut a = vec![hq, hkv];
+    a.extend(src_args);
+    a.extend([Arg::Ptr(scratch), stride, Arg::Ptr(t.mbuf), Arg::Ptr(sinks)]);
+    gpu.launch(
+        "attn_softmax",
+        (n_tiles, s.hkv as u32, 1),
+        (AT_ROWS as u32, 1, 1),
+        0,
+        &a,
+    )?;
+    let mut a = vec![hq, hkv, Arg::I32(s.d as i32)];
+    a.extend(src_args);
+    a.extend([Arg::Ptr(scratch), stride, Arg::Ptr(o)]);
+    gpu.launch(
+        "attn_pv",
+        (
+            n_tiles * s.hkv as u32,
+            blocks(s.d, LS_BR),
+            (AT_ROWS / LS_BT) as u32,
+        ),
+        (LS_THREADS, 1, 1),
+        LS_SMEM,
+        &a,
     )
 }
 

@@ -88,6 +88,9 @@ pub(super) struct OpSteps<'a> {
     pub(super) model: &'a CudaModel,
     pub(super) ws: &'a Workspace,
     pub(super) kv: StepKv<'a>,
+    /// The step's query tiles when its attention takes the prefill kernels (kernels/prefill.cu;
+    /// a layer with a window or chunk still takes attention.cu's).
+    pub(super) tiles: Option<ops::AttnTiles>,
     pub(super) shape: AttnShape,
     /// round_f32(1 / sqrt(D)) computed in f64, as the CPU does
     pub(super) scale: f32,
@@ -346,6 +349,7 @@ impl OpSteps<'_> {
     fn gated_mlp(&self, d: &DevDense, act: u64, out: u64, residual: bool) -> Result<(), CudaError> {
         let (m, ws, t_count) = (self.model, self.ws, self.shape.tokens);
         let (h, f) = (m.cfg.hidden_size, d.gate.rows);
+        let lanes = ops::lanes(&m.gpu, t_count >= ops::LS_AUTO_TOKENS);
         let tiled = t_count >= 2
             && ops::gate_up_tile(
                 &m.gpu,
@@ -359,6 +363,7 @@ impl OpSteps<'_> {
                 1,
                 ws.xn.ptr(),
                 act,
+                lanes,
             )?;
         if !tiled {
             ops::gate_up(
@@ -451,6 +456,10 @@ impl OpSteps<'_> {
         }
         let mask = m.attn_mask(l);
         let form = m.rope_form(l, ws);
+        // the prefill attention over query tiles where the layer sees whole prefixes
+        let tiles = self
+            .tiles
+            .filter(|_| ops::query_tile_tokens(&shape, &mask).is_some());
         match &self.kv {
             StepKv::One(cache) => {
                 let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
@@ -467,33 +476,61 @@ impl OpSteps<'_> {
                     vc,
                     form,
                 )?;
-                ops::attention(
-                    gpu,
-                    shape,
-                    ws.q.ptr(),
-                    kc,
-                    vc,
-                    self.scale,
-                    ws.scores.ptr(),
-                    mask.stride(shape.pos0 + t_count),
-                    ws.o.ptr(),
-                    mask,
-                )?;
+                if let Some(t) = tiles {
+                    ops::attention_tiles(
+                        gpu,
+                        shape,
+                        ws.q.ptr(),
+                        ops::KvSrc::One { kc, vc },
+                        t,
+                        self.scale,
+                        ws.scores.ptr(),
+                        ws.o.ptr(),
+                        mask.sinks,
+                    )?;
+                } else {
+                    ops::attention(
+                        gpu,
+                        shape,
+                        ws.q.ptr(),
+                        kc,
+                        vc,
+                        self.scale,
+                        ws.scores.ptr(),
+                        mask.stride(shape.pos0 + t_count),
+                        ws.o.ptr(),
+                        mask,
+                    )?;
+                }
             }
             StepKv::Seqs { tables, n_stride } => {
                 let t = tables.layer(l);
                 ops::rope_append_kv_seqs(gpu, shape, ws.q.ptr(), ws.k.ptr(), ws.v.ptr(), t, form)?;
-                ops::attention_seqs(
-                    gpu,
-                    shape,
-                    ws.q.ptr(),
-                    t,
-                    self.scale,
-                    ws.scores.ptr(),
-                    mask.stride(*n_stride),
-                    ws.o.ptr(),
-                    mask,
-                )?;
+                if let Some(tt) = tiles {
+                    ops::attention_tiles(
+                        gpu,
+                        shape,
+                        ws.q.ptr(),
+                        ops::KvSrc::Seqs(t),
+                        tt,
+                        self.scale,
+                        ws.scores.ptr(),
+                        ws.o.ptr(),
+                        mask.sinks,
+                    )?;
+                } else {
+                    ops::attention_seqs(
+                        gpu,
+                        shape,
+                        ws.q.ptr(),
+                        t,
+                        self.scale,
+                        ws.scores.ptr(),
+                        mask.stride(*n_stride),
+                        ws.o.ptr(),
+                        mask,
+                    )?;
+                }
             }
         }
         // gated attention: o = o * sigmoid(gate), before o_proj
@@ -1026,7 +1063,8 @@ impl OpSteps<'_> {
         );
         let pairs = t_count * k;
         let g = ws.groups();
-        ops::moe_group(&m.gpu, route.ids, pairs, e, g)?;
+        let lanes = ops::experts_lanes(&m.gpu, pairs, e);
+        ops::moe_group(&m.gpu, route.ids, pairs, e, ops::experts_tile(lanes), g)?;
         let gu = ops::gate_up_tile(
             &m.gpu,
             DType::Bf16,
@@ -1039,6 +1077,7 @@ impl OpSteps<'_> {
             k,
             ws.xn.ptr(),
             ws.act.ptr(),
+            lanes,
         )?;
         if !gu {
             return Ok(None);
@@ -1053,6 +1092,7 @@ impl OpSteps<'_> {
             e,
             ws.act.ptr(),
             ws.y_experts.ptr(),
+            lanes,
         )?;
         if !dn {
             // gate_up_tile wrote the same activations gate_up would: finish with down_mix

@@ -46,6 +46,12 @@ impl CudaModel {
     pub fn config(&self) -> &MoeConfig {
         match self.never {}
     }
+    pub fn set_many_kernels(&self, _m: super::ManyKernels) {
+        match self.never {}
+    }
+    pub fn many_kernels(&self) -> super::ManyKernels {
+        match self.never {}
+    }
     pub fn spec(&self) -> &ArchSpec {
         match self.never {}
     }
