@@ -93,34 +93,46 @@ __device__ __forceinline__ const W* ls_row_ptr(const LsRows& rs, int r, int cols
     return base + (rs.row0 + local) * (long)cols;
 }
 
-// Issues the global loads of stage (leaf m, c-block b) into registers. x_rows[t]: token t's
-// activation row (16 of them, clamped to valid rows by the caller).
+// What a thread loads of every stage, fixed for the whole reduction: thread i = (c, h, r) loads
+// row r's h-th 8 of the stage's 16 columns of chunk c, and i = (c, q, t) token t's q-th 4.
+// Stage (leaf m, c-block b) adds 256 * LS_CB * b + 16 m to both columns.
 template <typename W>
-__device__ __forceinline__ void ls_load(LsRegs<W>& g, const LsRows& rs, int cols,
-                                        const float* const* x_rows, int m, int b) {
+struct LsLoads {
+    const W* wrow;    // the thread's weight row
+    const float* xrow;  // the thread's token row
+    int wcol, xcol;   // the columns within a stage: 256 c + 8 h, and 256 c + 4 q
+};
+
+template <typename W>
+__device__ __forceinline__ LsLoads<W> ls_loads(const LsRows& rs, int cols,
+                                               const float* const* x_rows) {
     const int i = threadIdx.x;
-    // weights: i = (c, h, r): row r, the h-th 8 of the stage's 16 columns of chunk c
-    {
-        const int r = i & 31, h = (i >> 5) & 1, c = i >> 6;
-        const int col = 256 * (b * LS_CB + c) + 16 * m + 8 * h;
-        g.wv = col < cols;
-        if (g.wv) {
-            const W* p = ls_row_ptr<W>(rs, r, cols) + col;
-            if constexpr (sizeof(W) == 2) {
-                g.w = __ldg(reinterpret_cast<const uint4*>(p));
-            } else {
-                g.w0 = __ldg(reinterpret_cast<const uint4*>(p));
-                g.w1 = __ldg(reinterpret_cast<const uint4*>(p) + 1);
-            }
+    LsLoads<W> l;
+    l.wrow = ls_row_ptr<W>(rs, i & 31, cols);
+    l.wcol = 256 * (i >> 6) + 8 * ((i >> 5) & 1);
+    l.xrow = x_rows[i & 15];
+    l.xcol = 256 * (i >> 6) + 4 * ((i >> 4) & 3);
+    return l;
+}
+
+// Issues the global loads of stage (leaf m, c-block b) into registers.
+template <typename W>
+__device__ __forceinline__ void ls_load(LsRegs<W>& g, const LsLoads<W>& l, int cols, int m,
+                                        int b) {
+    const int at = 256 * LS_CB * b + 16 * m;
+    const int wc = at + l.wcol, xc = at + l.xcol;
+    g.wv = wc < cols;
+    if (g.wv) {
+        const W* p = l.wrow + wc;
+        if constexpr (sizeof(W) == 2) {
+            g.w = __ldg(reinterpret_cast<const uint4*>(p));
+        } else {
+            g.w0 = __ldg(reinterpret_cast<const uint4*>(p));
+            g.w1 = __ldg(reinterpret_cast<const uint4*>(p) + 1);
         }
     }
-    // activations: i = (c, q, t): token t, the q-th 4 of the 16 columns of chunk c
-    {
-        const int t = i & 15, q = (i >> 4) & 3, c = i >> 6;
-        const int col = 256 * (b * LS_CB + c) + 16 * m + 4 * q;
-        g.xv = col < cols;
-        if (g.xv) g.x = __ldg(reinterpret_cast<const float4*>(x_rows[t] + col));
-    }
+    g.xv = xc < cols;
+    if (g.xv) g.x = __ldg(reinterpret_cast<const float4*>(l.xrow + xc));
 }
 
 // Stores the registers of a stage into a buffer, transposed: Ws[c][col][row], Xs[c][col][token].
@@ -162,11 +174,26 @@ __device__ __forceinline__ void ls_store(const LsRegs<W>& g, float* buf) {
 
 // leaf[i][j] += terms of chunks [0, nc) of the buffer for this thread's lane (column w of each
 // chunk), rows 4rg+i, tokens 4tg+j: one fmaf per term, chunks in increasing order.
+__device__ __forceinline__ void ls_chunk(float (&leaf)[4][4], const float* wp, const float* xp) {
+    const float4 wv = *reinterpret_cast<const float4*>(wp);
+    const float4 xv = *reinterpret_cast<const float4*>(xp);
+    const float wa[4] = {wv.x, wv.y, wv.z, wv.w};
+    const float xa[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) leaf[i][j] = fmaf(wa[i], xa[j], leaf[i][j]);
+}
+
 __device__ __forceinline__ void ls_compute(float (&leaf)[4][4], const float* buf, int nc, int w,
                                            int rg, int tg) {
     const float* wp = buf + w * LS_BR + 4 * rg;
     const float* xp = buf + LS_WS + w * LS_XP + 4 * tg;
-#pragma unroll 4
+    if (nc == LS_CB) {  // a whole stage: no loop
+#pragma unroll
+        for (int c = 0; c < LS_CB; c++) ls_chunk(leaf, wp + c * 16 * LS_BR, xp + c * 16 * LS_XP);
+        return;
+    }
     for (int c = 0; c < nc; c++) {
         const float4 wv = *reinterpret_cast<const float4*>(wp + c * 16 * LS_BR);
         const float4 xv = *reinterpret_cast<const float4*>(xp + c * 16 * LS_XP);
@@ -257,11 +284,12 @@ __device__ __forceinline__ void ls_reduce(float (&out)[4][4], P& pol, float* sme
 // The products' stage policy: 32 weight rows (LsRows) x 16 token rows (x_rows), K = len.
 template <typename W>
 struct LsGemm {
-    LsRows rs;
+    LsLoads<W> l;
     int len;
-    const float* const* x_rows;
     LsRegs<W> g;
-    __device__ __forceinline__ void load(int m, int b) { ls_load<W>(g, rs, len, x_rows, m, b); }
+    __device__ __forceinline__ LsGemm(const LsRows& rs, int cols, const float* const* x_rows)
+        : l(ls_loads<W>(rs, cols, x_rows)), len(cols) {}
+    __device__ __forceinline__ void load(int m, int b) { ls_load<W>(g, l, len, m, b); }
     __device__ __forceinline__ void store(float* buf) const { ls_store<W>(g, buf); }
     __device__ __forceinline__ void compute(float (&leaf)[4][4], const float* buf, int, int,
                                             int nc) const {
@@ -289,14 +317,16 @@ __device__ __forceinline__ void ls_publish(const float (&t)[4][4], float* part) 
 
 // Levels 8, 4, 2, 1 of output `o` (= token * 32 + row) from the 16 warps' subtrees.
 __device__ __forceinline__ float ls_finish(const float* part, int o) {
-    float a[16];
-#pragma unroll
-    for (int w = 0; w < 16; w++) a[w] = part[w * 512 + o];
-#pragma unroll
-    for (int h = 8; h >= 1; h >>= 1)
-#pragma unroll
-        for (int w = 0; w < h; w++) a[w] = __fadd_rn(a[w], a[w + h]);
-    return a[0];
+    const float* p = part + o;
+    // level 8: warps w and w + 8
+    const float a0 = __fadd_rn(p[0 * 512], p[8 * 512]), a1 = __fadd_rn(p[1 * 512], p[9 * 512]);
+    const float a2 = __fadd_rn(p[2 * 512], p[10 * 512]), a3 = __fadd_rn(p[3 * 512], p[11 * 512]);
+    const float a4 = __fadd_rn(p[4 * 512], p[12 * 512]), a5 = __fadd_rn(p[5 * 512], p[13 * 512]);
+    const float a6 = __fadd_rn(p[6 * 512], p[14 * 512]), a7 = __fadd_rn(p[7 * 512], p[15 * 512]);
+    // levels 4, 2, 1
+    const float b0 = __fadd_rn(a0, a4), b1 = __fadd_rn(a1, a5);
+    const float b2 = __fadd_rn(a2, a6), b3 = __fadd_rn(a3, a7);
+    return __fadd_rn(__fadd_rn(b0, b2), __fadd_rn(b1, b3));
 }
 
 // out[t][r] = (out[t][r] +) dot(W[r], x[t]) (+ bias[r]): matvec.cu's function.
@@ -315,7 +345,7 @@ __device__ __forceinline__ void ls_mm_body(const W* __restrict__ w, int rows, in
         x_rows[threadIdx.x] = x + (long)min(t0 + (int)threadIdx.x, tokens - 1) * x_stride;
     }
     __syncthreads();
-    LsGemm<W> pol{{w, nullptr, 0, rows, r0, 0}, cols, x_rows, {}};
+    LsGemm<W> pol(LsRows{w, nullptr, 0, rows, r0, 0}, cols, x_rows);
     float t[4][4];
     ls_reduce(t, pol, smem);
     ls_publish(t, smem);
@@ -390,7 +420,7 @@ __device__ __forceinline__ void ls_gate_up_body(const W* __restrict__ gate,
     if (threadIdx.x < LS_BT) x_rows[threadIdx.x] = xn + (long)(q[threadIdx.x] / k) * cols;
     __syncthreads();
     const int i0 = blockIdx.y * 16;
-    LsGemm<W> pol{{gate, up, e * rows, rows, i0, 1}, cols, x_rows, {}};
+    LsGemm<W> pol(LsRows{gate, up, e * rows, rows, i0, 1}, cols, x_rows);
     float t[4][4];
     ls_reduce(t, pol, smem);
     ls_publish(t, smem);
@@ -435,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(LS_THREADS, 1) ls_down_bf16(
     if (threadIdx.x < LS_BT) x_rows[threadIdx.x] = act + (long)q[threadIdx.x] * width;
     __syncthreads();
     const int r0 = blockIdx.y * LS_BR;
-    LsGemm<u16> pol{{down, nullptr, e * hidden, hidden, r0, 0}, width, x_rows, {}};
+    LsGemm<u16> pol(LsRows{down, nullptr, e * hidden, hidden, r0, 0}, width, x_rows);
     float t[4][4];
     ls_reduce(t, pol, smem);
     ls_publish(t, smem);

@@ -267,7 +267,7 @@ impl Gpu {
             },
             sync_each: false,
             last_kernel: Mutex::new("(none)"),
-            many: std::sync::atomic::AtomicU8::new(0),
+            many: std::sync::atomic::AtomicU8::new(crate::ManyKernels::default().code()),
         }
     }
 

@@ -267,20 +267,27 @@ pub struct CudaTuning {
     /// ahead ([`CudaModel::run_ahead`]; slower; the other arm of PHASE_LOG B2's A/B).
     pub wait_each_token: bool,
     /// Which kernels run the products and the attention of a step of many tokens (default
-    /// [`ManyKernels::Auto`]); [`CudaModel::set_many_kernels`] changes it on a loaded model.
+    /// [`ManyKernels::Tiled`] until PHASE_LOG B5's GPU A/B accepts `Auto`);
+    /// [`CudaModel::set_many_kernels`] changes it on a loaded model.
     pub many: ManyKernels,
 }
 
 /// Which kernels run a step of many tokens (a prefill, a batch of sequences). Every choice
 /// computes the same bits (docs/EXACTNESS.md section 9); they differ in speed only.
+///
+/// The default stays `Tiled` (PHASE_LOG B3's kernels, measured on the H200) until the
+/// lane-sequential kernels have been measured and sanitized there (PHASE_LOG B5: they are
+/// bit-identical to the CPU on the kernel emulator, and validation/gpu/prefill.sh is their GPU
+/// run); a default is chosen by measurement, never by expectation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ManyKernels {
     /// The lane-sequential kernels (kernels/prefill.cu) where a step has enough tokens per
     /// weight row, per expert or per query tile for them to pay; the token-tiled kernels
     /// (kernels/tile.cu, attention.cu) elsewhere (PHASE_LOG B5).
-    #[default]
     Auto,
-    /// The token-tiled kernels of PHASE_LOG B3 only (the other arm of B5's A/B).
+    /// The token-tiled kernels of PHASE_LOG B3 only (the default, and the other arm of B5's
+    /// A/B).
+    #[default]
     Tiled,
     /// The lane-sequential kernels wherever they can run, however few the tokens (tests).
     Lanes,
@@ -323,9 +330,9 @@ impl ManyKernels {
 
     pub(crate) fn of_code(c: u8) -> ManyKernels {
         match c {
-            1 => ManyKernels::Tiled,
+            0 => ManyKernels::Auto,
             2 => ManyKernels::Lanes,
-            _ => ManyKernels::Auto,
+            _ => ManyKernels::Tiled,
         }
     }
 }

@@ -348,6 +348,7 @@ impl CudaModel {
             let mut m = CudaModel::load_on(Gpu::mock(), cfg, source, opts.hot.as_ref())?;
             m.decode_mode = opts.tuning.decode;
             m.wait_each_token = opts.tuning.wait_each_token;
+            m.gpu.set_many(opts.tuning.many);
             Ok(m)
         }
         #[cfg(not(any(test, feature = "mock-device")))]

@@ -42,6 +42,9 @@
 //!   of all B at once; tok/s, and the HBM roofline of the step (the weights of the union of the
 //!   experts its tokens chose plus the dense weights, at the measured copy rate). Every sequence's
 //!   tokens and last logits must be bit-identical to the same sequence decoded alone.
+//! - each in every `--many-kernels` arm (default `tiled,auto`: the token-tiled kernels, then
+//!   the default choice), alternating per size in one process; every arm's bits must equal the
+//!   first's.
 //!
 //! Lines starting `TABLE|` go to bench.sh's summary; `--json` writes every figure.
 
@@ -718,8 +721,11 @@ fn bits_of(rows: &[Vec<f32>]) -> Vec<u32> {
     rows.iter().flatten().map(|v| v.to_bits()).collect()
 }
 
-/// `--only-many`: prefill and batched-decode figures of the token-tiled step, each checked
-/// bitwise. Returns whether every check passed.
+/// `--only-many`: prefill and batched-decode figures of the many-token step, each checked
+/// bitwise, in each `--many-kernels` arm (comma-separated `ManyKernels` names, default
+/// `tiled,auto`: PHASE_LOG B5's A/B, the arms alternating at each size in the same process).
+/// Returns whether every check passed: each arm's bits equal to the first arm's, the prompt in
+/// chunks equal to it whole, every sequence of a batch equal to it decoded alone.
 fn many_token(
     model: &CudaModel,
     cfg: &MoeConfig,
@@ -728,6 +734,7 @@ fn many_token(
     js: &mut serde_json::Map<String, serde_json::Value>,
 ) -> bool {
     use tarfa_run::batch::BatchEntry;
+    use tarfa_run::cuda::ManyKernels;
     use tarfa_run::Backend;
     let vocab = cfg.vocab_size;
     let last = ForwardOptions {
@@ -737,6 +744,11 @@ fn many_token(
     let peak: f64 = arg(args, "--fma-peak").map_or(66.9, |v| {
         v.parse().unwrap_or_else(|_| fail("bad --fma-peak".into()))
     });
+    let arms: Vec<ManyKernels> = arg(args, "--many-kernels")
+        .unwrap_or("tiled,auto")
+        .split(',')
+        .map(|a| ManyKernels::parse(a).unwrap_or_else(|e| fail(e)))
+        .collect();
     let copy = model
         .copy_rate(2 << 30, 10)
         .unwrap_or_else(|e| fail(format!("copy rate: {e}")));
@@ -750,56 +762,70 @@ fn many_token(
         let n = n.min(cfg.max_position_embeddings.saturating_sub(1)).max(1);
         let p = prompt_of(vocab, n, 7 + k);
         let reps = if n >= 4096 { 2 } else { 3 };
-        let mut ts = Vec::new();
-        let mut whole = Vec::new();
-        for r in 0..=reps {
-            let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
-            let t = Instant::now();
-            let out = model
-                .forward(&mut c, &p, &last)
-                .unwrap_or_else(|e| fail(format!("prefill {n}: {e}")));
-            if r > 0 {
-                ts.push(t.elapsed().as_secs_f64());
-            }
-            whole = bits_of(&out.logits);
-        }
-        // the same prompt in chunks of 100: other tiles, the same bits
-        let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
-        let mut chunked = Vec::new();
-        for piece in p.chunks(100) {
-            chunked = bits_of(
-                &model
-                    .forward(&mut c, piece, &last)
-                    .unwrap_or_else(|e| fail(format!("prefill {n} in chunks: {e}")))
-                    .logits,
-            );
-        }
-        let same = chunked == whole;
-        ok &= same;
-        let s = median(&mut ts);
         // 2 FLOPs per multiply-add: the weights of every token, q.k and p.v over 1..=n
         // positions, the lm_head once
         let macs = n as f64 * body
             + attn_per_pos * (n as f64) * (n as f64 + 1.0) / 2.0
             + (vocab * cfg.hidden_size) as f64;
-        let tflops = 2.0 * macs / s / 1e12;
-        let d = format!(
-            "{:.0} tok/s, {tflops:.1} TFLOP/s = {:.1}% of {peak} ({n} tokens in {:.1} ms, median of {reps}); chunks of 100: {}",
-            n as f64 / s,
-            100.0 * tflops / peak,
-            1e3 * s,
-            if same { "same bits" } else { "DIFFERENT BITS" }
-        );
-        println!("prefill {n}: {d}");
-        table(
-            &format!("prefill {n}"),
-            if same { "PASS" } else { "FAIL" },
-            &d,
-        );
-        pre_js.push(
-            json!({"tokens": n, "tok_s": n as f64 / s, "seconds": s, "tflops": tflops,
-            "fma_peak_share": tflops / peak, "chunked_same_bits": same}),
-        );
+        let mut first: Option<Vec<u32>> = None;
+        let mut base_s = None;
+        for &arm in &arms {
+            model.set_many_kernels(arm);
+            let mut ts = Vec::new();
+            let mut whole = Vec::new();
+            for r in 0..=reps {
+                let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
+                let t = Instant::now();
+                let out = model
+                    .forward(&mut c, &p, &last)
+                    .unwrap_or_else(|e| fail(format!("prefill {n}: {e}")));
+                if r > 0 {
+                    ts.push(t.elapsed().as_secs_f64());
+                }
+                whole = bits_of(&out.logits);
+            }
+            let same_arms = first.as_ref().is_none_or(|f| *f == whole);
+            // the first arm: the same prompt in chunks of 100, other tiles, the same bits
+            let chunked_same = if first.is_none() {
+                let mut c = model.new_cache().unwrap_or_else(|e| fail(e.to_string()));
+                let mut chunked = Vec::new();
+                for piece in p.chunks(100) {
+                    chunked = bits_of(
+                        &model
+                            .forward(&mut c, piece, &last)
+                            .unwrap_or_else(|e| fail(format!("prefill {n} in chunks: {e}")))
+                            .logits,
+                    );
+                }
+                first = Some(whole.clone());
+                chunked == whole
+            } else {
+                true
+            };
+            let same = same_arms && chunked_same;
+            ok &= same;
+            let s = median(&mut ts);
+            let base = *base_s.get_or_insert(s);
+            let tflops = 2.0 * macs / s / 1e12;
+            let d = format!(
+                "{:.0} tok/s, {tflops:.1} TFLOP/s = {:.1}% of {peak} ({n} tokens in {:.1} ms, median of {reps}; {:.2}x the first arm); {}",
+                n as f64 / s,
+                100.0 * tflops / peak,
+                1e3 * s,
+                base / s,
+                if same { "same bits (chunks of 100, every arm)" } else { "DIFFERENT BITS" }
+            );
+            println!("prefill {n} [{}]: {d}", arm.name());
+            table(
+                &format!("prefill {n} [{}]", arm.name()),
+                if same { "PASS" } else { "FAIL" },
+                &d,
+            );
+            pre_js.push(
+                json!({"tokens": n, "kernels": arm.name(), "tok_s": n as f64 / s, "seconds": s,
+                "tflops": tflops, "fma_peak_share": tflops / peak, "same_bits": same}),
+            );
+        }
     }
     js.insert("prefill".into(), json!(pre_js));
 
@@ -814,6 +840,7 @@ fn many_token(
     let n_prompt = arg_usize(args, "--prompt", 128);
     let most = sizes.iter().copied().max().unwrap_or(0);
     // each sequence alone: its greedy tokens and last logits (the reference)
+    model.set_many_kernels(arms[0]);
     let t = Instant::now();
     let alone: Vec<(Vec<u32>, Vec<u32>)> = (0..most)
         .map(|i| {
@@ -838,83 +865,90 @@ fn many_token(
     );
     let mut dec_js = Vec::new();
     for &b in &sizes {
-        let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|i| prompt_of(vocab, n_prompt, 100 + i))
-            .collect();
-        let mut caches: Vec<CudaCache> = (0..b)
-            .map(|_| model.new_cache().unwrap_or_else(|e| fail(e.to_string())))
-            .collect();
-        let step = |caches: &mut [CudaCache], toks: &[Vec<u32>], opts: ForwardOptions| {
-            let mut entries: Vec<BatchEntry<'_, CudaCache>> = caches
-                .iter_mut()
-                .zip(toks)
-                .map(|(cache, t)| BatchEntry {
-                    cache,
-                    tokens: t,
-                    opts,
-                })
+        let mut base_tok_s = None;
+        for &arm in &arms {
+            model.set_many_kernels(arm);
+            let prompts: Vec<Vec<u32>> = (0..b)
+                .map(|i| prompt_of(vocab, n_prompt, 100 + i))
                 .collect();
-            model
-                .forward_batch(&mut entries)
-                .unwrap_or_else(|e| fail(format!("batch of {b}: {e}")))
-        };
-        let t = Instant::now();
-        let mut outs = step(&mut caches, &prompts, last);
-        let prefill_s = t.elapsed().as_secs_f64();
-        let mut got: Vec<Vec<u32>> = vec![Vec::new(); b];
-        let t = Instant::now();
-        for _ in 0..steps {
-            let next: Vec<Vec<u32>> = outs.iter().map(|o| vec![argmax(&o.logits[0])]).collect();
-            for (g, n) in got.iter_mut().zip(&next) {
-                g.push(n[0]);
+            let mut caches: Vec<CudaCache> = (0..b)
+                .map(|_| model.new_cache().unwrap_or_else(|e| fail(e.to_string())))
+                .collect();
+            let step = |caches: &mut [CudaCache], toks: &[Vec<u32>], opts: ForwardOptions| {
+                let mut entries: Vec<BatchEntry<'_, CudaCache>> = caches
+                    .iter_mut()
+                    .zip(toks)
+                    .map(|(cache, t)| BatchEntry {
+                        cache,
+                        tokens: t,
+                        opts,
+                    })
+                    .collect();
+                model
+                    .forward_batch(&mut entries)
+                    .unwrap_or_else(|e| fail(format!("batch of {b}: {e}")))
+            };
+            let t = Instant::now();
+            let mut outs = step(&mut caches, &prompts, last);
+            let prefill_s = t.elapsed().as_secs_f64();
+            let mut got: Vec<Vec<u32>> = vec![Vec::new(); b];
+            let t = Instant::now();
+            for _ in 0..steps {
+                let next: Vec<Vec<u32>> = outs.iter().map(|o| vec![argmax(&o.logits[0])]).collect();
+                for (g, n) in got.iter_mut().zip(&next) {
+                    g.push(n[0]);
+                }
+                outs = step(&mut caches, &next, last);
             }
-            outs = step(&mut caches, &next, last);
-        }
-        let s = t.elapsed().as_secs_f64();
-        let same = (0..b).all(|i| got[i] == alone[i].0 && bits_of(&outs[i].logits) == alone[i].1);
-        ok &= same;
-        // the roofline: one more step, traced, for the union of the experts its tokens chose
-        let traced = ForwardOptions {
-            trace_router: true,
-            ..last
-        };
-        let next: Vec<Vec<u32>> = outs.iter().map(|o| vec![argmax(&o.logits[0])]).collect();
-        let outs = step(&mut caches, &next, traced);
-        let mut union = std::collections::BTreeSet::new();
-        for o in &outs {
-            for r in &o.router {
-                for &e in &r.experts {
-                    union.insert((r.layer, e));
+            let s = t.elapsed().as_secs_f64();
+            let same =
+                (0..b).all(|i| got[i] == alone[i].0 && bits_of(&outs[i].logits) == alone[i].1);
+            ok &= same;
+            // the roofline: one more step, traced, for the union of the experts its tokens chose
+            let traced = ForwardOptions {
+                trace_router: true,
+                ..last
+            };
+            let next: Vec<Vec<u32>> = outs.iter().map(|o| vec![argmax(&o.logits[0])]).collect();
+            let outs = step(&mut caches, &next, traced);
+            let mut union = std::collections::BTreeSet::new();
+            for o in &outs {
+                for r in &o.router {
+                    for &e in &r.experts {
+                        union.insert((r.layer, e));
+                    }
                 }
             }
+            let one = &outs[0].stats;
+            let expert_bytes = (3 * 2 * cfg.expert_width * cfg.hidden_size) as u64;
+            let dense = one.weight_bytes - one.experts_fetched * expert_bytes;
+            let step_bytes = dense as f64 + union.len() as f64 * expert_bytes as f64;
+            // copy_rate is in GB/s (bytes read + written)
+            let roof = b as f64 / (step_bytes / (copy * 1e9));
+            let tok_s = (b * steps) as f64 / s;
+            let base = *base_tok_s.get_or_insert(tok_s);
+            let d = format!(
+                "{tok_s:.0} tok/s ({:.2} ms/step; {:.2}x the first arm), roofline {roof:.0} tok/s ({:.1} GB/step at {:.0} GB/s): {:.1}%; prefill of {b}x{n_prompt} in {:.0} ms; every sequence vs alone: {}",
+                1e3 * s / steps as f64,
+                tok_s / base,
+                step_bytes / 1e9,
+                copy,
+                100.0 * tok_s / roof,
+                1e3 * prefill_s,
+                if same { "same tokens and bits" } else { "DIFFERENT" }
+            );
+            println!("batched decode B={b} [{}]: {d}", arm.name());
+            table(
+                &format!("batched decode B={b} [{}]", arm.name()),
+                if same { "PASS" } else { "FAIL" },
+                &d,
+            );
+            dec_js.push(
+                json!({"batch": b, "kernels": arm.name(), "tok_s": tok_s, "seconds": s,
+                "steps": steps, "roofline_tok_s": roof, "step_bytes": step_bytes,
+                "same_as_alone": same, "prefill_seconds": prefill_s}),
+            );
         }
-        let one = &outs[0].stats;
-        let expert_bytes = (3 * 2 * cfg.expert_width * cfg.hidden_size) as u64;
-        let dense = one.weight_bytes - one.experts_fetched * expert_bytes;
-        let step_bytes = dense as f64 + union.len() as f64 * expert_bytes as f64;
-        // copy_rate is in GB/s (bytes read + written)
-        let roof = b as f64 / (step_bytes / (copy * 1e9));
-        let tok_s = (b * steps) as f64 / s;
-        let d = format!(
-            "{tok_s:.0} tok/s ({:.2} ms/step), roofline {roof:.0} tok/s ({:.1} GB/step at {:.0} GB/s): {:.1}%; prefill of {b}x{n_prompt} in {:.0} ms; every sequence vs alone: {}",
-            1e3 * s / steps as f64,
-            step_bytes / 1e9,
-            copy,
-            100.0 * tok_s / roof,
-            1e3 * prefill_s,
-            if same { "same tokens and bits" } else { "DIFFERENT" }
-        );
-        println!("batched decode B={b}: {d}");
-        table(
-            &format!("batched decode B={b}"),
-            if same { "PASS" } else { "FAIL" },
-            &d,
-        );
-        dec_js.push(
-            json!({"batch": b, "tok_s": tok_s, "seconds": s, "steps": steps,
-            "roofline_tok_s": roof, "step_bytes": step_bytes, "same_as_alone": same,
-            "prefill_seconds": prefill_s}),
-        );
     }
     js.insert("batched_decode".into(), json!(dec_js));
     js.insert("copy_rate_gb_s".into(), json!(copy));

@@ -15,6 +15,9 @@
 //! cuda_selftest bench DIR [--prefill N] [--decode N] [--selftest-prompts N]
 //!                                                decode and prefill tok/s, then CPU vs CUDA
 //! ```
+//! `--many-kernels auto|tiled|lanes` (any command): the kernels steps of many tokens take
+//! (default auto; `lanes` runs the lane-sequential kernels of kernels/prefill.cu on every
+//! prompt, however short).
 //! Lines starting `TABLE|` are collected into run.sh's summary.
 
 use std::path::{Path, PathBuf};
@@ -134,8 +137,13 @@ fn arg_usize(args: &[String], flag: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// `--many-kernels`, read once by main.
+static MANY: std::sync::OnceLock<tarfa_run::cuda::ManyKernels> = std::sync::OnceLock::new();
+
 fn cuda_opts() -> CudaOptions {
-    CudaOptions::default()
+    let mut o = CudaOptions::default();
+    o.tuning.many = MANY.get().copied().unwrap_or_default();
+    o
 }
 
 fn run_selftest(
@@ -639,7 +647,15 @@ fn tarfa_run_gib(b: u64) -> String {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(i) = args.iter().position(|a| a == "--many-kernels") {
+        let v = args
+            .get(i + 1)
+            .unwrap_or_else(|| fail("--many-kernels needs a value".into()));
+        let m = tarfa_run::cuda::ManyKernels::parse(v).unwrap_or_else(|e| fail(e));
+        let _ = MANY.set(m);
+        args.drain(i..i + 2);
+    }
     let cmd = args.first().map(String::as_str).unwrap_or("");
     let path = |i: usize| -> PathBuf {
         PathBuf::from(

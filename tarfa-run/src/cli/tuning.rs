@@ -4,7 +4,7 @@
 
 use clap::Args;
 
-use crate::cuda::{CudaTuning, DecodeMode};
+use crate::cuda::{CudaTuning, DecodeMode, ManyKernels};
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct CudaArgs {
@@ -24,6 +24,13 @@ pub struct CudaArgs {
     /// steps and waiting once (slower; for comparisons). Either way the same tokens.
     #[arg(long)]
     pub cuda_wait_each_token: bool,
+    /// Which kernels run a step of many tokens (a prompt, a batch): tiled (the default: the
+    /// token-tiled kernels), auto (the lane-sequential kernels of kernels/prefill.cu where a step
+    /// has enough tokens for them, the token-tiled ones elsewhere) or lanes (the lane-sequential
+    /// kernels wherever they can run). Every choice gives the same bits; auto is not the default
+    /// until it is measured faster on the GPU (docs/PHASE_LOG.md B5).
+    #[arg(long, value_name = "KERNELS", value_parser = many_kernels_arg)]
+    pub cuda_many: Option<ManyKernels>,
 }
 
 impl CudaArgs {
@@ -33,12 +40,17 @@ impl CudaArgs {
             sync_each_kernel: self.cuda_sync,
             pageable_warm_tier: self.pageable_warm_tier,
             wait_each_token: self.cuda_wait_each_token,
+            many: self.cuda_many.unwrap_or_default(),
         }
     }
 }
 
 fn decode_mode_arg(s: &str) -> Result<DecodeMode, String> {
     DecodeMode::parse(s)
+}
+
+fn many_kernels_arg(s: &str) -> Result<ManyKernels, String> {
+    ManyKernels::parse(s)
 }
 
 #[cfg(test)]
@@ -57,8 +69,16 @@ mod tests {
                 "{bad:?}: {e}"
             );
         }
+        for m in ManyKernels::ALL {
+            assert_eq!(many_kernels_arg(m.name()), Ok(m));
+        }
+        for bad in ["", "AUTO", "tile", "lane", " auto"] {
+            let e = many_kernels_arg(bad).unwrap_err();
+            assert!(e.contains("tiled") && e.contains("lanes"), "{bad:?}: {e}");
+        }
         let t = CudaArgs::default().tuning();
         assert_eq!(t.decode, DecodeMode::GraphPdl);
+        assert_eq!(t.many, ManyKernels::Tiled);
         assert!(!t.sync_each_kernel && !t.pageable_warm_tier && !t.wait_each_token);
     }
 }
