@@ -8,7 +8,8 @@
 //! - [`Codec::BytePlanes`]: ZipNN-style byte grouping: the high bytes (sign + 7 exponent bits)
 //!   and the low bytes (1 exponent bit + mantissa) as two planes, each zstd;
 //! - [`Codec::ExponentPlane`]: the 8-bit exponents as one plane, zstd (whose literals are
-//!   Huffman coded), and sign + mantissa packed in a byte, stored raw.
+//!   Huffman coded), and sign + mantissa packed in a byte, stored raw. K1 chose it for format
+//!   version 2: it is now the production crate `jnf-codec`, which this harness calls.
 //!
 //! Every codec is a pure function of the bytes; [`decode`] returns the original bytes or an
 //! error naming what is wrong (a hostile extent must never crash the reader).
@@ -64,18 +65,10 @@ pub fn encode(codec: Codec, bf16: &[u8], level: i32) -> Vec<u8> {
             out.extend(zh);
             out.extend(zl);
         }
+        // The production codec (format version 2's), whose layout is the same prefix, frame and
+        // plane: the research harness measures exactly what the converter writes.
         Codec::ExponentPlane => {
-            let mut exp = Vec::with_capacity(n);
-            let mut sm = Vec::with_capacity(n);
-            for p in bf16.chunks_exact(2) {
-                let v = u16::from_le_bytes([p[0], p[1]]);
-                exp.push((v >> 7) as u8);
-                sm.push(((v >> 8) as u8 & 0x80) | (v as u8 & 0x7F));
-            }
-            let ze = z(&exp);
-            out.extend((ze.len() as u64).to_le_bytes());
-            out.extend(ze);
-            out.extend(sm);
+            return jnf_codec::encode_level(bf16, level).expect("BF16 bytes come in pairs")
         }
     }
     out
@@ -111,7 +104,10 @@ pub fn decode(codec: Codec, enc: &[u8], max_elems: usize) -> Result<Vec<u8>, Dec
     let n = n as usize;
     match codec {
         Codec::Zstd => unzstd(&enc[8..], 2 * n, "extent"),
-        Codec::BytePlanes | Codec::ExponentPlane => {
+        Codec::ExponentPlane => {
+            jnf_codec::decode(enc, 2 * n).map_err(|e| DecodeError(e.to_string()))
+        }
+        Codec::BytePlanes => {
             let first = take_u64(enc, 8, "first plane's length")?;
             let rest = enc.len() - 16;
             if first > rest as u64 {
@@ -121,25 +117,11 @@ pub fn decode(codec: Codec, enc: &[u8], max_elems: usize) -> Result<Vec<u8>, Dec
             }
             let (a, b) = enc[16..].split_at(first as usize);
             let mut out = vec![0u8; 2 * n];
-            if codec == Codec::BytePlanes {
-                let hi = unzstd(a, n, "high-byte plane")?;
-                let lo = unzstd(b, n, "low-byte plane")?;
-                for (i, o) in out.chunks_exact_mut(2).enumerate() {
-                    o[0] = lo[i];
-                    o[1] = hi[i];
-                }
-            } else {
-                let exp = unzstd(a, n, "exponent plane")?;
-                if b.len() != n {
-                    return Err(DecodeError(format!(
-                        "sign-mantissa plane of {} bytes, {n} expected",
-                        b.len()
-                    )));
-                }
-                for ((o, &e), &sm) in out.chunks_exact_mut(2).zip(&exp).zip(b) {
-                    let v = ((sm as u16 & 0x80) << 8) | ((e as u16) << 7) | (sm as u16 & 0x7F);
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
+            let hi = unzstd(a, n, "high-byte plane")?;
+            let lo = unzstd(b, n, "low-byte plane")?;
+            for (i, o) in out.chunks_exact_mut(2).enumerate() {
+                o[0] = lo[i];
+                o[1] = hi[i];
             }
             Ok(out)
         }
