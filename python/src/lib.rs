@@ -144,6 +144,8 @@ fn interruptible<T: Send>(
 /// What an open model holds: the engine and what the bundle said about itself.
 struct Loaded {
     model: Model,
+    /// Loaded with `backend="cuda-mock"`: the CUDA backend on tarfa-cuda's mock device (tests).
+    mock_device: bool,
     bundle: PathBuf,
     source: Arc<BundleSource>,
     config_json: String,
@@ -225,14 +227,41 @@ fn output_to_py<'py>(
     Ok(d)
 }
 
+/// The test-only backend name: the CUDA backend on tarfa-cuda's mock device
+/// ([`BackendChoice::CudaMock`]), so that Python's tests run the CUDA path without a GPU.
+const CUDA_MOCK: &str = "cuda-mock";
+
 fn backend_choice(name: &str) -> PyResult<BackendChoice> {
     match name {
         "auto" => Ok(BackendChoice::Auto),
         "cpu" => Ok(BackendChoice::Cpu),
         "cuda" => Ok(BackendChoice::Cuda),
+        CUDA_MOCK => Ok(BackendChoice::CudaMock),
         other => Err(input_err(format!(
-            "backend: expected \"auto\", \"cpu\" or \"cuda\", got {other:?}"
+            "backend: expected \"auto\", \"cpu\" or \"cuda\" (\"{CUDA_MOCK}\" is for tests: \
+             the CUDA backend on tarfa-cuda's mock device, in a build with its mock-device \
+             feature), got {other:?}"
         ))),
+    }
+}
+
+/// A failure of [`Model::load`] as Python's exception; a `"cuda-mock"` load that this build
+/// cannot do (tarfa-cuda without its `mock-device` feature, or without CUDA at all) says which
+/// feature the backend needs, still as the environment's failure (exit code 3).
+fn load_err(backend: BackendChoice, e: tarfa_engine::EngineError) -> PyErr {
+    use tarfa_engine::EngineError;
+    use tarfa_run::cuda::CudaError;
+    match e {
+        EngineError::Cuda(c @ (CudaError::NoMockDevice | CudaError::NotCompiled))
+            if backend == BackendChoice::CudaMock =>
+        {
+            EnvironmentError::new_err(format!(
+                "backend \"{CUDA_MOCK}\" (for tests) needs a build with tarfa-cuda's \
+                 mock-device feature (the CI wheel's: python/Cargo.toml's ci-workspace-features): \
+                 {c}"
+            ))
+        }
+        e => py_err(e.into()),
     }
 }
 
@@ -297,10 +326,11 @@ impl NativeModel {
                     &load,
                     &log,
                 )
-                .map_err(|e| py_err(e.into()))?;
+                .map_err(|e| load_err(backend, e))?;
                 Ok(NativeModel {
                     root_digest: opened.source.root_digest().to_string(),
                     inner: Some(Loaded {
+                        mock_device: backend == BackendChoice::CudaMock,
                         model,
                         bundle: path.clone(),
                         vocab_size: opened.cfg.vocab_size,
@@ -338,7 +368,13 @@ impl NativeModel {
 
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
-        Ok(self.loaded()?.model.name())
+        let l = self.loaded()?;
+        // "cuda-mock" names the mock device, as `tarfa.open` took it (the backend is CUDA's)
+        Ok(if l.mock_device {
+            CUDA_MOCK
+        } else {
+            l.model.name()
+        })
     }
 
     #[getter]

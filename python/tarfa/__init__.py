@@ -166,7 +166,8 @@ class Model:
 
     @property
     def backend(self) -> str:
-        """``"cpu"`` or ``"cuda"``: the backend the model was loaded on."""
+        """``"cpu"`` or ``"cuda"``: the backend the model was loaded on (``"cuda-mock"`` for
+        the test-only mock device)."""
         return self._native.backend
 
     @property
@@ -461,7 +462,9 @@ def open(
 
     Args:
         backend: ``"auto"`` (CUDA when a usable GPU is present, else the CPU), ``"cpu"`` or
-            ``"cuda"``.
+            ``"cuda"``. For tests, ``"cuda-mock"``: the CUDA backend on tarfa-cuda's mock device
+            (host memory, no GPU), in a build with that crate's ``mock-device`` feature (the CI
+            wheel); otherwise EnvironmentError.
         threads: CPU worker threads (None or 0: one per core). Never changes a bit.
         ram_budget: bytes of RAM for experts (``--ram-budget``); None: every expert stays once
             read, unless memory cannot hold them.
