@@ -10,15 +10,22 @@ pub enum JnfError {
     /// The first eight bytes are not `TARFAJNF`.
     #[error("not a JNF file (bad magic bytes)")]
     BadMagic,
-    /// The major version is not one this reader understands, or the minor version is newer.
+    /// The file's version is newer than this reader's: a newer major version, or a newer minor
+    /// version of one it reads. Named, with the reader's own, so that the user knows to use a
+    /// newer Tarfa; never misread.
     #[error(
-        "JNF version {major}.{minor} is not supported (this build reads 1.0 to 1.{max_minor})"
+        "format version {major}.{minor} is newer than this reader ({reads_major}.{reads_minor}); \
+         read it with a newer Tarfa"
     )]
-    UnsupportedVersion {
+    NewerVersion {
         major: u16,
         minor: u16,
-        max_minor: u16,
+        reads_major: u16,
+        reads_minor: u16,
     },
+    /// A version no JNF writer writes (major 0).
+    #[error("format version {major}.{minor} is not a JNF version (they start at 1.0)")]
+    UnknownVersion { major: u16, minor: u16 },
     /// The reserved preamble word must be zero.
     #[error("reserved preamble field is {0:#x}, expected 0")]
     ReservedNonZero(u32),
@@ -123,6 +130,23 @@ pub enum JnfError {
         prefix: String,
         layer: u32,
         expert: u32,
+    },
+    /// A version-2 extent names a codec this reader does not know.
+    #[error(
+        "expert {prefix:?}: unknown codec {codec:?} (this reader knows \"raw\" and \"exp-zstd\")"
+    )]
+    UnknownCodec { prefix: String, codec: String },
+    /// An extent's storage fields break a rule of version 2: a version-2 extent without its
+    /// `codec` or `stored_length`, a version-1 extent with one, a raw extent whose stored length
+    /// is not its length, an encoded MXFP4 extent, or a stored length no encoding can have.
+    #[error("expert {prefix:?}: {why}")]
+    ExtentStorage { prefix: String, why: String },
+    /// An encoded extent's stored bytes do not decode (a reader checks the stored bytes' hash
+    /// first, so this is a hostile or corrupt extent that was not hash-checked).
+    #[error("expert {prefix:?}: the stored extent does not decode: {source}")]
+    Decode {
+        prefix: String,
+        source: jnf_codec::DecodeError,
     },
     /// Re-encoding a parsed header needs more room than it has before `data_start`.
     #[error("re-encoded header is {len} bytes, more than the {room} bytes before data_start")]

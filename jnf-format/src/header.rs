@@ -5,7 +5,35 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{align_up, JnfError, ALIGN, FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE_LEN};
+use crate::{align_up, JnfError, ALIGN, MAGIC, PREAMBLE_LEN};
+
+/// The versions this build reads: each major version with the newest minor version of it this
+/// build knows. A file of a newer major version, or of a newer minor version of one of these, is
+/// refused by name ([`JnfError::NewerVersion`]), never misread.
+pub const READS: &[(u16, u16)] = &[(1, 0), (2, 0)];
+
+/// The version rule of docs/FORMAT.md, for a reader that reads the versions `reads` (each major
+/// with its newest known minor, ascending): `Ok` if it reads `major.minor`. A version-1 reader
+/// is `&[(1, 0)]`: given a version-2 file it says "format version 2.0 is newer than this reader
+/// (1.0)", which is what the readers released before version 2 must be shown to say too.
+pub fn check_version(major: u16, minor: u16, reads: &[(u16, u16)]) -> Result<(), JnfError> {
+    if major == 0 {
+        return Err(JnfError::UnknownVersion { major, minor });
+    }
+    let (reads_major, reads_minor) = *reads.last().expect("a reader reads some version");
+    let newer = |reads_major, reads_minor| JnfError::NewerVersion {
+        major,
+        minor,
+        reads_major,
+        reads_minor,
+    };
+    match reads.iter().find(|(m, _)| *m == major) {
+        Some(&(_, max_minor)) if minor <= max_minor => Ok(()),
+        Some(&(m, max_minor)) => Err(newer(m, max_minor)),
+        None if major > reads_major => Err(newer(reads_major, reads_minor)),
+        None => Err(JnfError::UnknownVersion { major, minor }),
+    }
+}
 
 /// Largest header JSON a reader accepts. A Qwen3-235B-A22B bundle (94 layers x 128 experts)
 /// needs about 8 MB; the cap keeps a hostile length from allocating gigabytes.
@@ -126,6 +154,40 @@ impl MatrixRole {
     }
 }
 
+/// How an extent is stored in the file (format version 2; a version-1 extent is always raw).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExtentCodec {
+    /// The extent's bytes as they are: `stored_length == length`.
+    Raw,
+    /// `jnf-codec`: the BF16 exponent plane as one zstd frame, sign and mantissa raw (BF16
+    /// extents only).
+    ExponentPlaneZstd,
+}
+
+impl ExtentCodec {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExtentCodec::Raw => "raw",
+            ExtentCodec::ExponentPlaneZstd => "exp-zstd",
+        }
+    }
+
+    /// The codec a header or manifest names, if this build knows it.
+    pub fn from_name(s: &str) -> Option<ExtentCodec> {
+        match s {
+            "raw" => Some(ExtentCodec::Raw),
+            "exp-zstd" => Some(ExtentCodec::ExponentPlaneZstd),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ExtentCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// How an extent's bytes encode the expert, decided by its roles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExtentEncoding {
@@ -148,9 +210,11 @@ pub struct ExpertMatrix {
     pub source: Option<SourceRef>,
 }
 
-/// One expert: its parts (gate, up and down; or the four MXFP4 parts) packed back to back from
-/// a 4096-aligned `offset`; `length` is their total, `padded_length` the aligned size the
-/// extent occupies.
+/// One expert: its parts (gate, up and down; or the four MXFP4 parts) packed back to back;
+/// `length` is their total (the decoded extent). The extent is stored from a 4096-aligned
+/// `offset` in `stored_length` bytes with `codec` (raw: the bytes themselves, `stored_length ==
+/// length`), and `padded_length` is `stored_length` rounded up to 4096: what it occupies, and
+/// what one O_DIRECT read of it fetches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertExtent {
     pub layer: u32,
@@ -159,6 +223,10 @@ pub struct ExpertExtent {
     pub offset: u64,
     pub length: u64,
     pub padded_length: u64,
+    /// How the extent is stored (always [`ExtentCodec::Raw`] in version 1).
+    pub codec: ExtentCodec,
+    /// Bytes the stored extent occupies before its padding (`length` when raw).
+    pub stored_length: u64,
     /// `gate, up, down` ([`MatrixRole::ORDER`]) or the MXFP4 parts
     /// ([`MatrixRole::MXFP4_ORDER`]); a validated header holds nothing else.
     pub matrices: Vec<ExpertMatrix>,
@@ -177,6 +245,43 @@ impl ExpertExtent {
             ExtentEncoding::Mxfp4
         } else {
             ExtentEncoding::Bf16
+        }
+    }
+
+    /// Whether the stored bytes must be decoded to give the extent (not raw).
+    pub fn is_encoded(&self) -> bool {
+        self.codec != ExtentCodec::Raw
+    }
+
+    /// The extent's bytes (`length` of them, into `out`) from its stored bytes
+    /// (`stored_length` of them). Hash-checking is the caller's: a verified reader checks the
+    /// stored bytes against the manifest's `stored_blake3` before calling this, and the decoded
+    /// bytes against `sha256`/`blake3` after. A hostile extent is an error, never a panic.
+    pub fn decode_stored(&self, stored: &[u8], out: &mut [u8]) -> Result<(), JnfError> {
+        let storage = |why: String| JnfError::ExtentStorage {
+            prefix: self.prefix.clone(),
+            why,
+        };
+        if stored.len() as u64 != self.stored_length || out.len() as u64 != self.length {
+            return Err(storage(format!(
+                "{} stored bytes into {} decoded: the header says {} into {}",
+                stored.len(),
+                out.len(),
+                self.stored_length,
+                self.length
+            )));
+        }
+        match self.codec {
+            ExtentCodec::Raw => {
+                out.copy_from_slice(stored);
+                Ok(())
+            }
+            ExtentCodec::ExponentPlaneZstd => {
+                jnf_codec::decode_into(stored, out).map_err(|source| JnfError::Decode {
+                    prefix: self.prefix.clone(),
+                    source,
+                })
+            }
         }
     }
 }
@@ -243,6 +348,11 @@ struct RawExpert {
     offset: u64,
     length: u64,
     padded_length: u64,
+    /// Version 2 only (absent in version 1, so its JSON is what it always was).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    codec: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stored_length: Option<u64>,
     matrices: Vec<RawMatrix>,
 }
 
@@ -303,6 +413,48 @@ fn check_mxfp4_shapes(e: &ExpertExtent) -> Result<(), JnfError> {
     Ok(())
 }
 
+/// The storage rules of version 2 (a version-1 extent is raw with `stored_length == length` by
+/// construction), for the header and the manifest alike: raw stores the extent itself; only
+/// BF16 extents are encoded; an encoded extent is smaller than its bytes (else it would be
+/// stored raw) and longer than any encoding of them can be short
+/// (`jnf_codec::stored_len_is_possible`), so that a hostile header cannot claim a decoded
+/// extent of more than twice its stored bytes. `Err` says which rule, in a sentence.
+pub fn check_extent_storage(
+    codec: ExtentCodec,
+    encoding: ExtentEncoding,
+    stored_length: u64,
+    length: u64,
+) -> Result<(), String> {
+    match codec {
+        ExtentCodec::Raw if stored_length != length => Err(format!(
+            "a raw extent's stored_length {stored_length} is not its length {length}"
+        )),
+        ExtentCodec::Raw => Ok(()),
+        ExtentCodec::ExponentPlaneZstd if encoding != ExtentEncoding::Bf16 => Err(format!(
+            "codec {codec} encodes BF16 extents; an MXFP4 extent is stored raw"
+        )),
+        ExtentCodec::ExponentPlaneZstd => {
+            if stored_length >= length || !jnf_codec::stored_len_is_possible(stored_length, length)
+            {
+                return Err(format!(
+                    "stored_length {stored_length} is not possible for a {codec} extent of \
+                     {length} bytes (it must be less than the length and more than 16 + length / 2)"
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+fn check_storage(e: &ExpertExtent) -> Result<(), JnfError> {
+    check_extent_storage(e.codec, e.encoding(), e.stored_length, e.length).map_err(|why| {
+        JnfError::ExtentStorage {
+            prefix: e.prefix.clone(),
+            why,
+        }
+    })
+}
+
 fn check_name(name: &str) -> Result<(), JnfError> {
     if name.is_empty() || name.chars().any(|c| c.is_control()) {
         return Err(JnfError::InvalidName(name.into()));
@@ -322,13 +474,7 @@ pub(crate) fn parse_preamble(p: &[u8], file_size: u64) -> Result<(u16, u16, u64)
     }
     let major = u16::from_le_bytes([p[8], p[9]]);
     let minor = u16::from_le_bytes([p[10], p[11]]);
-    if major != FORMAT_MAJOR || minor > FORMAT_MINOR {
-        return Err(JnfError::UnsupportedVersion {
-            major,
-            minor,
-            max_minor: FORMAT_MINOR,
-        });
-    }
+    check_version(major, minor, READS)?;
     let reserved = u32::from_le_bytes([p[12], p[13], p[14], p[15]]);
     if reserved != 0 {
         return Err(JnfError::ReservedNonZero(reserved));
@@ -411,7 +557,32 @@ impl Header {
                     source: m.source,
                 });
             }
-            let matrices = ms;
+            let storage = |why: &str| JnfError::ExtentStorage {
+                prefix: e.prefix.clone(),
+                why: why.into(),
+            };
+            let (codec, stored_length) = match (major, e.codec, e.stored_length) {
+                (1, None, None) => (ExtentCodec::Raw, e.length),
+                (1, _, _) => {
+                    return Err(storage(
+                        "a version-1 extent has no codec or stored_length (version-2 fields)",
+                    ))
+                }
+                (_, Some(name), Some(stored)) => match ExtentCodec::from_name(&name) {
+                    Some(codec) => (codec, stored),
+                    None => {
+                        return Err(JnfError::UnknownCodec {
+                            prefix: e.prefix,
+                            codec: name,
+                        })
+                    }
+                },
+                _ => {
+                    return Err(storage(
+                        "a version-2 extent records its codec and stored_length",
+                    ))
+                }
+            };
             experts.push(ExpertExtent {
                 layer: e.layer,
                 expert: e.expert,
@@ -419,7 +590,9 @@ impl Header {
                 offset: e.offset,
                 length: e.length,
                 padded_length: e.padded_length,
-                matrices,
+                codec,
+                stored_length,
+                matrices: ms,
             });
         }
         Ok(Header::assemble(
@@ -615,7 +788,9 @@ impl Header {
                     expert: e.expert,
                 });
             }
-            let padded_ok = align_up(sum) == Some(e.padded_length);
+            check_storage(e)?;
+            // What the extent occupies is its stored bytes, padded (raw: the extent itself).
+            let padded_ok = align_up(e.stored_length) == Some(e.padded_length);
             if e.length != sum || !padded_ok {
                 return Err(JnfError::ExpertLength {
                     prefix: e.prefix.clone(),
@@ -712,6 +887,9 @@ impl Header {
                     offset: e.offset,
                     length: e.length,
                     padded_length: e.padded_length,
+                    // Version 1's JSON never carries them (what it was before version 2).
+                    codec: (self.major >= 2).then(|| e.codec.as_str().to_string()),
+                    stored_length: (self.major >= 2).then_some(e.stored_length),
                     matrices: e
                         .matrices
                         .iter()

@@ -3,13 +3,18 @@
 //! Non-expert tensors come first (in the order added), then the expert extents sorted by
 //! (layer, expert). Offsets are absolute, so the header's own length decides where data starts;
 //! [`LayoutPlan::finish`] iterates until the two agree.
+//!
+//! A plan writes format version 1 unless an extent's storage was set
+//! ([`LayoutPlan::set_extent_storage`]): then version 2, every extent recording its codec and
+//! stored length, and each placed by its stored length (an encoded extent is packed as tightly
+//! as its stored bytes allow, still 4096-aligned).
 
 use std::collections::BTreeMap;
 
 use crate::header::shape_bytes;
 use crate::{
-    align_up, Dtype, ExpertExtent, ExpertMatrix, Header, JnfError, MatrixRole, SourceRef,
-    TensorEntry, FORMAT_MAJOR, FORMAT_MINOR, PREAMBLE_LEN,
+    align_up, Dtype, ExpertExtent, ExpertMatrix, ExtentCodec, Header, JnfError, MatrixRole,
+    SourceRef, TensorEntry, FORMAT_MAJOR, FORMAT_MAJOR_RAW, FORMAT_MINOR, PREAMBLE_LEN,
 };
 
 /// A non-expert tensor to place.
@@ -33,11 +38,13 @@ pub struct MatrixSpec {
 /// An expert's parts to place, each with its role, in extent order.
 type ExpertParts = Vec<(MatrixRole, MatrixSpec)>;
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct LayoutPlan {
     tensors: Vec<TensorSpec>,
     experts: BTreeMap<(u32, u32), (String, ExpertParts)>,
     metadata: BTreeMap<String, String>,
+    /// Version 2: how each extent is stored (codec, stored length); `None` writes version 1.
+    storage: Option<BTreeMap<(u32, u32), (ExtentCodec, u64)>>,
 }
 
 impl LayoutPlan {
@@ -76,6 +83,71 @@ impl LayoutPlan {
 
     pub fn set_metadata(&mut self, key: &str, value: &str) {
         self.metadata.insert(key.into(), value.into());
+    }
+
+    /// Store the extent of (`layer`, `expert`) with `codec` in `stored_length` bytes. Any call
+    /// makes the plan write format version 2, where every extent records its codec: those never
+    /// set are raw. The header validates the pair when the plan finishes (a raw extent's stored
+    /// length is its length; an encoded one's must be possible for the codec).
+    pub fn set_extent_storage(
+        &mut self,
+        layer: u32,
+        expert: u32,
+        codec: ExtentCodec,
+        stored_length: u64,
+    ) {
+        self.storage
+            .get_or_insert_with(BTreeMap::new)
+            .insert((layer, expert), (codec, stored_length));
+    }
+
+    /// The plan that lays out `header`'s tensors and extents as it does: `from_header(h)
+    /// .finish()` is `h` again, and a caller can then set the extents' storage (the converter
+    /// encodes the extents of a planned version-1 layout, then re-plans it as version 2).
+    pub fn from_header(header: &Header) -> LayoutPlan {
+        let tensors = header
+            .tensors
+            .iter()
+            .map(|t| TensorSpec {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                source: t.source.clone(),
+            })
+            .collect();
+        let experts = header
+            .experts
+            .iter()
+            .map(|e| {
+                let parts = e
+                    .matrices
+                    .iter()
+                    .map(|m| {
+                        let spec = MatrixSpec {
+                            name: m.name.clone(),
+                            dtype: m.dtype,
+                            shape: m.shape.clone(),
+                            source: m.source.clone(),
+                        };
+                        (m.role, spec)
+                    })
+                    .collect();
+                ((e.layer, e.expert), (e.prefix.clone(), parts))
+            })
+            .collect();
+        let storage = (header.major >= 2).then(|| {
+            header
+                .experts
+                .iter()
+                .map(|e| ((e.layer, e.expert), (e.codec, e.stored_length)))
+                .collect()
+        });
+        LayoutPlan {
+            tensors,
+            experts,
+            metadata: header.metadata.clone(),
+            storage,
+        }
     }
 
     /// Assign offsets and return the validated header.
@@ -146,7 +218,12 @@ impl LayoutPlan {
                     .checked_add(length)
                     .ok_or_else(|| overflow(&spec.name))?;
             }
-            let padded = align_up(inner).ok_or_else(|| overflow(prefix))?;
+            let (codec, stored_length) = self
+                .storage
+                .as_ref()
+                .and_then(|s| s.get(&(layer, expert)).copied())
+                .unwrap_or((ExtentCodec::Raw, inner));
+            let padded = align_up(stored_length).ok_or_else(|| overflow(prefix))?;
             experts.push(ExpertExtent {
                 layer,
                 expert,
@@ -154,12 +231,19 @@ impl LayoutPlan {
                 offset: cursor,
                 length: inner,
                 padded_length: padded,
+                codec,
+                stored_length,
                 matrices: ms,
             });
             cursor = cursor.checked_add(padded).ok_or_else(|| overflow(prefix))?;
         }
+        let major = if self.storage.is_some() {
+            FORMAT_MAJOR
+        } else {
+            FORMAT_MAJOR_RAW
+        };
         Ok(Header::assemble(
-            FORMAT_MAJOR,
+            major,
             FORMAT_MINOR,
             cursor,
             data_start,

@@ -6,6 +6,11 @@
 //! Non-expert tensors live in their own region, each also 4096-aligned. The bytes are the source
 //! checkpoint's bytes, unchanged: this crate has no notion of converting a value.
 //!
+//! Format version 2 adds one thing: an expert extent may be *stored* encoded with a lossless
+//! codec ([`ExtentCodec`], bytes by `jnf-codec`), recorded per extent with its stored length;
+//! the alignment rules then apply to the stored extent, so one O_DIRECT read still fetches one
+//! expert, and [`ExpertExtent::decode_stored`] gives back the checkpoint's bytes exactly.
+//!
 //! docs/FORMAT.md specifies the layout byte by byte. This crate is the only place its rules live:
 //! [`Header::parse`] validates a header completely (size cap, bounds, overlaps, alignment, checked
 //! shape arithmetic, expert packing and order) and [`LayoutPlan`] is the only way to produce one.
@@ -20,8 +25,8 @@ pub mod relayout;
 
 pub use error::JnfError;
 pub use header::{
-    Dtype, ExpertExtent, ExpertMatrix, ExtentEncoding, Header, MatrixRole, SourceRef, TensorEntry,
-    MAX_HEADER_LEN,
+    check_extent_storage, check_version, Dtype, ExpertExtent, ExpertMatrix, ExtentCodec,
+    ExtentEncoding, Header, MatrixRole, SourceRef, TensorEntry, MAX_HEADER_LEN, READS,
 };
 pub use layout::{LayoutPlan, MatrixSpec, TensorSpec};
 pub use reader::JnfFile;
@@ -29,10 +34,14 @@ pub use relayout::Relayout;
 
 /// The eight bytes every JNF file starts with.
 pub const MAGIC: [u8; 8] = *b"TARFAJNF";
-/// Format version written by this crate. A reader accepts the same major version and any minor
-/// version up to its own (minor versions only ever add optional header fields).
-pub const FORMAT_MAJOR: u16 = 1;
+/// The newest format version this crate reads and writes. It writes version 1 when every extent
+/// is raw (a plan without [`LayoutPlan::set_extent_storage`]: byte for byte what it wrote before
+/// version 2 existed) and version 2 when extents record their codec; it reads every version in
+/// [`READS`] (minor versions only ever add optional header fields).
+pub const FORMAT_MAJOR: u16 = 2;
 pub const FORMAT_MINOR: u16 = 0;
+/// The version of a bundle whose every extent is stored raw, as before codecs existed.
+pub const FORMAT_MAJOR_RAW: u16 = 1;
 /// Alignment (and padding unit) of every tensor and extent: one page, the O_DIRECT unit.
 pub const ALIGN: u64 = 4096;
 /// Bytes before the header JSON: magic, major, minor, reserved u32, header length u64.

@@ -52,11 +52,27 @@ impl JnfFile {
         Ok(buf)
     }
 
-    /// The extent's gate, up and down bytes (without padding), read into `buf`.
-    pub fn read_extent_into(&self, e: &ExpertExtent, buf: &mut Vec<u8>) -> Result<(), JnfError> {
-        buf.resize(e.length as usize, 0);
+    /// The extent's stored bytes (`stored_length` of them, without padding), read into `buf`:
+    /// what the manifest's `stored_blake3` is the hash of.
+    pub fn read_stored_into(&self, e: &ExpertExtent, buf: &mut Vec<u8>) -> Result<(), JnfError> {
+        buf.resize(e.stored_length as usize, 0);
         self.file.read_exact_at(buf, e.offset)?;
         Ok(())
+    }
+
+    /// The extent's gate, up and down bytes (without padding), read into `buf`, decoded when
+    /// the extent is stored encoded. No hash is checked here (the manifest's hashes are the
+    /// caller's to check), and a hostile encoded extent is an error, never a panic.
+    pub fn read_extent_into(&self, e: &ExpertExtent, buf: &mut Vec<u8>) -> Result<(), JnfError> {
+        if !e.is_encoded() {
+            buf.resize(e.length as usize, 0);
+            self.file.read_exact_at(buf, e.offset)?;
+            return Ok(());
+        }
+        let mut stored = Vec::new();
+        self.read_stored_into(e, &mut stored)?;
+        buf.resize(e.length as usize, 0);
+        e.decode_stored(&stored, buf)
     }
 }
 

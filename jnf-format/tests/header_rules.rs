@@ -147,23 +147,58 @@ fn bad_magic() {
 }
 
 #[test]
-fn unsupported_versions() {
+fn newer_and_unknown_versions_are_named() {
+    // a newer major version than this reader's (which reads 1.0 and 2.0)
     let mut b = file_from(valid_value(), false);
-    b[8] = 2;
-    assert!(matches!(
-        parse(&b),
-        Err(JnfError::UnsupportedVersion { major: 2, .. })
-    ));
+    b[8] = 3;
+    let err = parse(&b).unwrap_err();
+    assert_eq!(
+        err,
+        JnfError::NewerVersion {
+            major: 3,
+            minor: 0,
+            reads_major: 2,
+            reads_minor: 0
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "format version 3.0 is newer than this reader (2.0); read it with a newer Tarfa"
+    );
+    // a newer minor version of a major it reads
     let mut b = file_from(valid_value(), false);
     b[10] = 1;
-    assert!(matches!(
+    assert_eq!(
         parse(&b),
-        Err(JnfError::UnsupportedVersion {
+        Err(JnfError::NewerVersion {
             major: 1,
             minor: 1,
-            ..
+            reads_major: 1,
+            reads_minor: 0
         })
-    ));
+    );
+    // no JNF version is 0.x
+    let mut b = file_from(valid_value(), false);
+    b[8] = 0;
+    assert_eq!(
+        parse(&b),
+        Err(JnfError::UnknownVersion { major: 0, minor: 0 })
+    );
+}
+
+#[test]
+fn a_version_1_reader_names_version_2() {
+    // The rule as a reader of version 1 only applies it: what the readers released before
+    // version 2 must say of a version-2 file (docs/FORMAT.md, "Version 2").
+    let v1_reader = &[(1u16, 0u16)];
+    assert_eq!(check_version(1, 0, v1_reader), Ok(()));
+    assert_eq!(
+        check_version(2, 0, v1_reader).unwrap_err().to_string(),
+        "format version 2.0 is newer than this reader (1.0); read it with a newer Tarfa"
+    );
+    // and this build reads both
+    assert_eq!(READS, &[(1, 0), (2, 0)]);
+    assert_eq!(check_version(2, 0, READS), Ok(()));
 }
 
 #[test]

@@ -16,8 +16,9 @@ mod schema;
 
 pub use diff::{diff, Change, ChangeKind, EntryKind, LayerKey, LayerSummary, ManifestDiff};
 pub use schema::{
-    is_unsafe_char, ExpertRecord, FileRecord, HeaderRecord, Manifest, ManifestError, MatrixRecord,
-    ShardRecord, SourceRange, TensorRecord, CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION,
+    is_unsafe_char, manifest_version_for, parse_format_version, ExpertRecord, FileRecord,
+    HeaderRecord, Manifest, ManifestError, MatrixRecord, ShardRecord, SourceRange, TensorRecord,
+    CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION, MANIFEST_VERSION_CODECS,
 };
 
 /// The layer number in a name like `model.layers.12.mlp.experts.3`, if it has one.

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
-use jnf_format::{align_up, Dtype, MatrixRole, ALIGN};
+use jnf_format::{align_up, Dtype, ExtentCodec, ExtentEncoding, JnfError, MatrixRole, ALIGN};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -12,9 +12,33 @@ use crate::layer_of;
 
 /// File name of the manifest inside a bundle.
 pub const MANIFEST_FILE: &str = "manifest.toml";
-/// Schema version written and read by this crate. Version 1's root covered only the SHA-256
-/// lines (not BLAKE3, dtypes, shapes, offsets or the header): it is refused, never upgraded.
+/// Schema version of a format-version-1 bundle's manifest, written for it exactly as before
+/// format version 2 existed. Version 1's root covered only the SHA-256 lines (not BLAKE3,
+/// dtypes, shapes, offsets or the header): it is refused, never upgraded.
 pub const MANIFEST_VERSION: u32 = 2;
+/// Schema version of a format-version-2 bundle's manifest: version 2's, with every expert's
+/// `codec`, `stored_length` and `stored_blake3`. A new number, so that a reader of version 2
+/// (released before format version 2) refuses it by its version rather than by a field name.
+pub const MANIFEST_VERSION_CODECS: u32 = 3;
+
+/// The manifest_version a bundle of format `major` has, if this build knows the major.
+pub fn manifest_version_for(major: u16) -> Option<u32> {
+    match major {
+        1 => Some(MANIFEST_VERSION),
+        2 => Some(MANIFEST_VERSION_CODECS),
+        _ => None,
+    }
+}
+
+/// `"MAJOR.MINOR"` as written in `format_version`, if it is that.
+pub fn parse_format_version(s: &str) -> Option<(u16, u16)> {
+    let (major, minor) = s.split_once('.')?;
+    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    if !digits(major) || !digits(minor) {
+        return None;
+    }
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
 /// The exactness contract's version (docs/EXACTNESS.md), recorded in every manifest this build
 /// writes so that the root digest says which contract the bundle was converted under.
 pub const CONTRACT_VERSION: u32 = 1;
@@ -27,8 +51,28 @@ pub enum ManifestError {
     #[error("manifest is not valid TOML of the manifest schema: {0}")]
     Toml(String),
     /// The manifest was written by a newer, incompatible schema.
-    #[error("manifest_version {0} is not supported (this build reads 2)")]
+    #[error("manifest_version {0} is not supported (this build reads 2 and 3)")]
     UnsupportedVersion(u32),
+    /// The bundle's format version is newer than this reader's (or no JNF version): named
+    /// before anything of its schema is judged, so that a user is told to upgrade.
+    #[error("{0}")]
+    FormatVersion(JnfError),
+    /// `format_version` is not `MAJOR.MINOR`.
+    #[error("format_version {0:?} is not MAJOR.MINOR")]
+    BadFormatVersion(String),
+    /// `manifest_version` is not the one of the bundle's format version.
+    #[error(
+        "manifest_version {manifest_version} does not go with format_version {format_version:?} \
+         (format 1.x has manifest_version 2, format 2.x manifest_version 3)"
+    )]
+    VersionPair {
+        manifest_version: u32,
+        format_version: String,
+    },
+    /// An expert's storage fields (`codec`, `stored_length`, `stored_blake3`) are missing in a
+    /// version-3 manifest, present in a version-2 one, or break a rule of format version 2.
+    #[error("{name:?}: {why}")]
+    BadStorage { name: String, why: String },
     /// A manifest of an older schema whose root digest binds too little to be trusted.
     #[error(
         "manifest_version {0} is refused: its root digest does not bind BLAKE3 digests, dtypes, \
@@ -189,8 +233,9 @@ pub struct SourceRange {
     pub length: u64,
 }
 
-/// An expert extent: hashes over its gate, up and down bytes in that order (never padding).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// An expert extent: hashes over its gate, up and down bytes in that order (never padding),
+/// decoded when the extent is stored encoded; and in a version-3 manifest how it is stored.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExpertRecord {
     pub name: String,
@@ -199,13 +244,25 @@ pub struct ExpertRecord {
     /// Absolute offset of the extent in model.jnf (as in the header).
     pub offset: u64,
     pub length: u64,
-    /// `length` rounded up to 4096: what one O_DIRECT read of the extent fetches.
+    /// The stored length rounded up to 4096 (`length`'s in version 2): what one O_DIRECT
+    /// read of the extent fetches.
     pub padded_length: u64,
+    /// Of the decoded bytes (the checkpoint's), whatever the codec.
     pub sha256: String,
     pub blake3: String,
     /// How many elements of its three matrices are NaN or infinite.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub nonfinite: u64,
+    /// Version 3: how the extent is stored (`jnf_format::ExtentCodec::as_str`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codec: Option<String>,
+    /// Version 3: the stored bytes before padding (`length` when raw).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_length: Option<u64>,
+    /// Version 3: the BLAKE3 of the stored bytes, checked before they are decoded (equal to
+    /// `blake3` when raw), so that a corrupt extent is named before it reaches the decoder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_blake3: Option<String>,
     /// The declared permutation (`jnf_format::Relayout::name`) that made the extent from the
     /// [`sources`](Self::sources) concatenated; absent when the extent is those bytes as they
     /// are (MXFP4 as released) or the expert had tensors of its own.
@@ -299,12 +356,19 @@ impl Manifest {
     /// equals the recorded root is checked separately by [`Manifest::check_root`], so that an
     /// audit can report it by name and go on.
     pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
+        // A newer format is named before anything of its schema is judged: whatever else its
+        // manifest has, this reader cannot read its container.
+        if let Some(Err(e)) = declared_format_version(text).map(check_format_version) {
+            if matches!(e, ManifestError::FormatVersion(_)) {
+                return Err(e);
+            }
+        }
         let (first, body) = text.split_once('\n').unwrap_or((text, ""));
         let Some(recorded) = root_line_digest(first) else {
             // Not a v2 first line: name an older (or newer) schema if the text says which.
             return Err(match declared_version(text) {
                 Some(v) if v < MANIFEST_VERSION => ManifestError::LegacyVersion(v),
-                Some(v) if v > MANIFEST_VERSION => ManifestError::UnsupportedVersion(v),
+                Some(v) if v > MANIFEST_VERSION_CODECS => ManifestError::UnsupportedVersion(v),
                 _ => ManifestError::BadRootLine,
             });
         };
@@ -312,7 +376,7 @@ impl Manifest {
             // Another schema's fields under a v2 root line: name its version, not a field.
             match declared_version(body) {
                 Some(v) if v < MANIFEST_VERSION => ManifestError::LegacyVersion(v),
-                Some(v) if v > MANIFEST_VERSION => ManifestError::UnsupportedVersion(v),
+                Some(v) if v > MANIFEST_VERSION_CODECS => ManifestError::UnsupportedVersion(v),
                 // toml's messages span several lines with a source excerpt; keep the first.
                 _ => ManifestError::Toml(e.message().lines().next().unwrap_or("").to_string()),
             }
@@ -358,9 +422,17 @@ impl Manifest {
     pub fn validate(&self) -> Result<(), ManifestError> {
         match self.manifest_version {
             v if v < MANIFEST_VERSION => return Err(ManifestError::LegacyVersion(v)),
-            v if v > MANIFEST_VERSION => return Err(ManifestError::UnsupportedVersion(v)),
+            v if v > MANIFEST_VERSION_CODECS => return Err(ManifestError::UnsupportedVersion(v)),
             _ => {}
         }
+        let (major, _) = check_format_version(&self.format_version)?;
+        if manifest_version_for(major) != Some(self.manifest_version) {
+            return Err(ManifestError::VersionPair {
+                manifest_version: self.manifest_version,
+                format_version: self.format_version.clone(),
+            });
+        }
+        let codecs = self.manifest_version >= MANIFEST_VERSION_CODECS;
         if !is_digest_hex(&self.root_digest) {
             return Err(ManifestError::BadDigest {
                 name: "manifest".into(),
@@ -527,10 +599,15 @@ impl Manifest {
                     why: "offset is not a multiple of 4096",
                 });
             }
-            if align_up(e.length) != Some(e.padded_length) {
+            let stored_length = check_storage(e, codecs, mxfp4)?;
+            if align_up(stored_length) != Some(e.padded_length) {
                 return Err(ManifestError::BadPlacement {
                     name: e.name.clone(),
-                    why: "padded_length is not length rounded up to 4096",
+                    why: if codecs {
+                        "padded_length is not stored_length rounded up to 4096"
+                    } else {
+                        "padded_length is not length rounded up to 4096"
+                    },
                 });
             }
         }
@@ -560,6 +637,73 @@ impl Manifest {
             .map(|e| ((e.layer, e.expert), e))
             .collect()
     }
+}
+
+/// An expert's storage fields against the manifest's version and format version 2's rules
+/// (`jnf_format::check_extent_storage`, the header's own); the stored length (`length` in a
+/// version-2 manifest).
+fn check_storage(e: &ExpertRecord, codecs: bool, mxfp4: bool) -> Result<u64, ManifestError> {
+    let bad = |why: String| ManifestError::BadStorage {
+        name: e.name.clone(),
+        why,
+    };
+    let (codec, stored_length, stored_blake3) =
+        match (&e.codec, e.stored_length, &e.stored_blake3) {
+            (None, None, None) if !codecs => return Ok(e.length),
+            (Some(c), Some(n), Some(b)) if codecs => (c, n, b),
+            _ if codecs => return Err(bad(
+                "a manifest_version 3 expert records its codec, stored_length and stored_blake3"
+                    .into(),
+            )),
+            _ => {
+                return Err(bad(
+                    "codec, stored_length and stored_blake3 are manifest_version 3 fields".into(),
+                ))
+            }
+        };
+    if !crate::hash::is_digest_hex(stored_blake3) {
+        return Err(ManifestError::BadDigest {
+            name: e.name.clone(),
+            field: "stored_blake3",
+        });
+    }
+    let codec = ExtentCodec::from_name(codec).ok_or_else(|| {
+        bad(format!(
+            "unknown codec {codec:?} (this build knows raw and exp-zstd)"
+        ))
+    })?;
+    let encoding = if mxfp4 {
+        ExtentEncoding::Mxfp4
+    } else {
+        ExtentEncoding::Bf16
+    };
+    jnf_format::check_extent_storage(codec, encoding, stored_length, e.length).map_err(bad)?;
+    // Raw, the stored bytes are the extent: one BLAKE3, recorded twice, must agree.
+    if codec == ExtentCodec::Raw && *stored_blake3 != e.blake3 {
+        return Err(bad(
+            "a raw extent's stored_blake3 is not its blake3 (the stored bytes are the extent)"
+                .into(),
+        ));
+    }
+    Ok(stored_length)
+}
+
+/// `format_version` parsed and checked against the versions this build reads.
+fn check_format_version(s: &str) -> Result<(u16, u16), ManifestError> {
+    let (major, minor) =
+        parse_format_version(s).ok_or_else(|| ManifestError::BadFormatVersion(s.to_string()))?;
+    jnf_format::check_version(major, minor, jnf_format::READS)
+        .map_err(ManifestError::FormatVersion)?;
+    Ok((major, minor))
+}
+
+/// The `format_version` a manifest's text declares near its top (where this crate writes it),
+/// found without parsing the whole manifest: a cheap look before the schema is judged.
+fn declared_format_version(text: &str) -> Option<&str> {
+    text.lines()
+        .take(16)
+        .find_map(|l| l.strip_prefix("format_version = \""))
+        .and_then(|rest| rest.strip_suffix('"'))
 }
 
 /// The integer `manifest_version` a TOML text declares at its top level, if it parses that far.

@@ -23,6 +23,9 @@ fn expert(layer: u32, e: u32, bytes: &[u8]) -> ExpertRecord {
     ExpertRecord {
         relayout: None,
         sources: Vec::new(),
+        codec: None,
+        stored_length: None,
+        stored_blake3: None,
         name,
         layer,
         expert: e,
@@ -151,9 +154,10 @@ fn root_binds_every_field() {
             Box::new(|m| m.files[0].sha256 = sha256_hex(b"[]")),
         ),
         ("contract version", Box::new(|m| m.contract_version = 7)),
+        // "1.00" is version 1.0 spelled otherwise: it parses, and the root still moves.
         (
             "format version",
-            Box::new(|m| m.format_version = "1.1".into()),
+            Box::new(|m| m.format_version = "1.00".into()),
         ),
         ("nonfinite", Box::new(|m| m.tensors[0].nonfinite = 3)),
         (
@@ -244,8 +248,8 @@ type Case = (Box<dyn Fn(&mut Manifest)>, fn(&ManifestError) -> bool);
 #[test]
 fn rules() {
     let cases: Vec<Case> = vec![
-        (Box::new(|m| m.manifest_version = 3), |e| {
-            matches!(e, ManifestError::UnsupportedVersion(3))
+        (Box::new(|m| m.manifest_version = 4), |e| {
+            matches!(e, ManifestError::UnsupportedVersion(4))
         }),
         (Box::new(|m| m.manifest_version = 1), |e| {
             matches!(e, ManifestError::LegacyVersion(1))

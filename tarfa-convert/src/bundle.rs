@@ -1,5 +1,12 @@
 //! Writing a bundle atomically: temporary directory, parallel copy-and-hash, fsync, read-back
 //! verification from the device, then one rename.
+//!
+//! With [`CodecChoice::ExponentPlaneZstd`] the expert extents are first encoded once to learn
+//! their stored sizes (the layout's offsets depend on them), the layout is re-planned as format
+//! version 2, and the write encodes each extent again (the encoder is deterministic: a different
+//! size is a verification failure) and writes the stored bytes. Hashes are taken of the decoded
+//! bytes (the checkpoint's, as in version 1) and of the stored bytes; the read-back checks the
+//! stored bytes' BLAKE3, decodes them and checks the decoded bytes' BLAKE3.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -11,13 +18,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
-use jnf_format::{align_up, Dtype, ExpertExtent, Header, TensorEntry, CONTAINER_FILE};
+use jnf_format::{
+    align_up, Dtype, ExpertExtent, ExtentCodec, ExtentEncoding, Header, LayoutPlan, TensorEntry,
+    CONTAINER_FILE,
+};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use tarfa_manifest::hash::to_hex;
 use tarfa_manifest::{
-    ExpertRecord, FileRecord, HeaderRecord, Manifest, MatrixRecord, ShardRecord, TensorRecord,
-    CONTRACT_VERSION, MANIFEST_FILE, MANIFEST_VERSION,
+    manifest_version_for, ExpertRecord, FileRecord, HeaderRecord, Manifest, MatrixRecord,
+    ShardRecord, TensorRecord, CONTRACT_VERSION, MANIFEST_FILE,
 };
 
 use crate::aligned::{open_uncached, AlignedBuf, ReadMode};
@@ -65,6 +75,39 @@ pub struct CopiedFile {
 /// order. Experts with tensors of their own are absent.
 pub type ExpertSources = BTreeMap<(u32, u32), (Option<String>, Vec<tarfa_manifest::SourceRange>)>;
 
+/// How the converter stores expert extents (`tarfa-convert --codec`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CodecChoice {
+    /// Every extent as it is: format version 1, byte for byte the bundle this converter wrote
+    /// before format version 2 existed.
+    #[default]
+    Raw,
+    /// Each BF16 extent encoded with `jnf-codec` where it pays ([`encoding_pays`]), the others
+    /// raw: format version 2.
+    ExponentPlaneZstd,
+}
+
+impl CodecChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            CodecChoice::Raw => "raw",
+            CodecChoice::ExponentPlaneZstd => "exp-zstd",
+        }
+    }
+}
+
+/// The adaptive rule: an extent is stored encoded only when its encoding is at most this share
+/// (percent) of its bytes, else raw. Below a 5% saving the read it saves is within the disk's
+/// own variation, while every cold read of it would still pay the stored-hash check and the
+/// decode (about a second of one core per 2 GB decoded, PHASE_LOG K2); the format requires
+/// only that an encoded extent be smaller than its bytes.
+pub const ENCODED_AT_MOST_PERCENT: u64 = 95;
+
+/// Whether an extent of `length` bytes whose encoding is `encoded` bytes is stored encoded.
+pub fn encoding_pays(length: u64, encoded: u64) -> bool {
+    encoded.saturating_mul(100) <= length.saturating_mul(ENCODED_AT_MOST_PERCENT)
+}
+
 /// Everything needed to write a bundle besides the region bytes.
 pub struct BundleSpec {
     pub header: Header,
@@ -73,6 +116,27 @@ pub struct BundleSpec {
     pub converter: String,
     /// The manifest's record of fused experts' sources (empty for other checkpoints).
     pub expert_sources: ExpertSources,
+    /// How expert extents are stored; the header above is always the raw (version-1) layout,
+    /// re-planned by [`write_bundle`] when extents are encoded.
+    pub codec: CodecChoice,
+}
+
+/// What the codec did (`--codec exp-zstd`), for the report.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CodecSummary {
+    pub extents: usize,
+    /// Stored encoded.
+    pub encoded: usize,
+    /// BF16 extents whose encoding did not pay, stored raw.
+    pub kept_raw: usize,
+    /// MXFP4 extents (never encoded), stored raw.
+    pub not_bf16: usize,
+    /// The extents' bytes, decoded.
+    pub extent_bytes: u64,
+    /// What they occupy as stored, before padding.
+    pub stored_bytes: u64,
+    /// The first pass that encodes every extent to learn its size.
+    pub sizing_time: Duration,
 }
 
 /// What a write did, for the command's report and the benchmark.
@@ -95,6 +159,8 @@ pub struct WriteSummary {
     pub notes: Vec<String>,
     /// The source tensors stored as released MXFP4 (gpt-oss's expert blocks and scales).
     pub mxfp4_tensors: Vec<String>,
+    /// With `--codec exp-zstd`: what was encoded and what it saved.
+    pub codec: Option<CodecSummary>,
 }
 
 const TMP_MARK: &str = ".tarfa-tmp-";
@@ -165,7 +231,7 @@ thread_local! {
 pub fn write_bundle(
     target: &Path,
     force: bool,
-    spec: BundleSpec,
+    mut spec: BundleSpec,
     src: &dyn RegionSource,
 ) -> Result<WriteSummary, ConvertError> {
     let target = absolute(target)?;
@@ -179,6 +245,16 @@ pub fn write_bundle(
     let parent = resolve(target.parent().unwrap_or(Path::new("/")))?;
     let target = parent.join(&base);
 
+    let codec = match spec.codec {
+        CodecChoice::Raw => None,
+        CodecChoice::ExponentPlaneZstd => {
+            // Refused now rather than after the encoding pass (checked again under the lock).
+            check_replaceable(&target, force)?;
+            let (header, summary) = plan_encoded(&spec.header, src)?;
+            spec.header = header;
+            Some(summary)
+        }
+    };
     let header = &spec.header;
     let data_bytes: u64 = header.tensors.iter().map(|t| t.length).sum::<u64>()
         + header.experts.iter().map(|e| e.length).sum::<u64>();
@@ -263,6 +339,7 @@ pub fn write_bundle(
                 length: t.length,
                 padded: align_up(t.length).expect("validated"),
                 blake3: r.blake3,
+                decoded: None,
             }
         }
         Job::Expert(i) => {
@@ -270,9 +347,10 @@ pub fn write_bundle(
             ReadBack {
                 name: e.prefix.clone(),
                 offset: e.offset,
-                length: e.length,
+                length: e.stored_length,
                 padded: e.padded_length,
-                blake3: r.blake3,
+                blake3: r.stored_blake3.unwrap_or(r.blake3),
+                decoded: r.stored_blake3.map(|_| (e.clone(), r.blake3)),
             }
         }
         Job::Shard(_) => unreachable!("shards are not regions"),
@@ -360,10 +438,6 @@ pub fn write_bundle(
         .iter()
         .map(|r| r.as_ref().map(|r| (r.sha256, r.blake3)))
         .collect();
-    let expert_hashes: Vec<Hashes> = expert_out
-        .iter()
-        .map(|r| r.as_ref().map(|r| (r.sha256, r.blake3)))
-        .collect();
     let nonfinite = NonfiniteCounts {
         tensors: tensor_out
             .iter()
@@ -398,7 +472,7 @@ pub fn write_bundle(
         shards,
         files,
         &tensor_hashes,
-        &expert_hashes,
+        &expert_out,
         &nonfinite,
     );
     let manifest_path = tmp.join(MANIFEST_FILE);
@@ -447,6 +521,74 @@ pub fn write_bundle(
         nonfinite: nonfinite_tensors,
         notes: Vec::new(),
         mxfp4_tensors: Vec::new(),
+        codec,
+    })
+}
+
+/// Encodes every BF16 extent once (on the worker pool, a progress bar on a terminal) to learn
+/// its stored size, and re-plans `header` (the raw layout) as format version 2: each extent
+/// encoded where [`encoding_pays`], else raw; MXFP4 extents raw, unread. The bytes are not
+/// kept (a model's extents need not fit in memory): the write encodes them again.
+fn plan_encoded(
+    header: &Header,
+    src: &dyn RegionSource,
+) -> Result<(Header, CodecSummary), ConvertError> {
+    let t0 = Instant::now();
+    let total: u64 = header.experts.iter().map(|e| e.length).sum();
+    let bar = bytes_bar(total, "encode");
+    let storage: Vec<(ExtentCodec, u64)> = header
+        .experts
+        .par_iter()
+        .map(|e| {
+            if interrupted() {
+                return Err(ConvertError::Interrupted);
+            }
+            if e.encoding() != ExtentEncoding::Bf16 {
+                bar.inc(e.length);
+                return Ok((ExtentCodec::Raw, e.length));
+            }
+            // As in run_job: the buffer leaves the cell while filling may run nested work.
+            let mut buf = SCRATCH.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+            let result = (|| {
+                buf.resize(e.length as usize, 0);
+                src.fill_expert(e, &mut buf)?;
+                let encoded = encode_extent(e, &buf)?.len() as u64;
+                Ok(if encoding_pays(e.length, encoded) {
+                    (ExtentCodec::ExponentPlaneZstd, encoded)
+                } else {
+                    (ExtentCodec::Raw, e.length)
+                })
+            })();
+            SCRATCH.with(|cell| *cell.borrow_mut() = buf);
+            bar.inc(e.length);
+            result
+        })
+        .collect::<Result<_, ConvertError>>()?;
+    bar.finish_and_clear();
+    let mut plan = LayoutPlan::from_header(header);
+    let mut summary = CodecSummary {
+        extents: header.experts.len(),
+        extent_bytes: total,
+        ..CodecSummary::default()
+    };
+    for (e, &(codec, stored)) in header.experts.iter().zip(&storage) {
+        plan.set_extent_storage(e.layer, e.expert, codec, stored);
+        summary.stored_bytes += stored;
+        match (codec, e.encoding()) {
+            (ExtentCodec::ExponentPlaneZstd, _) => summary.encoded += 1,
+            (ExtentCodec::Raw, ExtentEncoding::Bf16) => summary.kept_raw += 1,
+            (ExtentCodec::Raw, ExtentEncoding::Mxfp4) => summary.not_bf16 += 1,
+        }
+    }
+    summary.sizing_time = t0.elapsed();
+    Ok((plan.finish()?, summary))
+}
+
+/// The extent's bytes encoded with the exponent-plane codec.
+fn encode_extent(e: &ExpertExtent, bytes: &[u8]) -> Result<Vec<u8>, ConvertError> {
+    jnf_codec::encode(bytes).map_err(|source| ConvertError::Encode {
+        name: e.prefix.clone(),
+        source,
     })
 }
 
@@ -547,8 +689,11 @@ enum Job {
 
 #[derive(Clone)]
 struct RegionOut {
+    /// Of the region's bytes (an encoded extent's decoded bytes).
     sha256: [u8; 32],
     blake3: [u8; 32],
+    /// An encoded extent's: the BLAKE3 of its stored bytes.
+    stored_blake3: Option<[u8; 32]>,
     nonfinite: u64,
 }
 
@@ -561,9 +706,14 @@ enum JobOut {
 struct ReadBack {
     name: String,
     offset: u64,
+    /// The bytes written before the padding (an encoded extent's stored bytes).
     length: u64,
     padded: u64,
+    /// Of those bytes.
     blake3: [u8; 32],
+    /// An encoded extent, and the BLAKE3 of its decoded bytes: the read-back decodes what it
+    /// read and checks that too.
+    decoded: Option<(ExpertExtent, [u8; 32])>,
 }
 
 /// Bytes written before a batch is handed to the read-back: large enough that syncing it is
@@ -645,7 +795,8 @@ fn run_job(
     // which must find the cell free rather than borrowed.
     let mut buf = SCRATCH.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
     let result = (|| {
-        buf.resize(padded as usize, 0);
+        // An encoded extent is filled at its decoded length and written at its stored one.
+        buf.resize(padded.max(length) as usize, 0);
         buf[length as usize..].fill(0);
         let data = &mut buf[..length as usize];
         let nonfinite = match *job {
@@ -669,16 +820,39 @@ fn run_job(
             }
             Job::Shard(_) => unreachable!("returned above"),
         };
-        // Hash exactly the bytes that are written, from the buffer they are written from.
+        // Hash exactly the bytes that are written (or that the stored bytes decode to), from
+        // the buffer they are written (or encoded) from.
         let sha256: [u8; 32] = Sha256::digest(&*data).into();
         let blake3: [u8; 32] = *blake3::hash(data).as_bytes();
-        out.write_all_at(&buf, offset)
-            .map_err(ConvertError::io(jnf_path, "write"))?;
+        let stored_blake3 = match *job {
+            Job::Expert(i) if header.experts[i].is_encoded() => {
+                let e = &header.experts[i];
+                let mut stored = encode_extent(e, data)?;
+                if stored.len() as u64 != e.stored_length {
+                    return Err(ConvertError::Verify {
+                        path: jnf_path.to_path_buf(),
+                        name: e.prefix.clone(),
+                        what: "encoded again, the extent has another size than when it was planned (the source changed, or the encoder is not deterministic)",
+                    });
+                }
+                let stored_blake3 = *blake3::hash(&stored).as_bytes();
+                stored.resize(padded as usize, 0);
+                out.write_all_at(&stored, offset)
+                    .map_err(ConvertError::io(jnf_path, "write"))?;
+                Some(stored_blake3)
+            }
+            _ => {
+                out.write_all_at(&buf[..padded as usize], offset)
+                    .map_err(ConvertError::io(jnf_path, "write"))?;
+                None
+            }
+        };
         hashed.fetch_add(length, Ordering::Relaxed);
         bar.inc(length);
         Ok(JobOut::Region(RegionOut {
             sha256,
             blake3,
+            stored_blake3,
             nonfinite,
         }))
     })();
@@ -749,10 +923,22 @@ fn read_back_batches(
                     what,
                 };
                 if blake3::hash(&buf[..r.length as usize]).as_bytes() != &r.blake3 {
-                    return Err(fail("BLAKE3 differs"));
+                    return Err(fail(if r.decoded.is_some() {
+                        "BLAKE3 of the stored bytes differs"
+                    } else {
+                        "BLAKE3 differs"
+                    }));
                 }
                 if buf[r.length as usize..].iter().any(|&b| b != 0) {
                     return Err(fail("padding is not zero"));
+                }
+                if let Some((e, decoded_blake3)) = &r.decoded {
+                    let mut decoded = vec![0u8; e.length as usize];
+                    e.decode_stored(&buf[..r.length as usize], &mut decoded)
+                        .map_err(|_| fail("the stored bytes do not decode"))?;
+                    if blake3::hash(&decoded).as_bytes() != decoded_blake3 {
+                        return Err(fail("BLAKE3 of the decoded bytes differs"));
+                    }
                 }
                 Ok(())
             })
@@ -804,7 +990,7 @@ fn build_manifest(
     shards: Vec<ShardRecord>,
     files: Vec<FileRecord>,
     tensor_hashes: &[Hashes],
-    expert_hashes: &[Hashes],
+    expert_out: &[Option<RegionOut>],
     nonfinite: &NonfiniteCounts,
 ) -> Manifest {
     let h = &spec.header;
@@ -827,13 +1013,16 @@ fn build_manifest(
             }
         })
         .collect();
+    // Version 2 records every extent's storage; version 1's records are as they always were.
+    let codecs = h.major >= 2;
     let experts = h
         .experts
         .iter()
-        .zip(expert_hashes)
+        .zip(expert_out)
         .zip(&nonfinite.experts)
-        .map(|((e, hs), &nonfinite)| {
-            let (sha, b3) = hs.expect("every expert was written");
+        .map(|((e, out), &nonfinite)| {
+            let out = out.as_ref().expect("every expert was written");
+            let (sha, b3, stored) = (out.sha256, out.blake3, out.stored_blake3);
             let (relayout, sources) = spec
                 .expert_sources
                 .get(&(e.layer, e.expert))
@@ -851,6 +1040,10 @@ fn build_manifest(
                 sha256: to_hex(&sha),
                 blake3: to_hex(&b3),
                 nonfinite,
+                codec: codecs.then(|| e.codec.as_str().to_string()),
+                stored_length: codecs.then_some(e.stored_length),
+                // Raw, the stored bytes are the extent: the same BLAKE3.
+                stored_blake3: codecs.then(|| to_hex(&stored.unwrap_or(b3))),
                 matrices: e
                     .matrices
                     .iter()
@@ -869,7 +1062,8 @@ fn build_manifest(
     let mut m = Manifest {
         root_digest: String::new(),
         computed_root: String::new(),
-        manifest_version: MANIFEST_VERSION,
+        manifest_version: manifest_version_for(h.major)
+            .expect("this crate writes versions 1 and 2"),
         format_version: format!("{}.{}", h.major, h.minor),
         contract_version: CONTRACT_VERSION,
         converter: spec.converter.clone(),

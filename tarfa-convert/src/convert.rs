@@ -12,13 +12,17 @@ use tarfa_checkpoint::{
 use tarfa_manifest::hash::to_hex;
 use tarfa_manifest::{ShardRecord, SourceRange};
 
-use crate::bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
+use crate::bundle::{
+    write_bundle, BundleSpec, CodecChoice, CopiedFile, RegionSource, WriteSummary,
+};
 use crate::ConvertError;
 
 #[derive(Debug, Clone, Default)]
 pub struct ConvertOptions {
     /// Replace an existing bundle at the target.
     pub force: bool,
+    /// How expert extents are stored (default raw: format version 1, as before version 2).
+    pub codec: CodecChoice,
 }
 
 pub fn converter_id() -> String {
@@ -120,6 +124,7 @@ pub fn convert(
         source,
         converter: converter_id(),
         expert_sources,
+        codec: opts.codec,
     };
     let src = CheckpointSource {
         ckpt: &ckpt,

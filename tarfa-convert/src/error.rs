@@ -85,6 +85,12 @@ pub enum ConvertError {
     /// Invalid arguments (synthetic shapes, sizes).
     #[error("{0}")]
     Usage(String),
+    /// An expert extent could not be encoded (`--codec exp-zstd`): zstd failed in memory.
+    #[error("{name}: cannot encode the extent: {source}")]
+    Encode {
+        name: String,
+        source: jnf_codec::EncodeError,
+    },
     /// SIGINT or SIGTERM arrived; the temporary directory was removed.
     #[error("interrupted; no bundle was written")]
     Interrupted,
@@ -127,6 +133,7 @@ impl ConvertError {
             ConvertError::NoSpace { .. }
             | ConvertError::TargetBusy { .. }
             | ConvertError::Io { .. }
+            | ConvertError::Encode { .. }
             | ConvertError::Interrupted => exit::ENVIRONMENT,
         }
     }
@@ -149,6 +156,7 @@ impl ConvertError {
             ConvertError::Verify { .. } => "verify",
             ConvertError::SourceChanged { .. } => "source_changed",
             ConvertError::Usage(_) => "usage",
+            ConvertError::Encode { .. } => "encode",
             ConvertError::Interrupted => "interrupted",
         }
     }
@@ -169,7 +177,10 @@ impl ConvertError {
             | ConvertError::Io { path: p, .. }
             | ConvertError::Verify { path: p, .. }
             | ConvertError::SourceChanged { path: p, .. } => Some(p),
-            ConvertError::Layout(_) | ConvertError::Usage(_) | ConvertError::Interrupted => None,
+            ConvertError::Layout(_)
+            | ConvertError::Usage(_)
+            | ConvertError::Encode { .. }
+            | ConvertError::Interrupted => None,
         }
     }
 }

@@ -17,7 +17,10 @@ pub mod progress;
 pub mod synth;
 pub mod target;
 
-pub use bundle::{write_bundle, BundleSpec, CopiedFile, RegionSource, WriteSummary};
+pub use bundle::{
+    encoding_pays, write_bundle, BundleSpec, CodecChoice, CodecSummary, CopiedFile, RegionSource,
+    WriteSummary, ENCODED_AT_MOST_PERCENT,
+};
 pub use convert::{convert, ConvertOptions};
 pub use error::ConvertError;
 

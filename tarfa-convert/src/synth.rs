@@ -2004,6 +2004,7 @@ fn write_direct(
         source,
         expert_sources: Default::default(),
         converter,
+        codec: Default::default(),
     };
     let src = SynthSource {
         by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(),

@@ -3,7 +3,7 @@
 //!
 //! - OUT is never SRC, inside SRC, or an ancestor of SRC (symlinks and `..` resolved first).
 //! - `--force` replaces only a directory that is verifiably a bundle: a `manifest.toml` whose
-//!   `manifest_version` is 1 or 2 and whose `format_version` is a string, beside a `model.jnf`
+//!   `manifest_version` is 1, 2 or 3 and whose `format_version` is a string, beside a `model.jnf`
 //!   that starts with the container's magic. Anything else is refused by name.
 //! - One writer per OUT: an advisory lock (`flock`) on `.OUT.tarfa-lock` in OUT's parent, held
 //!   from the first check to the publishing rename, removed when released.
@@ -129,11 +129,11 @@ pub fn not_a_bundle(dir: &Path) -> Option<&'static str> {
     };
     let version_ok = matches!(
         table.get("manifest_version"),
-        Some(toml::Value::Integer(1 | 2))
+        Some(toml::Value::Integer(1..=3))
     );
     let format_ok = matches!(table.get("format_version"), Some(toml::Value::String(_)));
     if !version_ok || !format_ok {
-        return Some("has a manifest.toml without manifest_version 1 or 2 and a format_version");
+        return Some("has a manifest.toml without manifest_version 1, 2 or 3 and a format_version");
     }
     let mut magic = [0u8; 8];
     let magic_ok = File::open(dir.join(CONTAINER_FILE))

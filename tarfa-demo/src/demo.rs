@@ -184,7 +184,10 @@ pub fn run(a: &DemoArgs) -> Result<(), DemoError> {
         let s = tarfa_convert::convert(
             &model,
             &bundle,
-            &tarfa_convert::ConvertOptions { force: true },
+            &tarfa_convert::ConvertOptions {
+                force: true,
+                ..Default::default()
+            },
         )?;
         eprintln!(
             "      {:.1} MB copied and hashed, read back from disk and verified in {:.2} s",

@@ -1391,6 +1391,9 @@ mod tests {
                 experts.push(ExpertRecord {
                     relayout: None,
                     sources: Vec::new(),
+                    codec: None,
+                    stored_length: None,
+                    stored_blake3: None,
                     name: x.prefix.clone(),
                     layer: x.layer,
                     expert: x.expert,

@@ -130,6 +130,9 @@ fn manifest(h: &Header, data: &[u8], shards: bool) -> Manifest {
             .map(|e| ExpertRecord {
                 relayout: None,
                 sources: Vec::new(),
+                codec: None,
+                stored_length: None,
+                stored_blake3: None,
                 name: e.prefix.clone(),
                 layer: e.layer,
                 expert: e.expert,

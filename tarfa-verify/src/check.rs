@@ -7,6 +7,11 @@
 //! that every byte from the end of the header JSON to the end of the file is either hashed or
 //! checked to be zero); then the copied files and, with a source, every source shard's whole-file
 //! SHA-256.
+//!
+//! An extent stored encoded (format version 2) is read whole, its stored bytes' BLAKE3 checked
+//! against the manifest's `stored_blake3` (a mismatch names the expert and nothing is decoded),
+//! then decoded, and the decoded bytes go through everything a raw extent's bytes go through:
+//! SHA-256 and BLAKE3 against the manifest, and with `--source` the source's bytes.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
@@ -95,9 +100,19 @@ struct FusedSource {
     relayout: Option<(Relayout, usize, usize)>,
 }
 
+/// An extent stored encoded: checked as stored, then decoded.
+struct Stored<'a> {
+    extent: &'a jnf_format::ExpertExtent,
+    /// The manifest's `stored_blake3`, when the manifest has the entry.
+    blake3: Option<&'a str>,
+}
+
 /// A tensor or an extent, then its padding: `[offset, offset + length)` is hashed,
-/// `[offset + length, tail_end)` must be zero.
+/// `[offset + length, tail_end)` must be zero (for an encoded extent, its stored bytes are
+/// hashed and decoded, and its padding starts after them).
 struct Item<'a> {
+    /// An encoded extent's storage (`None`: the bytes in the file are the item's bytes).
+    stored: Option<Stored<'a>>,
     /// A fused expert's source, compared after the permutation (with `--source`).
     fused: Option<FusedSource>,
     name: &'a str,
@@ -225,6 +240,7 @@ pub fn check_bundle(dir: &Path, opts: &CheckOptions) -> Result<CheckReport, Veri
         }
         notes = nonfinite_notes(m);
         notes.extend(mxfp4_note(m));
+        notes.extend(codec_note(m));
     }
 
     Ok(CheckReport {
@@ -354,6 +370,17 @@ fn compare_header_manifest(h: &Header, m: &Manifest, out: &mut Vec<Failure>) {
                 e.offset, e.padded_length, r.offset, r.padded_length
             ));
         }
+        // A version-2 manifest records how each extent is stored; version 1's are raw.
+        let (codec, stored) = (
+            r.codec.as_deref().unwrap_or("raw"),
+            r.stored_length.unwrap_or(r.length),
+        );
+        if (codec, stored) != (e.codec.as_str(), e.stored_length) {
+            why.push(format!(
+                "model.jnf stores it {} in {} bytes, the manifest {codec} in {stored}",
+                e.codec, e.stored_length
+            ));
+        }
         let same_matrices = r.matrices.len() == e.matrices.len()
             && r.matrices.iter().zip(&e.matrices).all(|(rm, hm)| {
                 rm.role == hm.role
@@ -475,6 +502,7 @@ fn plan_items<'a>(
             }],
             tail_end: 0,
             fused: None,
+            stored: None,
             expected: m_tensors
                 .get(t.name.as_str())
                 .map(|r| (r.sha256.as_str(), r.blake3.as_str())),
@@ -483,6 +511,12 @@ fn plan_items<'a>(
     let mut fused_failures = Vec::new();
     for e in &h.experts {
         let record = m_experts.get(e.prefix.as_str());
+        let stored = || {
+            e.is_encoded().then(|| Stored {
+                extent: e,
+                blake3: record.and_then(|r| r.stored_blake3.as_deref()),
+            })
+        };
         let fused_ranges = record.map(|r| r.sources.as_slice()).unwrap_or_default();
         if !fused_ranges.is_empty() {
             // A fused expert: its matrices have no tensors of their own in the source; the
@@ -504,6 +538,7 @@ fn plan_items<'a>(
                     .collect(),
                 tail_end: 0,
                 fused,
+                stored: stored(),
                 expected: record.map(|r| (r.sha256.as_str(), r.blake3.as_str())),
             });
             continue;
@@ -528,6 +563,7 @@ fn plan_items<'a>(
                 .collect(),
             tail_end: 0,
             fused: None,
+            stored: stored(),
             expected: record.map(|r| (r.sha256.as_str(), r.blake3.as_str())),
         });
     }
@@ -694,6 +730,31 @@ fn mxfp4_note(m: &Manifest) -> Option<Note> {
     })
 }
 
+/// A version-2 bundle's encoded experts: how many, and what they occupy as stored.
+fn codec_note(m: &Manifest) -> Option<Note> {
+    let encoded: Vec<&tarfa_manifest::ExpertRecord> = m
+        .experts
+        .iter()
+        .filter(|e| e.codec.as_deref().is_some_and(|c| c != "raw"))
+        .collect();
+    if m.manifest_version < tarfa_manifest::MANIFEST_VERSION_CODECS {
+        return None;
+    }
+    let decoded: u64 = encoded.iter().map(|e| e.length).sum();
+    let stored: u64 = encoded.iter().filter_map(|e| e.stored_length).sum();
+    Some(Note {
+        name: MANIFEST_FILE.to_string(),
+        detail: format!(
+            "format version {}: {} of {} experts stored encoded (exp-zstd, {stored} bytes for \
+             {decoded}), the others raw; each encoded one's stored bytes were checked against \
+             stored_blake3 before they were decoded, and the decoded bytes against sha256 and blake3",
+            m.format_version,
+            encoded.len(),
+            m.experts.len(),
+        ),
+    })
+}
+
 /// `[end of header JSON, first data byte)`: the header's zero padding.
 fn header_padding(c: &JnfFile) -> Result<(u64, u64), VerifyError> {
     let mut pre = [0u8; PREAMBLE_LEN as usize];
@@ -725,25 +786,46 @@ fn check_item(
     checked: &AtomicU64,
 ) -> Result<Vec<Failure>, VerifyError> {
     let mut failures = Vec::new();
+    // An encoded extent: its stored bytes checked, then decoded into memory; the segments
+    // below are then read from the decoded bytes instead of the file.
+    let decoded = match &item.stored {
+        None => None,
+        Some(st) => match read_stored(c, item, st, bar, checked, &mut failures)? {
+            Some(bytes) => Some(bytes),
+            // Named already; its padding is still checked.
+            None => {
+                check_padding(c, item, &mut failures, bar, checked)?;
+                return Ok(failures);
+            }
+        },
+    };
     let mut sha = Sha256::new();
     let mut b3 = blake3::Hasher::new();
     let mut pos = item.offset;
     let mut extent = Vec::new();
+    let mut at = 0usize;
     for seg in &item.segments {
         let mut done = 0u64;
         let mut first_diff = None;
         while done < seg.len {
             let n = (seg.len - done).min(CHUNK as u64) as usize;
-            let chunk = &mut buf[..n];
-            c.file()
-                .read_exact_at(chunk, pos + done)
-                .map_err(|e| VerifyError::io(c.path(), "reading", e))?;
-            sha.update(&*chunk);
+            let chunk: &[u8] = match &decoded {
+                Some(d) => &d[at..at + n],
+                None => {
+                    c.file()
+                        .read_exact_at(&mut buf[..n], pos + done)
+                        .map_err(|e| VerifyError::io(c.path(), "reading", e))?;
+                    &buf[..n]
+                }
+            };
+            at += n;
+            sha.update(chunk);
             b3.update(chunk);
             if item.fused.is_some() {
                 extent.extend_from_slice(chunk);
             }
-            let mut read = n as u64;
+            // Decoded bytes were counted as the stored bytes they came from.
+            let mut read = if decoded.is_some() { 0 } else { n as u64 };
             if let (Some(loc), None) = (seg.source, first_diff) {
                 let shard = &shards[loc.shard];
                 let src = &mut sbuf[..n];
@@ -785,13 +867,7 @@ fn check_item(
         bar.inc(read);
         checked.fetch_add(read, Ordering::Relaxed);
     }
-    if let Some(f) = check_zero(c.file(), item.name, pos, item.tail_end)? {
-        failures.push(f);
-    }
-    let padding = item.tail_end.saturating_sub(pos);
-    bar.inc(padding);
-    checked.fetch_add(padding, Ordering::Relaxed);
-
+    check_padding(c, item, &mut failures, bar, checked)?;
     if let Some((want_sha, want_b3)) = item.expected {
         let got_sha = to_hex(&sha.finalize());
         if got_sha != want_sha {
@@ -811,6 +887,76 @@ fn check_item(
         }
     }
     Ok(failures)
+}
+
+/// The item's padding: from the end of its bytes in the file (an encoded extent's stored
+/// bytes) to the next item, all zero.
+fn check_padding(
+    c: &JnfFile,
+    item: &Item<'_>,
+    failures: &mut Vec<Failure>,
+    bar: &ProgressBar,
+    checked: &AtomicU64,
+) -> Result<(), VerifyError> {
+    let end = item.offset
+        + match &item.stored {
+            Some(st) => st.extent.stored_length,
+            None => item.segments.iter().map(|s| s.len).sum(),
+        };
+    if let Some(f) = check_zero(c.file(), item.name, end, item.tail_end)? {
+        failures.push(f);
+    }
+    let padding = item.tail_end.saturating_sub(end);
+    bar.inc(padding);
+    checked.fetch_add(padding, Ordering::Relaxed);
+    Ok(())
+}
+
+/// An encoded extent's stored bytes, checked against the manifest's `stored_blake3` and then
+/// decoded. `None` (with a failure naming the expert) when they do not verify, or verify and
+/// do not decode: a corrupt extent is named before any of it is decoded.
+fn read_stored(
+    c: &JnfFile,
+    item: &Item<'_>,
+    st: &Stored<'_>,
+    bar: &ProgressBar,
+    checked: &AtomicU64,
+    failures: &mut Vec<Failure>,
+) -> Result<Option<Vec<u8>>, VerifyError> {
+    let mut stored = vec![0u8; st.extent.stored_length as usize];
+    c.file()
+        .read_exact_at(&mut stored, item.offset)
+        .map_err(|e| VerifyError::io(c.path(), "reading", e))?;
+    bar.inc(stored.len() as u64);
+    checked.fetch_add(stored.len() as u64, Ordering::Relaxed);
+    if let Some(want) = st.blake3 {
+        let got = blake3::hash(&stored).to_hex();
+        if got.as_str() != want {
+            failures.push(Failure::new(
+                item.name,
+                FailureKind::StoredBlake3Mismatch,
+                format!(
+                    "BLAKE3 of the stored extent ({}, {} bytes): manifest {want}, model.jnf \
+                     {got}; not decoded",
+                    st.extent.codec,
+                    stored.len()
+                ),
+            ));
+            return Ok(None);
+        }
+    }
+    let mut decoded = vec![0u8; st.extent.length as usize];
+    match st.extent.decode_stored(&stored, &mut decoded) {
+        Ok(()) => Ok(Some(decoded)),
+        Err(e) => {
+            failures.push(Failure::new(
+                item.name,
+                FailureKind::StoredNotDecodable,
+                e.to_string(),
+            ));
+            Ok(None)
+        }
+    }
 }
 
 /// `None` if `[from, to)` of the container is all zero, else a failure naming the first byte.

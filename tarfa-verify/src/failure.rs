@@ -26,10 +26,17 @@ pub enum FailureKind {
     MissingInBundle,
     /// In the bundle but not in the source checkpoint.
     MissingInSource,
-    /// The SHA-256 of a tensor's or extent's bytes is not the manifest's.
+    /// The SHA-256 of a tensor's or extent's bytes (an encoded extent's decoded bytes) is not
+    /// the manifest's.
     Sha256Mismatch,
     /// The BLAKE3 of a tensor's or extent's bytes is not the manifest's.
     Blake3Mismatch,
+    /// The BLAKE3 of an encoded extent's stored bytes is not the manifest's `stored_blake3`:
+    /// named before anything is decoded (and nothing is).
+    StoredBlake3Mismatch,
+    /// An encoded extent whose stored bytes verified does not decode (a bundle written
+    /// wrong, or a decoder that disagrees with the encoder).
+    StoredNotDecodable,
     /// A padding byte (after a tensor, an extent, or the header JSON) is not zero.
     PaddingNotZero,
     /// A copied file's size or SHA-256 is not the manifest's.
@@ -62,6 +69,8 @@ impl FailureKind {
             FailureKind::MissingInSource => "missing-in-source",
             FailureKind::Sha256Mismatch => "sha256-mismatch",
             FailureKind::Blake3Mismatch => "blake3-mismatch",
+            FailureKind::StoredBlake3Mismatch => "stored-blake3-mismatch",
+            FailureKind::StoredNotDecodable => "stored-not-decodable",
             FailureKind::PaddingNotZero => "padding-not-zero",
             FailureKind::FileSha256Mismatch => "file-sha256-mismatch",
             FailureKind::UnlistedFile => "unlisted-file",
@@ -157,6 +166,8 @@ mod tests {
             FailureKind::HeaderManifestMismatch,
             FailureKind::Sha256Mismatch,
             FailureKind::Blake3Mismatch,
+            FailureKind::StoredBlake3Mismatch,
+            FailureKind::StoredNotDecodable,
             FailureKind::PaddingNotZero,
             FailureKind::SourceBytesDiffer,
             FailureKind::ShardSha256Mismatch,

@@ -437,10 +437,22 @@ fn the_manifest_must_name_the_containers_format_version() {
     let s = Scratch::new("fmtver");
     let b = s.join("bundle");
     write_synthetic(&b, Synthetic::default());
-    edit_manifest(&b, true, |m| m.format_version = "1.1".into());
+    // "1.00" is version 1.0 spelled otherwise: it parses, but is not what model.jnf says.
+    edit_manifest(&b, true, |m| m.format_version = "1.00".into());
     let (_, failures) = check_json(&b, None);
     assert_eq!(
         failures,
         pairs(&[("manifest.toml", "header-manifest-mismatch")])
+    );
+    // A newer format version than this reader's: the manifest is refused, naming it.
+    edit_manifest(&b, true, |m| m.format_version = "1.1".into());
+    let (report, failures) = check_json(&b, None);
+    assert_eq!(failures, pairs(&[("manifest.toml", "invalid-manifest")]));
+    assert!(
+        report
+            .stdout
+            .contains("format version 1.1 is newer than this reader (1.0)"),
+        "{}",
+        report.stdout
     );
 }

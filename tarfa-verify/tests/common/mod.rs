@@ -352,6 +352,9 @@ fn expert_record(e: &jnf_format::ExpertExtent, bytes: &[u8]) -> ExpertRecord {
     ExpertRecord {
         relayout: None,
         sources: Vec::new(),
+        codec: None,
+        stored_length: None,
+        stored_blake3: None,
         name: e.prefix.clone(),
         layer: e.layer,
         expert: e.expert,
@@ -389,6 +392,22 @@ pub fn bundle_from_checkpoint_with(
     src: &Path,
     out: &Path,
     as_tensors: Option<(u32, u32)>,
+) -> (Header, Manifest) {
+    bundle_from_checkpoint_opts(src, out, as_tensors, false)
+}
+
+/// Like [`bundle_from_checkpoint`], in format version 2: every expert extent encoded with
+/// `jnf-codec` (the helper's own encoding, not the converter's), the manifest recording the
+/// decoded bytes' hashes and the stored bytes' codec, length and BLAKE3.
+pub fn bundle_from_checkpoint_encoded(src: &Path, out: &Path) -> (Header, Manifest) {
+    bundle_from_checkpoint_opts(src, out, None, true)
+}
+
+fn bundle_from_checkpoint_opts(
+    src: &Path,
+    out: &Path,
+    as_tensors: Option<(u32, u32)>,
+    encode: bool,
 ) -> (Header, Manifest) {
     let ck = tarfa_checkpoint::open(src).unwrap();
     let dtype = |t: &tarfa_checkpoint::SourceTensor| Dtype::parse(&t.dtype.to_string()).unwrap();
@@ -433,17 +452,7 @@ pub fn bundle_from_checkpoint_with(
         plan.add_expert(l, e, es.prefix.clone(), specs);
     }
     plan.set_metadata("converter", "tarfa-verify test helper");
-    let header = plan.finish().unwrap();
-
-    let mut file = header.encode().unwrap();
-    file.resize(header.file_size as usize, 0);
-    let mut manifest = empty_manifest();
-    for t in &header.tensors {
-        let bytes = ck.read_tensor_bytes(&t.name).unwrap();
-        file[t.offset as usize..(t.offset + t.length) as usize].copy_from_slice(&bytes);
-        manifest.tensors.push(tensor_record(t, &bytes));
-    }
-    for e in &header.experts {
+    let extent_bytes = |e: &jnf_format::ExpertExtent| {
         let mut bytes = Vec::new();
         for role in MatrixRole::ORDER {
             bytes.extend(
@@ -451,8 +460,49 @@ pub fn bundle_from_checkpoint_with(
                     .unwrap(),
             );
         }
-        file[e.offset as usize..(e.offset + e.length) as usize].copy_from_slice(&bytes);
-        manifest.experts.push(expert_record(e, &bytes));
+        bytes
+    };
+    let mut header = plan.finish().unwrap();
+    if encode {
+        let mut plan = LayoutPlan::from_header(&header);
+        for e in &header.experts {
+            let stored = jnf_codec::encode(&extent_bytes(e)).unwrap().len() as u64;
+            plan.set_extent_storage(
+                e.layer,
+                e.expert,
+                jnf_format::ExtentCodec::ExponentPlaneZstd,
+                stored,
+            );
+        }
+        header = plan.finish().unwrap();
+    }
+
+    let mut file = header.encode().unwrap();
+    file.resize(header.file_size as usize, 0);
+    let mut manifest = empty_manifest();
+    if encode {
+        manifest.manifest_version = tarfa_manifest::MANIFEST_VERSION_CODECS;
+        manifest.format_version = "2.0".into();
+    }
+    for t in &header.tensors {
+        let bytes = ck.read_tensor_bytes(&t.name).unwrap();
+        file[t.offset as usize..(t.offset + t.length) as usize].copy_from_slice(&bytes);
+        manifest.tensors.push(tensor_record(t, &bytes));
+    }
+    for e in &header.experts {
+        let bytes = extent_bytes(e);
+        let mut record = expert_record(e, &bytes);
+        let stored = if encode {
+            let stored = jnf_codec::encode(&bytes).unwrap();
+            record.codec = Some(e.codec.as_str().into());
+            record.stored_length = Some(stored.len() as u64);
+            record.stored_blake3 = Some(blake3_hex(&stored));
+            stored
+        } else {
+            bytes
+        };
+        file[e.offset as usize..][..stored.len()].copy_from_slice(&stored);
+        manifest.experts.push(record);
     }
     fs::create_dir_all(out).unwrap();
     fs::write(out.join("model.jnf"), &file).unwrap();
