@@ -68,6 +68,13 @@ fn bundle(name: &'static str) -> PathBuf {
                 .find(|s| s.name == "tiny")
                 .unwrap();
             write_synth(&out, shape);
+        } else if let Some(fixture_name) = name.strip_suffix("+exp-zstd") {
+            // Format version 2: every extent stored with the exponent-plane codec.
+            let opts = tarfa_convert::ConvertOptions {
+                codec: tarfa_convert::CodecChoice::ExponentPlaneZstd,
+                ..Default::default()
+            };
+            tarfa_convert::convert(&fixture(fixture_name), &out, &opts).unwrap();
         } else {
             tarfa_convert::convert(&fixture(name), &out, &Default::default()).unwrap();
         }
@@ -659,6 +666,68 @@ fn bad_budgets_and_impossible_resident_parts_get_their_exit_codes() {
 }
 
 /// Flips one byte inside every expert extent of `jnf` (in place, as a concurrent writer would).
+/// Format version 2 (issue 24): the fixture's bundle with every extent stored encoded gives
+/// the logits files of its version-1 bundle byte for byte (but for the root digest the
+/// metadata names, which is the bundle's), resident and streamed under a budget of two or three
+/// experts, with and without a cache, so that experts are read, checked, decoded and re-read
+/// many times; every read of the encoded bundle transfers fewer bytes.
+#[test]
+fn an_encoded_bundle_gives_the_raw_bundles_logits_files_byte_for_byte() {
+    let raw = Model::new("qwen3moe-a");
+    let enc = Model::new("qwen3moe-a+exp-zstd");
+    assert_eq!(enc.header.major, 2);
+    assert!(enc.header.experts.iter().all(|e| e.is_encoded()));
+    let cache = workdir().join("cache-encoded");
+    // Three decoded buffers: room for a read's stored bytes beside one or two held experts.
+    let budget = (3 * raw.buf_size()).to_string();
+    let runs: [&[&str]; 3] = [
+        &[],
+        &["--ram-budget", &budget, "--io", "direct"],
+        &[
+            "--ram-budget",
+            &budget,
+            "--io",
+            "cached",
+            "--cache-policy",
+            "none",
+        ],
+    ];
+    for (i, extra) in runs.iter().enumerate() {
+        let extra = s(extra);
+        let (_, a, sa) = raw.generate(&format!("v1-{i}"), &extra, &cache);
+        let (_, b, sb) = enc.generate(&format!("v2-{i}"), &extra, &cache);
+        let (ra, rb) = (&raw.manifest.root_digest, &enc.manifest.root_digest);
+        assert_ne!(ra, rb);
+        let text = String::from_utf8_lossy(&b);
+        assert_eq!(
+            text.matches(rb.as_str()).count(),
+            1,
+            "the root digest, once"
+        );
+        let mut b_as_a = b.clone();
+        let at = b.windows(64).position(|w| w == rb.as_bytes()).unwrap();
+        b_as_a[at..at + 64].copy_from_slice(ra.as_bytes());
+        assert!(a == b_as_a, "{extra:?}: the logits files differ");
+        if extra.is_empty() {
+            continue;
+        }
+        let n = |v: &Value, k: &str| v["stream"]["totals"][k].as_u64().unwrap();
+        // re-read many times: more reads than the bundle has experts
+        assert!(
+            n(&sb, "reads") > enc.header.experts.len() as u64,
+            "{extra:?}"
+        );
+        assert_eq!(
+            n(&sb, "decoded_bytes"),
+            n(&sb, "reads") * 49152,
+            "{extra:?}"
+        );
+        let per_read = |v: &Value| n(v, "bytes_read") as f64 / n(v, "reads") as f64;
+        assert!(per_read(&sb) < 0.8 * per_read(&sa), "{extra:?}");
+        assert!(n(&sb, "peak_warm_bytes") <= 3 * raw.buf_size(), "{extra:?}");
+    }
+}
+
 fn corrupt_every_expert(jnf: &Path, header: &jnf_format::Header) {
     use std::os::unix::fs::FileExt;
     let f = fs::OpenOptions::new()

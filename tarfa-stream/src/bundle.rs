@@ -10,7 +10,10 @@
 //! SHA-256, and none of the files the run reads (`config.json`, `generation_config.json`,
 //! `tokenizer.json`) sits in the bundle unlisted. Then each non-expert tensor is BLAKE3-checked
 //! when it is loaded, and each expert extent when it is first read; each copied file again when
-//! it is read. A mismatch is a [`BundleError`] (exit code 1); there is no override.
+//! it is read. An extent stored encoded (format version 2) is checked twice: its stored bytes
+//! against the manifest's `stored_blake3` before they are decoded, then the decoded bytes
+//! against `blake3` as a raw extent's are. A mismatch is a [`BundleError`] (exit code 1); there
+//! is no override.
 //!
 //! What was verified is recorded, so that `--verify-report` can show an auditor (and the
 //! validation suite) that every tensor the run used was checked before use.
@@ -115,6 +118,17 @@ pub enum BundleError {
         name: String,
         algorithm: &'static str,
     },
+    /// An encoded extent's stored bytes do not match the manifest's `stored_blake3`: named
+    /// before anything is decoded from them.
+    #[error("{path}: {name}: BLAKE3 of the stored (encoded) bytes read does not match the manifest's stored_blake3 (the bundle changed or is corrupt); nothing was decoded")]
+    StoredHashMismatch { path: PathBuf, name: String },
+    /// An encoded extent whose stored bytes verified does not decode.
+    #[error("{path}: {name}: the stored extent verified but does not decode ({msg})")]
+    Undecodable {
+        path: PathBuf,
+        name: String,
+        msg: String,
+    },
     /// An MXFP4 expert that verified against the manifest holds a block with no exact BF16
     /// widening (scale 255, or an overflow): refused, never rounded.
     #[error("{path}: {name}: {msg}; MXFP4 is widened exactly or refused")]
@@ -148,6 +162,8 @@ impl BundleError {
             | BundleError::HeaderManifestMismatch { .. }
             | BundleError::FileUnlisted { .. }
             | BundleError::HashMismatch { .. }
+            | BundleError::StoredHashMismatch { .. }
+            | BundleError::Undecodable { .. }
             | BundleError::Mxfp4 { .. } => exit::VERIFICATION_FAILED,
         }
     }
@@ -210,7 +226,10 @@ impl Ledger {
 /// Expert digests by (layer, expert): BLAKE3 hex and the extent.
 struct ExpertSlot {
     extent: ExpertExtent,
+    /// Of the extent's (decoded) bytes.
     blake3: String,
+    /// Of an encoded extent's stored bytes (the manifest's `stored_blake3`); `None` when raw.
+    stored_blake3: Option<String>,
 }
 
 /// A verified bundle, serving weights to the forward.
@@ -441,6 +460,14 @@ impl BundleSource {
         v
     }
 
+    /// The manifest's BLAKE3 of an encoded extent's stored bytes (`None` for a raw extent, whose
+    /// stored bytes are the extent): what an expert-streaming store checks before it decodes.
+    pub fn stored_blake3(&self, layer: u32, expert: u32) -> Option<&str> {
+        self.experts
+            .get(&(layer as usize, expert as usize))
+            .and_then(|s| s.stored_blake3.as_deref())
+    }
+
     /// A duplicate handle on the open container file (reads through the page cache).
     pub(crate) fn file_handle(&self) -> Result<File, BundleError> {
         self.file.try_clone().map_err(io(&self.jnf_path, "open"))
@@ -483,7 +510,7 @@ impl BundleSource {
             .par_iter()
             .map(|(_, slot)| {
                 let e = &slot.extent;
-                self.read_verified(&e.prefix, e.offset, e.length, &slot.blake3)?;
+                self.read_extent_verified(slot)?;
                 let mut l = self.ledger.lock().expect("ledger lock");
                 Ledger::note(&mut l.experts, &e.prefix, e.length, "blake3", &slot.blake3);
                 Ok(e.length)
@@ -532,11 +559,45 @@ impl BundleSource {
         Ok(buf)
     }
 
+    /// An expert extent's bytes, verified: a raw extent's as read; an encoded one's stored
+    /// bytes checked against `stored_blake3`, decoded, and the decoded bytes checked.
+    fn read_extent_verified(&self, slot: &ExpertSlot) -> Result<Vec<u8>, BundleError> {
+        let e = &slot.extent;
+        let Some(stored_blake3) = slot.stored_blake3.as_deref().filter(|_| e.is_encoded()) else {
+            return self.read_verified(&e.prefix, e.offset, e.length, &slot.blake3);
+        };
+        let mut stored = vec![0u8; e.stored_length as usize];
+        self.file
+            .read_exact_at(&mut stored, e.offset)
+            .map_err(io(&self.jnf_path, "read"))?;
+        if blake3::hash(&stored).to_hex().as_str() != stored_blake3 {
+            return Err(BundleError::StoredHashMismatch {
+                path: self.jnf_path.clone(),
+                name: e.prefix.clone(),
+            });
+        }
+        let mut bytes = vec![0u8; e.length as usize];
+        e.decode_stored(&stored, &mut bytes)
+            .map_err(|err| BundleError::Undecodable {
+                path: self.jnf_path.clone(),
+                name: e.prefix.clone(),
+                msg: err.to_string(),
+            })?;
+        if blake3::hash(&bytes).to_hex().as_str() != slot.blake3 {
+            return Err(BundleError::HashMismatch {
+                path: self.jnf_path.clone(),
+                name: e.prefix.clone(),
+                algorithm: "BLAKE3 of the decoded bytes",
+            });
+        }
+        Ok(bytes)
+    }
+
     /// Read one expert extent, verify it, and split it into its three matrices.
     fn read_expert(&self, key: (usize, usize)) -> Result<ExpertWeights, BundleError> {
         let slot = &self.experts[&key];
         let e = &slot.extent;
-        let bytes = self.read_verified(&e.prefix, e.offset, e.length, &slot.blake3)?;
+        let bytes = self.read_extent_verified(slot)?;
         {
             let mut l = self.ledger.lock().expect("ledger lock");
             Ledger::note(&mut l.experts, &e.prefix, e.length, "blake3", &slot.blake3);
@@ -689,6 +750,20 @@ fn reconcile(
                 ),
             ));
         }
+        // How the extent is stored: a version-1 manifest's extents are raw.
+        let (codec, stored) = (
+            r.codec.as_deref().unwrap_or("raw"),
+            r.stored_length.unwrap_or(r.length),
+        );
+        if (codec, stored) != (e.codec.as_str(), e.stored_length) {
+            return Err(bad(
+                &e.prefix,
+                format!(
+                    "stored {} in {} bytes in the container, {codec} in {stored} in the manifest",
+                    e.codec, e.stored_length
+                ),
+            ));
+        }
         let same = r.matrices.len() == e.matrices.len()
             && r.matrices.iter().zip(&e.matrices).all(|(a, b)| {
                 a.name == b.name
@@ -709,6 +784,7 @@ fn reconcile(
             ExpertSlot {
                 extent: e.clone(),
                 blake3: r.blake3.clone(),
+                stored_blake3: r.stored_blake3.clone().filter(|_| e.is_encoded()),
             },
         );
     }

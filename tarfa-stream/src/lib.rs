@@ -14,7 +14,11 @@
 //! The warm tier's budget covers every expert buffer alive at once: cached entries, reads in
 //! flight and the experts the forward is computing with. There is no separate staging copy:
 //! an extent is read into one buffer, BLAKE3-checked there against the manifest, and the
-//! forward computes from views into that very buffer ([`crate::weights::ExpertData`]).
+//! forward computes from views into that very buffer ([`crate::weights::ExpertData`]). An
+//! extent stored encoded (format version 2) is read into a buffer of its stored bytes, which
+//! are BLAKE3-checked against the manifest's `stored_blake3`, decoded on the reader thread into
+//! the buffer the forward will use, and checked there as a raw extent is; the stored bytes'
+//! buffer is charged to the budget too, until the decode is done.
 //!
 //! How the forward cooperates (the [`WeightSource`] hints, all defaulted for resident sources):
 //! once a layer's routes are known it asks [`WeightSource::expert_batches`] how to group the
@@ -74,20 +78,38 @@ impl IoMode {
         }
     }
 
-    /// Bytes one read of `extent` transfers and the buffer it needs: with O_DIRECT the padded
-    /// extent, through the page cache the extent itself.
+    /// Bytes one read of `extent` transfers: its stored bytes, with O_DIRECT padded to 4096
+    /// (`padded_length`), through the page cache as they are (`stored_length`, which is
+    /// `length` for a raw extent).
     pub fn read_bytes(self, extent: &jnf_format::ExpertExtent) -> u64 {
         match self {
             IoMode::Direct => extent.padded_length,
-            IoMode::Cached => extent.length,
+            IoMode::Cached => extent.stored_length,
         }
     }
 
-    /// Bytes the buffer for one read of `extent` occupies, and what the RAM budget is charged
-    /// for it: the read rounded up to whole 4096-byte pages (the extent's `padded_length` in both
-    /// modes, as the format pads extents to 4096).
+    /// Bytes the warm tier holds for `extent` once it is read, and what the RAM budget is
+    /// charged for it while it is kept: a raw extent's read rounded up to whole 4096-byte pages
+    /// (its `padded_length` in both modes, as the format pads extents to 4096); an encoded
+    /// extent's decoded bytes, in whole pages.
     pub fn buffer_bytes(self, extent: &jnf_format::ExpertExtent) -> u64 {
-        self.read_bytes(extent).max(1).div_ceil(4096) * 4096
+        let held = if extent.is_encoded() {
+            extent.length
+        } else {
+            self.read_bytes(extent)
+        };
+        held.max(1).div_ceil(4096) * 4096
+    }
+
+    /// Bytes an encoded extent's stored bytes occupy while they are checked and decoded (the
+    /// budget is charged for them too, until the decoded bytes verify); 0 for a raw extent,
+    /// which is read into the buffer it is used from.
+    pub fn scratch_bytes(self, extent: &jnf_format::ExpertExtent) -> u64 {
+        if extent.is_encoded() {
+            self.read_bytes(extent).max(1).div_ceil(4096) * 4096
+        } else {
+            0
+        }
     }
 }
 
@@ -180,6 +202,17 @@ pub enum StreamError {
     /// An extent read back different bytes than the manifest records (exit 1).
     #[error("{path}: {name}: BLAKE3 of the bytes read does not match the manifest (the bundle changed during the run or is corrupt); nothing was computed from them")]
     HashMismatch { path: PathBuf, name: String },
+    /// An encoded extent's stored bytes are not the ones the manifest records (exit 1): named
+    /// before they are decoded.
+    #[error("{path}: {name}: BLAKE3 of the stored (encoded) bytes read does not match the manifest's stored_blake3 (the bundle changed during the run or is corrupt); nothing was decoded or computed from them")]
+    StoredHashMismatch { path: PathBuf, name: String },
+    /// An encoded extent whose stored bytes verified does not decode (exit 1).
+    #[error("{path}: {name}: the stored extent verified but does not decode ({msg}); nothing was computed from it")]
+    Undecodable {
+        path: PathBuf,
+        name: String,
+        msg: String,
+    },
     /// An MXFP4 extent that verified holds a block with no exact BF16 widening (exit 1).
     #[error("{path}: {name}: {msg}; MXFP4 is widened exactly or refused")]
     Mxfp4 {
@@ -229,6 +262,8 @@ impl StreamError {
         match self {
             StreamError::BudgetTooSmall { .. } | StreamError::BadSize { .. } => exit::BAD_INPUT,
             StreamError::HashMismatch { .. }
+            | StreamError::StoredHashMismatch { .. }
+            | StreamError::Undecodable { .. }
             | StreamError::Truncated { .. }
             | StreamError::Mxfp4 { .. } => exit::VERIFICATION_FAILED,
             StreamError::ResidentTooLarge { .. }
@@ -274,12 +309,12 @@ impl From<BundleError> for WeightError {
 }
 
 /// The smallest RAM budget that holds one expert of `bundle` read with `io`: the largest
-/// expert buffer.
+/// expert buffer, with an encoded extent's stored bytes beside it while it is decoded.
 pub fn min_budget(bundle: &BundleSource, io: IoMode) -> u64 {
     bundle
         .expert_extents()
         .iter()
-        .map(|(e, _)| io.buffer_bytes(e))
+        .map(|(e, _)| io.buffer_bytes(e) + io.scratch_bytes(e))
         .max()
         .unwrap_or(0)
 }

@@ -18,15 +18,19 @@ pub struct StreamStats {
     pub reads: u64,
     /// Prefetched extents dropped unused (a plan cancelled by an error or a concurrent user).
     pub wasted_reads: u64,
-    /// Bytes read from disk: per read, `padded_length` with `--io direct`, `length` with
-    /// `--io cached`.
+    /// Bytes read from disk: per read, `padded_length` with `--io direct`, `stored_length`
+    /// (`length` when raw) with `--io cached`.
     pub bytes_read: u64,
     /// Wall time during which at least one read was in flight (ns).
     pub read_busy_ns: u64,
     /// CPU time spent BLAKE3-hashing extents, summed over reader threads (ns).
     pub verify_ns: u64,
-    /// Bytes hashed.
+    /// Bytes hashed (an encoded extent's stored bytes and its decoded bytes).
     pub verified_bytes: u64,
+    /// CPU time spent decoding encoded extents, summed over reader threads (ns).
+    pub decode_ns: u64,
+    /// Bytes decoded (the decoded size of the encoded extents read).
+    pub decoded_bytes: u64,
     /// Reader-thread time spent page-locking buffers for a GPU backend (ns).
     pub pin_ns: u64,
     /// Time the forward spent waiting for experts (ns).
@@ -50,6 +54,8 @@ impl StreamStats {
             read_busy_ns: self.read_busy_ns - earlier.read_busy_ns,
             verify_ns: self.verify_ns - earlier.verify_ns,
             verified_bytes: self.verified_bytes - earlier.verified_bytes,
+            decode_ns: self.decode_ns - earlier.decode_ns,
+            decoded_bytes: self.decoded_bytes - earlier.decoded_bytes,
             pin_ns: self.pin_ns - earlier.pin_ns,
             io_wait_ns: self.io_wait_ns - earlier.io_wait_ns,
             evictions: self.evictions - earlier.evictions,
@@ -65,6 +71,11 @@ impl StreamStats {
     /// Bytes read per second of read-busy wall time, in GB/s (10^9), when anything was read.
     pub fn disk_gb_s(&self) -> Option<f64> {
         (self.read_busy_ns > 0).then(|| self.bytes_read as f64 / self.read_busy_ns as f64)
+    }
+
+    /// Decoding throughput per core (decoded bytes per ns of decoding CPU time), GB/s.
+    pub fn decode_gb_s(&self) -> Option<f64> {
+        (self.decode_ns > 0).then(|| self.decoded_bytes as f64 / self.decode_ns as f64)
     }
 
     /// Hashing throughput per core (bytes per ns of hashing CPU time), GB/s.
@@ -84,6 +95,8 @@ pub(crate) struct Counters {
     pub read_busy_ns: AtomicU64,
     pub verify_ns: AtomicU64,
     pub verified_bytes: AtomicU64,
+    pub decode_ns: AtomicU64,
+    pub decoded_bytes: AtomicU64,
     pub pin_ns: AtomicU64,
     pub io_wait_ns: AtomicU64,
     pub evictions: AtomicU64,
@@ -110,6 +123,8 @@ impl Counters {
             read_busy_ns: g(&self.read_busy_ns),
             verify_ns: g(&self.verify_ns),
             verified_bytes: g(&self.verified_bytes),
+            decode_ns: g(&self.decode_ns),
+            decoded_bytes: g(&self.decoded_bytes),
             pin_ns: g(&self.pin_ns),
             io_wait_ns: g(&self.io_wait_ns),
             evictions: g(&self.evictions),

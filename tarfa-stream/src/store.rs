@@ -25,6 +25,12 @@
 //!
 //! Locking: one mutex over the state. Dropping an [`Extent`] only touches atomics, so buffers
 //! may be dropped with the lock held.
+//!
+//! An extent stored encoded (format version 2) costs more while it is read than once it is
+//! held: its stored bytes' buffer, until they are checked and decoded into the buffer the
+//! forward uses. A read is charged for both ([`ExtentInfo::read_charge`]) and gives the
+//! stored part back the moment the decode is done; the groups [`ExpertStore::batches`] makes
+//! leave room for one such read beside them, so that the last read of a group always fits.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -63,16 +69,30 @@ struct ExtentInfo {
     name: String,
     offset: u64,
     length: u64,
-    /// Bytes one read transfers (padded with direct I/O).
+    /// Bytes one read transfers (padded with direct I/O): the stored bytes.
     read_bytes: u64,
-    /// Bytes its buffer occupies (whole pages), what the budget is charged.
+    /// Bytes its buffer occupies (whole pages), what the budget is charged while it is held.
     buf_bytes: u64,
+    /// An encoded extent's stored bytes' buffer (whole pages), charged besides `buf_bytes`
+    /// from the read's issue until the decode is done; 0 for a raw extent.
+    scratch_bytes: u64,
+    /// An encoded extent: its header entry (to decode it) and the manifest's BLAKE3 of its
+    /// stored bytes, checked before they are decoded.
+    encoded: Option<(jnf_format::ExpertExtent, blake3::Hash)>,
     blake3: blake3::Hash,
     blake3_hex: String,
     mats: [MatLayout; 3],
     /// An MXFP4 extent (gpt-oss as released): widened exactly after it is verified, into a
     /// buffer of its own that the budget is charged for too (`buf_bytes`).
     mxfp4: Option<jnf_format::ExpertExtent>,
+}
+
+impl ExtentInfo {
+    /// What a read of it is charged when issued: its buffer, and an encoded extent's stored
+    /// bytes' buffer beside it until the decode.
+    fn read_charge(&self) -> u64 {
+        self.buf_bytes + self.scratch_bytes
+    }
 }
 
 /// A zeroed, page-aligned buffer mapped for one extent and unmapped when dropped.
@@ -221,6 +241,15 @@ impl Budget {
     }
 }
 
+impl Charge {
+    /// Gives back `bytes` of the charge now (an encoded extent's stored bytes, once decoded).
+    fn release_part(&mut self, bytes: u64) {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        self.budget.used.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}
+
 impl Drop for Charge {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
@@ -263,6 +292,13 @@ enum Failure {
     Mismatch {
         name: String,
     },
+    StoredMismatch {
+        name: String,
+    },
+    Undecodable {
+        name: String,
+        msg: String,
+    },
     Truncated {
         name: String,
         expected: u64,
@@ -287,6 +323,8 @@ impl Failure {
         let path = path.to_path_buf();
         match self.clone() {
             Failure::Mismatch { name } => StreamError::HashMismatch { path, name },
+            Failure::StoredMismatch { name } => StreamError::StoredHashMismatch { path, name },
+            Failure::Undecodable { name, msg } => StreamError::Undecodable { path, name, msg },
             Failure::Truncated {
                 name,
                 expected,
@@ -518,6 +556,15 @@ fn build_index(
     for (e, hex) in bundle.expert_extents() {
         let blake3 = blake3::Hash::from_hex(hex.as_bytes())
             .map_err(|_| bad(&e.prefix, "the manifest BLAKE3 is not hex"))?;
+        let encoded = match (e.is_encoded(), bundle.stored_blake3(e.layer, e.expert)) {
+            (false, _) => None,
+            (true, Some(hex)) => Some((
+                e.clone(),
+                blake3::Hash::from_hex(hex.as_bytes())
+                    .map_err(|_| bad(&e.prefix, "the manifest stored_blake3 is not hex"))?,
+            )),
+            (true, None) => return Err(bad(&e.prefix, "an encoded extent without stored_blake3")),
+        };
         let mut mats = [MatLayout {
             rows: 0,
             cols: 0,
@@ -564,7 +611,7 @@ fn build_index(
             };
         }
         let read_bytes = io.read_bytes(&e);
-        if read_bytes < e.length
+        if read_bytes < e.stored_length
             || (io == IoMode::Direct && !read_bytes.is_multiple_of(ALIGN as u64))
         {
             return Err(bad(
@@ -579,7 +626,9 @@ fn build_index(
                 offset: e.offset,
                 length: e.length,
                 read_bytes,
-                buf_bytes: mapped_len(read_bytes) + widened_bytes,
+                buf_bytes: io.buffer_bytes(&e) + widened_bytes,
+                scratch_bytes: io.scratch_bytes(&e),
+                encoded,
                 blake3,
                 blake3_hex: hex,
                 mats,
@@ -600,9 +649,11 @@ fn choose_pins(
 ) -> HashSet<Key> {
     let mut pins = HashSet::new();
     let total: u64 = index.values().map(|i| i.buf_bytes).sum();
-    let largest = index.values().map(|i| i.buf_bytes).max().unwrap_or(0);
+    // The most one read needs at once (an encoded extent's stored bytes beside its buffer).
+    let largest = index.values().map(|i| i.read_charge()).max().unwrap_or(0);
+    let scratch = index.values().map(|i| i.scratch_bytes).max().unwrap_or(0);
     let cap = match capacity {
-        Some(cap) if total > cap => cap,
+        Some(cap) if total + scratch > cap => cap,
         // Everything fits: the static set is everything (it keeps nothing else); the other
         // policies never evict, so pins would change nothing.
         _ => {
@@ -659,7 +710,7 @@ impl ExpertStore {
     /// RAM tier holds for it.
     pub fn min_ram_budget(bundle: &BundleSource, io: IoMode) -> Result<u64, StreamError> {
         let index = build_index(bundle, io)?;
-        Ok(index.values().map(|i| i.buf_bytes).max().unwrap_or(0))
+        Ok(index.values().map(|i| i.read_charge()).max().unwrap_or(0))
     }
 
     pub fn new(
@@ -668,7 +719,7 @@ impl ExpertStore {
         ledger: Option<&HeatLedger>,
     ) -> Result<ExpertStore, StreamError> {
         let index = build_index(&bundle, opts.io)?;
-        let minimum = index.values().map(|i| i.buf_bytes).max().unwrap_or(0);
+        let minimum = index.values().map(|i| i.read_charge()).max().unwrap_or(0);
         if let Some(b) = opts.ram_budget {
             if b < minimum {
                 return Err(StreamError::BudgetTooSmall {
@@ -789,12 +840,13 @@ impl ExpertStore {
         self.shared.policy
     }
 
-    /// Bytes the buffer of the largest expert occupies (the smallest budget).
+    /// Bytes the largest expert's read needs (the smallest budget): its buffer, and an encoded
+    /// extent's stored bytes beside it until they are decoded.
     pub fn largest_buffer(&self) -> u64 {
         self.shared
             .index
             .values()
-            .map(|i| i.buf_bytes)
+            .map(|i| i.read_charge())
             .max()
             .unwrap_or(0)
     }
@@ -838,7 +890,19 @@ impl ExpertStore {
                 size(id)
             }
         };
-        let room = sh.budget.capacity.saturating_sub(sh.pinned_bytes);
+        // Room for one read's stored bytes is kept beside every group (encoded extents), so
+        // that its last read always fits once the others are decoded.
+        let scratch = ids
+            .iter()
+            .filter_map(|&id| sh.index.get(&(layer, id)))
+            .map(|i| i.scratch_bytes)
+            .max()
+            .unwrap_or(0);
+        let room = sh
+            .budget
+            .capacity
+            .saturating_sub(sh.pinned_bytes)
+            .saturating_sub(scratch);
         let all: u64 = ids.iter().map(|&id| cost(id)).sum();
         if all <= room {
             // Everything fits: the held experts are computed while the others are read.
@@ -975,12 +1039,25 @@ impl Shared {
     /// Reads and verifies one extent (on a reader thread, without the lock).
     fn read_one(&self, job: Job) -> (Key, Result<Extent, Failure>) {
         let info = self.index[&job.key].clone();
+        let mut charge = job.charge;
         let result = (|| {
-            let mut buf = AlignedBuf::zeroed(info.read_bytes as usize).ok_or(Failure::Alloc {
-                bytes: info.buf_bytes,
-            })?;
-            self.reader.read(&info, buf.as_mut_slice())?;
-            add(&self.counters.bytes_read, info.read_bytes);
+            let alloc = || Failure::Alloc {
+                bytes: info.read_charge(),
+            };
+            let mut buf = match &info.encoded {
+                None => {
+                    let mut buf = AlignedBuf::zeroed(info.read_bytes as usize).ok_or_else(alloc)?;
+                    self.reader.read(&info, buf.as_mut_slice())?;
+                    add(&self.counters.bytes_read, info.read_bytes);
+                    buf
+                }
+                Some((extent, stored_blake3)) => {
+                    let buf = self.read_decoded(&info, extent, stored_blake3, alloc)?;
+                    // The stored bytes' buffer is gone: its share of the charge goes back.
+                    charge.release_part(info.scratch_bytes);
+                    buf
+                }
+            };
             // Verified in the buffer the forward will compute from, before anyone sees it.
             // Timed in thread CPU time: with more reader threads than cores, wall time would
             // count the time a hashing thread waited for a core.
@@ -1020,10 +1097,46 @@ impl Shared {
                 buf,
                 info: info.clone(),
                 widened,
-                _charge: job.charge,
+                _charge: charge,
             })
         })();
         (job.key, result)
+    }
+
+    /// An encoded extent: its stored bytes read into a buffer of their own, checked against the
+    /// manifest's `stored_blake3` (a mismatch stops here: nothing is decoded), then decoded into
+    /// the buffer the forward will use, which is returned (its decoded bytes not yet checked).
+    fn read_decoded(
+        &self,
+        info: &ExtentInfo,
+        extent: &jnf_format::ExpertExtent,
+        stored_blake3: &blake3::Hash,
+        alloc: impl Fn() -> Failure,
+    ) -> Result<AlignedBuf, Failure> {
+        let mut stored = AlignedBuf::zeroed(info.read_bytes as usize).ok_or_else(&alloc)?;
+        self.reader.read(info, stored.as_mut_slice())?;
+        add(&self.counters.bytes_read, info.read_bytes);
+        let stored = &stored.as_slice()[..extent.stored_length as usize];
+        let t = thread_cpu_ns();
+        let digest = blake3::hash(stored);
+        add(&self.counters.verify_ns, thread_cpu_ns().saturating_sub(t));
+        add(&self.counters.verified_bytes, extent.stored_length);
+        if digest != *stored_blake3 {
+            return Err(Failure::StoredMismatch {
+                name: info.name.clone(),
+            });
+        }
+        let mut buf = AlignedBuf::zeroed(info.length as usize).ok_or_else(&alloc)?;
+        let t = thread_cpu_ns();
+        extent
+            .decode_stored(stored, buf.as_mut_slice())
+            .map_err(|e| Failure::Undecodable {
+                name: info.name.clone(),
+                msg: e.to_string(),
+            })?;
+        add(&self.counters.decode_ns, thread_cpu_ns().saturating_sub(t));
+        add(&self.counters.decoded_bytes, info.length);
+        Ok(buf)
     }
 
     fn complete(&self, (key, result): (Key, Result<Extent, Failure>)) {
@@ -1096,7 +1209,12 @@ impl Shared {
     /// ready, unpinned and wanted by nobody. False when that is not enough now.
     fn make_room(&self, st: &mut State, key: Key, bytes: u64) -> bool {
         let cap = self.budget.capacity;
-        let own = if self.pinned.contains(&key) { bytes } else { 0 };
+        // A pinned expert's buffer has its room reserved (its read's stored bytes do not).
+        let own = if self.pinned.contains(&key) {
+            self.index[&key].buf_bytes
+        } else {
+            0
+        };
         // Room the pinned set has not taken yet stays free for it.
         let reserve = (self.pinned_bytes - st.pins_held).saturating_sub(own);
         loop {
@@ -1145,7 +1263,8 @@ impl Shared {
                 st.queue.pop_front();
                 continue;
             }
-            let bytes = self.index[&key].buf_bytes;
+            let info = &self.index[&key];
+            let bytes = info.read_charge();
             if !self.make_room(st, key, bytes) {
                 return;
             }
@@ -1160,7 +1279,7 @@ impl Shared {
             }
             st.queue.pop_front();
             if self.pinned.contains(&key) {
-                st.pins_held += bytes;
+                st.pins_held += info.buf_bytes;
             }
             if st.inflight == 0 {
                 st.busy_since = Some(Instant::now());
@@ -1327,7 +1446,6 @@ mod tests {
     use tarfa_manifest::hash::to_hex;
     use tarfa_manifest::{
         ExpertRecord, HeaderRecord, Manifest, MatrixRecord, CONTRACT_VERSION, MANIFEST_FILE,
-        MANIFEST_VERSION,
     };
 
     /// Every matrix of a test expert is 8 x 64 BF16 (down 64 x 8): 3072 bytes an extent, so
@@ -1342,10 +1460,15 @@ mod tests {
     }
 
     /// The elements of expert (layer, expert): gate, up, down back to back, different in
-    /// every expert, so that a lease holding another expert's bytes is seen.
+    /// every expert, so that a lease holding another expert's bytes is seen; small values with
+    /// few exponents, as weights have, so that an encoded test bundle's extents pay.
     fn elems(layer: usize, expert: usize) -> Vec<u16> {
         (0..3 * ROWS * COLS)
-            .map(|i| ((layer * 1000 + expert * 10) as u16) ^ (i as u16).wrapping_mul(40503))
+            .map(|i| {
+                let h = ((layer * 1000 + expert * 10) as u32) ^ (i as u32).wrapping_mul(2654435761);
+                // exponents 120..=123, any sign and mantissa
+                0x3C00 | ((h >> 3) as u16 & 0x0180) | (h as u16 & 0x807F)
+            })
             .collect()
     }
 
@@ -1359,6 +1482,11 @@ mod tests {
 
     impl TestBundle {
         fn new(layers: usize, experts: usize) -> TestBundle {
+            TestBundle::build(layers, experts, false)
+        }
+
+        /// `encoded`: format version 2, every extent stored with the exponent-plane codec.
+        fn build(layers: usize, experts: usize, encoded: bool) -> TestBundle {
             let mut plan = LayoutPlan::new();
             for l in 0..layers {
                 for e in 0..experts {
@@ -1377,23 +1505,46 @@ mod tests {
                     plan.add_expert(l as u32, e as u32, p.clone(), mats);
                 }
             }
-            let header = plan.finish().unwrap();
+            let extent_bytes = |layer: u32, expert: u32| -> Vec<u8> {
+                elems(layer as usize, expert as usize)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect()
+            };
+            let mut header = plan.finish().unwrap();
+            if encoded {
+                let mut plan = LayoutPlan::from_header(&header);
+                for x in &header.experts {
+                    let n = jnf_codec::encode(&extent_bytes(x.layer, x.expert))
+                        .unwrap()
+                        .len();
+                    plan.set_extent_storage(
+                        x.layer,
+                        x.expert,
+                        jnf_format::ExtentCodec::ExponentPlaneZstd,
+                        n as u64,
+                    );
+                }
+                header = plan.finish().unwrap();
+            }
             let mut file = header.encode().unwrap();
             file.resize(header.file_size as usize, 0);
             let mut experts = Vec::new();
             for x in &header.experts {
-                let bytes: Vec<u8> = elems(x.layer as usize, x.expert as usize)
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
+                let bytes = extent_bytes(x.layer, x.expert);
                 assert_eq!(bytes.len() as u64, x.length);
-                file[x.offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+                let stored = if encoded {
+                    jnf_codec::encode(&bytes).unwrap()
+                } else {
+                    bytes.clone()
+                };
+                file[x.offset as usize..][..stored.len()].copy_from_slice(&stored);
                 experts.push(ExpertRecord {
                     relayout: None,
                     sources: Vec::new(),
-                    codec: None,
-                    stored_length: None,
-                    stored_blake3: None,
+                    codec: encoded.then(|| x.codec.as_str().to_string()),
+                    stored_length: encoded.then_some(x.stored_length),
+                    stored_blake3: encoded.then(|| blake3::hash(&stored).to_hex().to_string()),
                     name: x.prefix.clone(),
                     layer: x.layer,
                     expert: x.expert,
@@ -1420,7 +1571,7 @@ mod tests {
             let mut manifest = Manifest {
                 root_digest: String::new(),
                 computed_root: String::new(),
-                manifest_version: MANIFEST_VERSION,
+                manifest_version: tarfa_manifest::manifest_version_for(header.major).unwrap(),
                 format_version: format!("{}.{}", header.major, header.minor),
                 contract_version: CONTRACT_VERSION,
                 converter: "tarfa-stream store tests".into(),
@@ -1739,6 +1890,92 @@ mod tests {
     }
 
     #[test]
+    fn encoded_extents_are_checked_decoded_and_held_decoded_within_the_budget() {
+        let b = TestBundle::build(1, 4, true);
+        let stored: Vec<u64> = b.header.experts.iter().map(|e| e.stored_length).collect();
+        assert!(stored.iter().all(|&n| n < EXTENT), "{stored:?}");
+        // A read needs its decoded buffer and its stored bytes' buffer (a page each); a held
+        // expert, one page. Two pages are the least budget, and it is named as such.
+        let opts = |pages: u64| StreamOptions {
+            ram_budget: Some(pages * PAGE),
+            io: IoMode::Cached,
+            policy: CachePolicy::Lru,
+            io_threads: 4,
+        };
+        match ExpertStore::new(b.open(), &opts(1), None) {
+            Err(StreamError::BudgetTooSmall { minimum, .. }) => assert_eq!(minimum, 2 * PAGE),
+            other => panic!("{:?}", other.err()),
+        }
+        let store = b.store(Some(2), CachePolicy::Lru, None);
+        assert_eq!(store.largest_buffer(), 2 * PAGE);
+        assert_eq!(store.total_buffer_bytes(), 4 * PAGE);
+        for e in [0, 1, 2, 3, 3, 0] {
+            use_one(&store, 0, e);
+        }
+        let s = store.stats();
+        // one held expert's page plus a read's two do not fit two pages: every new read
+        // evicts what is held; 3 twice is a hit
+        assert_eq!((s.requests, s.warm_hits, s.reads), (6, 1, 5));
+        let read: u64 = [0, 1, 2, 3, 0].iter().map(|&e| stored[e]).sum();
+        assert_eq!(s.bytes_read, read);
+        assert_eq!(s.decoded_bytes, 5 * EXTENT);
+        assert_eq!(s.verified_bytes, read + 5 * EXTENT);
+        assert!(s.peak_warm_bytes <= 2 * PAGE, "{}", s.peak_warm_bytes);
+        // the stored part of a read's charge is given back once decoded
+        assert_eq!(store.used_bytes(), PAGE);
+
+        // Groups as the forward asks for them fit any budget from the least up, with room
+        // kept for the last read's stored bytes.
+        for pages in 2..=6 {
+            let store = b.store(Some(pages), CachePolicy::Lru, None);
+            let batches = store.batches(0, &[0, 1, 2, 3]);
+            store.prefetch(0, &batches);
+            for group in &batches {
+                let leases = store.fetch(0, group).unwrap();
+                for (l, &e) in leases.iter().zip(group) {
+                    check_lease(l, 0, e);
+                }
+                assert!(store.used_bytes() <= pages * PAGE);
+            }
+        }
+        // the bundle source's own reads decode too
+        let src = b.open();
+        assert_eq!(src.verify_all().unwrap(), 4 * EXTENT);
+        let w = crate::weights::WeightSource::experts(&*src, 0, &[2]).unwrap();
+        let got: Vec<u16> = [&w[0].gate.data[..], &w[0].up.data[..], &w[0].down.data[..]].concat();
+        assert!(got == elems(0, 2));
+    }
+
+    #[test]
+    fn a_corrupt_stored_byte_is_refused_by_name_before_decoding() {
+        let b = TestBundle::build(1, 3, true);
+        let e1 = b.header.expert(0, 1).unwrap().clone();
+        let mut bytes = std::fs::read(b.jnf()).unwrap();
+        // the last stored byte: sign and mantissa, which would decode to other bytes
+        bytes[(e1.offset + e1.stored_length - 1) as usize] ^= 0x01;
+        std::fs::write(b.jnf(), bytes).unwrap();
+        let store = b.store(Some(4), CachePolicy::Lru, None);
+        use_one(&store, 0, 0);
+        let err = store.fetch(0, &[1]).err().expect("refused");
+        match stream_error(&err) {
+            StreamError::StoredHashMismatch { name, .. } => assert_eq!(name, &prefix(0, 1)),
+            other => panic!("not a stored-hash mismatch: {other}"),
+        }
+        assert_eq!(err.exit_code(), tarfa_core::exit::VERIFICATION_FAILED);
+        // nothing of it was decoded; its charge is given back
+        assert_eq!(store.stats().decoded_bytes, EXTENT);
+        assert_eq!(store.used_bytes(), PAGE);
+        // the bundle source names it the same way
+        let src = b.open();
+        let err = crate::weights::WeightSource::experts(&*src, 0, &[1]).expect_err("refused");
+        assert!(
+            err.to_string().contains("stored_blake3") && err.to_string().contains(&prefix(0, 1)),
+            "{err}"
+        );
+        assert_eq!(err.exit_code(), tarfa_core::exit::VERIFICATION_FAILED);
+    }
+
+    #[test]
     fn a_bundle_cut_short_after_open_is_refused_as_truncated() {
         let b = TestBundle::new(1, 3);
         let store = b.store(None, CachePolicy::Lru, None);
@@ -2041,6 +2278,8 @@ mod tests {
                         length: size,
                         read_bytes: size,
                         buf_bytes: size,
+                        scratch_bytes: 0,
+                        encoded: None,
                         blake3: blake3::Hash::from([0u8; 32]),
                         blake3_hex: String::new(),
                         mats: [mat; 3],

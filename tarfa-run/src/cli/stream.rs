@@ -528,6 +528,14 @@ impl StreamRun {
                 total.evictions,
                 format_bytes(total.peak_warm_bytes),
             );
+            if total.decoded_bytes > 0 {
+                eprintln!(
+                    "[stats] decoding: {} decoded from encoded extents in {:.1} ms of reader-thread CPU ({}/core)",
+                    format_bytes(total.decoded_bytes),
+                    ms(total.decode_ns),
+                    gbs(total.decode_gb_s()),
+                );
+            }
         }
         if let Some((path, ledger, _)) = &self.ledger {
             let mut l = ledger.clone();
@@ -565,6 +573,9 @@ fn figures(s: &StreamStats, hot: Option<&HotStats>, wall: Duration, peak_rss: u6
         "compute_ms": ms(wall_ns.saturating_sub(s.io_wait_ns).saturating_sub(h2d_ns)),
         "verify_ms": ms(s.verify_ns),
         "verified_bytes": s.verified_bytes,
+        // format version 2: encoded extents decoded on the reader threads (0 for raw bundles)
+        "decode_ms": ms(s.decode_ns),
+        "decoded_bytes": s.decoded_bytes,
         "pin_ms": ms(s.pin_ns),
         "evictions": s.evictions,
         "peak_warm_bytes": s.peak_warm_bytes,
