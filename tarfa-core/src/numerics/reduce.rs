@@ -324,6 +324,37 @@ impl Kernel {
     }
 }
 
+impl Kernel {
+    /// [`Kernel::dot_bf16_rows_batch`] as it was before PHASE_LOG B6 (AVX-512: two rows per
+    /// pass over each activation; the other paths: one row at a time): the same bits, kept as
+    /// the other arm of B6's measurement (tarfa-core/examples/batch_bench.rs).
+    pub fn dot_bf16_rows_batch_pairs(
+        self,
+        rows: &[u16],
+        k: usize,
+        xs: &[&PreparedVec],
+        out: &mut [f32],
+    ) {
+        let m = xs.len();
+        let n = out.len() / m.max(1);
+        assert!(
+            xs.iter().all(|x| x.path == self.path && x.len == k)
+                && rows.len() == k * n
+                && out.len() == n * m,
+            "dot_bf16_rows_batch_pairs: shape mismatch"
+        );
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 if k > 0 => {
+                let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+                // SAFETY: the path's features were detected when the Kernel was made.
+                unsafe { x86::avx512::dot_bf16_rows_batch_pairs(rows, k, &data, out) }
+            }
+            _ => self.dot_bf16_rows_batch(rows, k, xs, out),
+        }
+    }
+}
+
 /// The scalar path's BF16 dot: the canonical reference, unless a validation experiment has
 /// replaced it (see [`experimental`]); the SIMD paths never consult the replacement.
 #[inline]
@@ -660,8 +691,185 @@ mod x86 {
             (tree_bf16(r0), tree_bf16(r1))
         }
 
+        /// The chains of groups `g` and `g + 4` (both parities: four registers of 16 lanes) of
+        /// one row for `T` activations, every chunk in increasing order, one fma per term, from
+        /// +0; returned as the tree's level 128 (`a[v] + a[v+128]`: group g plus group g + 4) for
+        /// the even and the odd parity. The 4 x T chains run side by side: each row load serves
+        /// T activations, and 4 x T independent fmas are in flight.
+        #[inline(always)]
+        unsafe fn group_pair<const T: usize>(
+            w: *const u16,
+            tail: *const u16,
+            full: usize,
+            chunks: usize,
+            xs: &[*const f32; T],
+            g: usize,
+        ) -> ([__m512; T], [__m512; T]) {
+            let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            let mut e0 = [_mm512_setzero_ps(); T];
+            let mut o0 = [_mm512_setzero_ps(); T];
+            let mut e4 = [_mm512_setzero_ps(); T];
+            let mut o4 = [_mm512_setzero_ps(); T];
+            for c in 0..chunks {
+                let wp = if c < full { w.add(c * LANES) } else { tail };
+                let r0 = _mm512_loadu_si512(wp.add(32 * g) as *const _);
+                let r4 = _mm512_loadu_si512(wp.add(32 * (g + 4)) as *const _);
+                let (we0, wo0) = (
+                    _mm512_castsi512_ps(_mm512_slli_epi32(r0, 16)),
+                    _mm512_castsi512_ps(_mm512_and_si512(r0, mask)),
+                );
+                let (we4, wo4) = (
+                    _mm512_castsi512_ps(_mm512_slli_epi32(r4, 16)),
+                    _mm512_castsi512_ps(_mm512_and_si512(r4, mask)),
+                );
+                let off = c * LANES + 32 * g;
+                for t in 0..T {
+                    let x = xs[t].add(off);
+                    e0[t] = _mm512_fmadd_ps(we0, _mm512_loadu_ps(x), e0[t]);
+                    o0[t] = _mm512_fmadd_ps(wo0, _mm512_loadu_ps(x.add(16)), o0[t]);
+                    e4[t] = _mm512_fmadd_ps(we4, _mm512_loadu_ps(x.add(128)), e4[t]);
+                    o4[t] = _mm512_fmadd_ps(wo4, _mm512_loadu_ps(x.add(144)), o4[t]);
+                }
+            }
+            for t in 0..T {
+                e0[t] = _mm512_add_ps(e0[t], e4[t]);
+                o0[t] = _mm512_add_ps(o0[t], o4[t]);
+            }
+            (e0, o0)
+        }
+
+        /// tree_bf16's last levels from the two parities' sums over the groups: h = 16, 8, 4, 2
+        /// inside each parity, h = 1 across them.
+        #[inline(always)]
+        unsafe fn finish_parities(ev: __m512, od: __m512) -> f32 {
+            let e = halve_in_register(ev);
+            let o = halve_in_register(od);
+            let e = _mm_add_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
+            let o = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
+            let e = _mm_add_ps(e, _mm_movehl_ps(e, e));
+            let o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+            let e = _mm_add_ss(e, _mm_shuffle_ps(e, e, 0b01));
+            let o = _mm_add_ss(o, _mm_shuffle_ps(o, o, 0b01));
+            _mm_cvtss_f32(_mm_add_ss(e, o))
+        }
+
+        /// Activations per pass in [`dot_bf16_rows_batch`]: 4 x 6 chains, the four widened row
+        /// registers and the mask fit the 32 zmm registers.
+        const TILE: usize = 6;
+        /// Rows whose partial trees stay in one stack buffer (L1) while a tile of activations
+        /// passes over them.
+        const BLOCK: usize = 8;
+
+        /// `T` activations against up to BLOCK rows, lane-sequentially (PHASE_LOG B6): the
+        /// level-128 pairs of groups (0|4, 2|6, 1|5, 3|7) outermost, then the rows, so that the
+        /// activations' slice of one pair (T x chunks x 256 bytes) stays in L1 across the rows;
+        /// each row's partial trees wait in `state` (L1) between pairs. Every lane's chain and
+        /// every tree pair are [`dot_bf16_row`]'s: level 64 adds pair 0|4 to 2|6 and 1|5 to 3|7,
+        /// level 32 the two sums, then [`finish_parities`].
+        #[inline(always)]
+        unsafe fn block_tokens<const T: usize>(
+            rows: &[u16],
+            k: usize,
+            n: usize,
+            xs: &[*const f32; T],
+            out: &mut [f32],
+            m: usize,
+        ) {
+            let full = k / LANES;
+            let rest = k - full * LANES;
+            let chunks = full + usize::from(rest > 0);
+            let mut tails = [[0u16; LANES]; BLOCK];
+            if rest > 0 {
+                for r in 0..n {
+                    tails[r][..rest].copy_from_slice(&rows[r * k + full * LANES..(r + 1) * k]);
+                }
+            }
+            // per (row, activation): the level-64 sums (even, odd) of 0|4 and 2|6, of 1|5 and
+            // 3|7
+            let mut state = [[_mm512_setzero_ps(); 4]; BLOCK * TILE];
+            for (step, g) in [0usize, 2, 1, 3].into_iter().enumerate() {
+                for r in 0..n {
+                    let (ev, od) = group_pair::<T>(
+                        rows.as_ptr().add(r * k),
+                        tails[r].as_ptr(),
+                        full,
+                        chunks,
+                        xs,
+                        g,
+                    );
+                    for t in 0..T {
+                        let s = &mut state[r * TILE + t];
+                        match step {
+                            0 => {
+                                s[0] = ev[t];
+                                s[1] = od[t];
+                            }
+                            1 => {
+                                s[0] = _mm512_add_ps(s[0], ev[t]);
+                                s[1] = _mm512_add_ps(s[1], od[t]);
+                            }
+                            2 => {
+                                s[2] = ev[t];
+                                s[3] = od[t];
+                            }
+                            _ => {
+                                let e = _mm512_add_ps(s[0], _mm512_add_ps(s[2], ev[t]));
+                                let o = _mm512_add_ps(s[1], _mm512_add_ps(s[3], od[t]));
+                                out[r * m + t] = finish_parities(e, o);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        /// `out[i * m + t] = dot(row i, xs[t])` (PHASE_LOG B6): tiles of up to 6 activations
+        /// over blocks of 8 rows, each by [`block_tokens`]; one or two activations take the row
+        /// pairs, which keep more fmas in flight for so few.
         #[target_feature(enable = "avx512f")]
         pub unsafe fn dot_bf16_rows_batch(rows: &[u16], k: usize, xs: &[&[f32]], out: &mut [f32]) {
+            let m = xs.len();
+            if m < 3 {
+                return dot_bf16_rows_batch_pairs(rows, k, xs, out);
+            }
+            let n = rows.len() / k;
+            for b0 in (0..n).step_by(BLOCK) {
+                let nb = BLOCK.min(n - b0);
+                let block = &rows[b0 * k..(b0 + nb) * k];
+                let mut t0 = 0;
+                while t0 < m {
+                    let tn = TILE.min(m - t0);
+                    let o = &mut out[b0 * m + t0..];
+                    let x = |j: usize| xs[t0 + j].as_ptr();
+                    match tn {
+                        6 => block_tokens::<6>(
+                            block,
+                            k,
+                            nb,
+                            &[x(0), x(1), x(2), x(3), x(4), x(5)],
+                            o,
+                            m,
+                        ),
+                        5 => block_tokens::<5>(block, k, nb, &[x(0), x(1), x(2), x(3), x(4)], o, m),
+                        4 => block_tokens::<4>(block, k, nb, &[x(0), x(1), x(2), x(3)], o, m),
+                        3 => block_tokens::<3>(block, k, nb, &[x(0), x(1), x(2)], o, m),
+                        2 => block_tokens::<2>(block, k, nb, &[x(0), x(1)], o, m),
+                        _ => block_tokens::<1>(block, k, nb, &[x(0)], o, m),
+                    }
+                    t0 += tn;
+                }
+            }
+        }
+
+        /// B3's two-rows-per-pass batch (the other arm of PHASE_LOG B6's A/B): every activation
+        /// against two rows at a time.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn dot_bf16_rows_batch_pairs(
+            rows: &[u16],
+            k: usize,
+            xs: &[&[f32]],
+            out: &mut [f32],
+        ) {
             let m = xs.len();
             let n = rows.len() / k;
             let mut i = 0;
@@ -989,22 +1197,31 @@ mod tests {
 
     #[test]
     fn batch_entry_point_matches_single_rows() {
+        // every tile width of the lane-sequential batch (1 to 5 activations per pass, and the
+        // tails of 6 to 13), rows of every chunk shape (shorter than a chunk, whole chunks, a
+        // partial last chunk), and the pairs arm it replaced: the reference's bits each time
         let mut rng = Rng(13);
         for k_len in [1usize, 40, 256, 300, 768, 2049] {
             for rows in [1usize, 2, 5] {
-                let w: Vec<u16> = (0..rows * k_len).map(|_| rng.bf16()).collect();
-                let xs: Vec<Vec<f32>> = (0..3)
-                    .map(|_| (0..k_len).map(|_| rng.f32()).collect())
-                    .collect();
-                for k in Kernel::all_available() {
-                    let preps: Vec<PreparedVec> = xs.iter().map(|x| k.prepare(x)).collect();
-                    let refs: Vec<&PreparedVec> = preps.iter().collect();
-                    let mut out = vec![0.0; rows * 3];
-                    k.dot_bf16_rows_batch(&w, k_len, &refs, &mut out);
-                    for r in 0..rows {
-                        for (m, x) in xs.iter().enumerate() {
-                            let want = dot_bf16_reference(&w[r * k_len..(r + 1) * k_len], x);
-                            assert_eq!(out[r * 3 + m].to_bits(), want.to_bits(), "{k:?}");
+                for m in [1usize, 2, 3, 4, 5, 6, 7, 11, 13] {
+                    let w: Vec<u16> = (0..rows * k_len).map(|_| rng.bf16()).collect();
+                    let xs: Vec<Vec<f32>> = (0..m)
+                        .map(|_| (0..k_len).map(|_| rng.f32()).collect())
+                        .collect();
+                    for k in Kernel::all_available() {
+                        let preps: Vec<PreparedVec> = xs.iter().map(|x| k.prepare(x)).collect();
+                        let refs: Vec<&PreparedVec> = preps.iter().collect();
+                        let mut out = vec![0.0; rows * m];
+                        let mut pairs = vec![0.0; rows * m];
+                        k.dot_bf16_rows_batch(&w, k_len, &refs, &mut out);
+                        k.dot_bf16_rows_batch_pairs(&w, k_len, &refs, &mut pairs);
+                        for r in 0..rows {
+                            for (mi, x) in xs.iter().enumerate() {
+                                let want = dot_bf16_reference(&w[r * k_len..(r + 1) * k_len], x);
+                                let what = format!("{k:?} k={k_len} rows={rows} m={m} ({r}, {mi})");
+                                assert_eq!(out[r * m + mi].to_bits(), want.to_bits(), "{what}");
+                                assert_eq!(pairs[r * m + mi].to_bits(), want.to_bits(), "{what}");
+                            }
                         }
                     }
                 }
