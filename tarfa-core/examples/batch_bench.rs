@@ -2,7 +2,7 @@
 //! (PHASE_LOG B6; issue 17's "CPU prefill against the machine's FMA ceiling"):
 //!
 //! ```text
-//! [SHAPES=768x2048,...] cargo run --release -p tarfa-core --example batch_bench [-- ROUNDS]
+//! [SIMD=avx2] [SHAPES=768x2048,...] cargo run --release -p tarfa-core --example batch_bench [-- ROUNDS]
 //! ```
 //!
 //! 1. the ceiling: one thread, 16 independent chains of 512-bit (else 256-bit) FMAs;
@@ -132,7 +132,12 @@ fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
         .map_or(5, |v| v.parse().expect("ROUNDS"));
-    let kernel = Kernel::best();
+    // SIMD=avx2|avx512|scalar chooses the path (default: the best this processor has)
+    let kernel = match std::env::var("SIMD") {
+        Ok(v) => Kernel::new(SimdPath::parse(&v).expect("SIMD: scalar, avx2 or avx512"))
+            .expect("SIMD path not available here"),
+        Err(_) => Kernel::best(),
+    };
     println!("SIMD path: {:?}", kernel.path());
     #[cfg(target_arch = "x86_64")]
     let peak = fma_ceiling(kernel.path());

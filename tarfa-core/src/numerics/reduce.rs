@@ -311,6 +311,12 @@ impl Kernel {
                 // SAFETY: as above.
                 unsafe { x86::avx512::dot_bf16_rows_batch(rows, k, &data, out) }
             }
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx2 if k > 0 => {
+                let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+                // SAFETY: as above.
+                unsafe { x86::avx2::dot_bf16_rows_batch(rows, k, &data, out) }
+            }
             _ => {
                 let mut one = [0.0f32];
                 for i in 0..n {
@@ -326,8 +332,8 @@ impl Kernel {
 
 impl Kernel {
     /// [`Kernel::dot_bf16_rows_batch`] as it was before PHASE_LOG B6 (AVX-512: two rows per
-    /// pass over each activation; the other paths: one row at a time): the same bits, kept as
-    /// the other arm of B6's measurement (tarfa-core/examples/batch_bench.rs).
+    /// pass over each activation; the other paths: each row and activation alone): the same
+    /// bits, kept as the other arm of B6's measurement (tarfa-core/examples/batch_bench.rs).
     pub fn dot_bf16_rows_batch_pairs(
         self,
         rows: &[u16],
@@ -350,7 +356,16 @@ impl Kernel {
                 // SAFETY: the path's features were detected when the Kernel was made.
                 unsafe { x86::avx512::dot_bf16_rows_batch_pairs(rows, k, &data, out) }
             }
-            _ => self.dot_bf16_rows_batch(rows, k, xs, out),
+            _ => {
+                // the other paths' batch before B6: each (row, activation) alone
+                let mut one = [0.0f32];
+                for i in 0..n {
+                    for (mi, x) in xs.iter().enumerate() {
+                        self.dot_bf16_rows(&rows[i * k..(i + 1) * k], k, x, &mut one);
+                        out[i * m + mi] = one[0];
+                    }
+                }
+            }
         }
     }
 }
@@ -1050,6 +1065,143 @@ mod x86 {
             debug_assert!(x.len() >= k.div_ceil(LANES) * LANES);
             for (i, o) in out.iter_mut().enumerate() {
                 *o = dot_bf16_row(&rows[i * k..(i + 1) * k], x);
+            }
+        }
+
+        /// The chains of groups `g` and `g + 8` (both parities: four registers of 8 lanes) of one
+        /// row for `T` activations, every chunk in increasing order, one fma per term, from +0;
+        /// returned as the tree's level 128 (group g plus group g + 8) for the even and the odd
+        /// parity (PHASE_LOG B6, the AVX2 form of avx512's `group_pair`).
+        #[inline(always)]
+        unsafe fn group_pair<const T: usize>(
+            w: *const u16,
+            tail: *const u16,
+            full: usize,
+            chunks: usize,
+            xs: &[*const f32; T],
+            g: usize,
+        ) -> ([__m256; T], [__m256; T]) {
+            let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            let mut e0 = [_mm256_setzero_ps(); T];
+            let mut o0 = [_mm256_setzero_ps(); T];
+            let mut e8 = [_mm256_setzero_ps(); T];
+            let mut o8 = [_mm256_setzero_ps(); T];
+            for c in 0..chunks {
+                let wp = if c < full { w.add(c * LANES) } else { tail };
+                let r0 = _mm256_loadu_si256(wp.add(16 * g) as *const __m256i);
+                let r8 = _mm256_loadu_si256(wp.add(16 * (g + 8)) as *const __m256i);
+                let we0 = _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16));
+                let wo0 = _mm256_castsi256_ps(_mm256_and_si256(r0, mask));
+                let we8 = _mm256_castsi256_ps(_mm256_slli_epi32(r8, 16));
+                let wo8 = _mm256_castsi256_ps(_mm256_and_si256(r8, mask));
+                let off = c * LANES + 16 * g;
+                for t in 0..T {
+                    let x = xs[t].add(off);
+                    e0[t] = _mm256_fmadd_ps(we0, _mm256_loadu_ps(x), e0[t]);
+                    o0[t] = _mm256_fmadd_ps(wo0, _mm256_loadu_ps(x.add(8)), o0[t]);
+                    e8[t] = _mm256_fmadd_ps(we8, _mm256_loadu_ps(x.add(128)), e8[t]);
+                    o8[t] = _mm256_fmadd_ps(wo8, _mm256_loadu_ps(x.add(136)), o8[t]);
+                }
+            }
+            for t in 0..T {
+                e0[t] = _mm256_add_ps(e0[t], e8[t]);
+                o0[t] = _mm256_add_ps(o0[t], o8[t]);
+            }
+            (e0, o0)
+        }
+
+        /// Activations per pass: 4 x 3 chains and the four widened row registers fill AVX2's 16.
+        const TILE: usize = 3;
+        /// Rows whose partial trees wait in one stack buffer (L1) between passes.
+        const BLOCK: usize = 8;
+
+        /// `T` activations against up to BLOCK rows, lane-sequentially: the level-128 pairs of
+        /// groups (g|g+8) in bit-reversed order of g (0, 4, 2, 6, 1, 5, 3, 7) outermost, then
+        /// the rows; each row's partial trees (levels 64, 32, 16: pair g with g + 4, g + 2,
+        /// g + 1, as a binary counter over the passes) wait in `state`; then tree_bf16's
+        /// in-register levels. The chains and pairs of [`dot_bf16_row`]: the same bits.
+        #[inline(always)]
+        unsafe fn block_tokens<const T: usize>(
+            rows: &[u16],
+            k: usize,
+            n: usize,
+            xs: &[*const f32; T],
+            out: &mut [f32],
+            m: usize,
+        ) {
+            let full = k / LANES;
+            let rest = k - full * LANES;
+            let chunks = full + usize::from(rest > 0);
+            let mut tails = [[0u16; LANES]; BLOCK];
+            if rest > 0 {
+                for r in 0..n {
+                    tails[r][..rest].copy_from_slice(&rows[r * k + full * LANES..(r + 1) * k]);
+                }
+            }
+            // per (row, activation): the pending subtrees of 1, 2 and 4 pairs, (even, odd)
+            let mut state = [[_mm256_setzero_ps(); 6]; BLOCK * TILE];
+            for (s, g) in [0usize, 4, 2, 6, 1, 5, 3, 7].into_iter().enumerate() {
+                for r in 0..n {
+                    let (ev, od) = group_pair::<T>(
+                        rows.as_ptr().add(r * k),
+                        tails[r].as_ptr(),
+                        full,
+                        chunks,
+                        xs,
+                        g,
+                    );
+                    for t in 0..T {
+                        let st = &mut state[r * TILE + t];
+                        let (mut e, mut o) = (ev[t], od[t]);
+                        let mut done = false;
+                        for lvl in 0..3 {
+                            if s & (1 << lvl) == 0 {
+                                st[2 * lvl] = e;
+                                st[2 * lvl + 1] = o;
+                                break;
+                            }
+                            e = _mm256_add_ps(st[2 * lvl], e);
+                            o = _mm256_add_ps(st[2 * lvl + 1], o);
+                            done = lvl == 2;
+                        }
+                        if done {
+                            out[r * m + t] = _mm_cvtss_f32(_mm_add_ss(halve3(e), halve3(o)));
+                        }
+                    }
+                }
+            }
+        }
+
+        /// `out[i * m + t] = dot(row i, xs[t])` (PHASE_LOG B6): blocks of 8 rows x tiles of 3
+        /// activations by [`block_tokens`]; one or two activations take each (row, activation)
+        /// alone (measured faster for so few).
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn dot_bf16_rows_batch(rows: &[u16], k: usize, xs: &[&[f32]], out: &mut [f32]) {
+            let m = xs.len();
+            let n = rows.len() / k;
+            if m < 3 {
+                for i in 0..n {
+                    for (mi, x) in xs.iter().enumerate() {
+                        out[i * m + mi] = dot_bf16_row(&rows[i * k..(i + 1) * k], x);
+                    }
+                }
+                return;
+            }
+            for b0 in (0..n).step_by(BLOCK) {
+                let nb = BLOCK.min(n - b0);
+                let block = &rows[b0 * k..(b0 + nb) * k];
+                let mut t0 = 0;
+                while t0 < m {
+                    let tn = TILE.min(m - t0);
+                    let o = &mut out[b0 * m + t0..];
+                    let x = |j: usize| xs[t0 + j].as_ptr();
+                    match tn {
+                        3 => block_tokens::<3>(block, k, nb, &[x(0), x(1), x(2)], o, m),
+                        2 => block_tokens::<2>(block, k, nb, &[x(0), x(1)], o, m),
+                        _ => block_tokens::<1>(block, k, nb, &[x(0)], o, m),
+                    }
+                    t0 += tn;
+                }
             }
         }
 
