@@ -426,6 +426,14 @@ impl PreparedVec {
     }
 }
 
+/// What the SIMD paths pad a row's partial last chunk with: BF16 -0.0 (and f32 -0.0 for f32
+/// rows). Against the activation's +0.0 padding the product is -0.0, and `fma(-0, +0, a) = a` for
+/// every accumulator `a`, -0.0 included (`-0 + +0 = +0`, `-0 + -0 = -0`), so a padded term is
+/// exactly a skipped one, as the contract defines (section 4: lanes accumulate only the terms
+/// n < N). A +0.0 pad would turn a lane that is -0.0 (an fma whose product underflowed to -0.0)
+/// into +0.0: the sign of a zero result could then differ from the reference and the GPU's.
+pub const NEG_ZERO_BF16: u16 = 0x8000;
+
 /// The fixed tree over 256 lanes: `a[v] += a[v+h]` for `h = 128, ..., 1`; returns `a[0]`.
 #[inline]
 pub fn tree_reduce(a: &mut [f32; LANES]) -> f32 {
@@ -515,10 +523,14 @@ pub fn weighted_row_sum(
     weighted_row_sum_lanes(kernel, p, rows, d, used, &mut scratch[..]);
     if used == 0 {
         out.fill(0.0);
-    } else {
+    } else if used < LANES {
+        // the pruned tree's +0.0 (the full tree would have met a +0.0 lane)
         for (o, &a) in out.iter_mut().zip(&scratch[..d]) {
             *o = a + 0.0;
         }
+    } else {
+        // every lane used: the full tree, whose result may be -0.0 (no pruned lane to add)
+        out.copy_from_slice(&scratch[..d]);
     }
 }
 
@@ -560,7 +572,7 @@ mod x86 {
         //! For BF16 rows, the 32 elements of group g (lanes 32g..32g+31) are widened as
         //! even elements (shift) into register 2g and odd elements (mask) into register 2g+1;
         //! the activation is prepared in that order.
-        use super::super::LANES;
+        use super::super::{LANES, NEG_ZERO_BF16};
         use std::arch::x86_64::*;
 
         /// Tree levels h = 8, 4, 2, 1 inside one register whose slot i holds lane i.
@@ -644,7 +656,7 @@ mod x86 {
             }
             let rest = w.len() - full * LANES;
             if rest > 0 {
-                let mut buf = [0u16; LANES];
+                let mut buf = [NEG_ZERO_BF16; LANES];
                 buf[..rest].copy_from_slice(&w[full * LANES..]);
                 bf16_chunk(&mut acc, buf.as_ptr(), x.as_ptr().add(full * LANES));
             }
@@ -666,8 +678,8 @@ mod x86 {
             let k = w0.len();
             let full = k / LANES;
             let rest = k - full * LANES;
-            let mut buf0 = [0u16; LANES];
-            let mut buf1 = [0u16; LANES];
+            let mut buf0 = [NEG_ZERO_BF16; LANES];
+            let mut buf1 = [NEG_ZERO_BF16; LANES];
             buf0[..rest].copy_from_slice(&w0[full * LANES..]);
             buf1[..rest].copy_from_slice(&w1[full * LANES..]);
             let n_chunks = full + usize::from(rest > 0);
@@ -793,7 +805,7 @@ mod x86 {
             let full = k / LANES;
             let rest = k - full * LANES;
             let chunks = full + usize::from(rest > 0);
-            let mut tails = [[0u16; LANES]; BLOCK];
+            let mut tails = [[NEG_ZERO_BF16; LANES]; BLOCK];
             if rest > 0 {
                 for r in 0..n {
                     tails[r][..rest].copy_from_slice(&rows[r * k + full * LANES..(r + 1) * k]);
@@ -934,13 +946,15 @@ mod x86 {
             }
             let rest = a.len() - full * LANES;
             if rest > 0 {
-                // masked loads read nothing past the end and give +0.0 there
+                // masked loads read nothing past the end; the masked fma leaves the lanes past
+                // the end as they are (skipped terms: an fma with +0.0 there would turn a -0.0
+                // lane into +0.0, see NEG_ZERO_BF16)
                 let (pa, pb) = (a.as_ptr().add(full * LANES), b.as_ptr().add(full * LANES));
                 for j in 0..rest.div_ceil(16) {
                     let m = tail_mask(j, rest);
                     let va = _mm512_maskz_loadu_ps(m, pa.add(16 * j));
                     let vb = _mm512_maskz_loadu_ps(m, pb.add(16 * j));
-                    acc[j] = _mm512_fmadd_ps(va, vb, acc[j]);
+                    acc[j] = _mm512_mask3_fmadd_ps(va, vb, acc[j], m);
                 }
             }
             tree_contiguous(acc)
@@ -984,7 +998,7 @@ mod x86 {
         //! registers, and streamed memory markedly worse). For f32 inputs accumulator j holds
         //! lanes 8j..8j+7; for BF16 rows the 16 elements of group g are widened into an even
         //! (2g) and an odd (2g+1) accumulator, and the activation is prepared in that order.
-        use super::super::LANES;
+        use super::super::{LANES, NEG_ZERO_BF16};
         use std::arch::x86_64::*;
 
         /// h = 4, 2, 1 within one register whose slot i holds lane i (of the remaining lanes).
@@ -1047,7 +1061,7 @@ mod x86 {
             }
             let rest = w.len() - full * LANES;
             if rest > 0 {
-                let mut buf = [0u16; LANES];
+                let mut buf = [NEG_ZERO_BF16; LANES];
                 buf[..rest].copy_from_slice(&w[full * LANES..]);
                 bf16_chunk(&mut acc, buf.as_ptr(), x.as_ptr().add(full * LANES));
             }
@@ -1132,7 +1146,7 @@ mod x86 {
             let full = k / LANES;
             let rest = k - full * LANES;
             let chunks = full + usize::from(rest > 0);
-            let mut tails = [[0u16; LANES]; BLOCK];
+            let mut tails = [[NEG_ZERO_BF16; LANES]; BLOCK];
             if rest > 0 {
                 for r in 0..n {
                     tails[r][..rest].copy_from_slice(&rows[r * k + full * LANES..(r + 1) * k]);
@@ -1227,7 +1241,7 @@ mod x86 {
             }
             let rest = a.len() - full * LANES;
             if rest > 0 {
-                let mut ba = [0f32; LANES];
+                let mut ba = [-0.0f32; LANES];
                 let mut bb = [0f32; LANES];
                 ba[..rest].copy_from_slice(&a[full * LANES..]);
                 bb[..rest].copy_from_slice(&b[full * LANES..]);
@@ -1342,6 +1356,82 @@ mod tests {
                 for r in 0..rows {
                     let want = dot_bf16_reference(&w[r * k_len..(r + 1) * k_len], &x);
                     assert_eq!(out[r].to_bits(), want.to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn products_that_underflow_to_negative_zero_keep_the_references_sign_on_every_path() {
+        // Every product below half the smallest subnormal rounds to 0.0 with the product's
+        // sign, so a lane can be -0.0 (an fma of a tiny negative product into +0.0). The
+        // reference skips the terms past the end; a SIMD path that padded with +0.0 (fma(+0,
+        // +0, -0) = +0) gave +0.0 where the reference (and the GPU kernels) give -0.0. Lengths
+        // around the chunk boundaries, signs mixed so that results are -0.0, +0.0 and tiny
+        // nonzero values; every path, every entry point.
+        let mut rng = Rng(29);
+        let tiny = |rng: &mut Rng, neg_bias: bool| -> f32 {
+            let r = rng.next();
+            let v = 2f32.powi(-100 - (r % 20) as i32);
+            // every product negative (a -0.0 result: each lane -0.0), or mixed signs
+            let neg = neg_bias || r % 2 == 0;
+            if neg {
+                -v
+            } else {
+                v
+            }
+        };
+        for n in [
+            1usize, 7, 16, 31, 44, 128, 255, 256, 257, 300, 511, 512, 600,
+        ] {
+            for trial in 0..6 {
+                let bias = trial % 2 == 0;
+                let w: Vec<u16> = (0..3 * n)
+                    .map(|_| f32_to_bf16_rne(tiny(&mut rng, bias)))
+                    .collect();
+                let x: Vec<f32> = (0..n).map(|_| tiny(&mut rng, false).abs()).collect();
+                let xs: Vec<Vec<f32>> = (0..4)
+                    .map(|_| x.iter().map(|v| v * 1.5).collect())
+                    .collect();
+                let wf: Vec<f32> = w[..n].iter().map(|&b| bf16_to_f32(b)).collect();
+                for k in Kernel::all_available() {
+                    let what = format!("{k:?} n={n} trial {trial}");
+                    let p = k.prepare(&x);
+                    for r in 0..3 {
+                        let row = &w[r * n..(r + 1) * n];
+                        let want = dot_bf16_reference(row, &x).to_bits();
+                        assert_eq!(k.dot_bf16(row, &p).to_bits(), want, "dot_bf16 {what}");
+                        let mut one = [1.0f32];
+                        k.dot_bf16_rows(row, n, &p, &mut one);
+                        assert_eq!(one[0].to_bits(), want, "dot_bf16_rows {what}");
+                    }
+                    let preps: Vec<PreparedVec> = xs.iter().map(|v| k.prepare(v)).collect();
+                    let refs: Vec<&PreparedVec> = preps.iter().collect();
+                    for m in [1usize, 2, 3, 4] {
+                        let mut out = vec![1.0f32; 3 * m];
+                        let mut pairs = vec![1.0f32; 3 * m];
+                        k.dot_bf16_rows_batch(&w, n, &refs[..m], &mut out);
+                        k.dot_bf16_rows_batch_pairs(&w, n, &refs[..m], &mut pairs);
+                        for r in 0..3 {
+                            for (mi, xv) in xs[..m].iter().enumerate() {
+                                let want = dot_bf16_reference(&w[r * n..(r + 1) * n], xv).to_bits();
+                                assert_eq!(out[r * m + mi].to_bits(), want, "batch {what} m={m}");
+                                assert_eq!(pairs[r * m + mi].to_bits(), want, "pairs {what} m={m}");
+                            }
+                        }
+                    }
+                    let want = dot_f32_reference(&wf, &x).to_bits();
+                    assert_eq!(k.dot_f32(&wf, &x).to_bits(), want, "dot_f32 {what}");
+                    // attention's p.v: n positions of rows of 3 values
+                    let rows: Vec<f32> = (0..3 * n).map(|i| bf16_to_f32(w[i])).collect();
+                    let mut out = vec![1.0f32; 3];
+                    let mut scratch = Vec::new();
+                    weighted_row_sum(k, &x, &rows, &mut out, &mut scratch);
+                    for d in 0..3 {
+                        let col: Vec<f32> = (0..n).map(|t| rows[t * 3 + d]).collect();
+                        let want = dot_f32_reference(&x, &col).to_bits();
+                        assert_eq!(out[d].to_bits(), want, "weighted_row_sum {what} d={d}");
+                    }
                 }
             }
         }
