@@ -54,6 +54,10 @@ pub enum DecodeError {
     /// The output buffer is not whole BF16 values.
     #[error("the decoded length {len} is odd: not whole BF16 values")]
     OddLength { len: usize },
+    /// Too short for the prefix and the raw sign-mantissa plane of the values asked for:
+    /// refused before the decoded extent is allocated.
+    #[error("{len} bytes cannot encode {values} BF16 values (16 + {values} bytes at least)")]
+    TooShortFor { len: u64, values: u64 },
     /// Shorter than the 16-byte prefix.
     #[error("{len} bytes, shorter than the 16-byte prefix (value count, exponent frame length)")]
     Truncated { len: usize },
@@ -170,9 +174,9 @@ pub fn decode(enc: &[u8], decoded_len: usize) -> Result<Vec<u8>, DecodeError> {
     }
     // Checked before allocating: a hostile caller-supplied length must not allocate first.
     if (enc.len() as u64) < PREFIX_LEN + decoded_len as u64 / 2 {
-        return Err(DecodeError::SignMantissaLength {
-            got: (enc.len() as u64).saturating_sub(PREFIX_LEN),
-            expected: decoded_len as u64 / 2,
+        return Err(DecodeError::TooShortFor {
+            len: enc.len() as u64,
+            values: decoded_len as u64 / 2,
         });
     }
     let mut out = vec![0u8; decoded_len];

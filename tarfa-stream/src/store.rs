@@ -122,6 +122,18 @@ fn mapped_len(len: u64) -> u64 {
 
 impl AlignedBuf {
     fn zeroed(len: usize) -> Option<AlignedBuf> {
+        AlignedBuf::map(len, 0)
+    }
+
+    /// [`AlignedBuf::zeroed`] with every page faulted in by the kernel now (`MAP_POPULATE`),
+    /// for a buffer the CPU is about to write whole (a decoded extent): one call instead of a
+    /// fault per page on the first writes, measured at 1.26-1.32 against 1.52-1.64 GB/s of
+    /// decoding per core, the mapping included (PHASE_LOG K2).
+    fn populated(len: usize) -> Option<AlignedBuf> {
+        AlignedBuf::map(len, libc::MAP_POPULATE)
+    }
+
+    fn map(len: usize, flags: libc::c_int) -> Option<AlignedBuf> {
         let mapped = mapped_len(len as u64) as usize;
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let p = unsafe {
@@ -129,7 +141,7 @@ impl AlignedBuf {
                 std::ptr::null_mut(),
                 mapped,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
                 -1,
                 0,
             )
@@ -1126,8 +1138,10 @@ impl Shared {
                 name: info.name.clone(),
             });
         }
-        let mut buf = AlignedBuf::zeroed(info.length as usize).ok_or_else(&alloc)?;
+        // Timed with its buffer's mapping: a raw extent's buffer pages are faulted in by its
+        // read, an encoded one's by this.
         let t = thread_cpu_ns();
+        let mut buf = AlignedBuf::populated(info.length as usize).ok_or_else(&alloc)?;
         extent
             .decode_stored(stored, buf.as_mut_slice())
             .map_err(|e| Failure::Undecodable {
