@@ -783,6 +783,9 @@ mod x86 {
         /// Activations per pass in [`dot_bf16_rows_batch`]: 4 x 6 chains, the four widened row
         /// registers and the mask fit the 32 zmm registers.
         const TILE: usize = 6;
+        /// Registers of partial trees per (row, activation).
+        const STATE: usize = 4;
+        const ZERO: __m512 = unsafe { std::mem::transmute([0.0f32; 16]) };
         /// Rows whose partial trees stay in one stack buffer (L1) while a tile of activations
         /// passes over them.
         const BLOCK: usize = 8;
@@ -793,6 +796,10 @@ mod x86 {
         /// each row's partial trees wait in `state` (L1) between pairs. Every lane's chain and
         /// every tree pair are [`dot_bf16_row`]'s: level 64 adds pair 0|4 to 2|6 and 1|5 to 3|7,
         /// level 32 the two sums, then [`finish_parities`].
+        /// `tails`: the block's rows' padded last chunks (filled by the caller when the rows
+        /// have one); `state`: per (row, activation) the level-64 sums (even, odd) of 0|4 and
+        /// 2|6, of 1|5 and 3|7 (each written before it is read).
+        #[allow(clippy::too_many_arguments)]
         #[inline(always)]
         unsafe fn block_tokens<const T: usize>(
             rows: &[u16],
@@ -801,19 +808,12 @@ mod x86 {
             xs: &[*const f32; T],
             out: &mut [f32],
             m: usize,
+            tails: &[[u16; LANES]; BLOCK],
+            state: &mut [[__m512; 4]; BLOCK * TILE],
         ) {
             let full = k / LANES;
             let rest = k - full * LANES;
             let chunks = full + usize::from(rest > 0);
-            let mut tails = [[NEG_ZERO_BF16; LANES]; BLOCK];
-            if rest > 0 {
-                for r in 0..n {
-                    tails[r][..rest].copy_from_slice(&rows[r * k + full * LANES..(r + 1) * k]);
-                }
-            }
-            // per (row, activation): the level-64 sums (even, odd) of 0|4 and 2|6, of 1|5 and
-            // 3|7
-            let mut state = [[_mm512_setzero_ps(); 4]; BLOCK * TILE];
             for (step, g) in [0usize, 2, 1, 3].into_iter().enumerate() {
                 for r in 0..n {
                     let (ev, od) = group_pair::<T>(
@@ -860,9 +860,19 @@ mod x86 {
                 return dot_bf16_rows_batch_pairs(rows, k, xs, out);
             }
             let n = rows.len() / k;
+            let (full, rest) = (k / LANES, k % LANES);
+            // made once per call: a block's padded last chunks, the partial trees
+            let mut tails = [[NEG_ZERO_BF16; LANES]; BLOCK];
+            let mut state = [[ZERO; STATE]; BLOCK * TILE];
             for b0 in (0..n).step_by(BLOCK) {
                 let nb = BLOCK.min(n - b0);
                 let block = &rows[b0 * k..(b0 + nb) * k];
+                if rest > 0 {
+                    for r in 0..nb {
+                        let row = &block[r * k..(r + 1) * k];
+                        tails[r][..rest].copy_from_slice(&row[full * LANES..]);
+                    }
+                }
                 let mut t0 = 0;
                 while t0 < m {
                     let tn = TILE.min(m - t0);
@@ -876,12 +886,43 @@ mod x86 {
                             &[x(0), x(1), x(2), x(3), x(4), x(5)],
                             o,
                             m,
+                            &tails,
+                            &mut state,
                         ),
-                        5 => block_tokens::<5>(block, k, nb, &[x(0), x(1), x(2), x(3), x(4)], o, m),
-                        4 => block_tokens::<4>(block, k, nb, &[x(0), x(1), x(2), x(3)], o, m),
-                        3 => block_tokens::<3>(block, k, nb, &[x(0), x(1), x(2)], o, m),
-                        2 => block_tokens::<2>(block, k, nb, &[x(0), x(1)], o, m),
-                        _ => block_tokens::<1>(block, k, nb, &[x(0)], o, m),
+                        5 => block_tokens::<5>(
+                            block,
+                            k,
+                            nb,
+                            &[x(0), x(1), x(2), x(3), x(4)],
+                            o,
+                            m,
+                            &tails,
+                            &mut state,
+                        ),
+                        4 => block_tokens::<4>(
+                            block,
+                            k,
+                            nb,
+                            &[x(0), x(1), x(2), x(3)],
+                            o,
+                            m,
+                            &tails,
+                            &mut state,
+                        ),
+                        3 => block_tokens::<3>(
+                            block,
+                            k,
+                            nb,
+                            &[x(0), x(1), x(2)],
+                            o,
+                            m,
+                            &tails,
+                            &mut state,
+                        ),
+                        2 => {
+                            block_tokens::<2>(block, k, nb, &[x(0), x(1)], o, m, &tails, &mut state)
+                        }
+                        _ => block_tokens::<1>(block, k, nb, &[x(0)], o, m, &tails, &mut state),
                     }
                     t0 += tn;
                 }
@@ -1126,6 +1167,9 @@ mod x86 {
 
         /// Activations per pass: 4 x 3 chains and the four widened row registers fill AVX2's 16.
         const TILE: usize = 3;
+        /// Registers of partial trees per (row, activation).
+        const STATE: usize = 6;
+        const ZERO: __m256 = unsafe { std::mem::transmute([0.0f32; 8]) };
         /// Rows whose partial trees wait in one stack buffer (L1) between passes.
         const BLOCK: usize = 8;
 
@@ -1134,6 +1178,9 @@ mod x86 {
         /// the rows; each row's partial trees (levels 64, 32, 16: pair g with g + 4, g + 2,
         /// g + 1, as a binary counter over the passes) wait in `state`; then tree_bf16's
         /// in-register levels. The chains and pairs of [`dot_bf16_row`]: the same bits.
+        /// `tails`: as avx512's; `state`: per (row, activation) the pending subtrees of 1, 2
+        /// and 4 pairs, (even, odd) (each written before it is read).
+        #[allow(clippy::too_many_arguments)]
         #[inline(always)]
         unsafe fn block_tokens<const T: usize>(
             rows: &[u16],
@@ -1142,18 +1189,12 @@ mod x86 {
             xs: &[*const f32; T],
             out: &mut [f32],
             m: usize,
+            tails: &[[u16; LANES]; BLOCK],
+            state: &mut [[__m256; 6]; BLOCK * TILE],
         ) {
             let full = k / LANES;
             let rest = k - full * LANES;
             let chunks = full + usize::from(rest > 0);
-            let mut tails = [[NEG_ZERO_BF16; LANES]; BLOCK];
-            if rest > 0 {
-                for r in 0..n {
-                    tails[r][..rest].copy_from_slice(&rows[r * k + full * LANES..(r + 1) * k]);
-                }
-            }
-            // per (row, activation): the pending subtrees of 1, 2 and 4 pairs, (even, odd)
-            let mut state = [[_mm256_setzero_ps(); 6]; BLOCK * TILE];
             for (s, g) in [0usize, 4, 2, 6, 1, 5, 3, 7].into_iter().enumerate() {
                 for r in 0..n {
                     let (ev, od) = group_pair::<T>(
@@ -1201,18 +1242,39 @@ mod x86 {
                 }
                 return;
             }
+            let (full, rest) = (k / LANES, k % LANES);
+            // made once per call: a block's padded last chunks, the partial trees
+            let mut tails = [[NEG_ZERO_BF16; LANES]; BLOCK];
+            let mut state = [[ZERO; STATE]; BLOCK * TILE];
             for b0 in (0..n).step_by(BLOCK) {
                 let nb = BLOCK.min(n - b0);
                 let block = &rows[b0 * k..(b0 + nb) * k];
+                if rest > 0 {
+                    for r in 0..nb {
+                        let row = &block[r * k..(r + 1) * k];
+                        tails[r][..rest].copy_from_slice(&row[full * LANES..]);
+                    }
+                }
                 let mut t0 = 0;
                 while t0 < m {
                     let tn = TILE.min(m - t0);
                     let o = &mut out[b0 * m + t0..];
                     let x = |j: usize| xs[t0 + j].as_ptr();
                     match tn {
-                        3 => block_tokens::<3>(block, k, nb, &[x(0), x(1), x(2)], o, m),
-                        2 => block_tokens::<2>(block, k, nb, &[x(0), x(1)], o, m),
-                        _ => block_tokens::<1>(block, k, nb, &[x(0)], o, m),
+                        3 => block_tokens::<3>(
+                            block,
+                            k,
+                            nb,
+                            &[x(0), x(1), x(2)],
+                            o,
+                            m,
+                            &tails,
+                            &mut state,
+                        ),
+                        2 => {
+                            block_tokens::<2>(block, k, nb, &[x(0), x(1)], o, m, &tails, &mut state)
+                        }
+                        _ => block_tokens::<1>(block, k, nb, &[x(0)], o, m, &tails, &mut state),
                     }
                     t0 += tn;
                 }
@@ -1374,7 +1436,7 @@ mod tests {
             let r = rng.next();
             let v = 2f32.powi(-100 - (r % 20) as i32);
             // every product negative (a -0.0 result: each lane -0.0), or mixed signs
-            let neg = neg_bias || r % 2 == 0;
+            let neg = neg_bias || r.is_multiple_of(2);
             if neg {
                 -v
             } else {
