@@ -1,15 +1,15 @@
 //! Seeds for fuzz/'s `extent_codec` target: each codec's encoding of a few small extents (with
 //! the selector byte the target reads first), and raw extents for the round-trip mode.
-//!   cargo run -p tarfa-codec-lab --example fuzz_seeds -- fuzz/corpus/extent_codec
+//!   cargo run -p tarfa-codec-lab --example codec_fuzz_seeds -- fuzz/corpus/extent_codec
 use tarfa_codec_lab::{encode, Codec};
 
 fn main() {
     let Some(dir) = std::env::args().nth(1) else {
-        eprintln!("usage: fuzz_seeds DIR");
+        eprintln!("usage: codec_fuzz_seeds DIR");
         std::process::exit(2);
     };
     if let Err(e) = std::fs::create_dir_all(&dir) {
-        eprintln!("fuzz_seeds: {dir}: {e}");
+        eprintln!("codec_fuzz_seeds: {dir}: {e}");
         std::process::exit(3);
     }
     let extents: Vec<Vec<u8>> = vec![
@@ -34,7 +34,7 @@ fn main() {
             for (tag, bytes) in [("enc", enc), ("raw", raw)] {
                 let p = format!("{dir}/{}-{tag}-{xi}", c.name());
                 if let Err(e) = std::fs::write(&p, bytes) {
-                    eprintln!("fuzz_seeds: {p}: {e}");
+                    eprintln!("codec_fuzz_seeds: {p}: {e}");
                     std::process::exit(3);
                 }
                 n += 1;
