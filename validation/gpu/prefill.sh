@@ -3,7 +3,7 @@
 # attention of kernels/prefill.cu, checked bit for bit and measured against the token-tiled
 # kernels and transformers in one call. No Rust toolchain there: carry the release binaries.
 #
-#   [PHASE=all|check|bench|hf|san] validation/gpu/prefill.sh BIN_DIR [OUT_DIR]
+#   [PHASE=all|check|bench|hf|san|check,bench,...] validation/gpu/prefill.sh BIN_DIR [OUT_DIR]
 #
 # BIN_DIR: tarfa-convert, examples/cuda_selftest, examples/cuda_bench, built with
 #   CARGO_PROFILE_RELEASE_STRIP=true cargo build --release -p tarfa-run -p tarfa-convert \
@@ -42,7 +42,8 @@ TABLE=$OUTD/table.txt
 touch "$TABLE"
 row() { echo "$1|$2|$3" >> "$TABLE"; }
 PHASE=${PHASE:-all}
-has() { [ "$PHASE" = "$1" ] || { [ "$PHASE" = all ] && [ "$1" != san ]; }; }
+# PHASE: all, or a comma-separated list of phases (check,bench)
+has() { case ",$PHASE," in *",$1,"*) return 0 ;; esac; [ "$PHASE" = all ] && [ "$1" != san ]; }
 ST=$BIN/examples/cuda_selftest
 CB=$BIN/examples/cuda_bench
 SHAPE=${SHAPE:-qwen3-30b-a3b}
