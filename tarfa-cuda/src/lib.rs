@@ -267,7 +267,7 @@ pub struct CudaTuning {
     /// ahead ([`CudaModel::run_ahead`]; slower; the other arm of PHASE_LOG B2's A/B).
     pub wait_each_token: bool,
     /// Which kernels run the products and the attention of a step of many tokens (default
-    /// [`ManyKernels::Tiled`] until PHASE_LOG B5's GPU A/B accepts `Auto`);
+    /// [`ManyKernels::Auto`], measured on the H200 in PHASE_LOG B8);
     /// [`CudaModel::set_many_kernels`] changes it on a loaded model.
     pub many: ManyKernels,
 }
@@ -275,19 +275,19 @@ pub struct CudaTuning {
 /// Which kernels run a step of many tokens (a prefill, a batch of sequences). Every choice
 /// computes the same bits (docs/EXACTNESS.md section 9); they differ in speed only.
 ///
-/// The default stays `Tiled` (PHASE_LOG B3's kernels, measured on the H200) until the
-/// lane-sequential kernels have been measured and sanitized there (PHASE_LOG B5: they are
-/// bit-identical to the CPU on the kernel emulator, and validation/gpu/prefill.sh is their GPU
-/// run); a default is chosen by measurement, never by expectation.
+/// The default is `Auto` since the lane-sequential kernels were measured and sanitized on the
+/// H200 (PHASE_LOG B8: bit-identical to the CPU there and on the kernel emulator, 1.4x to 6x
+/// `Tiled`'s prefill from 256 tokens up, compute-sanitizer clean); a default is chosen by
+/// measurement, never by expectation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ManyKernels {
     /// The lane-sequential kernels (kernels/prefill.cu) where a step has enough tokens per
     /// weight row, per expert or per query tile for them to pay; the token-tiled kernels
-    /// (kernels/tile.cu, attention.cu) elsewhere (PHASE_LOG B5).
-    Auto,
-    /// The token-tiled kernels of PHASE_LOG B3 only (the default, and the other arm of B5's
-    /// A/B).
+    /// (kernels/tile.cu, attention.cu) elsewhere. The default: measured on the H200 at 1.4x to
+    /// 6x the tiled kernels' prefill from 256 tokens up, the same bits (PHASE_LOG B8).
     #[default]
+    Auto,
+    /// The token-tiled kernels of PHASE_LOG B3 only (the other arm of B5's and B8's A/B).
     Tiled,
     /// The lane-sequential kernels wherever they can run, however few the tokens (tests).
     Lanes,

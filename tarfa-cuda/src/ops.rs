@@ -274,9 +274,11 @@ pub(crate) fn big_shared_kernels() -> Vec<(&'static str, u32)> {
 /// With [`crate::ManyKernels::Auto`], the lane-sequential products run from this many tokens
 /// (a dense matrix's), or this many routed pairs per expert on average (the experts'): below,
 /// a 16-token tile would be mostly the repeated last token, and the token-tiled kernels of
-/// tile.cu read the weights as often for less work (PHASE_LOG B5).
+/// tile.cu read the weights as often for less work (PHASE_LOG B5). 16 pairs, not 8: at 8 (128
+/// tokens of Qwen3-30B-A3B or Qwen3-235B-A22B) the lanes measured 0.92x-0.97x the tiles on the
+/// H200, at 16 (256 tokens) 1.21x (PHASE_LOG B8).
 pub(crate) const LS_AUTO_TOKENS: usize = 64;
-pub(crate) const LS_AUTO_PAIRS_PER_EXPERT: usize = 8;
+pub(crate) const LS_AUTO_PAIRS_PER_EXPERT: usize = 16;
 
 /// Whether a product of many tokens takes the lane-sequential kernels: `enough` is Auto's
 /// verdict on the shape.

@@ -24,11 +24,11 @@ pub struct CudaArgs {
     /// steps and waiting once (slower; for comparisons). Either way the same tokens.
     #[arg(long)]
     pub cuda_wait_each_token: bool,
-    /// Which kernels run a step of many tokens (a prompt, a batch): tiled (the default: the
-    /// token-tiled kernels), auto (the lane-sequential kernels of kernels/prefill.cu where a step
-    /// has enough tokens for them, the token-tiled ones elsewhere) or lanes (the lane-sequential
-    /// kernels wherever they can run). Every choice gives the same bits; auto is not the default
-    /// until it is measured faster on the GPU (docs/PHASE_LOG.md B5).
+    /// Which kernels run a step of many tokens (a prompt, a batch): auto (the default: the
+    /// lane-sequential kernels of kernels/prefill.cu where a step has enough tokens for them, the
+    /// token-tiled ones elsewhere; on the H200 1.4x to 6x tiled's prefill from 256 tokens up),
+    /// tiled (the token-tiled kernels only) or lanes (the lane-sequential kernels wherever they
+    /// can run). Every choice gives the same bits (docs/PHASE_LOG.md B5, B8).
     #[arg(long, value_name = "KERNELS", value_parser = many_kernels_arg)]
     pub cuda_many: Option<ManyKernels>,
 }
