@@ -195,6 +195,36 @@ impl Kernel {
         }
     }
 
+    /// Canonical `dot(x, row i)` for consecutive rows of `x.len()` values each (attention's
+    /// scores of one query against many keys): `out[i] = dot_f32(x, rows[i])`, the same bits,
+    /// with the query loaded once and, at widths of 64 or 128, the tree's levels over the lanes
+    /// that hold no term left out and `+0.0` added at the end (section 4's pruning rule).
+    ///
+    /// # Panics
+    /// If `rows` is not `out.len()` rows of `x.len()` values (a caller bug).
+    pub fn dot_f32_rows(self, x: &[f32], rows: &[f32], out: &mut [f32]) {
+        assert_eq!(
+            rows.len(),
+            x.len() * out.len(),
+            "dot_f32_rows shape mismatch"
+        );
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the path's features were detected when the Kernel was made.
+            SimdPath::Avx512 => unsafe { x86::avx512::dot_f32_rows(x, rows, out) },
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx2 => unsafe { x86::avx2::dot_f32_rows(x, rows, out) },
+            _ => {
+                for (o, row) in out.iter_mut().zip(rows.chunks_exact(x.len().max(1))) {
+                    *o = self.dot_f32(x, row);
+                }
+                if x.is_empty() {
+                    out.fill(0.0);
+                }
+            }
+        }
+    }
+
     /// Canonical `sum(t)`.
     pub fn sum(self, t: &[f32]) -> f32 {
         match self.path {
@@ -534,14 +564,47 @@ pub fn weighted_row_sum(
     }
 }
 
+/// One lane of [`weighted_row_sum`] for rows of `D` values: `lane = sum over t = v, v+256, ...
+/// (increasing) of p[t] * rows[t]`, one fma per term from +0, with the lane's D accumulators in
+/// a fixed-size array the compiler keeps in registers (one row load per D fmas, where the
+/// position-major walk loaded and stored the lane from memory at every term).
+#[inline(always)]
+fn weighted_lane<const D: usize>(p: &[f32], rows: &[f32], v: usize, lane: &mut [f32]) {
+    let mut acc = [0.0f32; D];
+    let mut t = v;
+    while t < p.len() {
+        let pt = p[t];
+        let row: &[f32; D] = rows[t * D..(t + 1) * D]
+            .try_into()
+            .expect("a row of D values");
+        for (a, &x) in acc.iter_mut().zip(row) {
+            *a = pt.mul_add(x, *a);
+        }
+        t += LANES;
+    }
+    lane.copy_from_slice(&acc);
+}
+
 fma_dispatch! {
 /// The lanes and tree of [`weighted_row_sum`].
 fn weighted_row_sum_lanes(p: &[f32], rows: &[f32], d: usize, used: usize, scratch: &mut [f32]) -> () {
-    // lane v accumulates the rows t = v, v+256, ... in increasing t
-    for (ti, (&pt, row)) in p.iter().zip(rows.chunks_exact(d.max(1))).enumerate() {
-        let lane = &mut scratch[(ti % LANES) * d..(ti % LANES + 1) * d];
-        for (a, &v) in lane.iter_mut().zip(row) {
-            *a = pt.mul_add(v, *a);
+    // lane v accumulates the rows t = v, v+256, ... in increasing t: lane by lane (each lane's
+    // chain is the same sequence of fmas whichever lane runs first)
+    for v in 0..used {
+        let lane = &mut scratch[v * d..(v + 1) * d];
+        match d {
+            64 => weighted_lane::<64>(p, rows, v, lane),
+            128 => weighted_lane::<128>(p, rows, v, lane),
+            _ => {
+                let mut t = v;
+                while t < p.len() {
+                    let pt = p[t];
+                    for (a, &x) in lane.iter_mut().zip(&rows[t * d..(t + 1) * d]) {
+                        *a = pt.mul_add(x, *a);
+                    }
+                    t += LANES;
+                }
+            }
         }
     }
     // the tree; lanes >= `used` hold +0.0 and are pruned (see the module doc)
@@ -1001,6 +1064,53 @@ mod x86 {
             tree_contiguous(acc)
         }
 
+        /// [`dot_f32`] of `x` with each row of `rows` (the caller's `Kernel::dot_f32_rows`).
+        /// Widths 64 and 128 fill registers 0..W/16 and leave the others +0.0: their tree
+        /// skips the levels that pair a register with a +0.0 one (h = 128, and 64 for width
+        /// 64) and adds +0.0 to the result, which is the full tree's value (section 4's pruning
+        /// rule: the skipped adds only turn a -0.0 into +0.0, and so does the final one).
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn dot_f32_rows(x: &[f32], rows: &[f32], out: &mut [f32]) {
+            match x.len() {
+                128 => pruned_rows::<8>(x, rows, out),
+                64 => pruned_rows::<4>(x, rows, out),
+                d => {
+                    for (o, row) in out.iter_mut().zip(rows.chunks_exact(d.max(1))) {
+                        *o = dot_f32(x, row);
+                    }
+                    if d == 0 {
+                        out.fill(0.0);
+                    }
+                }
+            }
+        }
+
+        /// `R` registers of terms (width 16 R, R a power of two below 16).
+        #[inline(always)]
+        unsafe fn pruned_rows<const R: usize>(x: &[f32], rows: &[f32], out: &mut [f32]) {
+            let mut q = [_mm512_setzero_ps(); R];
+            for j in 0..R {
+                q[j] = _mm512_loadu_ps(x.as_ptr().add(16 * j));
+            }
+            for (i, o) in out.iter_mut().enumerate() {
+                let k = rows.as_ptr().add(i * 16 * R);
+                let mut a = [_mm512_setzero_ps(); R];
+                for j in 0..R {
+                    a[j] =
+                        _mm512_fmadd_ps(q[j], _mm512_loadu_ps(k.add(16 * j)), _mm512_setzero_ps());
+                }
+                // the full tree's levels over registers j and j + h, for the h below R
+                let mut h = R / 2;
+                while h >= 1 {
+                    for j in 0..h {
+                        a[j] = _mm512_add_ps(a[j], a[j + h]);
+                    }
+                    h /= 2;
+                }
+                *o = finish_ymm(halve_in_register(a[0])) + 0.0;
+            }
+        }
+
         /// Mask of the elements of register j (elements 16j..16j+16) below `rest`.
         #[inline(always)]
         fn tail_mask(j: usize, rest: usize) -> __mmask16 {
@@ -1287,6 +1397,48 @@ mod x86 {
                 let va = _mm256_loadu_ps(a.add(8 * j));
                 let vb = _mm256_loadu_ps(b.add(8 * j));
                 acc[j] = _mm256_fmadd_ps(va, vb, acc[j]);
+            }
+        }
+
+        /// avx512's `dot_f32_rows` with 8-lane registers: widths 64 and 128 fill registers
+        /// 0..W/8 and the tree skips the levels that pair them with +0.0 registers, adding +0.0
+        /// at the end.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn dot_f32_rows(x: &[f32], rows: &[f32], out: &mut [f32]) {
+            match x.len() {
+                128 => pruned_rows::<16>(x, rows, out),
+                64 => pruned_rows::<8>(x, rows, out),
+                d => {
+                    for (o, row) in out.iter_mut().zip(rows.chunks_exact(d.max(1))) {
+                        *o = dot_f32(x, row);
+                    }
+                    if d == 0 {
+                        out.fill(0.0);
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn pruned_rows<const R: usize>(x: &[f32], rows: &[f32], out: &mut [f32]) {
+            for (i, o) in out.iter_mut().enumerate() {
+                let k = rows.as_ptr().add(i * 8 * R);
+                let mut a = [_mm256_setzero_ps(); R];
+                for j in 0..R {
+                    a[j] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(x.as_ptr().add(8 * j)),
+                        _mm256_loadu_ps(k.add(8 * j)),
+                        _mm256_setzero_ps(),
+                    );
+                }
+                let mut h = R / 2;
+                while h >= 1 {
+                    for j in 0..h {
+                        a[j] = _mm256_add_ps(a[j], a[j + h]);
+                    }
+                    h /= 2;
+                }
+                *o = _mm_cvtss_f32(halve3(a[0])) + 0.0;
             }
         }
 
@@ -1588,10 +1740,44 @@ mod tests {
     }
 
     #[test]
+    fn dot_f32_rows_equals_one_dot_per_row() {
+        // the widths with a pruned tree (64, 128), others, and underflowing products whose
+        // lanes are -0.0 (the pruned tree's +0.0 must match the full tree's)
+        let mut rng = Rng(31);
+        for d in [1usize, 24, 63, 64, 65, 128, 200, 256, 300] {
+            for underflow in [false, true] {
+                let x: Vec<f32> = (0..d)
+                    .map(|_| if underflow { 2f32.powi(-90) } else { rng.f32() })
+                    .collect();
+                let rows: Vec<f32> = (0..9 * d)
+                    .map(|_| {
+                        if underflow {
+                            -(2f32.powi(-90))
+                        } else {
+                            rng.f32()
+                        }
+                    })
+                    .collect();
+                for k in Kernel::all_available() {
+                    let mut out = vec![1.0f32; 9];
+                    k.dot_f32_rows(&x, &rows, &mut out);
+                    for i in 0..9 {
+                        let want = dot_f32_reference(&x, &rows[i * d..(i + 1) * d]);
+                        assert_eq!(out[i].to_bits(), want.to_bits(), "{k:?} d={d} row {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn weighted_row_sum_is_a_canonical_dot_per_column() {
         let mut rng = Rng(5);
-        for t in [1usize, 3, 100, 255, 256, 257, 600] {
-            let d = 24;
+        // d = 24: the general path; 64 and 128: the register-sized lanes
+        for (t, d) in [1usize, 3, 100, 255, 256, 257, 600]
+            .into_iter()
+            .flat_map(|t| [(t, 24usize), (t, 64), (t, 128)])
+        {
             let p: Vec<f32> = (0..t).map(|_| rng.f32()).collect();
             let rows: Vec<f32> = (0..t * d).map(|_| rng.f32()).collect();
             for k in Kernel::all_available() {
