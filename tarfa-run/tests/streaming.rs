@@ -1207,15 +1207,34 @@ fn check_lookahead_accounting(m: &Model, what: &str, st: &Value, io: &str, budge
         n("peak_warm_bytes")
     );
     let steps = st["steps"].as_array().unwrap();
+    // Each step's figures are taken once its reads finished (StreamRun::end settles the
+    // store), so the steps add up to the totals exactly, whatever the reader threads' timing;
+    // a read counted outside every step (late, or between steps) fails here.
     for k in [
+        "requests",
+        "warm_hits",
+        "misses",
+        "reads",
+        "wasted_reads",
+        "bytes_read",
         "lookahead_hits",
         "lookahead_guessed",
         "lookahead_right",
+        "lookahead_needed",
         "lookahead_reads",
         "lookahead_wasted",
+        "lookahead_wasted_bytes",
     ] {
         let sum: u64 = steps.iter().map(|s| s[k].as_u64().unwrap()).sum();
         assert_eq!(sum, n(k), "{what}: {k} per step");
+    }
+    for (i, s) in steps.iter().enumerate() {
+        let k = |key: &str| s[key].as_u64().unwrap();
+        assert_eq!(
+            k("requests"),
+            k("warm_hits") + k("lookahead_hits") + k("misses"),
+            "{what}: step {i}"
+        );
     }
 }
 

@@ -1101,7 +1101,20 @@ impl ExpertStore {
         heat.into_iter().take(count).map(|(_, id)| id).collect()
     }
 
-    /// Reads done (or in flight) that no request has used yet: with the counters,
+    /// Waits until no read is in flight: what a step started (a look-ahead read whose guess
+    /// ended, a cancelled plan's read) has finished and been counted, so that figures taken
+    /// now add up and nothing changes them until the next request or hint (a reader thread
+    /// only acts on a read it was handed). Returns at once when nothing is in flight.
+    pub fn settle(&self) {
+        let sh = &self.shared;
+        let mut st = sh.lock();
+        while st.inflight > 0 {
+            st = sh.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Reads done (or in flight) that no request has used yet: with the counters, once the
+    /// store is settled ([`ExpertStore::settle`]),
     /// `reads = misses + lookahead_hits + wasted_reads + unclaimed_reads()`.
     pub fn unclaimed_reads(&self) -> u64 {
         let st = self.shared.lock();

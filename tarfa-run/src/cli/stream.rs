@@ -414,6 +414,19 @@ impl StreamRun {
         })
     }
 
+    /// With `--lookahead`, the reads a step started and nobody waited for (look-ahead reads
+    /// whose guess ended: at most --io-threads of them, and by the end of the step almost
+    /// always done) finish before its figures are taken: every read the step started is
+    /// counted (read, and used, wasted or held) in that step, the steps add up to the totals,
+    /// and nothing changes them after the last one (docs/PHASE_LOG.md S5). Without look-ahead
+    /// nothing waits (a CPU step leaves no read in flight; the CUDA backend's own reads are not
+    /// held up).
+    fn settle(&self) {
+        if self.source.lookahead_mode() != Lookahead::Off {
+            self.source.store().settle();
+        }
+    }
+
     /// Before a forward step; `hot`: the hot tier's counters now (CUDA streaming).
     pub fn begin(&mut self, prefill: bool, hot: Option<HotStats>) {
         if prefill && self.progress {
@@ -421,6 +434,7 @@ impl StreamRun {
                 eprint!("\rprefill: layer {}/{layers}\x1b[K", layer + 1);
             })));
         }
+        self.settle();
         let now = self.source.stats();
         self.first_step.get_or_insert(now);
         if self.hot_first.is_none() {
@@ -439,6 +453,7 @@ impl StreamRun {
             return;
         };
         self.hot_last = hot;
+        self.settle();
         let rec = StepRecord {
             kind: if prefill { "prefill" } else { "decode" },
             tokens,
