@@ -26,9 +26,7 @@ use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, LogitRo
 use tarfa_run::generate::greedy;
 use tarfa_run::model::MlpKind;
 use tarfa_run::numerics::Kernel;
-use tarfa_run::stream::{
-    CachePolicy, IoMode, Lookahead, StreamError, StreamOptions, StreamSource,
-};
+use tarfa_run::stream::{CachePolicy, IoMode, Lookahead, StreamError, StreamOptions, StreamSource};
 use tarfa_run::weights::{
     ExpertHandle, ExpertWeights, HostTensor, InMemorySource, LookaheadInput, WeightError,
     WeightSource,
@@ -1316,7 +1314,12 @@ fn lookahead_is_a_typed_option_reported_in_stats_and_the_summary() {
         &s(&["--stats", "--lookahead", "router", "--ram-budget", &budget]),
         &cache,
     );
-    for needle in ["; lookahead router", "lookahead hits", "served ahead", "wasted"] {
+    for needle in [
+        "; lookahead router",
+        "lookahead hits",
+        "served ahead",
+        "wasted",
+    ] {
         assert!(out.stderr.contains(needle), "{needle}: {}", out.stderr);
     }
     let total = out
@@ -1420,7 +1423,11 @@ fn an_always_wrong_guess_gives_the_resident_bits_and_costs_only_reads() {
     let mut truth: Vec<BTreeMap<usize, BTreeSet<usize>>> = vec![BTreeMap::new(); 4];
     let p = m.prompt.len();
     for r in g.prefill.router.iter().chain(&g.decode_router) {
-        let step = if r.position < p { 0 } else { r.position - p + 1 };
+        let step = if r.position < p {
+            0
+        } else {
+            r.position - p + 1
+        };
         let set = truth[step].entry(r.layer).or_default();
         set.extend(r.experts.iter().map(|&e| e as usize));
     }
@@ -1467,12 +1474,21 @@ fn an_always_wrong_guess_gives_the_resident_bits_and_costs_only_reads() {
                 // a guess for every MoE layer but the first, in every step
                 let guesses = src.guesses.lock().unwrap();
                 assert_eq!(guesses.len(), 4 * (truth[0].len() - 1), "{what}");
-                assert!(guesses.iter().all(|(l, g)| *l != first_moe && !g.is_empty()));
+                assert!(guesses
+                    .iter()
+                    .all(|(l, g)| *l != first_moe && !g.is_empty()));
                 let s = inner.stats();
                 assert_eq!(s.lookahead_right, 0, "{what}: {s:?}");
-                assert!(s.lookahead_guessed > 0 && s.lookahead_reads > 0, "{what}: {s:?}");
+                assert!(
+                    s.lookahead_guessed > 0 && s.lookahead_reads > 0,
+                    "{what}: {s:?}"
+                );
                 assert!(s.lookahead_wasted > 0, "{what}: {s:?}");
-                assert_eq!(s.requests, s.warm_hits + s.lookahead_hits + s.misses, "{what}");
+                assert_eq!(
+                    s.requests,
+                    s.warm_hits + s.lookahead_hits + s.misses,
+                    "{what}"
+                );
                 assert_eq!(
                     s.reads,
                     s.misses + s.lookahead_hits + s.wasted_reads + inner.store().unclaimed_reads(),

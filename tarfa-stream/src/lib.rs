@@ -58,8 +58,8 @@ pub use store::ExpertStore;
 use crate::bundle::{BundleError, BundleSource};
 // The weight seam under the names the moved files (bundle.rs, memory.rs, store.rs) use.
 use crate::weights::{
-    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, LookaheadInput,
-    SourceFailure, WeightError, WeightSource,
+    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, LookaheadInput, SourceFailure,
+    WeightError, WeightSource,
 };
 use tarfa_core::{config, exit, numerics, weights};
 

@@ -781,10 +781,18 @@ impl ExpertStore {
         let (tx, rx) = channel::<Job>();
         let capacity = opts.ram_budget.unwrap_or(u64::MAX);
         let scratch = index.values().map(|i| i.scratch_bytes).max().unwrap_or(0);
-        let lookahead_cap = (capacity.saturating_sub(pinned_bytes).saturating_sub(scratch) / 2)
-            .max(index.values().map(|i| i.buf_bytes).max().unwrap_or(0));
+        let lookahead_cap = (capacity
+            .saturating_sub(pinned_bytes)
+            .saturating_sub(scratch)
+            / 2)
+        .max(index.values().map(|i| i.buf_bytes).max().unwrap_or(0));
         let mut ledger_counts = HashMap::new();
-        for (l, row) in ledger.map(|l| l.counts.as_slice()).unwrap_or(&[]).iter().enumerate() {
+        for (l, row) in ledger
+            .map(|l| l.counts.as_slice())
+            .unwrap_or(&[])
+            .iter()
+            .enumerate()
+        {
             for (e, &n) in row.iter().enumerate() {
                 if n > 0 && index.contains_key(&(l, e)) {
                     ledger_counts.insert((l, e), n);
@@ -2524,14 +2532,21 @@ mod tests {
     /// look-ahead hit, wasted, or held unused; look-ahead's reads are among the reads.
     fn check_counts_add_up(store: &ExpertStore) {
         let s = store.stats();
-        assert_eq!(s.requests, s.warm_hits + s.lookahead_hits + s.misses, "{s:?}");
+        assert_eq!(
+            s.requests,
+            s.warm_hits + s.lookahead_hits + s.misses,
+            "{s:?}"
+        );
         assert_eq!(
             s.reads,
             s.misses + s.lookahead_hits + s.wasted_reads + store.unclaimed_reads(),
             "{s:?}"
         );
         assert!(s.lookahead_reads <= s.reads && s.lookahead_wasted <= s.wasted_reads);
-        assert!(s.lookahead_hits + s.lookahead_wasted <= s.lookahead_reads, "{s:?}");
+        assert!(
+            s.lookahead_hits + s.lookahead_wasted <= s.lookahead_reads,
+            "{s:?}"
+        );
         assert_eq!(s.bytes_read, s.reads * EXTENT, "{s:?}");
         assert_eq!(s.lookahead_wasted_bytes, s.lookahead_wasted * EXTENT);
         assert!(s.lookahead_right <= s.lookahead_guessed.min(s.lookahead_needed));
