@@ -1403,6 +1403,9 @@ fn moe_block(
     let batches = model.source.expert_batches(l, &ids);
     check_batches(&batches, &ids)?;
     model.source.prefetch(l, &batches);
+    // A source reading ahead (`--lookahead`) may start on the next MoE layer's likely experts
+    // now; the guess never changes what is computed (lookahead.rs).
+    super::lookahead::hint_next_layer(model, kernel, l, h, ids.len());
 
     let moe_layer = model.spec.moe_index(l).unwrap_or(0);
     // Llama 4: the routing weight scales each expert's input, and the outputs add unweighted

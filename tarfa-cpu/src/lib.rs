@@ -22,6 +22,7 @@
 
 mod forward;
 pub mod kv_cache;
+mod lookahead;
 
 pub use forward::{router_probs, Capture, StepHook};
 

@@ -3456,6 +3456,7 @@ mod tests {
                 io,
                 policy: CachePolicy::Lru,
                 io_threads: 4,
+                ..Default::default()
             };
             let src = Arc::new(StreamSource::new(bundle.clone(), &so, None).unwrap());
             let gpu = streamed(&cfg, src.clone(), slots, CachePolicy::Lru, Vec::new());

@@ -270,6 +270,8 @@ pub fn selftest_streaming(
             io: case.io,
             policy: case.policy,
             io_threads: tarfa_stream::DEFAULT_IO_THREADS,
+            // the CUDA forward does not read ahead
+            lookahead: tarfa_stream::Lookahead::Off,
         };
         let source =
             Arc::new(StreamSource::new(bundle.clone(), &so, None).map_err(WeightError::from)?);

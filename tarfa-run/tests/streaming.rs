@@ -5,14 +5,17 @@
 //! never exceeds its budget, peak RSS stays under resident + budget + slack); a bundle that
 //! changes during a run stops it with a verification error before anything is computed from
 //! the new bytes; bad budgets, a corrupt heat ledger and an impossible resident part get their
-//! documented outcomes.
+//! documented outcomes. Look-ahead reads (`--lookahead`), right, wrong or forced wrong, change
+//! what is read and nothing else.
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use common::synthetic::{config_json, parse, random_source};
 use safetensors::SafeTensors;
@@ -21,10 +24,12 @@ use tarfa_convert::synth::{self, OutputFormat, SynthOptions, SynthShape};
 use tarfa_run::bundle::BundleSource;
 use tarfa_run::cpu::{CpuEngine, CpuModel, EngineOptions, ForwardOptions, LogitRows};
 use tarfa_run::generate::greedy;
+use tarfa_run::model::MlpKind;
 use tarfa_run::numerics::Kernel;
-use tarfa_run::stream::{CachePolicy, IoMode, StreamError, StreamOptions, StreamSource};
+use tarfa_run::stream::{CachePolicy, IoMode, Lookahead, StreamError, StreamOptions, StreamSource};
 use tarfa_run::weights::{
-    ExpertHandle, ExpertWeights, HostTensor, InMemorySource, WeightError, WeightSource,
+    ExpertHandle, ExpertWeights, HostTensor, InMemorySource, LookaheadInput, WeightError,
+    WeightSource,
 };
 use tarfa_run::RunError;
 
@@ -62,11 +67,19 @@ fn bundle(name: &'static str) -> PathBuf {
     let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let out = workdir().join(name);
     if !out.exists() {
-        if name == "synth-tiny" {
-            let shape = synth::shapes()
+        if let Some(shape) = name.strip_prefix("synth-") {
+            // `synth-<shape>@<layers>`: the shape with that many layers
+            let (shape, layers) = match shape.split_once('@') {
+                Some((s, n)) => (s, Some(n.parse::<u32>().unwrap())),
+                None => (shape, None),
+            };
+            let mut shape = synth::shapes()
                 .into_iter()
-                .find(|s| s.name == "tiny")
-                .unwrap();
+                .find(|s| s.name == shape)
+                .unwrap_or_else(|| panic!("no synthetic shape {shape}"));
+            if let Some(n) = layers {
+                shape.layers = n;
+            }
             write_synth(&out, shape);
         } else if let Some(fixture_name) = name.strip_suffix("+exp-zstd") {
             // Format version 2: every extent stored with the exponent-plane codec.
@@ -1150,4 +1163,435 @@ fn preload_reads_are_the_loads_and_steps_only_hit() {
             "{extra:?}"
         );
     }
+}
+
+/// Checks a streamed run's accounting with look-ahead reads: every request is a warm hit, a
+/// look-ahead hit or a miss; every read a miss, a look-ahead hit, wasted or still held unused;
+/// bytes match reads; the budget holds; the per-step figures add up to the totals.
+fn check_lookahead_accounting(m: &Model, what: &str, st: &Value, io: &str, budget: u64) {
+    let t = &st["totals"];
+    let n = |k: &str| {
+        t[k].as_u64()
+            .unwrap_or_else(|| panic!("{what}: {k} in {t}"))
+    };
+    assert_eq!(
+        n("requests"),
+        n("warm_hits") + n("lookahead_hits") + n("misses"),
+        "{what}"
+    );
+    let unclaimed = st["unclaimed_reads"].as_u64().unwrap();
+    assert_eq!(
+        n("reads"),
+        n("misses") + n("lookahead_hits") + n("wasted_reads") + unclaimed,
+        "{what}: every read used, wasted or held"
+    );
+    let size = m.read_size(io);
+    assert_eq!(n("bytes_read"), n("reads") * size, "{what}");
+    assert_eq!(n("lookahead_bytes"), n("lookahead_reads") * size, "{what}");
+    assert_eq!(
+        n("lookahead_wasted_bytes"),
+        n("lookahead_wasted") * size,
+        "{what}"
+    );
+    assert!(n("lookahead_reads") <= n("reads"), "{what}");
+    assert!(n("lookahead_wasted") <= n("wasted_reads"), "{what}");
+    assert!(
+        n("lookahead_hits") + n("lookahead_wasted") <= n("lookahead_reads"),
+        "{what}"
+    );
+    assert!(
+        n("lookahead_right") <= n("lookahead_guessed").min(n("lookahead_needed")),
+        "{what}"
+    );
+    assert_eq!(
+        n("verified_bytes"),
+        n("reads") * m.read_size("cached"),
+        "{what}: every read hashed, guessed or not"
+    );
+    assert!(
+        n("peak_warm_bytes") <= budget,
+        "{what}: warm tier peaked at {} over {budget}",
+        n("peak_warm_bytes")
+    );
+    let steps = st["steps"].as_array().unwrap();
+    // Each step's figures are taken once its reads finished (StreamRun::end settles the
+    // store), so the steps add up to the totals exactly, whatever the reader threads' timing;
+    // a read counted outside every step (late, or between steps) fails here.
+    for k in [
+        "requests",
+        "warm_hits",
+        "misses",
+        "reads",
+        "wasted_reads",
+        "bytes_read",
+        "lookahead_hits",
+        "lookahead_guessed",
+        "lookahead_right",
+        "lookahead_needed",
+        "lookahead_reads",
+        "lookahead_wasted",
+        "lookahead_wasted_bytes",
+    ] {
+        let sum: u64 = steps.iter().map(|s| s[k].as_u64().unwrap()).sum();
+        assert_eq!(sum, n(k), "{what}: {k} per step");
+    }
+    for (i, s) in steps.iter().enumerate() {
+        let k = |key: &str| s[key].as_u64().unwrap();
+        assert_eq!(
+            k("requests"),
+            k("warm_hits") + k("lookahead_hits") + k("misses"),
+            "{what}: step {i}"
+        );
+    }
+}
+
+/// The look-ahead sweep: every guess source x I/O mode x budget (a quarter of the experts,
+/// three, one) x policy gives the logits file of the run without look-ahead, byte for byte,
+/// and its accounting adds up; the router's guess is right at times on every model.
+#[test]
+fn lookahead_gives_the_resident_bits_at_every_budget_io_mode_and_policy() {
+    for name in ["qwen3moe-a", "qwen3moe-code", "synth-tiny"] {
+        let m = Model::new(name);
+        let cache = workdir().join(format!("cache-lookahead-{name}"));
+        let (_, reference, _) = m.generate(&format!("{name}-la-ref"), &[], &cache);
+        let mut runs = 0;
+        for lookahead in ["ledger", "router", "both"] {
+            for io in ["direct", "cached"] {
+                let one = m.buf_size();
+                for budget in [m.expert_bytes() / 4, 3 * one, one] {
+                    for policy in ["lru", "static", "none"] {
+                        let extra = s(&[
+                            "--lookahead",
+                            lookahead,
+                            "--io",
+                            io,
+                            "--cache-policy",
+                            policy,
+                            "--ram-budget",
+                            &budget.to_string(),
+                        ]);
+                        let what = format!(
+                            "{name} lookahead={lookahead} io={io} policy={policy} budget={budget}"
+                        );
+                        let (_, got, sum) = m.generate(&format!("{name}-la"), &extra, &cache);
+                        assert!(got == reference, "{what}: logits file differs");
+                        let st = &sum["stream"];
+                        assert_eq!(st["lookahead"], lookahead, "{what}");
+                        check_lookahead_accounting(&m, &what, st, io, budget);
+                        let t = &st["totals"];
+                        assert!(t["lookahead_guessed"].as_u64().unwrap() > 0, "{what}");
+                        if lookahead != "ledger" {
+                            assert!(t["lookahead_right"].as_u64().unwrap() > 0, "{what}");
+                        }
+                        runs += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(runs, 54);
+    }
+}
+
+/// `--lookahead` is a typed option: an unknown value is a usage error; `--stats` and the
+/// summary report what was guessed, read ahead and wasted; off reports zeros.
+#[test]
+fn lookahead_is_a_typed_option_reported_in_stats_and_the_summary() {
+    let m = Model::new("qwen3moe-code");
+    let cache = workdir().join("cache-lookahead-flag");
+    let mut args = s(&["generate", m.dir.to_str().unwrap(), "--tokens"]);
+    args.push(m.tokens_arg());
+    args.extend(s(&["--max-new-tokens", "2", "--lookahead", "sometimes"]));
+    let out = run(&args, &cache);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("sometimes") && out.stderr.contains("router"),
+        "{}",
+        out.stderr
+    );
+    let budget = (6 * m.buf_size()).to_string();
+    let (out, _, sum) = m.generate(
+        "la-stats",
+        &s(&["--stats", "--lookahead", "router", "--ram-budget", &budget]),
+        &cache,
+    );
+    for needle in [
+        "; lookahead router",
+        "lookahead hits",
+        "served ahead",
+        "wasted",
+    ] {
+        assert!(out.stderr.contains(needle), "{needle}: {}", out.stderr);
+    }
+    let total = out
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("[stats] total:"))
+        .unwrap();
+    assert!(total.contains("lookahead hits"), "{total}");
+    let t = &sum["stream"]["totals"];
+    assert_eq!(sum["stream"]["lookahead"], "router");
+    assert!(t["lookahead_precision"].as_f64().unwrap() > 0.0);
+    assert!(t["lookahead_recall"].as_f64().unwrap() > 0.0);
+    assert!(t["ahead_hit_rate"].as_f64().unwrap() >= t["warm_hit_rate"].as_f64().unwrap());
+    // off: nothing guessed, nothing said (the word itself is in the heat ledger's path, under
+    // this test's cache directory, which the run prints)
+    let (out, _, sum) = m.generate("la-off", &s(&["--stats", "--ram-budget", &budget]), &cache);
+    for needle in ["; lookahead", "lookahead hits", "served ahead", "guessed"] {
+        assert!(!out.stderr.contains(needle), "{needle}: {}", out.stderr);
+    }
+    assert!(out.stderr.contains("; cache lru"), "{}", out.stderr);
+    assert!(out.stderr.contains("[stats] total:"), "{}", out.stderr);
+    let t = &sum["stream"]["totals"];
+    assert_eq!(sum["stream"]["lookahead"], "off");
+    for k in ["lookahead_guessed", "lookahead_reads", "lookahead_hits"] {
+        assert_eq!(t[k], 0, "{k}");
+    }
+    assert!(t["lookahead_precision"].is_null());
+}
+
+/// A source whose look-ahead guess is always wrong: it knows every step's routes (from a
+/// traced resident run) and guesses every expert of the next layer but those.
+struct WrongGuess {
+    inner: Arc<StreamSource>,
+    /// `[step][layer]` -> the experts the step's tokens chose there.
+    truth: Vec<BTreeMap<usize, BTreeSet<usize>>>,
+    first_moe: usize,
+    experts: usize,
+    /// Steps begun (prefetches of the first MoE layer).
+    steps: AtomicUsize,
+    guesses: Mutex<Vec<(usize, Vec<usize>)>>,
+}
+
+impl WeightSource for WrongGuess {
+    fn tensor(&self, name: &str) -> Result<Arc<HostTensor>, WeightError> {
+        self.inner.tensor(name)
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+    fn experts(&self, layer: usize, ids: &[usize]) -> Result<Vec<Arc<ExpertWeights>>, WeightError> {
+        self.inner.experts(layer, ids)
+    }
+    fn expert_batches(&self, layer: usize, ids: &[usize]) -> Vec<Vec<usize>> {
+        self.inner.expert_batches(layer, ids)
+    }
+    fn prefetch(&self, layer: usize, batches: &[Vec<usize>]) {
+        if layer == self.first_moe {
+            self.steps.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.prefetch(layer, batches)
+    }
+    fn lookahead_input(&self) -> LookaheadInput {
+        self.inner.lookahead_input()
+    }
+    fn lookahead(&self, layer: usize, count: usize, _router_guess: &[usize]) {
+        let step = self.steps.load(Ordering::SeqCst) - 1;
+        let chosen = &self.truth[step][&layer];
+        let wrong: Vec<usize> = (0..self.experts).filter(|e| !chosen.contains(e)).collect();
+        self.guesses.lock().unwrap().push((layer, wrong.clone()));
+        self.inner.lookahead(layer, count, &wrong)
+    }
+    fn record_uses(&self, layer: usize, ids: &[usize]) {
+        self.inner.record_uses(layer, ids)
+    }
+    fn expert_data(&self, layer: usize, ids: &[usize]) -> Result<Vec<ExpertHandle>, WeightError> {
+        self.inner.expert_data(layer, ids)
+    }
+}
+
+/// A forced always-wrong guess still gives the resident bits at every budget (one expert
+/// included), I/O mode and policy: it is never right, its reads are wasted or held unused, and
+/// the counters add up.
+#[test]
+fn an_always_wrong_guess_gives_the_resident_bits_and_costs_only_reads() {
+    let m = Model::new("qwen3moe-a");
+    let (prefill, steps) = resident_logits(&m);
+    // every step's routes, from a traced resident run (prefill, then 3 decode steps)
+    let bundle = Arc::new(BundleSource::open(&m.dir, None).unwrap());
+    let cfg = tarfa_run::config::MoeConfig::from_json_str(
+        &String::from_utf8(bundle.read_file("config.json").unwrap()).unwrap(),
+    )
+    .unwrap();
+    let model = Arc::new(CpuModel::load(cfg.clone(), bundle.clone()).unwrap());
+    let eng = CpuEngine::new(model.clone(), EngineOptions::default()).unwrap();
+    let opts = ForwardOptions {
+        logits: LogitRows::All,
+        trace_router: true,
+        ..Default::default()
+    };
+    let g = greedy(&eng, &mut model.new_cache(), &m.prompt, 4, &opts).unwrap();
+    let mut truth: Vec<BTreeMap<usize, BTreeSet<usize>>> = vec![BTreeMap::new(); 4];
+    let p = m.prompt.len();
+    for r in g.prefill.router.iter().chain(&g.decode_router) {
+        let step = if r.position < p {
+            0
+        } else {
+            r.position - p + 1
+        };
+        let set = truth[step].entry(r.layer).or_default();
+        set.extend(r.experts.iter().map(|&e| e as usize));
+    }
+    let first_moe = *truth[0].keys().next().unwrap();
+    assert!(truth.iter().all(|t| t.len() == truth[0].len()));
+
+    let one = m.buf_size();
+    for io in [IoMode::Direct, IoMode::Cached] {
+        for budget in [m.expert_bytes() / 4, one] {
+            for policy in [CachePolicy::Lru, CachePolicy::None] {
+                let what = format!("{io:?} budget {budget} {policy:?}");
+                let so = StreamOptions {
+                    ram_budget: Some(budget),
+                    io,
+                    policy,
+                    lookahead: Lookahead::Router,
+                    ..Default::default()
+                };
+                let inner = Arc::new(StreamSource::new(bundle.clone(), &so, None).unwrap());
+                let src = Arc::new(WrongGuess {
+                    inner: inner.clone(),
+                    truth: truth.clone(),
+                    first_moe,
+                    experts: cfg.num_experts,
+                    steps: AtomicUsize::new(0),
+                    guesses: Mutex::new(Vec::new()),
+                });
+                let model = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+                let eng = CpuEngine::new(
+                    model.clone(),
+                    EngineOptions {
+                        threads: 2,
+                        kernel: Kernel::best(),
+                    },
+                )
+                .unwrap();
+                let opts = ForwardOptions {
+                    logits: LogitRows::All,
+                    ..Default::default()
+                };
+                let got = greedy(&eng, &mut model.new_cache(), &m.prompt, 4, &opts).unwrap();
+                assert!(bits(&got.prefill.logits) == prefill, "{what}: prefill rows");
+                assert!(bits(&got.step_logits) == steps, "{what}: step rows");
+                // a guess for every MoE layer but the first, in every step
+                let guesses = src.guesses.lock().unwrap();
+                assert_eq!(guesses.len(), 4 * (truth[0].len() - 1), "{what}");
+                assert!(guesses
+                    .iter()
+                    .all(|(l, g)| *l != first_moe && !g.is_empty()));
+                // the last guesses' reads may still be on the reader threads: the counters
+                // below add up once they finished
+                inner.store().settle();
+                let s = inner.stats();
+                assert_eq!(s.lookahead_right, 0, "{what}: {s:?}");
+                assert!(
+                    s.lookahead_guessed > 0 && s.lookahead_reads > 0,
+                    "{what}: {s:?}"
+                );
+                assert!(s.lookahead_wasted > 0, "{what}: {s:?}");
+                assert_eq!(
+                    s.requests,
+                    s.warm_hits + s.lookahead_hits + s.misses,
+                    "{what}"
+                );
+                assert_eq!(
+                    s.reads,
+                    s.misses + s.lookahead_hits + s.wasted_reads + inner.store().unclaimed_reads(),
+                    "{what}: {s:?}"
+                );
+                assert_eq!(s.bytes_read, s.reads * m.read_size(io.name()), "{what}");
+                assert!(s.peak_warm_bytes <= budget, "{what}: {s:?}");
+                if policy == CachePolicy::None {
+                    assert_eq!(s.warm_hits, 0, "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// The router's guess is computed for every family the forward runs (dense layers before and
+/// between MoE layers, biased and grouped routers, sigmoid routers, fused and MXFP4-free
+/// experts, hybrid attention): streamed with look-ahead under a budget of three experts, each
+/// synthetic shape gives the logits of its resident bundle, bit for bit, and guesses only
+/// experts it has.
+///
+/// A guess names the next MoE layer of the same step, so a model with one MoE layer has none
+/// to make: the tiny DeepSeek and GLM-4.5 shapes (one dense layer, then one MoE layer) run with
+/// nothing guessed, and again with a third layer (`@3`: dense, MoE, MoE), where their grouped
+/// routers' guesses are made and scored.
+#[test]
+fn lookahead_changes_no_bit_in_any_family() {
+    for shape in [
+        "tiny",
+        "tiny-deepseek-v3",
+        "tiny-deepseek-v3@3",
+        "tiny-deepseek-v2",
+        "tiny-deepseek-v2@3",
+        "tiny-glm4-moe",
+        "tiny-glm4-moe@3",
+        "tiny-gpt-oss",
+        "tiny-llama4",
+        "tiny-qwen3.5-moe",
+    ] {
+        let name: &'static str = Box::leak(format!("synth-{shape}").into_boxed_str());
+        let m = Model::new(name);
+        let (prefill, steps) = resident_logits(&m);
+        for lookahead in [Lookahead::Router, Lookahead::Both, Lookahead::Ledger] {
+            let what = format!("{shape} {lookahead:?}");
+            let opts = StreamOptions {
+                ram_budget: Some(3 * m.buf_size()),
+                io: IoMode::Direct,
+                policy: CachePolicy::Lru,
+                lookahead,
+                ..Default::default()
+            };
+            let (eng, src) = streamed_engine(&m.dir, &opts);
+            let mut cache = eng.model().new_cache();
+            let fopts = ForwardOptions {
+                logits: LogitRows::All,
+                ..Default::default()
+            };
+            let got = greedy(&eng, &mut cache, &m.prompt, 4, &fopts).unwrap();
+            assert!(bits(&got.prefill.logits) == prefill, "{what}: prefill rows");
+            assert!(bits(&got.step_logits) == steps, "{what}: step rows");
+            src.store().settle();
+            let s = src.stats();
+            let moe_layers = eng
+                .model()
+                .spec()
+                .layers
+                .iter()
+                .filter(|&&k| k == MlpKind::Moe)
+                .count();
+            assert!(s.lookahead_right <= s.lookahead_needed, "{what}: {s:?}");
+            assert!(s.peak_warm_bytes <= 3 * m.buf_size(), "{what}: {s:?}");
+            assert_eq!(
+                s.requests,
+                s.warm_hits + s.lookahead_hits + s.misses,
+                "{what}: {s:?}"
+            );
+            assert_eq!(
+                s.reads,
+                s.misses + s.lookahead_hits + s.wasted_reads + src.store().unclaimed_reads(),
+                "{what}: {s:?}"
+            );
+            if moe_layers < 2 {
+                // no next MoE layer in any step: nothing guessed, nothing read ahead
+                assert_eq!(ahead_counts(&s), [0; 4], "{what}: {s:?}");
+                continue;
+            }
+            assert!(s.lookahead_guessed > 0, "{what}: {s:?}");
+            if lookahead == Lookahead::Router {
+                assert!(s.lookahead_right > 0, "{what}: {s:?}");
+            }
+        }
+    }
+}
+
+/// (guessed, needed, look-ahead reads, look-ahead hits)
+fn ahead_counts(s: &tarfa_run::stream::StreamStats) -> [u64; 4] {
+    [
+        s.lookahead_guessed,
+        s.lookahead_needed,
+        s.lookahead_reads,
+        s.lookahead_hits,
+    ]
 }

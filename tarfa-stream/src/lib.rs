@@ -28,8 +28,14 @@
 //! with [`WeightSource::expert_data`], computes its products, keeps the outputs and drops the
 //! weights. The outputs are mixed in ascending expert id at the end, as resident runs do.
 //!
-//! Nothing here may change a bit: budgets, I/O modes, cache policies, prefetching and grouping
-//! only decide when bytes are read, never what is computed from them (docs/EXACTNESS.md).
+//! With `--lookahead` the forward also names the next MoE layer before this one computes
+//! ([`WeightSource::lookahead`]), and the store reads the experts it guesses that layer will
+//! choose (from the heat ledger, the router, or both) into room the current layer does not
+//! need, behind every read the current layer waits for ([`ExpertStore::lookahead`]).
+//!
+//! Nothing here may change a bit: budgets, I/O modes, cache policies, prefetching, look-ahead
+//! and grouping only decide when bytes are read, never what is computed from them
+//! (docs/EXACTNESS.md).
 //! Every byte handed out was verified in the buffer handed out, and a read whose bytes do not
 //! match the manifest stops the run (exit 1) before anything is computed from them.
 
@@ -52,8 +58,8 @@ pub use store::ExpertStore;
 use crate::bundle::{BundleError, BundleSource};
 // The weight seam under the names the moved files (bundle.rs, memory.rs, store.rs) use.
 use crate::weights::{
-    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, SourceFailure, WeightError,
-    WeightSource,
+    Bf16Matrix, ExpertData, ExpertHandle, ExpertWeights, HostTensor, LookaheadInput, SourceFailure,
+    WeightError, WeightSource,
 };
 use tarfa_core::{config, exit, numerics, weights};
 
@@ -138,6 +144,34 @@ impl CachePolicy {
     }
 }
 
+/// What the next MoE layer's experts are guessed from, to read them while this layer computes
+/// (`--lookahead`; docs/PHASE_LOG.md S5). A guess decides only what is read early: the forward
+/// asks for exactly the experts the router chooses, verified as always.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Lookahead {
+    /// Nothing is read before a layer's routes are known.
+    #[default]
+    Off,
+    /// The heat ledger's hottest experts of the next layer (the file's counts and this run's
+    /// uses), as many as the layer before needed.
+    Ledger,
+    /// This step's residual through the next layer's router: each token's top-k.
+    Router,
+    /// The router's guess, then the ledger's.
+    Both,
+}
+
+impl Lookahead {
+    pub fn name(self) -> &'static str {
+        match self {
+            Lookahead::Off => "off",
+            Lookahead::Ledger => "ledger",
+            Lookahead::Router => "router",
+            Lookahead::Both => "both",
+        }
+    }
+}
+
 /// How the warm tier is set up.
 #[derive(Clone, Debug)]
 pub struct StreamOptions {
@@ -148,6 +182,8 @@ pub struct StreamOptions {
     pub policy: CachePolicy,
     /// Reader threads: the most reads in flight at once.
     pub io_threads: usize,
+    /// Reads of the next MoE layer's likely experts while this one computes.
+    pub lookahead: Lookahead,
 }
 
 impl Default for StreamOptions {
@@ -157,6 +193,7 @@ impl Default for StreamOptions {
             io: IoMode::Cached,
             policy: CachePolicy::Lru,
             io_threads: DEFAULT_IO_THREADS,
+            lookahead: Lookahead::Off,
         }
     }
 }
@@ -329,6 +366,7 @@ pub struct StreamSource {
     bundle: Arc<BundleSource>,
     store: ExpertStore,
     layers: usize,
+    lookahead: Lookahead,
     progress: Mutex<Option<ProgressFn>>,
 }
 
@@ -351,8 +389,14 @@ impl StreamSource {
             bundle,
             store,
             layers,
+            lookahead: opts.lookahead,
             progress: Mutex::new(None),
         })
+    }
+
+    /// What the next layer's experts are guessed from (`--lookahead`).
+    pub fn lookahead_mode(&self) -> Lookahead {
+        self.lookahead
     }
 
     pub fn bundle(&self) -> &Arc<BundleSource> {
@@ -463,6 +507,32 @@ impl WeightSource for StreamSource {
 
     fn prefetch(&self, layer: usize, batches: &[Vec<usize>]) {
         self.store.prefetch(layer, batches);
+    }
+
+    fn lookahead_input(&self) -> LookaheadInput {
+        match self.lookahead {
+            Lookahead::Off => LookaheadInput::None,
+            Lookahead::Ledger => LookaheadInput::LayerOnly,
+            Lookahead::Router | Lookahead::Both => LookaheadInput::Router,
+        }
+    }
+
+    fn lookahead(&self, layer: usize, count: usize, router_guess: &[usize]) {
+        let guess = match self.lookahead {
+            Lookahead::Off => return,
+            Lookahead::Ledger => self.store.hottest(layer, count),
+            Lookahead::Router => router_guess.to_vec(),
+            Lookahead::Both => {
+                let mut g = router_guess.to_vec();
+                for id in self.store.hottest(layer, count) {
+                    if !g.contains(&id) {
+                        g.push(id);
+                    }
+                }
+                g
+            }
+        };
+        self.store.lookahead(layer, &guess);
     }
 
     fn expert_data(&self, layer: usize, ids: &[usize]) -> Result<Vec<ExpertHandle>, WeightError> {

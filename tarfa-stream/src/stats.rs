@@ -14,10 +14,27 @@ pub struct StreamStats {
     pub warm_hits: u64,
     /// Requests that needed a read from disk.
     pub misses: u64,
-    /// Extents read from disk: the misses, plus prefetched reads that were never used.
+    /// Requests served by a read look-ahead started before the request (`--lookahead`): no
+    /// read of their own, though the read may still have been in flight.
+    pub lookahead_hits: u64,
+    /// Extents read from disk: the misses, the look-ahead hits, plus reads that were never used
+    /// (wasted, or still held unused).
     pub reads: u64,
-    /// Prefetched extents dropped unused (a plan cancelled by an error or a concurrent user).
+    /// Extents read ahead and dropped or evicted unused (a prefetch plan cancelled by an error
+    /// or a concurrent user, a wrong look-ahead guess).
     pub wasted_reads: u64,
+    /// Experts a look-ahead guessed for a layer (counted when that layer's routes arrive).
+    pub lookahead_guessed: u64,
+    /// Of those, the ones the layer then asked for.
+    pub lookahead_right: u64,
+    /// Experts asked for by layers that had a guess (the guess's recall is `right / needed`).
+    pub lookahead_needed: u64,
+    /// Reads look-ahead started (a guessed expert not held), and their bytes (as `bytes_read`).
+    pub lookahead_reads: u64,
+    pub lookahead_bytes: u64,
+    /// Look-ahead reads dropped or evicted unused (also in `wasted_reads`), and their bytes.
+    pub lookahead_wasted: u64,
+    pub lookahead_wasted_bytes: u64,
     /// Bytes read from disk: per read, `padded_length` with `--io direct`, `stored_length`
     /// (`length` when raw) with `--io cached`.
     pub bytes_read: u64,
@@ -48,8 +65,16 @@ impl StreamStats {
             requests: self.requests - earlier.requests,
             warm_hits: self.warm_hits - earlier.warm_hits,
             misses: self.misses - earlier.misses,
+            lookahead_hits: self.lookahead_hits - earlier.lookahead_hits,
             reads: self.reads - earlier.reads,
             wasted_reads: self.wasted_reads - earlier.wasted_reads,
+            lookahead_guessed: self.lookahead_guessed - earlier.lookahead_guessed,
+            lookahead_right: self.lookahead_right - earlier.lookahead_right,
+            lookahead_needed: self.lookahead_needed - earlier.lookahead_needed,
+            lookahead_reads: self.lookahead_reads - earlier.lookahead_reads,
+            lookahead_bytes: self.lookahead_bytes - earlier.lookahead_bytes,
+            lookahead_wasted: self.lookahead_wasted - earlier.lookahead_wasted,
+            lookahead_wasted_bytes: self.lookahead_wasted_bytes - earlier.lookahead_wasted_bytes,
             bytes_read: self.bytes_read - earlier.bytes_read,
             read_busy_ns: self.read_busy_ns - earlier.read_busy_ns,
             verify_ns: self.verify_ns - earlier.verify_ns,
@@ -66,6 +91,25 @@ impl StreamStats {
     /// Warm-tier hits over requests, when there were requests.
     pub fn warm_hit_rate(&self) -> Option<f64> {
         (self.requests > 0).then(|| self.warm_hits as f64 / self.requests as f64)
+    }
+
+    /// Requests served without a read of their own, from the warm tier or by a look-ahead
+    /// read, over requests, when there were requests.
+    pub fn ahead_hit_rate(&self) -> Option<f64> {
+        (self.requests > 0)
+            .then(|| (self.warm_hits + self.lookahead_hits) as f64 / self.requests as f64)
+    }
+
+    /// Guessed experts the layer then asked for, over guessed experts.
+    pub fn lookahead_precision(&self) -> Option<f64> {
+        (self.lookahead_guessed > 0)
+            .then(|| self.lookahead_right as f64 / self.lookahead_guessed as f64)
+    }
+
+    /// Experts asked for that had been guessed, over experts asked for by guessed layers.
+    pub fn lookahead_recall(&self) -> Option<f64> {
+        (self.lookahead_needed > 0)
+            .then(|| self.lookahead_right as f64 / self.lookahead_needed as f64)
     }
 
     /// Bytes read per second of read-busy wall time, in GB/s (10^9), when anything was read.
@@ -89,8 +133,16 @@ pub(crate) struct Counters {
     pub requests: AtomicU64,
     pub warm_hits: AtomicU64,
     pub misses: AtomicU64,
+    pub lookahead_hits: AtomicU64,
     pub reads: AtomicU64,
     pub wasted_reads: AtomicU64,
+    pub lookahead_guessed: AtomicU64,
+    pub lookahead_right: AtomicU64,
+    pub lookahead_needed: AtomicU64,
+    pub lookahead_reads: AtomicU64,
+    pub lookahead_bytes: AtomicU64,
+    pub lookahead_wasted: AtomicU64,
+    pub lookahead_wasted_bytes: AtomicU64,
     pub bytes_read: AtomicU64,
     pub read_busy_ns: AtomicU64,
     pub verify_ns: AtomicU64,
@@ -117,8 +169,16 @@ impl Counters {
             requests: g(&self.requests),
             warm_hits: g(&self.warm_hits),
             misses: g(&self.misses),
+            lookahead_hits: g(&self.lookahead_hits),
             reads: g(&self.reads),
             wasted_reads: g(&self.wasted_reads),
+            lookahead_guessed: g(&self.lookahead_guessed),
+            lookahead_right: g(&self.lookahead_right),
+            lookahead_needed: g(&self.lookahead_needed),
+            lookahead_reads: g(&self.lookahead_reads),
+            lookahead_bytes: g(&self.lookahead_bytes),
+            lookahead_wasted: g(&self.lookahead_wasted),
+            lookahead_wasted_bytes: g(&self.lookahead_wasted_bytes),
             bytes_read: g(&self.bytes_read),
             read_busy_ns: g(&self.read_busy_ns),
             verify_ns: g(&self.verify_ns),

@@ -26,6 +26,18 @@
 //! Locking: one mutex over the state. Dropping an [`Extent`] only touches atomics, so buffers
 //! may be dropped with the lock held.
 //!
+//! Look-ahead (`--lookahead`): [`ExpertStore::lookahead`] names experts the next layer is
+//! guessed to need. Their reads wait in a queue of their own, issued only once every read a
+//! request or the plan waits for has been issued, so they never delay one by queue order, and
+//! into room the guess may take from nothing the current step holds: never an expert planned,
+//! leased or pinned, never another guessed one, and at most half the room the pins leave
+//! (`lookahead_cap`). A guessed expert already held is only kept from the guess's own
+//! evictions. Every read for a request may still evict what a guess holds, so a guess can delay
+//! a request by at most the reads it has in flight, and cannot block it: deadlock freedom is the
+//! plan's. A read look-ahead started is verified like any other; its first request counts as a
+//! look-ahead hit; one dropped unused is counted wasted. The routes of the guessed layer
+//! ([`ExpertStore::prefetch`]) score the guess and end it.
+//!
 //! An extent stored encoded (format version 2) costs more while it is read than once it is
 //! held: its stored bytes' buffer, until they are checked and decoded into the buffer the
 //! forward uses. A read is charged for both ([`ExtentInfo::read_charge`]) and gives the
@@ -429,6 +441,11 @@ enum Status {
 
 struct Entry {
     status: Status,
+    /// Part of the current look-ahead guess: kept from eviction by the guess's own reads (a
+    /// read for a request may still evict it).
+    guessed: bool,
+    /// Read by look-ahead and not yet asked for: its first request is a look-ahead hit.
+    ahead: bool,
     /// Handles out, plus requests waiting for this entry.
     leases: u32,
     /// Part of the current prefetch plan, not yet asked for.
@@ -449,6 +466,8 @@ impl Entry {
     fn queued(planned: bool) -> Entry {
         Entry {
             status: Status::Queued,
+            guessed: false,
+            ahead: false,
             leases: 0,
             planned,
             claimed: false,
@@ -462,6 +481,8 @@ impl Entry {
 struct Job {
     key: Key,
     charge: Charge,
+    /// A look-ahead read (for the in-flight count of such reads).
+    ahead: bool,
 }
 
 /// Why experts are fetched: what the heat ledger counts and what the warm tier keeps.
@@ -482,8 +503,16 @@ struct State {
     queue: VecDeque<Key>,
     /// Keys of the current prefetch plan.
     plan: Vec<Key>,
+    /// Keys of the current look-ahead guess, most likely first.
+    guess: Vec<Key>,
+    /// Guessed keys waiting for room; issued only while `queue` is empty.
+    guess_queue: VecDeque<Key>,
+    /// The layer guessed and the guess, until that layer's routes arrive and score it.
+    guess_for: Option<(usize, Vec<usize>)>,
     clock: u64,
     inflight: usize,
+    /// Of `inflight`, the reads look-ahead issued.
+    inflight_ahead: usize,
     busy_since: Option<Instant>,
     /// Bytes of pinned experts loading or loaded.
     pins_held: u64,
@@ -506,6 +535,11 @@ struct Shared {
     io: IoMode,
     pinned: HashSet<Key>,
     pinned_bytes: u64,
+    /// The most buffer bytes the current guess's unclaimed look-ahead reads may hold: half the
+    /// room the pins leave, but at least one expert.
+    lookahead_cap: u64,
+    /// The heat ledger's counts at open (the `ledger` guess adds this run's uses).
+    ledger_counts: HashMap<Key, u64>,
     bundle: Arc<BundleSource>,
     /// Page-locks each buffer once it is verified, when a backend asked ([`HostPin`]).
     host_pin: std::sync::OnceLock<Arc<dyn HostPin>>,
@@ -743,16 +777,39 @@ impl ExpertStore {
         }
         let reader = Reader::open(&bundle, opts.io)?;
         let pinned = choose_pins(opts.policy, opts.ram_budget, &index, ledger);
-        let pinned_bytes = pinned.iter().map(|k| index[k].buf_bytes).sum();
+        let pinned_bytes: u64 = pinned.iter().map(|k| index[k].buf_bytes).sum();
         let (tx, rx) = channel::<Job>();
         let capacity = opts.ram_budget.unwrap_or(u64::MAX);
+        let scratch = index.values().map(|i| i.scratch_bytes).max().unwrap_or(0);
+        let lookahead_cap = (capacity
+            .saturating_sub(pinned_bytes)
+            .saturating_sub(scratch)
+            / 2)
+        .max(index.values().map(|i| i.buf_bytes).max().unwrap_or(0));
+        let mut ledger_counts = HashMap::new();
+        for (l, row) in ledger
+            .map(|l| l.counts.as_slice())
+            .unwrap_or(&[])
+            .iter()
+            .enumerate()
+        {
+            for (e, &n) in row.iter().enumerate() {
+                if n > 0 && index.contains_key(&(l, e)) {
+                    ledger_counts.insert((l, e), n);
+                }
+            }
+        }
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 entries: HashMap::new(),
                 queue: VecDeque::new(),
                 plan: Vec::new(),
+                guess: Vec::new(),
+                guess_queue: VecDeque::new(),
+                guess_for: None,
                 clock: 0,
                 inflight: 0,
+                inflight_ahead: 0,
                 busy_since: None,
                 pins_held: 0,
                 handed_out: 0,
@@ -773,6 +830,8 @@ impl ExpertStore {
             io: opts.io,
             pinned,
             pinned_bytes,
+            lookahead_cap,
+            ledger_counts,
             bundle,
             host_pin: std::sync::OnceLock::new(),
         });
@@ -954,6 +1013,16 @@ impl ExpertStore {
             return;
         }
         sh.cancel_plan(&mut st);
+        // This layer's routes score the guess made for it.
+        if let Some((guessed, guess)) = st.guess_for.take() {
+            if guessed == layer {
+                let ids: HashSet<usize> = batches.iter().flatten().copied().collect();
+                let right = guess.iter().filter(|id| ids.contains(id)).count();
+                add(&sh.counters.lookahead_guessed, guess.len() as u64);
+                add(&sh.counters.lookahead_right, right as u64);
+                add(&sh.counters.lookahead_needed, ids.len() as u64);
+            }
+        }
         for &id in batches.iter().flatten() {
             let key = (layer, id);
             if !sh.index.contains_key(&key) {
@@ -961,9 +1030,15 @@ impl ExpertStore {
             }
             match st.entries.get_mut(&key) {
                 Some(e) => {
+                    // A guessed read still waiting for room joins the plan's queue, in order.
+                    let waiting_guess =
+                        matches!(e.status, Status::Queued) && !e.planned && !e.claimed;
                     if !e.planned {
                         e.planned = true;
                         st.plan.push(key);
+                    }
+                    if waiting_guess {
+                        st.queue.push_back(key);
                     }
                 }
                 None => {
@@ -973,7 +1048,85 @@ impl ExpertStore {
                 }
             }
         }
+        // The routes are known: what the guess read and the plan wants is the plan's now.
+        sh.cancel_guess(&mut st);
         sh.pump(&mut st);
+    }
+
+    /// Starts reading `guess` (experts of `layer`, most likely first) ahead of that layer's
+    /// routes, into room nothing the current step holds needs, behind every read a request or
+    /// the plan waits for; replaces the previous guess. Experts held already are kept from the
+    /// guess's own evictions. See the module documentation for what a guess may evict.
+    pub fn lookahead(&self, layer: usize, guess: &[usize]) {
+        let sh = &self.shared;
+        let mut st = sh.lock();
+        if st.failure.is_some() {
+            return;
+        }
+        sh.cancel_guess(&mut st);
+        let mut ids: Vec<usize> = Vec::new();
+        for &id in guess {
+            let key = (layer, id);
+            if !sh.index.contains_key(&key) || ids.contains(&id) {
+                continue;
+            }
+            ids.push(id);
+            st.guess.push(key);
+            match st.entries.get_mut(&key) {
+                Some(e) => e.guessed = true,
+                None => {
+                    st.entries.insert(
+                        key,
+                        Entry {
+                            guessed: true,
+                            ..Entry::queued(false)
+                        },
+                    );
+                    st.guess_queue.push_back(key);
+                }
+            }
+        }
+        st.guess_for = Some((layer, ids));
+        sh.pump(&mut st);
+    }
+
+    /// The `count` experts of `layer` used most, by the heat ledger's counts at open plus this
+    /// run's uses, most used first (ties: lower id); experts never used are not guessed.
+    pub fn hottest(&self, layer: usize, count: usize) -> Vec<usize> {
+        let sh = &self.shared;
+        let st = sh.lock();
+        let mut heat: Vec<(u64, usize)> = sh
+            .index
+            .range((layer, 0)..(layer + 1, 0))
+            .map(|(&k, _)| {
+                let n = sh.ledger_counts.get(&k).copied().unwrap_or(0)
+                    + st.heat.get(&k).copied().unwrap_or(0);
+                (n, k.1)
+            })
+            .filter(|&(n, _)| n > 0)
+            .collect();
+        heat.sort_unstable_by_key(|&(n, id)| (std::cmp::Reverse(n), id));
+        heat.into_iter().take(count).map(|(_, id)| id).collect()
+    }
+
+    /// Waits until no read is in flight: what a step started (a look-ahead read whose guess
+    /// ended, a cancelled plan's read) has finished and been counted, so that figures taken
+    /// now add up and nothing changes them until the next request or hint (a reader thread
+    /// only acts on a read it was handed). Returns at once when nothing is in flight.
+    pub fn settle(&self) {
+        let sh = &self.shared;
+        let mut st = sh.lock();
+        while st.inflight > 0 {
+            st = sh.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Reads done (or in flight) that no request has used yet: with the counters, once the
+    /// store is settled ([`ExpertStore::settle`]),
+    /// `reads = misses + lookahead_hits + wasted_reads + unclaimed_reads()`.
+    pub fn unclaimed_reads(&self) -> u64 {
+        let st = self.shared.lock();
+        st.entries.values().filter(|e| e.unclaimed_read).count() as u64
     }
 
     /// The experts `ids` of `layer`, read and verified where not held, as leases.
@@ -1021,6 +1174,17 @@ fn thread_cpu_ns() -> u64 {
         .saturating_add(ts.tv_nsec as u64)
 }
 
+/// Whether `key` waits for its read.
+fn is_queued(st: &State, key: Key) -> bool {
+    matches!(
+        st.entries.get(&key),
+        Some(Entry {
+            status: Status::Queued,
+            ..
+        })
+    )
+}
+
 fn reader_loop(shared: &Arc<Shared>, rx: &Mutex<Receiver<Job>>) {
     loop {
         let job = {
@@ -1049,7 +1213,7 @@ impl Shared {
     }
 
     /// Reads and verifies one extent (on a reader thread, without the lock).
-    fn read_one(&self, job: Job) -> (Key, Result<Extent, Failure>) {
+    fn read_one(&self, job: Job) -> (Key, bool, Result<Extent, Failure>) {
         let info = self.index[&job.key].clone();
         let mut charge = job.charge;
         let result = (|| {
@@ -1112,7 +1276,7 @@ impl Shared {
                 _charge: charge,
             })
         })();
-        (job.key, result)
+        (job.key, job.ahead, result)
     }
 
     /// An encoded extent: its stored bytes read into a buffer of their own, checked against the
@@ -1153,9 +1317,12 @@ impl Shared {
         Ok(buf)
     }
 
-    fn complete(&self, (key, result): (Key, Result<Extent, Failure>)) {
+    fn complete(&self, (key, ahead, result): (Key, bool, Result<Extent, Failure>)) {
         let mut st = self.lock();
         st.inflight -= 1;
+        if ahead {
+            st.inflight_ahead -= 1;
+        }
         if st.inflight == 0 {
             if let Some(t) = st.busy_since.take() {
                 add_time(&self.counters.read_busy_ns, t.elapsed());
@@ -1172,7 +1339,9 @@ impl Shared {
             Err(f) => {
                 // The run stops: no later request is served, and no further read is issued.
                 st.failure.get_or_insert(f);
-                st.entries.remove(&key);
+                if let Some(e) = st.entries.remove(&key) {
+                    self.note_gone(key, &e);
+                }
             }
         }
         self.pump(&mut st);
@@ -1194,18 +1363,43 @@ impl Shared {
             return;
         };
         let keep = self.keeps(key) && !e.transient;
-        let idle = e.leases == 0 && !e.planned;
+        let idle = e.leases == 0 && !e.planned && !e.guessed;
         match e.status {
             Status::Ready(_) if idle && !keep => {
-                if e.unclaimed_read {
-                    add(&self.counters.wasted_reads, 1);
+                if let Some(e) = st.entries.remove(&key) {
+                    self.note_gone(key, &e);
                 }
-                st.entries.remove(&key);
             }
             Status::Queued if idle => {
                 st.entries.remove(&key);
             }
             _ => {}
+        }
+    }
+
+    /// Counts an entry leaving the warm tier: a read nobody used was wasted.
+    fn note_gone(&self, key: Key, e: &Entry) {
+        if e.unclaimed_read {
+            add(&self.counters.wasted_reads, 1);
+        }
+        if e.ahead {
+            add(&self.counters.lookahead_wasted, 1);
+            add(
+                &self.counters.lookahead_wasted_bytes,
+                self.index[&key].read_bytes,
+            );
+        }
+    }
+
+    /// Ends the current guess: what it read stays as any read does (its first request a
+    /// look-ahead hit), what it has not read yet is not read.
+    fn cancel_guess(&self, st: &mut State) {
+        st.guess_queue.clear();
+        for key in std::mem::take(&mut st.guess) {
+            if let Some(e) = st.entries.get_mut(&key) {
+                e.guessed = false;
+            }
+            self.release_if_idle(st, key);
         }
     }
 
@@ -1220,8 +1414,9 @@ impl Shared {
     }
 
     /// Makes room for `bytes` more (for `key`), evicting least recently used entries that are
-    /// ready, unpinned and wanted by nobody. False when that is not enough now.
-    fn make_room(&self, st: &mut State, key: Key, bytes: u64) -> bool {
+    /// ready, unpinned and wanted by nobody (for a look-ahead read, not guessed either). False
+    /// when that is not enough now.
+    fn make_room(&self, st: &mut State, key: Key, bytes: u64, for_guess: bool) -> bool {
         let cap = self.budget.capacity;
         // A pinned expert's buffer has its room reserved (its read's stored bytes do not).
         let own = if self.pinned.contains(&key) {
@@ -1247,63 +1442,95 @@ impl Shared {
                     matches!(e.status, Status::Ready(_))
                         && e.leases == 0
                         && !e.planned
+                        && !(for_guess && e.guessed)
                         && !self.pinned.contains(k)
                 })
                 .min_by_key(|(k, e)| (e.last_use, **k))
                 .map(|(k, _)| *k);
             let Some(v) = victim else { return false };
             if let Some(e) = st.entries.remove(&v) {
-                if e.unclaimed_read {
-                    add(&self.counters.wasted_reads, 1);
-                }
+                self.note_gone(v, &e);
             }
             add(&self.counters.evictions, 1);
         }
     }
 
-    /// Issues queued reads, in queue order, while they fit.
+    /// Issues queued reads, in queue order, while they fit; then, once every one is issued,
+    /// the look-ahead guess's reads, in its order, while they fit beside it.
     fn pump(&self, st: &mut State) {
         if st.failure.is_some() {
             return;
         }
         while let Some(&key) = st.queue.front() {
-            if !matches!(
-                st.entries.get(&key),
-                Some(Entry {
-                    status: Status::Queued,
-                    ..
-                })
-            ) {
+            if !is_queued(st, key) {
                 st.queue.pop_front();
+                continue;
+            }
+            let bytes = self.index[&key].read_charge();
+            if !self.make_room(st, key, bytes, false) || !self.issue(st, key, bytes) {
+                return;
+            }
+            st.queue.pop_front();
+        }
+        // The guess's unclaimed reads alive, in buffer bytes.
+        let mut held: u64 = st
+            .guess
+            .iter()
+            .filter(|k| st.entries.get(k).is_some_and(|e| e.ahead))
+            .map(|k| self.index[k].buf_bytes)
+            .sum();
+        while let Some(&key) = st.guess_queue.front() {
+            if !is_queued(st, key) {
+                st.guess_queue.pop_front();
                 continue;
             }
             let info = &self.index[&key];
             let bytes = info.read_charge();
-            if !self.make_room(st, key, bytes) {
+            if held + info.buf_bytes > self.lookahead_cap
+                || !self.make_room(st, key, bytes, true)
+                || !self.issue(st, key, bytes)
+            {
                 return;
             }
-            let charge = self.budget.charge(bytes);
-            let Some(tx) = st.tx.clone() else {
-                st.failure.get_or_insert(Failure::Closed);
-                return;
-            };
-            if tx.send(Job { key, charge }).is_err() {
-                st.failure.get_or_insert(Failure::Closed);
-                return;
-            }
-            st.queue.pop_front();
-            if self.pinned.contains(&key) {
-                st.pins_held += info.buf_bytes;
-            }
-            if st.inflight == 0 {
-                st.busy_since = Some(Instant::now());
-            }
-            st.inflight += 1;
-            if let Some(e) = st.entries.get_mut(&key) {
-                e.status = Status::Loading;
-                e.unclaimed_read = !e.claimed;
-            }
+            held += info.buf_bytes;
+            st.guess_queue.pop_front();
         }
+    }
+
+    /// Hands `key`'s read, charged `bytes` (room made), to a reader thread. False when the
+    /// readers are gone (the run stops).
+    fn issue(&self, st: &mut State, key: Key, bytes: u64) -> bool {
+        let info = &self.index[&key];
+        let Some(tx) = st.tx.clone() else {
+            st.failure.get_or_insert(Failure::Closed);
+            return false;
+        };
+        let Some(e) = st.entries.get_mut(&key) else {
+            return true;
+        };
+        // Nobody asked for it and no plan wants it: a look-ahead read.
+        let ahead = !e.claimed && !e.planned;
+        let charge = self.budget.charge(bytes);
+        if tx.send(Job { key, charge, ahead }).is_err() {
+            st.failure.get_or_insert(Failure::Closed);
+            return false;
+        }
+        e.status = Status::Loading;
+        e.unclaimed_read = !e.claimed;
+        e.ahead = ahead;
+        if ahead {
+            st.inflight_ahead += 1;
+            add(&self.counters.lookahead_reads, 1);
+            add(&self.counters.lookahead_bytes, info.read_bytes);
+        }
+        if self.pinned.contains(&key) {
+            st.pins_held += info.buf_bytes;
+        }
+        if st.inflight == 0 {
+            st.busy_since = Some(Instant::now());
+        }
+        st.inflight += 1;
+        true
     }
 
     fn fetch(
@@ -1335,13 +1562,14 @@ impl Shared {
             add(&self.counters.requests, 1);
             st.clock += 1;
             let clock = st.clock;
-            let e = st.entries.entry(key).or_insert_with(|| {
-                fresh.push(key);
-                Entry {
-                    transient: why == Fetch::Copy,
-                    ..Entry::queued(false)
-                }
+            let e = st.entries.entry(key).or_insert_with(|| Entry {
+                transient: why == Fetch::Copy,
+                ..Entry::queued(false)
             });
+            // A new entry, or a guessed one still waiting for room, is read for this request.
+            if matches!(e.status, Status::Queued) && !e.planned && !e.claimed {
+                fresh.push(key);
+            }
             if why != Fetch::Copy {
                 e.transient = false;
             }
@@ -1349,21 +1577,23 @@ impl Shared {
             e.planned = false;
             e.leases += 1;
             e.last_use = clock;
-            let hit = match e.status {
-                Status::Ready(_) | Status::Loading => !std::mem::take(&mut e.unclaimed_read),
+            let served = match e.status {
+                Status::Ready(_) | Status::Loading => {
+                    let unclaimed = std::mem::take(&mut e.unclaimed_read);
+                    if std::mem::take(&mut e.ahead) {
+                        &self.counters.lookahead_hits
+                    } else if unclaimed {
+                        &self.counters.misses
+                    } else {
+                        &self.counters.warm_hits
+                    }
+                }
                 Status::Queued => {
                     e.claimed = true;
-                    false
+                    &self.counters.misses
                 }
             };
-            add(
-                if hit {
-                    &self.counters.warm_hits
-                } else {
-                    &self.counters.misses
-                },
-                1,
-            );
+            add(served, 1);
         }
         // Reads nobody planned go ahead of the plan (whose later groups can wait).
         for key in fresh.into_iter().rev() {
@@ -1631,6 +1861,7 @@ mod tests {
                 io: IoMode::Cached,
                 policy,
                 io_threads: 4,
+                ..Default::default()
             };
             ExpertStore::new(self.open(), &opts, ledger).unwrap()
         }
@@ -1915,6 +2146,7 @@ mod tests {
             io: IoMode::Cached,
             policy: CachePolicy::Lru,
             io_threads: 4,
+            ..Default::default()
         };
         match ExpertStore::new(b.open(), &opts(1), None) {
             Err(StreamError::BudgetTooSmall { minimum, .. }) => assert_eq!(minimum, 2 * PAGE),
@@ -2120,6 +2352,7 @@ mod tests {
             io: IoMode::Cached,
             policy: CachePolicy::None,
             io_threads: 1,
+            ..Default::default()
         };
         let store = ExpertStore::new(b.open(), &opts, None).unwrap();
         store.prefetch(0, &[vec![0], vec![1]]);
@@ -2272,6 +2505,311 @@ mod tests {
                 assert_eq!(s.warm_hits, 0);
             }
         }
+    }
+
+    /// Waits until no read is in flight (reads finish on the reader threads).
+    fn settle(store: &ExpertStore) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while store.shared.lock().inflight > 0 {
+            assert!(Instant::now() < until, "reads still in flight after 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The look-ahead counters: (guessed, right, needed, reads, hits, wasted).
+    fn ahead(s: &StreamStats) -> [u64; 6] {
+        [
+            s.lookahead_guessed,
+            s.lookahead_right,
+            s.lookahead_needed,
+            s.lookahead_reads,
+            s.lookahead_hits,
+            s.lookahead_wasted,
+        ]
+    }
+
+    /// Every request is a warm hit, a look-ahead hit or a miss; every read is a miss, a
+    /// look-ahead hit, wasted, or held unused; look-ahead's reads are among the reads.
+    fn check_counts_add_up(store: &ExpertStore) {
+        let s = store.stats();
+        assert_eq!(
+            s.requests,
+            s.warm_hits + s.lookahead_hits + s.misses,
+            "{s:?}"
+        );
+        assert_eq!(
+            s.reads,
+            s.misses + s.lookahead_hits + s.wasted_reads + store.unclaimed_reads(),
+            "{s:?}"
+        );
+        assert!(s.lookahead_reads <= s.reads && s.lookahead_wasted <= s.wasted_reads);
+        assert!(
+            s.lookahead_hits + s.lookahead_wasted <= s.lookahead_reads,
+            "{s:?}"
+        );
+        assert_eq!(s.bytes_read, s.reads * EXTENT, "{s:?}");
+        assert_eq!(s.lookahead_wasted_bytes, s.lookahead_wasted * EXTENT);
+        assert!(s.lookahead_right <= s.lookahead_guessed.min(s.lookahead_needed));
+    }
+
+    #[test]
+    fn a_guess_is_read_ahead_and_its_first_use_is_a_lookahead_hit() {
+        let b = TestBundle::new(2, 6);
+        let store = b.store(None, CachePolicy::Lru, None);
+        // layer 0 computes while layer 1's guess (3, then 2; 9 is no expert) is read
+        store.prefetch(0, &[vec![0]]);
+        drop(store.fetch(0, &[0]).unwrap());
+        store.lookahead(1, &[3, 9, 2, 3]);
+        settle(&store);
+        assert_eq!(held(&store, 1), vec![2, 3]);
+        // layer 1's routes: 3 and 4; the guess is scored and ends
+        store.prefetch(1, &[vec![3, 4]]);
+        let leases = store.fetch(1, &[3, 4]).unwrap();
+        check_lease(&leases[0], 1, 3);
+        check_lease(&leases[1], 1, 4);
+        drop(leases);
+        let s = store.stats();
+        // requests, hits, misses, reads, wasted, evictions, bytes read, bytes verified
+        assert_eq!(counts(&s), [3, 0, 2, 4, 0, 0, 4 * EXTENT, 4 * EXTENT]);
+        // guessed 2 (3 and 2), right 1 (3), needed 2; 2 reads ahead, 1 used
+        assert_eq!(ahead(&s), [2, 1, 2, 2, 1, 0]);
+        assert_eq!(s.lookahead_bytes, 2 * EXTENT);
+        // lru keeps the unused guess (2), unclaimed; its first use is still look-ahead's hit
+        assert_eq!(store.unclaimed_reads(), 1);
+        check_counts_add_up(&store);
+        use_one(&store, 1, 2);
+        assert_eq!(store.stats().lookahead_hits, 2);
+        assert_eq!(store.unclaimed_reads(), 0);
+        check_counts_add_up(&store);
+        // a guess for a layer whose routes never come is not scored
+        store.lookahead(0, &[5]);
+        store.prefetch(1, &[vec![1]]);
+        assert_eq!(store.stats().lookahead_guessed, 2);
+    }
+
+    #[test]
+    fn a_wrong_guess_is_dropped_unused_and_counted_wasted() {
+        let b = TestBundle::new(2, 4);
+        // nothing kept: what the guess read goes once the routes show it unneeded
+        let store = b.store(None, CachePolicy::None, None);
+        store.lookahead(1, &[0, 1]);
+        settle(&store);
+        assert_eq!(held(&store, 1), vec![0, 1], "a guess keeps its reads");
+        store.prefetch(1, &[vec![2]]);
+        settle(&store);
+        // the guess's reads went; the plan's read is held for its request
+        assert_eq!(held(&store, 1), vec![2]);
+        use_one(&store, 1, 2);
+        let s = store.stats();
+        assert_eq!(ahead(&s), [2, 0, 1, 2, 0, 2]);
+        assert_eq!(s.wasted_reads, 2);
+        assert_eq!(store.used_bytes(), 0);
+        check_counts_add_up(&store);
+    }
+
+    #[test]
+    fn a_guess_waits_behind_the_plan_and_never_evicts_what_the_step_holds() {
+        let b = TestBundle::new(2, 8);
+        let store = b.store(Some(2), CachePolicy::Lru, None);
+        // the plan of layer 0: three groups of one in a budget of two
+        store.prefetch(0, &[vec![0], vec![1], vec![2]]);
+        store.lookahead(1, &[5]);
+        settle(&store);
+        // 0 and 1 read, 2 waits for room; the guess waits behind it
+        assert_eq!(store.stats().lookahead_reads, 0);
+        drop(store.fetch(0, &[0]).unwrap());
+        settle(&store);
+        // 2 is read into 0's room; 1 (planned) and 2 fill the budget: the guess still waits
+        assert_eq!(held(&store, 0), vec![1, 2]);
+        assert_eq!(store.stats().lookahead_reads, 0);
+        let one = store.fetch(0, &[1]).unwrap();
+        settle(&store);
+        // 1 is leased and 2 planned: nothing the step holds may go for the guess
+        assert_eq!(held(&store, 0), vec![1, 2]);
+        assert_eq!(store.stats().lookahead_reads, 0);
+        drop(one);
+        settle(&store);
+        // 1 is done with: the guess takes its room (2 is still planned)
+        assert_eq!(held(&store, 0), vec![2]);
+        assert_eq!(held(&store, 1), vec![5]);
+        assert_eq!(store.stats().lookahead_reads, 1);
+        check_lease(&store.fetch(0, &[2]).unwrap()[0], 0, 2);
+        store.prefetch(1, &[vec![5]]);
+        use_one(&store, 1, 5);
+        let s = store.stats();
+        assert_eq!(ahead(&s), [1, 1, 1, 1, 1, 0]);
+        assert!(s.peak_warm_bytes <= 2 * PAGE);
+        check_counts_add_up(&store);
+    }
+
+    #[test]
+    fn a_guess_reads_into_at_most_half_the_room_and_the_rest_joins_the_plan() {
+        let b = TestBundle::new(2, 8);
+        let store = b.store(Some(6), CachePolicy::Lru, None);
+        // half the room is three buffers: 4, 5 and 6 are read, 7 waits
+        store.lookahead(1, &[4, 5, 6, 7]);
+        settle(&store);
+        assert_eq!(held(&store, 1), vec![4, 5, 6]);
+        assert_eq!(store.stats().lookahead_reads, 3);
+        // the routes want 4 and 7: 7's read is the plan's now, 5 and 6 stay unused (lru)
+        store.prefetch(1, &[vec![4, 7]]);
+        let leases = store.fetch(1, &[4, 7]).unwrap();
+        check_lease(&leases[1], 1, 7);
+        drop(leases);
+        let s = store.stats();
+        assert_eq!(ahead(&s), [4, 2, 2, 3, 1, 0]);
+        assert_eq!((s.misses, s.reads), (1, 4));
+        assert_eq!(store.unclaimed_reads(), 2);
+        check_counts_add_up(&store);
+    }
+
+    #[test]
+    fn a_guess_evicts_the_least_recently_used_it_does_not_guess() {
+        let b = TestBundle::new(2, 8);
+        let store = b.store(Some(3), CachePolicy::Lru, None);
+        for id in [0, 1, 2] {
+            use_one(&store, 1, id);
+        }
+        // 0 is the least recently used but guessed: the read of 5 evicts 1 instead
+        store.lookahead(1, &[0, 5]);
+        settle(&store);
+        assert_eq!(held(&store, 1), vec![0, 2, 5]);
+        assert_eq!(store.stats().evictions, 1);
+        store.prefetch(1, &[vec![0, 5]]);
+        drop(store.fetch(1, &[0, 5]).unwrap());
+        let s = store.stats();
+        // 0 a warm hit, 5 look-ahead's
+        assert_eq!((s.warm_hits, s.lookahead_hits, s.misses), (1, 1, 3));
+        assert_eq!(ahead(&s), [2, 2, 2, 1, 1, 0]);
+        check_counts_add_up(&store);
+    }
+
+    /// A forward's pattern with a guess for the next layer made while each layer computes:
+    /// right, wrong and mixed guesses, every policy, budgets down to one expert. The bytes
+    /// handed out are always the asked-for experts', the budget holds, nothing hangs, and the
+    /// counters add up.
+    #[test]
+    fn guesses_right_or_wrong_never_change_what_is_handed_out_at_any_budget() {
+        let b = TestBundle::new(3, 8);
+        let mut ledger = HeatLedger::empty("r", 3, 8);
+        ledger.record(&[((1, 3), 4), ((2, 5), 2)]);
+        let (done_tx, done_rx) = channel();
+        let worker = std::thread::spawn(move || {
+            for slots in [1u64, 2, 3, 5] {
+                for policy in [
+                    CachePolicy::Lru,
+                    CachePolicy::Ledger,
+                    CachePolicy::Static,
+                    CachePolicy::None,
+                ] {
+                    // 0: always right, 1: always wrong, 2: half right
+                    for kind in 0..3 {
+                        let store = b.store(Some(slots), policy, Some(&ledger));
+                        let cap = slots * PAGE;
+                        let mut rng = 0x9e37_79b9_u64 ^ slots ^ (kind << 8);
+                        let mut next = || {
+                            rng = rng
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            (rng >> 33) as usize % 8
+                        };
+                        for _step in 0..12 {
+                            let routes: Vec<Vec<usize>> = (0..3)
+                                .map(|_| {
+                                    let mut ids: Vec<usize> = (0..3).map(|_| next()).collect();
+                                    ids.sort_unstable();
+                                    ids.dedup();
+                                    ids
+                                })
+                                .collect();
+                            for layer in 0..3 {
+                                let ids = &routes[layer];
+                                let batches = store.batches(layer, ids);
+                                store.prefetch(layer, &batches);
+                                if layer + 1 < 3 {
+                                    let truth = &routes[layer + 1];
+                                    let wrong: Vec<usize> =
+                                        (0..8).filter(|e| !truth.contains(e)).collect();
+                                    let guess = match kind {
+                                        0 => truth.clone(),
+                                        1 => wrong,
+                                        _ => vec![truth[0], wrong[0]],
+                                    };
+                                    store.lookahead(layer + 1, &guess);
+                                }
+                                for batch in &batches {
+                                    let leases = store.fetch(layer, batch).unwrap();
+                                    for (l, &id) in leases.iter().zip(batch) {
+                                        check_lease(l, layer, id);
+                                    }
+                                    assert!(store.used_bytes() <= cap, "{policy:?} {slots}");
+                                }
+                            }
+                        }
+                        settle(&store);
+                        let s = store.stats();
+                        let what = format!("{policy:?} slots {slots} kind {kind}: {s:?}");
+                        assert!(s.peak_warm_bytes <= cap, "{what}");
+                        check_counts_add_up(&store);
+                        match kind {
+                            0 => assert_eq!(s.lookahead_right, s.lookahead_needed, "{what}"),
+                            1 => assert_eq!(s.lookahead_right, 0, "{what}"),
+                            _ => assert!(s.lookahead_right > 0, "{what}"),
+                        }
+                        assert!(s.lookahead_guessed > 0, "{what}");
+                    }
+                }
+            }
+            let _ = done_tx.send(());
+        });
+        // a hang is a failure, not a stuck test run
+        match done_rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(()) => worker.join().unwrap(),
+            Err(_) => match worker.is_finished() {
+                // the worker panicked: its message
+                true => worker.join().unwrap(),
+                false => panic!("the look-ahead workload did not finish in 120 s (deadlock?)"),
+            },
+        }
+    }
+
+    #[test]
+    fn a_corrupt_expert_read_ahead_stops_the_run_by_name() {
+        let b = TestBundle::new(2, 3);
+        let mut bytes = std::fs::read(b.jnf()).unwrap();
+        bytes[(b.offset(1, 2) + 7) as usize] ^= 0x40;
+        std::fs::write(b.jnf(), bytes).unwrap();
+        let store = b.store(Some(3), CachePolicy::Lru, None);
+        // verified as every read is: a guess that reads a corrupt expert ends the run, though
+        // no request asked for it; nothing is computed from it
+        store.lookahead(1, &[2]);
+        settle(&store);
+        let err = store.fetch(1, &[0]).err().expect("the run stopped");
+        assert!(
+            matches!(stream_error(&err), StreamError::HashMismatch { name, .. } if name == &prefix(1, 2)),
+            "{err}"
+        );
+        assert_eq!(err.exit_code(), tarfa_core::exit::VERIFICATION_FAILED);
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[test]
+    fn hottest_ranks_the_ledger_and_this_runs_uses() {
+        let b = TestBundle::new(2, 6);
+        let mut ledger = HeatLedger::empty("r", 2, 6);
+        ledger.record(&[((1, 4), 3), ((1, 1), 2), ((0, 5), 9)]);
+        let store = b.store(Some(4), CachePolicy::Lru, Some(&ledger));
+        assert_eq!(store.hottest(1, 3), vec![4, 1]);
+        // this run's uses add to the file's counts; ties go to the lower id
+        for _ in 0..2 {
+            use_one(&store, 1, 3);
+        }
+        use_one(&store, 1, 0);
+        assert_eq!(store.hottest(1, 3), vec![4, 1, 3]);
+        assert_eq!(store.hottest(1, 9), vec![4, 1, 3, 0]);
+        assert_eq!(store.hottest(1, 0), Vec::<usize>::new());
+        assert_eq!(store.hottest(0, 2), vec![5]);
+        assert_eq!(store.hottest(7, 2), Vec::<usize>::new());
     }
 
     fn index(layers: usize, experts: usize, size: u64) -> BTreeMap<Key, Arc<ExtentInfo>> {

@@ -6,8 +6,10 @@
 //! seam where a verified bundle reader and an expert-streaming cache (tarfa-stream) plug in.
 //! Two hints with resident defaults let a source with a memory budget cooperate: how to group
 //! the experts ([`WeightSource::expert_batches`]) and which reads to start now
-//! ([`WeightSource::prefetch`]). Implementations must hand out bytes that were verified in the very buffer returned
-//! (docs/EXACTNESS.md section 1) and must never memory-map weights for compute.
+//! ([`WeightSource::prefetch`]); two more let it read the next layer's likely experts before
+//! their routes are known ([`WeightSource::lookahead`]). Implementations must hand out bytes
+//! that were verified in the very buffer returned (docs/EXACTNESS.md section 1) and must never
+//! memory-map weights for compute.
 
 pub mod fused;
 pub mod memory;
@@ -264,6 +266,21 @@ pub trait HostPin: Send + Sync {
     fn unpin(&self, ptr: *mut u8);
 }
 
+/// What a source that reads ahead wants the forward to compute for it
+/// ([`WeightSource::lookahead_input`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LookaheadInput {
+    /// No look-ahead: no guess is computed, [`WeightSource::lookahead`] is not called.
+    #[default]
+    None,
+    /// The source guesses by itself (from its heat ledger): the forward only says which MoE
+    /// layer comes next, and how many experts the one before needed.
+    LayerOnly,
+    /// Also this step's residual through the next MoE layer's router: the experts it would
+    /// choose now (an approximate guess; the residual still changes before that layer).
+    Router,
+}
+
 /// A provider of verified weights.
 ///
 /// `Send + Sync`: one source serves all threads and sessions.
@@ -306,6 +323,24 @@ pub trait WeightSource: Send + Sync {
     /// expert heat (the streaming store's ledger) counts them; nothing is read.
     fn record_uses(&self, layer: usize, ids: &[usize]) {
         let _ = (layer, ids);
+    }
+
+    /// Look-ahead hint: what the source wants from the forward to read the next MoE layer's
+    /// likely experts while this one computes ([`LookaheadInput`]; `None` by default, and then
+    /// the forward computes no guess and never calls [`WeightSource::lookahead`]).
+    fn lookahead_input(&self) -> LookaheadInput {
+        LookaheadInput::None
+    }
+
+    /// Look-ahead hint: MoE layer `layer` comes next in this step. `count` is how many distinct
+    /// experts the layer before it needed (how many to guess, for a source guessing by itself);
+    /// `router_guess` the experts this step's tokens would choose if their residual went
+    /// through `layer`'s router now, most likely first (empty unless [`LookaheadInput::Router`]
+    /// was asked for). A source may start reading some of them. A guess only decides what is
+    /// read early: the forward still asks for exactly the experts the router chooses, and the
+    /// source hands out only bytes verified as always. A later call replaces an earlier one.
+    fn lookahead(&self, layer: usize, count: usize, router_guess: &[usize]) {
+        let _ = (layer, count, router_guess);
     }
 
     /// Pinning hint: a GPU backend copies experts from the handles this source hands out;

@@ -1,6 +1,6 @@
 //! The streaming options of `generate` (`--ram-budget`, `--vram-budget`, `--io`,
-//! `--cache-policy`, `--no-ledger`, `--stats`), the start-up accounting of the resident part,
-//! the heat ledger's load and save, and the `--stats` telemetry.
+//! `--cache-policy`, `--lookahead`, `--no-ledger`, `--stats`), the start-up accounting of the
+//! resident part, the heat ledger's load and save, and the `--stats` telemetry.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,7 +11,8 @@ use crate::config::MoeConfig;
 use crate::cuda::{min_vram_budget, HotOptions, HotStats};
 use crate::stream::{
     format_bytes, mem_available, min_budget, parse_size, CachePolicy, HeatLedger, IoMode,
-    ResidentPart, StreamError, StreamOptions, StreamSource, StreamStats, DEFAULT_IO_THREADS,
+    Lookahead, ResidentPart, StreamError, StreamOptions, StreamSource, StreamStats,
+    DEFAULT_IO_THREADS,
 };
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
@@ -38,8 +39,23 @@ pub enum PolicyArg {
     None,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum LookaheadArg {
+    /// Read nothing before a layer's routes are known.
+    Off,
+    /// The heat ledger's hottest experts of the next layer (its counts and this run's uses).
+    Ledger,
+    /// This token's residual through the next layer's router (each token's top-k).
+    Router,
+    /// The router's guess, then the ledger's.
+    Both,
+}
+
 /// The measured default (docs/PERFORMANCE.md, "CPU streaming").
 pub const DEFAULT_IO: IoArg = IoArg::Cached;
+
+/// Off until measured better (docs/PHASE_LOG.md S5).
+pub const DEFAULT_LOOKAHEAD: LookaheadArg = LookaheadArg::Off;
 
 /// The measured default (docs/PERFORMANCE.md, "CPU streaming" and "GPU streaming"): LRU, which
 /// the trained fixture's routing favours at a 25% budget; pinning the heat ledger's hottest
@@ -81,6 +97,11 @@ pub struct StreamArgs {
     /// What the RAM tier and the GPU tier keep [default: lru].
     #[arg(long, value_enum)]
     pub cache_policy: Option<PolicyArg>,
+    /// Read the next MoE layer's likely experts into the RAM tier while this one computes,
+    /// guessed from the heat ledger, from this token's residual through that layer's router, or
+    /// both; a wrong guess costs reads, never bits. CPU backend [default: off].
+    #[arg(long, value_enum)]
+    pub lookahead: Option<LookaheadArg>,
     /// Neither read nor update the heat ledger (per-expert use counts kept across runs in the
     /// cache directory, used by --cache-policy ledger and static).
     #[arg(long)]
@@ -105,6 +126,7 @@ impl Default for StreamArgs {
             vram_budget: None,
             io: None,
             cache_policy: None,
+            lookahead: None,
             no_ledger: false,
             io_threads: DEFAULT_IO_THREADS,
             stats: false,
@@ -175,6 +197,12 @@ pub fn open(
         PolicyArg::Ledger => CachePolicy::Ledger,
         PolicyArg::Static => CachePolicy::Static,
         PolicyArg::None => CachePolicy::None,
+    };
+    let lookahead = match a.lookahead.unwrap_or(DEFAULT_LOOKAHEAD) {
+        LookaheadArg::Off => Lookahead::Off,
+        LookaheadArg::Ledger => Lookahead::Ledger,
+        LookaheadArg::Router => Lookahead::Router,
+        LookaheadArg::Both => Lookahead::Both,
     };
     let resident = ResidentPart::new(&bundle, cfg, context);
     let available = mem_available();
@@ -258,6 +286,7 @@ pub fn open(
         io,
         policy,
         io_threads: a.io_threads,
+        lookahead,
     };
     // What the converter left out of the model (a multimodal release's vision tower, its
     // multi-token-prediction layers): the run says so, as the manifest does.
@@ -288,7 +317,7 @@ pub fn open(
     ));
     let (pins, pin_bytes) = source.store().pinned();
     log(format!(
-        "experts: {} in the bundle; RAM budget {} ({}); VRAM budget {}; io {}; cache {}{}{}",
+        "experts: {} in the bundle; RAM budget {} ({}); VRAM budget {}; io {}; cache {}{}{}{}",
         format_bytes(all_experts),
         ram_budget.map_or("unbounded".to_string(), format_bytes),
         match budget_source {
@@ -306,6 +335,10 @@ pub fn open(
         },
         io.name(),
         policy.name(),
+        match lookahead {
+            Lookahead::Off => String::new(),
+            l => format!("; lookahead {}", l.name()),
+        },
         if pins > 0 {
             format!(", {pins} experts pinned ({})", format_bytes(pin_bytes))
         } else {
@@ -381,6 +414,19 @@ impl StreamRun {
         })
     }
 
+    /// With `--lookahead`, the reads a step started and nobody waited for (look-ahead reads
+    /// whose guess ended: at most --io-threads of them, and by the end of the step almost
+    /// always done) finish before its figures are taken: every read the step started is
+    /// counted (read, and used, wasted or held) in that step, the steps add up to the totals,
+    /// and nothing changes them after the last one (docs/PHASE_LOG.md S5). Without look-ahead
+    /// nothing waits (a CPU step leaves no read in flight; the CUDA backend's own reads are not
+    /// held up).
+    fn settle(&self) {
+        if self.source.lookahead_mode() != Lookahead::Off {
+            self.source.store().settle();
+        }
+    }
+
     /// Before a forward step; `hot`: the hot tier's counters now (CUDA streaming).
     pub fn begin(&mut self, prefill: bool, hot: Option<HotStats>) {
         if prefill && self.progress {
@@ -388,6 +434,7 @@ impl StreamRun {
                 eprint!("\rprefill: layer {}/{layers}\x1b[K", layer + 1);
             })));
         }
+        self.settle();
         let now = self.source.stats();
         self.first_step.get_or_insert(now);
         if self.hot_first.is_none() {
@@ -406,6 +453,7 @@ impl StreamRun {
             return;
         };
         self.hot_last = hot;
+        self.settle();
         let rec = StepRecord {
             kind: if prefill { "prefill" } else { "decode" },
             tokens,
@@ -445,6 +493,9 @@ impl StreamRun {
                 IoMode::Cached => "length",
             },
             "policy": store.policy().name(),
+            "lookahead": self.source.lookahead_mode().name(),
+            // reads = misses + lookahead_hits + wasted_reads + unclaimed_reads (at the end)
+            "unclaimed_reads": store.unclaimed_reads(),
             "ram_budget_bytes": store.capacity(),
             "ram_budget_source": match self.budget_source {
                 BudgetSource::Flag => "flag",
@@ -562,6 +613,19 @@ fn figures(s: &StreamStats, hot: Option<&HotStats>, wall: Duration, peak_rss: u6
         "warm_hits": s.warm_hits,
         "misses": s.misses,
         "warm_hit_rate": s.warm_hit_rate(),
+        // --lookahead: requests served by a read started before them; what was guessed, and
+        // what the guesses read and wasted
+        "lookahead_hits": s.lookahead_hits,
+        "ahead_hit_rate": s.ahead_hit_rate(),
+        "lookahead_guessed": s.lookahead_guessed,
+        "lookahead_right": s.lookahead_right,
+        "lookahead_needed": s.lookahead_needed,
+        "lookahead_precision": s.lookahead_precision(),
+        "lookahead_recall": s.lookahead_recall(),
+        "lookahead_reads": s.lookahead_reads,
+        "lookahead_bytes": s.lookahead_bytes,
+        "lookahead_wasted": s.lookahead_wasted,
+        "lookahead_wasted_bytes": s.lookahead_wasted_bytes,
         "hot_hit_rate": hot.and_then(HotStats::hit_rate),
         "hot_requests": hot.map(|h| h.requests),
         "hot_hits": hot.map(|h| h.hits),
@@ -596,8 +660,26 @@ fn line(r: &StepRecord) -> String {
         ),
         None => ("hot n/a".into(), "h2d n/a".into(), String::new()),
     };
+    // shown once a guess was scored or read (--lookahead)
+    let ahead = if s.lookahead_guessed + s.lookahead_reads + s.lookahead_hits > 0 {
+        format!(
+            " | lookahead hits {}/{} ({} served ahead), guessed {}/{} right ({} of needs), {} reads ({}), {} wasted ({})",
+            s.lookahead_hits,
+            s.requests,
+            pct(s.ahead_hit_rate()),
+            s.lookahead_right,
+            s.lookahead_guessed,
+            pct(s.lookahead_recall()),
+            s.lookahead_reads,
+            format_bytes(s.lookahead_bytes),
+            s.lookahead_wasted,
+            format_bytes(s.lookahead_wasted_bytes),
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "disk {} in {} reads | warm hits {}/{} ({}) | {hot} | disk {} | io-wait {:.1} ms, {h2d}, compute {:.1} ms, verify {:.1} ms | peak RSS {}{vram}",
+        "disk {} in {} reads | warm hits {}/{} ({}){ahead} | {hot} | disk {} | io-wait {:.1} ms, {h2d}, compute {:.1} ms, verify {:.1} ms | peak RSS {}{vram}",
         format_bytes(s.bytes_read),
         s.reads,
         s.warm_hits,
