@@ -236,7 +236,11 @@ impl Manifest {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
     pub offset: u64,
+    /// Bytes of the region in the file: the stored bytes of an encoded extent.
     pub length: u64,
+    /// `Some(decoded length)` for an expert extent stored encoded (format version 2, codec
+    /// `exp-zstd`): its manifest digests are of the decoded bytes.
+    pub encoded: Option<u64>,
 }
 
 /// The `model.jnf` header's regions by name (tensors by name, extents by prefix).
@@ -269,6 +273,7 @@ pub fn jnf_regions(path: &Path) -> Result<BTreeMap<String, Region>> {
         Ok(Region {
             offset: get("offset")?,
             length: get("length")?,
+            encoded: None,
         })
     };
     for t in h["tensors"].as_array().into_iter().flatten() {
@@ -281,7 +286,26 @@ pub fn jnf_regions(path: &Path) -> Result<BTreeMap<String, Region>> {
         let name = e["prefix"]
             .as_str()
             .ok_or_else(|| anyhow!("JNF extent without a prefix"))?;
-        out.insert(name.to_string(), region(e)?);
+        let mut r = region(e)?;
+        // format version 2: an extent records how it is stored (docs/FORMAT.md, "Version 2")
+        match e.get("codec").map(|c| c.as_str()) {
+            None | Some(Some("raw")) => {}
+            Some(Some("exp-zstd")) => {
+                let stored = e
+                    .get("stored_length")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| {
+                        anyhow!("JNF extent {name}: exp-zstd without `stored_length`")
+                    })?;
+                r = Region {
+                    offset: r.offset,
+                    length: stored,
+                    encoded: Some(r.length),
+                };
+            }
+            Some(c) => bail!("JNF extent {name}: unknown codec {c:?}"),
+        }
+        out.insert(name.to_string(), r);
     }
     Ok(out)
 }

@@ -301,7 +301,18 @@ pub fn rehash_bundle(
                 .get(name)
                 .ok_or_else(|| anyhow!("{name} is not in the model.jnf header"))?;
             let mut file = fs::File::open(jnf)?;
-            let bytes = read_region(&mut file, r)?;
+            let mut bytes = read_region(&mut file, r)?;
+            // an encoded extent's digests are of its decoded bytes: decode with the format's
+            // codec (a stored byte flipped may fail to decode: that is a mismatch too)
+            if let Some(n) = r.encoded {
+                match jnf_codec::decode(&bytes, n as usize) {
+                    Ok(d) => bytes = d,
+                    Err(e) => {
+                        let bad = format!("{name}: model.jnf's stored extent does not decode: {e}");
+                        return Ok((n, Some(bad)));
+                    }
+                }
+            }
             let got = if alg == "blake3" {
                 blake3_hex(&bytes)
             } else {
@@ -310,7 +321,7 @@ pub fn rehash_bundle(
             let bad = (Some(got.as_str()) != want).then(|| {
                 format!("{name}: model.jnf bytes hash ({alg}) to {got}, manifest {want:?}")
             });
-            Ok((r.length, bad))
+            Ok((bytes.len() as u64, bad))
         })
         .collect();
     let mut total = 0;

@@ -52,6 +52,50 @@ fn every_check_holds_on_qwen3moe_code() {
     run_all_holds("qwen3moe-code");
 }
 
+/// A format-version-2 bundle (experts stored encoded): the weights check re-hashes the decoded
+/// extents against the manifest (it hashed the stored bytes before, and failed), and a flipped
+/// stored byte of an encoded expert fails it.
+#[test]
+fn an_encoded_bundle_is_rehashed_decoded_and_a_flipped_stored_byte_fails() {
+    let rt = runtime();
+    let c = convert_with("qwen3moe-code", &["--codec", "exp-zstd"]);
+    let regions = tarfa_validate::bundle::jnf_regions(&c.bundle.join("model.jnf")).unwrap();
+    let encoded: Vec<&String> = regions
+        .iter()
+        .filter(|(_, r)| r.encoded.is_some())
+        .map(|(n, _)| n)
+        .collect();
+    assert!(!encoded.is_empty(), "no extent was stored encoded");
+    for (n, r) in &regions {
+        if let Some(d) = r.encoded {
+            assert!(r.length < d, "{n}: stored {} of {d}", r.length);
+        }
+    }
+    let args = [
+        &c.bundle as &dyn AsRef<std::ffi::OsStr>,
+        &"--tarfa-run",
+        &rt,
+        &"--only",
+        &"weights",
+    ];
+    let (code, out, err) = run(VALIDATE, &args);
+    println!("{out}");
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("PASS  weights") && out.contains("re-hashed from model.jnf"),
+        "{out}"
+    );
+    assert!(
+        out.contains("tamper probes: one flipped byte refused in"),
+        "{out}"
+    );
+    flip_byte_of(&c.bundle, encoded[0]);
+    let (code, out, err) = run(VALIDATE, &args);
+    println!("{out}");
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("FAIL  weights"), "{out}");
+}
+
 #[test]
 fn a_flipped_weight_byte_fails_the_weights_check() {
     let rt = runtime();

@@ -79,6 +79,11 @@ pub struct Converted {
 }
 
 pub fn convert(fixture: &str) -> Converted {
+    convert_with(fixture, &[])
+}
+
+/// [`convert`] with more `tarfa-convert` arguments (`--codec exp-zstd`).
+pub fn convert_with(fixture: &str, args: &[&str]) -> Converted {
     let (_, conv) = binaries();
     let dir = tempfile::Builder::new()
         .prefix("tarfa-validate-test-")
@@ -86,7 +91,12 @@ pub fn convert(fixture: &str) -> Converted {
         .unwrap();
     let bundle = dir.path().join(fixture);
     let src = workspace().join("fixtures/oracle").join(fixture);
-    let o = Command::new(conv).arg(&src).arg(&bundle).output().unwrap();
+    let o = Command::new(conv)
+        .arg(&src)
+        .arg(&bundle)
+        .args(args)
+        .output()
+        .unwrap();
     assert!(
         o.status.success(),
         "tarfa-convert: {}",
