@@ -4,7 +4,7 @@
 # --cuda-many tiled and auto (what a user of `tarfa-run generate` gets, logits compared byte for
 # byte), and the other expert shape (Qwen3-235B-A22B, 4 layers) against transformers.
 #
-#   [STEPS=thresholds,cli,q235,decode] validation/gpu/prefill-cli.sh BIN_DIR [OUT_DIR]
+#   [STEPS=thresholds,cli,q235,decode,nsys] validation/gpu/prefill-cli.sh BIN_DIR [OUT_DIR]
 #   (BIN_DIR as for prefill.sh; STEPS defaults to thresholds,cli,q235)
 # cli: without --preload a prefill's time includes reading and verifying the experts it first
 # uses (20 GB here); with --preload (PRELOAD=1) it is the step's compute alone.
@@ -56,6 +56,28 @@ if step decode; then
   timeout 200 "$BIN/examples/cuda_bench" $Q30 --prompt 128 --decode 512 --prefill "" --selftest-prompts 0 \
     --json "$OUTD/bench-decode.json" > "$OUTD/bench-decode.log" 2>&1
   say "cuda_bench decode rc=$?"; grep '^TABLE|' "$OUTD/bench-decode.log" | grep -i decode | sed 's/^TABLE|/  /' | head -20
+fi
+# 4. where a batched decode step's time goes (B = 8 and 32, auto): the kernels' GPU time by name
+if step nsys && command -v nsys >/dev/null; then
+  timeout 150 nsys profile -o "$OUTD/bd" --force-overwrite true --trace cuda --sample none \
+    --cpuctxsw none "$BIN/examples/cuda_bench" $Q30 --only-many --prefill "" --batch 8,32 \
+    --batch-steps 8 --prompt 128 --many-kernels auto > "$OUTD/nsys-run.log" 2>&1
+  nsys stats --report cuda_gpu_kern_sum,cuda_api_sum --format csv --output "$OUTD/bd" "$OUTD/bd.nsys-rep" > /dev/null 2>&1
+  rm -f "$OUTD/bd.nsys-rep" "$OUTD/bd.sqlite"
+  python3 - "$OUTD"/bd_cuda_gpu_kern_sum.csv "$OUTD"/bd_cuda_api_sum.csv <<'PY'
+import csv, sys
+for f in sys.argv[1:]:
+    try:
+        rows = list(csv.DictReader(open(f)))
+    except Exception as e:
+        print(f"  {f}: {e}"); continue
+    tot = sum(float(r["Total Time (ns)"]) for r in rows)
+    print(f"  {f.split('/')[-1]}: {tot / 1e6:.1f} ms in all")
+    for r in sorted(rows, key=lambda r: -float(r["Total Time (ns)"]))[:12]:
+        t = float(r["Total Time (ns)"])
+        print(f"    {r['Name'][:44]:44s} {100 * t / tot:5.1f}%  {t / 1e6:8.1f} ms  {r['Instances'] if 'Instances' in r else r.get('Num Calls', '')} calls")
+PY
+  say "nsys"
 fi
 step q235 || exit 0
 wait $SYN; say "q235 bundle $(tail -1 "$OUTD/synth235.log" 2>/dev/null)"
