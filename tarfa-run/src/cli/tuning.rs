@@ -78,7 +78,7 @@ mod tests {
         }
         let t = CudaArgs::default().tuning();
         assert_eq!(t.decode, DecodeMode::GraphPdl);
-        assert_eq!(t.many, ManyKernels::Tiled);
+        assert_eq!(t.many, ManyKernels::Auto);
         assert!(!t.sync_each_kernel && !t.pageable_warm_tier && !t.wait_each_token);
     }
 }
