@@ -208,12 +208,15 @@ impl Kernel {
             x.len() * out.len(),
             "dot_f32_rows shape mismatch"
         );
-        match self.path {
+        // widths 64 and 128 (attention heads) have a pruned SIMD form; others are one
+        // `dot_f32` per row
+        match (self.path, x.len()) {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the path's features were detected when the Kernel was made.
-            SimdPath::Avx512 => unsafe { x86::avx512::dot_f32_rows(x, rows, out) },
+            // SAFETY: the path's features were detected when the Kernel was made; the width is
+            // one the function takes.
+            (SimdPath::Avx512, 64 | 128) => unsafe { x86::avx512::dot_f32_rows(x, rows, out) },
             #[cfg(target_arch = "x86_64")]
-            SimdPath::Avx2 => unsafe { x86::avx2::dot_f32_rows(x, rows, out) },
+            (SimdPath::Avx2, 64 | 128) => unsafe { x86::avx2::dot_f32_rows(x, rows, out) },
             _ => {
                 for (o, row) in out.iter_mut().zip(rows.chunks_exact(x.len().max(1))) {
                     *o = self.dot_f32(x, row);
@@ -1064,7 +1067,8 @@ mod x86 {
             tree_contiguous(acc)
         }
 
-        /// [`dot_f32`] of `x` with each row of `rows` (the caller's `Kernel::dot_f32_rows`).
+        /// [`dot_f32`] of `x` with each row of `rows` at widths 64 and 128 only (the caller,
+        /// `Kernel::dot_f32_rows`, takes every other width row by row).
         /// Widths 64 and 128 fill registers 0..W/16 and leave the others +0.0: their tree
         /// skips the levels that pair a register with a +0.0 one (h = 128, and 64 for width
         /// 64) and adds +0.0 to the result, which is the full tree's value (section 4's pruning
@@ -1074,14 +1078,7 @@ mod x86 {
             match x.len() {
                 128 => pruned_rows::<8>(x, rows, out),
                 64 => pruned_rows::<4>(x, rows, out),
-                d => {
-                    for (o, row) in out.iter_mut().zip(rows.chunks_exact(d.max(1))) {
-                        *o = dot_f32(x, row);
-                    }
-                    if d == 0 {
-                        out.fill(0.0);
-                    }
-                }
+                d => panic!("dot_f32_rows: width {d} has no pruned form (64 or 128 only)"),
             }
         }
 
@@ -1408,14 +1405,7 @@ mod x86 {
             match x.len() {
                 128 => pruned_rows::<16>(x, rows, out),
                 64 => pruned_rows::<8>(x, rows, out),
-                d => {
-                    for (o, row) in out.iter_mut().zip(rows.chunks_exact(d.max(1))) {
-                        *o = dot_f32(x, row);
-                    }
-                    if d == 0 {
-                        out.fill(0.0);
-                    }
-                }
+                d => panic!("dot_f32_rows: width {d} has no pruned form (64 or 128 only)"),
             }
         }
 
