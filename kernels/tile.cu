@@ -337,3 +337,151 @@ extern "C" __global__ void __launch_bounds__(256) down_tile(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The experts of a step with few pairs per expert (batched decode, a draft's verification): most
+// of moe_group's tiles then hold 1 or 2 pairs, and the token-tiled kernels above, which compute
+// all TILE_TOKENS columns of a tile and keep one chunk of loads in flight, do up to 4x the
+// multiply-adds and wait on memory. These kernels take the same tiles (moe_group with
+// TILE_TOKENS) and compute only the tile's own pairs: each block chooses T = 1, 2 or 4 columns
+// by its tile's count (a column past the count, only when count = 3, repeats the last pair and
+// is not written), and each warp keeps FEW_GROUP chunks of every row it holds in flight, as the
+// decode kernels do (decode.cu load_group). Every output is still one canonical reduction: lane
+// 8p+s accumulates terms 8p+s+256c in increasing c, one fmaf each, then warp_tree_fast; the
+// grouping of the loads changes which loads are in flight, never an operation or its order.
+
+#define FEW_GROUP 8       // chunks of 256 elements loaded together per gate/up row
+#define FEW_DOWN_GROUP 4  // chunks loaded together per down row
+#define FEW_DOWN_ROWS 4   // down rows per warp
+
+// acc[r][t][s] += lane 8p+s of chunks c0 .. c0+G-1 of dot(w[r], x[t]) (chunks past n skipped:
+// n a multiple of 8, every row and vector 16-byte aligned).
+template <int R, int T, int G>
+__device__ __forceinline__ void few_group(float (&acc)[R][T][8], const u16* const (&w)[R],
+                                          const float* const (&x)[T], int c0, int n, int p) {
+    Pack8<u16> wv[R][G];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            const int e = ((c0 + i) << 8) + 8 * p;
+            if (e < n) wv[r][i].load(w[r] + e);
+        }
+#pragma unroll
+    for (int i = 0; i < G; i++) {
+        const int e = ((c0 + i) << 8) + 8 * p;
+        if (e < n) {
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                float xv[8];
+                load_x8(xv, x[t] + e);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int s = 0; s < 8; s++) acc[r][t][s] = fmaf(wv[r][i].at(s), xv[s], acc[r][t][s]);
+            }
+        }
+    }
+}
+
+// act[q][i] = silu(dot(gate_e[i], xn[q / k])) * dot(up_e[i], xn[q / k]) for the T pairs q of
+// the tile, row i: gate and up are one accumulator set each (R = 2: gate, up).
+template <int T>
+__device__ __forceinline__ void gate_up_few_row(const u16* __restrict__ gate,
+                                                const u16* __restrict__ up, long e, int i,
+                                                int rows, int cols, const int (&q)[TILE_TOKENS],
+                                                int count, int k, const float* __restrict__ xn,
+                                                float* __restrict__ act, int p) {
+    const long row = (e * rows + i) * (long)cols;
+    const u16* w[2] = {gate + row, up + row};
+    const float* x[T];
+#pragma unroll
+    for (int t = 0; t < T; t++) x[t] = xn + (long)(q[t] / k) * cols;
+    float acc[2][T][8];
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int t = 0; t < T; t++) zero8(acc[r][t]);
+    for (int c0 = 0; (c0 << 8) < cols; c0 += FEW_GROUP) few_group<2, T, FEW_GROUP>(acc, w, x, c0, cols, p);
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        const float g = warp_tree_fast(acc[0][t]);
+        const float u = warp_tree_fast(acc[1][t]);
+        if (p == 0 && t < count) act[(long)q[t] * rows + i] = __fmul_rn(det_silu(g), u);
+    }
+}
+
+// gate_up_tile_bf16's function for moe_group's tiles of few pairs. grid (tiles, ceil(rows / 8)),
+// block 256: warp w of block (x, y) computes row 8y + w of tile x's pairs.
+extern "C" __global__ void __launch_bounds__(256) gate_up_few_bf16(
+    const u16* __restrict__ gate, const u16* __restrict__ up, int rows, int cols,
+    const u32* __restrict__ order, const u32* __restrict__ tiles, const u32* __restrict__ n_tiles,
+    int n_pairs, int k, const float* __restrict__ xn, float* __restrict__ act) {
+    const int p = threadIdx.x & 31;
+    const int i = blockIdx.y * 8 + (threadIdx.x >> 5);
+    long e;
+    int q[TILE_TOKENS];
+    int count;
+    if (!tile_pairs(order, tiles, n_tiles, n_pairs, e, q, count) || i >= rows) return;
+    if (count == 1) {
+        gate_up_few_row<1>(gate, up, e, i, rows, cols, q, count, k, xn, act, p);
+    } else if (count == 2) {
+        gate_up_few_row<2>(gate, up, e, i, rows, cols, q, count, k, xn, act, p);
+    } else {
+        gate_up_few_row<4>(gate, up, e, i, rows, cols, q, count, k, xn, act, p);
+    }
+}
+
+// y[q][r] = dot(down_e[r], act[q]) for rows r0 .. r0+R-1 (those below hidden) and the T pairs q.
+template <int R, int T>
+__device__ __forceinline__ void down_few_rows(const u16* __restrict__ down, long e, int r0,
+                                              int hidden, int width, const int (&q)[TILE_TOKENS],
+                                              int count, const float* __restrict__ act,
+                                              float* __restrict__ y, int p) {
+    const u16* w[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) w[r] = down + (e * hidden + min(r0 + r, hidden - 1)) * (long)width;
+    const float* x[T];
+#pragma unroll
+    for (int t = 0; t < T; t++) x[t] = act + (long)q[t] * width;
+    float acc[R][T][8];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < T; t++) zero8(acc[r][t]);
+    for (int c0 = 0; (c0 << 8) < width; c0 += FEW_DOWN_GROUP) {
+        few_group<R, T, FEW_DOWN_GROUP>(acc, w, x, c0, width, p);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float v = warp_tree_fast(acc[r][t]);
+            if (p == 0 && r0 + r < hidden && t < count) y[(long)q[t] * hidden + r0 + r] = v;
+        }
+}
+
+// down_tile's function for moe_group's tiles of few pairs (unmixed; moe_mix mixes).
+// grid (tiles, ceil(hidden / (8 * FEW_DOWN_ROWS))), block 256: warp w of block (x, y) computes
+// rows (8y + w) * FEW_DOWN_ROWS .. + FEW_DOWN_ROWS - 1 of tile x's pairs (with 4 pairs, in two
+// halves of 2 rows: the accumulators of 4 x 4 outputs would not stay in registers).
+extern "C" __global__ void __launch_bounds__(256) down_few(
+    const u16* __restrict__ down, int hidden, int width, const u32* __restrict__ order,
+    const u32* __restrict__ tiles, const u32* __restrict__ n_tiles, const float* __restrict__ act,
+    float* __restrict__ y) {
+    const int p = threadIdx.x & 31;
+    const int r0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * FEW_DOWN_ROWS;
+    long e;
+    int q[TILE_TOKENS];
+    int count;
+    if (!tile_pairs(order, tiles, n_tiles, 0, e, q, count) || r0 >= hidden) return;
+    if (count == 1) {
+        down_few_rows<FEW_DOWN_ROWS, 1>(down, e, r0, hidden, width, q, count, act, y, p);
+    } else if (count == 2) {
+        down_few_rows<FEW_DOWN_ROWS, 2>(down, e, r0, hidden, width, q, count, act, y, p);
+    } else {
+        down_few_rows<FEW_DOWN_ROWS / 2, 4>(down, e, r0, hidden, width, q, count, act, y, p);
+        down_few_rows<FEW_DOWN_ROWS / 2, 4>(down, e, r0 + FEW_DOWN_ROWS / 2, hidden, width, q,
+                                             count, act, y, p);
+    }
+}

@@ -1111,11 +1111,29 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 }
             }
         }
-        // experts grouped by expert: some chosen by many pairs (several tiles), some by none
-        for (e_count, i_w, h, k, t) in [
-            (6usize, 40usize, 72usize, 3usize, 23usize),
-            (16, 96, 264, 4, 40),
-        ] {
+        // experts grouped by expert: some chosen by many pairs (several tiles), some by none;
+        // with the token tiles, also on the few-pair kernels (tiles of 1 to 4 pairs), there
+        // with one shape of several load groups per row (gate/up rows of 2,064 columns: 9
+        // chunks, the last partial; down rows of 1,040: 5)
+        let kinds: &[ops::ExpertKernels] = if lanes {
+            &[ops::ExpertKernels::Lanes]
+        } else {
+            &[ops::ExpertKernels::Tiled, ops::ExpertKernels::Few]
+        };
+        for (kind, (e_count, i_w, h, k, t)) in kinds
+            .iter()
+            .flat_map(|&kind| {
+                let mut shapes = vec![
+                    (6usize, 40usize, 72usize, 3usize, 23usize),
+                    (16, 96, 264, 4, 40),
+                    (16, 96, 264, 2, 5),
+                ];
+                if kind == ops::ExpertKernels::Few {
+                    shapes.push((4, 1040, 2064, 2, 4));
+                }
+                shapes.into_iter().map(move |s| (kind, s))
+            })
+        {
             let gate = rng.vec_bf16(e_count * i_w * h);
             let up = rng.vec_bf16(e_count * i_w * h);
             let down = rng.vec_bf16(e_count * h * i_w);
@@ -1134,7 +1152,7 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 }
             }
             let pairs = t * k;
-            let tile = ops::experts_tile(lanes);
+            let tile = ops::experts_tile(kind);
             let (gb, ub, db) = (
                 gpu.upload(&gate, "gate")?,
                 gpu.upload(&up, "up")?,
@@ -1167,7 +1185,7 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 k,
                 xb.ptr(),
                 act.ptr(),
-                lanes,
+                kind,
             )? && ops::down_tile(
                 gpu,
                 db.ptr(),
@@ -1178,7 +1196,7 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 e_count,
                 act.ptr(),
                 y.ptr(),
-                lanes,
+                kind,
             )?;
             assert!(ran, "the check's shapes are tileable");
             let g_act = read_f32(gpu, &act, pairs * i_w)?;
@@ -1194,7 +1212,7 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                     .collect();
                 for i in 0..i_w {
                     c.eq(
-                        || format!("{many:?} act E={e_count} pair {q} row {i}"),
+                        || format!("{kind:?} act E={e_count} pair {q} row {i}"),
                         a[i],
                         g_act[q * i_w + i],
                     );
@@ -1202,7 +1220,7 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
                 for r in 0..h {
                     let row = (e * h + r) * i_w;
                     c.eq(
-                        || format!("{many:?} down E={e_count} pair {q} row {r}"),
+                        || format!("{kind:?} down E={e_count} pair {q} row {r}"),
                         dot_bf16_reference(&down[row..row + i_w], &a),
                         g_y[q * h + r],
                     );

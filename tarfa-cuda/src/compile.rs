@@ -81,6 +81,8 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "gate_up_tile_bf16",
             "gate_up_tile_f32",
             "down_tile",
+            "gate_up_few_bf16",
+            "down_few",
         ],
     },
     KernelFile {

@@ -983,14 +983,24 @@ pub(crate) fn launch_reference(
             mem.put_u32s(tiles, &t);
             mem.put_u32s(n_tiles, &[(t.len() / 3) as u32]);
         }
-        "gate_up_tile_bf16" | "gate_up_tile_f32" => {
+        "gate_up_tile_bf16" | "gate_up_tile_f32" | "gate_up_few_bf16" => {
             a.count(11);
-            let bf16 = name == "gate_up_tile_bf16";
+            let bf16 = name != "gate_up_tile_f32";
             let (gate, up, rows, cols) = (a.ptr(0), a.ptr(1), a.int(2), a.int(3));
             let (order, tiles, n_tiles, pairs, k) =
                 (a.ptr(4), a.ptr(5), a.ptr(6), a.int(7), a.int(8));
             let (xn, act) = (a.ptr(9), a.ptr(10));
-            assert_eq!((gy, gz), (rows.div_ceil(16), 1), "{name} geometry");
+            // gate_up_few: a warp per row; gate_up_tile: GU_ROWS (2) rows per warp
+            let rows_per_block = if name == "gate_up_few_bf16" { 8 } else { 16 };
+            assert_eq!(
+                (gy, gz, block.0),
+                (rows.div_ceil(rows_per_block), 1, 256),
+                "{name} geometry"
+            );
+            assert!(
+                name != "gate_up_few_bf16" || order != 0,
+                "{name}: grouped pairs only"
+            );
             for (e, qs) in tile_pairs_reference(mem, order, tiles, n_tiles, (pairs, 4), gx) {
                 for q in qs {
                     let x = mem.f32s(xn + ((q / k * cols) * 4) as u64, cols);
@@ -999,12 +1009,17 @@ pub(crate) fn launch_reference(
                 }
             }
         }
-        "down_tile" => {
+        "down_tile" | "down_few" => {
             a.count(8);
             let (down, hidden, width) = (a.ptr(0), a.int(1), a.int(2));
             let (order, tiles, n_tiles, act, y) =
                 (a.ptr(3), a.ptr(4), a.ptr(5), a.ptr(6), a.ptr(7));
-            assert_eq!((gy, gz), (hidden.div_ceil(32), 1), "{name} geometry");
+            // both: 8 warps of 4 rows (TILE_ROWS, FEW_DOWN_ROWS)
+            assert_eq!(
+                (gy, gz, block.0),
+                (hidden.div_ceil(32), 1, 256),
+                "{name} geometry"
+            );
             assert!(order != 0, "{name}: grouped pairs only");
             for (e, qs) in tile_pairs_reference(mem, order, tiles, n_tiles, (0, 4), gx) {
                 for q in qs {

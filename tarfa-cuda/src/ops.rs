@@ -231,6 +231,8 @@ pub(crate) fn matvec(
 pub(crate) const TILE_TOKENS: usize = 4;
 const TILE_ROWS: usize = 4;
 const GU_ROWS: usize = 2;
+/// Down rows per warp of tile.cu's `down_few` (its `FEW_DOWN_ROWS`).
+const FEW_DOWN_ROWS: usize = 4;
 
 /// kernels/prefill.cu's lane-sequential tiles: rows and tokens (pairs, query rows) per block,
 /// threads per block, and the dynamic shared memory of its products (`LS_SMEM_BYTES`).
@@ -375,20 +377,53 @@ pub(crate) fn max_tiles(pairs: usize, experts: usize, tile: usize) -> usize {
     pairs.div_ceil(tile) + experts.min(pairs)
 }
 
-/// Whether a layer's experts run on the lane-sequential kernels ([`lanes`] with Auto's
-/// threshold: enough routed pairs per expert); its pairs are grouped in tiles of
-/// [`experts_tile`].
-pub(crate) fn experts_lanes(gpu: &Gpu, pairs: usize, experts: usize) -> bool {
-    lanes(gpu, pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts)
+/// Which kernels compute a layer's grouped experts (a step of several tokens).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExpertKernels {
+    /// kernels/tile.cu `gate_up_few_bf16`/`down_few`: moe_group's tiles of [`TILE_TOKENS`],
+    /// each block computing only its tile's own pairs, loads of several chunks in flight.
+    Few,
+    /// kernels/tile.cu `gate_up_tile_*`/`down_tile`: tiles of [`TILE_TOKENS`] (PHASE_LOG B3).
+    Tiled,
+    /// kernels/prefill.cu `ls_gate_up_*`/`ls_down_bf16`: tiles of [`LS_BT`].
+    Lanes,
+}
+
+/// With [`crate::ManyKernels::Auto`], the experts run on [`ExpertKernels::Few`] below this many
+/// routed pairs per expert on average (then most tiles hold one or two pairs: batched decode,
+/// a draft's verification), on the token-tiled kernels from there to
+/// [`LS_AUTO_PAIRS_PER_EXPERT`], and on the lane-sequential ones above.
+pub(crate) const FEW_PAIRS_PER_EXPERT: usize = 4;
+
+/// The kernels of a layer's grouped experts: [`crate::ManyKernels::Tiled`] and `Lanes` force
+/// theirs (`Few` is Auto's only); Auto chooses by the routed pairs per expert.
+pub(crate) fn experts_kernels(gpu: &Gpu, pairs: usize, experts: usize) -> ExpertKernels {
+    match gpu.many() {
+        crate::ManyKernels::Tiled => ExpertKernels::Tiled,
+        crate::ManyKernels::Lanes => ExpertKernels::Lanes,
+        crate::ManyKernels::Auto if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => {
+            ExpertKernels::Lanes
+        }
+        crate::ManyKernels::Auto if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
+        crate::ManyKernels::Auto => ExpertKernels::Tiled,
+    }
 }
 
 /// The pairs per tile of the experts' kernels: LS_BT for the lane-sequential, TILE_TOKENS for
-/// the token-tiled.
-pub(crate) fn experts_tile(lanes: bool) -> usize {
+/// the others.
+pub(crate) fn experts_tile(kind: ExpertKernels) -> usize {
+    match kind {
+        ExpertKernels::Lanes => LS_BT,
+        ExpertKernels::Few | ExpertKernels::Tiled => TILE_TOKENS,
+    }
+}
+
+/// The dense products' kernels for [`gate_up_tile`] (no `Few` form without groups).
+pub(crate) fn dense_kernels(lanes: bool) -> ExpertKernels {
     if lanes {
-        LS_BT
+        ExpertKernels::Lanes
     } else {
-        TILE_TOKENS
+        ExpertKernels::Tiled
     }
 }
 
@@ -436,18 +471,25 @@ pub(crate) fn gate_up_tile(
     k: usize,
     xn: u64,
     act: u64,
-    lanes: bool,
+    kind: ExpertKernels,
 ) -> Result<bool, CudaError> {
     if !tileable(cols, cols, &[gate, up, xn]) {
         return Ok(false);
     }
-    let name = match (dtype, lanes) {
-        (DType::Bf16, false) => "gate_up_tile_bf16",
-        (DType::F32, false) => "gate_up_tile_f32",
-        (DType::Bf16, true) => "ls_gate_up_bf16",
-        (DType::F32, true) => "ls_gate_up_f32",
+    // Few takes grouped BF16 experts only; anything else takes the token tiles
+    let kind = match (kind, dtype, groups.is_some()) {
+        (ExpertKernels::Few, DType::Bf16, true) => ExpertKernels::Few,
+        (ExpertKernels::Few, _, _) => ExpertKernels::Tiled,
+        (k, _, _) => k,
     };
-    let tile = experts_tile(lanes);
+    let name = match (dtype, kind) {
+        (DType::Bf16, ExpertKernels::Few) => "gate_up_few_bf16",
+        (DType::Bf16, ExpertKernels::Tiled) => "gate_up_tile_bf16",
+        (DType::F32, ExpertKernels::Tiled | ExpertKernels::Few) => "gate_up_tile_f32",
+        (DType::Bf16, ExpertKernels::Lanes) => "ls_gate_up_bf16",
+        (DType::F32, ExpertKernels::Lanes) => "ls_gate_up_f32",
+    };
+    let tile = experts_tile(kind);
     let (g, tiles) = match groups {
         Some((g, experts)) => (g, max_tiles(pairs, experts, tile)),
         None => (
@@ -459,10 +501,10 @@ pub(crate) fn gate_up_tile(
             pairs.div_ceil(tile),
         ),
     };
-    let (grid_y, block, smem) = if lanes {
-        (blocks(rows, LS_BR / 2), LS_THREADS, LS_SMEM)
-    } else {
-        (blocks(rows, 8 * GU_ROWS), 256, 0)
+    let (grid_y, block, smem) = match kind {
+        ExpertKernels::Lanes => (blocks(rows, LS_BR / 2), LS_THREADS, LS_SMEM),
+        ExpertKernels::Tiled => (blocks(rows, 8 * GU_ROWS), 256, 0),
+        ExpertKernels::Few => (blocks(rows, 8), 256, 0),
     };
     gpu.launch(
         name,
@@ -500,16 +542,16 @@ pub(crate) fn down_tile(
     experts: usize,
     act: u64,
     y: u64,
-    lanes: bool,
+    kind: ExpertKernels,
 ) -> Result<bool, CudaError> {
     if !tileable(width, width, &[down, act]) {
         return Ok(false);
     }
-    let tiles = max_tiles(pairs, experts, experts_tile(lanes)) as u32;
-    let (name, grid_y, block, smem) = if lanes {
-        ("ls_down_bf16", blocks(hidden, LS_BR), LS_THREADS, LS_SMEM)
-    } else {
-        ("down_tile", blocks(hidden, 8 * TILE_ROWS), 256, 0)
+    let tiles = max_tiles(pairs, experts, experts_tile(kind)) as u32;
+    let (name, grid_y, block, smem) = match kind {
+        ExpertKernels::Lanes => ("ls_down_bf16", blocks(hidden, LS_BR), LS_THREADS, LS_SMEM),
+        ExpertKernels::Tiled => ("down_tile", blocks(hidden, 8 * TILE_ROWS), 256, 0),
+        ExpertKernels::Few => ("down_few", blocks(hidden, 8 * FEW_DOWN_ROWS), 256, 0),
     };
     gpu.launch(
         name,

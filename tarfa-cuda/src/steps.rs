@@ -363,7 +363,7 @@ impl OpSteps<'_> {
                 1,
                 ws.xn.ptr(),
                 act,
-                lanes,
+                ops::dense_kernels(lanes),
             )?;
         if !tiled {
             ops::gate_up(
@@ -1063,8 +1063,8 @@ impl OpSteps<'_> {
         );
         let pairs = t_count * k;
         let g = ws.groups();
-        let lanes = ops::experts_lanes(&m.gpu, pairs, e);
-        ops::moe_group(&m.gpu, route.ids, pairs, e, ops::experts_tile(lanes), g)?;
+        let kind = ops::experts_kernels(&m.gpu, pairs, e);
+        ops::moe_group(&m.gpu, route.ids, pairs, e, ops::experts_tile(kind), g)?;
         let gu = ops::gate_up_tile(
             &m.gpu,
             DType::Bf16,
@@ -1077,7 +1077,7 @@ impl OpSteps<'_> {
             k,
             ws.xn.ptr(),
             ws.act.ptr(),
-            lanes,
+            kind,
         )?;
         if !gu {
             return Ok(None);
@@ -1092,7 +1092,7 @@ impl OpSteps<'_> {
             e,
             ws.act.ptr(),
             ws.y_experts.ptr(),
-            lanes,
+            kind,
         )?;
         if !dn {
             // gate_up_tile wrote the same activations gate_up would: finish with down_mix

@@ -4,7 +4,7 @@
 # --cuda-many tiled and auto (what a user of `tarfa-run generate` gets, logits compared byte for
 # byte), and the other expert shape (Qwen3-235B-A22B, 4 layers) against transformers.
 #
-#   [STEPS=thresholds,cli,q235,decode,nsys] validation/gpu/prefill-cli.sh BIN_DIR [OUT_DIR]
+#   [STEPS=thresholds,cli,q235,decode,nsys,ncu] validation/gpu/prefill-cli.sh BIN_DIR [OUT_DIR]
 #   (BIN_DIR as for prefill.sh; STEPS defaults to thresholds,cli,q235)
 # cli: without --preload a prefill's time includes reading and verifying the experts it first
 # uses (20 GB here); with --preload (PRELOAD=1) it is the step's compute alone.
@@ -78,6 +78,23 @@ for f in sys.argv[1:]:
         print(f"    {r['Name'][:44]:44s} {100 * t / tot:5.1f}%  {t / 1e6:8.1f} ms  {r['Instances'] if 'Instances' in r else r.get('Num Calls', '')} calls")
 PY
   say "nsys"
+fi
+# 5. the same with ncu (no nsys on the GPU machine): every kernel's GPU time, in launch order, of
+#    a batched decode at B = 1, 8, 32 (auto) and 8, 32 (tiled), 2 steps each after a 16-token
+#    prompt, nothing compared, and of an 8-token step of one sequence (a draft's verification);
+#    analysed off the machine (validation/gpu/tools/ncu_steps.py)
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if step ncu && [ -n "$NCU" ]; then
+  for what in "bd-auto|auto --prefill '' --batch 1,8,32 --batch-steps 2 --prompt 16 --no-reference" \
+              "bd-tiled|tiled --prefill '' --batch 8,32 --batch-steps 2 --prompt 16 --no-reference" \
+              "p8-auto|auto --prefill 8 --batch ''"; do
+    name=${what%%|*}; a=${what#*|}
+    eval timeout "${NCU_TIMEOUT:-150}" "$NCU" --metrics gpu__time_duration.sum --csv --cache-control none \
+      --clock-control none --print-units base --log-file "$OUTD/ncu-$name.csv" \
+      "$BIN/examples/cuda_bench" $Q30 --only-many --many-kernels $a > "$OUTD/ncu-$name.log" 2>&1
+    say "ncu $name rc=$? $(grep -c gpu__time "$OUTD/ncu-$name.csv" 2>/dev/null) kernels"
+    grep '^TABLE|' "$OUTD/ncu-$name.log" | sed 's/^TABLE|/  /'
+  done
 fi
 step q235 || exit 0
 wait $SYN; say "q235 bundle $(tail -1 "$OUTD/synth235.log" 2>/dev/null)"

@@ -26,6 +26,8 @@
 #   san    5. compute-sanitizer memcheck, racecheck, initcheck, synccheck on cuda_bench
 #             --only-many --many-kernels lanes over the qwen3moe-a fixture (small sizes: every
 #             kernel of prefill.cu, the multi-sequence step included).
+# ARM=auto (default lanes): the selftests of step 2 and the sanitizers of step 5 on
+# --many-kernels auto instead (tile.cu's few-pair experts kernels, which only auto takes).
 # Prints a short table last; OUT_DIR gets table.txt, the JSON figures and logs.tar.gz.
 set -u
 BIN=$(cd "${1:?usage: prefill.sh BIN_DIR [OUT_DIR]}" && pwd)
@@ -73,12 +75,12 @@ if has check; then
   say "kernel checks"
   for f in qwen3moe-a qwen3moe-code olmoe-s mixtral-s deepseekv3-s qwen3moe-odd glm4moe-s \
            llama4-dense-s; do
-    timeout 90 "$ST" fixture "$FIX/$f" --decode 4 --many-kernels lanes > "$LOG/fixture-$f.log" 2>&1
-    grep -h '^TABLE|' "$LOG/fixture-$f.log" | sed "s/^TABLE|selftest /selftest (lanes) /" >> "$TABLE"
+    timeout 90 "$ST" fixture "$FIX/$f" --decode 4 --many-kernels "${ARM:-lanes}" > "$LOG/fixture-$f.log" 2>&1
+    grep -h '^TABLE|' "$LOG/fixture-$f.log" | sed "s/^TABLE|selftest /selftest (${ARM:-lanes}) /" >> "$TABLE"
   done
   if [ -d "$SHARED/gptoss-a" ]; then
-    timeout 120 "$ST" fixture "$SHARED/gptoss-a" --decode 4 --many-kernels lanes > "$LOG/fixture-gptoss-a.log" 2>&1
-    grep -h '^TABLE|' "$LOG/fixture-gptoss-a.log" | sed "s/^TABLE|selftest /selftest (lanes) /" >> "$TABLE"
+    timeout 120 "$ST" fixture "$SHARED/gptoss-a" --decode 4 --many-kernels "${ARM:-lanes}" > "$LOG/fixture-gptoss-a.log" 2>&1
+    grep -h '^TABLE|' "$LOG/fixture-gptoss-a.log" | sed "s/^TABLE|selftest /selftest (${ARM:-lanes}) /" >> "$TABLE"
   fi
   say "selftests"
 fi
@@ -142,14 +144,14 @@ if has san; then
   for tool in memcheck racecheck initcheck synccheck; do
     ( timeout "${SAN_TIMEOUT:-400}" compute-sanitizer --tool $tool --error-exitcode 9 "$CB" "$FQ" \
         --only-many --prefill 40,130 --batch 1,3 --batch-steps 2 --prompt 20 \
-        --many-kernels lanes > "$LOG/san-$tool.log" 2>&1
+        --many-kernels "${ARM:-lanes}" > "$LOG/san-$tool.log" 2>&1
       echo "rc=$?" >> "$LOG/san-$tool.log" ) &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; done
   for tool in memcheck racecheck initcheck synccheck; do
     rc=$(grep -o 'rc=[0-9]*' "$LOG/san-$tool.log" | tail -1)
-    row "compute-sanitizer $tool, cuda_bench --only-many --many-kernels lanes (qwen3moe-a)" \
+    row "compute-sanitizer $tool, cuda_bench --only-many --many-kernels ${ARM:-lanes} (qwen3moe-a)" \
       "$([ "$rc" = rc=0 ] && echo CLEAN || echo "$rc")" \
       "$(grep -h 'ERROR SUMMARY' "$LOG/san-$tool.log" | tail -1)"
   done
