@@ -290,6 +290,12 @@ impl Gpu {
         }
     }
 
+    /// How many times the mock device launched each kernel (tests).
+    #[cfg(test)]
+    pub(crate) fn mock_launches(&self) -> std::collections::BTreeMap<&'static str, usize> {
+        self.mock_mem().launched.clone()
+    }
+
     #[cfg(any(test, feature = "mock-device"))]
     fn mock_mem(&self) -> std::sync::MutexGuard<'_, super::mock::Memory> {
         match &self.inner {

@@ -291,6 +291,11 @@ pub enum ManyKernels {
     Tiled,
     /// The lane-sequential kernels wherever they can run, however few the tokens (tests).
     Lanes,
+    /// `Auto`, with the experts of a step of few routed pairs per expert (below
+    /// 4 on average: batched decode, a draft's verification) on kernels/tile.cu's
+    /// `gate_up_few_bf16`/`down_few` instead of the token tiles. Bit-identical on the kernel
+    /// emulator; not yet measured on a GPU, so not the default (PHASE_LOG B9).
+    Few,
 }
 
 impl ManyKernels {
@@ -300,6 +305,7 @@ impl ManyKernels {
             ManyKernels::Auto => "auto",
             ManyKernels::Tiled => "tiled",
             ManyKernels::Lanes => "lanes",
+            ManyKernels::Few => "few",
         }
     }
 
@@ -318,13 +324,19 @@ impl ManyKernels {
     }
 
     /// Every choice.
-    pub const ALL: [ManyKernels; 3] = [ManyKernels::Auto, ManyKernels::Tiled, ManyKernels::Lanes];
+    pub const ALL: [ManyKernels; 4] = [
+        ManyKernels::Auto,
+        ManyKernels::Tiled,
+        ManyKernels::Lanes,
+        ManyKernels::Few,
+    ];
 
     pub(crate) fn code(self) -> u8 {
         match self {
             ManyKernels::Auto => 0,
             ManyKernels::Tiled => 1,
             ManyKernels::Lanes => 2,
+            ManyKernels::Few => 3,
         }
     }
 
@@ -332,6 +344,7 @@ impl ManyKernels {
         match c {
             0 => ManyKernels::Auto,
             2 => ManyKernels::Lanes,
+            3 => ManyKernels::Few,
             _ => ManyKernels::Tiled,
         }
     }

@@ -35,6 +35,8 @@ struct Block {
 #[derive(Default)]
 pub(crate) struct Memory {
     blocks: BTreeMap<u64, Block>,
+    /// launches per kernel name (tests ask which kernels a step took)
+    pub(crate) launched: BTreeMap<&'static str, usize>,
 }
 
 impl Memory {
@@ -864,6 +866,7 @@ pub(crate) fn launch(
     shared_bytes: u32,
     args: &[Arg],
 ) -> Result<(), CudaError> {
+    *mem.launched.entry(name).or_default() += 1;
     if let Some(emu) = emulator() {
         let vals: Vec<u64> = args
             .iter()
@@ -3752,6 +3755,124 @@ mod tests {
                 assert!(&bits(o) == w, "{family}: sequence {i} of the step");
             }
             eprintln!("{family}: the lane-sequential kernels give the CPU's bits");
+        }
+    }
+
+    #[test]
+    fn the_few_pair_kernels_give_the_cpus_bits() {
+        // ManyKernels::Few: the experts of steps with few routed pairs per expert on
+        // kernels/tile.cu's gate_up_few_bf16 / down_few (tiles of 1, 2 or 4 pairs), against the
+        // CPU backend: a short prompt in one step and in chunks, then steps of five sequences
+        // decoding together (each equal to it alone), and the kernels must have run.
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
+        use tarfa_core::Backend;
+        let mut families = vec!["qwen3moe-a", "olmoe-s", "deepseekv3-s", "qwen3moe-odd"];
+        if !super::emulated() {
+            families.extend(["qwen3_moe", "qwen2_moe"]);
+        }
+        for family in families {
+            let (cfg, src): (MoeConfig, Arc<dyn WeightSource>) = if family.contains('-') {
+                fixture(family)
+            } else {
+                let (cfg, src) = random_model(&SyntheticShape::small(family), 29);
+                (cfg, Arc::new(src))
+            };
+            let v = cfg.vocab_size;
+            let toks = |seed: usize, n: usize| -> Vec<u32> {
+                (0..n)
+                    .map(|i| ((seed * 71 + i * 29 + 3) % v) as u32)
+                    .collect()
+            };
+            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+            let engine = CpuEngine::new(
+                cpu.clone(),
+                EngineOptions {
+                    threads: 2,
+                    kernel: Kernel::best(),
+                },
+            )
+            .unwrap();
+            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
+            gpu.set_many_kernels(crate::ManyKernels::Few);
+            let all = ForwardOptions {
+                logits: LogitRows::All,
+                trace_router: true,
+                ..Default::default()
+            };
+            let bits = |o: &ForwardOutput| {
+                let l: Vec<Vec<u32>> = o
+                    .logits
+                    .iter()
+                    .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                    .collect();
+                (l, format!("{:?}", o.router), o.stats)
+            };
+            // a prompt short enough to stay below 4 pairs per expert, whole and in chunks
+            let n = (4 * cfg.num_experts / cfg.top_k).clamp(2, 12) - 1;
+            let prompt = toks(1, n);
+            let mut c = cpu.new_cache();
+            let want = bits(&engine.forward(&mut c, &prompt, &all).unwrap());
+            let mut g = gpu.new_cache().unwrap();
+            assert!(
+                bits(&gpu.forward(&mut g, &prompt, &all).unwrap()) == want,
+                "{family}: a prompt of {n}"
+            );
+            let mut c = cpu.new_cache();
+            let mut g = gpu.new_cache().unwrap();
+            for piece in prompt.chunks(n.div_ceil(2)) {
+                assert!(
+                    bits(&gpu.forward(&mut g, piece, &all).unwrap())
+                        == bits(&engine.forward(&mut c, piece, &all).unwrap()),
+                    "{family}: a chunk of {}",
+                    piece.len()
+                );
+            }
+            // five sequences with their own histories, three decode steps together
+            let b = 5;
+            let mut cpus: Vec<_> = (0..b)
+                .map(|i| {
+                    let mut c = cpu.new_cache();
+                    engine.forward(&mut c, &toks(10 + i, 3 + i), &all).unwrap();
+                    c
+                })
+                .collect();
+            let mut gpus: Vec<_> = (0..b)
+                .map(|i| {
+                    let mut c = gpu.new_cache().unwrap();
+                    gpu.forward(&mut c, &toks(10 + i, 3 + i), &all).unwrap();
+                    c
+                })
+                .collect();
+            for step in 0..3 {
+                let next: Vec<Vec<u32>> = (0..b).map(|i| toks(20 + i + step, 1)).collect();
+                let want: Vec<_> = cpus
+                    .iter_mut()
+                    .zip(&next)
+                    .map(|(c, t)| bits(&engine.forward(c, t, &all).unwrap()))
+                    .collect();
+                let mut entries: Vec<_> = gpus
+                    .iter_mut()
+                    .zip(&next)
+                    .map(|(c, t)| BatchEntry {
+                        cache: c,
+                        tokens: &t[..],
+                        opts: all,
+                    })
+                    .collect();
+                let outs = gpu.forward_batch(&mut entries).unwrap();
+                for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
+                    assert!(&bits(o) == w, "{family}: sequence {i} of decode step {step}");
+                }
+            }
+            let ran = gpu.gpu.mock_launches();
+            for k in ["gate_up_few_bf16", "down_few"] {
+                assert!(ran.get(k).copied().unwrap_or(0) > 0, "{family}: {k} never ran: {ran:?}");
+            }
+            // (gate_up_tile may still run a dense MLP or shared expert; down_tile is experts'
+            // only)
+            assert_eq!(ran.get("down_tile"), None, "{family}: {ran:?}");
+            eprintln!("{family}: the few-pair kernels give the CPU's bits");
         }
     }
 

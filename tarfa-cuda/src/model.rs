@@ -222,7 +222,7 @@ pub struct CudaModel {
     /// Expert streaming: the hot tier, and the source its experts come from.
     hot: Option<Box<Mutex<HotTier>>>,
     stream_source: Option<Arc<dyn WeightSource>>,
-    gpu: Gpu,
+    pub(crate) gpu: Gpu,
 }
 
 static NEXT_MODEL_ID: AtomicUsize = AtomicUsize::new(1);

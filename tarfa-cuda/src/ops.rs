@@ -288,7 +288,7 @@ pub(crate) fn lanes(gpu: &Gpu, enough: bool) -> bool {
     match gpu.many() {
         crate::ManyKernels::Tiled => false,
         crate::ManyKernels::Lanes => true,
-        crate::ManyKernels::Auto => enough,
+        crate::ManyKernels::Auto | crate::ManyKernels::Few => enough,
     }
 }
 
@@ -389,23 +389,23 @@ pub(crate) enum ExpertKernels {
     Lanes,
 }
 
-/// With [`crate::ManyKernels::Auto`], the experts run on [`ExpertKernels::Few`] below this many
+/// With [`crate::ManyKernels::Few`], the experts run on [`ExpertKernels::Few`] below this many
 /// routed pairs per expert on average (then most tiles hold one or two pairs: batched decode,
 /// a draft's verification), on the token-tiled kernels from there to
-/// [`LS_AUTO_PAIRS_PER_EXPERT`], and on the lane-sequential ones above.
+/// [`LS_AUTO_PAIRS_PER_EXPERT`], and on the lane-sequential ones above (Auto's choices).
 pub(crate) const FEW_PAIRS_PER_EXPERT: usize = 4;
 
 /// The kernels of a layer's grouped experts: [`crate::ManyKernels::Tiled`] and `Lanes` force
-/// theirs (`Few` is Auto's only); Auto chooses by the routed pairs per expert.
+/// theirs; Auto and Few choose by the routed pairs per expert (Few's few-pair kernels are its
+/// only difference from Auto).
 pub(crate) fn experts_kernels(gpu: &Gpu, pairs: usize, experts: usize) -> ExpertKernels {
+    use crate::ManyKernels as M;
     match gpu.many() {
-        crate::ManyKernels::Tiled => ExpertKernels::Tiled,
-        crate::ManyKernels::Lanes => ExpertKernels::Lanes,
-        crate::ManyKernels::Auto if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => {
-            ExpertKernels::Lanes
-        }
-        crate::ManyKernels::Auto if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
-        crate::ManyKernels::Auto => ExpertKernels::Tiled,
+        M::Tiled => ExpertKernels::Tiled,
+        M::Lanes => ExpertKernels::Lanes,
+        M::Auto | M::Few if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => ExpertKernels::Lanes,
+        M::Few if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
+        M::Auto | M::Few => ExpertKernels::Tiled,
     }
 }
 

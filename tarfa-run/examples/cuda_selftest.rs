@@ -15,7 +15,7 @@
 //! cuda_selftest bench DIR [--prefill N] [--decode N] [--selftest-prompts N]
 //!                                                decode and prefill tok/s, then CPU vs CUDA
 //! ```
-//! `--many-kernels auto|tiled|lanes` (any command): the kernels steps of many tokens take
+//! `--many-kernels auto|tiled|lanes|few` (any command): the kernels steps of many tokens take
 //! (default auto; `lanes` runs the lane-sequential kernels of kernels/prefill.cu on every
 //! prompt, however short).
 //! Lines starting `TABLE|` are collected into run.sh's summary.
