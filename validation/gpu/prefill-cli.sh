@@ -80,14 +80,14 @@ PY
   say "nsys"
 fi
 # 5. the same with ncu (no nsys on the GPU machine): every kernel's GPU time, in launch order, of
-#    a batched decode at B = 1, 8, 32 (auto) and 8, 32 (tiled), 2 steps each after a 16-token
-#    prompt, nothing compared, and of an 8-token step of one sequence (a draft's verification);
+#    a batched decode at B = 1, 8, 32, 2 steps each after a 16-token prompt, nothing compared,
+#    and of an 8-token step of one sequence (a draft's verification), each with auto and few;
 #    analysed off the machine (validation/gpu/tools/ncu_steps.py)
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if step ncu && [ -n "$NCU" ]; then
   for what in "bd-auto|auto --prefill '' --batch 1,8,32 --batch-steps 2 --prompt 16 --no-reference" \
-              "bd-tiled|tiled --prefill '' --batch 8,32 --batch-steps 2 --prompt 16 --no-reference" \
-              "p8-auto|auto --prefill 8 --batch ''"; do
+              "bd-few|few --prefill '' --batch 1,8,32 --batch-steps 2 --prompt 16 --no-reference" \
+              "p8-auto|auto --prefill 8 --batch ''" "p8-few|few --prefill 8 --batch ''"; do
     name=${what%%|*}; a=${what#*|}
     eval timeout "${NCU_TIMEOUT:-150}" "$NCU" --metrics gpu__time_duration.sum --csv --cache-control none \
       --clock-control none --print-units base --log-file "$OUTD/ncu-$name.csv" \
