@@ -485,3 +485,48 @@ extern "C" __global__ void __launch_bounds__(256) down_few(
                                              count, act, y, p);
     }
 }
+
+// matvec.cu's function for a step of 2 to 8 tokens (the dense products of batched decode and of
+// a draft's verification), under --cuda-many few: mm_tile's 4 x 4 tiles with one chunk in
+// flight become a warp per row holding all T >= tokens columns (T = 2, 4 or 8; columns past
+// `tokens` repeat the last token and are not written) with FEW_GROUP chunks of the row in
+// flight. out[t][r] = (out[t][r] +) dot(W[r], x[t]) (+ bias[r]), the same operations as
+// mm_tile_body in the same order. grid (1, ceil(rows / 8)), block 256.
+template <int T>
+__device__ __forceinline__ void mm_few_row(const u16* __restrict__ w, int r, int cols,
+                                           const float* __restrict__ x, long x_stride, int tokens,
+                                           const float* __restrict__ bias, float* out,
+                                           long out_stride, int mode, int p) {
+    const u16* wr[1] = {w + (long)r * cols};
+    const float* xr[T];
+#pragma unroll
+    for (int t = 0; t < T; t++) xr[t] = x + (long)min(t, tokens - 1) * x_stride;
+    float acc[1][T][8];
+#pragma unroll
+    for (int t = 0; t < T; t++) zero8(acc[0][t]);
+    for (int c0 = 0; (c0 << 8) < cols; c0 += FEW_GROUP) few_group<1, T, FEW_GROUP>(acc, wr, xr, c0, cols, p);
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        float y = warp_tree_fast(acc[0][t]);
+        if (p == 0 && t < tokens) {
+            if (bias != nullptr) y = __fadd_rn(y, bias[r]);
+            float* o = out + (long)t * out_stride + r;
+            *o = (mode == 1) ? __fadd_rn(*o, y) : y;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mm_few_bf16(
+    const u16* __restrict__ w, int rows, int cols, const float* __restrict__ x, long x_stride,
+    int tokens, const float* __restrict__ bias, float* out, long out_stride, int mode) {
+    const int p = threadIdx.x & 31;
+    const int r = blockIdx.y * 8 + (threadIdx.x >> 5);
+    if (r >= rows) return;  // a whole warp leaves together
+    if (tokens <= 2) {
+        mm_few_row<2>(w, r, cols, x, x_stride, tokens, bias, out, out_stride, mode, p);
+    } else if (tokens <= 4) {
+        mm_few_row<4>(w, r, cols, x, x_stride, tokens, bias, out, out_stride, mode, p);
+    } else {
+        mm_few_row<8>(w, r, cols, x, x_stride, tokens, bias, out, out_stride, mode, p);
+    }
+}

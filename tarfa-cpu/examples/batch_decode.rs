@@ -3,11 +3,11 @@
 //! bits (they must).
 //!
 //! ```text
-//! cargo run --release -p tarfa-cpu --example batch_decode -- [CHECKPOINT_DIR] [STEPS] [THREADS]
+//! cargo run --release -p tarfa-cpu --example batch_decode -- [CHECKPOINT_DIR] [STEPS] [THREADS] [SIZES]
 //! ```
 //!
 //! CHECKPOINT_DIR defaults to the demo model, fixtures/oracle/qwen3moe-code; STEPS to 32;
-//! THREADS to 0 (one per core). Each sequence is prefilled with its own 8-token prompt, then
+//! THREADS to 0 (one per core); SIZES to 1,8,32 (a comma list of B). Each sequence is prefilled with its own 8-token prompt, then
 //! decodes greedily; only the decode steps are timed.
 
 use std::path::PathBuf;
@@ -87,6 +87,9 @@ fn main() {
     });
     let steps: usize = args.get(1).map_or(32, |s| s.parse().expect("STEPS"));
     let threads: usize = args.get(2).map_or(0, |s| s.parse().expect("THREADS"));
+    let sizes: Vec<usize> = args.get(3).map_or(vec![1, 8, 32], |s| {
+        s.split(',').map(|b| b.parse().expect("SIZES")).collect()
+    });
     let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
     let cfg = MoeConfig::from_json_str(&text).expect("config");
     let spec = ArchSpec::new(&cfg);
@@ -108,7 +111,7 @@ fn main() {
     );
     println!("| B | loop tok/s | batched tok/s | batched / loop | same bits |");
     println!("| --- | --- | --- | --- | --- |");
-    for b in [1, 8, 32] {
+    for b in sizes {
         let _warm = decode(&eng, b, 2, true);
         let (loop_bits, loop_s) = decode(&eng, b, steps, false);
         let (batch_bits, batch_s) = decode(&eng, b, steps, true);

@@ -1051,16 +1051,23 @@ fn check_experts(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
     Ok(c.done())
 }
 
-/// The products of many tokens on both kernel families (kernels/tile.cu and the lane-sequential
-/// kernels/prefill.cu): the dense product with bias and residual (BF16 and F32 weights), and
-/// the experts grouped by expert (gate, up and SwiGLU, then down), against the CPU's dots. The
+/// The products of many tokens on every kernel family (kernels/tile.cu's token tiles and
+/// few-token kernels, the lane-sequential kernels/prefill.cu): the dense product with bias and
+/// residual (BF16 and F32 weights), and the experts grouped by expert (gate, up and SwiGLU, then
+/// down), against the CPU's dots. The
 /// shapes cover partial row and token tiles, reductions shorter than a chunk, chunks beyond one
 /// stage (K > 2,048), and experts chosen by several tiles' worth of pairs.
 pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
     let mut c = Check::new("products of many tokens (tile.cu, prefill.cu)");
     let mut rng = Rng(71);
     let before = gpu.many();
-    for many in [crate::ManyKernels::Tiled, crate::ManyKernels::Lanes] {
+    // Few: its dense products of 2 to 8 tokens (tile.cu mm_few_bf16); its experts are in the
+    // experts' loop below, beside Tiled's
+    for many in [
+        crate::ManyKernels::Tiled,
+        crate::ManyKernels::Lanes,
+        crate::ManyKernels::Few,
+    ] {
         gpu.set_many(many);
         let lanes = many == crate::ManyKernels::Lanes;
         for (dtype, rows, cols, tokens) in [
@@ -1070,6 +1077,8 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             (DType::Bf16, 33, 768, 5),
             (DType::Bf16, 70, 4104, 18),
             (DType::F32, 9, 2056, 3),
+            (DType::Bf16, 21, 4104, 8),
+            (DType::Bf16, 12, 520, 2),
         ] {
             let (w, wide) = upload_mat(gpu, rows, cols, dtype, &mut rng)?;
             let x = rng.vec(tokens * cols);
@@ -1115,10 +1124,10 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         // with the token tiles, also on the few-pair kernels (tiles of 1 to 4 pairs), there
         // with one shape of several load groups per row (gate/up rows of 2,064 columns: 9
         // chunks, the last partial; down rows of 1,040: 5)
-        let kinds: &[ops::ExpertKernels] = if lanes {
-            &[ops::ExpertKernels::Lanes]
-        } else {
-            &[ops::ExpertKernels::Tiled, ops::ExpertKernels::Few]
+        let kinds: &[ops::ExpertKernels] = match many {
+            crate::ManyKernels::Lanes => &[ops::ExpertKernels::Lanes],
+            crate::ManyKernels::Few => &[],
+            _ => &[ops::ExpertKernels::Tiled, ops::ExpertKernels::Few],
         };
         for (kind, (e_count, i_w, h, k, t)) in kinds
             .iter()

@@ -83,6 +83,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "down_tile",
             "gate_up_few_bf16",
             "down_few",
+            "mm_few_bf16",
         ],
     },
     KernelFile {

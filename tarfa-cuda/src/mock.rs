@@ -942,22 +942,24 @@ pub(crate) fn launch_reference(
             };
             matvec_reference(mem, &m, gy);
         }
-        "mm_tile_bf16" | "mm_tile_f32" => {
+        "mm_tile_bf16" | "mm_tile_f32" | "mm_few_bf16" => {
             a.count(10);
             let (w, rows, cols) = (a.ptr(0), a.int(1), a.int(2));
             let (x, xs, tokens) = (a.ptr(3), a.long(4), a.int(5));
             let (bias, out, os, mode) = (a.ptr(6), a.ptr(7), a.long(8), a.int(9));
-            assert_eq!(
-                (gx, gy, gz, block.0),
-                (tokens.div_ceil(4), rows.div_ceil(32), 1, 256),
-                "{name} geometry"
-            );
+            let want = if name == "mm_few_bf16" {
+                assert!((2..=8).contains(&tokens), "{name}: {tokens} tokens");
+                (1, rows.div_ceil(8), 1, 256)
+            } else {
+                (tokens.div_ceil(4), rows.div_ceil(32), 1, 256)
+            };
+            assert_eq!((gx, gy, gz, block.0), want, "{name} geometry");
             assert!(
                 cols % 8 == 0 && xs % 4 == 0 && w % 16 == 0 && x % 16 == 0,
                 "{name}: alignment"
             );
             let m = MatvecArgs {
-                bf16: name == "mm_tile_bf16",
+                bf16: name != "mm_tile_f32",
                 w,
                 rows,
                 cols,
@@ -3761,7 +3763,8 @@ mod tests {
     #[test]
     fn the_few_pair_kernels_give_the_cpus_bits() {
         // ManyKernels::Few: the experts of steps with few routed pairs per expert on
-        // kernels/tile.cu's gate_up_few_bf16 / down_few (tiles of 1, 2 or 4 pairs), against the
+        // kernels/tile.cu's gate_up_few_bf16 / down_few (tiles of 1, 2 or 4 pairs) and the dense
+        // products of 2 to 8 tokens on mm_few_bf16, against the
         // CPU backend: a short prompt in one step and in chunks, then steps of five sequences
         // decoding together (each equal to it alone), and the kernels must have run.
         use tarfa_core::batch::BatchEntry;
@@ -3866,7 +3869,7 @@ mod tests {
                 }
             }
             let ran = gpu.gpu.mock_launches();
-            for k in ["gate_up_few_bf16", "down_few"] {
+            for k in ["gate_up_few_bf16", "down_few", "mm_few_bf16"] {
                 assert!(ran.get(k).copied().unwrap_or(0) > 0, "{family}: {k} never ran: {ran:?}");
             }
             // (gate_up_tile may still run a dense MLP or shared expert; down_tile is experts'

@@ -233,6 +233,8 @@ const TILE_ROWS: usize = 4;
 const GU_ROWS: usize = 2;
 /// Down rows per warp of tile.cu's `down_few` (its `FEW_DOWN_ROWS`).
 const FEW_DOWN_ROWS: usize = 4;
+/// The most tokens tile.cu's `mm_few_bf16` takes (its widest column set, T = 8).
+const MM_FEW_TOKENS: usize = 8;
 
 /// kernels/prefill.cu's lane-sequential tiles: rows and tokens (pairs, query rows) per block,
 /// threads per block, and the dynamic shared memory of its products (`LS_SMEM_BYTES`).
@@ -319,6 +321,27 @@ pub(crate) fn matmul(
         return matvec(gpu, w, x, x_stride, bias, out, out_stride, tokens, residual);
     }
     let ls = lanes(gpu, tokens >= LS_AUTO_TOKENS);
+    // --cuda-many few: a step of 2 to 8 tokens on a BF16 matrix takes tile.cu's mm_few_bf16
+    if w.dtype == DType::Bf16 && tokens <= MM_FEW_TOKENS && gpu.many() == crate::ManyKernels::Few {
+        return gpu.launch(
+            "mm_few_bf16",
+            (1, blocks(w.rows, 8), 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(w.ptr()),
+                Arg::I32(i32_of(w.rows, "rows")?),
+                Arg::I32(i32_of(w.cols, "cols")?),
+                Arg::Ptr(x),
+                Arg::I64(x_stride as i64),
+                Arg::I32(i32_of(tokens, "tokens")?),
+                Arg::Ptr(bias),
+                Arg::Ptr(out),
+                Arg::I64(out_stride as i64),
+                Arg::I32(i32::from(residual)),
+            ],
+        );
+    }
     let name = match (w.dtype, ls) {
         (DType::Bf16, false) => "mm_tile_bf16",
         (DType::F32, false) => "mm_tile_f32",
