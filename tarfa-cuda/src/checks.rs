@@ -1069,7 +1069,6 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         crate::ManyKernels::Few,
     ] {
         gpu.set_many(many);
-        let lanes = many == crate::ManyKernels::Lanes;
         for (dtype, rows, cols, tokens) in [
             (DType::Bf16, 37usize, 72usize, 19usize),
             (DType::Bf16, 64, 256, 33),
