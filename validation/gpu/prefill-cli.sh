@@ -80,12 +80,12 @@ PY
   say "nsys"
 fi
 # 5. the same with ncu (no nsys on the GPU machine): every kernel's GPU time, in launch order, of
-#    a batched decode at B = 1, 8, 32, 2 steps each after a 16-token prompt, nothing compared,
+#    a batched decode at B = 1, 8, 32 (and 128 with auto), 2 steps each after a 16-token prompt, nothing compared,
 #    and of an 8-token step of one sequence (a draft's verification), each with auto and few;
 #    analysed off the machine (validation/gpu/tools/ncu_steps.py)
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if step ncu && [ -n "$NCU" ]; then
-  for what in "bd-auto|auto --prefill '' --batch 1,8,32 --batch-steps 2 --prompt 16 --no-reference" \
+  for what in "bd-auto|auto --prefill '' --batch 1,8,32,128 --batch-steps 2 --prompt 16 --no-reference" \
               "bd-few|few --prefill '' --batch 1,8,32 --batch-steps 2 --prompt 16 --no-reference" \
               "p8-auto|auto --prefill 8 --batch ''" "p8-few|few --prefill 8 --batch ''"; do
     name=${what%%|*}; a=${what#*|}
