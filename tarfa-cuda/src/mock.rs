@@ -3638,6 +3638,47 @@ mod tests {
         }
     }
 
+    /// A family's model (a fixture when its name has a '-', else a random small model of that
+    /// architecture from `seed`) on the CPU engine (2 threads) and on the mock device with
+    /// `many`: the two sides of the many-token kernels' tests.
+    fn cpu_and_mock(
+        family: &str,
+        seed: u64,
+        many: crate::ManyKernels,
+    ) -> (MoeConfig, Arc<CpuModel>, CpuEngine, CudaModel) {
+        let (cfg, src): (MoeConfig, Arc<dyn WeightSource>) = if family.contains('-') {
+            fixture(family)
+        } else {
+            let (cfg, src) = random_model(&SyntheticShape::small(family), seed);
+            (cfg, Arc::new(src))
+        };
+        let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
+        let engine = CpuEngine::new(
+            cpu.clone(),
+            EngineOptions {
+                threads: 2,
+                kernel: Kernel::best(),
+            },
+        )
+        .unwrap();
+        let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src, None).unwrap();
+        gpu.set_many_kernels(many);
+        (cfg, cpu, engine, gpu)
+    }
+
+    /// A step's logits as bits, its router records and its statistics: what the many-token
+    /// kernels' tests compare.
+    fn step_bits(
+        o: &tarfa_core::step::ForwardOutput,
+    ) -> (Vec<Vec<u32>>, String, tarfa_core::step::StepStats) {
+        let l: Vec<Vec<u32>> = o
+            .logits
+            .iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect();
+        (l, format!("{:?}", o.router), o.stats)
+    }
+
     #[test]
     fn the_lane_sequential_kernels_give_the_cpus_bits() {
         // every product and the attention of a step of many tokens on kernels/prefill.cu
@@ -3649,7 +3690,7 @@ mod tests {
         // gpt-oss's sinks and windows (a windowed layer keeps attention.cu) and the hybrids
         // (gated attention) with the shared oracle.
         use tarfa_core::batch::BatchEntry;
-        use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         use tarfa_core::Backend;
         let mut families = vec!["qwen3moe-a", "olmoe-s", "mixtral-s", "deepseekv3-s"];
         if !super::emulated() {
@@ -3659,42 +3700,19 @@ mod tests {
             families.extend(["gptoss-a", "qwen35moe-a"]);
         }
         for family in families {
-            let (cfg, src): (MoeConfig, Arc<dyn WeightSource>) = if family.contains('-') {
-                fixture(family)
-            } else {
-                let (cfg, src) = random_model(&SyntheticShape::small(family), 23);
-                (cfg, Arc::new(src))
-            };
+            let (cfg, cpu, engine, gpu) = cpu_and_mock(family, 23, crate::ManyKernels::Lanes);
             let v = cfg.vocab_size;
             let toks = |seed: usize, n: usize| -> Vec<u32> {
                 (0..n)
                     .map(|i| ((seed * 89 + i * 37 + 5) % v) as u32)
                     .collect()
             };
-            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
-            let engine = CpuEngine::new(
-                cpu.clone(),
-                EngineOptions {
-                    threads: 2,
-                    kernel: Kernel::best(),
-                },
-            )
-            .unwrap();
-            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
-            gpu.set_many_kernels(crate::ManyKernels::Lanes);
             let all = ForwardOptions {
                 logits: LogitRows::All,
                 trace_router: true,
                 ..Default::default()
             };
-            let bits = |o: &ForwardOutput| {
-                let l: Vec<Vec<u32>> = o
-                    .logits
-                    .iter()
-                    .map(|r| r.iter().map(|x| x.to_bits()).collect())
-                    .collect();
-                (l, format!("{:?}", o.router), o.stats)
-            };
+            let bits = step_bits;
             // one prompt: in one step, then in chunks of 11, 20 and 6, then decode
             let prompt = toks(1, 37);
             let mut c = cpu.new_cache();
@@ -3768,49 +3786,26 @@ mod tests {
         // CPU backend: a short prompt in one step and in chunks, then steps of five sequences
         // decoding together (each equal to it alone), and the kernels must have run.
         use tarfa_core::batch::BatchEntry;
-        use tarfa_core::step::{ForwardOptions, ForwardOutput, LogitRows};
+        use tarfa_core::step::{ForwardOptions, LogitRows};
         use tarfa_core::Backend;
         let mut families = vec!["qwen3moe-a", "olmoe-s", "deepseekv3-s", "qwen3moe-odd"];
         if !super::emulated() {
             families.extend(["qwen3_moe", "qwen2_moe"]);
         }
         for family in families {
-            let (cfg, src): (MoeConfig, Arc<dyn WeightSource>) = if family.contains('-') {
-                fixture(family)
-            } else {
-                let (cfg, src) = random_model(&SyntheticShape::small(family), 29);
-                (cfg, Arc::new(src))
-            };
+            let (cfg, cpu, engine, gpu) = cpu_and_mock(family, 29, crate::ManyKernels::Few);
             let v = cfg.vocab_size;
             let toks = |seed: usize, n: usize| -> Vec<u32> {
                 (0..n)
                     .map(|i| ((seed * 71 + i * 29 + 3) % v) as u32)
                     .collect()
             };
-            let cpu = Arc::new(CpuModel::load(cfg.clone(), src.clone()).unwrap());
-            let engine = CpuEngine::new(
-                cpu.clone(),
-                EngineOptions {
-                    threads: 2,
-                    kernel: Kernel::best(),
-                },
-            )
-            .unwrap();
-            let gpu = CudaModel::load_on(Gpu::mock(), cfg.clone(), src.clone(), None).unwrap();
-            gpu.set_many_kernels(crate::ManyKernels::Few);
             let all = ForwardOptions {
                 logits: LogitRows::All,
                 trace_router: true,
                 ..Default::default()
             };
-            let bits = |o: &ForwardOutput| {
-                let l: Vec<Vec<u32>> = o
-                    .logits
-                    .iter()
-                    .map(|r| r.iter().map(|x| x.to_bits()).collect())
-                    .collect();
-                (l, format!("{:?}", o.router), o.stats)
-            };
+            let bits = step_bits;
             // a prompt short enough to stay below 4 pairs per expert, whole and in chunks
             let n = (4 * cfg.num_experts / cfg.top_k).clamp(2, 12) - 1;
             let prompt = toks(1, n);

@@ -322,33 +322,19 @@ pub(crate) fn matmul(
     }
     let ls = lanes(gpu, tokens >= LS_AUTO_TOKENS);
     // --cuda-many few: a step of 2 to 8 tokens on a BF16 matrix takes tile.cu's mm_few_bf16
-    if w.dtype == DType::Bf16 && tokens <= MM_FEW_TOKENS && gpu.many() == crate::ManyKernels::Few {
-        return gpu.launch(
-            "mm_few_bf16",
-            (1, blocks(w.rows, 8), 1),
-            (256, 1, 1),
-            0,
-            &[
-                Arg::Ptr(w.ptr()),
-                Arg::I32(i32_of(w.rows, "rows")?),
-                Arg::I32(i32_of(w.cols, "cols")?),
-                Arg::Ptr(x),
-                Arg::I64(x_stride as i64),
-                Arg::I32(i32_of(tokens, "tokens")?),
-                Arg::Ptr(bias),
-                Arg::Ptr(out),
-                Arg::I64(out_stride as i64),
-                Arg::I32(i32::from(residual)),
-            ],
-        );
-    }
+    let few = w.dtype == DType::Bf16
+        && tokens <= MM_FEW_TOKENS
+        && gpu.many() == crate::ManyKernels::Few;
     let name = match (w.dtype, ls) {
+        _ if few => "mm_few_bf16",
         (DType::Bf16, false) => "mm_tile_bf16",
         (DType::F32, false) => "mm_tile_f32",
         (DType::Bf16, true) => "ls_mm_bf16",
         (DType::F32, true) => "ls_mm_f32",
     };
-    let (grid, block, smem) = if ls {
+    let (grid, block, smem) = if few {
+        ((1, blocks(w.rows, 8), 1), (256, 1, 1), 0)
+    } else if ls {
         (
             (blocks(tokens, LS_BT), blocks(w.rows, LS_BR), 1),
             (LS_THREADS, 1, 1),
