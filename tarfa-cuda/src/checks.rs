@@ -1128,20 +1128,17 @@ pub(crate) fn check_many(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             crate::ManyKernels::Few => &[],
             _ => &[ops::ExpertKernels::Tiled, ops::ExpertKernels::Few],
         };
-        for (kind, (e_count, i_w, h, k, t)) in kinds
-            .iter()
-            .flat_map(|&kind| {
-                let mut shapes = vec![
-                    (6usize, 40usize, 72usize, 3usize, 23usize),
-                    (16, 96, 264, 4, 40),
-                    (16, 96, 264, 2, 5),
-                ];
-                if kind == ops::ExpertKernels::Few {
-                    shapes.push((4, 1040, 2064, 2, 4));
-                }
-                shapes.into_iter().map(move |s| (kind, s))
-            })
-        {
+        for (kind, (e_count, i_w, h, k, t)) in kinds.iter().flat_map(|&kind| {
+            let mut shapes = vec![
+                (6usize, 40usize, 72usize, 3usize, 23usize),
+                (16, 96, 264, 4, 40),
+                (16, 96, 264, 2, 5),
+            ];
+            if kind == ops::ExpertKernels::Few {
+                shapes.push((4, 1040, 2064, 2, 4));
+            }
+            shapes.into_iter().map(move |s| (kind, s))
+        }) {
             let gate = rng.vec_bf16(e_count * i_w * h);
             let up = rng.vec_bf16(e_count * i_w * h);
             let down = rng.vec_bf16(e_count * h * i_w);

@@ -3860,12 +3860,18 @@ mod tests {
                     .collect();
                 let outs = gpu.forward_batch(&mut entries).unwrap();
                 for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
-                    assert!(&bits(o) == w, "{family}: sequence {i} of decode step {step}");
+                    assert!(
+                        &bits(o) == w,
+                        "{family}: sequence {i} of decode step {step}"
+                    );
                 }
             }
             let ran = gpu.gpu.mock_launches();
             for k in ["gate_up_few_bf16", "down_few", "mm_few_bf16"] {
-                assert!(ran.get(k).copied().unwrap_or(0) > 0, "{family}: {k} never ran: {ran:?}");
+                assert!(
+                    ran.get(k).copied().unwrap_or(0) > 0,
+                    "{family}: {k} never ran: {ran:?}"
+                );
             }
             // (gate_up_tile may still run a dense MLP or shared expert; down_tile is experts'
             // only)

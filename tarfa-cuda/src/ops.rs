@@ -322,9 +322,8 @@ pub(crate) fn matmul(
     }
     let ls = lanes(gpu, tokens >= LS_AUTO_TOKENS);
     // --cuda-many few: a step of 2 to 8 tokens on a BF16 matrix takes tile.cu's mm_few_bf16
-    let few = w.dtype == DType::Bf16
-        && tokens <= MM_FEW_TOKENS
-        && gpu.many() == crate::ManyKernels::Few;
+    let few =
+        w.dtype == DType::Bf16 && tokens <= MM_FEW_TOKENS && gpu.many() == crate::ManyKernels::Few;
     let name = match (w.dtype, ls) {
         _ if few => "mm_few_bf16",
         (DType::Bf16, false) => "mm_tile_bf16",
