@@ -16,6 +16,7 @@ pub use tarfa_core::logprob;
 pub mod request;
 pub mod scheduler;
 pub mod score;
+pub mod text;
 
 pub use request::{parse_line, BadRequest, Limits, Options, Problem, Request, Task};
 pub use scheduler::{Event, Scheduler, Sink, Ticket};

@@ -38,6 +38,7 @@ use tarfa_engine::{EngineError, Model};
 use crate::logprob::{token_logprob, top_logprobs};
 use crate::request::{Request, Task};
 use crate::scheduler::{Event, Scheduler};
+use crate::text::TextSoFar;
 
 /// How the requests are scheduled (none of it changes a result's bytes).
 #[derive(Clone, Copy, Debug)]
@@ -297,6 +298,11 @@ pub(crate) struct Generation {
     generated: Vec<u32>,
     scores: Vec<Scored>,
     text: Option<String>,
+    /// The generated text kept up to date a token at a time (text.rs), with a tokenizer.
+    so_far: Option<TextSoFar>,
+    /// How much of the text was settled at the last stop-string search: a match ending there
+    /// or before was looked for then.
+    stop_scanned: usize,
     finish: Option<FinishReason>,
     /// Drafts per decode step (0: none).
     draft_tokens: usize,
@@ -382,6 +388,8 @@ impl Work {
                     generated: Vec::new(),
                     scores: Vec::new(),
                     text: None,
+                    so_far: None,
+                    stop_scanned: 0,
                     finish: None,
                     draft_tokens: opts.draft_tokens,
                     drafts: Vec::new(),
@@ -648,28 +656,39 @@ impl Generation {
     }
 
     /// After a generated token: decode, and stop at an EOS id, a stop string or the length.
+    /// The text is the full decode of the generated ids (a final EOS left out), kept up to date
+    /// by [`TextSoFar`] in time proportional to the new token; a stop string is looked for only
+    /// where a match could have appeared since the last search, which finds the same first
+    /// match as searching the whole text (a match inside text that was settled at the last
+    /// search would have been found by it).
     fn decide(&mut self, dec: &Decoding) {
         let last = *self.generated.last().expect("a token");
         let is_eos = dec.eos.contains(&last);
-        let text_ids = if is_eos {
-            &self.generated[..self.generated.len() - 1]
-        } else {
-            &self.generated[..]
-        };
-        self.text = dec
-            .tokenizer
-            .map(|t| t.decode(text_ids, false).unwrap_or_default());
-        if let Some(text) = self.text.as_mut() {
-            if let Some(cut) = self
+        if let Some(tok) = dec.tokenizer {
+            let so_far = self.so_far.get_or_insert_with(|| TextSoFar::new(tok));
+            if !is_eos && so_far.push(tok, &self.generated).is_err() {
+                // (what the full decode gave on an error: no text)
+                *so_far = TextSoFar::new(tok);
+            }
+            let mut text = so_far.text();
+            let longest = self.until.iter().map(String::len).max().unwrap_or(0);
+            let mut from = self.stop_scanned.saturating_sub(longest.saturating_sub(1));
+            while !text.is_char_boundary(from) {
+                from -= 1;
+            }
+            self.stop_scanned = so_far.stable_len();
+            let cut = self
                 .until
                 .iter()
-                .filter_map(|s| text.find(s.as_str()))
-                .min()
-            {
-                text.truncate(cut);
+                .filter_map(|s| text[from..].find(s.as_str()))
+                .min();
+            if let Some(cut) = cut {
+                text.truncate(from + cut);
+                self.text = Some(text);
                 self.finish = Some(FinishReason::Stop);
                 return;
             }
+            self.text = Some(text);
         }
         if is_eos {
             self.finish = Some(FinishReason::Eos);

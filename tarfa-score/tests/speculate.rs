@@ -178,6 +178,55 @@ fn a_stop_string_inside_a_draft_ends_the_request_where_plain_decoding_does() {
 }
 
 #[test]
+fn a_stop_string_cuts_the_text_at_its_first_occurrence_in_the_full_decode() {
+    // The text is kept up to date a token at a time (text.rs) and a stop string looked for only
+    // where it can newly appear: the cut must be where searching the whole decode puts it, for
+    // stops of 1 to 5 characters starting all over the text (inside a token, across tokens,
+    // repeated earlier), and for several stops at once.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/oracle/qwen3moe-code");
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let m = model("qwen3moe-code", BackendChoice::Cpu);
+    let prompt = "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n";
+    let plain_line = serde_json::json!({"context": prompt, "max_tokens": 40}).to_string();
+    let (plain, _) = run(&m, &[&plain_line], &[], Some(&tok), 1, 0);
+    let v: serde_json::Value = serde_json::from_str(plain[0].last().unwrap()).unwrap();
+    let text = v["text"].as_str().unwrap().to_string();
+    assert!(text.chars().count() > 30, "{text:?}");
+    let starts: Vec<usize> = text.char_indices().map(|(i, _)| i).step_by(3).collect();
+    let mut stops: Vec<Vec<String>> = Vec::new();
+    for (n, &at) in starts.iter().enumerate() {
+        let stop: String = text[at..].chars().take(1 + n % 5).collect();
+        stops.push(vec![stop]);
+    }
+    let n = starts.len();
+    stops.push(vec![
+        text[starts[n - 1]..].to_string(),
+        text[starts[n / 2]..].chars().take(3).collect(),
+    ]);
+    stops.push(vec!["no such text \u{1F408}".to_string()]);
+    let lines: Vec<String> = stops
+        .iter()
+        .map(|u| serde_json::json!({"context": prompt, "max_tokens": 40, "until": u}).to_string())
+        .collect();
+    let refs: Vec<&str> = lines.iter().map(|s| s.as_str()).collect();
+    let (got, _) = run(&m, &refs, &[], Some(&tok), 8, 0);
+    for (u, events) in stops.iter().zip(&got) {
+        let r: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
+        let cut = u.iter().filter_map(|s| text.find(s.as_str())).min();
+        match cut {
+            Some(c) => {
+                assert_eq!(r["text"].as_str().unwrap(), &text[..c], "until {u:?}");
+                assert_eq!(r["finish_reason"], "stop", "until {u:?}");
+            }
+            None => {
+                assert_eq!(r["text"].as_str().unwrap(), text, "until {u:?}");
+                assert_eq!(r["finish_reason"], "length", "until {u:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn a_draft_model_leaves_every_result_and_streamed_token_bit_identical() {
     let lines = LINES;
     let cpu = model("qwen3moe-a", BackendChoice::Cpu);

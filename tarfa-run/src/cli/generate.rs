@@ -21,6 +21,7 @@ use tarfa_core::speculate::{run_speculative, ModelDrafter, NgramDrafter, SpecSta
 use tarfa_core::stop::StopStrings;
 
 use tarfa_engine::{Engine, LoadOptions};
+use tarfa_score::text::TextSoFar;
 
 use super::output::{write_logits, OutputRules, RouterTrace};
 use super::speculate::load_draft;
@@ -234,26 +235,28 @@ pub fn eos_ids(source: &BundleSource, cfg: &MoeConfig, quiet: bool) -> Result<Ve
 }
 
 /// Incremental detokenisation: prints only what the new token adds, holding back incomplete
-/// UTF-8 (a byte-level BPE token can end inside a character).
+/// UTF-8 (a byte-level BPE token can end inside a character). [`TextSoFar`] decodes a window
+/// of the last tokens, not all of them: a full decode per token grew to 0.46 ms at 2,048
+/// generated tokens, 2.2 ms at 4,096 (tarfa-score's text.rs).
 struct TextStream {
     tok: tokenizers::Tokenizer,
     ids: Vec<u32>,
-    printed: usize,
+    text: TextSoFar,
 }
 
 impl TextStream {
+    fn new(tok: tokenizers::Tokenizer) -> TextStream {
+        TextStream {
+            text: TextSoFar::new(&tok),
+            tok,
+            ids: Vec::new(),
+        }
+    }
+
     fn push(&mut self, id: u32) -> Option<String> {
         self.ids.push(id);
-        let text = self.tok.decode(&self.ids, false).ok()?;
-        if text.ends_with('\u{FFFD}')
-            || text.len() < self.printed
-            || !text.is_char_boundary(self.printed)
-        {
-            return None;
-        }
-        let new = text[self.printed..].to_string();
-        self.printed = text.len();
-        Some(new)
+        let new = self.text.push(&self.tok, &self.ids).ok()?;
+        (!new.is_empty()).then_some(new)
     }
 }
 
@@ -542,11 +545,7 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     let mut hooks = Hooks {
         streamed: &mut streamed,
         trace,
-        text: tokenizer.map(|tok| TextStream {
-            tok,
-            ids: Vec::new(),
-            printed: 0,
-        }),
+        text: tokenizer.map(TextStream::new),
         out: std::io::stdout().lock(),
         eos: &eos,
         stop: (!a.stop.is_empty()).then(|| StopStrings::new(&a.stop)),
