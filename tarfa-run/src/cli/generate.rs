@@ -235,9 +235,9 @@ pub fn eos_ids(source: &BundleSource, cfg: &MoeConfig, quiet: bool) -> Result<Ve
 }
 
 /// Incremental detokenisation: prints only what the new token adds, holding back incomplete
-/// UTF-8 (a byte-level BPE token can end inside a character). [`TextSoFar`] decodes a window
-/// of the last tokens, not all of them: a full decode per token grew to 0.46 ms at 2,048
-/// generated tokens, 2.2 ms at 4,096 (tarfa-score's text.rs).
+/// UTF-8 (a byte-level BPE token can end inside a character). [`TextSoFar`] decodes only the
+/// tokens since the text last settled, not all of them: a full decode per token grew to 0.46 ms
+/// at 2,048 generated tokens, 2.2 ms at 4,096 (tarfa-score's text.rs).
 struct TextStream {
     tok: tokenizers::Tokenizer,
     ids: Vec<u32>,
