@@ -637,7 +637,7 @@ impl CudaModel {
             }
         }
         cache.dec = None;
-        cache.upload_rope(&self.gpu, cache.cap)?;
+        cache.upload_rope(&self.gpu)?;
         let bufs = self.dec_bufs(cache.cap, kernels)?;
         let asked = cache.mode;
         // the launches for programmatic launch when it is asked for (a failed capture rebuilds

@@ -296,6 +296,13 @@ impl Gpu {
         self.mock_mem().launched.clone()
     }
 
+    /// How many synchronous host-to-device copies the mock device made, per what they copied
+    /// (tests).
+    #[cfg(test)]
+    pub(crate) fn mock_writes(&self) -> std::collections::BTreeMap<String, usize> {
+        self.mock_mem().wrote.clone()
+    }
+
     #[cfg(any(test, feature = "mock-device"))]
     fn mock_mem(&self) -> std::sync::MutexGuard<'_, super::mock::Memory> {
         match &self.inner {
@@ -384,7 +391,9 @@ impl Gpu {
                         std::mem::size_of_val(src),
                     )
                 };
-                self.mock_mem().write(dst, bytes);
+                let mut mem = self.mock_mem();
+                mem.write(dst, bytes);
+                *mem.wrote.entry(what.to_string()).or_default() += 1;
                 return Ok(());
             }
             #[cfg(not(any(test, feature = "mock-device")))]

@@ -37,6 +37,8 @@ pub(crate) struct Memory {
     blocks: BTreeMap<u64, Block>,
     /// launches per kernel name (tests ask which kernels a step took)
     pub(crate) launched: BTreeMap<&'static str, usize>,
+    /// host-to-device copies per what they copied (tests ask which copies a step made)
+    pub(crate) wrote: BTreeMap<String, usize>,
 }
 
 impl Memory {
@@ -3877,6 +3879,71 @@ mod tests {
             // only)
             assert_eq!(ran.get("down_tile"), None, "{family}: {ran:?}");
             eprintln!("{family}: the few-pair kernels give the CPU's bits");
+        }
+    }
+
+    #[test]
+    fn a_batched_step_uploads_rope_rows_only_when_a_cache_grows() {
+        // three sequences decode together; one starts a position short of its cache's first
+        // capacity (256), so it grows inside the second step. RoPE rows go to the device once
+        // per capacity: a copy per sequence per step is a synchronous copy each (model.rs
+        // `upload_rope`), and the rows after the growth must still be right (the CPU's bits).
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::step::ForwardOptions;
+        use tarfa_core::Backend;
+        let (cfg, cpu, engine, gpu) = cpu_and_mock("qwen3_moe", 12, crate::ManyKernels::Auto);
+        assert!(cfg.max_position_embeddings > 300, "the shape leaves room to grow");
+        let v = cfg.vocab_size;
+        let toks = |seed: usize, n: usize| -> Vec<u32> {
+            (0..n)
+                .map(|i| ((seed * 53 + i * 17 + 1) % v) as u32)
+                .collect()
+        };
+        let last = ForwardOptions::default();
+        let lens = [255usize, 7, 30];
+        let mut cpus: Vec<_> = Vec::new();
+        let mut gpus: Vec<_> = Vec::new();
+        for (i, &n) in lens.iter().enumerate() {
+            let mut c = cpu.new_cache();
+            engine.forward(&mut c, &toks(i, n), &last).unwrap();
+            cpus.push(c);
+            let mut g = gpu.new_cache().unwrap();
+            gpu.forward(&mut g, &toks(i, n), &last).unwrap();
+            gpus.push(g);
+        }
+        let cos_rows = |gpu: &CudaModel| {
+            gpu.gpu
+                .mock_writes()
+                .get("the RoPE cos rows")
+                .copied()
+                .unwrap_or(0)
+        };
+        let mut before = cos_rows(&gpu);
+        for step in 0..4 {
+            let next: Vec<Vec<u32>> = (0..lens.len()).map(|i| toks(40 + i + step, 1)).collect();
+            let want: Vec<_> = cpus
+                .iter_mut()
+                .zip(&next)
+                .map(|(c, t)| step_bits(&engine.forward(c, t, &last).unwrap()))
+                .collect();
+            let mut entries: Vec<_> = gpus
+                .iter_mut()
+                .zip(&next)
+                .map(|(c, t)| BatchEntry {
+                    cache: c,
+                    tokens: &t[..],
+                    opts: last,
+                })
+                .collect();
+            let outs = gpu.forward_batch(&mut entries).unwrap();
+            for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
+                assert!(&step_bits(o) == w, "sequence {i} of decode step {step}");
+            }
+            let now = cos_rows(&gpu);
+            // step 1 takes the first sequence from 256 to 257 positions: its cache grows
+            let grows = usize::from(step == 1);
+            assert_eq!(now - before, grows, "RoPE uploads in decode step {step}");
+            before = now;
         }
     }
 

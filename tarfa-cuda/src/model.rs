@@ -723,7 +723,7 @@ impl CudaModel {
             let want = end.max(2 * cache.cap).min(cache.max_len);
             cache.grow(self, want)?;
         }
-        cache.upload_rope(&self.gpu, end)?;
+        cache.upload_rope(&self.gpu)?;
         let rows: Vec<usize> = match opts.logits {
             LogitRows::Last => vec![t_count - 1],
             LogitRows::All => (0..t_count).collect(),
@@ -985,7 +985,7 @@ impl CudaModel {
                 let want = end.max(2 * s.cache.cap).min(s.cache.max_len);
                 s.cache.grow(self, want)?;
             }
-            s.cache.upload_rope(gpu, end)?;
+            s.cache.upload_rope(gpu)?;
             longest = longest.max(end);
         }
         // the logit rows each entry asked for, contiguous per entry
@@ -1977,8 +1977,11 @@ impl CudaCache {
         Ok(())
     }
 
-    /// Makes sure the device holds the host-computed RoPE rows of positions `0..end`.
-    fn upload_rope(&mut self, gpu: &Gpu, end: usize) -> Result<(), CudaError> {
+    /// Makes sure the device holds the host-computed RoPE rows of every position the cache has
+    /// room for, `0..cap`: uploaded once per capacity, not per step, because each upload is a
+    /// synchronous copy and a batched step would otherwise make two per sequence.
+    fn upload_rope(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        let end = self.cap;
         if end <= self.rope_rows {
             return Ok(());
         }
