@@ -19,14 +19,14 @@ __device__ __forceinline__ int attn_start(int pos, int window, int chunk) {
     return start;
 }
 
-// One (token, query head): the query qv at a position that sees n positions of its KV head's
-// cache rows keys/vals ([position][D], already offset to the first seen); scores in sc[0..n),
-// and the sink's in sc[n] when `sink` is not null. Every thread of the block calls it.
+// One (token, query head): the query qv at a position that sees n positions of KV head kvh's
+// paged cache rows (tables kt, vt; positions start .. start + n - 1); scores in sc[0..n), and the
+// sink's in sc[n] when `sink` is not null. Every thread of the block calls it.
 __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
-                                           const float* __restrict__ keys,
-                                           const float* __restrict__ vals, int n, int d,
-                                           float scale, const float* sink, float* sc,
-                                           float* __restrict__ ov) {
+                                           const u64* __restrict__ kt,
+                                           const u64* __restrict__ vt, int kvh, long start,
+                                           int n, int d, float scale, const float* sink,
+                                           float* sc, float* __restrict__ ov) {
     __shared__ float red[TARFA_LANES];
     __shared__ float tile[TARFA_LANES][ATT_TILE + 1];
     const int v = threadIdx.x;
@@ -34,7 +34,7 @@ __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
     const int warp = v >> 5;
 
     for (int j = warp; j < n; j += 8) {
-        float s = warp_dot_f32(qv, keys + (long)j * d, d, p);
+        float s = warp_dot_f32(qv, kv_row(kt, kvh, start + j, d), d, p);
         if (p == 0) sc[j] = __fmul_rn(s, scale);
     }
     if (sink != nullptr && v == 0) sc[n] = *sink;
@@ -53,7 +53,7 @@ __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
         for (int i = 0; i < ATT_TILE; i++) acc[i] = 0.0f;
         for (int j = v; j < n; j += TARFA_LANES) {
             const float pj = sc[j];
-            const float* vr = vals + (long)j * d + d0;
+            const float* vr = kv_row(vt, kvh, start + j, d) + d0;
 #pragma unroll
             for (int i = 0; i < ATT_TILE; i++) {
                 if (d0 + i < d) acc[i] = fmaf(pj, vr[i], acc[i]);
@@ -76,23 +76,22 @@ __device__ __forceinline__ void attend_one(const float* __restrict__ qv,
 
 // sinks: [Hq] or null; window, chunk: the layer's (0: none).
 extern "C" __global__ void __launch_bounds__(256) attention(
-    const float* __restrict__ q, int hq, int hkv, int d, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, int cap, int pos0, float scale, float* scratch, int n_stride,
+    const float* __restrict__ q, int hq, int hkv, int d, const u64* __restrict__ k_cache,
+    const u64* __restrict__ v_cache, int cap, int pos0, float scale, float* scratch, int n_stride,
     float* __restrict__ o, const float* __restrict__ sinks, int window, int chunk) {
     const int qh = blockIdx.x;
     const int t = blockIdx.y;
     const int kvh = qh / (hq / hkv);
     const int pos = pos0 + t;
     const long start = attn_start(pos, window, chunk);
-    attend_one(q + ((long)t * hq + qh) * d, k_cache + ((long)kvh * cap + start) * d,
-               v_cache + ((long)kvh * cap + start) * d, pos + 1 - (int)start, d, scale,
-               sinks != nullptr ? sinks + qh : nullptr, scratch + ((long)t * hq + qh) * n_stride,
-               o + ((long)t * hq + qh) * d);
+    attend_one(q + ((long)t * hq + qh) * d, k_cache, v_cache, kvh, start, pos + 1 - (int)start,
+               d, scale, sinks != nullptr ? sinks + qh : nullptr,
+               scratch + ((long)t * hq + qh) * n_stride, o + ((long)t * hq + qh) * d);
 }
 
 // The same for a step over several sequences: token t's own cache and position come from
 // tok[4t..4t+4) = (RoPE cos row, RoPE sin row, position, capacity) and kv[2t..2t+2) = this layer's
-// (keys, values) of its sequence (tarfa-cuda/src/model.rs `SeqTables`). grid (Hq, T), block 256.
+// (keys, values) tables of its sequence (tarfa-cuda/src/model.rs `SeqTables`). grid (Hq, T), block 256.
 extern "C" __global__ void __launch_bounds__(256) attention_seqs(
     const float* __restrict__ q, int hq, int hkv, int d, const u64* __restrict__ tok,
     const u64* __restrict__ kv, float scale, float* scratch, int n_stride, float* __restrict__ o,
@@ -101,12 +100,10 @@ extern "C" __global__ void __launch_bounds__(256) attention_seqs(
     const int t = blockIdx.y;
     const int kvh = qh / (hq / hkv);
     const int pos = (int)tok[4 * t + 2];
-    const long cap = (long)tok[4 * t + 3];
-    const float* k_cache = reinterpret_cast<const float*>(kv[2 * t]);
-    const float* v_cache = reinterpret_cast<const float*>(kv[2 * t + 1]);
+    const u64* k_cache = reinterpret_cast<const u64*>(kv[2 * t]);
+    const u64* v_cache = reinterpret_cast<const u64*>(kv[2 * t + 1]);
     const long start = attn_start(pos, window, chunk);
-    attend_one(q + ((long)t * hq + qh) * d, k_cache + (kvh * cap + start) * d,
-               v_cache + (kvh * cap + start) * d, pos + 1 - (int)start, d, scale,
-               sinks != nullptr ? sinks + qh : nullptr, scratch + ((long)t * hq + qh) * n_stride,
-               o + ((long)t * hq + qh) * d);
+    attend_one(q + ((long)t * hq + qh) * d, k_cache, v_cache, kvh, start, pos + 1 - (int)start,
+               d, scale, sinks != nullptr ? sinks + qh : nullptr,
+               scratch + ((long)t * hq + qh) * n_stride, o + ((long)t * hq + qh) * d);
 }

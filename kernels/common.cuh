@@ -19,6 +19,20 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
+// The KV cache is paged (tarfa-cuda/src/model.rs `CudaCache`, `KV_BLOCK`): a layer's keys (or
+// values, or MLA's latent rows) are reached through a table whose entry b points at block b,
+// TARFA_KV_BLOCK positions of every KV head, [Hkv][TARFA_KV_BLOCK][w] floats. A cache grows by
+// adding blocks and table entries: no row ever moves, so no copy, and a captured graph's table
+// pointers stay valid. The rows a kernel reads are the same values in the same order as from one
+// contiguous [Hkv][cap][w] buffer: paging changes addresses, never a bit.
+#define TARFA_KV_BLOCK 64
+
+// Row `pos` of KV head `head` (w floats) in the paged cache `tbl`.
+__device__ __forceinline__ float* kv_row(const u64* tbl, int head, long pos, int w) {
+    return reinterpret_cast<float*>(tbl[pos / TARFA_KV_BLOCK]) +
+           ((long)head * TARFA_KV_BLOCK + pos % TARFA_KV_BLOCK) * w;
+}
+
 #ifndef TARFA_EMU
 // Dynamic shared memory of a kernel, 16-byte aligned (the CPU emulator of
 // validation/gpu/emu defines its own).

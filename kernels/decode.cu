@@ -967,14 +967,14 @@ __device__ __forceinline__ float att3_tree_b(float (&a)[ATT3_K]) {
 // pos = 0; the cache has at least one row): its score is never stored, and the loads need no
 // predicate.
 template <int T, bool EXACT>
-__device__ __forceinline__ void att3_load_keys(float (&kb)[ATT3_U][ATT3_K], const float* keys,
-                                               int s0, int pos, int d, int t, int g) {
+__device__ __forceinline__ void att3_load_keys(float (&kb)[ATT3_U][ATT3_K], const u64* keys,
+                                               int kvh, int s0, int pos, int d, int t, int g) {
 #pragma unroll
     for (int u = 0; u < ATT3_U; u++) {
         int j = (32 / T) * (s0 + ATT3_WARPS * u) + g;
         j = j < pos - 1 ? j : pos - 1;
         j = j > 0 ? j : 0;
-        const float* kr = keys + (long)j * d + t;
+        const float* kr = kv_row(keys, kvh, j, d) + t;
 #pragma unroll
         for (int k = 0; k < ATT3_K; k++) kb[u][k] = (EXACT || t + T * k < d) ? kr[T * k] : 0.0f;
     }
@@ -986,8 +986,9 @@ __device__ __forceinline__ void att3_load_keys(float (&kb)[ATT3_U][ATT3_K], cons
 template <int T, bool EXACT>
 __device__ __forceinline__ void att3_score_iter(float (&kb)[ATT3_U][ATT3_K],
                                                 float (&kn)[ATT3_U][ATT3_K],
-                                                const float (&qb)[ATT3_K], const float* keys,
-                                                int s0, int pos, int d, int t, int g, float scale,
+                                                const float (&qb)[ATT3_K], const u64* keys,
+                                                int kvh, int s0, int pos, int d, int t, int g,
+                                                float scale,
                                                 float* sc, float& mx) {
     float a[ATT3_U][ATT3_K];
 #pragma unroll
@@ -995,7 +996,7 @@ __device__ __forceinline__ void att3_score_iter(float (&kb)[ATT3_U][ATT3_K],
 #pragma unroll
         for (int k = 0; k < ATT3_K; k++) a[u][k] = fmaf(qb[k], kb[u][k], 0.0f);
     }
-    att3_load_keys<T, EXACT>(kn, keys, s0 + ATT3_WARPS * ATT3_U, pos, d, t, g);
+    att3_load_keys<T, EXACT>(kn, keys, kvh, s0 + ATT3_WARPS * ATT3_U, pos, d, t, g);
 #pragma unroll
     for (int u = 0; u < ATT3_U; u++) {
         const float r = att3_tree_b<T>(a[u]);
@@ -1016,7 +1017,7 @@ __device__ __forceinline__ void att3_body(
     float* sm, const float* q_raw, const float* k_raw, const float* v_raw, int hq, int hkv,
     int d, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const DecodeState* st,
-    float* k_cache, float* v_cache, int cap, float scale, float* scratch, int n_stride,
+    const u64* k_cache, const u64* v_cache, int cap, float scale, float* scratch, int n_stride,
     float* __restrict__ o, int rd = 0) {
     static_assert(!(PARTIAL && EXACT), "partial rotary takes the bounds-checked body");
     constexpr int NI = X / 32;  // layout A slots
@@ -1039,8 +1040,8 @@ __device__ __forceinline__ void att3_body(
     const float* qg = q_raw + (long)qh * dd;
     const float* kg = k_raw + (long)kvh * dd;
     const float* vg = v_raw + (long)kvh * dd;
-    const float* keys = k_cache + (long)kvh * cap * dd;
-    const float* vals = v_cache + (long)kvh * cap * dd;
+    const u64* keys = k_cache;  // paged (common.cuh `kv_row`): rows of head kvh
+    const u64* vals = v_cache;
     float* sc = scratch != nullptr ? scratch + (long)(qh * gridDim.y + slice) * 2 * n_stride : sm;
     float* pr = sc + n_stride;
 
@@ -1048,7 +1049,7 @@ __device__ __forceinline__ void att3_body(
     // cache rows below P and the state were written before this step began (the step's first
     // kernel is launched without programmatic serialisation), so they are read before the wait.
     float kb[ATT3_U][ATT3_K];
-    att3_load_keys<T, EXACT>(kb, keys, warp, pos, dd, t, g);
+    att3_load_keys<T, EXACT>(kb, keys, kvh, warp, pos, dd, t, g);
     // EARLY (attn_decode4), D = X: the prologue's constants -- the norm weights and the RoPE
     // factors of position P -- are loaded before the wait too (the last warp; the table rows
     // and the state were written before this step began)
@@ -1168,8 +1169,8 @@ __device__ __forceinline__ void att3_body(
             for (int i = 0; i < NI; i++) {
                 const int e = p + 32 * i;
                 if (EXACT || e < dd) {
-                    k_cache[((long)kvh * cap + pos) * dd + e] = ka[i];
-                    v_cache[((long)kvh * cap + pos) * dd + e] = (EXACT && EARLY) ? xv[i] : vg[e];
+                    kv_row(k_cache, kvh, pos, dd)[e] = ka[i];
+                    kv_row(v_cache, kvh, pos, dd)[e] = (EXACT && EARLY) ? xv[i] : vg[e];
                 }
             }
         }
@@ -1198,10 +1199,10 @@ __device__ __forceinline__ void att3_body(
     // iteration's trees)
     float kb2[ATT3_U][ATT3_K];
     for (int s0 = warp; G * s0 < pos;) {
-        att3_score_iter<T, EXACT>(kb, kb2, qb, keys, s0, pos, dd, t, g, scale, sc, mx);
+        att3_score_iter<T, EXACT>(kb, kb2, qb, keys, kvh, s0, pos, dd, t, g, scale, sc, mx);
         s0 += ATT3_WARPS * ATT3_U;
         if (G * s0 >= pos) break;
-        att3_score_iter<T, EXACT>(kb2, kb, qb, keys, s0, pos, dd, t, g, scale, sc, mx);
+        att3_score_iter<T, EXACT>(kb2, kb, qb, keys, kvh, s0, pos, dd, t, g, scale, sc, mx);
         s0 += ATT3_WARPS * ATT3_U;
     }
 #pragma unroll
@@ -1216,12 +1217,12 @@ __device__ __forceinline__ void att3_body(
     if (cols) {
         vp0 = vg[dc];
         vp1 = vg[dc + 1];
-        const float* vb = vals + (long)p * dd + dc;  // row p
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const bool below = p + 32 * i < pos;
-            vpre[i][0] = below ? vb[(long)32 * i * dd] : vp0;
-            vpre[i][1] = below ? vb[(long)32 * i * dd + 1] : vp1;
+            const float* vb = kv_row(vals, kvh, below ? p + 32 * i : 0, dd) + dc;  // row p + 32i
+            vpre[i][0] = below ? vb[0] : vp0;
+            vpre[i][1] = below ? vb[1] : vp1;
         }
     }
     __syncthreads();  // every score and warp maximum is written
@@ -1262,15 +1263,15 @@ __device__ __forceinline__ void att3_body(
             }
         }
         for (int base = p + TARFA_LANES; base < n; base += TARFA_LANES) {
-            const float* vb = vals + (long)base * dd + dc;  // row base
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 const int j = base + 32 * i;
                 if (j < n) {
                     const float pj = pr[j];
                     const bool below = j < pos;
-                    const float v0 = below ? vb[(long)32 * i * dd] : vp0;
-                    const float v1 = below ? vb[(long)32 * i * dd + 1] : vp1;
+                    const float* vb = kv_row(vals, kvh, below ? j : 0, dd) + dc;  // row j
+                    const float v0 = below ? vb[0] : vp0;
+                    const float v1 = below ? vb[1] : vp1;
                     a0[i] = fmaf(pj, v0, a0[i]);
                     a1[i] = fmaf(pj, v1, a1[i]);
                 }
@@ -1289,7 +1290,7 @@ __device__ __forceinline__ void att3_body(
     const float *q_raw, const float *k_raw, const float *v_raw, int hq, int hkv, int d,          \
         const float *__restrict__ q_norm, const float *__restrict__ k_norm, float eps,           \
         const float *__restrict__ cos_t, const float *__restrict__ sin_t, const DecodeState *st, \
-        float *k_cache, float *v_cache, int cap, float scale, float *scratch, int n_stride,       \
+        const u64 *k_cache, const u64 *v_cache, int cap, float scale, float *scratch, int n_stride, \
         float *__restrict__ o
 #define ATT3_ARGS                                                                              \
     q_raw, k_raw, v_raw, hq, hkv, d, q_norm, k_norm, eps, cos_t, sin_t, st, k_cache, v_cache, \

@@ -34,13 +34,13 @@ __device__ __forceinline__ void mla_rope_part(const float* x, float* out, int dr
 }
 
 // One token: RoPE on every query head's rope part (in place; blocks 0..Hq-1), and (block Hq)
-// the latent row [kva[0..r) | rope(kva[r..w))] written at position pos of this layer's cache
-// ([cap][w]).
+// the latent row [kva[0..r) | rope(kva[r..w))] written at position pos of this layer's paged
+// cache (one "head": common.cuh `kv_row(cache, 0, pos, w)`).
 __device__ __forceinline__ void mla_rope_append_one(float* q, const float* __restrict__ kva,
                                                     int t, int hq, int dn, int dr, int r,
                                                     int interleave, const float* __restrict__ c,
                                                     const float* __restrict__ s, int pos,
-                                                    float* __restrict__ cache) {
+                                                    const u64* __restrict__ cache) {
     __shared__ float buf[MLA_MAX_DR];
     const int head = blockIdx.x;
     const int dq = dn + dr;
@@ -50,7 +50,7 @@ __device__ __forceinline__ void mla_rope_append_one(float* q, const float* __res
         mla_rope_part(x, x, dr, interleave, c, s, buf);
     } else {
         const float* kv = kva + (long)t * w;
-        float* row = cache + (long)pos * w;
+        float* row = kv_row(cache, 0, pos, w);
         for (int i = threadIdx.x; i < r; i += blockDim.x) row[i] = kv[i];
         mla_rope_part(kv + r, row + r, dr, interleave, c, s, buf);
     }
@@ -60,7 +60,7 @@ __device__ __forceinline__ void mla_rope_append_one(float* q, const float* __res
 extern "C" __global__ void __launch_bounds__(64) mla_rope_append(
     float* q, const float* __restrict__ kva, int hq, int dn, int dr, int r, int interleave,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
-    float* __restrict__ cache) {
+    const u64* __restrict__ cache) {
     const int t = blockIdx.y;
     const int pos = pos0 + t;
     const long row = (long)pos * (dr / 2);
@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(64) mla_rope_append_seqs(
     mla_rope_append_one(q, kva, t, hq, dn, dr, r, interleave,
                         reinterpret_cast<const float*>(tok[4 * t]),
                         reinterpret_cast<const float*>(tok[4 * t + 1]), (int)tok[4 * t + 2],
-                        reinterpret_cast<float*>(kv[2 * t]));
+                        reinterpret_cast<const u64*>(kv[2 * t]));
 }
 
 template <typename W>
@@ -94,12 +94,11 @@ __device__ __forceinline__ float mla_load<float>(const float* p, long i) {
 // `weighted_row_sum`): lane v accumulates j = v, v + 256, ... in increasing j with fma from +0.0,
 // then the 256-lane tree (pairs v, v + h for h = 128 .. 1), MLA_TILE columns at a time (the
 // operations of attention.cu `attend_one`'s output). a: n values any thread may read (thread v
-// reads only a[v], a[v + 256], ...); rows: n rows of `stride` elements. tile: [256][MLA_TILE + 1]
+// reads only a[v], a[v + 256], ...); row_of(j): row j's first element. tile: [256][MLA_TILE + 1]
 // floats of shared memory. Every thread calls it; out is written by threads < MLA_TILE.
-template <typename W>
-__device__ __forceinline__ void mla_weighted_rows(const float* a, int n, const W* __restrict__ rows,
-                                                  long stride, int width, float* out,
-                                                  float (*tile)[MLA_TILE + 1]) {
+template <typename W, typename Row>
+__device__ __forceinline__ void mla_weighted_rows(const float* a, int n, Row row_of, int width,
+                                                  float* out, float (*tile)[MLA_TILE + 1]) {
     const int v = threadIdx.x;
     for (int c0 = 0; c0 < width; c0 += MLA_TILE) {
         float acc[MLA_TILE];
@@ -107,10 +106,10 @@ __device__ __forceinline__ void mla_weighted_rows(const float* a, int n, const W
         for (int i = 0; i < MLA_TILE; i++) acc[i] = 0.0f;
         for (int j = v; j < n; j += TARFA_LANES) {
             const float aj = a[j];
-            const long base = (long)j * stride + c0;
+            const W* rj = row_of(j) + c0;
 #pragma unroll
             for (int i = 0; i < MLA_TILE; i++) {
-                if (c0 + i < width) acc[i] = fmaf(aj, mla_load(rows, base + i), acc[i]);
+                if (c0 + i < width) acc[i] = fmaf(aj, mla_load(rj, i), acc[i]);
             }
         }
         __syncthreads();  // the previous tile's results have been read
@@ -130,7 +129,7 @@ __device__ __forceinline__ void mla_weighted_rows(const float* a, int n, const W
 }
 
 // One (token, head) of MLA attention by a block of 256 threads, the query at a position that
-// sees n positions of the latent cache `lat` ([position][w]):
+// sees n positions of the paged latent cache `lat` (one "head" of w floats per position):
 //   qc[0..r) = weighted_row_sum(q_nope, W_kb)  (the head's dn rows of kv_b, widened)
 //   qc[r..w) = q_rope (rotated)
 //   s_j = dot(qc, L_j) * scale                 (canonical dot over w, a warp per position)
@@ -141,7 +140,7 @@ __device__ __forceinline__ void mla_weighted_rows(const float* a, int n, const W
 template <typename W>
 __device__ __forceinline__ void mla_attend_one(const float* __restrict__ qh,
                                                const W* __restrict__ kv_b,
-                                               const float* __restrict__ lat, int n, int head,
+                                               const u64* __restrict__ lat, int n, int head,
                                                int dn, int dr, int dv, int r, float scale,
                                                float* sc, float* __restrict__ ov) {
     __shared__ float red[TARFA_LANES];
@@ -153,12 +152,12 @@ __device__ __forceinline__ void mla_attend_one(const float* __restrict__ qh,
     const int warp = v >> 5;
     const int w = r + dr;
     const W* wkb = kv_b + (long)head * (dn + dv) * r;
-    mla_weighted_rows(qh, dn, wkb, r, r, qc, tile);
+    mla_weighted_rows<W>(qh, dn, [&](int j) { return wkb + (long)j * r; }, r, qc, tile);
     for (int i = v; i < dr; i += TARFA_LANES) qc[r + i] = qh[dn + i];
     __syncthreads();
 
     for (int j = warp; j < n; j += 8) {
-        float s = warp_dot_f32(qc, lat + (long)j * w, w, p);
+        float s = warp_dot_f32(qc, kv_row(lat, 0, j, w), w, p);
         if (p == 0) sc[j] = __fmul_rn(s, scale);
     }
     __syncthreads();
@@ -167,7 +166,8 @@ __device__ __forceinline__ void mla_attend_one(const float* __restrict__ qh,
     const float total = block_sum_256(sc, n, red);
     for (int j = v; j < n; j += TARFA_LANES) sc[j] = __fdiv_rn(sc[j], total);
     // mla_weighted_rows reads only j = v, v + 256, ...: the p_j this thread wrote
-    mla_weighted_rows(sc, n, lat, w, r, u, tile);
+    const auto lat_row = [&](int j) -> const float* { return kv_row(lat, 0, j, w); };
+    mla_weighted_rows<float>(sc, n, lat_row, r, u, tile);
 
     const W* wvb = wkb + (long)dn * r;
     for (int i = warp; i < dv; i += 8) {
@@ -181,7 +181,7 @@ __device__ __forceinline__ void mla_attend_one(const float* __restrict__ qh,
 #define MLA_ATTENTION(NAME, W)                                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                       \
         const float* __restrict__ q, const W* __restrict__ kv_b, int hq, int dn, int dr, int dv,  \
-        int r, const float* __restrict__ cache, int pos0, float scale, float* scratch,            \
+        int r, const u64* __restrict__ cache, int pos0, float scale, float* scratch,              \
         int n_stride, float* __restrict__ o) {                                                    \
         const int head = blockIdx.x;                                                              \
         const int t = blockIdx.y;                                                                 \
@@ -201,7 +201,7 @@ MLA_ATTENTION(mla_attention_f32, float)
         const int head = blockIdx.x;                                                              \
         const int t = blockIdx.y;                                                                 \
         mla_attend_one<W>(q + ((long)t * hq + head) * (dn + dr), kv_b,                            \
-                          reinterpret_cast<const float*>(kv[2 * t]), (int)tok[4 * t + 2] + 1,     \
+                          reinterpret_cast<const u64*>(kv[2 * t]), (int)tok[4 * t + 2] + 1,       \
                           head, dn, dr, dv, r, scale, scratch + ((long)t * hq + head) * n_stride, \
                           o + ((long)t * hq + head) * dv);                                        \
     }
@@ -213,7 +213,7 @@ MLA_ATTENTION_SEQS(mla_attention_seqs_f32, float)
 extern "C" __global__ void __launch_bounds__(64) mla_rope_append_dec(
     float* q, const float* __restrict__ kva, int hq, int dn, int dr, int r, int interleave,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, const u32* __restrict__ st,
-    float* __restrict__ cache) {
+    const u64* __restrict__ cache) {
     const int pos = (int)st[1];
     const long row = (long)pos * (dr / 2);
     mla_rope_append_one(q, kva, 0, hq, dn, dr, r, interleave, cos_t + row, sin_t + row, pos, cache);
@@ -222,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(64) mla_rope_append_dec(
 #define MLA_ATTENTION_DEC(NAME, W)                                                                \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                       \
         const float* __restrict__ q, const W* __restrict__ kv_b, int hq, int dn, int dr, int dv,  \
-        int r, const float* __restrict__ cache, const u32* __restrict__ st, float scale,          \
+        int r, const u64* __restrict__ cache, const u32* __restrict__ st, float scale,            \
         float* scratch, int n_stride, float* __restrict__ o) {                                    \
         const int head = blockIdx.x;                                                              \
         mla_attend_one<W>(q + (long)head * (dn + dr), kv_b, cache, (int)st[1] + 1, head, dn, dr,  \

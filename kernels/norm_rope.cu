@@ -40,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm(
 
 // RoPE at positions pos0 + t on every query head (in place) and key head, then the key and value
 // of every KV head appended to the cache of this layer (cpu/kv_cache.rs layout per head:
-// [position][D], here with `cap` positions per (layer, head)).
+// [position][D], here in blocks of TARFA_KV_BLOCK positions, common.cuh `kv_row`).
 // The rotation covers each head's leading rd values (rd = D unless partial_rotary_factor; the rest
 // pass through unchanged): for i < rd/2, j = i + rd/2: x'_i = x_i*cos_i - x_j*sin_i,
 // x'_j = x_j*cos_i + x_i*sin_i (each product rounded, then the sum; no fma). cos/sin rows come
@@ -102,14 +102,15 @@ __device__ __forceinline__ void l2_head(float* y, int d, float eps) {
 }
 
 // One token: RoPE with the table rows c, s on its query heads (in place) and key heads, its key and
-// value appended at position pos of this layer's cache ([Hkv][cap][D]). head: blockIdx.x.
+// value appended at position pos of this layer's paged cache (common.cuh `kv_row`). head:
+// blockIdx.x.
 __device__ __forceinline__ void rope_append_one(float* q, const float* __restrict__ k,
                                                 const float* __restrict__ v, int t, int hq,
                                                 int hkv, int d, int rd,
                                                 const float* __restrict__ c,
                                                 const float* __restrict__ s, int pos,
-                                                float* __restrict__ k_cache,
-                                                float* __restrict__ v_cache, long cap,
+                                                const u64* __restrict__ k_cache,
+                                                const u64* __restrict__ v_cache,
                                                 const RopeForm& f) {
     const int head = blockIdx.x;
     if (head < hq) {
@@ -124,11 +125,11 @@ __device__ __forceinline__ void rope_append_one(float* q, const float* __restric
     } else {
         const int kh = head - hq;
         const float* x = k + ((long)t * hkv + kh) * d;
-        float* kc = k_cache + ((long)kh * cap + pos) * d;
+        float* kc = kv_row(k_cache, kh, pos, d);
         rope_head(x, kc, d, rd, f.form, c, s);
         if (f.l2) l2_head(kc, d, f.eps);
         const float* vs = v + ((long)t * hkv + kh) * d;
-        float* vc = v_cache + ((long)kh * cap + pos) * d;
+        float* vc = kv_row(v_cache, kh, pos, d);
         for (int i = threadIdx.x; i < d; i += blockDim.x) vc[i] = vs[i];
     }
 }
@@ -140,12 +141,12 @@ __device__ __forceinline__ void rope_append_one(float* q, const float* __restric
 extern "C" __global__ void __launch_bounds__(64) rope_append_kv(
     float* q, const float* __restrict__ k, const float* __restrict__ v, int hq, int hkv, int d,
     int rd, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int pos0,
-    float* __restrict__ k_cache, float* __restrict__ v_cache, int cap, ROPE_FORM_PARAMS) {
+    const u64* __restrict__ k_cache, const u64* __restrict__ v_cache, int cap, ROPE_FORM_PARAMS) {
     const int t = blockIdx.y;
     const int pos = pos0 + t;
     const long row = (long)pos * (rd / 2);
     rope_append_one(q, k, v, t, hq, hkv, d, rd, cos_t + row, sin_t + row, pos, k_cache, v_cache,
-                    cap, ROPE_FORM);
+                    ROPE_FORM);
 }
 
 // The same for a step over several sequences: token t's RoPE rows, position and capacity are
@@ -157,8 +158,8 @@ extern "C" __global__ void __launch_bounds__(64) rope_append_kv_seqs(
     const int t = blockIdx.y;
     rope_append_one(q, k, v, t, hq, hkv, d, rd, reinterpret_cast<const float*>(tok[4 * t]),
                     reinterpret_cast<const float*>(tok[4 * t + 1]), (int)tok[4 * t + 2],
-                    reinterpret_cast<float*>(kv[2 * t]), reinterpret_cast<float*>(kv[2 * t + 1]),
-                    (long)tok[4 * t + 3], ROPE_FORM);
+                    reinterpret_cast<const u64*>(kv[2 * t]),
+                    reinterpret_cast<const u64*>(kv[2 * t + 1]), ROPE_FORM);
 }
 
 // OLMoE's clip_qkv (cpu/forward.rs `gqa_block`): x_i = max(min(x_i, c), -c) on n values, after

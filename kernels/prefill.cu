@@ -497,22 +497,21 @@ extern "C" __global__ void __launch_bounds__(LS_THREADS, 1) ls_down_bf16(
 #define AT_KS 20    // floats per Ks row (16 keys + 4: conflict-free transposed stores)
 
 // Token t's cache and position: from the step's per-token tables (tok: cos, sin, position,
-// capacity; kv: this layer's keys, values per token) when `tok` is set, else one sequence's.
+// capacity; kv: this layer's keys, values tables per token) when `tok` is set, else one
+// sequence's. kc, vc: the layer's paged keys and values (common.cuh `kv_row`).
 struct AttnTok {
-    const float* kc;
-    const float* vc;
-    long cap;
+    const u64* kc;
+    const u64* vc;
     int pos;
 };
 
-__device__ __forceinline__ AttnTok attn_tok(const u64* tok, const u64* kv, const float* kc,
-                                            const float* vc, int cap, int pos0, int t) {
+__device__ __forceinline__ AttnTok attn_tok(const u64* tok, const u64* kv, const u64* kc,
+                                            const u64* vc, int cap, int pos0, int t) {
     if (tok != nullptr) {
-        return {reinterpret_cast<const float*>(kv[2 * t]),
-                reinterpret_cast<const float*>(kv[2 * t + 1]), (long)tok[4 * t + 3],
-                (int)tok[4 * t + 2]};
+        return {reinterpret_cast<const u64*>(kv[2 * t]),
+                reinterpret_cast<const u64*>(kv[2 * t + 1]), (int)tok[4 * t + 2]};
     }
-    return {kc, vc, (long)cap, pos0 + t};
+    return {kc, vc, pos0 + t};
 }
 
 // A tile of query rows: its tokens t_first .. t_first+count-1 (one sequence, consecutive
@@ -524,7 +523,7 @@ struct AttnTile {
 };
 
 __device__ __forceinline__ AttnTile attn_tile(const u32* qtiles, int hq, int hkv, const u64* tok,
-                                              const u64* kv, const float* kc, const float* vc,
+                                              const u64* kv, const u64* kc, const u64* vc,
                                               int cap, int pos0, int b) {
     AttnTile a;
     a.t_first = (int)qtiles[2 * b];
@@ -536,7 +535,7 @@ __device__ __forceinline__ AttnTile attn_tile(const u32* qtiles, int hq, int hkv
 }
 
 __device__ __forceinline__ int attn_row_pos(const AttnTile& a, const u64* tok, const u64* kv,
-                                            const float* kc, const float* vc, int cap, int pos0,
+                                            const u64* kc, const u64* vc, int cap, int pos0,
                                             int r) {
     const int tl = r / a.hg;
     return tl < a.count ? attn_tok(tok, kv, kc, vc, cap, pos0, a.t_first + tl).pos : -1;
@@ -563,8 +562,8 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
                                                  const u32* __restrict__ qtiles,
                                                  const u64* __restrict__ tok,
                                                  const u64* __restrict__ kv,
-                                                 const float* __restrict__ kc,
-                                                 const float* __restrict__ vc, int cap, int pos0,
+                                                 const u64* __restrict__ kc,
+                                                 const u64* __restrict__ vc, int cap, int pos0,
                                                  float scale, float* __restrict__ sc,
                                                  int n_stride, float* __restrict__ mbuf) {
     constexpr int L = D / 4;  // leaves per thread
@@ -588,7 +587,7 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
         qs[(4 * d4 + 3) * AT_QS + r] = v.w;
     }
     const int n_keys = a.p_last + 1;
-    const float* kbase = a.src.kc + (long)g * a.src.cap * D;
+    const u64* ktab = a.src.kc;
     // key stage loads: i = (d4, key), D / 4 x 16 float4, D / 16 per thread (at least one)
     constexpr int KL = (L * AT_KT + 255) / 256;
     float4 kr[KL];
@@ -599,7 +598,7 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
             if (i < L * AT_KT) {
                 const int key = i % AT_KT, d4 = i / AT_KT;
                 const int j = min(j0 + key, n_keys - 1);
-                kr[u] = *reinterpret_cast<const float4*>(kbase + (long)j * D + 4 * d4);
+                kr[u] = *reinterpret_cast<const float4*>(kv_row(ktab, g, j, D) + 4 * d4);
             }
         }
     };
@@ -696,8 +695,8 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
 #define ATTN_SCORES(D)                                                                         \
     extern "C" __global__ void __launch_bounds__(256) attn_scores_d##D(                        \
         const float* __restrict__ q, int hq, int hkv, const u32* __restrict__ qtiles,          \
-        const u64* __restrict__ tok, const u64* __restrict__ kv, const float* __restrict__ kc, \
-        const float* __restrict__ vc, int cap, int pos0, float scale, float* __restrict__ sc,  \
+        const u64* __restrict__ tok, const u64* __restrict__ kv, const u64* __restrict__ kc, \
+        const u64* __restrict__ vc, int cap, int pos0, float scale, float* __restrict__ sc,  \
         int n_stride, float* __restrict__ mbuf) {                                              \
         attn_scores_body<D>(q, hq, hkv, qtiles, tok, kv, kc, vc, cap, pos0, scale, sc,         \
                             n_stride, mbuf);                                                   \
@@ -715,7 +714,7 @@ ATTN_SCORES(128)
 // bit-reversed order and folds each into the tree), p_j = e_j / S.
 extern "C" __global__ void __launch_bounds__(AT_ROWS) attn_softmax(
     int hq, int hkv, const u32* __restrict__ qtiles, const u64* __restrict__ tok,
-    const u64* __restrict__ kv, const float* __restrict__ kc, const float* __restrict__ vc,
+    const u64* __restrict__ kv, const u64* __restrict__ kc, const u64* __restrict__ vc,
     int cap, int pos0, float* __restrict__ sc, int n_stride, const float* __restrict__ mbuf,
     const float* __restrict__ sinks) {
     const int b = blockIdx.x, g = blockIdx.y, r = threadIdx.x;
@@ -788,7 +787,8 @@ extern "C" __global__ void __launch_bounds__(AT_ROWS) attn_softmax(
 // the value columns d (V[j][d], a stage row per position), the tokens the rows' p_j.
 struct LsPv {
     int len;             // the 16 rows' largest n (positions seen)
-    const float* vbase;  // V of the tile's KV head: [position][D]
+    const u64* vtab;     // V of the layer, paged: the tile's KV head's rows (common.cuh `kv_row`)
+    int head;            // the tile's KV head
     int d, d0;
     const float* pbase;  // the tile's p rows: [position][AT_ROWS], at the 16 rows' first
     int n4[4];           // this thread's 4 rows' n (0 past the tile)
@@ -803,7 +803,7 @@ struct LsPv {
             const int j = 256 * (b * LS_CB + c) + 16 * m + col;
             vv[u] = j < len && d0 + 4 * d4 < d;
             if (vv[u]) {
-                vr[u] = *reinterpret_cast<const float4*>(vbase + (long)j * d + d0 + 4 * d4);
+                vr[u] = *reinterpret_cast<const float4*>(kv_row(vtab, head, j, d) + d0 + 4 * d4);
             }
         }
         const int q4 = tid & 3, col = (tid >> 2) & 15, c = tid >> 6;
@@ -856,7 +856,7 @@ struct LsPv {
 // grid (tiles * Hkv, ceil(D / 32), AT_ROWS / 16), block 512, LS_SMEM_BYTES. o: [token][Hq][D].
 extern "C" __global__ void __launch_bounds__(LS_THREADS, 1) attn_pv(
     int hq, int hkv, int d, const u32* __restrict__ qtiles, const u64* __restrict__ tok,
-    const u64* __restrict__ kv, const float* __restrict__ kc, const float* __restrict__ vc,
+    const u64* __restrict__ kv, const u64* __restrict__ kc, const u64* __restrict__ vc,
     int cap, int pos0, const float* __restrict__ sc, int n_stride, float* __restrict__ o) {
     TARFA_DYN_SMEM(float, smem);
     __shared__ int rpos[16];
@@ -873,7 +873,8 @@ extern "C" __global__ void __launch_bounds__(LS_THREADS, 1) attn_pv(
     if (len == 0) return;  // every row past the tile (a whole block leaves together)
     LsPv pol;
     pol.len = len;
-    pol.vbase = a.src.vc + (long)g * a.src.cap * d;
+    pol.vtab = a.src.vc;
+    pol.head = g;
     pol.d = d;
     pol.d0 = d0;
     pol.pbase = sc + (long)(b * hkv + g) * n_stride * AT_ROWS + qr0;

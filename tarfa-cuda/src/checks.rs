@@ -4,6 +4,7 @@
 //! NaN counts as equal there: the contract does not fix NaN payloads).
 
 use super::device::{DevBuf, Gpu};
+use super::model::KV_BLOCK;
 use super::ops::{self, AttnShape, DType, DevMat, RouteOut};
 use super::{CudaError, CudaOptions, KernelCheck};
 use tarfa_core::numerics::detmath::{exp, rsqrt, sigmoid, silu, softplus};
@@ -100,6 +101,74 @@ impl Check {
 
 fn read_f32(gpu: &Gpu, b: &DevBuf, n: usize) -> Result<Vec<f32>, CudaError> {
     gpu.read(b.ptr(), n, "a kernel check's output")
+}
+
+/// One layer's keys or values as the kernels read a cache (kernels/common.cuh `kv_row`): the
+/// host's `[hkv][cap][w]` rows in blocks of [`KV_BLOCK`] positions (zeros past `cap`), the
+/// blocks allocated last first so that only the table joins them, and the table.
+struct PagedKv {
+    table: DevBuf,
+    blocks: Vec<DevBuf>,
+    hkv: usize,
+    cap: usize,
+    w: usize,
+}
+
+impl PagedKv {
+    fn upload(
+        gpu: &Gpu,
+        rows: &[f32],
+        hkv: usize,
+        cap: usize,
+        w: usize,
+    ) -> Result<PagedKv, CudaError> {
+        assert_eq!(rows.len(), hkv * cap * w, "[hkv][cap][w] rows");
+        let nb = cap.div_ceil(KV_BLOCK);
+        let mut blocks = Vec::with_capacity(nb);
+        for b in (0..nb).rev() {
+            let mut data = vec![0.0f32; hkv * KV_BLOCK * w];
+            for h in 0..hkv {
+                for j in 0..KV_BLOCK.min(cap - b * KV_BLOCK) {
+                    let from = (h * cap + b * KV_BLOCK + j) * w;
+                    let to = (h * KV_BLOCK + j) * w;
+                    data[to..to + w].copy_from_slice(&rows[from..from + w]);
+                }
+            }
+            blocks.push(gpu.upload(&data, "a KV cache block")?);
+        }
+        blocks.reverse();
+        let at: Vec<u64> = blocks.iter().map(DevBuf::ptr).collect();
+        let table = gpu.upload(&at, "a KV block table")?;
+        Ok(PagedKv {
+            table,
+            blocks,
+            hkv,
+            cap,
+            w,
+        })
+    }
+
+    /// The table's address: what a kernel takes for the cache.
+    fn ptr(&self) -> u64 {
+        self.table.ptr()
+    }
+
+    /// The rows back, `[hkv][cap][w]`.
+    fn read(&self, gpu: &Gpu) -> Result<Vec<f32>, CudaError> {
+        let (hkv, cap, w) = (self.hkv, self.cap, self.w);
+        let mut rows = vec![0.0f32; hkv * cap * w];
+        for (b, blk) in self.blocks.iter().enumerate() {
+            let data = read_f32(gpu, blk, hkv * KV_BLOCK * w)?;
+            for h in 0..hkv {
+                for j in 0..KV_BLOCK.min(cap - b * KV_BLOCK) {
+                    let to = (h * cap + b * KV_BLOCK + j) * w;
+                    let from = (h * KV_BLOCK + j) * w;
+                    rows[to..to + w].copy_from_slice(&data[from..from + w]);
+                }
+            }
+        }
+        Ok(rows)
+    }
 }
 
 /// Runs every kernel check on the GPU; each result says how many values were compared and
@@ -363,8 +432,8 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         let vb = gpu.upload(&v, "v")?;
         let cb = gpu.upload(&cos, "cos")?;
         let sb = gpu.upload(&sin, "sin")?;
-        let kc = gpu.alloc(hkv * cap * d * 4, "k cache")?;
-        let vc = gpu.alloc(hkv * cap * d * 4, "v cache")?;
+        let kc = PagedKv::upload(gpu, &vec![0.0; hkv * cap * d], hkv, cap, d)?;
+        let vc = PagedKv::upload(gpu, &vec![0.0; hkv * cap * d], hkv, cap, d)?;
         let eps = 1e-5f32;
         let qs: Vec<f32> = (0..t).map(|_| 1.0 + rng.f32().abs()).collect();
         let qsb = gpu.upload(&qs, "q scales")?;
@@ -410,8 +479,8 @@ fn check_rope(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
             rope_form,
         )?;
         let gq = read_f32(gpu, &qb, t * hq * d)?;
-        let gk = read_f32(gpu, &kc, hkv * cap * d)?;
-        let gv = read_f32(gpu, &vc, hkv * cap * d)?;
+        let gk = kc.read(gpu)?;
+        let gv = vc.read(gpu)?;
         for ti in 0..t {
             let pos = pos0 + ti;
             for h in 0..hq {
@@ -477,8 +546,8 @@ fn check_attention(gpu: &Gpu) -> Result<KernelCheck, CudaError> {
         let kc: Vec<f32> = rng.vec(hkv * cap * d).iter().map(|v| v * 0.05).collect();
         let vc = rng.vec(hkv * cap * d);
         let qb = gpu.upload(&q, "q")?;
-        let kb = gpu.upload(&kc, "k cache")?;
-        let vb = gpu.upload(&vc, "v cache")?;
+        let kb = PagedKv::upload(gpu, &kc, hkv, cap, d)?;
+        let vb = PagedKv::upload(gpu, &vc, hkv, cap, d)?;
         let sink_logits: Vec<f32> = rng.vec(hq).iter().map(|v| v * 2.0).collect();
         let sink_b = gpu.upload(&sink_logits, "sinks")?;
         let mask = ops::AttnMask {
@@ -1269,9 +1338,14 @@ pub(crate) fn check_prefill_attention(gpu: &Gpu) -> Result<KernelCheck, CudaErro
             .collect();
         let q: Vec<f32> = rng.vec(t_total * hq * d).iter().map(|v| v * 0.3).collect();
         let sink_vals = rng.vec(hq);
-        let kbufs: Vec<(DevBuf, DevBuf)> = caches
+        let kbufs: Vec<(PagedKv, PagedKv)> = caches
             .iter()
-            .map(|(k, v)| Ok((gpu.upload(k, "keys")?, gpu.upload(v, "values")?)))
+            .map(|(k, v)| {
+                Ok((
+                    PagedKv::upload(gpu, k, hkv, cap, d)?,
+                    PagedKv::upload(gpu, v, hkv, cap, d)?,
+                ))
+            })
             .collect::<Result<_, CudaError>>()?;
         let qb = gpu.upload(&q, "queries")?;
         let sb = gpu.upload(&sink_vals, "sinks")?;

@@ -1292,7 +1292,7 @@ impl PlanSteps<'_> {
             "attention (MLA norms)",
         );
         let (cos, sin) = cache.rope_ptrs();
-        let latent = cache.k[l].ptr();
+        let latent = cache.k_table(l);
         self.v.push(Launch {
             name: "mla_rope_append_dec",
             grid: ((hq + 1) as u32, 1, 1),
@@ -1516,8 +1516,8 @@ impl LayerSteps for PlanSteps<'_> {
                 Arg::Ptr(cos),
                 Arg::Ptr(sin),
                 p(&b.state),
-                p(&cache.k[l]),
-                p(&cache.v[l]),
+                Arg::Ptr(cache.k_table(l)),
+                Arg::Ptr(cache.v_table(l)),
                 i32a(cache.cap),
                 Arg::F32(scale),
                 Arg::Ptr(att_scratch),

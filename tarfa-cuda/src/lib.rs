@@ -295,7 +295,12 @@ pub enum ManyKernels {
     /// 4 on average: batched decode, a draft's verification) on kernels/tile.cu's
     /// `gate_up_few_bf16`/`down_few` instead of the token tiles. Bit-identical on the kernel
     /// emulator; not yet measured on a GPU, so not the default (PHASE_LOG B9).
+    /// Also its dense products of 2 to 8 tokens on tile.cu's `mm_few_bf16` (measured slower
+    /// than the token tiles on an H100, PHASE_LOG B11).
     Few,
+    /// `Few` without `mm_few_bf16`: Auto's choices, and the few-pair experts kernels below 4
+    /// routed pairs per expert (PHASE_LOG B11's candidate for the default).
+    FewExperts,
 }
 
 impl ManyKernels {
@@ -306,6 +311,7 @@ impl ManyKernels {
             ManyKernels::Tiled => "tiled",
             ManyKernels::Lanes => "lanes",
             ManyKernels::Few => "few",
+            ManyKernels::FewExperts => "few-experts",
         }
     }
 
@@ -324,11 +330,12 @@ impl ManyKernels {
     }
 
     /// Every choice.
-    pub const ALL: [ManyKernels; 4] = [
+    pub const ALL: [ManyKernels; 5] = [
         ManyKernels::Auto,
         ManyKernels::Tiled,
         ManyKernels::Lanes,
         ManyKernels::Few,
+        ManyKernels::FewExperts,
     ];
 
     pub(crate) fn code(self) -> u8 {
@@ -337,6 +344,7 @@ impl ManyKernels {
             ManyKernels::Tiled => 1,
             ManyKernels::Lanes => 2,
             ManyKernels::Few => 3,
+            ManyKernels::FewExperts => 4,
         }
     }
 
@@ -345,6 +353,7 @@ impl ManyKernels {
             0 => ManyKernels::Auto,
             2 => ManyKernels::Lanes,
             3 => ManyKernels::Few,
+            4 => ManyKernels::FewExperts,
             _ => ManyKernels::Tiled,
         }
     }

@@ -424,8 +424,29 @@ fn tile_pairs_reference(
         .collect()
 }
 
+/// The address of row `pos` of KV head `head` (`w` floats) in the paged cache whose block table
+/// is at `tbl` (kernels/common.cuh `kv_row`).
+fn kv_row(mem: &mut Memory, tbl: u64, head: usize, pos: usize, w: usize) -> u64 {
+    use super::model::KV_BLOCK;
+    let mut b = [0u8; 8];
+    mem.read(tbl + (pos / KV_BLOCK * 8) as u64, &mut b);
+    let block = u64::from_le_bytes(b);
+    assert!(block != 0, "a KV cache row in no block: position {pos}");
+    block + (((head * KV_BLOCK + pos % KV_BLOCK) * w) * 4) as u64
+}
+
+/// Rows `0..n` of KV head `head` (`w` floats each) of the paged cache `tbl`, one after another.
+fn kv_rows(mem: &mut Memory, tbl: u64, head: usize, n: usize, w: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n * w);
+    for j in 0..n {
+        let at = kv_row(mem, tbl, head, j, w);
+        out.extend(mem.f32s(at, w));
+    }
+    out
+}
+
 /// Token `t`'s entry of a multi-sequence step's tables: its RoPE rows, position, and this
-/// layer's (keys, values, capacity).
+/// layer's (keys, values tables, capacity).
 fn seq_token(
     mem: &mut Memory,
     tok: u64,
@@ -501,9 +522,11 @@ fn rope_reference(
     for kh in 0..hkv {
         let mut x = mem.f32s(k + (((t * hkv + kh) * d) * 4) as u64, d);
         rot(&mut x);
-        mem.put_f32s(kc + (((kh * cap + pos) * d) * 4) as u64, &x);
+        let at = kv_row(mem, kc, kh, pos, d);
+        mem.put_f32s(at, &x);
         let vv = mem.f32s(v + (((t * hkv + kh) * d) * 4) as u64, d);
-        mem.put_f32s(vc + (((kh * cap + pos) * d) * 4) as u64, &vv);
+        let at = kv_row(mem, vc, kh, pos, d);
+        mem.put_f32s(at, &vv);
     }
 }
 
@@ -561,8 +584,8 @@ fn attention_reference(mem: &mut Memory, (hq, hkv, d): (usize, usize, usize), at
     for h in 0..hq {
         let kvh = h / (hq / hkv);
         let qv = mem.f32s(at.q + (((t * hq + h) * d) * 4) as u64, d);
-        let keys = mem.f32s(kc + ((kvh * cap * d) * 4) as u64, n * d);
-        let vals = mem.f32s(vc + ((kvh * cap * d) * 4) as u64, n * d);
+        let keys = kv_rows(mem, kc, kvh, n, d);
+        let vals = kv_rows(mem, vc, kvh, n, d);
         let mut s: Vec<f32> = (start..n)
             .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * at.scale)
             .collect();
@@ -611,7 +634,7 @@ fn mla_rope_ref(mem: &mut Memory, x: &[f32], interleave: bool, (cos, sin): (u64,
 }
 
 /// One token of `mla_rope_append`: its queries' rope parts rotated in place, its latent row
-/// `[kva[..r] | rope(kva[r..])]` written at `pos` of `cache` ([position][r + dr]).
+/// `[kva[..r] | rope(kva[r..])]` written at `pos` of the paged `cache` (one head of r + dr).
 fn mla_rope_append_ref(
     mem: &mut Memory,
     m: MlaDims,
@@ -631,7 +654,8 @@ fn mla_rope_append_ref(
     let kv = mem.f32s(kva + ((t * w) * 4) as u64, w);
     let mut row = kv[..m.r].to_vec();
     row.extend(mla_rope_ref(mem, &kv[m.r..], interleave, rows));
-    mem.put_f32s(cache + ((pos * w) * 4) as u64, &row);
+    let at = kv_row(mem, cache, 0, pos, w);
+    mem.put_f32s(at, &row);
 }
 
 /// One token of `mla_attention` (mla.cu `mla_attend_one`) for every head: the absorbed query,
@@ -650,7 +674,7 @@ fn mla_attention_ref(
 ) {
     let (dq, w, n) = (m.dn + m.dr, m.r + m.dr, pos + 1);
     assert!(n <= ns, "mla attention: {n} positions, stride {ns}");
-    let lat = mem.f32s(cache, n * w);
+    let lat = kv_rows(mem, cache, 0, n, w);
     let mut tmp = Vec::new();
     for head in 0..m.hq {
         let qh = mem.f32s(q + (((t * m.hq + head) * dq) * 4) as u64, dq);
@@ -1137,7 +1161,7 @@ pub(crate) fn launch_reference(
                         if let Some((t, pos, (kc, _, cap))) = tile.row(r) {
                             assert!(pos < ns && pos < cap, "{name}: position {pos}");
                             let qv = mem.f32s(q + (((t * hq + g * hg + r % hg) * d) * 4) as u64, d);
-                            let keys = mem.f32s(kc + ((g * cap * d) * 4) as u64, (pos + 1) * d);
+                            let keys = kv_rows(mem, kc, g, pos + 1, d);
                             for j in 0..=pos {
                                 let s = dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * scale;
                                 mem.put_f32s(sc + ((base + j * 64 + r) * 4) as u64, &[s]);
@@ -1203,11 +1227,12 @@ pub(crate) fn launch_reference(
                     let Some((t, pos, (_, vc, cap))) = tile.row(r) else {
                         continue;
                     };
+                    assert!(pos < cap, "{name}: position {pos}, capacity {cap}");
                     let n = pos + 1;
                     let p: Vec<f32> = (0..n)
                         .map(|j| mem.f32s(sc + ((base + j * 64 + r) * 4) as u64, 1)[0])
                         .collect();
-                    let vals = mem.f32s(vc + ((g * cap * d) * 4) as u64, n * d);
+                    let vals = kv_rows(mem, vc, g, n, d);
                     let mut out = vec![0.0f32; d];
                     weighted_row_sum(Kernel::scalar(), &p, &vals, &mut out, &mut tmp);
                     mem.put_f32s(o + (((t * hq + g * hg + r % hg) * d) * 4) as u64, &out);
@@ -1938,16 +1963,18 @@ pub(crate) fn launch_reference(
             };
             for kh in 0..hkv {
                 let kx = prep(mem, kr + ((kh * d) * 4) as u64, kn);
-                mem.put_f32s(kc + (((kh * cap + pos) * d) * 4) as u64, &kx);
+                let at = kv_row(mem, kc, kh, pos, d);
+                mem.put_f32s(at, &kx);
                 let vv = mem.f32s(vr + ((kh * d) * 4) as u64, d);
-                mem.put_f32s(vc + (((kh * cap + pos) * d) * 4) as u64, &vv);
+                let at = kv_row(mem, vc, kh, pos, d);
+                mem.put_f32s(at, &vv);
             }
             let mut tmp = Vec::new();
             for h in 0..hq {
                 let kvh = h / (hq / hkv);
                 let qv = prep(mem, qr + ((h * d) * 4) as u64, qn);
-                let keys = mem.f32s(kc + ((kvh * cap * d) * 4) as u64, n * d);
-                let vals = mem.f32s(vc + ((kvh * cap * d) * 4) as u64, n * d);
+                let keys = kv_rows(mem, kc, kvh, n, d);
+                let vals = kv_rows(mem, vc, kvh, n, d);
                 let sc: Vec<f32> = (0..n)
                     .map(|j| dot_f32_reference(&qv, &keys[j * d..(j + 1) * d]) * scale)
                     .collect();
@@ -2850,7 +2877,11 @@ mod tests {
             (16, 2, 2, true, 1, true, 2.0),
         ];
         for &(d, hq, hkv, norms, pos, shared, qmax) in cases {
-            let cap = pos + 3;
+            // the paged cache: whole blocks, allocated last first (the table, not adjacency,
+            // joins them)
+            use crate::model::KV_BLOCK;
+            let cap = (pos + 3).div_ceil(KV_BLOCK) * KV_BLOCK;
+            let (nb, blk) = (cap / KV_BLOCK, hkv * KV_BLOCK * d);
             let half = d / 2;
             let slices = d.div_ceil(32);
             let mut mem = Memory::default();
@@ -2874,15 +2905,32 @@ mod tests {
             let sin = buf(&mut mem, &rnd((pos + 1) * half, -1.0, 1.0));
             let st = mem.alloc(16);
             mem.put_u32s(st, &[7, pos as u32, 0, 0]);
-            let kc = buf(&mut mem, &rnd(hkv * cap * d, -2.0, 2.0));
-            let vc = buf(&mut mem, &rnd(hkv * cap * d, -1.0, 1.0));
+            let page = |mem: &mut Memory, data: &[f32]| -> (u64, Vec<u64>) {
+                let mut at: Vec<u64> = (0..nb)
+                    .rev()
+                    .map(|b| buf(mem, &data[b * blk..(b + 1) * blk]))
+                    .collect();
+                at.reverse();
+                let tbl = mem.alloc(nb * 8);
+                let bytes: Vec<u8> = at.iter().flat_map(|a| a.to_le_bytes()).collect();
+                mem.write(tbl, &bytes);
+                (tbl, at)
+            };
+            let (kc, k_blocks) = page(&mut mem, &rnd(nb * blk, -2.0, 2.0));
+            let (vc, v_blocks) = page(&mut mem, &rnd(nb * blk, -1.0, 1.0));
+            let whole = |mem: &mut Memory, blocks: &[u64]| -> Vec<f32> {
+                blocks.iter().flat_map(|&a| mem.f32s(a, blk)).collect()
+            };
             let scratch = mem.alloc(hq * slices * 2 * cap * 4);
             let o = mem.alloc(hq * d * 4);
             let scale = (1.0f64 / (d as f64).sqrt()) as f32;
-            let kv_before = (mem.f32s(kc, hkv * cap * d), mem.f32s(vc, hkv * cap * d));
+            let kv_before = (whole(&mut mem, &k_blocks), whole(&mut mem, &v_blocks));
             let run = |mem: &mut Memory, name: &'static str, reference: bool| {
-                mem.put_f32s(kc, &kv_before.0);
-                mem.put_f32s(vc, &kv_before.1);
+                for (blocks, data) in [(&k_blocks, &kv_before.0), (&v_blocks, &kv_before.1)] {
+                    for (b, &a) in blocks.iter().enumerate() {
+                        mem.put_f32s(a, &data[b * blk..(b + 1) * blk]);
+                    }
+                }
                 mem.put_f32s(o, &vec![f32::NAN; hq * d]);
                 let args = [
                     Arg::Ptr(qr),
@@ -2916,8 +2964,8 @@ mod tests {
                 let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 (
                     bits(mem.f32s(o, hq * d)),
-                    bits(mem.f32s(kc, hkv * cap * d)),
-                    bits(mem.f32s(vc, hkv * cap * d)),
+                    bits(whole(mem, &k_blocks)),
+                    bits(whole(mem, &v_blocks)),
                 )
             };
             let name = attn_decode4_name(d);
@@ -3787,15 +3835,27 @@ mod tests {
         // products of 2 to 8 tokens on mm_few_bf16, against the
         // CPU backend: a short prompt in one step and in chunks, then steps of five sequences
         // decoding together (each equal to it alone), and the kernels must have run.
+        // ManyKernels::FewExperts: the same experts' kernels, and never mm_few_bf16.
+        use crate::ManyKernels::{Few, FewExperts};
         use tarfa_core::batch::BatchEntry;
         use tarfa_core::step::{ForwardOptions, LogitRows};
         use tarfa_core::Backend;
-        let mut families = vec!["qwen3moe-a", "olmoe-s", "deepseekv3-s", "qwen3moe-odd"];
+        let mut runs = vec![
+            ("qwen3moe-a", Few),
+            ("olmoe-s", Few),
+            ("deepseekv3-s", Few),
+            ("qwen3moe-odd", Few),
+            ("qwen3moe-a", FewExperts),
+        ];
         if !super::emulated() {
-            families.extend(["qwen3_moe", "qwen2_moe"]);
+            runs.extend([
+                ("qwen3_moe", Few),
+                ("qwen2_moe", Few),
+                ("olmoe-s", FewExperts),
+            ]);
         }
-        for family in families {
-            let (cfg, cpu, engine, gpu) = cpu_and_mock(family, 29, crate::ManyKernels::Few);
+        for (family, many) in runs {
+            let (cfg, cpu, engine, gpu) = cpu_and_mock(family, 29, many);
             let v = cfg.vocab_size;
             let toks = |seed: usize, n: usize| -> Vec<u32> {
                 (0..n)
@@ -3870,15 +3930,17 @@ mod tests {
             }
             let ran = gpu.gpu.mock_launches();
             for k in ["gate_up_few_bf16", "down_few", "mm_few_bf16"] {
-                assert!(
+                let want = many == Few || k != "mm_few_bf16";
+                assert_eq!(
                     ran.get(k).copied().unwrap_or(0) > 0,
-                    "{family}: {k} never ran: {ran:?}"
+                    want,
+                    "{family} {many:?}: {k}: {ran:?}"
                 );
             }
             // (gate_up_tile may still run a dense MLP or shared expert; down_tile is experts'
             // only)
             assert_eq!(ran.get("down_tile"), None, "{family}: {ran:?}");
-            eprintln!("{family}: the few-pair kernels give the CPU's bits");
+            eprintln!("{family} {many:?}: the few-pair kernels give the CPU's bits");
         }
     }
 
@@ -3892,7 +3954,10 @@ mod tests {
         use tarfa_core::step::ForwardOptions;
         use tarfa_core::Backend;
         let (cfg, cpu, engine, gpu) = cpu_and_mock("qwen3_moe", 12, crate::ManyKernels::Auto);
-        assert!(cfg.max_position_embeddings > 300, "the shape leaves room to grow");
+        assert!(
+            cfg.max_position_embeddings > 300,
+            "the shape leaves room to grow"
+        );
         let v = cfg.vocab_size;
         let toks = |seed: usize, n: usize| -> Vec<u32> {
             (0..n)

@@ -667,8 +667,9 @@ impl CudaModel {
             len: 0,
             max_len: self.cfg.max_position_embeddings,
             cap: 0,
-            k: Vec::new(),
-            v: Vec::new(),
+            segments: Vec::new(),
+            blocks: Vec::new(),
+            tables: None,
             rope,
             rope_cos: None,
             rope_sin: None,
@@ -814,8 +815,7 @@ impl CudaModel {
             false,
         )?;
 
-        let flat: Vec<f32> = gpu.read(ws.logits.ptr(), n_rows * vocab, "the logits")?;
-        let logits: Vec<Vec<f32>> = flat.chunks_exact(vocab).map(|r| r.to_vec()).collect();
+        let logits: Vec<Vec<f32>> = gpu.read_rows(ws.logits.ptr(), n_rows, vocab, "the logits")?;
         let per_layer = t_count * k_top;
         let ids: Vec<u32> = gpu.read(
             ws.ids.ptr(),
@@ -1020,8 +1020,8 @@ impl CudaModel {
                 ]);
                 for l in 0..cfg.num_layers {
                     let at = 2 * (l * t_total + t);
-                    kv[at] = c.k[l].ptr();
-                    kv[at + 1] = c.v[l].ptr();
+                    kv[at] = c.k_table(l);
+                    kv[at + 1] = c.v_table(l);
                 }
                 t += 1;
             }
@@ -1111,7 +1111,9 @@ impl CudaModel {
             n_rows,
             false,
         )?;
-        let flat: Vec<f32> = gpu.read(ws.logits.ptr(), n_rows * vocab, "the logits")?;
+        let mut rows_left = gpu
+            .read_rows::<f32>(ws.logits.ptr(), n_rows, vocab, "the logits")?
+            .into_iter();
         let k_top = cfg.top_k;
         let ids: Vec<u32> = gpu.read(
             ws.ids.ptr(),
@@ -1126,13 +1128,11 @@ impl CudaModel {
         };
         self.step_done()?;
         let mut outs = Vec::with_capacity(seqs.len());
-        let (mut first, mut row) = (0usize, 0usize);
+        let mut first = 0usize;
         for s in seqs.iter_mut() {
             let (n_tok, n) = (s.tokens.len(), rows_of(s));
-            let logits = flat[row * vocab..(row + n) * vocab]
-                .chunks_exact(vocab)
-                .map(|r| r.to_vec())
-                .collect();
+            // the rows were read in entry order, each entry's contiguous
+            let logits = rows_left.by_ref().take(n).collect();
             // this sequence's choices, as a step of its tokens alone lays them out
             let own: Vec<u32> = (0..self.moe_layers)
                 .flat_map(|ml| {
@@ -1154,7 +1154,6 @@ impl CudaModel {
                 stats,
             });
             first += n_tok;
-            row += n;
         }
         Ok(outs)
     }
@@ -1744,15 +1743,29 @@ fn kv_rows(cfg: &MoeConfig) -> (usize, usize, usize) {
     }
 }
 
+/// Positions per block of the paged KV cache (kernels/common.cuh `TARFA_KV_BLOCK`).
+pub(crate) const KV_BLOCK: usize = 64;
+
 /// One sequence on the GPU: its KV cache, RoPE rows and the step workspace.
+///
+/// The KV cache is paged (kernels/common.cuh `kv_row`): blocks of [`KV_BLOCK`] positions, each
+/// holding every attention layer's keys `[Hkv][KV_BLOCK][D]` (after norm and RoPE) and values,
+/// reached through per-layer tables of block addresses. It grows by allocating a segment of new
+/// blocks and rewriting the (small) tables: the cached rows never move, so growth copies nothing
+/// and needs no second copy of the cache on the device while it happens.
 pub struct CudaCache {
     len: usize,
     max_len: usize,
-    /// Positions allocated per (layer, KV head).
+    /// Positions with blocks (a multiple of [`KV_BLOCK`]).
     cap: usize,
-    /// Per layer: `[Hkv][cap][D]` keys (after norm and RoPE) and values.
-    k: Vec<DevBuf>,
-    v: Vec<DevBuf>,
+    /// The blocks' memory, in the order allocated; a segment holds blocks of consecutive
+    /// positions, every attention layer's keys and values in each block.
+    segments: Vec<DevBuf>,
+    /// Block b's device address (positions `b * KV_BLOCK ..`).
+    blocks: Vec<u64>,
+    /// The block tables: `[layer][keys | values][cap / KV_BLOCK]` device addresses (0 for a
+    /// layer without KV rows, and for MLA's values, which it does not cache).
+    tables: Option<DevBuf>,
     rope: RopeTable,
     rope_cos: Option<DevBuf>,
     rope_sin: Option<DevBuf>,
@@ -1931,43 +1944,69 @@ impl CudaCache {
         )
     }
 
-    /// Reallocates the KV cache for `cap` positions, keeping the cached ones.
+    /// Layer `l`'s keys' block table (kernels take it where a cache's keys go).
+    pub(super) fn k_table(&self, l: usize) -> u64 {
+        self.table(2 * l)
+    }
+
+    /// Layer `l`'s values' block table (MLA's: all zeros, it caches no values).
+    pub(super) fn v_table(&self, l: usize) -> u64 {
+        self.table(2 * l + 1)
+    }
+
+    fn table(&self, i: usize) -> u64 {
+        let blocks = self.cap / KV_BLOCK;
+        self.tables
+            .as_ref()
+            .map_or(0, |t| t.ptr() + (i * blocks * 8) as u64)
+    }
+
+    /// Gives the KV cache room for `cap` positions (rounded up to whole blocks): new blocks in
+    /// one new segment, then new tables that list the old blocks and the new. Nothing cached
+    /// moves. On error the cache is as it was.
     fn grow(&mut self, model: &CudaModel, cap: usize) -> Result<(), CudaError> {
         let cfg = &model.cfg;
         let gpu = &model.gpu;
         let (hkv, d, dv) = kv_rows(cfg);
-        let mut k = Vec::with_capacity(cfg.num_layers);
-        let mut v = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let nk = gpu.alloc(
-                hkv * cap * d * 4,
-                &format!("layer {l} KV cache keys ({cap} positions)"),
-            )?;
-            // (MLA caches no values: a buffer of one float keeps the tables' pointers valid)
-            let nv = gpu.alloc(
-                (hkv * cap * dv * 4).max(4),
-                &format!("layer {l} KV cache values ({cap} positions)"),
-            )?;
-            if self.len > 0 {
-                for head in 0..hkv {
-                    for (new, old, w) in [(&nk, &self.k[l], d), (&nv, &self.v[l], dv)] {
-                        let n = self.len * w * 4;
-                        if n > 0 {
-                            let (src_off, dst_off) = (
-                                (head * self.cap * w * 4) as u64,
-                                (head * cap * w * 4) as u64,
-                            );
-                            gpu.copy(new.ptr() + dst_off, old.ptr() + src_off, n, "the KV cache")?;
-                        }
-                    }
+        let cap = cap.div_ceil(KV_BLOCK) * KV_BLOCK;
+        if cap <= self.cap {
+            return Ok(());
+        }
+        let blocks = cap / KV_BLOCK;
+        // a block: each attention layer's keys then its values, layer after layer (a gated
+        // DeltaNet layer caches no rows; MLA caches no values)
+        let (k_bytes, v_bytes) = (hkv * KV_BLOCK * d * 4, hkv * KV_BLOCK * dv * 4);
+        let mut offsets = vec![None; cfg.num_layers];
+        let mut block_bytes = 0usize;
+        for (l, off) in offsets.iter_mut().enumerate() {
+            if !cfg.layer_linear.get(l).copied().unwrap_or(false) {
+                *off = Some(block_bytes as u64);
+                block_bytes += k_bytes + v_bytes;
+            }
+        }
+        let fresh = blocks - self.blocks.len();
+        let seg = gpu.alloc(
+            (fresh * block_bytes).max(4),
+            &format!("the KV cache (positions {} to {cap})", self.cap),
+        )?;
+        let mut all = self.blocks.clone();
+        all.extend((0..fresh).map(|b| seg.ptr() + (b * block_bytes) as u64));
+        // the tables, [layer][keys | values][blocks]
+        let mut host = vec![0u64; 2 * cfg.num_layers * blocks];
+        for (l, off) in offsets.iter().enumerate() {
+            let Some(off) = off else { continue };
+            for (b, &base) in all.iter().enumerate() {
+                host[2 * l * blocks + b] = base + off;
+                if v_bytes > 0 {
+                    host[(2 * l + 1) * blocks + b] = base + off + k_bytes as u64;
                 }
             }
-            k.push(nk);
-            v.push(nv);
         }
-        gpu.sync("the KV cache copy")?;
-        self.k = k;
-        self.v = v;
+        let tables = gpu.alloc(host.len() * 8, "the KV block tables")?;
+        gpu.write(tables.ptr(), &host, "the KV block tables")?;
+        self.segments.push(seg);
+        self.blocks = all;
+        self.tables = Some(tables);
         self.cap = cap;
         // the RoPE rows (rotary_dim / 2 values each) move to a table of the new capacity
         let half = self.rope.inv_freq().len();

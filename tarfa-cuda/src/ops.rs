@@ -290,7 +290,9 @@ pub(crate) fn lanes(gpu: &Gpu, enough: bool) -> bool {
     match gpu.many() {
         crate::ManyKernels::Tiled => false,
         crate::ManyKernels::Lanes => true,
-        crate::ManyKernels::Auto | crate::ManyKernels::Few => enough,
+        crate::ManyKernels::Auto | crate::ManyKernels::Few | crate::ManyKernels::FewExperts => {
+            enough
+        }
     }
 }
 
@@ -397,7 +399,7 @@ pub(crate) enum ExpertKernels {
     Lanes,
 }
 
-/// With [`crate::ManyKernels::Few`], the experts run on [`ExpertKernels::Few`] below this many
+/// With [`crate::ManyKernels::Few`] and `FewExperts`, the experts run on [`ExpertKernels::Few`] below this many
 /// routed pairs per expert on average (then most tiles hold one or two pairs: batched decode,
 /// a draft's verification), on the token-tiled kernels from there to
 /// [`LS_AUTO_PAIRS_PER_EXPERT`], and on the lane-sequential ones above (Auto's choices).
@@ -411,9 +413,11 @@ pub(crate) fn experts_kernels(gpu: &Gpu, pairs: usize, experts: usize) -> Expert
     match gpu.many() {
         M::Tiled => ExpertKernels::Tiled,
         M::Lanes => ExpertKernels::Lanes,
-        M::Auto | M::Few if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => ExpertKernels::Lanes,
-        M::Few if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
-        M::Auto | M::Few => ExpertKernels::Tiled,
+        M::Auto | M::Few | M::FewExperts if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => {
+            ExpertKernels::Lanes
+        }
+        M::Few | M::FewExperts if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
+        M::Auto | M::Few | M::FewExperts => ExpertKernels::Tiled,
     }
 }
 

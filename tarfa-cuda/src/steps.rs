@@ -462,7 +462,7 @@ impl OpSteps<'_> {
             .filter(|_| ops::query_tile_tokens(&shape, &mask).is_some());
         match &self.kv {
             StepKv::One(cache) => {
-                let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
+                let (kc, vc) = (cache.k_table(l), cache.v_table(l));
                 let (cos, sin) = cache.rope_ptrs();
                 ops::rope_append_kv(
                     gpu,
@@ -648,7 +648,7 @@ impl OpSteps<'_> {
             StepKv::One(cache) => {
                 let (cos, sin) = cache.rope_ptrs();
                 let kv = ops::MlaKv::One {
-                    cache: cache.k[l].ptr(),
+                    cache: cache.k_table(l),
                     cos,
                     sin,
                 };
