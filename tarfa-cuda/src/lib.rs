@@ -283,24 +283,21 @@ pub struct CudaTuning {
 pub enum ManyKernels {
     /// The lane-sequential kernels (kernels/prefill.cu) where a step has enough tokens per
     /// weight row, per expert or per query tile for them to pay; the token-tiled kernels
-    /// (kernels/tile.cu, attention.cu) elsewhere. The default: measured on the H200 at 1.4x to
-    /// 6x the tiled kernels' prefill from 256 tokens up, the same bits (PHASE_LOG B8).
+    /// (kernels/tile.cu, attention.cu) elsewhere, and for a layer's experts below 4 routed pairs
+    /// per expert (batched decode, short steps) tile.cu's few-pair kernels. The default:
+    /// measured on the H200 at 1.4x to 6x the tiled kernels' prefill from 256 tokens up
+    /// (PHASE_LOG B8), and with the few-pair experts 1.11x at 8 sequences decoding together
+    /// on an H100 (B12); the same bits.
     #[default]
     Auto,
     /// The token-tiled kernels of PHASE_LOG B3 only (the other arm of B5's and B8's A/B).
     Tiled,
     /// The lane-sequential kernels wherever they can run, however few the tokens (tests).
     Lanes,
-    /// `Auto`, with the experts of a step of few routed pairs per expert (below
-    /// 4 on average: batched decode, a draft's verification) on kernels/tile.cu's
-    /// `gate_up_few_bf16`/`down_few` instead of the token tiles. Bit-identical on the kernel
-    /// emulator; not yet measured on a GPU, so not the default (PHASE_LOG B9).
-    /// Also its dense products of 2 to 8 tokens on tile.cu's `mm_few_bf16` (measured slower
-    /// than the token tiles on an H100, PHASE_LOG B11).
+    /// `Auto`, with the dense products of 2 to 8 tokens on kernels/tile.cu's `mm_few_bf16`
+    /// instead of the token tiles: B9's arm, kept to measure that kernel, which took 12-21% more
+    /// GPU time than `mm_tile_bf16` on an H100 (PHASE_LOG B11).
     Few,
-    /// `Few` without `mm_few_bf16`: Auto's choices, and the few-pair experts kernels below 4
-    /// routed pairs per expert (PHASE_LOG B11's candidate for the default).
-    FewExperts,
 }
 
 impl ManyKernels {
@@ -311,7 +308,6 @@ impl ManyKernels {
             ManyKernels::Tiled => "tiled",
             ManyKernels::Lanes => "lanes",
             ManyKernels::Few => "few",
-            ManyKernels::FewExperts => "few-experts",
         }
     }
 
@@ -330,12 +326,11 @@ impl ManyKernels {
     }
 
     /// Every choice.
-    pub const ALL: [ManyKernels; 5] = [
+    pub const ALL: [ManyKernels; 4] = [
         ManyKernels::Auto,
         ManyKernels::Tiled,
         ManyKernels::Lanes,
         ManyKernels::Few,
-        ManyKernels::FewExperts,
     ];
 
     pub(crate) fn code(self) -> u8 {
@@ -344,7 +339,6 @@ impl ManyKernels {
             ManyKernels::Tiled => 1,
             ManyKernels::Lanes => 2,
             ManyKernels::Few => 3,
-            ManyKernels::FewExperts => 4,
         }
     }
 
@@ -353,7 +347,6 @@ impl ManyKernels {
             0 => ManyKernels::Auto,
             2 => ManyKernels::Lanes,
             3 => ManyKernels::Few,
-            4 => ManyKernels::FewExperts,
             _ => ManyKernels::Tiled,
         }
     }

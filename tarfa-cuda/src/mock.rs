@@ -3835,8 +3835,8 @@ mod tests {
         // products of 2 to 8 tokens on mm_few_bf16, against the
         // CPU backend: a short prompt in one step and in chunks, then steps of five sequences
         // decoding together (each equal to it alone), and the kernels must have run.
-        // ManyKernels::FewExperts: the same experts' kernels, and never mm_few_bf16.
-        use crate::ManyKernels::{Few, FewExperts};
+        // ManyKernels::Auto (the default): the same experts' kernels, and never mm_few_bf16.
+        use crate::ManyKernels::{Auto, Few};
         use tarfa_core::batch::BatchEntry;
         use tarfa_core::step::{ForwardOptions, LogitRows};
         use tarfa_core::Backend;
@@ -3845,14 +3845,10 @@ mod tests {
             ("olmoe-s", Few),
             ("deepseekv3-s", Few),
             ("qwen3moe-odd", Few),
-            ("qwen3moe-a", FewExperts),
+            ("qwen3moe-a", Auto),
         ];
         if !super::emulated() {
-            runs.extend([
-                ("qwen3_moe", Few),
-                ("qwen2_moe", Few),
-                ("olmoe-s", FewExperts),
-            ]);
+            runs.extend([("qwen3_moe", Few), ("qwen2_moe", Few), ("olmoe-s", Auto)]);
         }
         for (family, many) in runs {
             let (cfg, cpu, engine, gpu) = cpu_and_mock(family, 29, many);

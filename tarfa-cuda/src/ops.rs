@@ -290,9 +290,7 @@ pub(crate) fn lanes(gpu: &Gpu, enough: bool) -> bool {
     match gpu.many() {
         crate::ManyKernels::Tiled => false,
         crate::ManyKernels::Lanes => true,
-        crate::ManyKernels::Auto | crate::ManyKernels::Few | crate::ManyKernels::FewExperts => {
-            enough
-        }
+        crate::ManyKernels::Auto | crate::ManyKernels::Few => enough,
     }
 }
 
@@ -399,25 +397,23 @@ pub(crate) enum ExpertKernels {
     Lanes,
 }
 
-/// With [`crate::ManyKernels::Few`] and `FewExperts`, the experts run on [`ExpertKernels::Few`] below this many
-/// routed pairs per expert on average (then most tiles hold one or two pairs: batched decode,
-/// a draft's verification), on the token-tiled kernels from there to
-/// [`LS_AUTO_PAIRS_PER_EXPERT`], and on the lane-sequential ones above (Auto's choices).
+/// Auto (and Few) run a layer's experts on [`ExpertKernels::Few`] below this many routed pairs
+/// per expert on average (then most tiles hold one or two pairs: batched decode, a draft's
+/// verification; PHASE_LOG B11, B12), on the token-tiled kernels from there to
+/// [`LS_AUTO_PAIRS_PER_EXPERT`], and on the lane-sequential ones above.
 pub(crate) const FEW_PAIRS_PER_EXPERT: usize = 4;
 
 /// The kernels of a layer's grouped experts: [`crate::ManyKernels::Tiled`] and `Lanes` force
-/// theirs; Auto and Few choose by the routed pairs per expert (Few's few-pair kernels are its
-/// only difference from Auto).
+/// theirs; Auto and Few choose by the routed pairs per expert (Few differs from Auto only in
+/// its dense products).
 pub(crate) fn experts_kernels(gpu: &Gpu, pairs: usize, experts: usize) -> ExpertKernels {
     use crate::ManyKernels as M;
     match gpu.many() {
         M::Tiled => ExpertKernels::Tiled,
         M::Lanes => ExpertKernels::Lanes,
-        M::Auto | M::Few | M::FewExperts if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => {
-            ExpertKernels::Lanes
-        }
-        M::Few | M::FewExperts if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
-        M::Auto | M::Few | M::FewExperts => ExpertKernels::Tiled,
+        M::Auto | M::Few if pairs >= LS_AUTO_PAIRS_PER_EXPERT * experts => ExpertKernels::Lanes,
+        M::Auto | M::Few if pairs < FEW_PAIRS_PER_EXPERT * experts => ExpertKernels::Few,
+        M::Auto | M::Few => ExpertKernels::Tiled,
     }
 }
 

@@ -26,11 +26,11 @@ pub struct CudaArgs {
     pub cuda_wait_each_token: bool,
     /// Which kernels run a step of many tokens (a prompt, a batch): auto (the default: the
     /// lane-sequential kernels of kernels/prefill.cu where a step has enough tokens for them, the
-    /// token-tiled ones elsewhere; on the H200 1.4x to 6x tiled's prefill from 256 tokens up),
-    /// tiled (the token-tiled kernels only), lanes (the lane-sequential kernels wherever they
-    /// can run) or few (auto, with the experts of batched decode and short steps on the
-    /// few-pair kernels; not yet measured on a GPU). Every choice gives the same bits
-    /// (docs/PHASE_LOG.md B5, B8, B9).
+    /// token-tiled ones elsewhere, the few-pair experts kernels for batched decode and short
+    /// steps; on the H200 1.4x to 6x tiled's prefill from 256 tokens up), tiled (the
+    /// token-tiled kernels only), lanes (the lane-sequential kernels wherever they can run) or
+    /// few (auto, and products of 2 to 8 tokens on mm_few, measured slower). Every choice gives
+    /// the same bits (docs/PHASE_LOG.md B5, B8, B9, B11, B12).
     #[arg(long, value_name = "KERNELS", value_parser = many_kernels_arg)]
     pub cuda_many: Option<ManyKernels>,
 }
