@@ -9,16 +9,34 @@ use crate::batch::Rewind;
 use crate::step::{FinalHidden, ForwardOptions, ForwardOutput, LogitRows, RouterRecord, StepStats};
 use crate::Backend;
 
-/// The index of the largest logit, the lowest among equals. NaN never wins (comparisons with NaN
-/// are false); an all-NaN row gives 0.
+/// The index of the largest logit, the lowest among equals (+0.0 and -0.0 are equal). NaN never
+/// wins (comparisons with NaN are false); an all-NaN row gives 0.
+///
+/// Two passes, because the one-pass loop (compare each value with the best so far) is a chain
+/// of dependent compares that no compiler vectorises: 0.6 ms per 151,936-logit row here, so a
+/// host-side greedy choice for 128 sequences cost ~80 ms a step. First the largest non-NaN value,
+/// kept in [`LANES`] independent running maxima (each `if v > m`, so a NaN is skipped; the
+/// largest value is the same whatever the grouping, up to the sign of a zero, which the second
+/// pass does not see), then the first index holding a value equal to it. The choice is exactly
+/// the one-pass loop's (`argmax_is_the_one_pass_loops_choice`).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &v) in logits.iter().enumerate().skip(1) {
-        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
-            best = i;
+    const LANES: usize = 16;
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (mj, &v) in m.iter_mut().zip(c) {
+            *mj = if v > *mj { v } else { *mj };
         }
     }
-    best as u32
+    let mut top = f32::NEG_INFINITY;
+    for &v in m.iter().chain(rest) {
+        if v > top {
+            top = v;
+        }
+    }
+    // (a row of NaNs only holds no value equal to -inf: index 0, as the one-pass loop gives)
+    logits.iter().position(|&v| v == top).unwrap_or(0) as u32
 }
 
 /// One sequence on one backend: the forward steps the decode loop runs, each appending its
@@ -576,6 +594,56 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, 1.0, 0.5]), 1);
         assert_eq!(argmax(&[0.0, -0.0]), 0);
         assert_eq!(argmax(&[-1.0]), 0);
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[f32::NAN; 40]), 0);
+    }
+
+    /// The one-pass loop argmax was before it took two passes: the definition it must keep.
+    fn one_pass(logits: &[f32]) -> u32 {
+        let mut best = 0usize;
+        for (i, &v) in logits.iter().enumerate().skip(1) {
+            if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    #[test]
+    fn argmax_is_the_one_pass_loops_choice() {
+        // rows of every length around the lane count, drawn from a few values so that ties,
+        // signed zeros, infinities and NaNs (leading, trailing, everywhere) all occur
+        let pool = [
+            f32::NAN,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            -0.0,
+            0.0,
+            -1.5,
+            2.25,
+            2.25,
+            f32::MIN,
+            f32::MAX,
+            1e-45,
+        ];
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for n in (0..70).chain([151_936]) {
+            for _ in 0..200 {
+                // a row of one or a few of the pool's values
+                let k = 1 + (next() % pool.len() as u64) as usize;
+                let from = (next() % (pool.len() - k + 1) as u64) as usize;
+                let row: Vec<f32> = (0..n)
+                    .map(|_| pool[from + (next() % k as u64) as usize])
+                    .collect();
+                assert_eq!(argmax(&row), one_pass(&row), "{row:?}");
+            }
+        }
     }
 
     #[test]
