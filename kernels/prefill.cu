@@ -498,7 +498,9 @@ extern "C" __global__ void __launch_bounds__(LS_THREADS, 1) ls_down_bf16(
 
 // Token t's cache and position: from the step's per-token tables (tok: cos, sin, position,
 // capacity; kv: this layer's keys, values tables per token) when `tok` is set, else one
-// sequence's. kc, vc: the layer's paged keys and values (common.cuh `kv_row`).
+// sequence's. kc, vc: the layer's paged keys and values (common.cuh `kv_row`). The kernels'
+// `cap` argument (and the tables' capacity) bounds nothing here since the cache is paged: the
+// reference (tarfa-cuda/src/mock.rs) checks positions against it.
 struct AttnTok {
     const u64* kc;
     const u64* vc;
@@ -506,7 +508,7 @@ struct AttnTok {
 };
 
 __device__ __forceinline__ AttnTok attn_tok(const u64* tok, const u64* kv, const u64* kc,
-                                            const u64* vc, int cap, int pos0, int t) {
+                                            const u64* vc, int pos0, int t) {
     if (tok != nullptr) {
         return {reinterpret_cast<const u64*>(kv[2 * t]),
                 reinterpret_cast<const u64*>(kv[2 * t + 1]), (int)tok[4 * t + 2]};
@@ -524,21 +526,20 @@ struct AttnTile {
 
 __device__ __forceinline__ AttnTile attn_tile(const u32* qtiles, int hq, int hkv, const u64* tok,
                                               const u64* kv, const u64* kc, const u64* vc,
-                                              int cap, int pos0, int b) {
+                                              int pos0, int b) {
     AttnTile a;
     a.t_first = (int)qtiles[2 * b];
     a.count = (int)qtiles[2 * b + 1];
     a.hg = hq / hkv;
-    a.src = attn_tok(tok, kv, kc, vc, cap, pos0, a.t_first);
-    a.p_last = attn_tok(tok, kv, kc, vc, cap, pos0, a.t_first + a.count - 1).pos;
+    a.src = attn_tok(tok, kv, kc, vc, pos0, a.t_first);
+    a.p_last = attn_tok(tok, kv, kc, vc, pos0, a.t_first + a.count - 1).pos;
     return a;
 }
 
 __device__ __forceinline__ int attn_row_pos(const AttnTile& a, const u64* tok, const u64* kv,
-                                            const u64* kc, const u64* vc, int cap, int pos0,
-                                            int r) {
+                                            const u64* kc, const u64* vc, int pos0, int r) {
     const int tl = r / a.hg;
-    return tl < a.count ? attn_tok(tok, kv, kc, vc, cap, pos0, a.t_first + tl).pos : -1;
+    return tl < a.count ? attn_tok(tok, kv, kc, vc, pos0, a.t_first + tl).pos : -1;
 }
 
 template <int L>
@@ -563,7 +564,7 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
                                                  const u64* __restrict__ tok,
                                                  const u64* __restrict__ kv,
                                                  const u64* __restrict__ kc,
-                                                 const u64* __restrict__ vc, int cap, int pos0,
+                                                 const u64* __restrict__ vc, int pos0,
                                                  float scale, float* __restrict__ sc,
                                                  int n_stride, float* __restrict__ mbuf) {
     constexpr int L = D / 4;  // leaves per thread
@@ -574,8 +575,8 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
     __shared__ int rpos[AT_ROWS];
     const int tid = threadIdx.x;
     const int b = blockIdx.x, g = blockIdx.y;
-    const AttnTile a = attn_tile(qtiles, hq, hkv, tok, kv, kc, vc, cap, pos0, b);
-    if (tid < AT_ROWS) rpos[tid] = attn_row_pos(a, tok, kv, kc, vc, cap, pos0, tid);
+    const AttnTile a = attn_tile(qtiles, hq, hkv, tok, kv, kc, vc, pos0, b);
+    if (tid < AT_ROWS) rpos[tid] = attn_row_pos(a, tok, kv, kc, vc, pos0, tid);
     for (int i = tid; i < AT_ROWS * L; i += 256) {
         const int r = i % AT_ROWS, d4 = i / AT_ROWS;
         const int tl = min(r / a.hg, a.count - 1), hl = r % a.hg;
@@ -698,7 +699,7 @@ __device__ __forceinline__ void attn_scores_body(const float* __restrict__ q, in
         const u64* __restrict__ tok, const u64* __restrict__ kv, const u64* __restrict__ kc, \
         const u64* __restrict__ vc, int cap, int pos0, float scale, float* __restrict__ sc,  \
         int n_stride, float* __restrict__ mbuf) {                                              \
-        attn_scores_body<D>(q, hq, hkv, qtiles, tok, kv, kc, vc, cap, pos0, scale, sc,         \
+        attn_scores_body<D>(q, hq, hkv, qtiles, tok, kv, kc, vc, pos0, scale, sc,              \
                             n_stride, mbuf);                                                   \
     }
 ATTN_SCORES(8)
@@ -718,8 +719,8 @@ extern "C" __global__ void __launch_bounds__(AT_ROWS) attn_softmax(
     int cap, int pos0, float* __restrict__ sc, int n_stride, const float* __restrict__ mbuf,
     const float* __restrict__ sinks) {
     const int b = blockIdx.x, g = blockIdx.y, r = threadIdx.x;
-    const AttnTile a = attn_tile(qtiles, hq, hkv, tok, kv, kc, vc, cap, pos0, b);
-    const int pos = attn_row_pos(a, tok, kv, kc, vc, cap, pos0, r);
+    const AttnTile a = attn_tile(qtiles, hq, hkv, tok, kv, kc, vc, pos0, b);
+    const int pos = attn_row_pos(a, tok, kv, kc, vc, pos0, r);
     if (pos < 0) return;
     const int n = pos + 1;
     const int head = g * a.hg + r % a.hg;
@@ -862,9 +863,9 @@ extern "C" __global__ void __launch_bounds__(LS_THREADS, 1) attn_pv(
     __shared__ int rpos[16];
     const int b = blockIdx.x / hkv, g = blockIdx.x % hkv;
     const int d0 = blockIdx.y * LS_BR, qr0 = blockIdx.z * 16;
-    const AttnTile a = attn_tile(qtiles, hq, hkv, tok, kv, kc, vc, cap, pos0, b);
+    const AttnTile a = attn_tile(qtiles, hq, hkv, tok, kv, kc, vc, pos0, b);
     if (threadIdx.x < 16) {
-        rpos[threadIdx.x] = attn_row_pos(a, tok, kv, kc, vc, cap, pos0, qr0 + threadIdx.x);
+        rpos[threadIdx.x] = attn_row_pos(a, tok, kv, kc, vc, pos0, qr0 + threadIdx.x);
     }
     __syncthreads();
     int len = 0;

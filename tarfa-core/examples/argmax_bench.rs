@@ -9,17 +9,7 @@
 //! agreed (exit 1 if not).
 
 use std::time::Instant;
-use tarfa_core::generate::argmax;
-
-fn one_pass(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &v) in logits.iter().enumerate().skip(1) {
-        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
-            best = i;
-        }
-    }
-    best as u32
-}
+use tarfa_core::generate::{argmax, argmax_one_pass as one_pass};
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()

@@ -39,6 +39,19 @@ pub fn argmax(logits: &[f32]) -> u32 {
     logits.iter().position(|&v| v == top).unwrap_or(0) as u32
 }
 
+/// The one-pass loop [`argmax`] replaced: the definition its choice must keep (its test and
+/// examples/argmax_bench compare the two), not for use.
+#[doc(hidden)]
+pub fn argmax_one_pass(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate().skip(1) {
+        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// One sequence on one backend: the forward steps the decode loop runs, each appending its
 /// tokens to the sequence's cache.
 pub trait Session {
@@ -598,17 +611,6 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN; 40]), 0);
     }
 
-    /// The one-pass loop argmax was before it took two passes: the definition it must keep.
-    fn one_pass(logits: &[f32]) -> u32 {
-        let mut best = 0usize;
-        for (i, &v) in logits.iter().enumerate().skip(1) {
-            if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
-                best = i;
-            }
-        }
-        best as u32
-    }
-
     #[test]
     fn argmax_is_the_one_pass_loops_choice() {
         // rows of every length around the lane count, drawn from a few values so that ties,
@@ -641,7 +643,7 @@ mod tests {
                 let row: Vec<f32> = (0..n)
                     .map(|_| pool[from + (next() % k as u64) as usize])
                     .collect();
-                assert_eq!(argmax(&row), one_pass(&row), "{row:?}");
+                assert_eq!(argmax(&row), argmax_one_pass(&row), "{row:?}");
             }
         }
     }

@@ -3729,6 +3729,40 @@ mod tests {
         (l, format!("{:?}", o.router), o.stats)
     }
 
+    /// One step of every sequence together on the mock device (`next[i]` for sequence i):
+    /// each sequence's logits, router records and statistics must be the CPU's step of that
+    /// sequence alone.
+    fn batched_step_is_each_alone(
+        engine: &CpuEngine,
+        gpu: &CudaModel,
+        cpus: &mut [tarfa_cpu::KvCache],
+        gpus: &mut [super::super::CudaCache],
+        next: &[Vec<u32>],
+        opts: tarfa_core::step::ForwardOptions,
+        what: &str,
+    ) {
+        use tarfa_core::batch::BatchEntry;
+        use tarfa_core::Backend;
+        let want: Vec<_> = cpus
+            .iter_mut()
+            .zip(next)
+            .map(|(c, t)| step_bits(&engine.forward(c, t, &opts).unwrap()))
+            .collect();
+        let mut entries: Vec<_> = gpus
+            .iter_mut()
+            .zip(next)
+            .map(|(c, t)| BatchEntry {
+                cache: c,
+                tokens: &t[..],
+                opts,
+            })
+            .collect();
+        let outs = gpu.forward_batch(&mut entries).unwrap();
+        for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
+            assert!(&step_bits(o) == w, "{what}: sequence {i}");
+        }
+    }
+
     #[test]
     fn the_lane_sequential_kernels_give_the_cpus_bits() {
         // every product and the attention of a step of many tokens on kernels/prefill.cu
@@ -3837,9 +3871,7 @@ mod tests {
         // decoding together (each equal to it alone), and the kernels must have run.
         // ManyKernels::Auto (the default): the same experts' kernels, and never mm_few_bf16.
         use crate::ManyKernels::{Auto, Few};
-        use tarfa_core::batch::BatchEntry;
         use tarfa_core::step::{ForwardOptions, LogitRows};
-        use tarfa_core::Backend;
         let mut runs = vec![
             ("qwen3moe-a", Few),
             ("olmoe-s", Few),
@@ -3902,27 +3934,15 @@ mod tests {
                 .collect();
             for step in 0..3 {
                 let next: Vec<Vec<u32>> = (0..b).map(|i| toks(20 + i + step, 1)).collect();
-                let want: Vec<_> = cpus
-                    .iter_mut()
-                    .zip(&next)
-                    .map(|(c, t)| bits(&engine.forward(c, t, &all).unwrap()))
-                    .collect();
-                let mut entries: Vec<_> = gpus
-                    .iter_mut()
-                    .zip(&next)
-                    .map(|(c, t)| BatchEntry {
-                        cache: c,
-                        tokens: &t[..],
-                        opts: all,
-                    })
-                    .collect();
-                let outs = gpu.forward_batch(&mut entries).unwrap();
-                for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
-                    assert!(
-                        &bits(o) == w,
-                        "{family}: sequence {i} of decode step {step}"
-                    );
-                }
+                batched_step_is_each_alone(
+                    &engine,
+                    &gpu,
+                    &mut cpus,
+                    &mut gpus,
+                    &next,
+                    all,
+                    &format!("{family}: decode step {step}"),
+                );
             }
             let ran = gpu.gpu.mock_launches();
             for k in ["gate_up_few_bf16", "down_few", "mm_few_bf16"] {
@@ -3946,9 +3966,7 @@ mod tests {
         // capacity (256), so it grows inside the second step. RoPE rows go to the device once
         // per capacity: a copy per sequence per step is a synchronous copy each (model.rs
         // `upload_rope`), and the rows after the growth must still be right (the CPU's bits).
-        use tarfa_core::batch::BatchEntry;
         use tarfa_core::step::ForwardOptions;
-        use tarfa_core::Backend;
         let (cfg, cpu, engine, gpu) = cpu_and_mock("qwen3_moe", 12, crate::ManyKernels::Auto);
         assert!(
             cfg.max_position_embeddings > 300,
@@ -3982,24 +4000,15 @@ mod tests {
         let mut before = cos_rows(&gpu);
         for step in 0..4 {
             let next: Vec<Vec<u32>> = (0..lens.len()).map(|i| toks(40 + i + step, 1)).collect();
-            let want: Vec<_> = cpus
-                .iter_mut()
-                .zip(&next)
-                .map(|(c, t)| step_bits(&engine.forward(c, t, &last).unwrap()))
-                .collect();
-            let mut entries: Vec<_> = gpus
-                .iter_mut()
-                .zip(&next)
-                .map(|(c, t)| BatchEntry {
-                    cache: c,
-                    tokens: &t[..],
-                    opts: last,
-                })
-                .collect();
-            let outs = gpu.forward_batch(&mut entries).unwrap();
-            for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
-                assert!(&step_bits(o) == w, "sequence {i} of decode step {step}");
-            }
+            batched_step_is_each_alone(
+                &engine,
+                &gpu,
+                &mut cpus,
+                &mut gpus,
+                &next,
+                last,
+                &format!("decode step {step}"),
+            );
             let now = cos_rows(&gpu);
             // step 1 takes the first sequence from 256 to 257 positions: its cache grows
             let grows = usize::from(step == 1);
